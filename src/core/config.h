@@ -1,0 +1,108 @@
+// The run configuration: one struct per TOML section, with the defaults of the embedded
+// `tiny` run. Parsing, overrides, validation and serialisation live in core/config_io.h.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moe {
+
+struct ModelConfig {
+  int64_t vocab_size = 256;
+  int64_t d_model = 128;
+  int64_t n_layers = 4;
+  int64_t n_heads = 4;
+  int64_t n_kv_heads = 2;
+  bool qk_norm = true;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  std::vector<int64_t> dense_layers = {0};  // layer indices with a dense MLP instead of MoE
+  int64_t dense_hidden = 512;
+  double init_std = 0.02;
+
+  int64_t head_dim() const { return d_model / n_heads; }
+};
+
+struct MoeConfig {
+  int64_t num_experts = 8;
+  int64_t top_k = 2;
+  int64_t expert_hidden = 128;
+  int64_t shared_experts = 0;       // shared expert MLP of hidden shared_experts * expert_hidden
+  std::string router = "softmax";   // "softmax" | "sigmoid"
+  bool norm_topk_prob = false;
+  double lb_loss_weight = 0.01;
+  double z_loss_weight = 0.001;
+  double bias_update_rate = 0.0;    // aux-loss-free expert bias; 0 disables
+  double capacity_factor = 0.0;     // 0 = dropless
+  std::string routing = "learned";  // "learned" | "random" | "uniform"
+};
+
+struct TrainConfig {
+  int64_t seq_len = 128;
+  int64_t micro_batch = 8;    // sequences per rank per micro-step
+  int64_t global_batch = 16;  // sequences per optimizer step
+  int64_t steps = 300;
+  uint64_t seed = 1234;
+  std::string precision = "fp32";  // "fp32" | "bf16" | "fp8"
+  std::string recompute = "none";  // "none" | "selective" | "full"
+  std::string device = "auto";     // "auto" | "cpu" | "cuda"
+  int64_t eval_interval = 50;
+  int64_t eval_batches = 4;
+};
+
+struct OptimConfig {
+  double lr = 3e-3;
+  double min_lr = 3e-4;
+  int64_t warmup_steps = 30;
+  std::string schedule = "cosine";  // "cosine" | "linear" | "constant"
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+  double grad_clip = 1.0;
+};
+
+struct DataConfig {
+  std::string source = "embedded";  // "embedded" | "tokens"
+  std::vector<std::string> paths;
+  std::string token_dtype = "uint16";  // "uint16" | "uint32"
+  int64_t eos_id = 0;
+  std::vector<std::string> eval_paths;
+};
+
+struct ParallelConfig {
+  int64_t dp = 0;  // 0: world_size / pp
+  int64_t ep = 1;
+  int64_t pp = 1;
+  std::string ep_backend = "alltoall";  // "alltoall" | "rowwise"
+};
+
+struct CheckpointConfig {
+  std::string dir;        // empty: <run.dir>/checkpoints
+  int64_t interval = 0;   // 0: only at the end
+  int64_t keep_last = 2;
+  std::string resume = "none";  // "auto" | "none" | PATH
+};
+
+struct RunConfig {
+  std::string dir = "runs/default";
+};
+
+struct LogConfig {
+  int64_t interval = 10;
+};
+
+struct Config {
+  ModelConfig model;
+  MoeConfig moe;
+  TrainConfig train;
+  OptimConfig optim;
+  DataConfig data;
+  ParallelConfig parallel;
+  CheckpointConfig checkpoint;
+  RunConfig run;
+  LogConfig log;
+};
+
+}  // namespace moe
