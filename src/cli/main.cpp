@@ -1,8 +1,166 @@
-// moecore command-line entry point.
+// moecore command-line entry point: train (and --dry-run), inspect, tokenize.
+// Every error reaches the user as one "error: ..." line and exit status 1.
 #include <cstdio>
 #include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "checkpoint/checkpoint.h"
+#include "core/config_io.h"
+#include "core/error.h"
+#include "data/embedded.h"
+#include "model/layout.h"
+#include "train/trainer.h"
+
+namespace moe {
+namespace {
+
+constexpr const char* kUsage =
+    "usage: moecore <command> [options]\n"
+    "\n"
+    "commands:\n"
+    "  train [CONFIG.toml] [--section.key=value ...]   train a model (no CONFIG: the embedded default)\n"
+    "  train --dry-run ...                             print the resolved config, sizes, FLOPs and memory\n"
+    "  inspect CHECKPOINT_DIR                          print a checkpoint's step, config and tensors\n"
+    "  tokenize --out FILE [--dtype uint16|uint32] [--eos ID] TEXT_FILE...\n"
+    "                                                  byte-level tokenizer: one document per file\n"
+    "\n"
+    "`moecore <command> --help` for details.\n";
+
+bool has_flag(std::vector<std::string>& args, const std::string& flag) {
+  for (auto it = args.begin(); it != args.end(); ++it) {
+    if (*it == flag) {
+      args.erase(it);
+      return true;
+    }
+  }
+  return false;
+}
+
+void print_dry_run(const Config& cfg) {
+  std::cout << config_to_toml(cfg) << "\n";
+  const ModelCounts c = count_model(cfg.model, cfg.moe, cfg.train.seq_len);
+  const int64_t tokens = cfg.train.micro_batch * cfg.train.seq_len;
+  const double state_gib = double(c.total_params) * 16.0 / (1ull << 30);  // params, grads, 2 moments (FP32)
+  const double act_gib = double(activation_elements(cfg.model, cfg.moe, tokens)) * 4.0 / (1ull << 30);
+  std::printf("# parameters        %lld total, %lld active per token (%.1f%%)\n", (long long)c.total_params,
+              (long long)c.active_params, 100.0 * double(c.active_params) / double(c.total_params));
+  std::printf("# FLOPs per token   %.4g (forward + backward; %.4g per step of %lld tokens)\n", c.flops_per_token,
+              c.flops_per_token * double(cfg.train.global_batch * cfg.train.seq_len),
+              (long long)(cfg.train.global_batch * cfg.train.seq_len));
+  std::printf("# memory estimate   %.3f GiB weights + grads + AdamW (FP32), %.3f GiB activations per micro-batch "
+              "of %lld tokens, %.3f GiB total\n",
+              state_gib, act_gib, (long long)tokens, state_gib + act_gib);
+}
+
+int cmd_train(std::vector<std::string> args) {
+  if (has_flag(args, "--help") || has_flag(args, "-h")) {
+    std::cout << "usage: moecore train [CONFIG.toml] [--dry-run] [--section.key=value ...]\n\n"
+                 "Without CONFIG the embedded default (configs/tiny.toml) trains on the built-in corpus.\n"
+                 "Keys (type, default, meaning):\n"
+              << config_help();
+    return 0;
+  }
+  const bool dry = has_flag(args, "--dry-run");
+  std::string path;
+  std::vector<std::string> overrides;
+  for (const std::string& a : args) {
+    if (a.rfind("--", 0) == 0) overrides.push_back(a);
+    else if (path.empty()) path = a;
+    else MOE_FAIL("unexpected argument '", a, "': give one CONFIG.toml and --section.key=value overrides");
+  }
+  const Config cfg = load_config(path, overrides);
+  if (dry) {
+    print_dry_run(cfg);
+    return 0;
+  }
+  const TrainSummary s = train(cfg, std::cout);
+  std::printf("done: steps %lld-%lld, loss %.4f -> %.4f", (long long)s.start_step + 1, (long long)s.steps_done,
+              s.first_loss, s.last_loss);
+  if (s.initial_eval_loss >= 0 && s.final_eval_loss >= 0)
+    std::printf(", eval loss %.4f -> %.4f", s.initial_eval_loss, s.final_eval_loss);
+  else if (s.final_eval_loss >= 0)
+    std::printf(", eval loss %.4f", s.final_eval_loss);
+  std::printf(", %.1f s; checkpoint %s\n", s.wall_s, s.last_checkpoint.c_str());
+  return 0;
+}
+
+int cmd_inspect(std::vector<std::string> args) {
+  if (args.empty() || has_flag(args, "--help") || has_flag(args, "-h")) {
+    std::cout << "usage: moecore inspect CHECKPOINT_DIR\n\n"
+                 "CHECKPOINT_DIR is a step_<N> directory or a checkpoint directory (its latest step is shown).\n";
+    return args.empty() ? 2 : 0;
+  }
+  MOE_CHECK(args.size() == 1, "inspect takes one CHECKPOINT_DIR, got ", args.size(), " arguments");
+  const auto dir = resolve_checkpoint(args[0]);
+  MOE_CHECK(dir.has_value(), "no complete checkpoint at '", args[0], "'");
+  const LoadedCheckpoint ck = LoadedCheckpoint::open(*dir);
+  std::cout << "checkpoint " << *dir << "\nstep " << ck.step() << "\n";
+  const nlohmann::json& st = ck.train_state();
+  for (auto it = st.begin(); it != st.end(); ++it)
+    if (it.key() != "config") std::cout << it.key() << " " << it.value().dump() << "\n";
+  if (st.contains("config")) std::cout << "\n[config]\n" << st["config"].get<std::string>() << "\n";
+  auto list = [](const char* file, const SafetensorsFile& f) {
+    int64_t bytes = 0;
+    for (const auto& t : f.tensors()) bytes += int64_t(t.end - t.begin);
+    std::printf("%s: %zu tensors, %.2f MiB\n", file, f.tensors().size(), double(bytes) / (1 << 20));
+    for (const auto& t : f.tensors())
+      std::printf("  %-60s %-5s %s\n", t.name.c_str(), std::string(dtype_safetensors_name(t.dtype)).c_str(),
+                  shape_str(t.shape).c_str());
+  };
+  list("model.safetensors", ck.model());
+  if (ck.has_optim()) list("optim.safetensors", ck.optim());
+  return 0;
+}
+
+int cmd_tokenize(std::vector<std::string> args) {
+  std::string out, dtype = "uint16";
+  int64_t eos = 0;
+  std::vector<std::string> inputs;
+  const bool help = has_flag(args, "--help") || has_flag(args, "-h");
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto value = [&](const std::string& flag) {
+      MOE_CHECK(i + 1 < args.size(), flag, " needs a value");
+      return args[++i];
+    };
+    if (args[i] == "--out") out = value("--out");
+    else if (args[i] == "--dtype") dtype = value("--dtype");
+    else if (args[i] == "--eos") eos = std::stoll(value("--eos"));
+    else inputs.push_back(args[i]);
+  }
+  if (help || out.empty() || inputs.empty()) {
+    std::cout << "usage: moecore tokenize --out FILE [--dtype uint16|uint32] [--eos ID] TEXT_FILE...\n\n"
+                 "Writes a headerless token file (ids = bytes, EOS after each file) for data.source = \"tokens\".\n";
+    return help ? 0 : 2;
+  }
+  tokenize_text_files(inputs, out, dtype, eos);
+  std::cout << "wrote " << out << "\n";
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe
 
 int main(int argc, char** argv) {
-  std::printf("usage: moecore <train|inspect> [options]\n");
-  return argc > 1 && std::strcmp(argv[1], "--help") == 0 ? 0 : 2;
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    std::fputs(moe::kUsage, args.empty() ? stderr : stdout);
+    return args.empty() ? 2 : 0;
+  }
+  const std::string cmd = args[0];
+  args.erase(args.begin());
+  try {
+    if (cmd == "train") return moe::cmd_train(args);
+    if (cmd == "inspect") return moe::cmd_inspect(args);
+    if (cmd == "tokenize") return moe::cmd_tokenize(args);
+    std::fprintf(stderr, "error: unknown command '%s'\n\n%s", cmd.c_str(), moe::kUsage);
+    return 2;
+  } catch (const moe::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
 }

@@ -1,0 +1,103 @@
+// Parameter names follow Hugging Face conventions (OLMoE / Qwen2-MoE / transformers 5 fused
+// experts): experts are stacked, gate_up_proj [E, 2I, D] with gate rows first, down_proj [E, D, I].
+#include "model/layout.h"
+
+#include <algorithm>
+
+namespace moe {
+
+bool is_dense_layer(const ModelConfig& m, int64_t l) {
+  return std::find(m.dense_layers.begin(), m.dense_layers.end(), l) != m.dense_layers.end();
+}
+
+int64_t num_moe_layers(const ModelConfig& m) {
+  int64_t n = 0;
+  for (int64_t l = 0; l < m.n_layers; ++l) n += is_dense_layer(m, l) ? 0 : 1;
+  return n;
+}
+
+std::string layer_prefix(int64_t l) { return "model.layers." + std::to_string(l) + "."; }
+
+ParamLayout build_param_layout(const ModelConfig& m, const MoeConfig& e) {
+  const int64_t d = m.d_model, hd = m.head_dim();
+  const int64_t q = m.n_heads * hd, kv = m.n_kv_heads * hd;
+  const bool kNoDecay = false;
+  ParamLayout p;
+  p.add("model.embed_tokens.weight", {m.vocab_size, d});
+  for (int64_t l = 0; l < m.n_layers; ++l) {
+    const std::string pre = layer_prefix(l);
+    p.add(pre + "input_layernorm.weight", {d}, kNoDecay);
+    p.add(pre + "self_attn.q_proj.weight", {q, d});
+    p.add(pre + "self_attn.k_proj.weight", {kv, d});
+    p.add(pre + "self_attn.v_proj.weight", {kv, d});
+    p.add(pre + "self_attn.o_proj.weight", {d, q});
+    if (m.qk_norm) {
+      p.add(pre + "self_attn.q_norm.weight", {q}, kNoDecay);
+      p.add(pre + "self_attn.k_norm.weight", {kv}, kNoDecay);
+    }
+    p.add(pre + "post_attention_layernorm.weight", {d}, kNoDecay);
+    if (is_dense_layer(m, l)) {
+      p.add(pre + "mlp.gate_proj.weight", {m.dense_hidden, d});
+      p.add(pre + "mlp.up_proj.weight", {m.dense_hidden, d});
+      p.add(pre + "mlp.down_proj.weight", {d, m.dense_hidden});
+    } else {
+      p.add(pre + "mlp.gate.weight", {e.num_experts, d});
+      p.add(pre + "mlp.experts.gate_up_proj", {e.num_experts, 2 * e.expert_hidden, d}, true, true);
+      p.add(pre + "mlp.experts.down_proj", {e.num_experts, d, e.expert_hidden}, true, true);
+      if (e.shared_experts > 0) {
+        const int64_t sh = e.shared_experts * e.expert_hidden;
+        p.add(pre + "mlp.shared_expert.gate_proj.weight", {sh, d});
+        p.add(pre + "mlp.shared_expert.up_proj.weight", {sh, d});
+        p.add(pre + "mlp.shared_expert.down_proj.weight", {d, sh});
+      }
+    }
+  }
+  p.add("model.norm.weight", {d}, kNoDecay);
+  p.add("lm_head.weight", {m.vocab_size, d});
+  return p;
+}
+
+ModelCounts count_model(const ModelConfig& m, const MoeConfig& e, int64_t seq_len) {
+  ModelCounts c;
+  const ParamLayout layout = build_param_layout(m, e);
+  c.total_params = layout.param_count();
+  const int64_t d = m.d_model, hd = m.head_dim();
+  const double attn_proj = double(d) * (m.n_heads * hd) + 2.0 * d * (m.n_kv_heads * hd) +
+                           double(m.n_heads * hd) * d;
+  const double attn_scores = 6.0 * m.n_heads * hd * seq_len;  // causal: 12 * H * hd * S / 2
+  const double moe_mm = double(d) * e.num_experts + e.top_k * 3.0 * d * e.expert_hidden +
+                        e.shared_experts * 3.0 * d * e.expert_hidden;
+  const double dense_mm = 3.0 * d * m.dense_hidden;
+  double matmul = 0, attn = 0;
+  for (int64_t l = 0; l < m.n_layers; ++l) {
+    matmul += attn_proj + (is_dense_layer(m, l) ? dense_mm : moe_mm);
+    attn += attn_scores;
+  }
+  matmul += double(d) * m.vocab_size;  // LM head
+  c.flops_per_token = 6.0 * matmul + attn;
+  // Active: everything except the (E - top_k) experts a token does not visit.
+  const int64_t per_expert = 3 * d * e.expert_hidden;
+  c.active_params = c.total_params - num_moe_layers(m) * (e.num_experts - e.top_k) * per_expert;
+  return c;
+}
+
+}  // namespace moe
+
+namespace moe {
+int64_t activation_elements(const ModelConfig& m, const MoeConfig& e, int64_t n) {
+  const int64_t d = m.d_model, hd = m.head_dim(), q = m.n_heads * hd, kv = m.n_kv_heads * hd;
+  const int64_t rows = n * e.top_k, inner = e.expert_hidden, sh = e.shared_experts * inner;
+  int64_t total = 0;
+  for (int64_t l = 0; l < m.n_layers; ++l) {
+    total += 6 * n * d + 4 * n;                      // residuals, norms and their rstd
+    total += 3 * n * q + 5 * n * kv + n * m.n_heads;  // q/k raw and normed, v, attention out, lse
+    if (is_dense_layer(m, l)) {
+      total += 3 * n * m.dense_hidden;
+    } else {
+      total += 2 * n * e.num_experts + 2 * n * e.top_k + 2 * rows * d + 3 * rows * inner + 3 * n * sh;
+    }
+  }
+  total += 3 * n * d + n * m.vocab_size * 2 + 2 * n;  // final norm, logits and their gradient
+  return total;
+}
+}  // namespace moe

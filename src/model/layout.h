@@ -1,0 +1,35 @@
+// The model's parameter plan: every tensor's HF-style name and global shape in one flat
+// layout (core/arena.h), plus the counts users ask for before launch: total and active
+// parameters and training FLOPs per token (the formula of docs/architecture.md).
+#pragma once
+
+#include <string>
+
+#include "core/arena.h"
+#include "core/config.h"
+
+namespace moe {
+
+// True when layer `l` uses a dense MLP (its index is in model.dense_layers).
+bool is_dense_layer(const ModelConfig& m, int64_t l);
+int64_t num_moe_layers(const ModelConfig& m);
+
+// Name prefix of layer l: "model.layers.<l>."
+std::string layer_prefix(int64_t l);
+
+ParamLayout build_param_layout(const ModelConfig& m, const MoeConfig& e);
+
+struct ModelCounts {
+  int64_t total_params = 0;   // every parameter
+  int64_t active_params = 0;  // parameters one token touches (top_k experts, not all E)
+  double flops_per_token = 0; // forward + backward, 6 * matmul params touched + attention
+};
+ModelCounts count_model(const ModelConfig& m, const MoeConfig& e, int64_t seq_len);
+
+}  // namespace moe
+
+namespace moe {
+// Elements of activations the CPU reference saves for backward in one micro-batch of
+// `tokens` tokens (float32 on CPU), plus the largest transient buffer of backward.
+int64_t activation_elements(const ModelConfig& m, const MoeConfig& e, int64_t tokens);
+}  // namespace moe

@@ -1,0 +1,350 @@
+// Model<T>: forward saves every activation backward needs; backward walks the blocks in
+// reverse. Gradient conventions: parameter gradients accumulate (+=); activation gradients
+// are overwritten except the residual stream, which sums the block's branches.
+#include "model/model.h"
+
+#include <cmath>
+#include <string>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "cpu/attention.h"
+#include "cpu/cross_entropy.h"
+#include "cpu/dispatch.h"
+#include "cpu/embedding.h"
+#include "cpu/experts.h"
+#include "cpu/linear.h"
+#include "cpu/rmsnorm.h"
+#include "cpu/rope.h"
+#include "cpu/router.h"
+#include "model/layout.h"
+
+namespace moe {
+
+namespace {
+
+uint64_t mix_seed(uint64_t seed, uint64_t layer) {
+  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (layer + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+cpu::RouterParams router_params(const MoeConfig& e, int64_t n, int64_t d, uint64_t seed) {
+  cpu::RouterParams p;
+  p.num_tokens = n;
+  p.d_model = d;
+  p.num_experts = e.num_experts;
+  p.top_k = e.top_k;
+  p.score = e.router == "sigmoid" ? cpu::ScoreFunc::kSigmoid : cpu::ScoreFunc::kSoftmax;
+  p.norm_topk = e.norm_topk_prob;
+  p.mode = e.routing == "random"    ? cpu::RoutingMode::kRandom
+           : e.routing == "uniform" ? cpu::RoutingMode::kUniform
+                                    : cpu::RoutingMode::kLearned;
+  p.seed = seed;
+  return p;
+}
+
+}  // namespace
+
+template <typename T>
+struct Model<T>::LayerState {
+  // Parameter offsets (into params_/grads_), resolved once.
+  int64_t ln1 = 0, wq = 0, wk = 0, wv = 0, wo = 0, qn = -1, kn = -1, ln2 = 0;
+  int64_t mg = 0, mu = 0, md = 0;                 // dense MLP or shared expert
+  int64_t gate = 0, e_gate_up = 0, e_down = 0;    // MoE
+  bool dense = false, shared = false;
+  int64_t moe_index = -1;
+
+  // Saved activations.
+  std::vector<T> x_in_ND, norm1_ND, rstd1_N;
+  std::vector<T> q_raw_NQ, k_raw_NK, q_rstd_N, k_rstd_N, q_NQ, k_NK, v_NK, attn_NQ, lse_BHS;
+  std::vector<T> x_mid_ND, norm2_ND, rstd2_N;
+  MlpSaved<T> mlp;  // dense MLP or shared expert
+  // MoE
+  cpu::RouterParams rp;
+  std::vector<T> logits_NE, scores_NE, topk_w_NK;
+  std::vector<int32_t> topk_idx_NK, counts_E, offsets_E1, sorted_route_R, route_to_row_R;
+  std::vector<T> x_sorted_RD, gate_up_R2I, h_RI, y_sorted_RD;
+};
+
+template <typename T>
+Model<T>::Model(const ModelConfig& model, const MoeConfig& moe)
+    : mcfg_(model), ecfg_(moe), layout_(build_param_layout(model, moe)) {
+  params_.assign(layout_.total_numel(), T(0));
+  grads_.assign(layout_.total_numel(), T(0));
+  num_moe_layers_ = moe::num_moe_layers(model);
+  expert_bias_.assign(num_moe_layers_ * moe.num_experts, 0.f);
+  int64_t moe_index = 0;
+  for (int64_t l = 0; l < mcfg_.n_layers; ++l) {
+    auto s = std::make_unique<LayerState>();
+    const std::string pre = layer_prefix(l);
+    auto off = [&](const std::string& n) { return layout_.find(pre + n).offset; };
+    s->ln1 = off("input_layernorm.weight");
+    s->wq = off("self_attn.q_proj.weight");
+    s->wk = off("self_attn.k_proj.weight");
+    s->wv = off("self_attn.v_proj.weight");
+    s->wo = off("self_attn.o_proj.weight");
+    if (mcfg_.qk_norm) {
+      s->qn = off("self_attn.q_norm.weight");
+      s->kn = off("self_attn.k_norm.weight");
+    }
+    s->ln2 = off("post_attention_layernorm.weight");
+    s->dense = is_dense_layer(mcfg_, l);
+    if (s->dense) {
+      s->mg = off("mlp.gate_proj.weight");
+      s->mu = off("mlp.up_proj.weight");
+      s->md = off("mlp.down_proj.weight");
+    } else {
+      s->moe_index = moe_index++;
+      s->gate = off("mlp.gate.weight");
+      s->e_gate_up = off("mlp.experts.gate_up_proj");
+      s->e_down = off("mlp.experts.down_proj");
+      s->shared = ecfg_.shared_experts > 0;
+      if (s->shared) {
+        s->mg = off("mlp.shared_expert.gate_proj.weight");
+        s->mu = off("mlp.shared_expert.up_proj.weight");
+        s->md = off("mlp.shared_expert.down_proj.weight");
+      }
+    }
+    layers_.push_back(std::move(s));
+  }
+}
+
+template <typename T>
+Model<T>::~Model() = default;
+
+template <typename T>
+void Model<T>::init_params(uint64_t seed) {
+  for (const ParamEntry& e : layout_.entries()) {
+    T* p = params_.data() + e.offset;
+    if (e.shape.size() == 1) {  // norm weights
+      for (int64_t i = 0; i < e.numel; ++i) p[i] = T(1);
+    } else {
+      fill_trunc_normal(p, e.numel, 0, seed, e.name, mcfg_.init_std);
+    }
+  }
+  std::fill(expert_bias_.begin(), expert_bias_.end(), 0.f);
+}
+
+template <typename T>
+void Model<T>::zero_grads() {
+  std::fill(grads_.begin(), grads_.end(), T(0));
+}
+
+template <typename T>
+ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, int64_t batch,
+                               int64_t seq, uint64_t routing_seed) {
+  MOE_CHECK(batch > 0 && seq > 0, "forward: batch and sequence must be positive, got batch=", batch,
+            " seq=", seq);
+  const int64_t n = batch * seq, d = mcfg_.d_model, hd = mcfg_.head_dim();
+  const int64_t hq = mcfg_.n_heads, hkv = mcfg_.n_kv_heads, q = hq * hd, kv = hkv * hd;
+  const int64_t v = mcfg_.vocab_size, e = ecfg_.num_experts, k = ecfg_.top_k;
+  const int64_t inner = ecfg_.expert_hidden, rows = n * k;
+  batch_ = batch;
+  seq_ = seq;
+  inputs_.assign(inputs, inputs + n);
+  targets_.assign(targets, targets + n);
+  const T* P = params_.data();
+
+  ForwardStats stats;
+  std::vector<T> x(n * d), branch(n * d);
+  cpu::embedding_forward(inputs, P + layout_.find("model.embed_tokens.weight").offset, x.data(), n, v, d);
+
+  for (int64_t l = 0; l < mcfg_.n_layers; ++l) {
+    LayerState& s = *layers_[l];
+    s.x_in_ND = x;
+    // Attention branch.
+    s.norm1_ND.resize(n * d);
+    s.rstd1_N.resize(n);
+    cpu::rmsnorm_forward(x.data(), P + s.ln1, s.norm1_ND.data(), s.rstd1_N.data(), n, d, mcfg_.norm_eps);
+    s.q_raw_NQ.resize(n * q);
+    s.k_raw_NK.resize(n * kv);
+    s.v_NK.resize(n * kv);
+    cpu::linear_forward(s.norm1_ND.data(), P + s.wq, s.q_raw_NQ.data(), n, d, q);
+    cpu::linear_forward(s.norm1_ND.data(), P + s.wk, s.k_raw_NK.data(), n, d, kv);
+    cpu::linear_forward(s.norm1_ND.data(), P + s.wv, s.v_NK.data(), n, d, kv);
+    if (mcfg_.qk_norm) {
+      s.q_NQ.resize(n * q);
+      s.k_NK.resize(n * kv);
+      s.q_rstd_N.resize(n);
+      s.k_rstd_N.resize(n);
+      cpu::rmsnorm_forward(s.q_raw_NQ.data(), P + s.qn, s.q_NQ.data(), s.q_rstd_N.data(), n, q, mcfg_.norm_eps);
+      cpu::rmsnorm_forward(s.k_raw_NK.data(), P + s.kn, s.k_NK.data(), s.k_rstd_N.data(), n, kv, mcfg_.norm_eps);
+    } else {
+      s.q_NQ = s.q_raw_NQ;
+      s.k_NK = s.k_raw_NK;
+    }
+    cpu::rope_forward(s.q_NQ.data(), batch, seq, hq, hd, mcfg_.rope_theta);
+    cpu::rope_forward(s.k_NK.data(), batch, seq, hkv, hd, mcfg_.rope_theta);
+    s.attn_NQ.resize(n * q);
+    s.lse_BHS.resize(batch * hq * seq);
+    cpu::attention_forward(s.q_NQ.data(), s.k_NK.data(), s.v_NK.data(), s.attn_NQ.data(), s.lse_BHS.data(),
+                           batch, seq, hq, hkv, hd);
+    cpu::linear_forward(s.attn_NQ.data(), P + s.wo, x.data(), n, q, d, /*accumulate=*/true);
+    s.x_mid_ND = x;
+
+    // MLP / MoE branch.
+    s.norm2_ND.resize(n * d);
+    s.rstd2_N.resize(n);
+    cpu::rmsnorm_forward(x.data(), P + s.ln2, s.norm2_ND.data(), s.rstd2_N.data(), n, d, mcfg_.norm_eps);
+    if (s.dense) {
+      mlp_forward(s.norm2_ND.data(), P + s.mg, P + s.mu, P + s.md, n, d, mcfg_.dense_hidden, s.mlp, x.data(),
+                  /*accumulate=*/true);
+      continue;
+    }
+    s.rp = router_params(ecfg_, n, d, mix_seed(routing_seed, static_cast<uint64_t>(l)));
+    s.logits_NE.resize(n * e);
+    s.scores_NE.resize(n * e);
+    s.topk_idx_NK.resize(n * k);
+    s.topk_w_NK.resize(n * k);
+    s.counts_E.resize(e);
+    const cpu::RouterStats rs = cpu::router_forward(
+        s.rp, s.norm2_ND.data(), P + s.gate, expert_bias_.data() + s.moe_index * e, s.logits_NE.data(),
+        s.scores_NE.data(), s.topk_idx_NK.data(), s.topk_w_NK.data(), s.counts_E.data());
+    stats.lb_loss += rs.lb_loss;
+    stats.z_loss += rs.z_loss;
+    s.offsets_E1.resize(e + 1);
+    s.sorted_route_R.resize(rows);
+    s.route_to_row_R.resize(rows);
+    cpu::build_dispatch_map(s.topk_idx_NK.data(), n, k, e, s.counts_E.data(), s.offsets_E1.data(),
+                            s.sorted_route_R.data(), s.route_to_row_R.data());
+    stats.tokens_per_expert.push_back(s.counts_E);
+    s.x_sorted_RD.resize(rows * d);
+    cpu::permute_forward(s.norm2_ND.data(), s.sorted_route_R.data(), rows, k, d, s.x_sorted_RD.data());
+    s.gate_up_R2I.resize(rows * 2 * inner);
+    s.h_RI.resize(rows * inner);
+    s.y_sorted_RD.resize(rows * d);
+    cpu::experts_forward(s.x_sorted_RD.data(), s.offsets_E1.data(), P + s.e_gate_up, P + s.e_down, e, d, inner,
+                         s.gate_up_R2I.data(), s.h_RI.data(), s.y_sorted_RD.data());
+    cpu::unpermute_forward(s.y_sorted_RD.data(), s.route_to_row_R.data(), s.topk_w_NK.data(), n, k, d,
+                           branch.data());
+    if (s.shared) {
+      mlp_forward(s.norm2_ND.data(), P + s.mg, P + s.mu, P + s.md, n, d, ecfg_.shared_experts * inner, s.mlp,
+                  branch.data(), /*accumulate=*/true);
+    }
+    for (int64_t i = 0; i < n * d; ++i) x[i] += branch[i];
+  }
+  if (num_moe_layers_ > 0) {
+    stats.lb_loss /= double(num_moe_layers_);
+    stats.z_loss /= double(num_moe_layers_);
+  }
+
+  // Final norm, LM head, cross-entropy.
+  final_in_ND_ = x;
+  final_norm_ND_.resize(n * d);
+  final_rstd_N_.resize(n);
+  cpu::rmsnorm_forward(x.data(), P + layout_.find("model.norm.weight").offset, final_norm_ND_.data(),
+                       final_rstd_N_.data(), n, d, mcfg_.norm_eps);
+  logits_NV_.resize(n * v);
+  cpu::linear_forward(final_norm_ND_.data(), P + layout_.find("lm_head.weight").offset, logits_NV_.data(), n, d, v);
+  lse_N_.resize(n);
+  loss_N_.resize(n);
+  cpu::cross_entropy_forward(logits_NV_.data(), targets, loss_N_.data(), lse_N_.data(), n, v, 0.0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (targets[i] < 0) continue;
+    stats.ce_sum += double(loss_N_[i]);
+    stats.num_targets += 1;
+  }
+  return stats;
+}
+
+template <typename T>
+void Model<T>::backward(const LossScales& scales) {
+  MOE_CHECK(batch_ > 0, "backward called before forward");
+  const int64_t batch = batch_, seq = seq_;
+  const int64_t n = batch * seq, d = mcfg_.d_model, hd = mcfg_.head_dim();
+  const int64_t hq = mcfg_.n_heads, hkv = mcfg_.n_kv_heads, q = hq * hd, kv = hkv * hd;
+  const int64_t v = mcfg_.vocab_size, e = ecfg_.num_experts, k = ecfg_.top_k;
+  const int64_t inner = ecfg_.expert_hidden, rows = n * k;
+  const T* P = params_.data();
+  T* G = grads_.data();
+  const T dlb = num_moe_layers_ ? T(scales.lb_scale / double(num_moe_layers_)) : T(0);
+  const T dz = num_moe_layers_ ? T(scales.z_scale / double(num_moe_layers_)) : T(0);
+
+  // LM head and final norm.
+  std::vector<T> dlogits(n * v), dnorm(n * d), dx(n * d);
+  cpu::cross_entropy_backward(logits_NV_.data(), targets_.data(), lse_N_.data(), dlogits.data(), n, v, 0.0,
+                              T(scales.ce_scale));
+  const int64_t head = layout_.find("lm_head.weight").offset;
+  cpu::linear_backward(final_norm_ND_.data(), P + head, dlogits.data(), dnorm.data(), G + head, n, d, v);
+  const int64_t fnorm = layout_.find("model.norm.weight").offset;
+  cpu::rmsnorm_backward(final_in_ND_.data(), P + fnorm, final_rstd_N_.data(), dnorm.data(), dx.data(), G + fnorm, n, d);
+
+  // dx is the gradient of the residual stream; blocks add their branches into it.
+  std::vector<T> dbranch(n * d), dtmp(n * d);
+  std::vector<T> dq(n * q), dk(n * kv), dv(n * kv), dattn(n * q), dq_raw, dk_raw;
+  for (int64_t l = mcfg_.n_layers - 1; l >= 0; --l) {
+    LayerState& s = *layers_[l];
+    // MLP / MoE branch: dnorm2 = d(branch)/d(norm2) applied to dx.
+    std::fill(dbranch.begin(), dbranch.end(), T(0));
+    if (s.dense) {
+      mlp_backward(s.norm2_ND.data(), P + s.mg, P + s.mu, P + s.md, s.mlp, dx.data(), n, d, mcfg_.dense_hidden,
+                   dbranch.data(), G + s.mg, G + s.mu, G + s.md);
+    } else {
+      if (s.shared) {
+        mlp_backward(s.norm2_ND.data(), P + s.mg, P + s.mu, P + s.md, s.mlp, dx.data(), n, d,
+                     ecfg_.shared_experts * inner, dbranch.data(), G + s.mg, G + s.mu, G + s.md);
+      }
+      std::vector<T> dy_sorted(rows * d), dtopk_w(n * k), dx_sorted(rows * d), scratch(rows * 3 * inner);
+      cpu::unpermute_backward(dx.data(), s.y_sorted_RD.data(), s.route_to_row_R.data(), s.topk_w_NK.data(), n, k, d,
+                              rows, dy_sorted.data(), dtopk_w.data());
+      cpu::experts_backward(s.x_sorted_RD.data(), s.offsets_E1.data(), P + s.e_gate_up, P + s.e_down,
+                            s.gate_up_R2I.data(), s.h_RI.data(), dy_sorted.data(), e, d, inner, dx_sorted.data(),
+                            G + s.e_gate_up, G + s.e_down, scratch.data());
+      cpu::permute_backward(dx_sorted.data(), s.sorted_route_R.data(), rows, k, d, dbranch.data());
+      cpu::router_backward(s.rp, s.norm2_ND.data(), P + s.gate, s.logits_NE.data(), s.scores_NE.data(),
+                           s.topk_idx_NK.data(), s.counts_E.data(), dtopk_w.data(), dlb, dz, dbranch.data(),
+                           G + s.gate);
+    }
+    cpu::rmsnorm_backward(s.x_mid_ND.data(), P + s.ln2, s.rstd2_N.data(), dbranch.data(), dtmp.data(), G + s.ln2, n, d);
+    for (int64_t i = 0; i < n * d; ++i) dx[i] += dtmp[i];
+
+    // Attention branch.
+    cpu::linear_backward(s.attn_NQ.data(), P + s.wo, dx.data(), dattn.data(), G + s.wo, n, q, d);
+    cpu::attention_backward(s.q_NQ.data(), s.k_NK.data(), s.v_NK.data(), s.attn_NQ.data(), s.lse_BHS.data(),
+                            dattn.data(), dq.data(), dk.data(), dv.data(), batch, seq, hq, hkv, hd);
+    cpu::rope_backward(dq.data(), batch, seq, hq, hd, mcfg_.rope_theta);
+    cpu::rope_backward(dk.data(), batch, seq, hkv, hd, mcfg_.rope_theta);
+    const T* gq = dq.data();
+    const T* gk = dk.data();
+    if (mcfg_.qk_norm) {
+      dq_raw.resize(n * q);
+      dk_raw.resize(n * kv);
+      cpu::rmsnorm_backward(s.q_raw_NQ.data(), P + s.qn, s.q_rstd_N.data(), dq.data(), dq_raw.data(), G + s.qn, n, q);
+      cpu::rmsnorm_backward(s.k_raw_NK.data(), P + s.kn, s.k_rstd_N.data(), dk.data(), dk_raw.data(), G + s.kn, n, kv);
+      gq = dq_raw.data();
+      gk = dk_raw.data();
+    }
+    cpu::linear_backward(s.norm1_ND.data(), P + s.wq, gq, dbranch.data(), G + s.wq, n, d, q);
+    cpu::linear_backward(s.norm1_ND.data(), P + s.wk, gk, dbranch.data(), G + s.wk, n, d, kv, true);
+    cpu::linear_backward(s.norm1_ND.data(), P + s.wv, dv.data(), dbranch.data(), G + s.wv, n, d, kv, true);
+    cpu::rmsnorm_backward(s.x_in_ND.data(), P + s.ln1, s.rstd1_N.data(), dbranch.data(), dtmp.data(), G + s.ln1, n, d);
+    for (int64_t i = 0; i < n * d; ++i) dx[i] += dtmp[i];
+  }
+  const int64_t emb = layout_.find("model.embed_tokens.weight").offset;
+  cpu::embedding_backward(inputs_.data(), dx.data(), G + emb, n, v, d);
+}
+
+template <typename T>
+void Model<T>::update_expert_bias(const std::vector<std::vector<int64_t>>& counts, double rate) {
+  MOE_CHECK(static_cast<int64_t>(counts.size()) == num_moe_layers_, "expert-bias update: expected counts for ",
+            num_moe_layers_, " MoE layers, got ", counts.size());
+  const int64_t e = ecfg_.num_experts;
+  for (int64_t m = 0; m < num_moe_layers_; ++m) {
+    MOE_CHECK(static_cast<int64_t>(counts[m].size()) == e, "expert-bias update: expected ", e, " counts");
+    double mean = 0;
+    for (int64_t c : counts[m]) mean += double(c);
+    mean /= double(e);
+    for (int64_t i = 0; i < e; ++i) {
+      const double diff = mean - double(counts[m][i]);
+      const double sign = diff > 0 ? 1.0 : (diff < 0 ? -1.0 : 0.0);
+      expert_bias_[m * e + i] += static_cast<float>(rate * sign);
+    }
+  }
+}
+
+template class Model<float>;
+template class Model<double>;
+
+}  // namespace moe

@@ -1,0 +1,84 @@
+// The OLMoE-style decoder-only MoE transformer on the CPU reference ops, with explicit
+// forward and backward. Pre-norm blocks: x += Attn(RMSNorm(x)); x += MLP|MoE(RMSNorm(x));
+// QK-norm over the full projection width before RoPE; untied embedding and LM head.
+// Parameters and gradients live in two flat buffers laid out by build_param_layout.
+// Legend: B batch, S sequence, N = B*S tokens, D model width, V vocabulary, E experts.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/config.h"
+#include "model/mlp.h"
+
+namespace moe {
+
+struct ForwardStats {
+  double ce_sum = 0;        // sum of per-token cross-entropy over targets >= 0
+  int64_t num_targets = 0;  // tokens that count towards the loss
+  double lb_loss = 0;       // load-balancing loss, mean over MoE layers
+  double z_loss = 0;        // router z-loss, mean over MoE layers
+  // Routed (token, slot) pairs per expert, one vector of E counts per MoE layer.
+  std::vector<std::vector<int32_t>> tokens_per_expert;
+};
+
+// What backward differentiates: ce_scale * ce_sum + lb_scale * lb_loss + z_scale * z_loss.
+struct LossScales {
+  double ce_scale = 1;
+  double lb_scale = 0;
+  double z_scale = 0;
+  double objective(const ForwardStats& s) const {
+    return ce_scale * s.ce_sum + lb_scale * s.lb_loss + z_scale * s.z_loss;
+  }
+};
+
+template <typename T>
+class Model {
+ public:
+  Model(const ModelConfig& model, const MoeConfig& moe);
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelConfig& model_config() const { return mcfg_; }
+  const MoeConfig& moe_config() const { return ecfg_; }
+  const ParamLayout& layout() const { return layout_; }
+  T* params() { return params_.data(); }
+  T* grads() { return grads_.data(); }
+  const T* params() const { return params_.data(); }
+  int64_t num_moe_layers() const { return num_moe_layers_; }
+  // Selection-only expert bias (aux-loss-free balancing): [num_moe_layers, E], FP32.
+  std::vector<float>& expert_bias() { return expert_bias_; }
+
+  // Weights ~ truncated N(0, init_std) by (seed, name, index); norm weights = 1.
+  void init_params(uint64_t seed);
+  void zero_grads();
+
+  // inputs/targets: [B, S] token ids; targets < 0 do not count. Saves what backward needs.
+  // routing_seed drives random routing (mixed with the layer index).
+  ForwardStats forward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                       uint64_t routing_seed = 0);
+  // Accumulates (+=) the gradient of scales.objective(stats) into grads().
+  void backward(const LossScales& scales);
+
+  // bias_e += rate * sign(mean_count - count_e) per MoE layer, from counts summed over a step.
+  void update_expert_bias(const std::vector<std::vector<int64_t>>& counts, double rate);
+
+ private:
+  struct LayerState;
+  ModelConfig mcfg_;
+  MoeConfig ecfg_;
+  ParamLayout layout_;
+  int64_t num_moe_layers_ = 0;
+  std::vector<T> params_, grads_;
+  std::vector<float> expert_bias_;
+  // Saved activations of the last forward.
+  int64_t batch_ = 0, seq_ = 0;
+  std::vector<int32_t> inputs_, targets_;
+  std::vector<std::unique_ptr<LayerState>> layers_;
+  std::vector<T> final_in_ND_, final_norm_ND_, final_rstd_N_, logits_NV_, lse_N_, loss_N_;
+};
+
+}  // namespace moe

@@ -1,0 +1,41 @@
+// AdamW with decoupled weight decay on FP32 master weights, FP32 moments, and the learning-
+// rate schedule. Update per element (t = step count after increment):
+//   p -= lr * wd * p (decay tensors only);  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
+//   p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/config.h"
+
+namespace moe {
+
+// Linear warmup over warmup_steps to lr, then cosine or linear decay to min_lr at
+// total_steps (constant stays at lr). `step` counts from 0.
+double lr_at(const OptimConfig& o, int64_t step, int64_t total_steps);
+
+// Global L2 norm of a flat gradient buffer (double accumulation; padding is zero).
+double global_grad_norm(const float* grads, int64_t n);
+// Multiplies grads by min(1, max_norm / (norm + 1e-6)); returns the factor. max_norm <= 0: no clip.
+double clip_grads(float* grads, int64_t n, double norm, double max_norm);
+
+class AdamW {
+ public:
+  AdamW(const ParamLayout& layout, const OptimConfig& cfg);
+  void step(float* params, const float* grads, double lr);
+
+  int64_t steps_taken() const { return t_; }
+  void set_steps_taken(int64_t t) { t_ = t; }
+  std::vector<float>& exp_avg() { return m_; }
+  std::vector<float>& exp_avg_sq() { return v_; }
+
+ private:
+  const ParamLayout& layout_;
+  OptimConfig cfg_;
+  std::vector<float> m_, v_;
+  int64_t t_ = 0;
+};
+
+}  // namespace moe

@@ -1,0 +1,315 @@
+// Trainer: the CPU training loop with gradient accumulation, clipping, skip-on-non-finite,
+// eval, metrics and atomic checkpoints that resume bit-exactly.
+#include "train/trainer.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <ostream>
+
+#include "checkpoint/checkpoint.h"
+#include "core/config_io.h"
+#include "core/error.h"
+#include "data/dataset.h"
+#include "data/embedded.h"
+#include "data/token_file.h"
+#include "model/layout.h"
+#include "model/model.h"
+#include "optim/adamw.h"
+#include "train/metrics.h"
+
+namespace moe {
+
+namespace fs = std::filesystem;
+
+std::string checkpoint_dir(const Config& cfg) {
+  return cfg.checkpoint.dir.empty() ? (fs::path(cfg.run.dir) / "checkpoints").string() : cfg.checkpoint.dir;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+uint64_t routing_seed(uint64_t seed, int64_t step, int64_t micro) {
+  uint64_t z = seed ^ (0x9E3779B97F4A7C15ull * uint64_t(step + 1)) ^ (0xC2B2AE3D27D4EB4Full * uint64_t(micro + 1));
+  z = (z ^ (z >> 33)) * 0xFF51AFD7ED558CCDull;
+  return z ^ (z >> 33);
+}
+
+std::string fmt_duration(double s) {
+  char buf[32];
+  const int64_t t = static_cast<int64_t>(s + 0.5);
+  if (t >= 3600)
+    std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", (long long)(t / 3600), (long long)(t / 60 % 60), (long long)(t % 60));
+  else
+    std::snprintf(buf, sizeof buf, "%02lld:%02lld", (long long)(t / 60), (long long)(t % 60));
+  return buf;
+}
+
+std::string fmt_rate(double tokens_per_s) {
+  char buf[32];
+  if (tokens_per_s >= 1e6) std::snprintf(buf, sizeof buf, "%.2fM", tokens_per_s / 1e6);
+  else if (tokens_per_s >= 1e3) std::snprintf(buf, sizeof buf, "%.1fk", tokens_per_s / 1e3);
+  else std::snprintf(buf, sizeof buf, "%.0f", tokens_per_s);
+  return buf;
+}
+
+struct DataSources {
+  std::optional<TokenSource> train, eval;
+};
+
+DataSources open_data(const Config& cfg) {
+  DataSources d;
+  const int64_t inst = cfg.train.seq_len + 1;
+  if (cfg.data.source == "embedded") {
+    MOE_CHECK(cfg.model.vocab_size >= 256, "data.source = \"embedded\" is a byte-level corpus: model.vocab_size must be >= 256, got ",
+              cfg.model.vocab_size);
+    const int64_t need = (cfg.train.steps + 1) * cfg.train.global_batch * inst;
+    d.train = TokenSource::from_memory(embedded_corpus("train", need, cfg.train.seed), "embedded:train",
+                                       cfg.model.vocab_size);
+    const int64_t eval_need = std::max<int64_t>(1, cfg.train.eval_batches) * cfg.train.micro_batch * inst;
+    d.eval = TokenSource::from_memory(embedded_corpus("eval", eval_need, cfg.train.seed), "embedded:eval",
+                                      cfg.model.vocab_size);
+  } else {
+    d.train = TokenSource::open(cfg.data.paths, cfg.data.token_dtype, cfg.model.vocab_size);
+    if (!cfg.data.eval_paths.empty())
+      d.eval = TokenSource::open(cfg.data.eval_paths, cfg.data.token_dtype, cfg.model.vocab_size);
+  }
+  return d;
+}
+
+double evaluate(Model<float>& model, const DataLoader& eval, const Config& cfg) {
+  const int64_t seqs = cfg.train.micro_batch;
+  const int64_t nb = std::min<int64_t>(cfg.train.eval_batches, eval.num_eval_batches(seqs));
+  double ce = 0;
+  int64_t count = 0;
+  for (int64_t i = 0; i < nb; ++i) {
+    const Batch b = eval.eval_batch(i, seqs);
+    const ForwardStats s = model.forward(b.inputs.data(), b.targets.data(), b.batch, b.seq_len,
+                                         routing_seed(cfg.train.seed, -1, i));
+    ce += s.ce_sum;
+    count += s.num_targets;
+  }
+  return count ? ce / double(count) : std::nan("");
+}
+
+std::vector<TensorRef> tensor_refs(const ParamLayout& layout, const float* base, const std::string& suffix) {
+  std::vector<TensorRef> refs;
+  for (const ParamEntry& e : layout.entries())
+    refs.push_back({e.name + suffix, DType::kF32, e.shape, base + e.offset});
+  return refs;
+}
+
+std::string bias_name(const ModelConfig& m, int64_t moe_index) {
+  int64_t seen = 0;
+  for (int64_t l = 0; l < m.n_layers; ++l) {
+    if (is_dense_layer(m, l)) continue;
+    if (seen++ == moe_index) return layer_prefix(l) + "mlp.gate.expert_bias";
+  }
+  MOE_FAIL("MoE layer index ", moe_index, " out of range");
+}
+
+}  // namespace
+
+TrainSummary train(const Config& cfg, std::ostream& out) {
+  TrainSummary summary;
+  summary.run_dir = cfg.run.dir;
+  fs::create_directories(cfg.run.dir);
+  {
+    std::ofstream f(fs::path(cfg.run.dir) / "config.toml");
+    f << config_to_toml(cfg);
+    MOE_CHECK(f.good(), "cannot write ", (fs::path(cfg.run.dir) / "config.toml").string());
+  }
+
+  DataSources data = open_data(cfg);
+  DataLoader loader(*data.train, cfg.train.seq_len, cfg.train.global_batch, cfg.train.micro_batch, cfg.train.seed,
+                    /*dp_rank=*/0, /*dp_size=*/1);
+  std::optional<DataLoader> eval;
+  if (data.eval) eval.emplace(*data.eval, cfg.train.seq_len, cfg.train.micro_batch, cfg.train.micro_batch, cfg.train.seed, 0, 1);
+
+  Model<float> model(cfg.model, cfg.moe);
+  model.init_params(cfg.train.seed);
+  const ParamLayout& layout = model.layout();
+  const int64_t total = layout.total_numel();
+  AdamW opt(layout, cfg.optim);
+
+  // Resume.
+  int64_t start = 0;
+  const std::string ckpt_dir = checkpoint_dir(cfg);
+  if (cfg.checkpoint.resume != "none") {
+    const std::string target = cfg.checkpoint.resume == "auto" ? ckpt_dir : cfg.checkpoint.resume;
+    std::optional<std::string> step_dir = resolve_checkpoint(target);
+    MOE_CHECK(step_dir || cfg.checkpoint.resume == "auto", "checkpoint.resume: no complete checkpoint found at '",
+              target, "'");
+    if (step_dir) {
+      LoadedCheckpoint ck = LoadedCheckpoint::open(*step_dir);
+      for (const ParamEntry& e : layout.entries()) ck.read_model(e.name, e.shape, model.params() + e.offset);
+      for (int64_t m = 0; m < model.num_moe_layers(); ++m) {
+        const std::string name = bias_name(cfg.model, m);
+        if (ck.model().find(name))
+          ck.read_model(name, {cfg.moe.num_experts}, model.expert_bias().data() + m * cfg.moe.num_experts);
+      }
+      const nlohmann::json& st = ck.train_state();
+      start = st.at("step").get<int64_t>();
+      if (ck.has_optim()) {
+        for (const ParamEntry& e : layout.entries()) {
+          ck.read_optim(e.name + ".exp_avg", e.shape, opt.exp_avg().data() + e.offset);
+          ck.read_optim(e.name + ".exp_avg_sq", e.shape, opt.exp_avg_sq().data() + e.offset);
+        }
+        opt.set_steps_taken(st.value("optimizer_steps", start));
+      }
+      loader.set_position(st.value("data_position", start));
+      out << "resumed from " << *step_dir << " at step " << start << "\n";
+    }
+  }
+  summary.start_step = start;
+  MOE_CHECK(start <= cfg.train.steps, "checkpoint step ", start, " is beyond train.steps = ", cfg.train.steps);
+
+  MetricsWriter metrics((fs::path(cfg.run.dir) / "metrics.jsonl").string(), /*append=*/start > 0);
+  const ModelCounts counts = count_model(cfg.model, cfg.moe, cfg.train.seq_len);
+  char head[256];
+  std::snprintf(head, sizeof head, "moecore train: %.2fM params (%.2fM active), %lld steps x %lld tokens, run dir %s\n",
+                counts.total_params / 1e6, counts.active_params / 1e6, (long long)cfg.train.steps,
+                (long long)(cfg.train.global_batch * cfg.train.seq_len), cfg.run.dir.c_str());
+  out << head << std::flush;
+
+  if (eval && start == 0) {
+    summary.initial_eval_loss = evaluate(model, *eval, cfg);
+    metrics.write({{"step", 0}, {"eval_loss", summary.initial_eval_loss}});
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "step %lld | eval_loss %.4f\n", 0LL, summary.initial_eval_loss);
+    out << buf << std::flush;
+  }
+
+  const bool tty = isatty(fileno(stdout)) && &out == &std::cout;
+  const int64_t micro_steps = loader.micro_steps_per_batch();
+  const int64_t tokens_per_step = cfg.train.global_batch * cfg.train.seq_len;
+  const auto t_start = Clock::now();
+  double window_loss = 0, window_lb = 0, window_z = 0, window_s = 0, window_imb = 0;
+  int64_t window_n = 0, window_skipped = 0;
+  bool first = true;
+
+  for (int64_t step = start; step < cfg.train.steps; ++step) {
+    const auto t0 = Clock::now();
+    const std::vector<Batch> micro = loader.next();
+    model.zero_grads();
+    int64_t global_targets = 0;
+    for (const Batch& b : micro)
+      for (int32_t t : b.targets) global_targets += t >= 0;
+    const LossScales scales{1.0 / double(std::max<int64_t>(1, global_targets)),
+                            cfg.moe.lb_loss_weight / double(micro_steps), cfg.moe.z_loss_weight / double(micro_steps)};
+    double ce = 0, lb = 0, z = 0;
+    std::vector<std::vector<int64_t>> expert_counts(model.num_moe_layers(),
+                                                    std::vector<int64_t>(cfg.moe.num_experts, 0));
+    for (int64_t m = 0; m < static_cast<int64_t>(micro.size()); ++m) {
+      const Batch& b = micro[m];
+      const ForwardStats s = model.forward(b.inputs.data(), b.targets.data(), b.batch, b.seq_len,
+                                           routing_seed(cfg.train.seed, step, m));
+      model.backward(scales);
+      ce += s.ce_sum;
+      lb += s.lb_loss / double(micro_steps);
+      z += s.z_loss / double(micro_steps);
+      for (size_t l = 0; l < s.tokens_per_expert.size(); ++l)
+        for (size_t e = 0; e < s.tokens_per_expert[l].size(); ++e) expert_counts[l][e] += s.tokens_per_expert[l][e];
+    }
+    const double loss = ce / double(std::max<int64_t>(1, global_targets));
+    const double gnorm = global_grad_norm(model.grads(), total);
+    const double lr = lr_at(cfg.optim, step, cfg.train.steps);
+    const bool skip = !std::isfinite(loss) || !std::isfinite(gnorm);
+    if (skip) {
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "step %lld skipped: non-finite %s (loss %g, grad norm %g)\n", (long long)(step + 1),
+                    std::isfinite(loss) ? "grad norm" : "loss", loss, gnorm);
+      out << buf << std::flush;
+      ++window_skipped;
+    } else {
+      clip_grads(model.grads(), total, gnorm, cfg.optim.grad_clip);
+      opt.step(model.params(), model.grads(), lr);
+      if (cfg.moe.bias_update_rate > 0) model.update_expert_bias(expert_counts, cfg.moe.bias_update_rate);
+    }
+    const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    const int64_t done = step + 1;
+    if (first) summary.first_loss = loss;
+    first = false;
+    summary.last_loss = loss;
+    summary.steps_done = done;
+    const double imbalance = load_imbalance(expert_counts);
+    window_loss += loss;
+    window_lb += lb;
+    window_z += z;
+    window_s += step_s;
+    window_imb += imbalance;
+    ++window_n;
+
+    if (done % cfg.log.interval == 0 || done == cfg.train.steps) {
+      const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
+      const double tps = double(tokens_per_step * window_n) / window_s;
+      const double eta = elapsed / double(done - start) * double(cfg.train.steps - done);
+      nlohmann::json rec = {{"step", done},
+                            {"loss", window_loss / window_n},
+                            {"lb_loss", window_lb / window_n},
+                            {"z_loss", window_z / window_n},
+                            {"grad_norm", gnorm},
+                            {"lr", lr},
+                            {"tokens_per_s", tps},
+                            {"step_ms", 1e3 * window_s / window_n},
+                            {"load_imbalance", window_imb / window_n},
+                            {"dropped_frac", 0.0},
+                            {"skipped_steps", window_skipped}};
+      metrics.write(rec);
+      char buf[320];
+      std::snprintf(buf, sizeof buf,
+                    "%sstep %*lld/%lld | loss %.4f | lb %.3f | z %.3f | gnorm %.3f | lr %.2e | %s tok/s | imb %.2f | %s elapsed | ETA %s\n",
+                    tty ? "\r\033[K" : "", int(std::to_string(cfg.train.steps).size()), (long long)done,
+                    (long long)cfg.train.steps, window_loss / window_n, window_lb / window_n, window_z / window_n, gnorm,
+                    lr, fmt_rate(tps).c_str(), window_imb / window_n, fmt_duration(elapsed).c_str(),
+                    fmt_duration(eta).c_str());
+      out << buf << std::flush;
+      window_loss = window_lb = window_z = window_s = window_imb = 0;
+      window_n = window_skipped = 0;
+    } else if (tty) {
+      char buf[128];
+      std::snprintf(buf, sizeof buf, "\r\033[K  step %lld/%lld  loss %.4f  %.0f ms/step", (long long)done,
+                    (long long)cfg.train.steps, loss, step_s * 1e3);
+      out << buf << std::flush;
+    }
+
+    const bool last = done == cfg.train.steps;
+    if (eval && ((cfg.train.eval_interval > 0 && done % cfg.train.eval_interval == 0) || last)) {
+      const double el = evaluate(model, *eval, cfg);
+      summary.final_eval_loss = el;
+      metrics.write({{"step", done}, {"eval_loss", el}});
+      char buf[96];
+      std::snprintf(buf, sizeof buf, "%sstep %lld | eval_loss %.4f\n", tty ? "\r\033[K" : "", (long long)done, el);
+      out << buf << std::flush;
+    }
+    if ((cfg.checkpoint.interval > 0 && done % cfg.checkpoint.interval == 0) || last) {
+      CheckpointFiles files;
+      files.model = tensor_refs(layout, model.params(), "");
+      for (int64_t m = 0; m < model.num_moe_layers(); ++m)
+        files.model.push_back({bias_name(cfg.model, m), DType::kF32, {cfg.moe.num_experts},
+                               model.expert_bias().data() + m * cfg.moe.num_experts});
+      auto avg = tensor_refs(layout, opt.exp_avg().data(), ".exp_avg");
+      auto avg_sq = tensor_refs(layout, opt.exp_avg_sq().data(), ".exp_avg_sq");
+      files.optim = avg;
+      files.optim.insert(files.optim.end(), avg_sq.begin(), avg_sq.end());
+      files.train_state = {{"step", done},
+                           {"data_position", loader.position()},
+                           {"optimizer_steps", opt.steps_taken()},
+                           {"rng", {{"kind", "counter-based"}, {"seed", cfg.train.seed}, {"step", done}}},
+                           {"config", config_to_toml(cfg)}};
+      summary.last_checkpoint = save_checkpoint(ckpt_dir, done, files, cfg.checkpoint.keep_last);
+      if (!last || cfg.checkpoint.interval > 0)
+        out << (tty ? "\r\033[K" : "") << "saved checkpoint " << summary.last_checkpoint << "\n" << std::flush;
+    }
+  }
+  summary.wall_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+  return summary;
+}
+
+}  // namespace moe

@@ -1,0 +1,29 @@
+// The training loop: data -> micro-batches (gradient accumulation to train.global_batch) ->
+// forward/backward -> global grad norm, clip, skip on non-finite -> AdamW -> expert-bias
+// update -> metrics, eval and checkpoints. CPU reference backend.
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+
+#include "core/config.h"
+
+namespace moe {
+
+struct TrainSummary {
+  int64_t start_step = 0;       // first step run (after a resume)
+  int64_t steps_done = 0;       // last step number completed
+  double first_loss = 0, last_loss = 0;
+  double initial_eval_loss = -1, final_eval_loss = -1;  // -1: no eval data
+  double wall_s = 0;
+  std::string run_dir, last_checkpoint;
+};
+
+// Runs cfg (already validated). Console lines go to `out`.
+TrainSummary train(const Config& cfg, std::ostream& out);
+
+// Checkpoint directory of a run: checkpoint.dir, or <run.dir>/checkpoints when empty.
+std::string checkpoint_dir(const Config& cfg);
+
+}  // namespace moe

@@ -1,0 +1,214 @@
+// End-to-end training checks on CPU: exact resume, the default run's loss falls, and the
+// CLI's behaviour (dry run, errors, inspect) through the real binary.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include "core/config.h"
+#include "core/config_io.h"
+#include "train/trainer.h"
+
+namespace moe::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+fs::path temp_dir(const std::string& name) {
+  fs::path p = fs::temp_directory_path() / ("moecore_e2e_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p;
+}
+
+std::vector<nlohmann::json> read_metrics(const fs::path& run_dir) {
+  std::vector<nlohmann::json> out;
+  std::ifstream f(run_dir / "metrics.jsonl");
+  std::string line;
+  while (std::getline(f, line))
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+std::vector<double> train_losses(const fs::path& run_dir) {
+  std::vector<double> out;
+  for (const auto& r : read_metrics(run_dir))
+    if (r.contains("loss")) out.push_back(r["loss"].get<double>());
+  return out;
+}
+
+Config small_config(const fs::path& run_dir) {
+  Config c;
+  c.model.d_model = 32;
+  c.model.n_layers = 3;
+  c.model.n_heads = 4;
+  c.model.n_kv_heads = 2;
+  c.model.dense_layers = {0};
+  c.model.dense_hidden = 64;
+  c.moe.num_experts = 4;
+  c.moe.top_k = 2;
+  c.moe.expert_hidden = 32;
+  c.moe.shared_experts = 1;
+  c.moe.bias_update_rate = 0.001;
+  c.train.seq_len = 16;
+  c.train.micro_batch = 2;
+  c.train.global_batch = 4;
+  c.train.steps = 8;
+  c.train.eval_interval = 0;
+  c.optim.warmup_steps = 2;
+  c.log.interval = 1;
+  c.run.dir = run_dir.string();
+  return c;
+}
+
+TEST(Train, ResumeIsBitExact) {
+  const fs::path root = temp_dir("resume");
+  Config a = small_config(root / "straight");
+  a.checkpoint.interval = 4;
+  std::ostringstream log;
+  train(a, log);
+  const std::vector<double> straight = train_losses(root / "straight");
+  ASSERT_EQ(straight.size(), 8u);
+
+  // Resume from the step-4 checkpoint of the straight run into a fresh run directory.
+  Config b = small_config(root / "resumed");
+  b.checkpoint.resume = (root / "straight" / "checkpoints" / "step_4").string();
+  b.checkpoint.dir = (root / "resumed_ckpt").string();
+  const TrainSummary s = train(b, log);
+  EXPECT_EQ(s.start_step, 4);
+  const std::vector<double> resumed = train_losses(root / "resumed");
+  ASSERT_EQ(resumed.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed[i], straight[4 + i]) << "step " << 5 + i;
+  fs::remove_all(root);
+}
+
+TEST(Train, ResumeAutoContinuesFromLatest) {
+  const fs::path root = temp_dir("auto");
+  Config a = small_config(root / "run");
+  a.train.steps = 4;
+  a.optim.schedule = "constant";
+  std::ostringstream log;
+  train(a, log);
+  a.train.steps = 6;
+  a.checkpoint.resume = "auto";
+  const TrainSummary s = train(a, log);
+  EXPECT_EQ(s.start_step, 4);
+  EXPECT_EQ(s.steps_done, 6);
+  EXPECT_EQ(train_losses(root / "run").size(), 6u);  // appended
+  fs::remove_all(root);
+}
+
+TEST(Train, MetricsHaveContractKeys) {
+  const fs::path root = temp_dir("metrics");
+  Config a = small_config(root / "run");
+  a.train.steps = 2;
+  a.train.eval_interval = 1;
+  std::ostringstream log;
+  train(a, log);
+  bool saw_train = false, saw_eval = false;
+  for (const auto& r : read_metrics(root / "run")) {
+    if (r.contains("loss")) {
+      saw_train = true;
+      for (const char* k : {"step", "loss", "lb_loss", "z_loss", "grad_norm", "lr", "tokens_per_s", "step_ms",
+                            "load_imbalance", "dropped_frac"})
+        EXPECT_TRUE(r.contains(k)) << k;
+      EXPECT_GE(r["load_imbalance"].get<double>(), 1.0);
+    }
+    saw_eval |= r.contains("eval_loss");
+  }
+  EXPECT_TRUE(saw_train);
+  EXPECT_TRUE(saw_eval);
+  EXPECT_TRUE(fs::exists(root / "run" / "config.toml"));
+  // The resolved config round-trips.
+  std::ifstream f(root / "run" / "config.toml");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  EXPECT_EQ(config_to_toml(parse_config_toml(ss.str(), "config.toml")), config_to_toml(a));
+  fs::remove_all(root);
+}
+
+TEST(Train, DefaultRunLossFalls) {
+  // The embedded default with fewer steps: eval loss must fall at least 30%.
+  const fs::path root = temp_dir("default");
+  Config c;
+  c.run.dir = (root / "run").string();
+  c.train.steps = 120;
+  c.train.eval_interval = 0;
+  c.optim.warmup_steps = 10;
+  c.log.interval = 20;
+  std::ostringstream log;
+  const TrainSummary s = train(c, log);
+  std::printf("%s", log.str().c_str());
+  ASSERT_GT(s.initial_eval_loss, 0);
+  EXPECT_LT(s.final_eval_loss, 0.7 * s.initial_eval_loss)
+      << "initial " << s.initial_eval_loss << " final " << s.final_eval_loss;
+  fs::remove_all(root);
+}
+
+struct CmdResult {
+  int status;
+  std::string output;
+};
+
+CmdResult run_cli(const std::string& args) {
+  const std::string cmd = std::string(MOECORE_BINARY) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+  const int rc = pclose(p);
+  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, out};
+}
+
+TEST(Cli, DryRunPrintsCountsAndConfig) {
+  const CmdResult r = run_cli("train --dry-run");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("[model]"), std::string::npos);
+  EXPECT_NE(r.output.find("# parameters"), std::string::npos);
+  EXPECT_NE(r.output.find("# FLOPs per token"), std::string::npos);
+  EXPECT_NE(r.output.find("# memory estimate"), std::string::npos);
+}
+
+TEST(Cli, BadKeySuggestsNearest) {
+  const CmdResult r = run_cli("train --dry-run --moe.topk=3");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("moe.top_k"), std::string::npos) << r.output;
+}
+
+TEST(Cli, BadConfigNamesKey) {
+  const CmdResult r = run_cli("train --dry-run --model.n_kv_heads=3");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("n_kv_heads"), std::string::npos) << r.output;
+  const CmdResult m = run_cli("train /nonexistent/config.toml");
+  EXPECT_EQ(m.status, 1);
+  EXPECT_NE(m.output.find("/nonexistent/config.toml"), std::string::npos) << m.output;
+}
+
+TEST(Cli, HelpAndInspect) {
+  EXPECT_EQ(run_cli("--help").status, 0);
+  EXPECT_EQ(run_cli("train --help").status, 0);
+  EXPECT_EQ(run_cli("inspect --help").status, 0);
+  const fs::path root = temp_dir("inspect");
+  Config c = small_config(root / "run");
+  c.train.steps = 1;
+  std::ostringstream log;
+  train(c, log);
+  const CmdResult i = run_cli("inspect " + (root / "run" / "checkpoints").string());
+  EXPECT_EQ(i.status, 0) << i.output;
+  EXPECT_NE(i.output.find("step 1"), std::string::npos) << i.output;
+  EXPECT_NE(i.output.find("model.layers.1.mlp.experts.gate_up_proj"), std::string::npos);
+  EXPECT_NE(i.output.find("exp_avg_sq"), std::string::npos);
+  fs::remove_all(root);
+}
+
+}  // namespace
+}  // namespace moe::testing
