@@ -7,10 +7,12 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/hf.h"
 #include "core/config_io.h"
 #include "core/error.h"
 #include "data/embedded.h"
 #include "model/layout.h"
+#include "model/model.h"
 #include "train/trainer.h"
 
 namespace moe {
@@ -23,6 +25,11 @@ constexpr const char* kUsage =
     "  train [CONFIG.toml] [--section.key=value ...]   train a model (no CONFIG: the embedded default)\n"
     "  train --dry-run ...                             print the resolved config, sizes, FLOPs and memory\n"
     "  inspect CHECKPOINT_DIR                          print a checkpoint's step, config and tensors\n"
+    "  export-hf CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32]\n"
+    "                                                  write a Hugging Face OLMoE model (config.json + safetensors)\n"
+    "  import-hf HF_DIR OUT_CHECKPOINT_DIR             turn an HF OLMoE model into a moecore checkpoint\n"
+    "  logits CHECKPOINT_DIR --tokens ID,ID,... [--out FILE]\n"
+    "                                                  run one sequence, print its loss, write FP32 logits\n"
     "  tokenize --out FILE [--dtype uint16|uint32] [--eos ID] TEXT_FILE...\n"
     "                                                  byte-level tokenizer: one document per file\n"
     "\n"
@@ -139,6 +146,102 @@ int cmd_tokenize(std::vector<std::string> args) {
   return 0;
 }
 
+int cmd_export_hf(std::vector<std::string> args) {
+  const bool help = has_flag(args, "--help") || has_flag(args, "-h");
+  HfExportOptions opt;
+  std::vector<std::string> pos;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--dtype") {
+      MOE_CHECK(i + 1 < args.size(), "--dtype needs a value (bf16 or fp32)");
+      opt.dtype = args[++i];
+    } else if (args[i].rfind("--dtype=", 0) == 0) {
+      opt.dtype = args[i].substr(8);
+    } else if (args[i].rfind("--max-shard-bytes=", 0) == 0) {
+      opt.max_shard_bytes = std::stoll(args[i].substr(18));
+    } else {
+      pos.push_back(args[i]);
+    }
+  }
+  if (help || pos.size() != 2) {
+    std::cout << "usage: moecore export-hf CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--max-shard-bytes=N]\n\n"
+                 "Writes config.json (OlmoeForCausalLM), model-*.safetensors shards with per-expert names and\n"
+                 "model.safetensors.index.json. Models OLMoE cannot express are refused.\n";
+    return help ? 0 : 2;
+  }
+  const int shards = export_hf(pos[0], pos[1], opt);
+  std::cout << "wrote " << pos[1] << " (" << shards << " shard" << (shards == 1 ? "" : "s") << ", " << opt.dtype << ")\n";
+  return 0;
+}
+
+int cmd_import_hf(std::vector<std::string> args) {
+  const bool help = has_flag(args, "--help") || has_flag(args, "-h");
+  if (help || args.size() != 2) {
+    std::cout << "usage: moecore import-hf HF_DIR OUT_CHECKPOINT_DIR\n\n"
+                 "Reads an OLMoE config.json and safetensors (single file or sharded; per-expert or fused experts;\n"
+                 "F32/BF16/F16) and writes OUT_CHECKPOINT_DIR/step_0 plus OUT_CHECKPOINT_DIR/config.toml.\n"
+                 "Continue training with: moecore train OUT_CHECKPOINT_DIR/config.toml --checkpoint.resume=OUT_CHECKPOINT_DIR\n";
+    return help ? 0 : 2;
+  }
+  const std::string step_dir = import_hf(args[0], args[1]);
+  std::cout << "wrote " << step_dir << " and " << args[1] << "/config.toml\n";
+  return 0;
+}
+
+int cmd_logits(std::vector<std::string> args) {
+  const bool help = has_flag(args, "--help") || has_flag(args, "-h");
+  std::string tokens_arg, out;
+  std::vector<std::string> pos;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto value = [&](const std::string& flag) {
+      MOE_CHECK(i + 1 < args.size(), flag, " needs a value");
+      return args[++i];
+    };
+    if (args[i] == "--tokens") tokens_arg = value("--tokens");
+    else if (args[i] == "--out") out = value("--out");
+    else pos.push_back(args[i]);
+  }
+  if (help || pos.size() != 1 || tokens_arg.empty()) {
+    std::cout << "usage: moecore logits CHECKPOINT_DIR --tokens ID,ID,... [--out FILE]\n\n"
+                 "Runs the checkpoint's model (FP32, CPU) on one sequence; prints the mean next-token loss and\n"
+                 "writes the logits [S, V] as little-endian float32 to FILE.\n";
+    return help ? 0 : 2;
+  }
+  const auto dir = resolve_checkpoint(pos[0]);
+  MOE_CHECK(dir.has_value(), "no complete checkpoint at '", pos[0], "'");
+  const LoadedCheckpoint ck = LoadedCheckpoint::open(*dir);
+  const Config cfg = parse_config_toml(ck.train_state().at("config").get<std::string>(), *dir + "/train_state.json");
+  Model<float> model(cfg.model, cfg.moe);
+  for (const ParamEntry& e : model.layout().entries()) ck.read_model(e.name, e.shape, model.params() + e.offset);
+  for (int64_t l = 0, m = 0; l < cfg.model.n_layers; ++l) {
+    if (is_dense_layer(cfg.model, l)) continue;
+    const std::string name = layer_prefix(l) + "mlp.gate.expert_bias";
+    if (ck.model().find(name)) ck.read_model(name, {cfg.moe.num_experts}, model.expert_bias().data() + m * cfg.moe.num_experts);
+    ++m;
+  }
+  std::vector<int32_t> ids;
+  size_t start = 0;
+  while (start <= tokens_arg.size()) {
+    const size_t comma = tokens_arg.find(',', start);
+    const std::string tok = tokens_arg.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    if (!tok.empty()) ids.push_back(static_cast<int32_t>(std::stol(tok)));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  MOE_CHECK(!ids.empty(), "--tokens: expected a comma-separated list of token ids");
+  std::vector<int32_t> targets(ids.size(), -1);
+  for (size_t i = 0; i + 1 < ids.size(); ++i) targets[i] = ids[i + 1];
+  const ForwardStats s = model.forward(ids.data(), targets.data(), 1, static_cast<int64_t>(ids.size()));
+  std::printf("tokens %zu loss %.8f\n", ids.size(), s.num_targets ? s.ce_sum / double(s.num_targets) : 0.0);
+  if (!out.empty()) {
+    FILE* f = std::fopen(out.c_str(), "wb");
+    MOE_CHECK(f, "cannot write ", out);
+    const auto& lg = model.logits();
+    const size_t n = std::fwrite(lg.data(), sizeof(float), lg.size(), f);
+    MOE_CHECK(std::fclose(f) == 0 && n == lg.size(), "writing ", out, " failed");
+  }
+  return 0;
+}
+
 }  // namespace
 }  // namespace moe
 
@@ -154,6 +257,9 @@ int main(int argc, char** argv) {
     if (cmd == "train") return moe::cmd_train(args);
     if (cmd == "inspect") return moe::cmd_inspect(args);
     if (cmd == "tokenize") return moe::cmd_tokenize(args);
+    if (cmd == "logits") return moe::cmd_logits(args);
+    if (cmd == "export-hf") return moe::cmd_export_hf(args);
+    if (cmd == "import-hf") return moe::cmd_import_hf(args);
     std::fprintf(stderr, "error: unknown command '%s'\n\n%s", cmd.c_str(), moe::kUsage);
     return 2;
   } catch (const moe::Error& e) {

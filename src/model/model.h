@@ -63,6 +63,9 @@ class Model {
   // Accumulates (+=) the gradient of scales.objective(stats) into grads().
   void backward(const LossScales& scales);
 
+  // Logits [N, V] of the last forward.
+  const std::vector<T>& logits() const { return logits_NV_; }
+
   // bias_e += rate * sign(mean_count - count_e) per MoE layer, from counts summed over a step.
   void update_expert_bias(const std::vector<std::vector<int64_t>>& counts, double rate);
 

@@ -1,0 +1,323 @@
+// OLMoE <-> moecore conversion. moecore stacks experts (gate_up_proj [E, 2I, D], gate rows
+// first; down_proj [E, D, I]); HF's per-expert layout splits them into experts.E.gate_proj
+// [I, D], up_proj [I, D], down_proj [D, I]. Every other tensor keeps its name and shape.
+#include "checkpoint/hf.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <set>
+
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/safetensors.h"
+#include "core/config_io.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "model/layout.h"
+
+namespace moe {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string expert_name(int64_t l, int64_t e, const char* proj) {
+  return layer_prefix(l) + "mlp.experts." + std::to_string(e) + "." + proj + ".weight";
+}
+
+nlohmann::json read_json(const fs::path& p) {
+  std::ifstream f(p);
+  MOE_CHECK(f.good(), "cannot open ", p.string());
+  try {
+    return nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    MOE_FAIL(p.string(), ": not valid JSON (", e.what(), ")");
+  }
+}
+
+void write_text(const fs::path& p, const std::string& text) {
+  std::ofstream f(p);
+  f << text;
+  f.close();
+  MOE_CHECK(f.good(), "cannot write ", p.string());
+}
+
+}  // namespace
+
+void check_olmoe_expressible(const Config& cfg) {
+  auto refuse = [](const std::string& what) {
+    MOE_FAIL("this model cannot be exported as OLMoE: ", what);
+  };
+  if (cfg.moe.shared_experts > 0) refuse("it has shared experts (moe.shared_experts = " + std::to_string(cfg.moe.shared_experts) + ")");
+  if (!cfg.model.dense_layers.empty()) refuse("it has dense MLP layers (model.dense_layers is not empty)");
+  if (cfg.moe.router != "softmax") refuse("its router uses " + cfg.moe.router + " scores (OLMoE: softmax)");
+  if (!cfg.model.qk_norm) refuse("it has no QK-norm (model.qk_norm = false)");
+  if (cfg.moe.routing != "learned") refuse("its routing is '" + cfg.moe.routing + "' (OLMoE: learned)");
+}
+
+nlohmann::json olmoe_config_json(const Config& cfg, const std::string& dtype) {
+  const ModelConfig& m = cfg.model;
+  const MoeConfig& e = cfg.moe;
+  nlohmann::json j;
+  j["architectures"] = {"OlmoeForCausalLM"};
+  j["model_type"] = "olmoe";
+  j["vocab_size"] = m.vocab_size;
+  j["hidden_size"] = m.d_model;
+  j["intermediate_size"] = e.expert_hidden;
+  j["num_hidden_layers"] = m.n_layers;
+  j["num_attention_heads"] = m.n_heads;
+  j["num_key_value_heads"] = m.n_kv_heads;
+  j["hidden_act"] = "silu";
+  j["max_position_embeddings"] = std::max<int64_t>(cfg.train.seq_len, 4096);
+  j["initializer_range"] = m.init_std;
+  j["rms_norm_eps"] = m.norm_eps;
+  j["use_cache"] = true;
+  j["rope_theta"] = m.rope_theta;
+  j["rope_scaling"] = nullptr;
+  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", m.rope_theta}};
+  j["attention_bias"] = false;
+  j["attention_dropout"] = 0.0;
+  j["clip_qkv"] = nullptr;
+  j["num_experts"] = e.num_experts;
+  j["num_experts_per_tok"] = e.top_k;
+  j["norm_topk_prob"] = e.norm_topk_prob;
+  j["output_router_logits"] = false;
+  j["router_aux_loss_coef"] = e.lb_loss_weight;
+  j["tie_word_embeddings"] = false;
+  j["eos_token_id"] = cfg.data.eos_id;
+  j["pad_token_id"] = cfg.data.eos_id;
+  j["bos_token_id"] = nullptr;
+  j["torch_dtype"] = dtype == "bf16" ? "bfloat16" : "float32";
+  j["dtype"] = j["torch_dtype"];
+  return j;
+}
+
+Config config_from_olmoe_json(const nlohmann::json& j, const std::string& source) {
+  auto need = [&](const char* key) -> const nlohmann::json& {
+    MOE_CHECK(j.contains(key) && !j[key].is_null(), source, ": missing required key '", key, "'");
+    return j[key];
+  };
+  auto get_int = [&](const char* key) {
+    const auto& v = need(key);
+    MOE_CHECK(v.is_number_integer(), source, ": '", key, "' must be an integer, got ", v.dump());
+    return v.get<int64_t>();
+  };
+  const std::string type = j.value("model_type", "");
+  MOE_CHECK(type == "olmoe", source, ": model_type must be \"olmoe\", got \"", type, "\"");
+  MOE_CHECK(j.value("hidden_act", "silu") == "silu", source, ": hidden_act must be \"silu\", got ", j["hidden_act"].dump());
+  MOE_CHECK(!j.value("attention_bias", false), source, ": attention_bias = true is not supported");
+  MOE_CHECK(!j.contains("clip_qkv") || j["clip_qkv"].is_null(), source, ": clip_qkv = ", j["clip_qkv"].dump(),
+            " is not supported (expected null)");
+  MOE_CHECK(!j.value("tie_word_embeddings", false), source,
+            ": tie_word_embeddings = true is not supported (moecore's embedding and LM head are separate)");
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null())
+    MOE_FAIL(source, ": rope_scaling = ", j["rope_scaling"].dump(), " is not supported (expected null)");
+  double theta = 10000.0;
+  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
+    const auto& rp = j["rope_parameters"];
+    const std::string rt = rp.value("rope_type", "default");
+    MOE_CHECK(rt == "default", source, ": rope_parameters.rope_type = \"", rt, "\" is not supported (expected \"default\")");
+    theta = rp.value("rope_theta", j.value("rope_theta", theta));
+  } else {
+    theta = j.value("rope_theta", theta);
+  }
+  Config c;
+  c.model.vocab_size = get_int("vocab_size");
+  c.model.d_model = get_int("hidden_size");
+  c.model.n_layers = get_int("num_hidden_layers");
+  c.model.n_heads = get_int("num_attention_heads");
+  c.model.n_kv_heads = j.contains("num_key_value_heads") && !j["num_key_value_heads"].is_null()
+                           ? get_int("num_key_value_heads") : c.model.n_heads;
+  c.model.qk_norm = true;
+  c.model.rope_theta = theta;
+  c.model.norm_eps = j.value("rms_norm_eps", 1e-5);
+  c.model.dense_layers = {};
+  c.model.init_std = j.value("initializer_range", c.model.init_std);
+  c.moe.num_experts = get_int("num_experts");
+  c.moe.top_k = get_int("num_experts_per_tok");
+  c.moe.expert_hidden = get_int("intermediate_size");
+  c.moe.shared_experts = 0;
+  c.moe.router = "softmax";
+  c.moe.routing = "learned";
+  c.moe.norm_topk_prob = j.value("norm_topk_prob", false);
+  c.moe.lb_loss_weight = j.value("router_aux_loss_coef", c.moe.lb_loss_weight);
+  if (j.contains("eos_token_id") && j["eos_token_id"].is_number_integer()) c.data.eos_id = j["eos_token_id"].get<int64_t>();
+  validate_config(c);
+  return c;
+}
+
+int export_hf(const std::string& checkpoint, const std::string& out_dir, const HfExportOptions& opt) {
+  MOE_CHECK(opt.dtype == "bf16" || opt.dtype == "fp32", "export-hf --dtype: expected bf16 or fp32, got '", opt.dtype, "'");
+  const auto step_dir = resolve_checkpoint(checkpoint);
+  MOE_CHECK(step_dir.has_value(), "no complete checkpoint at '", checkpoint, "'");
+  const LoadedCheckpoint ck = LoadedCheckpoint::open(*step_dir);
+  MOE_CHECK(ck.train_state().contains("config"), *step_dir, "/train_state.json has no \"config\"");
+  const Config cfg = parse_config_toml(ck.train_state()["config"].get<std::string>(), *step_dir + "/train_state.json");
+  check_olmoe_expressible(cfg);
+
+  const ParamLayout layout = build_param_layout(cfg.model, cfg.moe);
+  std::vector<float> params(layout.total_numel());
+  for (const ParamEntry& e : layout.entries()) ck.read_model(e.name, e.shape, params.data() + e.offset);
+  for (int64_t l = 0; l < cfg.model.n_layers; ++l) {
+    const std::string bias = layer_prefix(l) + "mlp.gate.expert_bias";
+    if (!ck.model().find(bias)) continue;
+    std::vector<float> b(cfg.moe.num_experts);
+    ck.read_model(bias, {cfg.moe.num_experts}, b.data());
+    for (float x : b)
+      MOE_CHECK(x == 0.f, "this model cannot be exported as OLMoE: it uses an expert bias for routing (", bias,
+                " is non-zero; OLMoE's router has none)");
+  }
+
+  // HF tensors as (name, shape, pointer into params).
+  struct Out { std::string name; Shape shape; const float* data; };
+  std::vector<Out> outs;
+  const int64_t d = cfg.model.d_model, inner = cfg.moe.expert_hidden;
+  for (const ParamEntry& e : layout.entries()) {
+    const float* p = params.data() + e.offset;
+    if (e.name.ends_with("mlp.experts.gate_up_proj") || e.name.ends_with("mlp.experts.down_proj")) continue;
+    outs.push_back({e.name, e.shape, p});
+    if (e.name.ends_with("mlp.gate.weight")) {
+      const int64_t l = std::stoll(e.name.substr(std::string("model.layers.").size()));
+      const float* gu = params.data() + layout.find(layer_prefix(l) + "mlp.experts.gate_up_proj").offset;
+      const float* dn = params.data() + layout.find(layer_prefix(l) + "mlp.experts.down_proj").offset;
+      for (int64_t x = 0; x < cfg.moe.num_experts; ++x) {
+        outs.push_back({expert_name(l, x, "gate_proj"), {inner, d}, gu + x * 2 * inner * d});
+        outs.push_back({expert_name(l, x, "up_proj"), {inner, d}, gu + x * 2 * inner * d + inner * d});
+        outs.push_back({expert_name(l, x, "down_proj"), {d, inner}, dn + x * d * inner});
+      }
+    }
+  }
+
+  // Convert and shard.
+  const bool bf16 = opt.dtype == "bf16";
+  const DType dt = bf16 ? DType::kBF16 : DType::kF32;
+  std::vector<std::vector<uint16_t>> converted(outs.size());
+  std::vector<std::vector<size_t>> shards(1);
+  int64_t shard_bytes = 0, total_bytes = 0;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const int64_t n = shape_numel(outs[i].shape), bytes = n * dtype_size(dt);
+    if (bf16) {
+      converted[i].resize(n);
+      for (int64_t k = 0; k < n; ++k) converted[i][k] = f32_to_bf16(outs[i].data[k]);
+    }
+    if (shard_bytes > 0 && shard_bytes + bytes > opt.max_shard_bytes) {
+      shards.emplace_back();
+      shard_bytes = 0;
+    }
+    shards.back().push_back(i);
+    shard_bytes += bytes;
+    total_bytes += bytes;
+  }
+  fs::create_directories(out_dir);
+  nlohmann::json weight_map = nlohmann::json::object();
+  const int num = static_cast<int>(shards.size());
+  for (int s = 0; s < num; ++s) {
+    char fname[64];
+    std::snprintf(fname, sizeof fname, "model-%05d-of-%05d.safetensors", s + 1, num);
+    std::vector<TensorRef> refs;
+    for (size_t i : shards[s]) {
+      refs.push_back({outs[i].name, dt, outs[i].shape, bf16 ? static_cast<const void*>(converted[i].data())
+                                                            : static_cast<const void*>(outs[i].data)});
+      weight_map[outs[i].name] = fname;
+    }
+    write_safetensors((fs::path(out_dir) / fname).string(), refs, {{"format", "pt"}});
+  }
+  nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
+  write_text(fs::path(out_dir) / "model.safetensors.index.json", index.dump(2) + "\n");
+  write_text(fs::path(out_dir) / "config.json", olmoe_config_json(cfg, opt.dtype).dump(2) + "\n");
+  return num;
+}
+
+std::string import_hf(const std::string& hf_dir, const std::string& out_checkpoint_dir) {
+  const fs::path dir(hf_dir);
+  const Config cfg = config_from_olmoe_json(read_json(dir / "config.json"), (dir / "config.json").string());
+
+  // name -> file
+  std::map<std::string, std::string> where;
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> files;
+  if (fs::exists(dir / "model.safetensors.index.json")) {
+    const nlohmann::json idx = read_json(dir / "model.safetensors.index.json");
+    MOE_CHECK(idx.contains("weight_map") && idx["weight_map"].is_object(),
+              (dir / "model.safetensors.index.json").string(), ": no \"weight_map\" object");
+    for (auto it = idx["weight_map"].begin(); it != idx["weight_map"].end(); ++it)
+      where[it.key()] = it.value().get<std::string>();
+  } else {
+    MOE_CHECK(fs::exists(dir / "model.safetensors"), hf_dir,
+              ": neither model.safetensors.index.json nor model.safetensors exists");
+    const SafetensorsFile f = SafetensorsFile::open((dir / "model.safetensors").string());
+    for (const auto& t : f.tensors()) where[t.name] = "model.safetensors";
+  }
+  std::set<std::string> unused;
+  for (const auto& [name, file] : where) unused.insert(name);
+  auto info = [&](const std::string& name) -> std::pair<const SafetensorsFile*, const TensorInfo*> {
+    auto it = where.find(name);
+    if (it == where.end()) return {nullptr, nullptr};
+    auto& f = files[it->second];
+    if (!f) f = std::make_unique<SafetensorsFile>(SafetensorsFile::open((dir / it->second).string()));
+    const TensorInfo* t = f->find(name);
+    MOE_CHECK(t, (dir / it->second).string(), " does not hold '", name, "' although the index says so");
+    return {f.get(), t};
+  };
+  auto read = [&](const std::string& name, const Shape& shape, float* out) {
+    auto [f, t] = info(name);
+    MOE_CHECK(f, hf_dir, ": missing tensor '", name, "'");
+    MOE_CHECK(t->shape == shape, hf_dir, ": tensor '", name, "' has shape ", shape_str(t->shape), ", expected ",
+              shape_str(shape), " from config.json");
+    f->read_f32(name, out, shape_numel(shape));
+    unused.erase(name);
+  };
+
+  const ParamLayout layout = build_param_layout(cfg.model, cfg.moe);
+  std::vector<float> params(layout.total_numel(), 0.f);
+  const int64_t d = cfg.model.d_model, inner = cfg.moe.expert_hidden, ne = cfg.moe.num_experts;
+  for (const ParamEntry& e : layout.entries()) {
+    float* p = params.data() + e.offset;
+    const bool gate_up = e.name.ends_with("mlp.experts.gate_up_proj");
+    const bool down = e.name.ends_with("mlp.experts.down_proj");
+    if (!gate_up && !down) {
+      read(e.name, e.shape, p);
+      continue;
+    }
+    if (info(e.name).first) {  // fused transformers-5 layout: same name and shape as ours
+      read(e.name, e.shape, p);
+      continue;
+    }
+    const int64_t l = std::stoll(e.name.substr(std::string("model.layers.").size()));
+    for (int64_t x = 0; x < ne; ++x) {
+      if (gate_up) {
+        read(expert_name(l, x, "gate_proj"), {inner, d}, p + x * 2 * inner * d);
+        read(expert_name(l, x, "up_proj"), {inner, d}, p + x * 2 * inner * d + inner * d);
+      } else {
+        read(expert_name(l, x, "down_proj"), {d, inner}, p + x * d * inner);
+      }
+    }
+  }
+  for (auto it = unused.begin(); it != unused.end();) {
+    if (it->ends_with("rotary_emb.inv_freq")) it = unused.erase(it);  // a derived buffer some exports carry
+    else ++it;
+  }
+  if (!unused.empty()) {
+    std::string names;
+    int shown = 0;
+    for (const auto& n : unused) {
+      if (shown++ == 5) { names += ", ..."; break; }
+      names += (names.empty() ? "" : ", ") + n;
+    }
+    MOE_FAIL(hf_dir, ": ", unused.size(), " tensors do not belong to an OLMoE model of this config: ", names);
+  }
+
+  CheckpointFiles files;
+  for (const ParamEntry& e : layout.entries()) files.model.push_back({e.name, DType::kF32, e.shape, params.data() + e.offset});
+  const std::string toml = config_to_toml(cfg);
+  files.train_state = {{"step", 0}, {"data_position", 0}, {"optimizer_steps", 0}, {"config", toml},
+                       {"imported_from", fs::absolute(dir).string()}};
+  const std::string step_dir = save_checkpoint(out_checkpoint_dir, 0, files, /*keep_last=*/0);
+  write_text(fs::path(out_checkpoint_dir) / "config.toml", toml);
+  return step_dir;
+}
+
+}  // namespace moe
