@@ -3,7 +3,7 @@
 # already present are not reinstalled). The CUDA toolkit, when wanted, is installed separately.
 set -euo pipefail
 
-packages=(g++ cmake ninja-build ccache pkg-config libopenblas-dev libtomlplusplus-dev
+packages=(g++ cmake ninja-build ccache libopenblas-dev libtomlplusplus-dev
           nlohmann-json3-dev libgtest-dev)
 
 missing=()

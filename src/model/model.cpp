@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "cpu/attention.h"
+#include "cpu/capacity.h"
 #include "cpu/cross_entropy.h"
 #include "cpu/dispatch.h"
 #include "cpu/embedding.h"
@@ -64,7 +65,8 @@ struct Model<T>::LayerState {
   // MoE
   cpu::RouterParams rp;
   std::vector<T> logits_NE, scores_NE, topk_w_NK;
-  std::vector<int32_t> topk_idx_NK, counts_E, offsets_E1, sorted_route_R, route_to_row_R;
+  std::vector<int32_t> topk_idx_NK, counts_E, offsets_E1, sorted_route_R, route_to_row_R, kept_E;
+  int64_t kept_rows = 0;  // rows the experts process (all routes when dropless)
   std::vector<T> x_sorted_RD, gate_up_R2I, h_RI, y_sorted_RD;
 };
 
@@ -210,11 +212,21 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
     cpu::build_dispatch_map(s.topk_idx_NK.data(), n, k, e, s.counts_E.data(), s.offsets_E1.data(),
                             s.sorted_route_R.data(), s.route_to_row_R.data());
     stats.tokens_per_expert.push_back(s.counts_E);
-    s.x_sorted_RD.resize(rows * d);
-    cpu::permute_forward(s.norm2_ND.data(), s.sorted_route_R.data(), rows, k, d, s.x_sorted_RD.data());
-    s.gate_up_R2I.resize(rows * 2 * inner);
-    s.h_RI.resize(rows * inner);
-    s.y_sorted_RD.resize(rows * d);
+    stats.num_routes += rows;
+    s.kept_rows = rows;
+    if (ecfg_.capacity_factor > 0) {
+      s.kept_E.resize(e);
+      const int64_t cap = cpu::expert_capacity(ecfg_.capacity_factor, n, k, e);
+      stats.num_dropped += cpu::apply_capacity(cap, n, k, e, s.offsets_E1.data(), s.sorted_route_R.data(),
+                                               s.route_to_row_R.data(), s.kept_E.data());
+      s.kept_rows = s.offsets_E1[e];
+    }
+    const int64_t kept = s.kept_rows;
+    s.x_sorted_RD.resize(kept * d);
+    cpu::permute_forward(s.norm2_ND.data(), s.sorted_route_R.data(), kept, k, d, s.x_sorted_RD.data());
+    s.gate_up_R2I.resize(kept * 2 * inner);
+    s.h_RI.resize(kept * inner);
+    s.y_sorted_RD.resize(kept * d);
     cpu::experts_forward(s.x_sorted_RD.data(), s.offsets_E1.data(), P + s.e_gate_up, P + s.e_down, e, d, inner,
                          s.gate_up_R2I.data(), s.h_RI.data(), s.y_sorted_RD.data());
     cpu::unpermute_forward(s.y_sorted_RD.data(), s.route_to_row_R.data(), s.topk_w_NK.data(), n, k, d,
@@ -256,7 +268,7 @@ void Model<T>::backward(const LossScales& scales) {
   const int64_t n = batch * seq, d = mcfg_.d_model, hd = mcfg_.head_dim();
   const int64_t hq = mcfg_.n_heads, hkv = mcfg_.n_kv_heads, q = hq * hd, kv = hkv * hd;
   const int64_t v = mcfg_.vocab_size, e = ecfg_.num_experts, k = ecfg_.top_k;
-  const int64_t inner = ecfg_.expert_hidden, rows = n * k;
+  const int64_t inner = ecfg_.expert_hidden;
   const T* P = params_.data();
   T* G = grads_.data();
   const T dlb = num_moe_layers_ ? T(scales.lb_scale / double(num_moe_layers_)) : T(0);
@@ -286,13 +298,14 @@ void Model<T>::backward(const LossScales& scales) {
         mlp_backward(s.norm2_ND.data(), P + s.mg, P + s.mu, P + s.md, s.mlp, dx.data(), n, d,
                      ecfg_.shared_experts * inner, dbranch.data(), G + s.mg, G + s.mu, G + s.md);
       }
-      std::vector<T> dy_sorted(rows * d), dtopk_w(n * k), dx_sorted(rows * d), scratch(rows * 3 * inner);
+      const int64_t kept = s.kept_rows;
+      std::vector<T> dy_sorted(kept * d), dtopk_w(n * k), dx_sorted(kept * d), scratch(kept * 3 * inner);
       cpu::unpermute_backward(dx.data(), s.y_sorted_RD.data(), s.route_to_row_R.data(), s.topk_w_NK.data(), n, k, d,
-                              rows, dy_sorted.data(), dtopk_w.data());
+                              kept, dy_sorted.data(), dtopk_w.data());
       cpu::experts_backward(s.x_sorted_RD.data(), s.offsets_E1.data(), P + s.e_gate_up, P + s.e_down,
                             s.gate_up_R2I.data(), s.h_RI.data(), dy_sorted.data(), e, d, inner, dx_sorted.data(),
                             G + s.e_gate_up, G + s.e_down, scratch.data());
-      cpu::permute_backward(dx_sorted.data(), s.sorted_route_R.data(), rows, k, d, dbranch.data());
+      cpu::permute_backward(dx_sorted.data(), s.sorted_route_R.data(), kept, k, d, dbranch.data());
       cpu::router_backward(s.rp, s.norm2_ND.data(), P + s.gate, s.logits_NE.data(), s.scores_NE.data(),
                            s.topk_idx_NK.data(), s.counts_E.data(), dtopk_w.data(), dlb, dz, dbranch.data(),
                            G + s.gate);

@@ -20,7 +20,9 @@ struct ForwardStats {
   int64_t num_targets = 0;  // tokens that count towards the loss
   double lb_loss = 0;       // load-balancing loss, mean over MoE layers
   double z_loss = 0;        // router z-loss, mean over MoE layers
-  // Routed (token, slot) pairs per expert, one vector of E counts per MoE layer.
+  int64_t num_routes = 0;   // (token, slot) pairs over MoE layers
+  int64_t num_dropped = 0;  // of which dropped by expert capacity (capacity_factor > 0)
+  // Routed (token, slot) pairs per expert (before capacity dropping), one vector of E counts per MoE layer.
   std::vector<std::vector<int32_t>> tokens_per_expert;
 };
 

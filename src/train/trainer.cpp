@@ -190,7 +190,7 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
   const int64_t micro_steps = loader.micro_steps_per_batch();
   const int64_t tokens_per_step = cfg.train.global_batch * cfg.train.seq_len;
   const auto t_start = Clock::now();
-  double window_loss = 0, window_lb = 0, window_z = 0, window_s = 0, window_imb = 0;
+  double window_loss = 0, window_lb = 0, window_z = 0, window_s = 0, window_imb = 0, window_dropped = 0;
   int64_t window_n = 0, window_skipped = 0;
   bool first = true;
 
@@ -204,6 +204,7 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
     const LossScales scales{1.0 / double(std::max<int64_t>(1, global_targets)),
                             cfg.moe.lb_loss_weight / double(micro_steps), cfg.moe.z_loss_weight / double(micro_steps)};
     double ce = 0, lb = 0, z = 0;
+    int64_t routes = 0, dropped = 0;
     std::vector<std::vector<int64_t>> expert_counts(model.num_moe_layers(),
                                                     std::vector<int64_t>(cfg.moe.num_experts, 0));
     for (int64_t m = 0; m < static_cast<int64_t>(micro.size()); ++m) {
@@ -214,6 +215,8 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
       ce += s.ce_sum;
       lb += s.lb_loss / double(micro_steps);
       z += s.z_loss / double(micro_steps);
+      routes += s.num_routes;
+      dropped += s.num_dropped;
       for (size_t l = 0; l < s.tokens_per_expert.size(); ++l)
         for (size_t e = 0; e < s.tokens_per_expert[l].size(); ++e) expert_counts[l][e] += s.tokens_per_expert[l][e];
     }
@@ -244,6 +247,7 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
     window_z += z;
     window_s += step_s;
     window_imb += imbalance;
+    window_dropped += routes ? double(dropped) / double(routes) : 0.0;
     ++window_n;
 
     if (done % cfg.log.interval == 0 || done == cfg.train.steps) {
@@ -259,7 +263,7 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
                             {"tokens_per_s", tps},
                             {"step_ms", 1e3 * window_s / window_n},
                             {"load_imbalance", window_imb / window_n},
-                            {"dropped_frac", 0.0},
+                            {"dropped_frac", window_dropped / window_n},
                             {"skipped_steps", window_skipped}};
       metrics.write(rec);
       char buf[320];
@@ -270,7 +274,7 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
                     lr, fmt_rate(tps).c_str(), window_imb / window_n, fmt_duration(elapsed).c_str(),
                     fmt_duration(eta).c_str());
       out << buf << std::flush;
-      window_loss = window_lb = window_z = window_s = window_imb = 0;
+      window_loss = window_lb = window_z = window_s = window_imb = window_dropped = 0;
       window_n = window_skipped = 0;
     } else if (tty) {
       char buf[128];

@@ -121,6 +121,24 @@ TEST(ModelGrad, RandomAndUniformRouting) {
   check_model(u, 1, 7);
 }
 
+TEST(ModelGrad, CapacityDropsRoutes) {
+  // Capacity factor 1 with a bias towards expert 1: its overflow is dropped.
+  Case c{"capacity", tiny_model(), tiny_moe(), {}};
+  c.e.capacity_factor = 1.0;
+  c.bias.assign(2 * 4, 0.f);
+  c.bias[1] = 100.f;
+  c.bias[4 + 1] = 100.f;
+  check_model(c);
+  Model<double> model(c.m, c.e);
+  model.init_params(7);
+  model.expert_bias() = c.bias;
+  std::vector<int32_t> ids(10, 1);
+  const ForwardStats s = model.forward(ids.data(), ids.data(), 2, 5);
+  // 10 tokens x top-2 = 20 routes per layer, capacity 5: expert 1 keeps 5 of its 10.
+  EXPECT_EQ(s.num_routes, 40);
+  EXPECT_EQ(s.num_dropped, 10);
+}
+
 TEST(Model, DeterministicBitwise) {
   ModelConfig m = tiny_model();
   m.vocab_size = 64;
