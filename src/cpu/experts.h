@@ -1,0 +1,27 @@
+// Grouped SwiGLU experts on CPU: one GEMM pair per expert over its contiguous sorted rows
+// [offsets[e], offsets[e+1]) (the "M-grouped contiguous" layout): gate_up = x_e @ w_gate_up[e]^T
+// ([n_e, 2I], gate columns first), h = silu(gate) * up, y = h @ w_down[e]^T. Experts with zero
+// rows are skipped. R = expert_offsets[E]; rows outside [0, R) are not touched.
+#pragma once
+
+#include <cstdint>
+
+namespace moe::cpu {
+
+// Checks: offsets[0] == 0 and non-decreasing.
+template <typename T>
+void experts_forward(const T* x_sorted /*[R,D]*/, const int32_t* expert_offsets /*[E+1]*/,
+                     const T* w_gate_up /*[E,2I,D]*/, const T* w_down /*[E,D,I]*/,
+                     int64_t num_experts, int64_t d, int64_t inner, T* gate_up /*[R,2I], saved*/,
+                     T* h /*[R,I], saved*/, T* y /*[R,D]*/);
+
+// dx_sorted is overwritten on rows [0, R); dw_gate_up and dw_down accumulate (either may be
+// null to skip it). scratch holds dgate_up [R,2I] followed by dh [R,I].
+template <typename T>
+void experts_backward(const T* x_sorted, const int32_t* expert_offsets, const T* w_gate_up,
+                      const T* w_down, const T* gate_up, const T* h, const T* dy /*[R,D]*/,
+                      int64_t num_experts, int64_t d, int64_t inner,
+                      T* dx_sorted /*[R,D] overwritten*/, T* dw_gate_up /* += */,
+                      T* dw_down /* += */, T* scratch /*[R, 3I]*/);
+
+}  // namespace moe::cpu
