@@ -1,10 +1,16 @@
 // SHA-256 after FIPS 180-4 section 6.2: eight 32-bit working variables, 64 rounds per
 // 512-bit block with the constants K (cube roots of the first 64 primes) and the message
-// schedule W[t] = s1(W[t-2]) + W[t-7] + s0(W[t-15]) + W[t-16].
+// schedule W[t] = s1(W[t-2]) + W[t-7] + s0(W[t-15]) + W[t-16]. The x86 SHA-extension path
+// runs the same rounds two at a time on the state split as (A,B,E,F) and (C,D,G,H).
 #include "checkpoint/sha256.h"
 
 #include <fcntl.h>
 #include <unistd.h>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cerrno>
@@ -39,17 +45,7 @@ inline uint32_t big_sigma1(uint32_t x) { return rotr(x, 6) ^ rotr(x, 11) ^ rotr(
 inline uint32_t small_sigma0(uint32_t x) { return rotr(x, 7) ^ rotr(x, 18) ^ (x >> 3); }
 inline uint32_t small_sigma1(uint32_t x) { return rotr(x, 17) ^ rotr(x, 19) ^ (x >> 10); }
 
-}  // namespace
-
-Sha256::Sha256() { reset(); }
-
-void Sha256::reset() {
-  for (int i = 0; i < 8; ++i) state_[i] = kInitialState[i];
-  buffer_len_ = 0;
-  total_len_ = 0;
-}
-
-void Sha256::compress(const uint8_t* block) {
+void compress_portable(uint32_t* state, const uint8_t* block) {
   uint32_t w[64];
   for (int t = 0; t < 16; ++t)
     w[t] = (uint32_t(block[4 * t]) << 24) | (uint32_t(block[4 * t + 1]) << 16) |
@@ -57,8 +53,8 @@ void Sha256::compress(const uint8_t* block) {
   for (int t = 16; t < 64; ++t)
     w[t] = small_sigma1(w[t - 2]) + w[t - 7] + small_sigma0(w[t - 15]) + w[t - 16];
 
-  uint32_t a = state_[0], b = state_[1], c = state_[2], d = state_[3];
-  uint32_t e = state_[4], f = state_[5], g = state_[6], h = state_[7];
+  uint32_t a = state[0], b = state[1], c = state[2], d = state[3];
+  uint32_t e = state[4], f = state[5], g = state[6], h = state[7];
   for (int t = 0; t < 64; ++t) {
     const uint32_t t1 = h + big_sigma1(e) + ch(e, f, g) + kRoundConstants[t] + w[t];
     const uint32_t t2 = big_sigma0(a) + maj(a, b, c);
@@ -71,14 +67,90 @@ void Sha256::compress(const uint8_t* block) {
     b = a;
     a = t1 + t2;
   }
-  state_[0] += a;
-  state_[1] += b;
-  state_[2] += c;
-  state_[3] += d;
-  state_[4] += e;
-  state_[5] += f;
-  state_[6] += g;
-  state_[7] += h;
+  state[0] += a;
+  state[1] += b;
+  state[2] += c;
+  state[3] += d;
+  state[4] += e;
+  state[5] += f;
+  state[6] += g;
+  state[7] += h;
+}
+
+#if defined(__x86_64__)
+bool cpu_has_sha_extensions() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+  const bool ssse3 = c & (1u << 9), sse41 = c & (1u << 19);
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return ssse3 && sse41 && (b & (1u << 29));
+}
+
+// Four rounds per step: WK = W[t..t+3] + K[t..t+3]; each sha256rnds2 does two rounds and
+// returns the new (A,B,E,F), while the previous (A,B,E,F) becomes (C,D,G,H). Message words
+// t >= 16 come from sha256msg1 (W[t-16] + s0(W[t-15])), + W[t-7], then sha256msg2 (+ s1(W[t-2])).
+__attribute__((target("sha,sse4.1,ssse3"))) void compress_hardware(uint32_t* state, const uint8_t* blocks,
+                                                                  size_t num_blocks) {
+  const __m128i byte_swap = _mm_set_epi64x(0x0c0d0e0f08090a0bLL, 0x0405060700010203LL);
+  const __m128i cdab = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(state)), 0xB1);
+  const __m128i efgh = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(state + 4)), 0x1B);
+  __m128i abef = _mm_alignr_epi8(cdab, efgh, 8);
+  __m128i cdgh = _mm_blend_epi16(efgh, cdab, 0xF0);
+
+  for (size_t blk = 0; blk < num_blocks; ++blk, blocks += 64) {
+    const __m128i abef_in = abef, cdgh_in = cdgh;
+    __m128i w[4];
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks + 16 * i)), byte_swap);
+    for (int i = 0; i < 16; ++i) {
+      if (i >= 4) {  // w[i%4] holds W[4i-16..], w[(i+1)%4] W[4i-12..], w[(i+2)%4] W[4i-8..], w[(i+3)%4] W[4i-4..]
+        __m128i t = _mm_sha256msg1_epu32(w[i % 4], w[(i + 1) % 4]);
+        t = _mm_add_epi32(t, _mm_alignr_epi8(w[(i + 3) % 4], w[(i + 2) % 4], 4));
+        w[i % 4] = _mm_sha256msg2_epu32(t, w[(i + 3) % 4]);
+      }
+      __m128i wk = _mm_add_epi32(w[i % 4], _mm_loadu_si128(reinterpret_cast<const __m128i*>(kRoundConstants + 4 * i)));
+      cdgh = _mm_sha256rnds2_epu32(cdgh, abef, wk);  // cdgh now holds (A,B,E,F) after 2 rounds
+      wk = _mm_shuffle_epi32(wk, 0x0E);
+      abef = _mm_sha256rnds2_epu32(abef, cdgh, wk);
+    }
+    abef = _mm_add_epi32(abef, abef_in);
+    cdgh = _mm_add_epi32(cdgh, cdgh_in);
+  }
+
+  const __m128i abef_r = _mm_shuffle_epi32(abef, 0x1B);  // F E B A -> A B E F in lanes 0..3
+  const __m128i cdgh_r = _mm_shuffle_epi32(cdgh, 0xB1);  // lanes 0..3: G H C D
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(state), _mm_blend_epi16(abef_r, cdgh_r, 0xF0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(state + 4), _mm_alignr_epi8(cdgh_r, abef_r, 8));
+}
+#endif
+
+}  // namespace
+
+Sha256::Sha256(bool allow_hardware) : use_hardware_(allow_hardware && hardware_available()) { reset(); }
+
+bool Sha256::hardware_available() {
+#if defined(__x86_64__)
+  static const bool available = cpu_has_sha_extensions();
+  return available;
+#else
+  return false;
+#endif
+}
+
+void Sha256::compress_blocks(const uint8_t* blocks, size_t num_blocks) {
+#if defined(__x86_64__)
+  if (use_hardware_) {
+    compress_hardware(state_.data(), blocks, num_blocks);
+    return;
+  }
+#endif
+  for (size_t i = 0; i < num_blocks; ++i) compress_portable(state_.data(), blocks + 64 * i);
+}
+
+void Sha256::reset() {
+  for (int i = 0; i < 8; ++i) state_[i] = kInitialState[i];
+  buffer_len_ = 0;
+  total_len_ = 0;
 }
 
 void Sha256::update(const void* data, size_t n) {
@@ -91,10 +163,13 @@ void Sha256::update(const void* data, size_t n) {
     p += take;
     n -= take;
     if (buffer_len_ < buffer_.size()) return;
-    compress(buffer_.data());
+    compress_blocks(buffer_.data(), 1);
     buffer_len_ = 0;
   }
-  for (; n >= 64; p += 64, n -= 64) compress(p);
+  const size_t full = n / 64;
+  compress_blocks(p, full);
+  p += 64 * full;
+  n -= 64 * full;
   if (n > 0) {
     std::memcpy(buffer_.data(), p, n);
     buffer_len_ = n;

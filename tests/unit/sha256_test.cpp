@@ -1,5 +1,6 @@
 // SHA-256 against the FIPS 180-4 / NIST example vectors, lengths around the padding boundary
-// (55, 56, 63, 64, 65, 119, 120, 128 bytes), streaming in uneven pieces, and the file helper.
+// (55, 56, 63, 64, 65, 119, 120, 128 bytes), streaming in uneven pieces, the portable and the
+// SHA-extension block functions against each other, and the file helper.
 #include "checkpoint/sha256.h"
 
 #include <gtest/gtest.h>
@@ -19,6 +20,12 @@ namespace {
 
 std::string digest(const std::string& s) { return sha256_hex(s.data(), s.size()); }
 
+std::string portable_digest(const void* data, size_t n) {
+  Sha256 h(/*allow_hardware=*/false);
+  h.update(data, n);
+  return Sha256::hex(h.final());
+}
+
 TEST(Sha256, StandardVectors) {
   EXPECT_EQ(digest(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
   EXPECT_EQ(digest("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
@@ -28,6 +35,24 @@ TEST(Sha256, StandardVectors) {
                    "rsmnopqrstnopqrstu"),
             "cf5b16a778af8380036ce59e7b0492370b249b11e8f07a51afac45037afee9d1");
   EXPECT_EQ(digest(std::string(1000000, 'a')), "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+  const std::string million(1000000, 'a');
+  EXPECT_EQ(portable_digest(million.data(), million.size()),
+            "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+  EXPECT_EQ(portable_digest("abc", 3), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+}
+
+TEST(Sha256, HardwareAndPortablePathsAgree) {
+  if (!Sha256::hardware_available()) GTEST_SKIP() << "no x86 SHA extensions on this CPU";
+  std::mt19937_64 gen(11);
+  std::vector<uint8_t> msg(70000);
+  for (auto& b : msg) b = uint8_t(gen());
+  for (size_t n : {size_t(0), size_t(1), size_t(64), size_t(65), size_t(1000), size_t(4096), size_t(70000)}) {
+    EXPECT_EQ(sha256_hex(msg.data(), n), portable_digest(msg.data(), n)) << "length " << n;
+  }
+  for (int trial = 0; trial < 50; ++trial) {
+    const size_t n = gen() % msg.size();
+    EXPECT_EQ(sha256_hex(msg.data(), n), portable_digest(msg.data(), n)) << "length " << n;
+  }
 }
 
 TEST(Sha256, PaddingBoundaries) {
@@ -46,6 +71,7 @@ TEST(Sha256, PaddingBoundaries) {
     std::vector<uint8_t> msg(n);
     for (size_t i = 0; i < n; ++i) msg[i] = uint8_t(i);
     EXPECT_EQ(sha256_hex(msg.data(), n), want) << "length " << n;
+    EXPECT_EQ(portable_digest(msg.data(), n), want) << "length " << n;
   }
 }
 
