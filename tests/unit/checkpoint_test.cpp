@@ -4,11 +4,15 @@
 // and every complete step left behind must still verify.
 #include "checkpoint/checkpoint.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -350,10 +354,11 @@ void fill_crash_tensor(std::vector<float>& v, int64_t step, int tensor) {
   for (int64_t i = 0; i < int64_t(v.size()); ++i) v[i] = crash_value(step, tensor, i);
 }
 
-// The forked writer: saves steps first_step, first_step + 1, ... until killed. It only allocates
-// and does file I/O, so an idle thread the parent might own (none is started here) cannot
-// deadlock it. Leaves through _exit so the parent's test state is never flushed twice.
-[[noreturn]] void crash_writer(const std::string& ckpt, int64_t first_step) {
+// The forked writer: saves steps first_step, first_step + 1, ... until killed, and after each
+// save_checkpoint returns writes the step (8 bytes, atomic on a pipe) to `report_fd`. It only
+// allocates and does file I/O, so an idle thread the parent might own (none is started here)
+// cannot deadlock it. Leaves through _exit so the parent's test state is never flushed twice.
+[[noreturn]] void crash_writer(const std::string& ckpt, int64_t first_step, int report_fd) {
   try {
     const int64_t half = kCrashModelFloats / 2;
     std::vector<float> a(half), b(half), m(kCrashOptimFloats / 2), v(kCrashOptimFloats / 2);
@@ -369,12 +374,20 @@ void fill_crash_tensor(std::vector<float>& v, int64_t step, int tensor) {
                  {"w.a.exp_avg_sq", DType::kF32, {int64_t(v.size())}, v.data()}};
       f.train_state = {{"data_position", step * 1000}};
       save_checkpoint(ckpt, step, f, kCrashKeepLast);
+      if (::write(report_fd, &step, sizeof(step)) != sizeof(step)) ::_exit(4);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "crash writer failed: %s\n", e.what());
     std::fflush(stderr);
     ::_exit(3);
   }
+}
+
+// One step report from the writer within timeout_ms; false on timeout or end of stream.
+bool read_report(int fd, int timeout_ms, int64_t* step) {
+  pollfd p{fd, POLLIN, 0};
+  if (::poll(&p, 1, timeout_ms) <= 0) return false;
+  return ::read(fd, step, sizeof(*step)) == sizeof(*step);
 }
 
 // Opens (and so verifies sizes and checksums of) a step, then checks its values belong to it.
@@ -394,42 +407,60 @@ void verify_crash_step(const std::string& step_dir, int64_t step) {
   EXPECT_EQ(out.back(), crash_value(step, 3, int64_t(out.size()) - 1));
 }
 
+// Each round forks a writer, waits until it reports one finished save (so slow machines and
+// sanitizer builds still make progress), then SIGKILLs it after a seeded random delay of up to
+// 1.5x that save's duration, which lands anywhere inside the following save. Every save that
+// returned must survive; `latest` must name it or the one after; every complete step verifies.
 TEST(CheckpointCrash, KilledWriterLeavesVerifiableCheckpoints) {
   TempDir dir;
   const std::string ckpt = dir.sub("ckpt");
   std::mt19937_64 gen(314159);
   int64_t next_step = 1;
-  int rounds_with_checkpoint = 0;
   constexpr int kRounds = 8;
   for (int round = 0; round < kRounds; ++round) {
-    const int delay_ms = 100 + int(gen() % 900);
+    int fds[2];
+    ASSERT_EQ(::pipe2(fds, O_CLOEXEC), 0);
     std::fflush(stdout);
     std::fflush(stderr);
+    const auto start = std::chrono::steady_clock::now();
     const pid_t pid = ::fork();
     ASSERT_GE(pid, 0) << "fork failed";
-    if (pid == 0) crash_writer(ckpt, next_step);
+    if (pid == 0) {
+      ::close(fds[0]);
+      crash_writer(ckpt, next_step, fds[1]);
+    }
+    ::close(fds[1]);
+    int64_t reported = -1;
+    const bool progressed = read_report(fds[0], 300'000, &reported);
+    const auto first_save_ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
+    const int64_t delay_ms = progressed ? int64_t(gen() % uint64_t(first_save_ms * 3 / 2 + 1)) : 0;
     ::usleep(useconds_t(delay_ms) * 1000);
-    ASSERT_EQ(::kill(pid, SIGKILL), 0);
+    ::kill(pid, SIGKILL);
     int status = 0;
-    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    const pid_t waited = ::waitpid(pid, &status, 0);
+    for (int64_t s = 0; read_report(fds[0], 0, &s);) reported = s;  // saves finished during the delay
+    ::close(fds[0]);
+    ASSERT_EQ(waited, pid);
+    ASSERT_TRUE(progressed) << "the writer finished no save within 300 s";
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
         << "the writer ended by itself (exit code " << (WIFEXITED(status) ? WEXITSTATUS(status) : -1) << ")";
 
-    SCOPED_TRACE("round " + std::to_string(round) + ", killed after " + std::to_string(delay_ms) + " ms");
+    SCOPED_TRACE("round " + std::to_string(round) + ": killed " + std::to_string(delay_ms) +
+                 " ms after a save, last reported step " + std::to_string(reported));
     const auto steps = list_steps(ckpt);
     const auto latest = resolve_checkpoint(ckpt);
-    ASSERT_EQ(latest.has_value(), !steps.empty());
-    if (!latest) continue;
-    ++rounds_with_checkpoint;
-    const auto latest_step = LoadedCheckpoint::open(*latest).step();
-    EXPECT_NE(std::find(steps.begin(), steps.end(), latest_step), steps.end());
+    ASSERT_TRUE(latest.has_value());
+    const int64_t latest_step = LoadedCheckpoint::open(*latest).step();
     EXPECT_EQ(*latest, ckpt + "/step_" + std::to_string(latest_step));
-    // A kill between publishing step N and pruning may leave keep_last + 1 steps.
+    // Killed after `latest` moved but before reporting: one step ahead of the report.
+    EXPECT_TRUE(latest_step == reported || latest_step == reported + 1) << "latest is step " << latest_step;
+    EXPECT_NE(std::find(steps.begin(), steps.end(), reported), steps.end());
+    // A kill between publishing a step and pruning leaves keep_last + 1 steps.
     EXPECT_LE(int64_t(steps.size()), kCrashKeepLast + 1);
     for (int64_t s : steps) verify_crash_step(ckpt + "/step_" + std::to_string(s), s);
     next_step = steps.back() + 1;
   }
-  EXPECT_GE(rounds_with_checkpoint, kRounds / 2) << "the writer rarely finished a save: delays too short?";
   // The next ordinary save cleans up whatever the kills left behind.
   const std::string final_dir = save_checkpoint(ckpt, next_step, FakeState(1.0f).files(json::object()), 1);
   EXPECT_TRUE(tmp_entries(ckpt).empty());
