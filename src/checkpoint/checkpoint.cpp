@@ -178,6 +178,22 @@ nlohmann::ordered_json file_entry(const std::string& path) {
   return e;
 }
 
+// A manifest value for an error message (flat values only; printing nested JSON recurses).
+std::string describe(const json& v) {
+  if (v.is_structured()) return std::string("a JSON ") + v.type_name();
+  return v.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+// Serialises JSON, turning nlohmann's errors (strings that are not UTF-8) into moe::Error.
+template <typename Json>
+std::string to_text(const Json& j, const std::string& what) {
+  try {
+    return j.dump(2) + "\n";
+  } catch (const nlohmann::json::exception& e) {
+    MOE_FAIL("cannot encode ", what, " as JSON: ", e.what());
+  }
+}
+
 bool is_hex_digest(const std::string& s) {
   return s.size() == 64 && std::all_of(s.begin(), s.end(), [](char c) {
            return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
@@ -218,7 +234,7 @@ std::string save_checkpoint(const std::string& ckpt_dir, int64_t step, const Che
             "train_state must be a JSON object, got ", files.train_state.type_name());
   json train_state = files.train_state.is_null() ? json::object() : files.train_state;
   if (train_state.contains("step"))
-    MOE_CHECK(train_state["step"] == step, "train_state step ", train_state["step"].dump(),
+    MOE_CHECK(train_state["step"] == step, "train_state step ", describe(train_state["step"]),
               " differs from the checkpoint step ", step);
   else
     train_state["step"] = step;
@@ -244,7 +260,7 @@ std::string save_checkpoint(const std::string& ckpt_dir, int64_t step, const Che
       write_safetensors(join(tmp_dir, kOptimFile), files.optim, meta);
       written.push_back(kOptimFile);
     }
-    write_text_synced(join(tmp_dir, kTrainStateFile), train_state.dump(2) + "\n");
+    write_text_synced(join(tmp_dir, kTrainStateFile), to_text(train_state, "train_state"));
     written.push_back(kTrainStateFile);
 
     nlohmann::ordered_json manifest;
@@ -253,7 +269,7 @@ std::string save_checkpoint(const std::string& ckpt_dir, int64_t step, const Che
     manifest["step"] = step;
     manifest["files"] = nlohmann::ordered_json::object();
     for (const auto& f : written) manifest["files"][f] = file_entry(join(tmp_dir, f));
-    write_text_synced(join(tmp_dir, kManifestFile), manifest.dump(2) + "\n");
+    write_text_synced(join(tmp_dir, kManifestFile), to_text(manifest, "the manifest"));
     fsync_path(tmp_dir, true);
 
     publish_dir(tmp_dir, final_dir, join(ckpt_dir, kTmpPrefix + std::string("old-") + name + "-" + pid));
@@ -308,14 +324,14 @@ LoadedCheckpoint LoadedCheckpoint::open(const std::string& step_dir) {
   MOE_CHECK(!m.is_discarded() && m.is_object(), "'", manifest_path, "' is not a JSON object");
   const auto format = m.find("format");
   MOE_CHECK(format != m.end() && format->is_string() && *format == kCheckpointFormat, "'", manifest_path,
-            "': format must be \"", kCheckpointFormat, "\", got ", format == m.end() ? "nothing" : format->dump());
+            "': format must be \"", kCheckpointFormat, "\", got ", format == m.end() ? "nothing" : describe(*format));
   const auto version = m.find("version");
   MOE_CHECK(version != m.end() && version->is_number_integer(), "'", manifest_path, "': missing integer 'version'");
-  MOE_CHECK(*version == kCheckpointVersion, "'", manifest_path, "': version ", version->dump(),
+  MOE_CHECK(*version == kCheckpointVersion, "'", manifest_path, "': version ", describe(*version),
             " is not supported (this build reads version ", kCheckpointVersion, ")");
   const auto step = m.find("step");
   MOE_CHECK(step != m.end() && step->is_number_unsigned(), "'", manifest_path,
-            "': 'step' must be a non-negative integer, got ", step == m.end() ? "nothing" : step->dump());
+            "': 'step' must be a non-negative integer, got ", step == m.end() ? "nothing" : describe(*step));
   MOE_CHECK(step->get<uint64_t>() <= uint64_t(INT64_MAX), "'", manifest_path, "': step out of range");
   const auto listed = m.find("files");
   MOE_CHECK(listed != m.end() && listed->is_object(), "'", manifest_path, "': 'files' must be an object");
@@ -328,7 +344,7 @@ LoadedCheckpoint LoadedCheckpoint::open(const std::string& step_dir) {
     MOE_CHECK(entry.is_object() && bytes != entry.end() && bytes->is_number_unsigned() && sha != entry.end() &&
                   sha->is_string() && is_hex_digest(sha->get<std::string>()),
               "'", manifest_path, "': entry for '", fname, "' must be {\"bytes\": n, \"sha256\": 64 hex}, got ",
-              entry.dump());
+              describe(entry));
     const std::string path = join(step_dir, fname);
     MOE_CHECK(is_regular_file(path), "checkpoint file '", path, "' listed in the manifest is missing");
     std::error_code ec;

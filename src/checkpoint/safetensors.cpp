@@ -185,7 +185,12 @@ void write_safetensors(const std::string& path, const std::vector<TensorRef>& te
     MOE_CHECK(!__builtin_add_overflow(offset, bytes, &offset), "total data size overflows int64");
   }
 
-  std::string text = header.dump();
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const nlohmann::json::exception& e) {  // e.g. a name that is not valid UTF-8
+    MOE_FAIL("cannot encode the safetensors header for '", path, "': ", e.what());
+  }
   text.append((8 - text.size() % 8) % 8, ' ');
   uint8_t len_le[8];
   for (int i = 0; i < 8; ++i) len_le[i] = uint8_t(uint64_t(text.size()) >> (8 * i));
@@ -232,6 +237,18 @@ json parse_header_json(std::string_view text, std::string* duplicate_key) {
     return true;
   };
   return json::parse(text.begin(), text.end(), callback, /*allow_exceptions=*/false);
+}
+
+// A JSON value for an error message: primitives and flat arrays verbatim, anything nested by
+// its type only (printing is recursive, and a hostile header may nest millions deep).
+std::string describe(const json& v) {
+  if (v.is_array()) {
+    for (const auto& e : v)
+      if (e.is_structured()) return "a nested array";
+  } else if (v.is_object()) {
+    return "an object";
+  }
+  return v.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 // A JSON value as a non-negative int64, or nullopt.
@@ -319,23 +336,23 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     int64_t numel = 1;
     for (const auto& d : *sh) {
       const auto dim = as_index(d);
-      MOE_CHECK(dim.has_value(), tensor, ": 'shape' entries must be non-negative integers, got ", d.dump());
-      MOE_CHECK(mul_checked(numel, *dim, &numel), tensor, ": shape ", sh->dump(), " overflows int64");
+      MOE_CHECK(dim.has_value(), tensor, ": 'shape' entries must be non-negative integers, got ", describe(d));
+      MOE_CHECK(mul_checked(numel, *dim, &numel), tensor, ": shape ", describe(*sh), " overflows int64");
       info.shape.push_back(*dim);
     }
     int64_t nbytes = 0;
-    MOE_CHECK(mul_checked(numel, st_dtype->size, &nbytes), tensor, ": byte size of shape ", sh->dump(),
+    MOE_CHECK(mul_checked(numel, st_dtype->size, &nbytes), tensor, ": byte size of shape ", describe(*sh),
               " overflows int64");
 
     MOE_CHECK(off->is_array() && off->size() == 2, tensor, ": 'data_offsets' must be [begin, end], got ",
-              off->dump());
+              describe(*off));
     const auto begin = as_index((*off)[0]), end = as_index((*off)[1]);
-    MOE_CHECK(begin && end, tensor, ": 'data_offsets' must be non-negative integers, got ", off->dump());
-    MOE_CHECK(*begin <= *end, tensor, ": data_offsets ", off->dump(), " has begin > end");
-    MOE_CHECK(*end <= f.data_size_, tensor, ": data_offsets ", off->dump(), " end beyond the ", f.data_size_,
+    MOE_CHECK(begin && end, tensor, ": 'data_offsets' must be non-negative integers, got ", describe(*off));
+    MOE_CHECK(*begin <= *end, tensor, ": data_offsets ", describe(*off), " has begin > end");
+    MOE_CHECK(*end <= f.data_size_, tensor, ": data_offsets ", describe(*off), " end beyond the ", f.data_size_,
               "-byte data area (truncated?)");
-    MOE_CHECK(*end - *begin == nbytes, tensor, ": data_offsets ", off->dump(), " span ", *end - *begin,
-              " bytes but shape ", sh->dump(), " of ", info.dtype_name, " needs ", nbytes);
+    MOE_CHECK(*end - *begin == nbytes, tensor, ": data_offsets ", describe(*off), " span ", *end - *begin,
+              " bytes but shape ", describe(*sh), " of ", info.dtype_name, " needs ", nbytes);
     info.begin = *begin;
     info.end = *end;
     f.tensors_.push_back(std::move(info));

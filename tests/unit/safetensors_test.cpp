@@ -364,6 +364,27 @@ TEST(SafetensorsMalformed, NegativeNonIntegerOrOverflowingShape) {
   expect_open_error(path, {"tensor 't'", "non-negative integers"});
 }
 
+TEST(SafetensorsMalformed, DeeplyNestedValues) {
+  // Parsing is iterative; error messages must not print nested values (printing recurses).
+  TempDir dir;
+  const std::string path = dir.file("m.safetensors");
+  const std::string deep = std::string(1000000, '[') + std::string(1000000, ']');
+  write_raw(path, R"({"t": {"dtype": "F32", "shape": [4294967296, 4294967296, )" + deep +
+                      R"(], "data_offsets": [0, 0]}})", 0);
+  expect_open_error(path, {"tensor 't'", "overflows"});
+  write_raw(path, R"({"t": {"dtype": "F32", "shape": [1], "data_offsets": )" + deep + "}}", 4);
+  expect_open_error(path, {"tensor 't'", "a nested array"});
+  write_raw(path, R"({"t": {"dtype": "F32", "shape": [)" + deep + R"(], "data_offsets": [0, 4]}})", 4);
+  expect_open_error(path, {"tensor 't'", "non-negative integers"});
+}
+
+TEST(Safetensors, WriterRefusesNamesThatAreNotUtf8) {
+  TempDir dir;
+  float x = 1;
+  expect_error([&] { write_safetensors(dir.file("u.safetensors"), {{"bad\xff", DType::kF32, {1}, &x}}, {}); },
+               {"cannot encode the safetensors header"});
+}
+
 TEST(SafetensorsMalformed, WrongDtypeSizeForOffsets) {
   TempDir dir;
   const std::string path = dir.file("m.safetensors");
