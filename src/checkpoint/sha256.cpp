@@ -102,6 +102,7 @@ __attribute__((target("sha,sse4.1,ssse3"))) void compress_hardware(uint32_t* sta
     __m128i w[4];
     for (int i = 0; i < 4; ++i)
       w[i] = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks + 16 * i)), byte_swap);
+#pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) {
       if (i >= 4) {  // w[i%4] holds W[4i-16..], w[(i+1)%4] W[4i-12..], w[(i+2)%4] W[4i-8..], w[(i+3)%4] W[4i-4..]
         __m128i t = _mm_sha256msg1_epu32(w[i % 4], w[(i + 1) % 4]);
