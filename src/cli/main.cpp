@@ -113,7 +113,7 @@ int cmd_inspect(std::vector<std::string> args) {
     for (const auto& t : f.tensors()) bytes += int64_t(t.end - t.begin);
     std::printf("%s: %zu tensors, %.2f MiB\n", file, f.tensors().size(), double(bytes) / (1 << 20));
     for (const auto& t : f.tensors())
-      std::printf("  %-60s %-5s %s\n", t.name.c_str(), std::string(dtype_safetensors_name(t.dtype)).c_str(),
+      std::printf("  %-60s %-5s %s\n", t.name.c_str(), t.dtype_name.c_str(),
                   shape_str(t.shape).c_str());
   };
   list("model.safetensors", ck.model());
