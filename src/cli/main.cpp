@@ -94,10 +94,11 @@ int cmd_train(std::vector<std::string> args) {
 }
 
 int cmd_inspect(std::vector<std::string> args) {
-  if (args.empty() || has_flag(args, "--help") || has_flag(args, "-h")) {
+  const bool help = has_flag(args, "--help") || has_flag(args, "-h");
+  if (help || args.empty()) {
     std::cout << "usage: moecore inspect CHECKPOINT_DIR\n\n"
                  "CHECKPOINT_DIR is a step_<N> directory or a checkpoint directory (its latest step is shown).\n";
-    return args.empty() ? 2 : 0;
+    return help ? 0 : 2;
   }
   MOE_CHECK(args.size() == 1, "inspect takes one CHECKPOINT_DIR, got ", args.size(), " arguments");
   const auto dir = resolve_checkpoint(args[0]);
