@@ -93,6 +93,20 @@ TEST(HfInterop, ExportImportIsBitExact) {
   EXPECT_EQ(back.model.d_model, c.model.d_model);
   EXPECT_EQ(back.moe.top_k, c.moe.top_k);
   EXPECT_EQ(back.moe.norm_topk_prob, true);
+
+  // Training continues from the imported checkpoint with a fresh optimizer.
+  Config cont = back;
+  cont.run.dir = (root / "continued").string();
+  cont.checkpoint.resume = (root / "imported").string();
+  cont.train.seq_len = 16;
+  cont.train.micro_batch = 2;
+  cont.train.global_batch = 2;
+  cont.train.steps = 2;
+  cont.train.eval_interval = 0;
+  const TrainSummary s = train(cont, log);
+  EXPECT_EQ(s.start_step, 0);
+  EXPECT_EQ(s.steps_done, 2);
+  EXPECT_NE(log.str().find("resumed from"), std::string::npos);
   fs::remove_all(root);
 }
 

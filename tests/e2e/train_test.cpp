@@ -136,6 +136,23 @@ TEST(Train, MetricsHaveContractKeys) {
   fs::remove_all(root);
 }
 
+TEST(Train, NonFiniteStepsAreSkipped) {
+  // Weights of 1e30 overflow the logits: every step's loss is non-finite and is skipped,
+  // leaving the parameters as initialised.
+  const fs::path root = temp_dir("skip");
+  Config a = small_config(root / "run");
+  a.train.steps = 2;
+  a.model.init_std = 1e30;
+  std::ostringstream log;
+  train(a, log);
+  EXPECT_NE(log.str().find("skipped: non-finite loss"), std::string::npos) << log.str();
+  int64_t skipped = 0;
+  for (const auto& r : read_metrics(root / "run"))
+    if (r.contains("skipped_steps")) skipped += r["skipped_steps"].get<int64_t>();
+  EXPECT_EQ(skipped, 2);
+  fs::remove_all(root);
+}
+
 TEST(Train, DefaultRunLossFalls) {
   // The embedded default with fewer steps: eval loss must fall at least 30%.
   const fs::path root = temp_dir("default");
