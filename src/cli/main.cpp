@@ -2,6 +2,7 @@
 // Every error reaches the user as one "error: ..." line and exit status 1.
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "data/embedded.h"
 #include "model/layout.h"
 #include "model/model.h"
+#include "train/bench.h"
 #include "train/trainer.h"
 
 namespace moe {
@@ -24,6 +26,8 @@ constexpr const char* kUsage =
     "commands:\n"
     "  train [CONFIG.toml] [--section.key=value ...]   train a model (no CONFIG: the embedded default)\n"
     "  train --dry-run ...                             print the resolved config, sizes, FLOPs and memory\n"
+    "  bench [CONFIG.toml] [--warmup N] [--steps N] [--out DIR] [--section.key=value ...]\n"
+    "                                                  time warm training steps: tokens/s, TFLOP/s, phases, memory\n"
     "  inspect CHECKPOINT_DIR                          print a checkpoint's step, config and tensors\n"
     "  export-hf CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32]\n"
     "                                                  write a Hugging Face OLMoE model (config.json + safetensors)\n"
@@ -90,6 +94,37 @@ int cmd_train(std::vector<std::string> args) {
   else if (s.final_eval_loss >= 0)
     std::printf(", eval loss %.4f", s.final_eval_loss);
   std::printf(", %.1f s; checkpoint %s\n", s.wall_s, s.last_checkpoint.c_str());
+  return 0;
+}
+
+int cmd_bench(std::vector<std::string> args, const std::string& command) {
+  if (has_flag(args, "--help") || has_flag(args, "-h")) {
+    std::cout << "usage: moecore bench [CONFIG.toml] [--warmup N] [--steps N] [--out DIR] [--section.key=value ...]\n\n"
+                 "Runs warm training steps on random tokens and prints tokens/s, TFLOP/s (FLOPs per token from\n"
+                 "docs/architecture.md), MFU, step time by phase and peak memory; writes the same as JSON under\n"
+                 "DIR (default bench/results; --out= for none).\n";
+    return 0;
+  }
+  BenchOptions opt;
+  opt.command = command;
+  std::string path;
+  std::vector<std::string> overrides;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto value = [&](const std::string& flag) {
+      MOE_CHECK(i + 1 < args.size(), flag, " needs a value");
+      return args[++i];
+    };
+    if (args[i] == "--warmup") opt.warmup = std::stoll(value("--warmup"));
+    else if (args[i] == "--steps") opt.steps = std::stoll(value("--steps"));
+    else if (args[i] == "--out") opt.out_dir = value("--out");
+    else if (args[i].rfind("--out=", 0) == 0) opt.out_dir = args[i].substr(6);
+    else if (args[i].rfind("--", 0) == 0) overrides.push_back(args[i]);
+    else if (path.empty()) path = args[i];
+    else MOE_FAIL("unexpected argument '", args[i], "'");
+  }
+  if (!path.empty()) opt.config_name = std::filesystem::path(path).stem().string();
+  const Config cfg = load_config(path, overrides);
+  run_bench(cfg, opt, std::cout);
   return 0;
 }
 
@@ -257,6 +292,11 @@ int main(int argc, char** argv) {
   try {
     if (cmd == "train") return moe::cmd_train(args);
     if (cmd == "inspect") return moe::cmd_inspect(args);
+    if (cmd == "bench") {
+      std::string command = "moecore";
+      for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
+      return moe::cmd_bench(args, command);
+    }
     if (cmd == "tokenize") return moe::cmd_tokenize(args);
     if (cmd == "logits") return moe::cmd_logits(args);
     if (cmd == "export-hf") return moe::cmd_export_hf(args);

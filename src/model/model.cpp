@@ -151,10 +151,12 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
 
   ForwardStats stats;
   std::vector<T> x(n * d), branch(n * d);
+  timer_.lap(Phase::kEmbedding);
   cpu::embedding_forward(inputs, P + layout_.find("model.embed_tokens.weight").offset, x.data(), n, v, d);
 
   for (int64_t l = 0; l < mcfg_.n_layers; ++l) {
     LayerState& s = *layers_[l];
+    timer_.lap(Phase::kAttention);
     s.x_in_ND = x;
     // Attention branch.
     s.norm1_ND.resize(n * d);
@@ -191,10 +193,12 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
     s.rstd2_N.resize(n);
     cpu::rmsnorm_forward(x.data(), P + s.ln2, s.norm2_ND.data(), s.rstd2_N.data(), n, d, mcfg_.norm_eps);
     if (s.dense) {
+      timer_.lap(Phase::kMlp);
       mlp_forward(s.norm2_ND.data(), P + s.mg, P + s.mu, P + s.md, n, d, mcfg_.dense_hidden, s.mlp, x.data(),
                   /*accumulate=*/true);
       continue;
     }
+    timer_.lap(Phase::kRouter);
     s.rp = router_params(ecfg_, n, d, mix_seed(routing_seed, static_cast<uint64_t>(l)));
     s.logits_NE.resize(n * e);
     s.scores_NE.resize(n * e);
@@ -206,6 +210,7 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
         s.scores_NE.data(), s.topk_idx_NK.data(), s.topk_w_NK.data(), s.counts_E.data());
     stats.lb_loss += rs.lb_loss;
     stats.z_loss += rs.z_loss;
+    timer_.lap(Phase::kDispatch);
     s.offsets_E1.resize(e + 1);
     s.sorted_route_R.resize(rows);
     s.route_to_row_R.resize(rows);
@@ -224,14 +229,17 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
     const int64_t kept = s.kept_rows;
     s.x_sorted_RD.resize(kept * d);
     cpu::permute_forward(s.norm2_ND.data(), s.sorted_route_R.data(), kept, k, d, s.x_sorted_RD.data());
+    timer_.lap(Phase::kExperts);
     s.gate_up_R2I.resize(kept * 2 * inner);
     s.h_RI.resize(kept * inner);
     s.y_sorted_RD.resize(kept * d);
     cpu::experts_forward(s.x_sorted_RD.data(), s.offsets_E1.data(), P + s.e_gate_up, P + s.e_down, e, d, inner,
                          s.gate_up_R2I.data(), s.h_RI.data(), s.y_sorted_RD.data());
+    timer_.lap(Phase::kCombine);
     cpu::unpermute_forward(s.y_sorted_RD.data(), s.route_to_row_R.data(), s.topk_w_NK.data(), n, k, d,
                            branch.data());
     if (s.shared) {
+      timer_.lap(Phase::kMlp);
       mlp_forward(s.norm2_ND.data(), P + s.mg, P + s.mu, P + s.md, n, d, ecfg_.shared_experts * inner, s.mlp,
                   branch.data(), /*accumulate=*/true);
     }
@@ -243,6 +251,7 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
   }
 
   // Final norm, LM head, cross-entropy.
+  timer_.lap(Phase::kLmHead);
   final_in_ND_ = x;
   final_norm_ND_.resize(n * d);
   final_rstd_N_.resize(n);
@@ -258,6 +267,7 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
     stats.ce_sum += double(loss_N_[i]);
     stats.num_targets += 1;
   }
+  timer_.stop();
   return stats;
 }
 
@@ -275,6 +285,7 @@ void Model<T>::backward(const LossScales& scales) {
   const T dz = num_moe_layers_ ? T(scales.z_scale / double(num_moe_layers_)) : T(0);
 
   // LM head and final norm.
+  timer_.lap(Phase::kLmHead);
   std::vector<T> dlogits(n * v), dnorm(n * d), dx(n * d);
   cpu::cross_entropy_backward(logits_NV_.data(), targets_.data(), lse_N_.data(), dlogits.data(), n, v, 0.0,
                               T(scales.ce_scale));
@@ -291,25 +302,32 @@ void Model<T>::backward(const LossScales& scales) {
     // MLP / MoE branch: dnorm2 = d(branch)/d(norm2) applied to dx.
     std::fill(dbranch.begin(), dbranch.end(), T(0));
     if (s.dense) {
+      timer_.lap(Phase::kMlp);
       mlp_backward(s.norm2_ND.data(), P + s.mg, P + s.mu, P + s.md, s.mlp, dx.data(), n, d, mcfg_.dense_hidden,
                    dbranch.data(), G + s.mg, G + s.mu, G + s.md);
     } else {
       if (s.shared) {
+        timer_.lap(Phase::kMlp);
         mlp_backward(s.norm2_ND.data(), P + s.mg, P + s.mu, P + s.md, s.mlp, dx.data(), n, d,
                      ecfg_.shared_experts * inner, dbranch.data(), G + s.mg, G + s.mu, G + s.md);
       }
+      timer_.lap(Phase::kCombine);
       const int64_t kept = s.kept_rows;
       std::vector<T> dy_sorted(kept * d), dtopk_w(n * k), dx_sorted(kept * d), scratch(kept * 3 * inner);
       cpu::unpermute_backward(dx.data(), s.y_sorted_RD.data(), s.route_to_row_R.data(), s.topk_w_NK.data(), n, k, d,
                               kept, dy_sorted.data(), dtopk_w.data());
+      timer_.lap(Phase::kExperts);
       cpu::experts_backward(s.x_sorted_RD.data(), s.offsets_E1.data(), P + s.e_gate_up, P + s.e_down,
                             s.gate_up_R2I.data(), s.h_RI.data(), dy_sorted.data(), e, d, inner, dx_sorted.data(),
                             G + s.e_gate_up, G + s.e_down, scratch.data());
+      timer_.lap(Phase::kDispatch);
       cpu::permute_backward(dx_sorted.data(), s.sorted_route_R.data(), kept, k, d, dbranch.data());
+      timer_.lap(Phase::kRouter);
       cpu::router_backward(s.rp, s.norm2_ND.data(), P + s.gate, s.logits_NE.data(), s.scores_NE.data(),
                            s.topk_idx_NK.data(), s.counts_E.data(), dtopk_w.data(), dlb, dz, dbranch.data(),
                            G + s.gate);
     }
+    timer_.lap(Phase::kAttention);
     cpu::rmsnorm_backward(s.x_mid_ND.data(), P + s.ln2, s.rstd2_N.data(), dbranch.data(), dtmp.data(), G + s.ln2, n, d);
     for (int64_t i = 0; i < n * d; ++i) dx[i] += dtmp[i];
 
@@ -335,8 +353,10 @@ void Model<T>::backward(const LossScales& scales) {
     cpu::rmsnorm_backward(s.x_in_ND.data(), P + s.ln1, s.rstd1_N.data(), dbranch.data(), dtmp.data(), G + s.ln1, n, d);
     for (int64_t i = 0; i < n * d; ++i) dx[i] += dtmp[i];
   }
+  timer_.lap(Phase::kEmbedding);
   const int64_t emb = layout_.find("model.embed_tokens.weight").offset;
   cpu::embedding_backward(inputs_.data(), dx.data(), G + emb, n, v, d);
+  timer_.stop();
 }
 
 template <typename T>

@@ -11,6 +11,7 @@
 
 #include "core/arena.h"
 #include "core/config.h"
+#include "core/phase_timer.h"
 #include "model/mlp.h"
 
 namespace moe {
@@ -65,6 +66,9 @@ class Model {
   // Accumulates (+=) the gradient of scales.objective(stats) into grads().
   void backward(const LossScales& scales);
 
+  // Per-phase wall time of forward/backward (off unless enabled).
+  PhaseTimer& timer() { return timer_; }
+
   // Logits [N, V] of the last forward.
   const std::vector<T>& logits() const { return logits_NV_; }
 
@@ -79,6 +83,7 @@ class Model {
   int64_t num_moe_layers_ = 0;
   std::vector<T> params_, grads_;
   std::vector<float> expert_bias_;
+  PhaseTimer timer_;
   // Saved activations of the last forward.
   int64_t batch_ = 0, seq_ = 0;
   std::vector<int32_t> inputs_, targets_;
