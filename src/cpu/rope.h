@@ -1,0 +1,19 @@
+// Rotary position embedding, HF "rotate_half" (non-interleaved) convention: within each head
+// of width hd, element i pairs with i + hd/2 and rotates by angle = pos * theta^(-2i/hd):
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin. x is [batch, seq, heads, hd] row-major and is
+// rotated in place; positions are 0..seq-1 within each sequence. hd must be even. Angles,
+// cos and sin are computed in double for both scalar types, then rounded to T.
+#pragma once
+
+#include <cstdint>
+
+namespace moe::cpu {
+
+template <typename T>
+void rope_forward(T* x, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double theta);
+
+// In place: dx = R^T dy, the inverse rotation (rotation by -angle).
+template <typename T>
+void rope_backward(T* dx, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double theta);
+
+}  // namespace moe::cpu

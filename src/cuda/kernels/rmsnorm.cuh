@@ -1,0 +1,142 @@
+// RMSNorm kernels. Forward, a warp per row: rstd = 1 / sqrt(mean_j x_j^2 + eps) (saved FP32),
+// y = (x * rstd) * w. Backward with xhat = x * rstd, g = dy * w, m = mean_j(g_j * xhat_j):
+// dx = rstd * (g - xhat * m); dw += sum_rows dy * xhat, deterministically: each block owns a
+// fixed chunk of kRmsChunkRows rows and writes that chunk's FP32 partial dw row, then
+// rmsnorm_dw_reduce_chunks adds the partials to dw in chunk order (no float atomics).
+#pragma once
+
+#include "cuda/kernels/vec.cuh"
+
+namespace moe::cuda::kernels {
+
+constexpr int kRmsChunkRows = 32;     // rows per backward block (fixed: partition depends on n only)
+constexpr int kRmsBackwardThreads = 256;
+constexpr int kRmsReduceWarps = 8;    // warps splitting the chunk sum in rmsnorm_dw_reduce_chunks
+
+template <int V>
+__global__ void rmsnorm_forward_warp_per_row(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
+                                             uint16_t* __restrict__ y, float* __restrict__ rstd, int64_t n,
+                                             int64_t d, float eps) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warps = blockDim.x / kWarpSize;
+  for (int64_t row = int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; row < n;
+       row += int64_t{gridDim.x} * warps) {
+    const uint16_t* x_row = x + row * d;
+    float sum_sq = 0.0f;
+#pragma unroll 4
+    for (int64_t c = int64_t{lane} * V; c < d; c += kWarpSize * V) {
+      float v[V];
+      load_bf16<V>(x_row + c, v);
+#pragma unroll
+      for (int i = 0; i < V; ++i) sum_sq += v[i] * v[i];
+    }
+    sum_sq = warp_sum(sum_sq);
+    const float r = 1.0f / sqrtf(sum_sq / static_cast<float>(d) + eps);
+    if (lane == 0) rstd[row] = r;
+    uint16_t* y_row = y + row * d;
+#pragma unroll 4
+    for (int64_t c = int64_t{lane} * V; c < d; c += kWarpSize * V) {
+      float v[V], wv[V], out[V];
+      load_bf16<V>(x_row + c, v);
+      load_bf16<V>(w + c, wv);
+#pragma unroll
+      for (int i = 0; i < V; ++i) out[i] = (v[i] * r) * wv[i];
+      store_bf16<V>(y_row + c, out);
+    }
+  }
+}
+
+// One block per chunk of kRmsChunkRows rows; blockDim.x == kRmsBackwardThreads.
+// partial_dw[chunk, d] receives the chunk's sum of dy * xhat.
+template <int V>
+__global__ void __launch_bounds__(kRmsBackwardThreads)
+    rmsnorm_backward_row_chunks(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
+                                const float* __restrict__ rstd, const uint16_t* __restrict__ dy,
+                                uint16_t* __restrict__ dx, float* __restrict__ partial_dw, int64_t n, int64_t d) {
+  __shared__ float s_rstd[kRmsChunkRows];
+  __shared__ float s_mean[kRmsChunkRows];  // m = mean_j(g_j * xhat_j) per row
+  const int64_t row0 = int64_t{blockIdx.x} * kRmsChunkRows;
+  const int rows = static_cast<int>(n - row0 < kRmsChunkRows ? n - row0 : kRmsChunkRows);
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int warps = blockDim.x / kWarpSize;
+
+  // Phase 1: a warp per row computes m.
+  for (int r = warp; r < rows; r += warps) {
+    const uint16_t* x_row = x + (row0 + r) * d;
+    const uint16_t* dy_row = dy + (row0 + r) * d;
+    float dot = 0.0f;
+#pragma unroll 2
+    for (int64_t c = int64_t{lane} * V; c < d; c += kWarpSize * V) {
+      float xv[V], dv[V], wv[V];
+      load_bf16<V>(x_row + c, xv);
+      load_bf16<V>(dy_row + c, dv);
+      load_bf16<V>(w + c, wv);
+#pragma unroll
+      for (int i = 0; i < V; ++i) dot += (dv[i] * wv[i]) * xv[i];
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) {
+      const float rs = rstd[row0 + r];
+      s_rstd[r] = rs;
+      s_mean[r] = dot * rs / static_cast<float>(d);
+    }
+  }
+  __syncthreads();
+
+  // Phase 2: each thread owns V columns at a time and walks the chunk's rows in order.
+  for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
+    float wv[V], acc[V];
+    load_bf16<V>(w + c, wv);
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc[i] = 0.0f;
+#pragma unroll 2
+    for (int r = 0; r < rows; ++r) {
+      const int64_t off = (row0 + r) * d + c;
+      float xv[V], dv[V], out[V];
+      load_bf16<V>(x + off, xv);
+      load_bf16<V>(dy + off, dv);
+      const float rs = s_rstd[r];
+      const float m = s_mean[r];
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float xhat = xv[i] * rs;
+        out[i] = rs * (dv[i] * wv[i] - xhat * m);
+        acc[i] += dv[i] * xhat;
+      }
+      store_bf16<V>(dx + off, out);
+    }
+    float* p = partial_dw + int64_t{blockIdx.x} * d + c;
+    if constexpr (V == kVecBf16) {
+      reinterpret_cast<float4*>(p)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      reinterpret_cast<float4*>(p)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i) p[i] = acc[i];
+    }
+  }
+}
+
+// dw[c] += sum over chunks of partial_dw[chunk, c]. Block (32, kRmsReduceWarps): lane -> column,
+// warp k sums chunks k, k + 8, ... in order; the 8 warp sums are added in warp order. The order
+// depends only on (n, d), so results are bitwise reproducible on any GPU.
+__global__ void __launch_bounds__(kWarpSize * kRmsReduceWarps)
+    rmsnorm_dw_reduce_chunks(const float* __restrict__ partial_dw, float* __restrict__ dw, int64_t num_chunks,
+                             int64_t d) {
+  __shared__ float s_sum[kRmsReduceWarps][kWarpSize];
+  const int64_t c = int64_t{blockIdx.x} * kWarpSize + threadIdx.x;
+  float sum = 0.0f;
+  if (c < d) {
+    for (int64_t k = threadIdx.y; k < num_chunks; k += kRmsReduceWarps) sum += partial_dw[k * d + c];
+  }
+  s_sum[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < d) {
+    float total = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kRmsReduceWarps; ++k) total += s_sum[k][threadIdx.x];
+    dw[c] += total;
+  }
+}
+
+}  // namespace moe::cuda::kernels

@@ -1,0 +1,62 @@
+// Rotary position embedding, in place on x[B, S, H, hd], HF rotate_half pairing (i, i + hd/2),
+// angle(s, i) = s * theta^(-2i/hd). Forward: (a, b) -> (a cos - b sin, b cos + a sin); backward
+// applies the transposed rotation: (a, b) -> (a cos + b sin, b cos - a sin). One block per
+// (position s, batch slice): the block first fills a shared (cos, sin) table for its s with the
+// angle formed and reduced to [-pi, pi] in double, then sincosf in FP32 (|error| < 3e-7), then
+// rotates every head of its batch rows. BF16 storage, FP32 math.
+#pragma once
+
+#include "cuda/kernels/vec.cuh"
+
+namespace moe::cuda::kernels {
+
+constexpr int kRopeThreads = 128;
+
+template <int V, bool kBackward>
+__global__ void __launch_bounds__(kRopeThreads)
+    rope_rotate_pairs(uint16_t* __restrict__ x, int64_t batch, int64_t seq, int heads, int head_dim,
+                      double log2_theta) {
+  extern __shared__ float2 s_cos_sin[];  // [head_dim / 2]
+  constexpr double kTwoPi = 6.283185307179586476925;
+  const int half = head_dim / 2;
+  const int64_t s = blockIdx.x;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const double inv_freq = exp2(-(2.0 * i / head_dim) * log2_theta);
+    const double angle = static_cast<double>(s) * inv_freq;
+    const double reduced = fma(-rint(angle * (1.0 / kTwoPi)), kTwoPi, angle);
+    float sn, cs;
+    sincosf(static_cast<float>(reduced), &sn, &cs);
+    s_cos_sin[i] = make_float2(cs, sn);
+  }
+  __syncthreads();
+
+  const int groups = half / V;
+  const int items = heads * groups;  // (head, group of V pairs) per token
+  for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
+    uint16_t* token = x + (b * seq + s) * heads * head_dim;
+    for (int it = threadIdx.x; it < items; it += blockDim.x) {
+      const int h = it / groups;
+      const int i0 = (it - h * groups) * V;
+      uint16_t* lo = token + int64_t{h} * head_dim + i0;
+      uint16_t* hi = lo + half;
+      float a[V], bv[V], out_lo[V], out_hi[V];
+      load_bf16<V>(lo, a);
+      load_bf16<V>(hi, bv);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float2 t = s_cos_sin[i0 + k];
+        if constexpr (kBackward) {
+          out_lo[k] = a[k] * t.x + bv[k] * t.y;
+          out_hi[k] = bv[k] * t.x - a[k] * t.y;
+        } else {
+          out_lo[k] = a[k] * t.x - bv[k] * t.y;
+          out_hi[k] = bv[k] * t.x + a[k] * t.y;
+        }
+      }
+      store_bf16<V>(lo, out_lo);
+      store_bf16<V>(hi, out_hi);
+    }
+  }
+}
+
+}  // namespace moe::cuda::kernels

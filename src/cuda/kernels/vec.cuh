@@ -1,0 +1,81 @@
+// Device helpers shared by the elementwise and row kernels: BF16 <-> FP32 conversion of V
+// consecutive elements (V = 8: one 16-byte access; V = 1: the scalar fallback for odd widths
+// or unaligned pointers), and warp sums. BF16 is carried as its uint16_t bit pattern; stores
+// round to nearest even (NaN stays NaN), the same rule as moe::f32_to_bf16 on the host.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace moe::cuda::kernels {
+
+constexpr int kWarpSize = 32;
+constexpr int kVecBf16 = 8;  // BF16 elements in one 16-byte access
+
+__device__ __forceinline__ float bf16_bits_to_f32(uint32_t bits) { return __uint_as_float(bits << 16); }
+
+__device__ __forceinline__ uint16_t f32_to_bf16_bits(float x) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+
+// out[0..V) = float(p[0..V)); p must be 2*V-byte aligned.
+template <int V>
+__device__ __forceinline__ void load_bf16(const uint16_t* __restrict__ p, float (&out)[V]) {
+  static_assert(V == 1 || V == kVecBf16, "BF16 vectors are 1 or 8 elements");
+  if constexpr (V == 1) {
+    out[0] = bf16_bits_to_f32(*p);
+  } else {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = __uint_as_float(words[i] << 16);
+      out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+    }
+  }
+}
+
+// p[0..V) = bf16(in[0..V)), round to nearest even; p must be 2*V-byte aligned.
+template <int V>
+__device__ __forceinline__ void store_bf16(uint16_t* __restrict__ p, const float (&in)[V]) {
+  if constexpr (V == 1) {
+    *p = f32_to_bf16_bits(in[0]);
+  } else {
+    uint32_t words[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      words[i] = static_cast<uint32_t>(f32_to_bf16_bits(in[2 * i])) |
+                 (static_cast<uint32_t>(f32_to_bf16_bits(in[2 * i + 1])) << 16);
+    }
+    *reinterpret_cast<uint4*>(p) = make_uint4(words[0], words[1], words[2], words[3]);
+  }
+}
+
+// Raw copy of V BF16 elements (no conversion).
+template <int V>
+__device__ __forceinline__ void copy_bf16(const uint16_t* __restrict__ src, uint16_t* __restrict__ dst) {
+  if constexpr (V == 1) {
+    *dst = *src;
+  } else {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store_zero_bf16(uint16_t* __restrict__ dst) {
+  if constexpr (V == 1) {
+    *dst = 0;
+  } else {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Sum over the 32 lanes of a warp (butterfly: every lane gets the same total, in a fixed order).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+}  // namespace moe::cuda::kernels

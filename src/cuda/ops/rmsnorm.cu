@@ -1,0 +1,101 @@
+// RMSNorm launchers and checked entry points. Vector path (16-byte accesses) when d % 8 == 0
+// and x, w, y / dy, dx and the workspace are 16-byte aligned; else the scalar path. Backward:
+// one block per 32-row chunk writes a partial dw row into the workspace, then a reduction
+// kernel adds the partials to dw in chunk order.
+#include "cuda/ops/rmsnorm.h"
+
+#include <algorithm>
+
+#include "cuda/common.h"
+#include "cuda/kernels/rmsnorm.cuh"
+#include "cuda/ops/launch.h"
+
+namespace moe::cuda {
+namespace {
+
+using kernels::kRmsChunkRows;
+using kernels::kVecBf16;
+
+constexpr int kForwardWarpsPerBlock = 8;
+
+int64_t num_chunks(int64_t n) { return (n + kRmsChunkRows - 1) / kRmsChunkRows; }
+
+template <int V>
+void launch_rmsnorm_forward(const uint16_t* x, const uint16_t* w, uint16_t* y, float* rstd, int64_t n,
+                            int64_t d, float eps, Stream stream) {
+  const int64_t blocks = std::min<int64_t>((n + kForwardWarpsPerBlock - 1) / kForwardWarpsPerBlock,
+                                           detail::kMaxGridX);
+  kernels::rmsnorm_forward_warp_per_row<V>
+      <<<static_cast<unsigned>(blocks), kForwardWarpsPerBlock * kernels::kWarpSize, 0, stream>>>(x, w, y, rstd,
+                                                                                                 n, d, eps);
+  check_launch("rmsnorm_forward_warp_per_row");
+}
+
+template <int V>
+void launch_rmsnorm_backward(const uint16_t* x, const uint16_t* w, const float* rstd, const uint16_t* dy,
+                             uint16_t* dx, float* dw, float* partial_dw, int64_t n, int64_t d, Stream stream) {
+  const int64_t chunks = num_chunks(n);
+  kernels::rmsnorm_backward_row_chunks<V>
+      <<<static_cast<unsigned>(chunks), kernels::kRmsBackwardThreads, 0, stream>>>(x, w, rstd, dy, dx,
+                                                                                   partial_dw, n, d);
+  check_launch("rmsnorm_backward_row_chunks");
+  const dim3 block(kernels::kWarpSize, kernels::kRmsReduceWarps);
+  const int64_t blocks = (d + kernels::kWarpSize - 1) / kernels::kWarpSize;
+  kernels::rmsnorm_dw_reduce_chunks<<<static_cast<unsigned>(blocks), block, 0, stream>>>(partial_dw, dw,
+                                                                                          chunks, d);
+  check_launch("rmsnorm_dw_reduce_chunks");
+}
+
+void check_sizes(const char* op, int64_t n, int64_t d) {
+  MOE_CHECK(n >= 0 && d > 0, op, ": expected n >= 0 and d > 0, got n=", n, " d=", d);
+  // One block per chunk: the grid's x dimension bounds the number of chunks.
+  MOE_CHECK(num_chunks(n) <= detail::kMaxGridX, op, ": n=", n, " rows exceed the supported ",
+            detail::kMaxGridX * kRmsChunkRows);
+}
+
+}  // namespace
+
+void rmsnorm_forward(const uint16_t* x, const uint16_t* w, uint16_t* y, float* rstd, int64_t n, int64_t d,
+                     double eps, Stream stream) {
+  const char* op = "cuda::rmsnorm_forward";
+  check_sizes(op, n, d);
+  MOE_CHECK(eps >= 0.0, op, ": expected eps >= 0, got ", eps);
+  if (n == 0) return;
+  detail::check_ptrs(op, {{"x", x}, {"w", w}, {"y", y}}, 2);
+  detail::check_ptrs(op, {{"rstd", rstd}}, 4);
+  const float eps_f = static_cast<float>(eps);
+  if (d % kVecBf16 == 0 && detail::aligned16(x) && detail::aligned16(w) && detail::aligned16(y)) {
+    launch_rmsnorm_forward<kVecBf16>(x, w, y, rstd, n, d, eps_f, stream);
+  } else {
+    launch_rmsnorm_forward<1>(x, w, y, rstd, n, d, eps_f, stream);
+  }
+}
+
+size_t rmsnorm_backward_workspace_bytes(int64_t n, int64_t d) {
+  MOE_CHECK(n >= 0 && d >= 0, "cuda::rmsnorm_backward_workspace_bytes: expected n, d >= 0, got n=", n,
+            " d=", d);
+  return static_cast<size_t>(num_chunks(n)) * static_cast<size_t>(d) * sizeof(float);
+}
+
+void rmsnorm_backward(const uint16_t* x, const uint16_t* w, const float* rstd, const uint16_t* dy,
+                      uint16_t* dx, float* dw, int64_t n, int64_t d, void* workspace,
+                      size_t workspace_bytes, Stream stream) {
+  const char* op = "cuda::rmsnorm_backward";
+  check_sizes(op, n, d);
+  if (n == 0) return;
+  detail::check_ptrs(op, {{"x", x}, {"w", w}, {"dy", dy}, {"dx", dx}}, 2);
+  detail::check_ptrs(op, {{"rstd", rstd}, {"dw", dw}}, 4);
+  detail::check_ptrs(op, {{"workspace", workspace}}, 16);
+  const size_t need = rmsnorm_backward_workspace_bytes(n, d);
+  MOE_CHECK(workspace_bytes >= need, op, ": workspace of ", workspace_bytes, " bytes is too small, need ",
+            need, " (rmsnorm_backward_workspace_bytes(", n, ", ", d, "))");
+  float* partial_dw = static_cast<float*>(workspace);
+  if (d % kVecBf16 == 0 && detail::aligned16(x) && detail::aligned16(w) && detail::aligned16(dy) &&
+      detail::aligned16(dx)) {
+    launch_rmsnorm_backward<kVecBf16>(x, w, rstd, dy, dx, dw, partial_dw, n, d, stream);
+  } else {
+    launch_rmsnorm_backward<1>(x, w, rstd, dy, dx, dw, partial_dw, n, d, stream);
+  }
+}
+
+}  // namespace moe::cuda

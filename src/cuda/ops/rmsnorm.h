@@ -1,0 +1,25 @@
+// RMSNorm on the GPU, same contract as cpu/rmsnorm.h: x[N, D], w[D], y[N, D] in BF16
+// (uint16_t bit patterns), FP32 math; rstd[N] = 1 / sqrt(mean(x^2) + eps) saved in FP32 for the
+// backward. dx is overwritten, dw (FP32) accumulates, deterministically (fixed chunking, no
+// float atomics): the backward needs rmsnorm_backward_workspace_bytes(n, d) of device scratch.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/device.h"
+
+namespace moe::cuda {
+
+void rmsnorm_forward(const uint16_t* x, const uint16_t* w, uint16_t* y, float* rstd, int64_t n, int64_t d,
+                     double eps, Stream stream);
+
+// Bytes of 16-byte-aligned device scratch the backward needs: ceil(n / 32) * d * 4.
+size_t rmsnorm_backward_workspace_bytes(int64_t n, int64_t d);
+
+// dx (overwritten, BF16) and dw (+=, FP32) from dy, given the forward's x, w and rstd.
+void rmsnorm_backward(const uint16_t* x, const uint16_t* w, const float* rstd, const uint16_t* dy,
+                      uint16_t* dx, float* dw, int64_t n, int64_t d, void* workspace,
+                      size_t workspace_bytes, Stream stream);
+
+}  // namespace moe::cuda

@@ -1,0 +1,20 @@
+// Rotary position embedding on the GPU, same contract as cpu/rope.h: x[batch, seq, heads,
+// head_dim] in BF16 (uint16_t bit patterns), rotated in place; position = sequence index s,
+// pairs (i, i + head_dim/2) (HF rotate_half), angle = s * theta^(-2i/head_dim). The backward
+// applies the inverse rotation to the gradient in place. FP32 math; cos/sin within 3e-7 of
+// the double-precision values, so results match the reference to one BF16 rounding.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/device.h"
+
+namespace moe::cuda {
+
+void rope_forward(uint16_t* x, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double theta,
+                  Stream stream);
+
+void rope_backward(uint16_t* dx, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double theta,
+                   Stream stream);
+
+}  // namespace moe::cuda

@@ -1,0 +1,62 @@
+// The CUDA error macros and device count. The message tests need no GPU (they only format
+// status codes); the launch-check test does.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "gpu/gpu_test_util.h"
+
+namespace moe::testing {
+namespace {
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const moe::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(CudaCommon, DeviceCountNeverThrows) {
+  int count = -1;
+  EXPECT_NO_THROW(count = cuda::cuda_device_count());
+  EXPECT_GE(count, 0);
+}
+
+TEST(CudaCommon, CudaCheckNamesErrorCallAndSite) {
+  const std::string msg = message_of([] { MOE_CUDA_CHECK(cudaErrorInvalidValue); });
+  EXPECT_NE(msg.find("cudaErrorInvalidValue"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(cudaGetErrorString(cudaErrorInvalidValue)), std::string::npos) << msg;
+  EXPECT_NE(msg.find("from cudaErrorInvalidValue"), std::string::npos) << msg;  // the call as written
+  EXPECT_NE(msg.find("common_test.cpp:"), std::string::npos) << msg;
+  EXPECT_NO_THROW(MOE_CUDA_CHECK(cudaSuccess));
+}
+
+TEST(CudaCommon, CudaCheckAddsHintForOutOfMemory) {
+  const std::string msg = message_of([] { MOE_CUDA_CHECK(cudaErrorMemoryAllocation); });
+  EXPECT_NE(msg.find("cudaErrorMemoryAllocation"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("out of device memory"), std::string::npos) << msg;
+}
+
+TEST(CudaCommon, CublasCheckNamesStatus) {
+  const std::string msg = message_of([] { MOE_CUBLAS_CHECK(CUBLAS_STATUS_NOT_SUPPORTED); });
+  EXPECT_NE(msg.find("CUBLAS_STATUS_NOT_SUPPORTED"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("common_test.cpp:"), std::string::npos) << msg;
+  EXPECT_NO_THROW(MOE_CUBLAS_CHECK(CUBLAS_STATUS_SUCCESS));
+}
+
+TEST(CudaCommon, CheckLaunchReportsPendingErrorOnce) {
+  MOE_SKIP_WITHOUT_GPU();
+  MOE_CUDA_CHECK(cudaFree(nullptr));  // create the context
+  void* p = nullptr;
+  ASSERT_EQ(cudaMalloc(&p, size_t{1} << 62), cudaErrorMemoryAllocation);  // leaves a pending error
+  const std::string msg = message_of([] { cuda::check_launch("probe_kernel"); });
+  EXPECT_NE(msg.find("launch of probe_kernel"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("cudaErrorMemoryAllocation"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("common_test.cpp:"), std::string::npos) << msg;
+  EXPECT_NO_THROW(cuda::check_launch("probe_kernel"));  // the error was consumed
+}
+
+}  // namespace
+}  // namespace moe::testing

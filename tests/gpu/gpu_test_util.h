@@ -1,0 +1,127 @@
+// Helpers for the GPU parity suite: skip without a GPU, a test stream, BF16 test data, and
+// device buffers with 256 guard bytes on each side (pattern kGuardByte) whose data region starts
+// filled with 0xFF bytes (NaN in BF16 and FP32, so an output the op forgot to write fails parity).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "cuda/common.h"
+
+#define MOE_SKIP_WITHOUT_GPU()                                                           \
+  do {                                                                                   \
+    if (::moe::cuda::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible"; \
+  } while (0)
+
+namespace moe::testing {
+
+constexpr size_t kGuardBytes = 256;
+constexpr uint8_t kGuardByte = 0xA7;
+constexpr uint8_t kUnwrittenByte = 0xFF;
+
+// A device array of n elements of T between two guard zones. `misalign_bytes` shifts the data
+// start off the 256-byte allocation boundary (to reach the scalar fallback paths).
+template <typename T>
+class GuardedBuffer {
+ public:
+  explicit GuardedBuffer(int64_t n, size_t misalign_bytes = 0) : n_(n), shift_(misalign_bytes) {
+    total_ = kGuardBytes + shift_ + bytes() + kGuardBytes;
+    MOE_CUDA_CHECK(cudaMalloc(&base_, total_));
+    MOE_CUDA_CHECK(cudaMemset(base_, kGuardByte, total_));
+    MOE_CUDA_CHECK(cudaMemset(base_ + kGuardBytes + shift_, kUnwrittenByte, bytes()));
+  }
+  GuardedBuffer(const std::vector<T>& host, size_t misalign_bytes = 0)
+      : GuardedBuffer(static_cast<int64_t>(host.size()), misalign_bytes) {
+    upload(host);
+  }
+  GuardedBuffer(const GuardedBuffer&) = delete;
+  GuardedBuffer& operator=(const GuardedBuffer&) = delete;
+  ~GuardedBuffer() { cudaFree(base_); }
+
+  T* data() { return reinterpret_cast<T*>(base_ + kGuardBytes + shift_); }
+  const T* data() const { return reinterpret_cast<const T*>(base_ + kGuardBytes + shift_); }
+  int64_t size() const { return n_; }
+  size_t bytes() const { return static_cast<size_t>(n_) * sizeof(T); }
+
+  void upload(const std::vector<T>& host) {
+    ASSERT_EQ(static_cast<int64_t>(host.size()), n_);
+    MOE_CUDA_CHECK(cudaMemcpy(data(), host.data(), bytes(), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(static_cast<size_t>(n_));
+    MOE_CUDA_CHECK(cudaMemcpy(host.data(), data(), bytes(), cudaMemcpyDeviceToHost));
+    return host;
+  }
+
+  // Both guard zones still hold kGuardByte; the failure names the buffer and the first damaged byte.
+  void expect_guards_intact(const std::string& what) const {
+    std::vector<uint8_t> host(total_);
+    MOE_CUDA_CHECK(cudaMemcpy(host.data(), base_, total_, cudaMemcpyDeviceToHost));
+    const size_t data_begin = kGuardBytes + shift_, data_end = data_begin + bytes();
+    for (size_t i = 0; i < total_; ++i) {
+      if (i >= data_begin && i < data_end) continue;
+      if (host[i] != kGuardByte) {
+        const long long off = i < data_begin ? static_cast<long long>(i) - static_cast<long long>(data_begin)
+                                             : static_cast<long long>(i - data_end);
+        ADD_FAILURE() << what << ": guard byte " << (i < data_begin ? "before" : "after") << " the data, at offset "
+                      << off << ", was overwritten (0x" << std::hex << int{host[i]} << ")";
+        return;
+      }
+    }
+  }
+
+ private:
+  int64_t n_;
+  size_t shift_;
+  size_t total_ = 0;
+  uint8_t* base_ = nullptr;
+};
+
+// A non-default stream, so the ops' stream argument is exercised.
+class TestStream {
+ public:
+  TestStream() { MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  ~TestStream() { cudaStreamDestroy(s_); }
+  TestStream(const TestStream&) = delete;
+  TestStream& operator=(const TestStream&) = delete;
+  cudaStream_t get() const { return s_; }
+  void sync() const { MOE_CUDA_CHECK(cudaStreamSynchronize(s_)); }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+// n normal values (mean 0, std `scale`) rounded to BF16 bit patterns; fixed seed.
+inline std::vector<uint16_t> random_bf16(int64_t n, uint64_t seed, float scale = 1.0f, float mean = 0.0f) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<float> dist(mean, scale);
+  std::vector<uint16_t> v(static_cast<size_t>(n));
+  for (auto& b : v) b = f32_to_bf16(dist(gen));
+  return v;
+}
+
+inline std::vector<float> random_f32(int64_t n, uint64_t seed, float scale = 1.0f) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (auto& x : v) x = dist(gen);
+  return v;
+}
+
+inline std::vector<float> bf16_to_f32(const std::vector<uint16_t>& b) {
+  std::vector<float> f(b.size());
+  for (size_t i = 0; i < b.size(); ++i) f[i] = moe::bf16_to_f32(b[i]);
+  return f;
+}
+
+inline bool bitwise_equal(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(uint16_t)) == 0;
+}
+
+}  // namespace moe::testing
