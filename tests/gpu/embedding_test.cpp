@@ -82,8 +82,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, EmbeddingParity,
                                            EmbShape{16384, 1000, 2048, 0}, EmbShape{100, 300, 2048, 2}),
                          [](const auto& info) {
                            const auto& p = info.param;
-                           return "n" + std::to_string(p.n) + "_v" + std::to_string(p.vocab) + "_d" +
-                                  std::to_string(p.d) + (p.misalign ? "_misaligned" : "");
+                           return param_name("n", p.n, "_v", p.vocab, "_d", p.d, p.misalign ? "_misaligned" : "");
                          });
 
 // Bad ids: -1, vocab, INT32_MIN, INT32_MAX. Forward writes zero rows and counts; backward skips

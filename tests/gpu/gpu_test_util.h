@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -118,6 +119,14 @@ inline std::vector<float> bf16_to_f32(const std::vector<uint16_t>& b) {
   std::vector<float> f(b.size());
   for (size_t i = 0; i < b.size(); ++i) f[i] = moe::bf16_to_f32(b[i]);
   return f;
+}
+
+// Test-parameter names such as "n16384_d2048" (streamed: GCC 12 at -O3 warns on literal + string).
+template <typename... Parts>
+std::string param_name(const Parts&... parts) {
+  std::ostringstream os;
+  (os << ... << parts);
+  return os.str();
 }
 
 inline bool bitwise_equal(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {

@@ -96,8 +96,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, RmsnormParity,
                                            RmsShape{33, 8, 0}, RmsShape{5, 2048, 0}, RmsShape{16384, 2048, 0},
                                            RmsShape{70, 128, 0}, RmsShape{40, 2048, 2}),
                          [](const auto& info) {
-                           return "n" + std::to_string(info.param.n) + "_d" + std::to_string(info.param.d) +
-                                  (info.param.misalign ? "_misaligned" : "");
+                           return param_name("n", info.param.n, "_d", info.param.d,
+                                             info.param.misalign ? "_misaligned" : "");
                          });
 
 TEST(Rmsnorm, WorkspaceTooSmallIsRejected) {

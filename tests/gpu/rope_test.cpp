@@ -56,9 +56,8 @@ INSTANTIATE_TEST_SUITE_P(
                       RopeShape{2, 9, 3, 128, 1e4, 2}),
     [](const auto& info) {
       const auto& p = info.param;
-      return "b" + std::to_string(p.batch) + "_s" + std::to_string(p.seq) + "_h" + std::to_string(p.heads) + "_hd" +
-             std::to_string(p.head_dim) + "_theta" + std::to_string(static_cast<int64_t>(p.theta)) +
-             (p.misalign ? "_misaligned" : "");
+      return param_name("b", p.batch, "_s", p.seq, "_h", p.heads, "_hd", p.head_dim, "_theta",
+                        static_cast<int64_t>(p.theta), p.misalign ? "_misaligned" : "");
     });
 
 // Forward then backward is the identity up to two BF16 roundings. A rounding of the forward

@@ -61,8 +61,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SwigluParity,
                                            SwigluShape{7, 4099, 0}, SwigluShape{64, 2048, 0},
                                            SwigluShape{16384, 1024, 0}, SwigluShape{33, 1024, 2}),
                          [](const auto& info) {
-                           return "n" + std::to_string(info.param.n) + "_inner" + std::to_string(info.param.inner) +
-                                  (info.param.misalign ? "_misaligned" : "");
+                           return param_name("n", info.param.n, "_inner", info.param.inner,
+                                             info.param.misalign ? "_misaligned" : "");
                          });
 
 TEST(Swiglu, ZeroRowsIsANoOp) {

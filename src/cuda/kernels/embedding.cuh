@@ -1,10 +1,8 @@
-// Embedding kernels. Forward: out[i, :] = w[ids[i], :] (a raw BF16 row copy). Backward,
-// deterministic: keys (the id, or `vocab` for a bad id) are radix-sorted stably with the
-// positions 0..n-1 as values, so equal ids sit together in position order; then a warp per
-// (segment start, column chunk) loads dw's FP32 row and adds the segment's dout rows in that
-// order: the same sequence of FP32 additions as the CPU loop, hence bit-identical results.
-// Bad ids (outside [0, vocab)) never index memory: forward writes a zero row, backward skips
-// the row, and both add 1 per bad id to *num_bad_ids (integer atomics: exact in any order).
+// Embedding kernels. Forward: out[i, :] = w[ids[i], :] (raw BF16 row copy). Backward: keys (id,
+// or `vocab` for a bad id) radix-sorted stably with positions as values; a warp per (run of equal
+// keys, column chunk) adds the run's dout rows onto dw's FP32 row in position order, the CPU
+// loop's own order (bit-identical). Bad ids never index memory: forward writes a zero row,
+// backward skips the row, both add 1 per bad id to *num_bad_ids (integer atomics).
 #pragma once
 
 #include "cuda/kernels/vec.cuh"

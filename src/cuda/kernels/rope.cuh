@@ -1,9 +1,8 @@
-// Rotary position embedding, in place on x[B, S, H, hd], HF rotate_half pairing (i, i + hd/2),
-// angle(s, i) = s * theta^(-2i/hd). Forward: (a, b) -> (a cos - b sin, b cos + a sin); backward
-// applies the transposed rotation: (a, b) -> (a cos + b sin, b cos - a sin). One block per
-// (position s, batch slice): the block first fills a shared (cos, sin) table for its s with the
-// angle formed and reduced to [-pi, pi] in double, then sincosf in FP32 (|error| < 3e-7), then
-// rotates every head of its batch rows. BF16 storage, FP32 math.
+// RoPE in place on x[B, S, H, hd], HF rotate_half pairs (i, i + hd/2), angle s * theta^(-2i/hd).
+// Forward (a, b) -> (a cos - b sin, b cos + a sin); backward the transpose (a cos + b sin,
+// b cos - a sin). A block per (position s, batch slice) fills a shared (cos, sin) table for s
+// (angle formed and reduced to [-pi, pi] in double, then sincosf: |error| < 3e-7), then rotates
+// every head of its rows. BF16 storage, FP32 math.
 #pragma once
 
 #include "cuda/kernels/vec.cuh"
