@@ -1,21 +1,10 @@
-// Device helpers for the MoE routing kernels: a device check that prints file:line and the
-// failed condition and traps (for broken invariants, e.g. an expert index outside [0, E)), and
-// warp max / double sum / inclusive scan in a fixed butterfly or shuffle-up order (deterministic).
+// Warp helpers for the MoE routing kernels: max, double and int32 sums in a fixed butterfly
+// order and an inclusive scan by shuffle-up, so every reduction is deterministic.
 #pragma once
 
 #include <cstdint>
-#include <cstdio>
 
 #include "cuda/kernels/vec.cuh"
-
-#define MOE_DEVICE_CHECK(cond, fmt, ...)                                                      \
-  do {                                                                                        \
-    if (!(cond)) [[unlikely]] {                                                               \
-      printf("%s:%d: device check failed: %s: " fmt "\n", __FILE__, __LINE__, #cond,         \
-             __VA_ARGS__);                                                                    \
-      __trap();                                                                               \
-    }                                                                                         \
-  } while (0)
 
 namespace moe::cuda::kernels {
 

@@ -20,7 +20,7 @@ constexpr int kScanThreads = 1024;
 constexpr int kMapMaxExperts = 256;  // the final scan holds 8 experts per lane
 
 __global__ void __launch_bounds__(kMapThreads)
-    dispatch_count_per_tile(const int32_t* topk_idx, int64_t routes, int top_k, int num_experts,
+    dispatch_count_per_tile(const int32_t* topk_idx, int64_t routes, int num_experts,
                             int64_t routes_per_tile, int num_tiles,
                             int32_t* tile_counts /*[E, tiles]*/) {
   __shared__ int32_t s_hist[kMapMaxExperts];
@@ -30,12 +30,7 @@ __global__ void __launch_bounds__(kMapThreads)
   const int64_t end = begin + routes_per_tile < routes ? begin + routes_per_tile : routes;
   for (int64_t r = begin + threadIdx.x; r < end; r += kMapThreads) {
     const int32_t e = topk_idx[r];
-    MOE_DEVICE_CHECK(e >= 0 && e < num_experts,
-                     "build_dispatch_map: expert index must be in [0, %d), got %d at token %lld "
-                     "slot %lld",
-                     num_experts, e, static_cast<long long>(r / top_k),
-                     static_cast<long long>(r % top_k));
-    atomicAdd(&s_hist[e], 1);  // integer: order-free
+    if (e >= 0 && e < num_experts) atomicAdd(&s_hist[e], 1);  // integer: order-free
   }
   __syncthreads();
   for (int e = threadIdx.x; e < num_experts; e += kMapThreads)
@@ -43,11 +38,12 @@ __global__ void __launch_bounds__(kMapThreads)
 }
 
 // One block. Turns counts[e, tile] into positions[e, tile] in place (exclusive scan over tiles
-// per expert), writes totals, kept-row offsets and the dropped count.
+// per expert), writes totals, kept-row offsets and the count of routes left without a row.
 __global__ void __launch_bounds__(kScanThreads)
     dispatch_scan_tiles(int32_t* tile_counts_to_pos /*[E, tiles]*/, int num_experts,
-                        int num_tiles, int64_t capacity, int32_t* num_tokens_per_expert,
-                        int32_t* expert_offsets, int32_t* num_dropped) {
+                        int num_tiles, int64_t routes, int64_t capacity,
+                        int32_t* num_tokens_per_expert, int32_t* expert_offsets,
+                        int32_t* num_dropped) {
   __shared__ int32_t s_count[kMapMaxExperts];
   __shared__ int32_t s_kept[kMapMaxExperts];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -77,16 +73,13 @@ __global__ void __launch_bounds__(kScanThreads)
   if (warp == 0) {
     constexpr int kPerLane = kMapMaxExperts / 32;  // lane owns experts lane*8 .. lane*8+7
     int32_t kept[kPerLane];
-    int32_t sum = 0, dropped = 0;
+    int32_t sum = 0;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       const int e = lane * kPerLane + i;
       kept[i] = e < E ? s_kept[e] : 0;
       sum += kept[i];
-      if (e < E) {
-        dropped += s_count[e] - s_kept[e];
-        num_tokens_per_expert[e] = s_count[e];
-      }
+      if (e < E) num_tokens_per_expert[e] = s_count[e];
     }
     const int32_t incl = warp_inclusive_scan(sum);
     int32_t run = incl - sum;
@@ -96,9 +89,11 @@ __global__ void __launch_bounds__(kScanThreads)
       if (e < E) expert_offsets[e] = run;
       run += kept[i];
     }
-    if (lane == 31) expert_offsets[E] = incl;
-    dropped = warp_sum(dropped);
-    if (lane == 0 && num_dropped) *num_dropped = dropped;
+    if (lane == 31) {
+      expert_offsets[E] = incl;
+      // Routes without a row: dropped by the capacity or holding a bad expert index.
+      if (num_dropped) *num_dropped = static_cast<int32_t>(routes - incl);
+    }
   }
 }
 
@@ -118,7 +113,7 @@ __global__ void __launch_bounds__(kMapThreads)
   const int64_t warp_begin = tile_begin + warp * chunks_per_warp * 32;
   auto expert_of = [&](int64_t r) {
     const int32_t e = r < routes ? topk_idx[r] : -1;
-    return e >= 0 && e < E ? e : -1;  // out-of-range indices already trapped in the count pass
+    return e >= 0 && e < E ? e : -1;  // -1: no route, or an index outside [0, E) (dropped)
   };
   for (int64_t c = 0; c < chunks_per_warp; ++c) {
     const int32_t e = expert_of(warp_begin + c * 32 + lane);
@@ -144,8 +139,8 @@ __global__ void __launch_bounds__(kMapThreads)
     __syncwarp();
     if (e >= 0 && (peers & lanes_below) == 0) s_warp[warp][e] += __popc(peers);
     __syncwarp();
-    if (e >= 0) {
-      if (capacity > 0 && pos >= capacity) {
+    if (r < routes) {
+      if (e < 0 || (capacity > 0 && pos >= capacity)) {
         route_to_row[r] = -1;
       } else {
         const int32_t row = expert_offsets[e] + pos;

@@ -2,7 +2,7 @@
 // only (no atomics, deterministic): one thread per kVec-value pack (kVec = 8: one 16-byte
 // access) for permute, its backward and the combine; one warp per route for unpermute's
 // backward, which also reduces <dout[t], y_sorted[row]>. FP32 sums in slot order, one BF16
-// rounding per output. Route and row indices are checked against R = T*k (trap).
+// rounding per output. Indices outside [0, R = T*k) count as -1 (none).
 #pragma once
 
 #include <cstdint>
@@ -18,6 +18,10 @@ struct RowShape {
   int64_t num_tokens, top_k, routes, d, packs_per_row;
 };
 
+// A route id or row index that names one of the R rows; -1 (padding, dropped) and anything
+// else outside [0, R) read as "none", so a bad map never indexes memory.
+__device__ __forceinline__ bool in_rows(int32_t i, const RowShape& s) { return i >= 0 && i < s.routes; }
+
 template <int kVec>
 __global__ void __launch_bounds__(kPermuteThreads)
     permute_gather_rows(const uint16_t* x, const int32_t* sorted_route, RowShape s,
@@ -27,11 +31,8 @@ __global__ void __launch_bounds__(kPermuteThreads)
        i += static_cast<int64_t>(gridDim.x) * kPermuteThreads) {
     const int64_t row = i / s.packs_per_row, v = i - row * s.packs_per_row;
     const int32_t r = sorted_route[row];
-    MOE_DEVICE_CHECK(r >= -1 && r < s.routes,
-                     "permute_forward: route id must be in [0, %lld) or -1, got %d at row %lld",
-                     static_cast<long long>(s.routes), r, static_cast<long long>(row));
     uint16_t* dst = x_sorted + row * s.d + v * kVec;
-    if (r < 0)
+    if (!in_rows(r, s))
       store_zero_bf16<kVec>(dst);
     else
       copy_bf16<kVec>(x + (r / s.top_k) * s.d + v * kVec, dst);
@@ -50,12 +51,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
     load_bf16<kVec>(dx + t * s.d + v * kVec, acc);
     for (int64_t j = 0; j < s.top_k; ++j) {
       const int32_t row = route_to_row[t * s.top_k + j];
-      MOE_DEVICE_CHECK(row >= -1 && row < s.routes,
-                       "permute_backward: row must be in [0, %lld) or -1, got %d at token %lld "
-                       "slot %lld",
-                       static_cast<long long>(s.routes), row, static_cast<long long>(t),
-                       static_cast<long long>(j));
-      if (row < 0) continue;
+      if (!in_rows(row, s)) continue;
       float y[kVec];
       load_bf16<kVec>(dx_sorted + row * s.d + v * kVec, y);
 #pragma unroll
@@ -78,12 +74,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
     for (int q = 0; q < kVec; ++q) acc[q] = 0.f;
     for (int64_t j = 0; j < s.top_k; ++j) {
       const int32_t row = route_to_row[t * s.top_k + j];
-      MOE_DEVICE_CHECK(row >= -1 && row < s.routes,
-                       "unpermute_forward: row must be in [0, %lld) or -1, got %d at token %lld "
-                       "slot %lld",
-                       static_cast<long long>(s.routes), row, static_cast<long long>(t),
-                       static_cast<long long>(j));
-      if (row < 0) continue;
+      if (!in_rows(row, s)) continue;
       const float w = topk_w[t * s.top_k + j];
       float y[kVec];
       load_bf16<kVec>(y_sorted + row * s.d + v * kVec, y);
@@ -106,13 +97,8 @@ __global__ void __launch_bounds__(kPermuteThreads)
   for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kPermuteThreads + threadIdx.x) / 32; i < s.routes;
        i += warps) {
     const int32_t row = route_to_row[i];
-    MOE_DEVICE_CHECK(row >= -1 && row < s.routes,
-                     "unpermute_backward: row must be in [0, %lld) or -1, got %d at token %lld "
-                     "slot %lld",
-                     static_cast<long long>(s.routes), row, static_cast<long long>(i / s.top_k),
-                     static_cast<long long>(i % s.top_k));
     float dot = 0.f;
-    if (row >= 0) {
+    if (in_rows(row, s)) {
       const uint16_t* g_row = dout + (i / s.top_k) * s.d;
       const uint16_t* y_row = y_sorted + row * s.d;
       uint16_t* dy_row = dy_sorted + row * s.d;
@@ -124,14 +110,14 @@ __global__ void __launch_bounds__(kPermuteThreads)
 #pragma unroll
         for (int q = 0; q < kVec; ++q) {
           dot += g[q] * y[q];
-          dy[q] = w * g[q];
+          dy[q] = 0.f + w * g[q];  // +0 for a zero product, as the CPU op's 0 += w * g
         }
         store_bf16<kVec>(dy_row + v * kVec, dy);
       }
     }
     dot = warp_sum(dot);
     if (lane == 0) dtopk_w[i] = dot;
-    if (sorted_route[i] < 0) {
+    if (!in_rows(sorted_route[i], s)) {
       uint16_t* dy_row = dy_sorted + i * s.d;
       for (int64_t v = lane; v < s.packs_per_row; v += 32) store_zero_bf16<kVec>(dy_row + v * kVec);
     }

@@ -307,10 +307,12 @@ __global__ void __launch_bounds__(kRouterThreads) router_backward_warp_per_token
     float my_g = 0.f, my_s = 0.f;
     if (lane < k) {
       my_idx = a.topk_idx[t * k + lane];
-      MOE_DEVICE_CHECK(my_idx >= 0 && my_idx < E, "router_backward: expert %d of token %lld slot %d "
-                       "is outside [0, %d)", my_idx, static_cast<long long>(t), lane, E);
-      my_g = a.dtopk_w[t * k + lane];
-      my_s = a.scores[t * E + my_idx];
+      if (my_idx >= 0 && my_idx < E) {  // a bad index contributes nothing (and reads nothing)
+        my_g = a.dtopk_w[t * k + lane];
+        my_s = a.scores[t * E + my_idx];
+      } else {
+        my_idx = -1;
+      }
     }
     // Through w_j = s_j / S when norm_topk: ds_i = (g_i - sum_j g_j w_j) / S.
     float sum = 0.f, gw = 0.f;

@@ -56,9 +56,14 @@ size_t dispatch_map_workspace_bytes(int64_t num_tokens, int64_t top_k, int64_t n
 void build_dispatch_map(const int32_t* topk_idx, int64_t num_tokens, int64_t top_k,
                         int64_t num_experts, int64_t capacity, int32_t* num_tokens_per_expert,
                         int32_t* expert_offsets, int32_t* sorted_route, int32_t* route_to_row,
-                        int32_t* num_dropped, void* workspace, Stream stream) {
+                        int32_t* num_dropped, void* workspace, size_t workspace_bytes,
+                        Stream stream) {
   constexpr const char* kOp = "cuda::build_dispatch_map";
   check_map_params(num_tokens, top_k, num_experts, kOp);
+  const size_t need = dispatch_map_workspace_bytes(num_tokens, top_k, num_experts);
+  MOE_CHECK(workspace_bytes >= need, kOp, ": workspace of ", workspace_bytes,
+            " bytes is too small, need ", need, " (dispatch_map_workspace_bytes(", num_tokens, ", ",
+            top_k, ", ", num_experts, "))");
   detail::check_ptrs(
       kOp, {{"num_tokens_per_expert", num_tokens_per_expert}, {"expert_offsets", expert_offsets}},
       4);
@@ -73,12 +78,12 @@ void build_dispatch_map(const int32_t* topk_idx, int64_t num_tokens, int64_t top
                         {"route_to_row", route_to_row}, {"workspace", workspace}},
                        4);
     kernels::dispatch_count_per_tile<<<tiles, kMapThreads, 0, stream>>>(
-        topk_idx, routes, static_cast<int>(top_k), num_exp, m.routes_per_tile, tiles,
-        tile_counts);
+        topk_idx, routes, num_exp, m.routes_per_tile, tiles, tile_counts);
     check_launch("dispatch_count_per_tile");
   }
   kernels::dispatch_scan_tiles<<<1, kernels::kScanThreads, 0, stream>>>(
-      tile_counts, num_exp, tiles, capacity, num_tokens_per_expert, expert_offsets, num_dropped);
+      tile_counts, num_exp, tiles, routes, capacity, num_tokens_per_expert, expert_offsets,
+      num_dropped);
   check_launch("dispatch_scan_tiles");
   if (routes > 0) {
     kernels::dispatch_scatter_stable<<<tiles, kMapThreads, 0, stream>>>(

@@ -56,11 +56,15 @@ size_t router_workspace_bytes(const RouterParams& p) {
 void router_forward(const RouterParams& p, const float* logits, const float* expert_bias,
                     float* scores, int32_t* topk_idx, float* topk_w,
                     int32_t* num_tokens_per_expert, float* score_sum, float* losses,
-                    void* workspace, Stream stream) {
+                    void* workspace, size_t workspace_bytes, Stream stream) {
   constexpr const char* kOp = "cuda::router_forward";
   check_router_params(p, kOp);
   detail::check_ptrs(kOp, {{"num_tokens_per_expert", num_tokens_per_expert}, {"losses", losses}}, 4);
   const int64_t blocks = router_blocks(p.num_tokens);
+  const size_t need = router_workspace_bytes(p);
+  MOE_CHECK(workspace_bytes >= need, kOp, ": workspace of ", workspace_bytes,
+            " bytes is too small, need ", need, " (router_workspace_bytes with num_tokens=",
+            p.num_tokens, ", num_experts=", p.num_experts, ")");
   auto* score_partial = static_cast<float*>(workspace);
   auto* count_partial = reinterpret_cast<int32_t*>(score_partial + blocks * (p.num_experts + 1));
   if (p.num_tokens > 0) {

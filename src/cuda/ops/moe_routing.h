@@ -40,7 +40,8 @@ struct RouterParams {
 //   losses[0] = lb_loss = E * sum_e (count_e / (T*k)) * (score_sum_e / T),
 //   losses[1] = z_loss = mean_t (logsumexp_e logits[t,e])^2; all 0 when T = 0.
 // Every output is written (never accumulated). Sums run in a fixed order: results are
-// deterministic for given shapes. Device memory `workspace` holds router_workspace_bytes(p).
+// deterministic for given shapes. `workspace` is caller-owned device scratch of at least
+// router_workspace_bytes(p) bytes (a smaller workspace_bytes throws naming the query).
 // Checks (moe::Error): T >= 0, E in [1, 256], top_k in [1, min(E, 16)], non-null buffers.
 size_t router_workspace_bytes(const RouterParams& p);
 
@@ -48,12 +49,13 @@ void router_forward(const RouterParams& p, const float* logits /*[T,E]*/,
                     const float* expert_bias /*[E] or nullptr*/, float* scores /*[T,E]*/,
                     int32_t* topk_idx /*[T,k]*/, float* topk_w /*[T,k]*/,
                     int32_t* num_tokens_per_expert /*[E]*/, float* score_sum /*[E] or nullptr*/,
-                    float* losses /*[2]: lb_loss, z_loss*/, void* workspace, Stream stream);
+                    float* losses /*[2]: lb_loss, z_loss*/, void* workspace,
+                    size_t workspace_bytes, Stream stream);
 
 // dlogits [T,E] (overwritten) of L = sum(topk_w * dtopk_w) + dlb * lb_loss + dz * z_loss, from
 // the saved logits, scores, topk_idx and counts. dlb and dz are FP32 scalars in device memory
 // (null means 0) so a captured graph replays with new values. dx and dW_gate come from the gate
-// GEMM's backward elsewhere.
+// GEMM's backward elsewhere. A saved expert index outside [0, E) contributes nothing.
 void router_backward(const RouterParams& p, const float* logits /*[T,E]*/,
                      const float* scores /*[T,E]*/, const int32_t* topk_idx /*[T,k]*/,
                      const int32_t* num_tokens_per_expert /*[E]*/, const float* dtopk_w /*[T,k]*/,
@@ -69,10 +71,12 @@ void router_backward(const RouterParams& p, const float* logits /*[T,E]*/,
 //   count when capacity <= 0); expert e owns rows [offsets[e], offsets[e+1]), in increasing r.
 // - sorted_route [R]: route id of each row; rows past offsets[E] (dropped tail) hold -1.
 // - route_to_row [R]: row of each route, -1 when dropped.
-// - num_dropped [1] (or nullptr): routes dropped by the capacity (0 when dropless).
-// Deterministic: per-tile histograms, one scan over (expert, tile), a stable per-warp ranking.
-// Checks: T >= 0, E in [1, 256], top_k in [1, E], T*k fits int32. An expert index outside
-// [0, E) in topk_idx traps on the device, printing token and slot.
+// - num_dropped [1] (or nullptr): routes without a row, R - offsets[E] (0 when dropless).
+// An expert index outside [0, E) never traps (graph-safe) and never indexes memory: the route is
+// left out of every count and dropped (route_to_row = -1), so it shows in num_dropped; the
+// CPU op throws instead. Deterministic: per-tile histograms, one scan over (expert, tile), a
+// stable per-warp ranking. Checks: T >= 0, E in [1, 256], top_k in [1, E], T*k fits int32,
+// workspace_bytes >= dispatch_map_workspace_bytes(T, k, E).
 size_t dispatch_map_workspace_bytes(int64_t num_tokens, int64_t top_k, int64_t num_experts);
 
 void build_dispatch_map(const int32_t* topk_idx /*[T,k]*/, int64_t num_tokens, int64_t top_k,
@@ -80,12 +84,13 @@ void build_dispatch_map(const int32_t* topk_idx /*[T,k]*/, int64_t num_tokens, i
                         int32_t* num_tokens_per_expert /*[E]*/, int32_t* expert_offsets /*[E+1]*/,
                         int32_t* sorted_route /*[T*k]*/, int32_t* route_to_row /*[T*k]*/,
                         int32_t* num_dropped /*[1] or nullptr*/, void* workspace,
-                        Stream stream);
+                        size_t workspace_bytes, Stream stream);
 
 // ---------------------------------------------------------------------------------------------
 // Data movement on BF16 rows (bit patterns as uint16_t). Row buffers hold R = T*k rows (the
 // static bound); rows are D elements. 16-byte accesses when D % 8 == 0 and every row pointer is
-// 16-byte aligned, else 2-byte accesses. Route and row indices are checked on the device (trap).
+// 16-byte aligned, else 2-byte accesses. A route id or row outside [0, R) is read as -1 (padding
+// or dropped): never a trap, never an out-of-bounds access; build_dispatch_map makes none.
 
 // x_sorted[row] = x[sorted_route[row] / k]; a row whose route is -1 is zeroed.
 void permute_forward(const uint16_t* x /*[T,D]*/, const int32_t* sorted_route /*[R]*/,
