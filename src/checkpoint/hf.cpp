@@ -238,7 +238,7 @@ std::string import_hf(const std::string& hf_dir, const std::string& out_checkpoi
 
   // name -> file
   std::map<std::string, std::string> where;
-  std::map<std::string, std::unique_ptr<SafetensorsFile>> files;
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> opened;
   if (fs::exists(dir / "model.safetensors.index.json")) {
     const nlohmann::json idx = read_json(dir / "model.safetensors.index.json");
     MOE_CHECK(idx.contains("weight_map") && idx["weight_map"].is_object(),
@@ -256,7 +256,7 @@ std::string import_hf(const std::string& hf_dir, const std::string& out_checkpoi
   auto info = [&](const std::string& name) -> std::pair<const SafetensorsFile*, const TensorInfo*> {
     auto it = where.find(name);
     if (it == where.end()) return {nullptr, nullptr};
-    auto& f = files[it->second];
+    auto& f = opened[it->second];
     if (!f) f = std::make_unique<SafetensorsFile>(SafetensorsFile::open((dir / it->second).string()));
     const TensorInfo* t = f->find(name);
     MOE_CHECK(t, (dir / it->second).string(), " does not hold '", name, "' although the index says so");

@@ -94,10 +94,11 @@ int cmd_train(std::vector<std::string> args) {
 }
 
 int cmd_inspect(std::vector<std::string> args) {
-  if (args.empty() || has_flag(args, "--help") || has_flag(args, "-h")) {
+  const bool help = has_flag(args, "--help") || has_flag(args, "-h");
+  if (help || args.empty()) {
     std::cout << "usage: moecore inspect CHECKPOINT_DIR\n\n"
                  "CHECKPOINT_DIR is a step_<N> directory or a checkpoint directory (its latest step is shown).\n";
-    return args.empty() ? 2 : 0;
+    return help ? 0 : 2;
   }
   MOE_CHECK(args.size() == 1, "inspect takes one CHECKPOINT_DIR, got ", args.size(), " arguments");
   const auto dir = resolve_checkpoint(args[0]);
@@ -113,7 +114,7 @@ int cmd_inspect(std::vector<std::string> args) {
     for (const auto& t : f.tensors()) bytes += int64_t(t.end - t.begin);
     std::printf("%s: %zu tensors, %.2f MiB\n", file, f.tensors().size(), double(bytes) / (1 << 20));
     for (const auto& t : f.tensors())
-      std::printf("  %-60s %-5s %s\n", t.name.c_str(), std::string(dtype_safetensors_name(t.dtype)).c_str(),
+      std::printf("  %-60s %-5s %s\n", t.name.c_str(), t.dtype_name.c_str(),
                   shape_str(t.shape).c_str());
   };
   list("model.safetensors", ck.model());

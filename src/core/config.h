@@ -42,19 +42,19 @@ struct TrainConfig {
   int64_t seq_len = 128;
   int64_t micro_batch = 8;    // sequences per rank per micro-step
   int64_t global_batch = 16;  // sequences per optimizer step
-  int64_t steps = 300;
+  int64_t steps = 100;
   uint64_t seed = 1234;
   std::string precision = "fp32";  // "fp32" | "bf16" | "fp8"
   std::string recompute = "none";  // "none" | "selective" | "full"
   std::string device = "auto";     // "auto" | "cpu" | "cuda"
-  int64_t eval_interval = 50;
+  int64_t eval_interval = 25;
   int64_t eval_batches = 4;
 };
 
 struct OptimConfig {
   double lr = 3e-3;
   double min_lr = 3e-4;
-  int64_t warmup_steps = 30;
+  int64_t warmup_steps = 10;
   std::string schedule = "cosine";  // "cosine" | "linear" | "constant"
   double beta1 = 0.9;
   double beta2 = 0.95;

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <optional>
 #include <ostream>
 
@@ -90,7 +91,7 @@ double evaluate(Model<float>& model, const DataLoader& eval, const Config& cfg) 
   int64_t count = 0;
   for (int64_t i = 0; i < nb; ++i) {
     const Batch b = eval.eval_batch(i, seqs);
-    const ForwardStats s = model.forward(b.inputs.data(), b.targets.data(), b.batch, b.seq_len,
+    const ForwardStats s = model.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len,
                                          routing_seed(cfg.train.seed, -1, i));
     ce += s.ce_sum;
     count += s.num_targets;
@@ -209,7 +210,7 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
                                                     std::vector<int64_t>(cfg.moe.num_experts, 0));
     for (int64_t m = 0; m < static_cast<int64_t>(micro.size()); ++m) {
       const Batch& b = micro[m];
-      const ForwardStats s = model.forward(b.inputs.data(), b.targets.data(), b.batch, b.seq_len,
+      const ForwardStats s = model.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len,
                                            routing_seed(cfg.train.seed, step, m));
       model.backward(scales);
       ce += s.ce_sum;

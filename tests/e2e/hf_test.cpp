@@ -162,7 +162,8 @@ TEST(HfInterop, ImportsFusedBf16Layout) {
   write_fused_hf(root / "hf", c, false, false);
   import_hf((root / "hf").string(), (root / "ck").string());
   const LoadedCheckpoint b = LoadedCheckpoint::open(*resolve_checkpoint((root / "ck").string()));
-  const ParamEntry& e = build_param_layout(c.model, c.moe).find("model.layers.0.mlp.experts.gate_up_proj");
+  const ParamLayout layout = build_param_layout(c.model, c.moe);
+  const ParamEntry& e = layout.find("model.layers.0.mlp.experts.gate_up_proj");
   std::vector<float> y(e.numel);
   b.read_model(e.name, e.shape, y.data());
   for (int64_t i = 0; i < e.numel; i += 97)

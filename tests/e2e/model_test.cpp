@@ -134,9 +134,10 @@ TEST(ModelGrad, CapacityDropsRoutes) {
   model.expert_bias() = c.bias;
   std::vector<int32_t> ids(10, 1);
   const ForwardStats s = model.forward(ids.data(), ids.data(), 2, 5);
-  // 10 tokens x top-2 = 20 routes per layer, capacity 5: expert 1 keeps 5 of its 10.
+  // Identical tokens choose the same two experts: 20 routes per layer, 10 per chosen expert,
+  // capacity ceil(20 / 4) = 5, so each MoE layer drops 10 and the two layers 20 of 40.
   EXPECT_EQ(s.num_routes, 40);
-  EXPECT_EQ(s.num_dropped, 10);
+  EXPECT_EQ(s.num_dropped, 20);
 }
 
 TEST(Model, DeterministicBitwise) {
@@ -168,7 +169,9 @@ TEST(Model, DeterministicBitwise) {
   EXPECT_EQ(a.tokens_per_expert, b.tokens_per_expert);
 }
 
-TEST(Model, IndependentOfBlasThreadCount) {
+TEST(Model, BlasThreadCountChangesOnlyRounding) {
+  // OpenBLAS may split a GEMM's reduction differently with another thread count, so results
+  // are bitwise reproducible for a fixed BLAS thread count only (docs/numerics.md).
   ModelConfig m = tiny_model();
   m.vocab_size = 256;
   m.d_model = 128;
@@ -190,11 +193,19 @@ TEST(Model, IndependentOfBlasThreadCount) {
     grads.assign(model.grads(), model.grads() + model.layout().total_numel());
     return s.ce_sum;
   };
-  std::vector<float> g1, g2;
-  const double l1 = run(1, g1), l2 = run(2, g2);
-  openblas_set_num_threads(0);
-  EXPECT_EQ(l1, l2);
-  EXPECT_EQ(std::memcmp(g1.data(), g2.data(), g1.size() * sizeof(float)), 0);
+  const int saved = openblas_get_num_threads();
+  std::vector<float> g1, g1b, g2;
+  const double l1 = run(1, g1), l1b = run(1, g1b), l2 = run(2, g2);
+  openblas_set_num_threads(saved);
+  EXPECT_EQ(l1, l1b);
+  EXPECT_EQ(std::memcmp(g1.data(), g1b.data(), g1.size() * sizeof(float)), 0);
+  EXPECT_NEAR(l1, l2, 1e-5 * std::abs(l1));
+  double max_g = 0, max_diff = 0;
+  for (size_t i = 0; i < g1.size(); ++i) {
+    max_g = std::max(max_g, double(std::abs(g1[i])));
+    max_diff = std::max(max_diff, double(std::abs(g1[i] - g2[i])));
+  }
+  EXPECT_LE(max_diff, 1e-4 * max_g);
 }
 
 TEST(Model, LayoutNamesAndCounts) {

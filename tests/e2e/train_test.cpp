@@ -141,7 +141,7 @@ TEST(Train, DefaultRunLossFalls) {
   const fs::path root = temp_dir("default");
   Config c;
   c.run.dir = (root / "run").string();
-  c.train.steps = 120;
+  c.train.steps = 40;
   c.train.eval_interval = 0;
   c.optim.warmup_steps = 10;
   c.log.interval = 20;

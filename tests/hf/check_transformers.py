@@ -62,7 +62,8 @@ def main():
         cfg = OlmoeConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
                           norm_topk_prob=False, rms_norm_eps=1e-5, max_position_embeddings=256,
-                          initializer_range=0.1, tie_word_embeddings=False)
+                          initializer_range=0.1, tie_word_embeddings=False,
+                          eos_token_id=0, pad_token_id=1, bos_token_id=None)
         model = OlmoeForCausalLM(cfg).float().eval()
         model.save_pretrained(work / "hf_in")
         run([binary, "import-hf", work / "hf_in", work / "ck_in"])

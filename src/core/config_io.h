@@ -1,0 +1,70 @@
+// Reading, overriding, checking and writing the run configuration (core/config.h). One table
+// of keys ("section.key", type, field accessor, allowed values, description) drives the TOML
+// parser, command-line overrides, enum checks, serialisation and the --help listing.
+// Errors are moe::Error naming the key, the source (file:line or the override) and the value.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "core/config.h"
+
+namespace moe {
+
+// kUint is a TOML integer that must be >= 0 (stored as uint64_t, e.g. train.seed).
+enum class ConfigType { kInt, kUint, kFloat, kBool, kString, kStringList, kIntList };
+
+// Pointer to the Config field a key names; the alternative always matches the key's type.
+using ConfigField = std::variant<int64_t*, uint64_t*, double*, bool*, std::string*, std::vector<std::string>*,
+                                 std::vector<int64_t>*>;
+
+struct ConfigKey {
+  std::string name;  // "section.key"
+  ConfigType type;
+  std::vector<std::string> choices;  // allowed values of a string key; empty: any string
+  std::string description;           // one line, for --help and docs
+  std::function<ConfigField(Config&)> field;
+
+  std::string section() const { return name.substr(0, name.find('.')); }
+  std::string leaf() const { return name.substr(name.find('.') + 1); }
+};
+
+// Every key, in section order (model, moe, train, optim, data, parallel, checkpoint, run, log).
+const std::vector<ConfigKey>& config_keys();
+// The key called `name` ("section.key"), or nullptr.
+const ConfigKey* find_config_key(std::string_view name);
+// Type name as shown in --help: "int", "uint", "float", "bool", "string", "string list", "int list".
+const char* config_type_name(ConfigType t);
+
+// The valid key nearest to `key` (edit distance over full dotted names, over names within the
+// same section, and over key names in other sections), or "" when nothing is close.
+std::string nearest_key(const std::string& key);
+
+// Parses TOML text into a Config that starts from the defaults; keys not in the text keep
+// their defaults. Unknown keys, wrong types and values outside an enum's choices throw (all
+// problems of the text in one message, with line numbers). Does not run validate_config.
+Config parse_config_toml(std::string_view text, const std::string& source_name);
+
+// Applies "--section.key=value" (or "section.key=value"). The value is parsed by the key's
+// type: integers, floats (1e-3), true/false, strings (bare or quoted), lists as a TOML array
+// "[0, 1]" or comma-separated "0,1" (an empty value is an empty list).
+void apply_override(Config& c, const std::string& arg);
+
+// Defaults (empty path) or the file at `path`, then `overrides` in order, then validate_config.
+Config load_config(const std::string& path, const std::vector<std::string>& overrides);
+
+// Throws moe::Error listing every rule the config breaks, each naming its key(s) and values.
+void validate_config(const Config& c);
+
+// Every key, grouped by [section], one `key = value` per line. parse_config_toml of the result
+// gives back exactly `c` (floats in shortest round-trip form, always with '.' or an exponent).
+std::string config_to_toml(const Config& c);
+
+// All keys with type, default and description, grouped by section (for `moecore train --help`).
+std::string config_help();
+
+}  // namespace moe

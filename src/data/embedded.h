@@ -1,0 +1,29 @@
+// The embedded default corpus and the byte-level text tokenizer. The corpus is generated, not
+// downloaded: documents of templated English (a small grammar with number agreement), arithmetic,
+// counting, spelling, key-value recall and list repetition, as bytes (ids 10 and 32..126), each
+// followed by EOS = 0. Document i of a split depends only on (split, seed, i).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moe {
+
+constexpr int64_t kEmbeddedVocabSize = 256;
+constexpr uint32_t kEmbeddedEosId = 0;
+
+// Text of document `index` of split "train" or "eval" (no EOS).
+std::string embedded_document(const std::string& split, int64_t index, uint64_t seed = 0);
+// The first num_tokens tokens of the split's stream: document 0, EOS, document 1, EOS, ...
+// (the last document is cut at num_tokens). train and eval draw from disjoint document seeds.
+std::vector<uint32_t> embedded_corpus(const std::string& split, int64_t num_tokens, uint64_t seed = 0);
+
+// Byte-level tokenization: each input file is one document, its bytes are the ids (0..255),
+// followed by eos_id. Writes a headerless little-endian uint16/uint32 array to `output`
+// (through a temporary file renamed on success). An input byte equal to eos_id is refused,
+// naming the file and byte offset; eos_id must fit token_dtype.
+void tokenize_text_files(const std::vector<std::string>& inputs, const std::string& output,
+                         const std::string& token_dtype, int64_t eos_id);
+
+}  // namespace moe
