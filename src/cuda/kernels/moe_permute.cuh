@@ -1,0 +1,127 @@
+// Permute / unpermute kernels on BF16 rows (bit patterns), driven by the dispatch map. Gathers
+// only (no atomics, deterministic): one thread per kVec-value pack (kVec = 8: one 16-byte
+// access) for permute, its backward and the combine; one warp per route for unpermute's
+// backward, which also reduces <dout[t], y_sorted[row]>. FP32 sums in slot order, one BF16
+// rounding per output. Indices outside [0, R = T*k) count as -1 (none).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/kernels/moe_common.cuh"
+
+namespace moe::cuda::kernels {
+
+constexpr int kPermuteThreads = 256;
+
+// Sizes of one call: R = routes = T*k rows, rows of d values, packs_per_row = d / kVec.
+struct RowShape {
+  int64_t num_tokens, top_k, routes, d, packs_per_row;
+};
+
+// A route id or row index that names one of the R rows; -1 (padding, dropped) and anything
+// else outside [0, R) read as "none", so a bad map never indexes memory.
+__device__ __forceinline__ bool in_rows(int32_t i, const RowShape& s) { return i >= 0 && i < s.routes; }
+
+template <int kVec>
+__global__ void __launch_bounds__(kPermuteThreads)
+    permute_gather_rows(const uint16_t* x, const int32_t* sorted_route, RowShape s,
+                        uint16_t* x_sorted) {
+  const int64_t total = s.routes * s.packs_per_row;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kPermuteThreads + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * kPermuteThreads) {
+    const int64_t row = i / s.packs_per_row, v = i - row * s.packs_per_row;
+    const int32_t r = sorted_route[row];
+    uint16_t* dst = x_sorted + row * s.d + v * kVec;
+    if (!in_rows(r, s))
+      store_zero_bf16<kVec>(dst);
+    else
+      copy_bf16<kVec>(x + (r / s.top_k) * s.d + v * kVec, dst);
+  }
+}
+
+template <int kVec>
+__global__ void __launch_bounds__(kPermuteThreads)
+    permute_backward_gather(const uint16_t* dx_sorted, const int32_t* route_to_row, RowShape s,
+                            uint16_t* dx) {
+  const int64_t total = s.num_tokens * s.packs_per_row;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kPermuteThreads + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * kPermuteThreads) {
+    const int64_t t = i / s.packs_per_row, v = i - t * s.packs_per_row;
+    float acc[kVec];
+    load_bf16<kVec>(dx + t * s.d + v * kVec, acc);
+    for (int64_t j = 0; j < s.top_k; ++j) {
+      const int32_t row = route_to_row[t * s.top_k + j];
+      if (!in_rows(row, s)) continue;
+      float y[kVec];
+      load_bf16<kVec>(dx_sorted + row * s.d + v * kVec, y);
+#pragma unroll
+      for (int q = 0; q < kVec; ++q) acc[q] += y[q];
+    }
+    store_bf16<kVec>(dx + t * s.d + v * kVec, acc);
+  }
+}
+
+template <int kVec>
+__global__ void __launch_bounds__(kPermuteThreads)
+    unpermute_combine(const uint16_t* y_sorted, const int32_t* route_to_row, const float* topk_w,
+                      RowShape s, uint16_t* out) {
+  const int64_t total = s.num_tokens * s.packs_per_row;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kPermuteThreads + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * kPermuteThreads) {
+    const int64_t t = i / s.packs_per_row, v = i - t * s.packs_per_row;
+    float acc[kVec];
+#pragma unroll
+    for (int q = 0; q < kVec; ++q) acc[q] = 0.f;
+    for (int64_t j = 0; j < s.top_k; ++j) {
+      const int32_t row = route_to_row[t * s.top_k + j];
+      if (!in_rows(row, s)) continue;
+      const float w = topk_w[t * s.top_k + j];
+      float y[kVec];
+      load_bf16<kVec>(y_sorted + row * s.d + v * kVec, y);
+#pragma unroll
+      for (int q = 0; q < kVec; ++q) acc[q] += w * y[q];
+    }
+    store_bf16<kVec>(out + t * s.d + v * kVec, acc);
+  }
+}
+
+// Warp i handles route i (dy_sorted row and dtopk_w) and row i (zeroed when it holds no route).
+template <int kVec>
+__global__ void __launch_bounds__(kPermuteThreads)
+    unpermute_backward_warp_per_route(const uint16_t* dout, const uint16_t* y_sorted,
+                                      const int32_t* sorted_route, const int32_t* route_to_row,
+                                      const float* topk_w, RowShape s, uint16_t* dy_sorted,
+                                      float* dtopk_w) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kPermuteThreads / 32);
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kPermuteThreads + threadIdx.x) / 32; i < s.routes;
+       i += warps) {
+    const int32_t row = route_to_row[i];
+    float dot = 0.f;
+    if (in_rows(row, s)) {
+      const uint16_t* g_row = dout + (i / s.top_k) * s.d;
+      const uint16_t* y_row = y_sorted + row * s.d;
+      uint16_t* dy_row = dy_sorted + row * s.d;
+      const float w = topk_w[i];
+      for (int64_t v = lane; v < s.packs_per_row; v += 32) {
+        float g[kVec], y[kVec], dy[kVec];
+        load_bf16<kVec>(g_row + v * kVec, g);
+        load_bf16<kVec>(y_row + v * kVec, y);
+#pragma unroll
+        for (int q = 0; q < kVec; ++q) {
+          dot += g[q] * y[q];
+          dy[q] = 0.f + w * g[q];  // +0 for a zero product, as the CPU op's 0 += w * g
+        }
+        store_bf16<kVec>(dy_row + v * kVec, dy);
+      }
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) dtopk_w[i] = dot;
+    if (!in_rows(sorted_route[i], s)) {
+      uint16_t* dy_row = dy_sorted + i * s.d;
+      for (int64_t v = lane; v < s.packs_per_row; v += 32) store_zero_bf16<kVec>(dy_row + v * kVec);
+    }
+  }
+}
+
+}  // namespace moe::cuda::kernels
