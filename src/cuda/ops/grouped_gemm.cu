@@ -5,6 +5,7 @@
 #include "cuda/ops/grouped_gemm.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "cuda/common.h"
 #include "cuda/kernels/grouped_gemm.cuh"
@@ -25,15 +26,17 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // of 8 (rows are moved in 16-byte chunks), n, k and max_rows at most 2^30 (the kernels index
 // rows and columns in int, with a tile of headroom).
 void check_sizes(const char* op, int64_t max_rows, int64_t num_experts, int64_t n, int64_t k) {
-  constexpr int64_t kIntMax = int64_t{1} << 30;
+  constexpr int64_t kMaxSize = int64_t{1} << 30;
   MOE_CHECK(num_experts >= 1 && num_experts <= kGroupedGemmMaxExperts, op, ": num_experts must be in [1, ",
             kGroupedGemmMaxExperts, "], got ", num_experts);
-  MOE_CHECK(n > 0 && n % 8 == 0 && n <= kIntMax, op, ": n=", n,
-            " must be a positive multiple of 8 (rows are read in 16-byte chunks of 8 BF16)");
-  MOE_CHECK(k > 0 && k % 8 == 0 && k <= kIntMax, op, ": k=", k,
-            " must be a positive multiple of 8 (rows are read in 16-byte chunks of 8 BF16)");
-  MOE_CHECK(max_rows >= 0 && max_rows <= kIntMax, op, ": max_rows must be in [0, ", kIntMax, "], got ",
+  MOE_CHECK(n > 0 && n % 8 == 0 && n <= kMaxSize, op, ": n=", n,
+            " must be a positive multiple of 8 (rows are read in 16-byte chunks of 8 BF16), at most 2^30");
+  MOE_CHECK(k > 0 && k % 8 == 0 && k <= kMaxSize, op, ": k=", k,
+            " must be a positive multiple of 8 (rows are read in 16-byte chunks of 8 BF16), at most 2^30");
+  MOE_CHECK(max_rows >= 0 && max_rows <= kMaxSize, op, ": max_rows must be in [0, ", kMaxSize, "], got ",
             max_rows);
+  MOE_CHECK(n * k <= std::numeric_limits<int64_t>::max() / num_experts, op, ": E x n x k = ", num_experts, " x ", n,
+            " x ", k, " elements overflow int64");
 }
 
 // Raises the kernel's dynamic shared-memory limit to `smem` and asks for the largest carveout.
