@@ -1,8 +1,9 @@
 // cuda::grouped_gemm_forward / _dgrad / _wgrad against a loop of cpu::gemm<float> over the experts
 // on the same BF16 inputs: forward and dgrad (BF16) under the bf16 row, wgrad (FP32) under the
 // GEMM bound below; integer-valued inputs bitwise. Groups include empty experts, every row in one
-// expert, single rows and odd counts; rows past offsets[E] stay unwritten; a captured CUDA graph
-// replays with the offsets changed on the device and must match eager runs bitwise.
+// expert, single rows and odd counts; rows past offsets[E] hold NaN inputs (never read) and stay
+// unwritten; a captured CUDA graph replays with the offsets changed on the device and must match
+// eager runs bitwise.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -81,11 +82,21 @@ struct HostInputs {
   std::vector<float> xf, wf, dyf;
 };
 
+// Rows [from, rows) of a [rows, width] BF16 array become NaN: rows outside every group (the
+// dispatcher's dropped tail) must never be read, or they would poison the results.
+constexpr uint16_t kBF16NaN = 0x7FC0;
+
+void poison_rows(std::vector<uint16_t>& v, int64_t width, int64_t from) {
+  std::fill(v.begin() + from * width, v.end(), kBF16NaN);
+}
+
 HostInputs make_inputs(const GroupedCase& c, uint64_t seed) {
   HostInputs in;
   in.x = random_bf16(c.max_rows() * c.k, seed);
   in.w = random_bf16(c.num_experts() * c.n * c.k, seed + 1);
   in.dy = random_bf16(c.max_rows() * c.n, seed + 2);
+  poison_rows(in.x, c.k, c.rows());
+  poison_rows(in.dy, c.n, c.rows());
   in.xf = bf16_to_f32(in.x);
   in.wf = bf16_to_f32(in.w);
   in.dyf = bf16_to_f32(in.dy);
@@ -344,8 +355,10 @@ TEST(GroupedGemmExact, IntegerInputsMatchBitwise) {
   MOE_SKIP_WITHOUT_GPU();
   const GroupedCase c{"integers", 264, 520, {0, 1, 257, 64, 129, 3}, 7};
   const auto off = c.offsets();
-  const auto x = small_int_bf16(c.max_rows() * c.k, 501, 3), w = small_int_bf16(c.num_experts() * c.n * c.k, 502, 3),
-             dy = small_int_bf16(c.max_rows() * c.n, 503, 3);
+  auto x = small_int_bf16(c.max_rows() * c.k, 501, 3), dy = small_int_bf16(c.max_rows() * c.n, 503, 3);
+  const auto w = small_int_bf16(c.num_experts() * c.n * c.k, 502, 3);
+  poison_rows(x, c.k, c.rows());
+  poison_rows(dy, c.n, c.rows());
   std::vector<float> dw0(static_cast<size_t>(c.num_experts() * c.n * c.k));
   for (size_t i = 0; i < dw0.size(); ++i) dw0[i] = static_cast<float>(static_cast<int>(i % 17) - 8);
   const auto xf = bf16_to_f32(x), wf = bf16_to_f32(w), dyf = bf16_to_f32(dy);

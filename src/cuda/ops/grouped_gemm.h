@@ -13,7 +13,8 @@ namespace moe::cuda {
 
 // Forward, M-grouped contiguous: y[r, :] = x[r, :] @ w[e]^T for the rows r of expert e.
 // x [max_rows, k], w [E, n, k], y [max_rows, n] (BF16). Rows outside [offsets[0], offsets[E])
-// are not written. n and k must be multiples of 8, pointers 16-byte aligned.
+// (the dispatcher's dropped tail) are neither read nor written, by every entry point here.
+// n and k must be multiples of 8, pointers 16-byte aligned.
 void grouped_gemm_forward(const uint16_t* x, const uint16_t* w, const int32_t* expert_offsets, uint16_t* y,
                           int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, Stream stream);
 
