@@ -32,7 +32,7 @@ void grouped_gemm_wgrad(const uint16_t* dy, const uint16_t* x, const int32_t* ex
                         int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, bool accumulate,
                         Stream stream);
 
-// Largest num_experts the M-grouped kernels accept (their schedule lives in shared memory).
+// Largest num_experts the entry points accept (the M-grouped schedule lives in shared memory).
 inline constexpr int64_t kGroupedGemmMaxExperts = 4096;
 
 }  // namespace moe::cuda
