@@ -1,0 +1,38 @@
+// Grouped GEMMs of the MoE experts on the GPU, with the per-expert row groups on the device:
+// expert e owns the sorted rows [expert_offsets[e], expert_offsets[e+1]) of x / y / dy / dx
+// (int32 [E+1] device array, from the GPU counting sort; the host never reads it). Launch sizes
+// come from static bounds only (max_rows = T * k, E, n, k), so every call is graph-capturable.
+// BF16 operands (uint16_t bit patterns), FP32 accumulation; weights w are [E, n, k] row-major.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/device.h"
+
+namespace moe::cuda {
+
+// Forward, M-grouped contiguous: y[r, :] = x[r, :] @ w[e]^T for the rows r of expert e.
+// x [max_rows, k], w [E, n, k], y [max_rows, n] (BF16). Rows outside [offsets[0], offsets[E])
+// (the dispatcher's dropped tail) are neither read nor written, by every entry point here.
+// n and k must be multiples of 8, pointers 16-byte aligned.
+void grouped_gemm_forward(const uint16_t* x, const uint16_t* w, const int32_t* expert_offsets, uint16_t* y,
+                          int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, Stream stream);
+
+// Data gradient, M-grouped contiguous: dx[r, :] = dy[r, :] @ w[e] for the rows r of expert e.
+// dy [max_rows, n], w [E, n, k] (read as is, no transposed copy), dx [max_rows, k] (BF16,
+// overwritten on the grouped rows only).
+void grouped_gemm_dgrad(const uint16_t* dy, const uint16_t* w, const int32_t* expert_offsets, uint16_t* dx,
+                        int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, Stream stream);
+
+// Weight gradient, K-grouped: dw[e] = dy_e^T @ x_e (+ dw[e] when accumulate), the sum over the
+// rows of expert e. dy [max_rows, n], x [max_rows, k] (BF16), dw [E, n, k] FP32. An expert with
+// no rows leaves dw[e] bitwise unchanged (accumulate) or zeroes it (overwrite). Deterministic:
+// each dw tile is reduced by one CTA over the expert's rows in order (no atomics, no row split).
+void grouped_gemm_wgrad(const uint16_t* dy, const uint16_t* x, const int32_t* expert_offsets, float* dw,
+                        int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, bool accumulate,
+                        Stream stream);
+
+// Largest num_experts the entry points accept (the M-grouped schedule lives in shared memory).
+inline constexpr int64_t kGroupedGemmMaxExperts = 4096;
+
+}  // namespace moe::cuda

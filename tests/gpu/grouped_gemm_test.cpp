@@ -1,0 +1,542 @@
+// cuda::grouped_gemm_forward / _dgrad / _wgrad against a loop of cpu::gemm<float> over the experts
+// on the same BF16 inputs: forward and dgrad (BF16) under the bf16 row, wgrad (FP32) under the
+// GEMM bound below; integer-valued inputs bitwise. Groups include empty experts, every row in one
+// expert, single rows and odd counts; rows past offsets[E] hold NaN inputs (never read) and stay
+// unwritten; a captured CUDA graph replays with the offsets changed on the device and must match
+// eager runs bitwise.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <ostream>
+
+#include "cpu/linear.h"
+#include "cuda/ops/grouped_gemm.h"
+#include "gpu/gpu_test_util.h"
+#include "support/parity.h"
+
+namespace moe::testing {
+namespace {
+
+// A grouped problem: rows per expert (prefix sums give the offsets) and spare rows past offsets[E],
+// so max_rows = sum(counts) + spare_rows.
+struct GroupedCase {
+  const char* name;
+  int64_t n, k;
+  std::vector<int64_t> counts;
+  int64_t spare_rows;
+
+  int64_t num_experts() const { return static_cast<int64_t>(counts.size()); }
+  int64_t rows() const { return std::accumulate(counts.begin(), counts.end(), int64_t{0}); }
+  int64_t max_rows() const { return rows() + spare_rows; }
+  std::vector<int32_t> offsets() const {
+    std::vector<int32_t> off(counts.size() + 1, 0);
+    for (size_t e = 0; e < counts.size(); ++e) off[e + 1] = off[e] + static_cast<int32_t>(counts[e]);
+    return off;
+  }
+};
+
+void PrintTo(const GroupedCase& c, std::ostream* os) {
+  *os << c.name << " (E=" << c.num_experts() << ", n=" << c.n << ", k=" << c.k << ", rows=" << c.rows()
+      << ", max_rows=" << c.max_rows() << ")";
+}
+
+// `rows` rows drawn over the experts with weights; experts of weight 0 stay empty.
+std::vector<int64_t> drawn_counts(int64_t rows, const std::vector<double>& weights, uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::discrete_distribution<int64_t> pick(weights.begin(), weights.end());
+  std::vector<int64_t> counts(weights.size(), 0);
+  for (int64_t r = 0; r < rows; ++r) ++counts[static_cast<size_t>(pick(gen))];
+  return counts;
+}
+
+std::vector<double> uniform_weights(int64_t num_experts, std::initializer_list<int64_t> empty = {}) {
+  std::vector<double> w(static_cast<size_t>(num_experts), 1.0);
+  for (int64_t e : empty) w[static_cast<size_t>(e)] = 0.0;
+  return w;
+}
+
+// Skewed: weight 1 + e % 7, every fifth expert empty.
+std::vector<double> skewed_weights(int64_t num_experts) {
+  std::vector<double> w(static_cast<size_t>(num_experts));
+  for (int64_t e = 0; e < num_experts; ++e) w[static_cast<size_t>(e)] = e % 5 == 0 ? 0.0 : 1.0 + e % 7;
+  return w;
+}
+
+std::vector<GroupedCase> parity_cases() {
+  return {
+      {"awkward", 40, 72, {0, 1, 130, 17, 0}, 5},
+      {"single_row", 64, 64, {0, 0, 1, 0}, 0},
+      {"one_expert_all_rows", 136, 264, {0, 0, 0, 1000, 0, 0, 0, 0}, 24},
+      {"all_empty", 32, 48, {0, 0, 0, 0}, 64},
+      {"tile_edges", 256, 320, {128, 127, 129}, 0},
+      {"olmoe_gate_up_e8", 2048, 2048, drawn_counts(4096, uniform_weights(8), 61), 0},
+      {"olmoe_down_e8", 2048, 1024, drawn_counts(4096, uniform_weights(8), 62), 0},
+      {"e64_rows131072_down", 2048, 1024, drawn_counts(16384 * 8, uniform_weights(64, {5, 40}), 63), 0},
+      {"e128_skewed", 512, 2048, drawn_counts(16384, skewed_weights(128), 64), 3},
+  };
+}
+
+// Float copies of the BF16 inputs, for the CPU reference.
+struct HostInputs {
+  std::vector<uint16_t> x, w, dy;  // x [R, k], w [E, n, k], dy [R, n]
+  std::vector<float> xf, wf, dyf;
+};
+
+// Rows [from, rows) of a [rows, width] BF16 array become NaN: rows outside every group (the
+// dispatcher's dropped tail) must never be read, or they would poison the results.
+constexpr uint16_t kBF16NaN = 0x7FC0;
+
+void poison_rows(std::vector<uint16_t>& v, int64_t width, int64_t from) {
+  std::fill(v.begin() + from * width, v.end(), kBF16NaN);
+}
+
+HostInputs make_inputs(const GroupedCase& c, uint64_t seed) {
+  HostInputs in;
+  in.x = random_bf16(c.max_rows() * c.k, seed);
+  in.w = random_bf16(c.num_experts() * c.n * c.k, seed + 1);
+  in.dy = random_bf16(c.max_rows() * c.n, seed + 2);
+  poison_rows(in.x, c.k, c.rows());
+  poison_rows(in.dy, c.n, c.rows());
+  in.xf = bf16_to_f32(in.x);
+  in.wf = bf16_to_f32(in.w);
+  in.dyf = bf16_to_f32(in.dy);
+  return in;
+}
+
+// References over the grouped rows [0, offsets[E]) (the cases' offsets start at 0).
+std::vector<float> reference_forward(const GroupedCase& c, const std::vector<int32_t>& off, const float* x,
+                                     const float* w) {
+  std::vector<float> y(static_cast<size_t>(c.rows() * c.n), 0.0f);
+  for (int64_t e = 0; e < c.num_experts(); ++e) {
+    const int64_t r0 = off[e], rows = off[e + 1] - off[e];
+    if (rows == 0) continue;
+    cpu::gemm<float>(false, true, rows, c.n, c.k, 1.0f, x + r0 * c.k, c.k, w + e * c.n * c.k, c.k, 0.0f,
+                     y.data() + r0 * c.n, c.n);
+  }
+  return y;
+}
+
+std::vector<float> reference_dgrad(const GroupedCase& c, const std::vector<int32_t>& off, const float* dy,
+                                   const float* w) {
+  std::vector<float> dx(static_cast<size_t>(c.rows() * c.k), 0.0f);
+  for (int64_t e = 0; e < c.num_experts(); ++e) {
+    const int64_t r0 = off[e], rows = off[e + 1] - off[e];
+    if (rows == 0) continue;
+    cpu::gemm<float>(false, false, rows, c.k, c.n, 1.0f, dy + r0 * c.n, c.n, w + e * c.n * c.k, c.k, 0.0f,
+                     dx.data() + r0 * c.k, c.k);
+  }
+  return dx;
+}
+
+// dw[e] = dy_e^T x_e (+ dw[e]); empty experts: unchanged (accumulate) or zero.
+void reference_wgrad(const GroupedCase& c, const std::vector<int32_t>& off, const float* dy, const float* x,
+                     std::vector<float>& dw, bool accumulate) {
+  const int64_t per_expert = c.n * c.k;
+  for (int64_t e = 0; e < c.num_experts(); ++e) {
+    const int64_t r0 = off[e], rows = off[e + 1] - off[e];
+    float* dw_e = dw.data() + e * per_expert;
+    if (rows == 0) {
+      if (!accumulate) std::fill(dw_e, dw_e + per_expert, 0.0f);
+      continue;
+    }
+    cpu::gemm<float>(true, false, c.n, c.k, rows, 1.0f, dy + r0 * c.n, c.n, x + r0 * c.k, c.k,
+                     accumulate ? 1.0f : 0.0f, dw_e, c.k);
+  }
+}
+
+// GuardedBuffer fills and uploads run on the legacy default stream (cudaMemset is asynchronous and
+// a pageable cudaMemcpy may return before its DMA lands), which the non-blocking test stream does
+// not wait for: settle them before the op runs.
+void settle_uploads() { MOE_CUDA_CHECK(cudaDeviceSynchronize()); }
+
+std::vector<float> head(const std::vector<float>& v, int64_t count) {
+  return std::vector<float>(v.begin(), v.begin() + count);
+}
+
+// Rows [from, to) of a [rows, width] BF16 output still hold the unwritten pattern.
+void expect_rows_unwritten(const std::string& what, const std::vector<uint16_t>& out, int64_t width, int64_t from,
+                           int64_t to) {
+  for (int64_t i = from * width; i < to * width; ++i) {
+    if (out[static_cast<size_t>(i)] != 0xFFFFu) {
+      ADD_FAILURE() << what << ": row " << i / width << " past offsets[E] was written (element " << i % width << ")";
+      return;
+    }
+  }
+}
+
+// FP32 GEMM bound for dw[e][i][j] = dw0 + sum_r dy[r][i] x[r][j] summed in another order (and with
+// the tensor cores' own rounding): |got - ref| <= 2^-16 ||dy_e[:, i]|| ||x_e[:, j]|| + 2^-22 |ref|.
+// The first term bounds the dot product's rounding for up to ~10^5 rows (Cauchy-Schwarz: the terms'
+// absolute sum is at most the product of norms); the second, the final add onto dw0. An empty
+// expert's norms are 0, so its dw[e] must come out unchanged or zero.
+constexpr double kGemmDotTol = 0x1p-16;
+constexpr double kGemmAddTol = 0x1p-22;
+
+void expect_wgrad_parity(const std::string& what, const GroupedCase& c, const std::vector<int32_t>& off,
+                         const std::vector<float>& dyf, const std::vector<float>& xf, const std::vector<float>& got,
+                         const std::vector<float>& ref) {
+  ASSERT_EQ(got.size(), ref.size());
+  int64_t bad = 0, nonfinite = 0, first_bad = -1;
+  double max_abs = 0.0, max_ratio = 0.0;
+  std::vector<double> norm_dy(static_cast<size_t>(c.n)), norm_x(static_cast<size_t>(c.k));
+  for (int64_t e = 0; e < c.num_experts(); ++e) {
+    std::fill(norm_dy.begin(), norm_dy.end(), 0.0);
+    std::fill(norm_x.begin(), norm_x.end(), 0.0);
+    for (int64_t r = off[e]; r < off[e + 1]; ++r) {
+      for (int64_t i = 0; i < c.n; ++i) norm_dy[i] += double{dyf[r * c.n + i]} * dyf[r * c.n + i];
+      for (int64_t j = 0; j < c.k; ++j) norm_x[j] += double{xf[r * c.k + j]} * xf[r * c.k + j];
+    }
+    for (auto& v : norm_dy) v = std::sqrt(v);
+    for (auto& v : norm_x) v = std::sqrt(v);
+    for (int64_t i = 0; i < c.n; ++i) {
+      for (int64_t j = 0; j < c.k; ++j) {
+        const int64_t idx = (e * c.n + i) * c.k + j;
+        const double g = got[idx], f = ref[idx];
+        if (!std::isfinite(g) || !std::isfinite(f)) {
+          ++nonfinite;
+          if (first_bad < 0) first_bad = idx;
+          continue;
+        }
+        const double err = std::fabs(g - f);
+        const double bound = kGemmDotTol * norm_dy[i] * norm_x[j] + kGemmAddTol * std::fabs(f);
+        max_abs = std::max(max_abs, err);
+        if (bound > 0.0) max_ratio = std::max(max_ratio, err / bound);
+        if (err > bound) {
+          ++bad;
+          if (first_bad < 0) first_bad = idx;
+        }
+      }
+    }
+  }
+  std::printf("parity %s: n=%zu tol=fp32-gemm max_abs=%.3e max_err/bound=%.3e bad=%lld nonfinite=%lld\n",
+              what.c_str(), got.size(), max_abs, max_ratio, static_cast<long long>(bad),
+              static_cast<long long>(nonfinite));
+  if (bad + nonfinite > 0) {
+    ADD_FAILURE() << what << " fails the fp32-gemm bound: " << bad << " of " << got.size() << " out of bounds, "
+                  << nonfinite << " NaN/Inf; first at index " << first_bad << " (expert "
+                  << first_bad / (c.n * c.k) << "): got " << got[first_bad] << ", reference " << ref[first_bad];
+  }
+}
+
+// Empty experts' dw[e] must be bitwise the start value (accumulate) or +0.0 (overwrite).
+void expect_empty_experts_exact(const GroupedCase& c, const std::vector<float>& got, const std::vector<float>& start,
+                                bool accumulate) {
+  const int64_t per_expert = c.n * c.k;
+  for (int64_t e = 0; e < c.num_experts(); ++e) {
+    if (c.counts[e] != 0) continue;
+    const float* g = got.data() + e * per_expert;
+    if (accumulate) {
+      EXPECT_EQ(std::memcmp(g, start.data() + e * per_expert, per_expert * sizeof(float)), 0)
+          << "dw of empty expert " << e << " changed under accumulate";
+    } else {
+      const std::vector<float> zeros(static_cast<size_t>(per_expert), 0.0f);
+      EXPECT_EQ(std::memcmp(g, zeros.data(), per_expert * sizeof(float)), 0)
+          << "dw of empty expert " << e << " is not +0.0 under overwrite";
+    }
+  }
+}
+
+class GroupedGemmParity : public ::testing::TestWithParam<GroupedCase> {};
+
+TEST_P(GroupedGemmParity, Forward) {
+  MOE_SKIP_WITHOUT_GPU();
+  const GroupedCase& c = GetParam();
+  const auto off = c.offsets();
+  const HostInputs in = make_inputs(c, 101);
+  GuardedBuffer<uint16_t> d_x(in.x), d_w(in.w), d_y(c.max_rows() * c.n);
+  GuardedBuffer<int32_t> d_off(off);
+  TestStream stream;
+  settle_uploads();
+  cuda::grouped_gemm_forward(d_x.data(), d_w.data(), d_off.data(), d_y.data(), c.max_rows(), c.num_experts(), c.n,
+                             c.k, stream.get());
+  stream.sync();
+
+  const auto y = d_y.download();
+  const auto ref = reference_forward(c, off, in.xf.data(), in.wf.data());
+  expect_parity(param_name("grouped_gemm.y[", c.name, "]"), head(bf16_to_f32(y), c.rows() * c.n), ref,
+                kBF16Elementwise);
+  expect_rows_unwritten("y", y, c.n, c.rows(), c.max_rows());
+  EXPECT_TRUE(bitwise_equal(d_x.download(), in.x)) << "x was modified";
+  EXPECT_TRUE(bitwise_equal(d_w.download(), in.w)) << "w was modified";
+  d_x.expect_guards_intact("x");
+  d_w.expect_guards_intact("w");
+  d_y.expect_guards_intact("y");
+  d_off.expect_guards_intact("expert_offsets");
+}
+
+TEST_P(GroupedGemmParity, Dgrad) {
+  MOE_SKIP_WITHOUT_GPU();
+  const GroupedCase& c = GetParam();
+  const auto off = c.offsets();
+  const HostInputs in = make_inputs(c, 201);
+  GuardedBuffer<uint16_t> d_dy(in.dy), d_w(in.w), d_dx(c.max_rows() * c.k);
+  GuardedBuffer<int32_t> d_off(off);
+  TestStream stream;
+  settle_uploads();
+  cuda::grouped_gemm_dgrad(d_dy.data(), d_w.data(), d_off.data(), d_dx.data(), c.max_rows(), c.num_experts(), c.n,
+                           c.k, stream.get());
+  stream.sync();
+
+  const auto dx = d_dx.download();
+  const auto ref = reference_dgrad(c, off, in.dyf.data(), in.wf.data());
+  expect_parity(param_name("grouped_gemm.dx[", c.name, "]"), head(bf16_to_f32(dx), c.rows() * c.k), ref,
+                kBF16Elementwise);
+  expect_rows_unwritten("dx", dx, c.k, c.rows(), c.max_rows());
+  EXPECT_TRUE(bitwise_equal(d_dy.download(), in.dy)) << "dy was modified";
+  d_dy.expect_guards_intact("dy");
+  d_w.expect_guards_intact("w");
+  d_dx.expect_guards_intact("dx");
+}
+
+void run_wgrad_case(const GroupedCase& c, bool accumulate) {
+  const auto off = c.offsets();
+  const HostInputs in = make_inputs(c, accumulate ? 301 : 401);
+  const auto dw0 = random_f32(c.num_experts() * c.n * c.k, accumulate ? 302 : 402);
+  GuardedBuffer<uint16_t> d_dy(in.dy), d_x(in.x);
+  GuardedBuffer<float> d_dw(dw0);
+  GuardedBuffer<int32_t> d_off(off);
+  TestStream stream;
+  settle_uploads();
+  cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw.data(), c.max_rows(), c.num_experts(), c.n,
+                           c.k, accumulate, stream.get());
+  stream.sync();
+  const auto dw = d_dw.download();
+
+  std::vector<float> ref = dw0;
+  reference_wgrad(c, off, in.dyf.data(), in.xf.data(), ref, accumulate);
+  expect_wgrad_parity(param_name("grouped_gemm.dw[", c.name, accumulate ? ",accumulate]" : ",overwrite]"), c, off,
+                      in.dyf, in.xf, dw, ref);
+  expect_empty_experts_exact(c, dw, dw0, accumulate);
+  d_dy.expect_guards_intact("dy");
+  d_x.expect_guards_intact("x");
+  d_dw.expect_guards_intact("dw");
+
+  // Same inputs, same start: bitwise the same dw (fixed reduction order).
+  d_dw.upload(dw0);
+  settle_uploads();
+  cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw.data(), c.max_rows(), c.num_experts(), c.n,
+                           c.k, accumulate, stream.get());
+  stream.sync();
+  const auto again = d_dw.download();
+  EXPECT_EQ(std::memcmp(again.data(), dw.data(), dw.size() * sizeof(float)), 0) << "dw differs between two runs";
+}
+
+TEST_P(GroupedGemmParity, WgradAccumulate) {
+  MOE_SKIP_WITHOUT_GPU();
+  run_wgrad_case(GetParam(), true);
+}
+
+TEST_P(GroupedGemmParity, WgradOverwrite) {
+  MOE_SKIP_WITHOUT_GPU();
+  run_wgrad_case(GetParam(), false);
+}
+
+INSTANTIATE_TEST_SUITE_P(Groups, GroupedGemmParity, ::testing::ValuesIn(parity_cases()),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// Small integers (|v| <= 3) in BF16: every product and partial sum is an integer below 2^24, exact
+// in FP32 in any order, so the GPU must match the reference bitwise (BF16 outputs: the reference
+// rounded to nearest even).
+std::vector<uint16_t> small_int_bf16(int64_t count, uint64_t seed, int max_abs) {
+  std::mt19937_64 gen(seed);
+  std::uniform_int_distribution<int> dist(-max_abs, max_abs);
+  std::vector<uint16_t> v(static_cast<size_t>(count));
+  for (auto& b : v) b = f32_to_bf16(static_cast<float>(dist(gen)));
+  return v;
+}
+
+std::vector<uint16_t> round_to_bf16(const std::vector<float>& v) {
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = f32_to_bf16(v[i]);
+  return out;
+}
+
+TEST(GroupedGemmExact, IntegerInputsMatchBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  const GroupedCase c{"integers", 264, 520, {0, 1, 257, 64, 129, 3}, 7};
+  const auto off = c.offsets();
+  auto x = small_int_bf16(c.max_rows() * c.k, 501, 3), dy = small_int_bf16(c.max_rows() * c.n, 503, 3);
+  const auto w = small_int_bf16(c.num_experts() * c.n * c.k, 502, 3);
+  poison_rows(x, c.k, c.rows());
+  poison_rows(dy, c.n, c.rows());
+  std::vector<float> dw0(static_cast<size_t>(c.num_experts() * c.n * c.k));
+  for (size_t i = 0; i < dw0.size(); ++i) dw0[i] = static_cast<float>(static_cast<int>(i % 17) - 8);
+  const auto xf = bf16_to_f32(x), wf = bf16_to_f32(w), dyf = bf16_to_f32(dy);
+
+  GuardedBuffer<uint16_t> d_x(x), d_w(w), d_dy(dy), d_y(c.max_rows() * c.n), d_dx(c.max_rows() * c.k);
+  GuardedBuffer<float> d_dw_acc(dw0), d_dw_new(dw0);
+  GuardedBuffer<int32_t> d_off(off);
+  TestStream stream;
+  settle_uploads();
+  const cudaStream_t s = stream.get();
+  cuda::grouped_gemm_forward(d_x.data(), d_w.data(), d_off.data(), d_y.data(), c.max_rows(), c.num_experts(), c.n,
+                             c.k, s);
+  cuda::grouped_gemm_dgrad(d_dy.data(), d_w.data(), d_off.data(), d_dx.data(), c.max_rows(), c.num_experts(), c.n,
+                           c.k, s);
+  cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw_acc.data(), c.max_rows(), c.num_experts(),
+                           c.n, c.k, true, s);
+  cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw_new.data(), c.max_rows(), c.num_experts(),
+                           c.n, c.k, false, s);
+  stream.sync();
+
+  const auto y = d_y.download(), dx = d_dx.download();
+  const auto y_ref = round_to_bf16(reference_forward(c, off, xf.data(), wf.data()));
+  const auto dx_ref = round_to_bf16(reference_dgrad(c, off, dyf.data(), wf.data()));
+  EXPECT_TRUE(bitwise_equal(std::vector<uint16_t>(y.begin(), y.begin() + c.rows() * c.n), y_ref)) << "y";
+  EXPECT_TRUE(bitwise_equal(std::vector<uint16_t>(dx.begin(), dx.begin() + c.rows() * c.k), dx_ref)) << "dx";
+  expect_rows_unwritten("y", y, c.n, c.rows(), c.max_rows());
+  expect_rows_unwritten("dx", dx, c.k, c.rows(), c.max_rows());
+  for (bool accumulate : {true, false}) {
+    std::vector<float> ref = dw0;
+    reference_wgrad(c, off, dyf.data(), xf.data(), ref, accumulate);
+    const auto got = (accumulate ? d_dw_acc : d_dw_new).download();
+    expect_parity(accumulate ? "grouped_gemm.dw[integers,accumulate]" : "grouped_gemm.dw[integers,overwrite]", got,
+                  ref, kExact);
+  }
+  for (auto* b : {&d_x, &d_w, &d_dy, &d_y, &d_dx}) b->expect_guards_intact("grouped gemm bf16 buffer");
+  d_dw_acc.expect_guards_intact("dw (accumulate)");
+  d_dw_new.expect_guards_intact("dw (overwrite)");
+}
+
+// Expects fn() to throw moe::Error whose message contains every one of `parts`.
+template <typename Fn>
+void expect_error_naming(Fn fn, std::initializer_list<const char*> parts) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected moe::Error";
+  } catch (const moe::Error& e) {
+    for (const char* p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+  }
+}
+
+// Size checks come before any pointer or device use, so these run without a GPU.
+TEST(GroupedGemm, RejectsWidthsNotMultipleOf8) {
+  expect_error_naming(
+      [] { cuda::grouped_gemm_forward(nullptr, nullptr, nullptr, nullptr, 64, 4, 36, 64, nullptr); },
+      {"grouped_gemm_forward", "n=36", "multiple of 8"});
+  expect_error_naming([] { cuda::grouped_gemm_dgrad(nullptr, nullptr, nullptr, nullptr, 64, 4, 64, 20, nullptr); },
+                      {"grouped_gemm_dgrad", "k=20", "multiple of 8"});
+  expect_error_naming(
+      [] { cuda::grouped_gemm_wgrad(nullptr, nullptr, nullptr, nullptr, 64, 4, 0, 64, true, nullptr); },
+      {"grouped_gemm_wgrad", "n=0"});
+  expect_error_naming([] { cuda::grouped_gemm_forward(nullptr, nullptr, nullptr, nullptr, 64, 0, 64, 64, nullptr); },
+                      {"num_experts", "got 0"});
+  expect_error_naming([] { cuda::grouped_gemm_forward(nullptr, nullptr, nullptr, nullptr, -1, 4, 64, 64, nullptr); },
+                      {"max_rows", "got -1"});
+}
+
+TEST(GroupedGemm, RejectsMisalignedPointers) {
+  MOE_SKIP_WITHOUT_GPU();
+  GuardedBuffer<uint16_t> bf(64 * 64 + 8);
+  GuardedBuffer<float> f(4 * 64 * 64);
+  GuardedBuffer<int32_t> off(std::vector<int32_t>{0, 16, 32, 48, 64});
+  expect_error_naming(
+      [&] { cuda::grouped_gemm_forward(bf.data() + 1, bf.data(), off.data(), bf.data(), 64, 4, 64, 64, nullptr); },
+      {"'x'", "16-byte aligned"});
+  expect_error_naming(
+      [&] { cuda::grouped_gemm_dgrad(bf.data(), bf.data() + 4, off.data(), bf.data(), 64, 4, 64, 64, nullptr); },
+      {"'w'", "16-byte aligned"});
+  expect_error_naming(
+      [&] {
+        cuda::grouped_gemm_wgrad(bf.data(), bf.data(), off.data(), f.data() + 1, 64, 4, 64, 64, true, nullptr);
+      },
+      {"'dw'", "16-byte aligned"});
+}
+
+TEST(GroupedGemm, ZeroMaxRows) {
+  MOE_SKIP_WITHOUT_GPU();
+  // Nothing to compute: no pointer is touched, except that overwrite zeroes dw.
+  EXPECT_NO_THROW(cuda::grouped_gemm_forward(nullptr, nullptr, nullptr, nullptr, 0, 4, 64, 64, nullptr));
+  EXPECT_NO_THROW(cuda::grouped_gemm_dgrad(nullptr, nullptr, nullptr, nullptr, 0, 4, 64, 64, nullptr));
+  EXPECT_NO_THROW(cuda::grouped_gemm_wgrad(nullptr, nullptr, nullptr, nullptr, 0, 4, 64, 64, true, nullptr));
+  const auto dw0 = random_f32(2 * 16 * 24, 601);
+  GuardedBuffer<float> d_dw(dw0);
+  TestStream stream;
+  settle_uploads();
+  cuda::grouped_gemm_wgrad(nullptr, nullptr, nullptr, d_dw.data(), 0, 2, 16, 24, false, stream.get());
+  stream.sync();
+  EXPECT_EQ(d_dw.download(), std::vector<float>(dw0.size(), 0.0f));
+  d_dw.expect_guards_intact("dw");
+}
+
+// One captured graph of forward, dgrad and wgrad (accumulate and overwrite), replayed after the
+// offsets were rewritten on the device: each replay must equal an eager run with the same offsets.
+struct GraphBuffers {
+  static constexpr int64_t kExperts = 8, kN = 256, kK = 192, kMaxRows = 700;
+  GuardedBuffer<uint16_t> x{random_bf16(kMaxRows * kK, 701)}, w{random_bf16(kExperts * kN * kK, 702)},
+      dy{random_bf16(kMaxRows * kN, 703)}, y{kMaxRows * kN}, dx{kMaxRows * kK};
+  GuardedBuffer<float> dw_start{random_f32(kExperts * kN * kK, 704)}, dw_acc{kExperts * kN * kK},
+      dw_new{kExperts * kN * kK};
+  GuardedBuffer<int32_t> offsets{kExperts + 1};
+
+  void run(cudaStream_t s) {
+    MOE_CUDA_CHECK(cudaMemsetAsync(y.data(), 0xFF, y.bytes(), s));
+    MOE_CUDA_CHECK(cudaMemsetAsync(dx.data(), 0xFF, dx.bytes(), s));
+    MOE_CUDA_CHECK(cudaMemsetAsync(dw_new.data(), 0xFF, dw_new.bytes(), s));
+    MOE_CUDA_CHECK(cudaMemcpyAsync(dw_acc.data(), dw_start.data(), dw_acc.bytes(), cudaMemcpyDeviceToDevice, s));
+    cuda::grouped_gemm_forward(x.data(), w.data(), offsets.data(), y.data(), kMaxRows, kExperts, kN, kK, s);
+    cuda::grouped_gemm_dgrad(dy.data(), w.data(), offsets.data(), dx.data(), kMaxRows, kExperts, kN, kK, s);
+    cuda::grouped_gemm_wgrad(dy.data(), x.data(), offsets.data(), dw_acc.data(), kMaxRows, kExperts, kN, kK, true, s);
+    cuda::grouped_gemm_wgrad(dy.data(), x.data(), offsets.data(), dw_new.data(), kMaxRows, kExperts, kN, kK, false,
+                             s);
+  }
+};
+
+struct GraphSnapshot {
+  std::vector<uint16_t> y, dx;
+  std::vector<float> dw_acc, dw_new;
+  bool operator==(const GraphSnapshot& o) const {
+    return bitwise_equal(y, o.y) && bitwise_equal(dx, o.dx) &&
+           std::memcmp(dw_acc.data(), o.dw_acc.data(), dw_acc.size() * sizeof(float)) == 0 &&
+           std::memcmp(dw_new.data(), o.dw_new.data(), dw_new.size() * sizeof(float)) == 0;
+  }
+};
+
+GraphSnapshot snapshot(const GraphBuffers& b) {
+  return {b.y.download(), b.dx.download(), b.dw_acc.download(), b.dw_new.download()};
+}
+
+TEST(GroupedGemmGraph, ReplaysWithOffsetsChangedOnDevice) {
+  MOE_SKIP_WITHOUT_GPU();
+  GraphBuffers b;
+  TestStream stream;
+  settle_uploads();
+  const std::vector<std::vector<int32_t>> offset_sets = {
+      {0, 100, 100, 350, 351, 450, 450, 650, 700},  // mixed, two empty experts, one single row
+      {0, 0, 700, 700, 700, 700, 700, 700, 700},    // every row in expert 1
+      {0, 10, 30, 60, 60, 60, 65, 70, 73},          // 73 of 700 rows grouped
+      {0, 100, 100, 350, 351, 450, 450, 650, 700},  // the first set again
+  };
+  b.offsets.upload(offset_sets[0]);
+  settle_uploads();
+  cudaGraph_t graph = nullptr;
+  MOE_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
+  b.run(stream.get());
+  MOE_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+  cudaGraphExec_t exec = nullptr;
+  MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  std::vector<GraphSnapshot> replays;
+  for (size_t i = 0; i < offset_sets.size(); ++i) {
+    b.offsets.upload(offset_sets[i]);  // the graph's kernels read the offsets at replay time
+    settle_uploads();
+    b.run(stream.get());
+    stream.sync();
+    const GraphSnapshot eager = snapshot(b);
+    MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+    stream.sync();
+    replays.push_back(snapshot(b));
+    EXPECT_TRUE(replays.back() == eager) << "replay with offset set " << i << " differs from the eager run";
+  }
+  EXPECT_FALSE(replays[0] == replays[1]) << "replays with different offsets gave the same results";
+  EXPECT_TRUE(replays[0] == replays[3]) << "replays with the same offsets differ";
+  // Set 2 groups 73 rows: the rest of y stays at the pattern the graph's memset wrote.
+  expect_rows_unwritten("y (replay, 73 rows grouped)", replays[2].y, GraphBuffers::kN, 73, GraphBuffers::kMaxRows);
+  MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  MOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  for (auto* buf : {&b.x, &b.w, &b.dy, &b.y, &b.dx}) buf->expect_guards_intact("graph bf16 buffer");
+  for (auto* buf : {&b.dw_acc, &b.dw_new}) buf->expect_guards_intact("graph dw");
+}
+
+}  // namespace
+}  // namespace moe::testing
