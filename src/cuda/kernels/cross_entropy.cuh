@@ -134,13 +134,13 @@ __global__ void __launch_bounds__(kCeMaxThreads, 2)
   const float l = s_lse;
   const float gs = valid ? *grad_scale : 0.0f;
   const float factor = gs * (1.0f + 2.0f * z_weight * l);
-  auto grad = [&](float xj, int64_t j) {
+  auto grad = [&](float xj, bool is_target) {
     if (!valid) return 0.0f;
     const float g = factor * exp2f((xj - l) * kLog2e);
-    return j == target ? g - gs : g;
+    return is_target ? g - gs : g;
   };
   for (int64_t j = tid; j < head; j += nthreads) {
-    const float out[1] = {grad(bf16_bits_to_f32(x[j]), j)};
+    const float out[1] = {grad(bf16_bits_to_f32(x[j]), j == target)};
     store_bf16<1>(dx + j, out);
   }
   if constexpr (V != 1) {
@@ -159,13 +159,13 @@ __global__ void __launch_bounds__(kCeMaxThreads, 2)
         if (idx < num_vecs) {
           float out[V];
 #pragma unroll
-          for (int i = 0; i < V; ++i) out[i] = grad(v[u][i], head + idx * V + i);
+          for (int i = 0; i < V; ++i) out[i] = grad(v[u][i], head + idx * V + i == target);
           store_bf16<V>(dxv + idx * V, out);
         }
       }
     }
     for (int64_t j = tail + tid; j < vocab; j += nthreads) {
-      const float out[1] = {grad(bf16_bits_to_f32(x[j]), j)};
+      const float out[1] = {grad(bf16_bits_to_f32(x[j]), j == target)};
       store_bf16<1>(dx + j, out);
     }
   }
