@@ -1,0 +1,254 @@
+// cuda::cross_entropy_forward_backward against cpu::cross_entropy_forward / _backward in float on
+// the same BF16 logits: loss and lse under the FP32-reduction row, dlogits under the BF16 row, the
+// loss sum within FP32 roundoff of the reference's sum. In place and out of place, vocab 1 to
+// 262144, rows whose 16-byte alignment varies (odd vocab), ignored and out-of-range targets.
+#include <cmath>
+#include <limits>
+
+#include "cpu/cross_entropy.h"
+#include "cuda/ops/cross_entropy.h"
+#include "gpu/gpu_test_util.h"
+#include "support/parity.h"
+
+namespace moe::testing {
+namespace {
+
+constexpr float kGradScale = 0.37f;
+
+struct CeShape {
+  int64_t n, vocab;
+  double z_weight;
+  bool in_place;
+  size_t misalign;  // bytes shifted off the allocation's alignment (dlogits only when out of place)
+};
+
+// Logits N(0, 2^2), every 3rd row shifted by +40 and every 5th by -25 (max-shifting matters).
+std::vector<uint16_t> make_logits(int64_t n, int64_t vocab, uint64_t seed) {
+  auto x = random_bf16(n * vocab, seed, 2.0f);
+  for (int64_t r = 0; r < n; ++r) {
+    const float shift = r % 3 == 1 ? 40.0f : (r % 5 == 2 ? -25.0f : 0.0f);
+    if (shift == 0.0f) continue;
+    for (int64_t j = 0; j < vocab; ++j) x[r * vocab + j] = f32_to_bf16(moe::bf16_to_f32(x[r * vocab + j]) + shift);
+  }
+  return x;
+}
+
+// Uniform targets in [0, vocab); every 7th row ignored (-1, or -100 on odd rows).
+std::vector<int32_t> make_targets(int64_t n, int64_t vocab, uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::uniform_int_distribution<int64_t> any(0, vocab - 1);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) t[i] = i % 7 == 3 ? (i % 2 ? -100 : -1) : static_cast<int32_t>(any(gen));
+  return t;
+}
+
+struct CeReference {
+  std::vector<float> loss, lse, dlogits;
+  double loss_sum = 0.0, abs_loss_sum = 0.0;
+};
+
+CeReference cpu_reference(const std::vector<uint16_t>& logits, const std::vector<int32_t>& targets, int64_t n,
+                          int64_t vocab, double z_weight, float grad_scale) {
+  CeReference r;
+  const auto x = bf16_to_f32(logits);
+  r.loss.resize(static_cast<size_t>(n));
+  r.lse.resize(static_cast<size_t>(n));
+  r.dlogits.resize(static_cast<size_t>(n * vocab));
+  cpu::cross_entropy_forward(x.data(), targets.data(), r.loss.data(), r.lse.data(), n, vocab, z_weight);
+  cpu::cross_entropy_backward(x.data(), targets.data(), r.lse.data(), r.dlogits.data(), n, vocab, z_weight,
+                              grad_scale);
+  for (const float l : r.loss) {
+    r.loss_sum += l;
+    r.abs_loss_sum += std::fabs(l);
+  }
+  return r;
+}
+
+// Device buffers of one call; dlogits is the logits buffer itself when in place.
+struct CeBuffers {
+  CeBuffers(const std::vector<uint16_t>& logits, const std::vector<int32_t>& targets, int64_t n, int64_t vocab,
+            bool in_place, size_t misalign, float grad_scale, double loss_sum0)
+      : d_logits(logits, in_place ? misalign : 0),
+        d_dlogits(in_place ? 0 : n * vocab, misalign),
+        d_targets(targets),
+        d_loss(n),
+        d_lse(n),
+        d_grad_scale(std::vector<float>{grad_scale}),
+        d_loss_sum(std::vector<double>{loss_sum0}),
+        d_bad(std::vector<uint32_t>{0}),
+        in_place_(in_place) {}
+
+  uint16_t* dlogits() { return in_place_ ? d_logits.data() : d_dlogits.data(); }
+  std::vector<uint16_t> download_dlogits() const { return in_place_ ? d_logits.download() : d_dlogits.download(); }
+
+  void run(int64_t n, int64_t vocab, double z_weight, cudaStream_t s) {
+    cuda::cross_entropy_forward_backward(d_logits.data(), dlogits(), d_targets.data(), d_loss.data(), d_lse.data(), n,
+                                         vocab, z_weight, d_grad_scale.data(), d_loss_sum.data(), d_bad.data(), s);
+  }
+
+  void expect_guards_intact() const {
+    d_logits.expect_guards_intact("logits");
+    if (!in_place_) d_dlogits.expect_guards_intact("dlogits");
+    d_targets.expect_guards_intact("targets");
+    d_loss.expect_guards_intact("loss");
+    d_lse.expect_guards_intact("lse");
+    d_grad_scale.expect_guards_intact("grad_scale");
+    d_loss_sum.expect_guards_intact("loss_sum");
+    d_bad.expect_guards_intact("num_bad_targets");
+  }
+
+  GuardedBuffer<uint16_t> d_logits, d_dlogits;
+  GuardedBuffer<int32_t> d_targets;
+  GuardedBuffer<float> d_loss, d_lse, d_grad_scale;
+  GuardedBuffer<double> d_loss_sum;
+  GuardedBuffer<uint32_t> d_bad;
+
+ private:
+  bool in_place_;
+};
+
+class CrossEntropyParity : public ::testing::TestWithParam<CeShape> {};
+
+TEST_P(CrossEntropyParity, ForwardBackward) {
+  MOE_SKIP_WITHOUT_GPU();
+  const auto [n, vocab, z_weight, in_place, misalign] = GetParam();
+  const auto logits = make_logits(n, vocab, 101 + static_cast<uint64_t>(vocab));
+  const auto targets = make_targets(n, vocab, 102);
+  const double loss_sum0 = 0.75;
+  CeBuffers b(logits, targets, n, vocab, in_place, misalign, kGradScale, loss_sum0);
+  TestStream stream;
+  b.run(n, vocab, z_weight, stream.get());
+  stream.sync();
+  const auto dlogits = b.download_dlogits();
+  const auto loss = b.d_loss.download();
+  const auto lse = b.d_lse.download();
+  const double loss_sum = b.d_loss_sum.download()[0];
+
+  const CeReference ref = cpu_reference(logits, targets, n, vocab, z_weight, kGradScale);
+  expect_parity("cross_entropy.loss", loss, ref.loss, kFP32Reduction);
+  expect_parity("cross_entropy.lse", lse, ref.lse, kFP32Reduction);
+  expect_parity("cross_entropy.dlogits", bf16_to_f32(dlogits), ref.dlogits, kBF16Elementwise);
+  // Each per-token loss is within FP32 roundoff of the reference; so is their sum, plus the
+  // accumulator's start value.
+  EXPECT_NEAR(loss_sum - loss_sum0, ref.loss_sum, 3e-5 * ref.abs_loss_sum + 1e-12) << "loss_sum";
+  EXPECT_EQ(b.d_bad.download()[0], 0u);
+  for (int64_t i = 0; i < n; ++i) {
+    if (targets[i] < 0) {
+      ASSERT_EQ(loss[i], 0.0f) << "ignored row " << i << " must have loss 0";
+    }
+  }
+  if (!in_place) {
+    EXPECT_TRUE(bitwise_equal(b.d_logits.download(), logits)) << "logits changed out of place";
+  }
+  b.expect_guards_intact();
+
+  // Same inputs, same accumulator start: bitwise the same outputs and sum.
+  if (in_place) b.d_logits.upload(logits);
+  b.d_loss_sum.upload({loss_sum0});
+  b.run(n, vocab, z_weight, stream.get());
+  stream.sync();
+  EXPECT_TRUE(bitwise_equal(b.download_dlogits(), dlogits)) << "dlogits differ between two identical runs";
+  const auto loss2 = b.d_loss.download(), lse2 = b.d_lse.download();
+  EXPECT_EQ(std::memcmp(loss2.data(), loss.data(), loss.size() * sizeof(float)), 0) << "loss differs between runs";
+  EXPECT_EQ(std::memcmp(lse2.data(), lse.data(), lse.size() * sizeof(float)), 0) << "lse differs between runs";
+  const double loss_sum2 = b.d_loss_sum.download()[0];
+  EXPECT_EQ(std::memcmp(&loss_sum2, &loss_sum, sizeof(double)), 0) << "loss_sum differs between runs";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CrossEntropyParity,
+    ::testing::Values(CeShape{1, 1, 0.0, true, 0}, CeShape{33, 1, 1e-4, true, 0}, CeShape{33, 257, 0.0, true, 0},
+                      CeShape{4096, 257, 1e-4, true, 2}, CeShape{33, 257, 1e-4, false, 2},
+                      CeShape{1, 50304, 1e-4, true, 0}, CeShape{33, 50304, 0.0, true, 6},
+                      CeShape{4096, 50304, 1e-4, true, 0}, CeShape{33, 50304, 1e-4, false, 0},
+                      CeShape{33, 50304, 0.0, false, 2}, CeShape{1, 100352, 0.0, true, 0},
+                      CeShape{33, 100352, 1e-4, true, 0}, CeShape{33, 100355, 1e-4, true, 2},
+                      CeShape{2, 262144, 1e-4, true, 0}),
+    [](const auto& info) {
+      const auto& p = info.param;
+      return param_name("n", p.n, "_v", p.vocab, p.z_weight > 0.0 ? "_z" : "", p.in_place ? "_inplace" : "_outofplace",
+                        p.misalign ? "_misaligned" : "");
+    });
+
+// Targets >= vocab: counted (the counter accumulates, never reset), loss 0, zero gradient row,
+// lse still written; the other rows are unaffected.
+TEST(CrossEntropy, OutOfRangeTargetsAreCountedNotTrapped) {
+  MOE_SKIP_WITHOUT_GPU();
+  const int64_t n = 6, vocab = 300;
+  const std::vector<int32_t> targets = {5, 300, -1, std::numeric_limits<int32_t>::max(), 299, 301};
+  const auto logits = make_logits(n, vocab, 111);
+  CeBuffers b(logits, targets, n, vocab, true, 0, kGradScale, 0.0);
+  b.d_bad.upload({7});
+  TestStream stream;
+  b.run(n, vocab, 1e-4, stream.get());
+  stream.sync();
+  EXPECT_EQ(b.d_bad.download()[0], 7u + 3u);
+
+  std::vector<int32_t> cleaned = targets;
+  for (auto& t : cleaned) t = t >= vocab ? -1 : t;
+  const CeReference ref = cpu_reference(logits, cleaned, n, vocab, 1e-4, kGradScale);
+  expect_parity("cross_entropy.bad_targets.loss", b.d_loss.download(), ref.loss, kFP32Reduction);
+  expect_parity("cross_entropy.bad_targets.lse", b.d_lse.download(), ref.lse, kFP32Reduction);
+  expect_parity("cross_entropy.bad_targets.dlogits", bf16_to_f32(b.download_dlogits()), ref.dlogits,
+                kBF16Elementwise);
+  EXPECT_NEAR(b.d_loss_sum.download()[0], ref.loss_sum, 3e-5 * ref.abs_loss_sum);
+  b.expect_guards_intact();
+}
+
+// grad_scale is read on the device at run time: a second run with a new value scales dlogits.
+TEST(CrossEntropy, GradScaleIsReadFromDeviceMemory) {
+  MOE_SKIP_WITHOUT_GPU();
+  const int64_t n = 5, vocab = 1000;
+  const auto logits = make_logits(n, vocab, 121);
+  const auto targets = make_targets(n, vocab, 122);
+  CeBuffers b(logits, targets, n, vocab, true, 0, 1.0f, 0.0);
+  TestStream stream;
+  b.run(n, vocab, 0.0, stream.get());
+  stream.sync();
+  const auto g1 = bf16_to_f32(b.download_dlogits());
+  b.d_logits.upload(logits);
+  b.d_grad_scale.upload({0.25f});
+  b.run(n, vocab, 0.0, stream.get());
+  stream.sync();
+  const auto g4 = bf16_to_f32(b.download_dlogits());
+  for (size_t i = 0; i < g1.size(); ++i) {
+    ASSERT_EQ(g4[i], g1[i] * 0.25f) << "element " << i << ": scaling by a power of two must be exact";
+  }
+}
+
+TEST(CrossEntropy, BadArgumentsAreRejected) {
+  MOE_SKIP_WITHOUT_GPU();
+  GuardedBuffer<uint16_t> x(64);
+  GuardedBuffer<int32_t> t(std::vector<int32_t>{0, 0});
+  GuardedBuffer<float> f(8);
+  GuardedBuffer<uint32_t> bad(std::vector<uint32_t>{0});
+  auto expect_error = [](auto fn, const char* needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "expected moe::Error mentioning '" << needle << "'";
+    } catch (const moe::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error([&] {
+    cuda::cross_entropy_forward_backward(x.data(), x.data(), t.data(), f.data(), f.data(), 2, 32, -1.0, f.data(),
+                                         nullptr, bad.data(), nullptr);
+  }, "z_weight");
+  expect_error([&] {
+    cuda::cross_entropy_forward_backward(x.data(), x.data() + 1, t.data(), f.data(), f.data(), 2, 32, 0.0, f.data(),
+                                         nullptr, bad.data(), nullptr);
+  }, "overlap");
+  expect_error([&] {
+    cuda::cross_entropy_forward_backward(x.data(), x.data(), t.data(), f.data(), f.data(), 2, 0, 0.0, f.data(),
+                                         nullptr, bad.data(), nullptr);
+  }, "vocab > 0");
+  expect_error([&] {
+    cuda::cross_entropy_forward_backward(x.data(), x.data(), t.data(), f.data(), f.data(), 2, 32, 0.0, nullptr,
+                                         nullptr, bad.data(), nullptr);
+  }, "grad_scale");
+  EXPECT_NO_THROW(cuda::cross_entropy_forward_backward(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 32, 0.0,
+                                                       nullptr, nullptr, nullptr, nullptr));
+}
+
+}  // namespace
+}  // namespace moe::testing
