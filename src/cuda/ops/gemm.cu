@@ -145,6 +145,12 @@ Plan build_plan(cublasLtHandle_t lt, const GemmKey& key) {
     const uint64_t ws = GemmHandle::kWorkspaceBytes;
     MOE_GEMM_CUBLAS_CHECK(
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)), key);
+    // Split-K only with FP32 partials in the workspace, reduced in a fixed order: no partial sums
+    // rounded to a BF16 C (the in-place and output-type schemes), so C is rounded once.
+    const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                                               &reduction, sizeof(reduction)),
+                          key);
     const uint32_t aligns[4] = {key.align_b, key.align_a, key.align_c, key.align_c};  // cuBLASLt's A, B, C, D
     const cublasLtMatmulPreferenceAttributes_t attrs[4] = {
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
