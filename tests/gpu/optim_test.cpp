@@ -31,13 +31,13 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 
 // Test buffers are filled on the legacy default stream (cudaMemset; a pageable cudaMemcpy may
 // return before its DMA lands) while the ops run on a non-blocking stream: wait for the fills first.
-void wait_for_fills() { MOE_CUDA_CHECK(cudaDeviceSynchronize()); }
+void settle_uploads() { MOE_CUDA_CHECK(cudaDeviceSynchronize()); }
 
 double device_norm(const float* d_grads, int64_t n, cudaStream_t s) {
   GuardedBuffer<double> norm(1);
   const size_t bytes = cuda::global_grad_norm_workspace_bytes(n);
   GuardedBuffer<uint8_t> ws(static_cast<int64_t>(bytes));
-  wait_for_fills();
+  settle_uploads();
   cuda::global_grad_norm(d_grads, n, norm.data(), ws.data(), bytes, s);
   MOE_CUDA_CHECK(cudaStreamSynchronize(s));
   norm.expect_guards_intact("norm");
@@ -76,7 +76,7 @@ TEST(GradNorm, EmptyIsZeroAndNonFiniteStaysNonFinite) {
   MOE_SKIP_WITHOUT_GPU();
   TestStream stream;
   GuardedBuffer<double> norm(1);  // starts as NaN bytes
-  wait_for_fills();
+  settle_uploads();
   cuda::global_grad_norm(nullptr, 0, norm.data(), nullptr, 0, stream.get());
   stream.sync();
   EXPECT_EQ(norm.download()[0], 0.0);
@@ -232,7 +232,7 @@ struct AdamWHarness {
   void gpu_step(const std::vector<float>& dev_grads, double lr, cudaStream_t s) {
     grads.upload(dev_grads);
     MOE_CUDA_CHECK(cudaMemcpy(&scalars.data()->lr, &lr, sizeof(double), cudaMemcpyHostToDevice));
-    wait_for_fills();
+    settle_uploads();
     enqueue_step(s);
     MOE_CUDA_CHECK(cudaStreamSynchronize(s));
   }
@@ -437,7 +437,7 @@ TEST(AdamW, CapturedStepReplaysLikeEager) {
   for (int i = 0; i < 3; ++i) {
     h.grads.upload(grads[i]);
     *lr_pinned = lrs[i];
-    wait_for_fills();
+    settle_uploads();
     MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
     stream.sync();
     const State got = snapshot();
