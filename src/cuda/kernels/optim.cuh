@@ -1,0 +1,206 @@
+// Optimizer kernels. Gradient norm: each block sums FP64 squares over a fixed grid-stride
+// partition of 4-element groups (by flat index, so alignment does not change the order) into one
+// partial; one block adds the partials in order and takes the square root. AdamW: a one-thread
+// kernel turns the step's device scalars into FP32 coefficients (or a skip), then one launch walks
+// fixed chunks of the flat buffers and updates the parts of the segments inside each chunk.
+#pragma once
+
+#include <cmath>
+
+#include "cuda/kernels/vec.cuh"
+#include "cuda/ops/optim.h"
+
+namespace moe::cuda::kernels {
+
+constexpr int kNormThreads = 256;
+constexpr int kNormMaxBlocks = 1024;
+constexpr int64_t kNormBlockElems = 16384;  // elements per block below kNormMaxBlocks blocks
+constexpr int kNormGroup = 4;               // elements per group (one 16-byte load when aligned)
+
+constexpr int kAdamWThreads = 256;
+constexpr int64_t kAdamWChunk = 4096;  // elements of the flat buffers per block
+
+// Sum over the block in a fixed order: butterfly within each warp, then warp sums in warp order.
+// Every thread must call it; thread 0 gets the total.
+__device__ __forceinline__ double block_sum_f64(double v, double* s_warp) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  const int warp = threadIdx.x / kWarpSize;
+  if (threadIdx.x % kWarpSize == 0) s_warp[warp] = v;
+  __syncthreads();
+  double total = 0.0;
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < static_cast<int>(blockDim.x) / kWarpSize; ++w) total += s_warp[w];
+  }
+  return total;
+}
+
+// partials[blockIdx.x] = sum of g^2 over the block's groups. Thread t of the grid takes groups t,
+// t + threads, ...; the n % 4 trailing elements go to the first threads. Aligned: one float4 load
+// per group; else four scalar loads, same order. Squares of floats are exact in FP64.
+template <bool kAligned>
+__global__ void __launch_bounds__(kNormThreads)
+    grad_sum_squares_block_partials(const float* __restrict__ g, int64_t n, double* __restrict__ partials) {
+  __shared__ double s_warp[kNormThreads / kWarpSize];
+  const int64_t num_groups = n / kNormGroup;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  const int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  double acc = 0.0;
+#pragma unroll 4
+  for (int64_t i = t; i < num_groups; i += stride) {
+    float x[kNormGroup];
+    if constexpr (kAligned) {
+      const float4 q = reinterpret_cast<const float4*>(g)[i];
+      x[0] = q.x, x[1] = q.y, x[2] = q.z, x[3] = q.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kNormGroup; ++j) x[j] = g[i * kNormGroup + j];
+    }
+#pragma unroll
+    for (int j = 0; j < kNormGroup; ++j) acc += static_cast<double>(x[j]) * static_cast<double>(x[j]);
+  }
+  const int64_t tail = num_groups * kNormGroup + t;
+  if (tail < n) acc += static_cast<double>(g[tail]) * static_cast<double>(g[tail]);
+  const double total = block_sum_f64(acc, s_warp);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+}
+
+// One block: *norm = sqrt(sum of partials[0..num_partials)), in a fixed order.
+__global__ void __launch_bounds__(kNormThreads)
+    grad_norm_from_partials(const double* __restrict__ partials, int num_partials, double* __restrict__ norm) {
+  __shared__ double s_warp[kNormThreads / kWarpSize];
+  double acc = 0.0;
+  for (int i = threadIdx.x; i < num_partials; i += blockDim.x) acc += partials[i];
+  const double total = block_sum_f64(acc, s_warp);
+  if (threadIdx.x == 0) *norm = sqrt(total);
+}
+
+// Constants of the run, as AdamW::step rounds them.
+struct AdamWConstants {
+  double beta1, beta2, weight_decay, grad_clip;  // the config's values (for the bias corrections, decay, clip)
+  float b1, one_minus_b1, b2, one_minus_b2, eps;  // FP32 as the update uses them
+};
+
+// One thread. Mirrors the trainer and AdamW::step in double, without contracting a * b + c (the
+// host code rounds each operation): skip on a non-finite norm, else the clip factor, t += 1, and
+// the FP32 coefficients of this step.
+__global__ void adamw_prepare_step(OptimStepScalars* __restrict__ s, AdamWConstants c) {
+  const double norm = s->grad_norm;
+  if (!isfinite(norm)) {
+    s->skipped = 1;
+    s->num_skipped += 1;
+    s->clip_factor = 1.0;
+    return;
+  }
+  const double factor = (c.grad_clip > 0.0 && norm > c.grad_clip) ? c.grad_clip / __dadd_rn(norm, 1e-6) : 1.0;
+  const int64_t t = s->step + 1;
+  const double lr = s->lr;
+  const double bc1 = __dadd_rn(1.0, -pow(c.beta1, static_cast<double>(t)));
+  const double bc2 = __dadd_rn(1.0, -pow(c.beta2, static_cast<double>(t)));
+  s->step = t;
+  s->skipped = 0;
+  s->clip_factor = factor;
+  s->step_size = static_cast<float>(lr / bc1);
+  s->inv_sqrt_bc2 = static_cast<float>(1.0 / sqrt(bc2));
+  s->decay = static_cast<float>(__dadd_rn(1.0, -__dmul_rn(lr, c.weight_decay)));
+  s->grad_scale = static_cast<float>(factor);
+}
+
+struct AdamWCoefficients {
+  float step_size, inv_sqrt_bc2, decay, grad_scale;
+};
+
+// AdamW::step's element update, each operation rounded on its own (no FMA contraction), in its order.
+__device__ __forceinline__ void adamw_element(float& p, float g, float& m, float& v, float decay,
+                                              const AdamWCoefficients& k, const AdamWConstants& c) {
+  const float gs = __fmul_rn(g, k.grad_scale);
+  m = __fadd_rn(__fmul_rn(c.b1, m), __fmul_rn(c.one_minus_b1, gs));
+  v = __fadd_rn(__fmul_rn(c.b2, v), __fmul_rn(__fmul_rn(c.one_minus_b2, gs), gs));
+  const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(v), k.inv_sqrt_bc2), c.eps);
+  p = __fsub_rn(__fmul_rn(p, decay), __fdiv_rn(__fmul_rn(k.step_size, m), denom));
+}
+
+__device__ __forceinline__ void adamw_scalar(int64_t i, float* __restrict__ p, const float* __restrict__ g,
+                                             float* __restrict__ m, float* __restrict__ v, uint16_t* __restrict__ p_bf16,
+                                             float decay, const AdamWCoefficients& k, const AdamWConstants& c) {
+  float pi = p[i], mi = m[i], vi = v[i];
+  adamw_element(pi, g[i], mi, vi, decay, k, c);
+  p[i] = pi;
+  m[i] = mi;
+  v[i] = vi;
+  if (p_bf16 != nullptr) p_bf16[i] = f32_to_bf16_bits(pi);
+}
+
+// Elements [4i, 4i + 4): float4 accesses (16-byte aligned FP32 buffers, 8-byte aligned BF16 copy).
+__device__ __forceinline__ void adamw_vec4(int64_t i, float* __restrict__ p, const float* __restrict__ g,
+                                           float* __restrict__ m, float* __restrict__ v, uint16_t* __restrict__ p_bf16,
+                                           float decay, const AdamWCoefficients& k, const AdamWConstants& c) {
+  float4 pv = reinterpret_cast<float4*>(p)[i];
+  const float4 gv = reinterpret_cast<const float4*>(g)[i];
+  float4 mv = reinterpret_cast<float4*>(m)[i];
+  float4 vv = reinterpret_cast<float4*>(v)[i];
+  adamw_element(pv.x, gv.x, mv.x, vv.x, decay, k, c);
+  adamw_element(pv.y, gv.y, mv.y, vv.y, decay, k, c);
+  adamw_element(pv.z, gv.z, mv.z, vv.z, decay, k, c);
+  adamw_element(pv.w, gv.w, mv.w, vv.w, decay, k, c);
+  reinterpret_cast<float4*>(p)[i] = pv;
+  reinterpret_cast<float4*>(m)[i] = mv;
+  reinterpret_cast<float4*>(v)[i] = vv;
+  if (p_bf16 != nullptr) {
+    const uint32_t lo = static_cast<uint32_t>(f32_to_bf16_bits(pv.x)) | (static_cast<uint32_t>(f32_to_bf16_bits(pv.y)) << 16);
+    const uint32_t hi = static_cast<uint32_t>(f32_to_bf16_bits(pv.z)) | (static_cast<uint32_t>(f32_to_bf16_bits(pv.w)) << 16);
+    reinterpret_cast<uint2*>(p_bf16)[i] = make_uint2(lo, hi);
+  }
+}
+
+// Index of the first segment ending after `pos` (segments sorted, non-overlapping: ends non-decreasing).
+__device__ __forceinline__ int first_segment_ending_after(const ParamSegment* __restrict__ segs, int num_segs,
+                                                          int64_t pos) {
+  int lo = 0, hi = num_segs;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (segs[mid].offset + segs[mid].numel > pos) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
+}
+
+// Block b handles chunks b, b + grid, ... of kAdamWChunk elements; within a chunk, each segment's
+// overlap [lo, hi) is updated by the block's threads (kVec4: scalar head up to a multiple of 4,
+// float4 body, scalar tail). Does nothing when the prepare kernel marked the step skipped.
+template <bool kVec4>
+__global__ void __launch_bounds__(kAdamWThreads)
+    adamw_update_segments(const ParamSegment* __restrict__ segs, int num_segs, int64_t total_numel,
+                          float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                          float* __restrict__ v, uint16_t* __restrict__ p_bf16, const OptimStepScalars* __restrict__ s,
+                          AdamWConstants c) {
+  if (s->skipped != 0) return;
+  const AdamWCoefficients k{s->step_size, s->inv_sqrt_bc2, s->decay, s->grad_scale};
+  const int64_t num_chunks = (total_numel + kAdamWChunk - 1) / kAdamWChunk;
+  for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
+    const int64_t c0 = chunk * kAdamWChunk;
+    const int64_t c1 = c0 + kAdamWChunk < total_numel ? c0 + kAdamWChunk : total_numel;
+    for (int si = first_segment_ending_after(segs, num_segs, c0); si < num_segs; ++si) {
+      const ParamSegment seg = segs[si];
+      if (seg.offset >= c1) break;
+      const int64_t lo = seg.offset > c0 ? seg.offset : c0;
+      const int64_t end = seg.offset + seg.numel;
+      const int64_t hi = end < c1 ? end : c1;
+      const float decay = seg.decay ? k.decay : 1.0f;
+      if constexpr (kVec4) {
+        const int64_t vb = ((lo + 3) / 4) * 4 < hi ? ((lo + 3) / 4) * 4 : hi;
+        const int64_t ve = (hi / 4) * 4 > vb ? (hi / 4) * 4 : vb;
+        if (lo + threadIdx.x < vb) adamw_scalar(lo + threadIdx.x, p, g, m, v, p_bf16, decay, k, c);
+        for (int64_t i = vb / 4 + threadIdx.x; i < ve / 4; i += blockDim.x) adamw_vec4(i, p, g, m, v, p_bf16, decay, k, c);
+        if (ve + threadIdx.x < hi) adamw_scalar(ve + threadIdx.x, p, g, m, v, p_bf16, decay, k, c);
+      } else {
+        for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) adamw_scalar(i, p, g, m, v, p_bf16, decay, k, c);
+      }
+    }
+  }
+}
+
+}  // namespace moe::cuda::kernels

@@ -1,0 +1,278 @@
+// cuBLASLt GEMM behind checked entry points. Row-major C = op(A) @ op(B) is column-major
+// C^T = op(B)^T @ op(A)^T, so cuBLASLt's first operand is our B and its second our A, each with the
+// same transpose flag and leading dimension, and C^T is [n, m] with leading dim ldc. A plan per
+// problem (descriptors, layouts, the heuristic's first algorithm) is built once and cached.
+#include "cuda/ops/gemm.h"
+
+#include <algorithm>
+#include <compare>
+#include <limits>
+#include <map>
+#include <string>
+
+#include "cuda/common.h"
+#include "cuda/kernels/gemm.cuh"
+#include "cuda/ops/launch.h"
+
+namespace moe::cuda {
+namespace detail {
+
+constexpr uint32_t kMaxAlignBytes = 256;  // cuBLASLt's default (and largest useful) alignment preference
+constexpr int kScaleThreads = 256;
+constexpr int64_t kScaleMaxBlocks = 4096;
+
+// Everything a plan depends on. Alignments are the largest power of two (<= 256) dividing every
+// address cuBLASLt will see for that operand, so a plan is only reused for pointers at least as aligned.
+struct GemmKey {
+  int64_t m, n, k, lda, ldb, ldc, stride_a, stride_b, stride_c, batch;
+  bool trans_a, trans_b, c_f32;
+  uint32_t align_a, align_b, align_c;
+  auto operator<=>(const GemmKey&) const = default;
+};
+
+std::string describe(const GemmKey& g) {
+  std::string s = ::moe::detail::concat("gemm m=", g.m, " n=", g.n, " k=", g.k, " trans_a=", g.trans_a,
+                                        " trans_b=", g.trans_b, " lda=", g.lda, " ldb=", g.ldb, " ldc=", g.ldc,
+                                        " C=", g.c_f32 ? "f32" : "bf16");
+  if (g.batch != 1) {
+    s += ::moe::detail::concat(" batch=", g.batch, " strides a/b/c=", g.stride_a, "/", g.stride_b, "/", g.stride_c);
+  }
+  if (g.align_a != 0) {
+    s += ::moe::detail::concat(" (alignment a/b/c ", g.align_a, "/", g.align_b, "/", g.align_c, " bytes)");
+  }
+  return s;
+}
+
+[[noreturn]] void throw_gemm_cublas_error(const char* file, int line, const char* call, cublasStatus_t st,
+                                          const GemmKey& key) {
+  ::moe::detail::throw_error(file, line, nullptr,
+                             ::moe::detail::concat("cuBLAS error ", cublasLtGetStatusName(st), " (",
+                                                   cublasLtGetStatusString(st), ") from ", call, " for ",
+                                                   describe(key)));
+}
+
+#define MOE_GEMM_CUBLAS_CHECK(expr, key)                                                           \
+  do {                                                                                             \
+    const cublasStatus_t moe_gemm_st_ = (expr);                                                    \
+    if (moe_gemm_st_ != CUBLAS_STATUS_SUCCESS) [[unlikely]] {                                      \
+      ::moe::cuda::detail::throw_gemm_cublas_error(__FILE__, __LINE__, #expr, moe_gemm_st_, (key)); \
+    }                                                                                              \
+  } while (0)
+
+uint32_t alignment_of(const void* p, int64_t stride_elems, size_t elem_bytes, int64_t batch) {
+  uint64_t bits = reinterpret_cast<uintptr_t>(p) | kMaxAlignBytes;
+  if (batch > 1 && stride_elems != 0) bits |= static_cast<uint64_t>(stride_elems) * elem_bytes;
+  return static_cast<uint32_t>(bits & (~bits + 1));  // lowest set bit
+}
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t layout_b = nullptr;  // cuBLASLt's A: our B
+  cublasLtMatrixLayout_t layout_a = nullptr;  // cuBLASLt's B: our A
+  cublasLtMatrixLayout_t layout_c = nullptr;  // C and D
+  cublasLtMatmulAlgo_t algo{};
+};
+
+void destroy_plan(Plan& p) {
+  if (p.layout_c) cublasLtMatrixLayoutDestroy(p.layout_c);
+  if (p.layout_a) cublasLtMatrixLayoutDestroy(p.layout_a);
+  if (p.layout_b) cublasLtMatrixLayoutDestroy(p.layout_b);
+  if (p.desc) cublasLtMatmulDescDestroy(p.desc);
+  p = Plan{};
+}
+
+}  // namespace detail
+
+using detail::describe;
+using detail::GemmKey;
+using detail::Plan;
+
+struct GemmHandle::Impl {
+  cublasLtHandle_t lt = nullptr;
+  void* workspace = nullptr;
+  std::map<GemmKey, Plan> plans;
+
+  ~Impl() {
+    for (auto& [key, plan] : plans) destroy_plan(plan);
+    if (workspace) cudaFree(workspace);
+    if (lt) cublasLtDestroy(lt);
+  }
+
+  const Plan& plan_for(const GemmKey& key);
+};
+
+namespace {
+
+void set_layout_batch(cublasLtMatrixLayout_t layout, int64_t batch, int64_t stride, const GemmKey& key) {
+  if (batch == 1) return;
+  const int32_t count = static_cast<int32_t>(batch);
+  MOE_GEMM_CUBLAS_CHECK(
+      cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)), key);
+  MOE_GEMM_CUBLAS_CHECK(
+      cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)),
+      key);
+}
+
+// Descriptors, layouts and the heuristic's first choice for `key`; on failure everything built is destroyed.
+Plan build_plan(cublasLtHandle_t lt, const GemmKey& key) {
+  Plan p;
+  cublasLtMatmulPreference_t pref = nullptr;
+  try {
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), key);
+    const cublasOperation_t op_first = key.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t op_second = key.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    MOE_GEMM_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)), key);
+    MOE_GEMM_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)), key);
+
+    // Column-major views: row-major X[r, c] with leading dim ld is column-major [c, r] with the same ld.
+    const uint64_t b_rows = static_cast<uint64_t>(key.trans_b ? key.k : key.n);
+    const uint64_t b_cols = static_cast<uint64_t>(key.trans_b ? key.n : key.k);
+    const uint64_t a_rows = static_cast<uint64_t>(key.trans_a ? key.m : key.k);
+    const uint64_t a_cols = static_cast<uint64_t>(key.trans_a ? key.k : key.m);
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.layout_b, CUDA_R_16BF, b_rows, b_cols, key.ldb), key);
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.layout_a, CUDA_R_16BF, a_rows, a_cols, key.lda), key);
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.layout_c, key.c_f32 ? CUDA_R_32F : CUDA_R_16BF,
+                                                     static_cast<uint64_t>(key.n), static_cast<uint64_t>(key.m),
+                                                     key.ldc),
+                          key);
+    set_layout_batch(p.layout_b, key.batch, key.stride_b, key);
+    set_layout_batch(p.layout_a, key.batch, key.stride_a, key);
+    set_layout_batch(p.layout_c, key.batch, key.stride_c, key);
+
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref), key);
+    const uint64_t ws = GemmHandle::kWorkspaceBytes;
+    MOE_GEMM_CUBLAS_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)), key);
+    // Split-K only with FP32 partials in the workspace, reduced in a fixed order: no partial sums
+    // rounded to a BF16 C (the in-place and output-type schemes), so C is rounded once.
+    const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                                               &reduction, sizeof(reduction)),
+                          key);
+    const uint32_t aligns[4] = {key.align_b, key.align_a, key.align_c, key.align_c};  // cuBLASLt's A, B, C, D
+    const cublasLtMatmulPreferenceAttributes_t attrs[4] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    for (int i = 0; i < 4; ++i) {
+      MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attrs[i], &aligns[i], sizeof(aligns[i])), key);
+    }
+
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.layout_b, p.layout_a, p.layout_c, p.layout_c,
+                                                         pref, 1, &result, &found),
+                          key);
+    MOE_CHECK(found > 0 && result.state == CUBLAS_STATUS_SUCCESS, "cuda::gemm: cuBLASLt has no algorithm for ",
+              describe(key), ": check the leading dimensions and alignments");
+    p.algo = result.algo;
+    cublasLtMatmulPreferenceDestroy(pref);
+  } catch (...) {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    destroy_plan(p);
+    throw;
+  }
+  return p;
+}
+
+}  // namespace
+
+const Plan& GemmHandle::Impl::plan_for(const GemmKey& key) {
+  const auto it = plans.find(key);
+  if (it != plans.end()) return it->second;
+  Plan p = build_plan(lt, key);
+  return plans.emplace(key, p).first->second;
+}
+
+GemmHandle::GemmHandle() : impl_(std::make_unique<Impl>()) {
+  MOE_CUBLAS_CHECK(cublasLtCreate(&impl_->lt));
+  MOE_CUDA_CHECK(cudaMalloc(&impl_->workspace, kWorkspaceBytes));
+}
+
+GemmHandle::~GemmHandle() = default;
+
+size_t GemmHandle::num_plans() const { return impl_->plans.size(); }
+
+namespace {
+
+template <typename T>
+void launch_gemm_scale_c(T* c, int64_t m, int64_t n, int64_t ldc, int64_t stride_c, int64_t batch, float beta,
+                         Stream stream) {
+  const int64_t total = m * n * batch;
+  const int64_t blocks = std::clamp<int64_t>((total + detail::kScaleThreads - 1) / detail::kScaleThreads, 1, detail::kScaleMaxBlocks);
+  kernels::gemm_scale_c_elements<T>
+      <<<static_cast<unsigned>(blocks), detail::kScaleThreads, 0, stream>>>(c, m, n, ldc, stride_c, batch, beta);
+  check_launch("gemm_scale_c_elements");
+}
+
+// Validation, the k = 0 case, then the cached plan and one cublasLtMatmul. T is C's element type.
+template <typename T>
+void run_gemm(GemmHandle& handle, const char* op, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+              float alpha, const uint16_t* a, int64_t lda, int64_t stride_a, const uint16_t* b, int64_t ldb,
+              int64_t stride_b, float beta, T* c, int64_t ldc, int64_t stride_c, int64_t batch, Stream stream) {
+  constexpr bool c_f32 = sizeof(T) == 4;
+  GemmKey key{m, n, k, lda, ldb, ldc, stride_a, stride_b, stride_c, batch, trans_a, trans_b, c_f32, 0, 0, 0};
+  MOE_CHECK(m >= 0 && n >= 0 && k >= 0 && batch >= 0, op, ": expected m, n, k, batch >= 0, got ", describe(key));
+  if (m == 0 || n == 0 || batch == 0) return;
+  MOE_CHECK(batch <= std::numeric_limits<int32_t>::max(), op, ": batch exceeds 2^31 - 1 in ", describe(key));
+  MOE_CHECK(ldc >= n, op, ": expected ldc >= n (row-major C[m, n]), got ", describe(key));
+  detail::check_ptrs(op, {{"c", c}}, sizeof(T));
+  if (batch > 1) {
+    MOE_CHECK(stride_c >= (m - 1) * ldc + n, op, ": C matrices overlap: expected stride_c >= (m - 1) * ldc + n = ",
+              (m - 1) * ldc + n, ", got ", describe(key));
+  }
+  if (k == 0) {
+    launch_gemm_scale_c<T>(c, m, n, ldc, stride_c, batch, beta, stream);
+    return;
+  }
+  MOE_CHECK(lda >= (trans_a ? m : k), op, ": expected lda >= ", trans_a ? "m" : "k", " (A is row-major [",
+            trans_a ? "k, m" : "m, k", "]), got ", describe(key));
+  MOE_CHECK(ldb >= (trans_b ? k : n), op, ": expected ldb >= ", trans_b ? "k" : "n", " (B is row-major [",
+            trans_b ? "n, k" : "k, n", "]), got ", describe(key));
+  MOE_CHECK(stride_a >= 0 && stride_b >= 0, op, ": expected stride_a, stride_b >= 0, got ", describe(key));
+  detail::check_ptrs(op, {{"a", a}, {"b", b}}, 2);
+
+  key.align_a = detail::alignment_of(a, stride_a, 2, batch);
+  key.align_b = detail::alignment_of(b, stride_b, 2, batch);
+  key.align_c = detail::alignment_of(c, stride_c, sizeof(T), batch);
+  GemmHandle::Impl& h = handle.impl();
+  const Plan& p = h.plan_for(key);
+  MOE_GEMM_CUBLAS_CHECK(cublasLtMatmul(h.lt, p.desc, &alpha, b, p.layout_b, a, p.layout_a, &beta, c, p.layout_c, c,
+                                       p.layout_c, &p.algo, h.workspace, GemmHandle::kWorkspaceBytes, stream),
+                        key);
+}
+
+}  // namespace
+
+void gemm(GemmHandle& handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+          const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, uint16_t* c, int64_t ldc,
+          Stream stream) {
+  run_gemm<uint16_t>(handle, "cuda::gemm", trans_a, trans_b, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc, 0,
+                     1, stream);
+}
+
+void gemm(GemmHandle& handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+          const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc,
+          Stream stream) {
+  run_gemm<float>(handle, "cuda::gemm", trans_a, trans_b, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc, 0, 1,
+                  stream);
+}
+
+void gemm_strided_batched(GemmHandle& handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                          float alpha, const uint16_t* a, int64_t lda, int64_t stride_a, const uint16_t* b,
+                          int64_t ldb, int64_t stride_b, float beta, uint16_t* c, int64_t ldc, int64_t stride_c,
+                          int64_t batch, Stream stream) {
+  run_gemm<uint16_t>(handle, "cuda::gemm_strided_batched", trans_a, trans_b, m, n, k, alpha, a, lda, stride_a, b,
+                     ldb, stride_b, beta, c, ldc, stride_c, batch, stream);
+}
+
+void gemm_strided_batched(GemmHandle& handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                          float alpha, const uint16_t* a, int64_t lda, int64_t stride_a, const uint16_t* b,
+                          int64_t ldb, int64_t stride_b, float beta, float* c, int64_t ldc, int64_t stride_c,
+                          int64_t batch, Stream stream) {
+  run_gemm<float>(handle, "cuda::gemm_strided_batched", trans_a, trans_b, m, n, k, alpha, a, lda, stride_a, b, ldb,
+                  stride_b, beta, c, ldc, stride_c, batch, stream);
+}
+
+}  // namespace moe::cuda

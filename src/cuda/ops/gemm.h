@@ -1,0 +1,65 @@
+// Dense GEMM on the GPU through cuBLASLt, same contract as cpu::gemm: row-major
+// C[m,n] = alpha * op(A)[m,k] @ op(B)[k,n] + beta * C, op = transpose when the flag is set.
+// A and B are BF16 (uint16_t bit patterns), accumulation FP32, C either BF16 (activations) or
+// FP32 (weight gradients: beta = 1 accumulates). k = 0 gives C = beta * C (0 when beta == 0).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "cuda/device.h"
+
+namespace moe::cuda {
+
+// Owns a cuBLASLt handle, a 32 MiB device workspace and a cache of matmul plans (descriptors,
+// layouts and the heuristic's algorithm), one per distinct problem: (m, n, k, transposes, leading
+// dims, batch and strides, C dtype, pointer alignments). The first call of a problem builds its
+// plan (host work only); later calls are a map lookup and one cublasLtMatmul: no allocation, no
+// synchronisation, so they can be captured in a CUDA graph. Make the first call of each problem
+// outside capture. Create once per device (the current one at construction) and keep it for the
+// run. Not thread-safe; calls sharing a handle share its workspace, so they must not overlap on
+// different streams (use one handle per concurrent stream).
+class GemmHandle {
+ public:
+  static constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+
+  GemmHandle();
+  ~GemmHandle();
+  GemmHandle(const GemmHandle&) = delete;
+  GemmHandle& operator=(const GemmHandle&) = delete;
+
+  // Distinct problems planned so far.
+  size_t num_plans() const;
+
+  struct Impl;  // CUDA-typed state, defined in gemm.cu
+  Impl& impl() { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// C (BF16) = alpha * op(A) @ op(B) + beta * C. Row-major with leading dimensions lda >= (trans_a ? m : k),
+// ldb >= (trans_b ? k : n), ldc >= n, in elements. Pointers need only 2-byte alignment (16 is faster).
+void gemm(GemmHandle& handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+          const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, uint16_t* c, int64_t ldc,
+          Stream stream);
+
+// The same with C in FP32 (4-byte aligned), e.g. dW += dY^T @ X with beta = 1.
+void gemm(GemmHandle& handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+          const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc,
+          Stream stream);
+
+// `batch` independent problems of one shape: matrix i of A starts at a + i * stride_a (elements),
+// likewise B and C. Strides may be 0 for A or B (one matrix shared by the batch), not for C.
+void gemm_strided_batched(GemmHandle& handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                          float alpha, const uint16_t* a, int64_t lda, int64_t stride_a, const uint16_t* b,
+                          int64_t ldb, int64_t stride_b, float beta, uint16_t* c, int64_t ldc, int64_t stride_c,
+                          int64_t batch, Stream stream);
+
+void gemm_strided_batched(GemmHandle& handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                          float alpha, const uint16_t* a, int64_t lda, int64_t stride_a, const uint16_t* b,
+                          int64_t ldb, int64_t stride_b, float beta, float* c, int64_t ldc, int64_t stride_c,
+                          int64_t batch, Stream stream);
+
+}  // namespace moe::cuda

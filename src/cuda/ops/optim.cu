@@ -1,0 +1,155 @@
+// Optimizer launchers and checked entry points. global_grad_norm: min(1024, ceil(n / 16384))
+// blocks write FP64 partials into the workspace, one block reduces them into *norm. adamw_step:
+// adamw_prepare_step (one thread) then adamw_update_segments over ceil(total / 4096) chunks; the
+// float4 path when every FP32 buffer is 16-byte and the BF16 copy 8-byte aligned.
+#include "cuda/ops/optim.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include "core/arena.h"
+#include "core/config.h"
+#include "cuda/common.h"
+#include "cuda/kernels/optim.cuh"
+#include "cuda/ops/launch.h"
+
+namespace moe::cuda {
+
+static_assert(sizeof(OptimStepScalars) == 64 && alignof(OptimStepScalars) == 8,
+              "OptimStepScalars is a 64-byte device record shared with the kernels");
+static_assert(sizeof(ParamSegment) == 24, "ParamSegment is copied to the device as is");
+
+namespace {
+
+using kernels::kAdamWChunk;
+using kernels::kAdamWThreads;
+using kernels::kNormThreads;
+
+int norm_blocks(int64_t n) {
+  return static_cast<int>(
+      std::clamp<int64_t>((n + kernels::kNormBlockElems - 1) / kernels::kNormBlockElems, 1, kernels::kNormMaxBlocks));
+}
+
+bool aligned_to(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+}  // namespace
+
+size_t global_grad_norm_workspace_bytes(int64_t n) {
+  MOE_CHECK(n >= 0, "cuda::global_grad_norm_workspace_bytes: expected n >= 0, got ", n);
+  return n == 0 ? 0 : static_cast<size_t>(norm_blocks(n)) * sizeof(double);
+}
+
+void global_grad_norm(const float* grads, int64_t n, double* norm, void* workspace, size_t workspace_bytes,
+                      Stream stream) {
+  const char* op = "cuda::global_grad_norm";
+  MOE_CHECK(n >= 0, op, ": expected n >= 0, got n=", n);
+  detail::check_ptrs(op, {{"norm", norm}}, sizeof(double));
+  if (n == 0) {
+    MOE_CUDA_CHECK(cudaMemsetAsync(norm, 0, sizeof(double), stream));  // FP64 +0.0 is all zero bytes
+    return;
+  }
+  detail::check_ptrs(op, {{"grads", grads}}, sizeof(float));
+  detail::check_ptrs(op, {{"workspace", workspace}}, sizeof(double));
+  const size_t need = global_grad_norm_workspace_bytes(n);
+  MOE_CHECK(workspace_bytes >= need, op, ": workspace of ", workspace_bytes, " bytes is too small, need ", need,
+            " (global_grad_norm_workspace_bytes(", n, "))");
+  double* partials = static_cast<double*>(workspace);
+  const int blocks = norm_blocks(n);
+  if (detail::aligned16(grads)) {
+    kernels::grad_sum_squares_block_partials<true><<<blocks, kNormThreads, 0, stream>>>(grads, n, partials);
+  } else {
+    kernels::grad_sum_squares_block_partials<false><<<blocks, kNormThreads, 0, stream>>>(grads, n, partials);
+  }
+  check_launch("grad_sum_squares_block_partials");
+  kernels::grad_norm_from_partials<<<1, kNormThreads, 0, stream>>>(partials, blocks, norm);
+  check_launch("grad_norm_from_partials");
+}
+
+ParamSegmentTable::ParamSegmentTable(const ParamLayout& layout)
+    : ParamSegmentTable(
+          [&layout] {
+            std::vector<ParamSegment> segs;
+            segs.reserve(layout.entries().size());
+            for (const ParamEntry& e : layout.entries()) segs.push_back({e.offset, e.numel, e.decay ? 1 : 0, 0});
+            return segs;
+          }(),
+          layout.total_numel()) {}
+
+ParamSegmentTable::ParamSegmentTable(std::vector<ParamSegment> segments, int64_t total_numel)
+    : host_(std::move(segments)), total_numel_(total_numel) {
+  const char* what = "cuda::ParamSegmentTable";
+  MOE_CHECK(total_numel_ >= 0, what, ": expected total_numel >= 0, got ", total_numel_);
+  MOE_CHECK(host_.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()), what, ": ", host_.size(),
+            " segments exceed 2^31 - 1");
+  int64_t prev_end = 0;
+  for (size_t i = 0; i < host_.size(); ++i) {
+    const ParamSegment& s = host_[i];
+    MOE_CHECK(s.offset >= 0 && s.numel >= 0 && s.offset <= total_numel_ - s.numel, what, ": segment ", i,
+              " (offset ", s.offset, ", numel ", s.numel, ") is outside the flat buffer of ", total_numel_,
+              " elements");
+    MOE_CHECK(s.offset >= prev_end, what, ": segment ", i, " starts at ", s.offset,
+              " inside the previous one (ending at ", prev_end, "): segments must be sorted and disjoint");
+    MOE_CHECK(s.decay == 0 || s.decay == 1, what, ": segment ", i, " has decay ", s.decay, ", expected 0 or 1");
+    prev_end = s.offset + s.numel;
+  }
+  if (!host_.empty()) {
+    const size_t bytes = host_.size() * sizeof(ParamSegment);
+    MOE_CUDA_CHECK(cudaMalloc(&device_, bytes));
+    const cudaError_t err = cudaMemcpy(device_, host_.data(), bytes, cudaMemcpyHostToDevice);
+    if (err != cudaSuccess) {
+      cudaFree(device_);
+      MOE_CUDA_CHECK(err);
+    }
+  }
+}
+
+ParamSegmentTable::~ParamSegmentTable() {
+  if (device_) cudaFree(device_);
+}
+
+void adamw_step(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
+                float* exp_avg, float* exp_avg_sq, uint16_t* params_bf16, OptimStepScalars* scalars, Stream stream) {
+  const char* op = "cuda::adamw_step";
+  MOE_CHECK(cfg.beta1 >= 0.0 && cfg.beta1 < 1.0 && cfg.beta2 >= 0.0 && cfg.beta2 < 1.0, op,
+            ": expected beta1, beta2 in [0, 1), got beta1=", cfg.beta1, " beta2=", cfg.beta2);
+  MOE_CHECK(cfg.eps >= 0.0, op, ": expected eps >= 0, got ", cfg.eps);
+  detail::check_ptrs(op, {{"scalars", scalars}}, alignof(OptimStepScalars));
+  const int64_t total = segments.total_numel();
+  const int num_segs = static_cast<int>(segments.segments().size());
+  if (total > 0 && num_segs > 0) {
+    detail::check_ptrs(op, {{"params", params}, {"grads", grads}, {"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}},
+                       sizeof(float));
+    if (params_bf16 != nullptr) detail::check_ptrs(op, {{"params_bf16", params_bf16}}, 2);
+  }
+
+  kernels::AdamWConstants c{};
+  c.beta1 = cfg.beta1;
+  c.beta2 = cfg.beta2;
+  c.weight_decay = cfg.weight_decay;
+  c.grad_clip = cfg.grad_clip;
+  c.b1 = static_cast<float>(cfg.beta1);
+  c.b2 = static_cast<float>(cfg.beta2);
+  c.one_minus_b1 = 1.0f - c.b1;
+  c.one_minus_b2 = 1.0f - c.b2;
+  c.eps = static_cast<float>(cfg.eps);
+
+  kernels::adamw_prepare_step<<<1, 1, 0, stream>>>(scalars, c);
+  check_launch("adamw_prepare_step");
+  if (total == 0 || num_segs == 0) return;
+
+  const int64_t chunks = (total + kAdamWChunk - 1) / kAdamWChunk;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(chunks, detail::kMaxGridX));
+  const bool vec4 = detail::aligned16(params) && detail::aligned16(grads) && detail::aligned16(exp_avg) &&
+                    detail::aligned16(exp_avg_sq) && (params_bf16 == nullptr || aligned_to(params_bf16, 8));
+  if (vec4) {
+    kernels::adamw_update_segments<true><<<blocks, kAdamWThreads, 0, stream>>>(
+        segments.device_segments(), num_segs, total, params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, c);
+  } else {
+    kernels::adamw_update_segments<false><<<blocks, kAdamWThreads, 0, stream>>>(
+        segments.device_segments(), num_segs, total, params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, c);
+  }
+  check_launch("adamw_update_segments");
+}
+
+}  // namespace moe::cuda

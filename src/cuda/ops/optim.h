@@ -1,0 +1,91 @@
+// The optimizer step on the GPU, same math as optim/adamw.h on flat FP32 buffers laid out by a
+// ParamLayout: global_grad_norm (FP64 sum of squares, deterministic two-pass reduction), then
+// adamw_step (clip factor, skip on a non-finite norm, bias corrections, the AdamW update of every
+// segment in one launch, and the BF16 copy of the parameters). Every per-step scalar lives in
+// device memory (OptimStepScalars), so a captured graph replays each step with new values.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "cuda/device.h"
+
+namespace moe {
+class ParamLayout;
+struct OptimConfig;
+}  // namespace moe
+
+namespace moe::cuda {
+
+// Bytes of device scratch (8-byte aligned) global_grad_norm needs: one FP64 partial per block, at most 8 KiB.
+size_t global_grad_norm_workspace_bytes(int64_t n);
+
+// *norm (device FP64) = sqrt(sum_i grads[i]^2), squares summed in FP64 (each square is exact). The
+// partition into blocks depends only on n (not on the GPU or the pointer's alignment), and the
+// partials are added in block order: bitwise reproducible. A NaN or Inf gradient gives a non-finite norm.
+void global_grad_norm(const float* grads, int64_t n, double* norm, void* workspace, size_t workspace_bytes,
+                      Stream stream);
+
+// One tensor of the flat buffers: elements [offset, offset + numel); decay = 1 applies weight decay.
+struct ParamSegment {
+  int64_t offset = 0;
+  int64_t numel = 0;
+  int32_t decay = 1;
+  int32_t reserved = 0;
+};
+
+// The segments AdamW updates, validated on the host (sorted by offset, non-overlapping, inside
+// [0, total_numel), decay 0 or 1) and copied once to the device. Elements outside every segment
+// (the layout's alignment padding) are never read or written.
+class ParamSegmentTable {
+ public:
+  // Every entry of the layout, in layout order; total_numel = layout.total_numel().
+  explicit ParamSegmentTable(const ParamLayout& layout);
+  ParamSegmentTable(std::vector<ParamSegment> segments, int64_t total_numel);
+  ~ParamSegmentTable();
+  ParamSegmentTable(const ParamSegmentTable&) = delete;
+  ParamSegmentTable& operator=(const ParamSegmentTable&) = delete;
+
+  const std::vector<ParamSegment>& segments() const { return host_; }
+  const ParamSegment* device_segments() const { return device_; }
+  int64_t total_numel() const { return total_numel_; }  // extent of the flat buffers, in elements
+
+ private:
+  std::vector<ParamSegment> host_;
+  int64_t total_numel_ = 0;
+  ParamSegment* device_ = nullptr;
+};
+
+// Scalars of the optimizer step, in device memory (allocate one, zero it, set `step` when resuming).
+// "in": written by the host before the step (cudaMemcpyAsync from pinned memory is captured as a
+// node that reads the pinned value at every replay) or by a kernel; "out": written on the device,
+// read by the host when it likes (copy the whole struct asynchronously with the step's metrics).
+struct OptimStepScalars {
+  double lr = 0.0;           // in: learning rate of this step (lr_at on the host)
+  double grad_norm = 0.0;    // in: ||g||_2, e.g. written by global_grad_norm(..., &scalars->grad_norm, ...)
+  double clip_factor = 1.0;  // out: the factor applied to the gradients (1: no clipping, or a skipped step)
+  int64_t step = 0;          // in/out: AdamW steps taken (AdamW::steps_taken); +1 by every step not skipped
+  int64_t num_skipped = 0;   // out: skipped steps so far (+1 per skip; no op resets it)
+  int32_t skipped = 0;       // out: 1 when the last adamw_step was skipped (non-finite grad norm), else 0
+  int32_t reserved = 0;
+  // out: this step's coefficients, rounded to FP32 as AdamW::step rounds them (diagnostics; the
+  // update kernel reads them).
+  float step_size = 0.0f;     // lr / (1 - beta1^t)
+  float inv_sqrt_bc2 = 0.0f;  // 1 / sqrt(1 - beta2^t)
+  float decay = 0.0f;         // 1 - lr * weight_decay (decay segments)
+  float grad_scale = 0.0f;    // FP32 clip_factor
+};
+
+// One AdamW step of every segment, same update as AdamW::step after clip_grads (cfg: beta1, beta2,
+// eps, weight_decay, grad_clip). On the device: a non-finite scalars->grad_norm skips the step
+// (params, moments, BF16 copy and step unchanged; skipped = 1, num_skipped += 1); otherwise
+// step += 1, clip factor = grad_clip / (norm + 1e-6) when grad_clip > 0 and norm > grad_clip (else
+// 1), g = FP32(g * factor), then m, v, params. grads are read only (clip_grads scales them in place
+// on the CPU). params_bf16 (may be null) receives bf16(params) of every updated element. All flat
+// buffers have segments.total_numel() elements, FP32 ones 4-byte and BF16 2-byte aligned (16 and 8
+// take the vector path). Two launches, no host synchronisation: capturable in a CUDA graph.
+void adamw_step(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
+                float* exp_avg, float* exp_avg_sq, uint16_t* params_bf16, OptimStepScalars* scalars, Stream stream);
+
+}  // namespace moe::cuda

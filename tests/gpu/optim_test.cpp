@@ -1,0 +1,477 @@
+// cuda::global_grad_norm and cuda::adamw_step against moe::global_grad_norm, clip_grads and
+// moe::AdamW on the same data. Without clipping the update is bitwise the CPU's (same FP32
+// operations in the same order); with clipping, per element within 1e-6 relative. Also: padding
+// never touched, the BF16 copy equals f32_to_bf16(master), skips on NaN/Inf gradients, bitwise
+// reproducible norms (any n, any alignment, beyond 2^31 elements), and a graph replaying steps.
+#include <cmath>
+#include <limits>
+
+#include "core/arena.h"
+#include "core/config.h"
+#include "cuda/ops/optim.h"
+#include "gpu/gpu_test_util.h"
+#include "optim/adamw.h"
+#include "support/parity.h"
+
+namespace moe::testing {
+namespace {
+
+// FP32 results of the same formula whose inputs may differ in the last bit (the clip factor is
+// computed from norms summed in different orders): 1e-6 relative, a floor of 1e-7 of the tensor's
+// scale for moments that cancel to near zero.
+constexpr Tolerance kFP32Update{"fp32-update", 1e-6, 1e-7, 1e-7, false};
+
+constexpr float kPaddingParam = 7.0f;  // parameter padding starts here and must stay
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// ---------------------------------------------------------------- global_grad_norm
+
+// Test buffers are filled on the legacy default stream (cudaMemset; a pageable cudaMemcpy may
+// return before its DMA lands) while the ops run on a non-blocking stream: wait for the fills first.
+void settle_uploads() { MOE_CUDA_CHECK(cudaDeviceSynchronize()); }
+
+double device_norm(const float* d_grads, int64_t n, cudaStream_t s) {
+  GuardedBuffer<double> norm(1);
+  const size_t bytes = cuda::global_grad_norm_workspace_bytes(n);
+  GuardedBuffer<uint8_t> ws(static_cast<int64_t>(bytes));
+  settle_uploads();
+  cuda::global_grad_norm(d_grads, n, norm.data(), ws.data(), bytes, s);
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  norm.expect_guards_intact("norm");
+  ws.expect_guards_intact("norm workspace");
+  return norm.download()[0];
+}
+
+class GradNormParity : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(GradNormParity, MatchesCpuAndIsReproducible) {
+  MOE_SKIP_WITHOUT_GPU();
+  const int64_t n = GetParam();
+  auto g = random_f32(n, 201, 0.01f);
+  for (int64_t i = 0; i < n; i += 1001) g[i] = 30.0f;  // a few large entries
+  const double ref = moe::global_grad_norm(g.data(), n);
+  GuardedBuffer<float> d_g(g), d_g_shifted(g, 4);  // 16-byte aligned and 4-byte aligned copies
+  TestStream stream;
+  const double got = device_norm(d_g.data(), n, stream.get());
+  const double again = device_norm(d_g.data(), n, stream.get());
+  const double shifted = device_norm(d_g_shifted.data(), n, stream.get());
+  const double rel = std::fabs(got - ref) / ref;
+  std::printf("parity grad_norm n=%lld: got %.17g ref %.17g rel %.3e\n", static_cast<long long>(n), got, ref, rel);
+  EXPECT_LE(rel, 1e-6);
+  EXPECT_EQ(std::memcmp(&got, &again, sizeof(double)), 0) << "two runs differ: " << got << " vs " << again;
+  EXPECT_EQ(std::memcmp(&got, &shifted, sizeof(double)), 0)
+      << "the summation order depends on alignment: " << got << " vs " << shifted;
+  EXPECT_TRUE(same_bits(d_g.download(), g)) << "grads were modified";
+  d_g.expect_guards_intact("grads");
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, GradNormParity,
+                         ::testing::Values(1, 3, 4, 5, 4099, 16384, 16385, (int64_t{1} << 20) + 7, 50'000'003),
+                         [](const auto& info) { return param_name("n", info.param); });
+
+TEST(GradNorm, EmptyIsZeroAndNonFiniteStaysNonFinite) {
+  MOE_SKIP_WITHOUT_GPU();
+  TestStream stream;
+  GuardedBuffer<double> norm(1);  // starts as NaN bytes
+  settle_uploads();
+  cuda::global_grad_norm(nullptr, 0, norm.data(), nullptr, 0, stream.get());
+  stream.sync();
+  EXPECT_EQ(norm.download()[0], 0.0);
+
+  auto g = random_f32(10000, 202);
+  g[7777] = std::numeric_limits<float>::quiet_NaN();
+  GuardedBuffer<float> d_nan(g);
+  EXPECT_TRUE(std::isnan(device_norm(d_nan.data(), 10000, stream.get())));
+  g[7777] = -std::numeric_limits<float>::infinity();
+  GuardedBuffer<float> d_inf(g);
+  EXPECT_TRUE(std::isinf(device_norm(d_inf.data(), 10000, stream.get())));
+}
+
+TEST(GradNorm, WorkspaceTooSmallIsRejected) {
+  MOE_SKIP_WITHOUT_GPU();
+  const int64_t n = 100000;
+  const size_t need = cuda::global_grad_norm_workspace_bytes(n);
+  EXPECT_EQ(need, 7 * sizeof(double));  // ceil(100000 / 16384) blocks
+  GuardedBuffer<float> g(n);
+  GuardedBuffer<double> norm(8);
+  try {
+    cuda::global_grad_norm(g.data(), n, norm.data(), norm.data() + 1, need - 8, nullptr);
+    ADD_FAILURE() << "expected moe::Error";
+  } catch (const moe::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("global_grad_norm_workspace_bytes"), std::string::npos) << e.what();
+  }
+}
+
+// 2^31 + 5 elements (8 GiB): indices past 2^31 are reached. All entries hold one value x, except two
+// beyond 2^31 whose squares dominate a missed element.
+TEST(GradNorm, MoreThan2Pow31Elements) {
+  MOE_SKIP_WITHOUT_GPU();
+  const int64_t n = (int64_t{1} << 31) + 5;
+  size_t free_bytes = 0, total_bytes = 0;
+  MOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  if (free_bytes < static_cast<size_t>(n) * sizeof(float) + (size_t{1} << 30)) {
+    GTEST_SKIP() << "needs " << (n * 4) / (1 << 20) << " MiB of free device memory";
+  }
+  float* g = nullptr;
+  MOE_CUDA_CHECK(cudaMalloc(&g, static_cast<size_t>(n) * sizeof(float)));
+  MOE_CUDA_CHECK(cudaMemset(g, 0x3C, static_cast<size_t>(n) * sizeof(float)));
+  const float big[2] = {500.0f, 1000.0f};
+  MOE_CUDA_CHECK(cudaMemcpy(g + (int64_t{1} << 31), &big[0], sizeof(float), cudaMemcpyHostToDevice));
+  MOE_CUDA_CHECK(cudaMemcpy(g + n - 1, &big[1], sizeof(float), cudaMemcpyHostToDevice));
+  float x = 0.0f;
+  const uint32_t bits = 0x3C3C3C3Cu;
+  std::memcpy(&x, &bits, sizeof(float));
+  const double ref = std::sqrt(double(n - 2) * double(x) * double(x) + 500.0 * 500.0 + 1000.0 * 1000.0);
+  TestStream stream;
+  const double got = device_norm(g, n, stream.get());
+  const double again = device_norm(g, n, stream.get());
+  MOE_CUDA_CHECK(cudaFree(g));
+  std::printf("parity grad_norm n=2^31+5: got %.17g ref %.17g rel %.3e\n", got, ref, std::fabs(got - ref) / ref);
+  EXPECT_LE(std::fabs(got - ref) / ref, 1e-6);
+  EXPECT_EQ(std::memcmp(&got, &again, sizeof(double)), 0);
+}
+
+// ---------------------------------------------------------------- adamw_step
+
+// Tensors of awkward sizes, decayed and not; the layout pads each to 64 elements.
+ParamLayout test_layout() {
+  ParamLayout layout;
+  layout.add("model.embed.weight", {3, 257});
+  layout.add("model.norm.weight", {257}, /*decay=*/false);
+  layout.add("model.layers.0.mlp.weight", {4099});
+  layout.add("model.layers.0.scale", {1}, /*decay=*/false);
+  layout.add("model.layers.0.attn.weight", {70, 130});
+  layout.add("model.layers.0.bias", {5}, /*decay=*/false);
+  return layout;
+}
+
+OptimConfig test_config(double grad_clip) {
+  OptimConfig cfg;
+  cfg.lr = 1e-2;
+  cfg.min_lr = 1e-3;
+  cfg.warmup_steps = 2;
+  cfg.schedule = "cosine";
+  cfg.beta1 = 0.9;
+  cfg.beta2 = 0.95;
+  cfg.eps = 1e-8;
+  cfg.weight_decay = 0.1;
+  cfg.grad_clip = grad_clip;
+  return cfg;
+}
+
+// The CPU twin on a compact ParamLayout and the GPU on segments that may sit at other offsets in a
+// larger buffer: element j of CPU entry i is element j of device segment i.
+struct AdamWHarness {
+  ParamLayout layout;  // CPU layout (offsets padded to 64)
+  OptimConfig cfg;
+  std::vector<cuda::ParamSegment> segs;  // device placement of the same tensors
+  int64_t total;                         // device buffer extent
+  size_t misalign;                       // bytes added to the FP32 device buffers
+
+  // CPU state
+  AdamW cpu_opt{layout, cfg};
+  std::vector<float> cpu_params;
+
+  // GPU state
+  cuda::ParamSegmentTable table{segs, total};
+  std::vector<float> params0;
+  GuardedBuffer<float> params{total, misalign}, grads{total, misalign}, m{total, misalign}, v{total, misalign};
+  GuardedBuffer<uint16_t> params_bf16{total, misalign / 2};
+  GuardedBuffer<cuda::OptimStepScalars> scalars{std::vector<cuda::OptimStepScalars>(1)};
+  size_t ws_bytes = cuda::global_grad_norm_workspace_bytes(total);
+  GuardedBuffer<uint8_t> ws{static_cast<int64_t>(ws_bytes)};
+
+  AdamWHarness(ParamLayout l, OptimConfig c, std::vector<cuda::ParamSegment> s, int64_t t, size_t mis)
+      : layout(std::move(l)), cfg(c), segs(std::move(s)), total(t), misalign(mis) {
+    cpu_params.assign(static_cast<size_t>(layout.total_numel()), kPaddingParam);
+    params0.assign(static_cast<size_t>(total), kPaddingParam);
+    const auto init = random_f32(total, 301);
+    for_each_element([&](int64_t cpu_i, int64_t dev_i) { params0[dev_i] = cpu_params[cpu_i] = init[dev_i]; });
+    params.upload(params0);
+    m.upload(std::vector<float>(static_cast<size_t>(total), 0.0f));
+    v.upload(std::vector<float>(static_cast<size_t>(total), 0.0f));
+  }
+
+  template <typename F>
+  void for_each_element(F f) const {
+    for (size_t i = 0; i < segs.size(); ++i) {
+      const ParamEntry& e = layout.entries()[i];
+      for (int64_t j = 0; j < e.numel; ++j) f(e.offset + j, segs[i].offset + j);
+    }
+  }
+
+  // Device gradients: N(0, scale) on the segments, 0 in the padding (as a real gradient buffer).
+  std::vector<float> make_grads(uint64_t seed, float scale) const {
+    const auto r = random_f32(total, seed, scale);
+    std::vector<float> g(static_cast<size_t>(total), 0.0f);
+    for_each_element([&](int64_t, int64_t dev_i) { g[dev_i] = r[dev_i]; });
+    return g;
+  }
+
+  // One trainer step on the CPU (norm, skip, clip, AdamW::step); returns the clip factor (0: skipped).
+  double cpu_step(const std::vector<float>& dev_grads, double lr) {
+    std::vector<float> g(static_cast<size_t>(layout.total_numel()), 0.0f);
+    for_each_element([&](int64_t cpu_i, int64_t dev_i) { g[cpu_i] = dev_grads[dev_i]; });
+    const double norm = moe::global_grad_norm(g.data(), layout.total_numel());
+    if (!std::isfinite(norm)) return 0.0;
+    const double factor = clip_grads(g.data(), layout.total_numel(), norm, cfg.grad_clip);
+    cpu_opt.step(cpu_params.data(), g.data(), lr);
+    return factor;
+  }
+
+  // The GPU step's device work, grads and lr already in place.
+  void enqueue_step(cudaStream_t s) {
+    cuda::global_grad_norm(grads.data(), total, &scalars.data()->grad_norm, ws.data(), ws_bytes, s);
+    cuda::adamw_step(table, cfg, params.data(), grads.data(), m.data(), v.data(), params_bf16.data(), scalars.data(),
+                     s);
+  }
+
+  void gpu_step(const std::vector<float>& dev_grads, double lr, cudaStream_t s) {
+    grads.upload(dev_grads);
+    MOE_CUDA_CHECK(cudaMemcpy(&scalars.data()->lr, &lr, sizeof(double), cudaMemcpyHostToDevice));
+    settle_uploads();
+    enqueue_step(s);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  }
+
+  cuda::OptimStepScalars read_scalars() const { return scalars.download()[0]; }
+
+  // The CPU state scattered into the device placement (padding: params kPaddingParam, moments 0).
+  std::vector<float> expected(const std::vector<float>& cpu, float padding) const {
+    std::vector<float> out(static_cast<size_t>(total), padding);
+    for_each_element([&](int64_t cpu_i, int64_t dev_i) { out[dev_i] = cpu[cpu_i]; });
+    return out;
+  }
+
+  // GPU params, moments and BF16 copy against the CPU; bitwise when `exact`.
+  void expect_matches_cpu(const std::string& tag, bool exact) {
+    const auto p = params.download(), mm = m.download(), vv = v.download();
+    const auto want_p = expected(cpu_params, kPaddingParam), want_m = expected(cpu_opt.exp_avg(), 0.0f),
+               want_v = expected(cpu_opt.exp_avg_sq(), 0.0f);
+    const Tolerance& tol = exact ? kExact : kFP32Update;
+    expect_parity(tag + ".params", p, want_p, tol);
+    expect_parity(tag + ".exp_avg", mm, want_m, tol);
+    expect_parity(tag + ".exp_avg_sq", vv, want_v, tol);
+    if (!exact) {
+      std::printf("adamw %s: bitwise equal to the CPU: params %d exp_avg %d exp_avg_sq %d\n", tag.c_str(),
+                  same_bits(p, want_p), same_bits(mm, want_m), same_bits(vv, want_v));
+    }
+    // Padding: exact start values everywhere outside the segments.
+    std::vector<char> inside(static_cast<size_t>(total), 0);
+    for_each_element([&](int64_t, int64_t dev_i) { inside[dev_i] = 1; });
+    const auto b = params_bf16.download();
+    for (int64_t i = 0; i < total; ++i) {
+      if (inside[i]) {
+        ASSERT_EQ(b[i], f32_to_bf16(p[i])) << tag << ": BF16 copy at " << i << " is not bf16(params)";
+      } else {
+        ASSERT_EQ(b[i], uint16_t{0xFFFF}) << tag << ": BF16 padding at " << i << " was written";
+        ASSERT_EQ(p[i], kPaddingParam) << tag << ": parameter padding at " << i << " was written";
+        ASSERT_EQ(mm[i], 0.0f) << tag << ": exp_avg padding at " << i << " was written";
+        ASSERT_EQ(vv[i], 0.0f) << tag << ": exp_avg_sq padding at " << i << " was written";
+      }
+    }
+  }
+
+  void expect_guards_intact() const {
+    params.expect_guards_intact("params");
+    grads.expect_guards_intact("grads");
+    m.expect_guards_intact("exp_avg");
+    v.expect_guards_intact("exp_avg_sq");
+    params_bf16.expect_guards_intact("params_bf16");
+    scalars.expect_guards_intact("scalars");
+  }
+};
+
+std::vector<cuda::ParamSegment> layout_segments(const ParamLayout& layout) {
+  std::vector<cuda::ParamSegment> s;
+  for (const ParamEntry& e : layout.entries()) s.push_back({e.offset, e.numel, e.decay ? 1 : 0, 0});
+  return s;
+}
+
+// The same tensors packed at odd offsets (1 element apart, first at 3): every segment starts and
+// ends off a multiple of 4, so the float4 path's scalar heads and tails run, and several segments
+// share a 4096-element chunk while others span chunks.
+std::vector<cuda::ParamSegment> odd_segments(const ParamLayout& layout, int64_t* total) {
+  std::vector<cuda::ParamSegment> s;
+  int64_t at = 3;
+  for (const ParamEntry& e : layout.entries()) {
+    s.push_back({at, e.numel, e.decay ? 1 : 0, 0});
+    at += e.numel + 1;
+  }
+  *total = at + 2;
+  return s;
+}
+
+struct AdamWCase {
+  double grad_clip;
+  bool odd_offsets;
+  size_t misalign;  // 4: FP32 buffers 4-byte aligned, the scalar path
+};
+
+class AdamWParity : public ::testing::TestWithParam<AdamWCase> {};
+
+TEST_P(AdamWParity, StepsMatchCpu) {
+  MOE_SKIP_WITHOUT_GPU();
+  const AdamWCase c = GetParam();
+  ParamLayout layout = test_layout();
+  int64_t total = layout.total_numel();
+  std::vector<cuda::ParamSegment> segs =
+      c.odd_offsets ? odd_segments(layout, &total) : layout_segments(layout);
+  AdamWHarness h(layout, test_config(c.grad_clip), segs, total, c.misalign);
+  TestStream stream;
+  const int64_t kSteps = 5;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    const auto g = h.make_grads(400 + step, 0.05f);  // norm ~6: clipped when grad_clip = 1
+    const double lr = lr_at(h.cfg, step, kSteps);
+    const double factor = h.cpu_step(g, lr);
+    h.gpu_step(g, lr, stream.get());
+    const cuda::OptimStepScalars s = h.read_scalars();
+    EXPECT_EQ(s.step, step + 1);
+    EXPECT_EQ(s.skipped, 0);
+    EXPECT_EQ(s.num_skipped, 0);
+    EXPECT_NEAR(s.clip_factor, factor, 1e-12 * factor) << "step " << step;
+    if (c.grad_clip > 0) {
+      EXPECT_LT(s.clip_factor, 1.0) << "the test means to clip";
+    }
+    h.expect_matches_cpu(param_name("adamw.step", step + 1), /*exact=*/c.grad_clip <= 0);
+  }
+  EXPECT_EQ(h.cpu_opt.steps_taken(), kSteps);
+  h.expect_guards_intact();
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, AdamWParity,
+                         ::testing::Values(AdamWCase{0.0, false, 0}, AdamWCase{1.0, false, 0}, AdamWCase{0.0, true, 0},
+                                           AdamWCase{1.0, true, 0}, AdamWCase{0.0, false, 4},
+                                           AdamWCase{1.0, true, 4}),
+                         [](const auto& info) {
+                           return param_name(info.param.grad_clip > 0 ? "clip" : "noclip",
+                                             info.param.odd_offsets ? "_odd_offsets" : "_layout",
+                                             info.param.misalign ? "_misaligned" : "");
+                         });
+
+// A NaN and then an Inf gradient: the device skips both steps (nothing changes but the skip count),
+// and the steps around them match the CPU trainer, which skips them too.
+TEST(AdamW, NonFiniteGradientSkipsTheStep) {
+  MOE_SKIP_WITHOUT_GPU();
+  ParamLayout layout = test_layout();
+  AdamWHarness h(layout, test_config(1.0), layout_segments(layout), layout.total_numel(), 0);
+  TestStream stream;
+  const float bad[2] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()};
+  for (int64_t step = 0; step < 4; ++step) {
+    auto g = h.make_grads(500 + step, 0.05f);
+    const bool skip = step == 1 || step == 2;
+    if (skip) g[layout.entries()[2].offset + 17] = bad[step - 1];
+    const auto p_before = h.params.download(), m_before = h.m.download(), v_before = h.v.download();
+    const auto b_before = h.params_bf16.download();
+    const double lr = 1e-2;
+    EXPECT_EQ(h.cpu_step(g, lr) == 0.0, skip);
+    h.gpu_step(g, lr, stream.get());
+    const cuda::OptimStepScalars s = h.read_scalars();
+    EXPECT_EQ(s.skipped, skip ? 1 : 0) << "step " << step;
+    EXPECT_EQ(s.num_skipped, std::min<int64_t>(step, 2)) << "step " << step;
+    EXPECT_EQ(s.step, step == 3 ? 2 : 1) << "step " << step;
+    if (skip) {
+      EXPECT_FALSE(std::isfinite(s.grad_norm));
+      EXPECT_TRUE(same_bits(h.params.download(), p_before)) << "params changed on a skipped step";
+      EXPECT_TRUE(same_bits(h.m.download(), m_before)) << "exp_avg changed on a skipped step";
+      EXPECT_TRUE(same_bits(h.v.download(), v_before)) << "exp_avg_sq changed on a skipped step";
+      EXPECT_TRUE(bitwise_equal(h.params_bf16.download(), b_before)) << "BF16 copy changed on a skipped step";
+    }
+    h.expect_matches_cpu(param_name("adamw.skip.step", step + 1), /*exact=*/false);
+  }
+  EXPECT_EQ(h.cpu_opt.steps_taken(), 2);
+  h.expect_guards_intact();
+}
+
+// grad norm + AdamW captured once; the learning rate enters through a memcpy node from pinned host
+// memory. Three replays (a normal step, a NaN-gradient skip, a normal step) reproduce the eager run
+// bitwise: params, moments, BF16 copy and every device scalar.
+TEST(AdamW, CapturedStepReplaysLikeEager) {
+  MOE_SKIP_WITHOUT_GPU();
+  ParamLayout layout = test_layout();
+  const int64_t total = layout.total_numel();
+  AdamWHarness h(layout, test_config(1.0), layout_segments(layout), total, 0);
+  std::vector<std::vector<float>> grads;
+  for (int i = 0; i < 3; ++i) grads.push_back(h.make_grads(600 + i, 0.05f));
+  grads[1][layout.entries()[4].offset + 99] = std::numeric_limits<float>::quiet_NaN();
+  const double lrs[3] = {3e-3, 2e-3, 1e-3};
+  const auto bf16_0 = h.params_bf16.download();
+  const auto scalars_0 = h.scalars.download();
+
+  struct State {
+    std::vector<float> p, m, v;
+    std::vector<uint16_t> b;
+    cuda::OptimStepScalars s;
+  };
+  auto snapshot = [&] { return State{h.params.download(), h.m.download(), h.v.download(), h.params_bf16.download(),
+                                     h.read_scalars()}; };
+  TestStream stream;
+  std::vector<State> eager;
+  for (int i = 0; i < 3; ++i) {
+    h.gpu_step(grads[i], lrs[i], stream.get());
+    eager.push_back(snapshot());
+  }
+  EXPECT_EQ(eager[2].s.step, 2);
+  EXPECT_EQ(eager[2].s.num_skipped, 1);
+
+  // Back to the start.
+  h.params.upload(h.params0);
+  h.m.upload(std::vector<float>(static_cast<size_t>(total), 0.0f));
+  h.v.upload(std::vector<float>(static_cast<size_t>(total), 0.0f));
+  h.params_bf16.upload(bf16_0);
+  h.scalars.upload(scalars_0);
+
+  double* lr_pinned = nullptr;
+  MOE_CUDA_CHECK(cudaMallocHost(&lr_pinned, sizeof(double)));
+  cudaGraph_t graph = nullptr;
+  MOE_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
+  MOE_CUDA_CHECK(
+      cudaMemcpyAsync(&h.scalars.data()->lr, lr_pinned, sizeof(double), cudaMemcpyHostToDevice, stream.get()));
+  h.enqueue_step(stream.get());
+  MOE_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+  cudaGraphExec_t exec = nullptr;
+  MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 3; ++i) {
+    h.grads.upload(grads[i]);
+    *lr_pinned = lrs[i];
+    settle_uploads();
+    MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+    stream.sync();
+    const State got = snapshot();
+    EXPECT_TRUE(same_bits(got.p, eager[i].p)) << "replay " << i + 1 << ": params differ from eager";
+    EXPECT_TRUE(same_bits(got.m, eager[i].m)) << "replay " << i + 1 << ": exp_avg differs from eager";
+    EXPECT_TRUE(same_bits(got.v, eager[i].v)) << "replay " << i + 1 << ": exp_avg_sq differs from eager";
+    EXPECT_TRUE(bitwise_equal(got.b, eager[i].b)) << "replay " << i + 1 << ": BF16 copy differs from eager";
+    EXPECT_EQ(std::memcmp(&got.s, &eager[i].s, sizeof(cuda::OptimStepScalars)), 0)
+        << "replay " << i + 1 << ": device scalars differ from eager (step " << got.s.step << " vs "
+        << eager[i].s.step << ", lr " << got.s.lr << " vs " << eager[i].s.lr << ")";
+  }
+  MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  MOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  MOE_CUDA_CHECK(cudaFreeHost(lr_pinned));
+  h.expect_guards_intact();
+}
+
+// Validation happens on the host before any device call (these run without a GPU).
+TEST(ParamSegmentTable, RejectsOverlapsAndOutOfRangeSegments) {
+  auto message = [](std::vector<cuda::ParamSegment> s, int64_t total) -> std::string {
+    try {
+      cuda::ParamSegmentTable t(std::move(s), total);
+    } catch (const moe::Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  const std::string overlap = message({{0, 10, 1, 0}, {8, 4, 0, 0}}, 64);
+  EXPECT_NE(overlap.find("segment 1 starts at 8 inside the previous one"), std::string::npos) << overlap;
+  const std::string outside = message({{0, 10, 1, 0}, {60, 5, 0, 0}}, 64);
+  EXPECT_NE(outside.find("outside the flat buffer of 64 elements"), std::string::npos) << outside;
+  const std::string decay = message({{0, 10, 2, 0}}, 64);
+  EXPECT_NE(decay.find("decay 2"), std::string::npos) << decay;
+}
+
+}  // namespace
+}  // namespace moe::testing
