@@ -2,6 +2,7 @@
 // inputs (the backward also gets the reference's out, rounded to BF16, and its lse), under the
 // attention row below; lse under the FP32-reduction row. Then one captured graph of cross-entropy
 // plus attention forward and backward must replay bitwise equal to an eager run.
+#include <algorithm>
 #include <cmath>
 
 #include "cpu/attention.h"
@@ -117,8 +118,28 @@ TEST_P(AttentionParity, Backward) {
   cpu::attention_backward(qf.data(), kf.data(), vf.data(), bf16_to_f32(out).data(), lse.data(), dof.data(),
                           dq_ref.data(), dk_ref.data(), dv_ref.data(), s.batch, s.seq, s.q_heads, s.kv_heads,
                           s.head_dim);
-  expect_parity("attention.dq", bf16_to_f32(dq), dq_ref, kAttentionBF16);
-  expect_parity("attention.dk", bf16_to_f32(dk), dk_ref, kAttentionBF16);
+  // With one key per query (seq 1) dq and dk are exactly zero: dS = P * (dP - D) with P = 1 and
+  // D = dP. The GPU forms D from the BF16 output, so a cancellation residue of the size of the
+  // terms' rounding remains; a relative tolerance against a zero reference cannot apply, so such
+  // outputs are held to an absolute bound of 2^-16 times the cancelling terms' magnitude.
+  auto max_abs = [](const std::vector<float>& v) {
+    float m = 0.f;
+    for (float x : v) m = std::max(m, std::abs(x));
+    return m;
+  };
+  auto expect_parity_or_cancelled = [&](const char* what, const std::vector<float>& got,
+                                        const std::vector<float>& ref, float cancel_scale) {
+    if (max_abs(ref) > 0.f) {
+      expect_parity(what, got, ref, kAttentionBF16);
+      return;
+    }
+    const float bound = 0x1p-16f * cancel_scale;
+    std::printf("parity %s: reference identically zero, max |got| %.3e (bound %.3e)\n", what, max_abs(got), bound);
+    EXPECT_LE(max_abs(got), bound) << what << ": the reference is zero";
+  };
+  const float dp_scale = max_abs(dof) * max_abs(vf);
+  expect_parity_or_cancelled("attention.dq", bf16_to_f32(dq), dq_ref, dp_scale * max_abs(kf));
+  expect_parity_or_cancelled("attention.dk", bf16_to_f32(dk), dk_ref, dp_scale * max_abs(qf));
   expect_parity("attention.dv", bf16_to_f32(dv), dv_ref, kAttentionBF16);
   for (auto* b : {&d_q, &d_k, &d_v, &d_out, &d_dout, &d_dq, &d_dk, &d_dv}) {
     b->expect_guards_intact("attention backward bf16 buffer");
