@@ -15,6 +15,7 @@
 #include "model/layout.h"
 #include "model/model.h"
 #include "train/bench.h"
+#include "train/model_state.h"
 #include "train/trainer.h"
 
 namespace moe {
@@ -247,13 +248,7 @@ int cmd_logits(std::vector<std::string> args) {
   const LoadedCheckpoint ck = LoadedCheckpoint::open(*dir);
   const Config cfg = parse_config_toml(ck.train_state().at("config").get<std::string>(), *dir + "/train_state.json");
   Model<float> model(cfg.model, cfg.moe);
-  for (const ParamEntry& e : model.layout().entries()) ck.read_model(e.name, e.shape, model.params() + e.offset);
-  for (int64_t l = 0, m = 0; l < cfg.model.n_layers; ++l) {
-    if (is_dense_layer(cfg.model, l)) continue;
-    const std::string name = layer_prefix(l) + "mlp.gate.expert_bias";
-    if (ck.model().find(name)) ck.read_model(name, {cfg.moe.num_experts}, model.expert_bias().data() + m * cfg.moe.num_experts);
-    ++m;
-  }
+  load_model_state(ck, model);
   std::vector<int32_t> ids;
   size_t start = 0;
   while (start <= tokens_arg.size()) {

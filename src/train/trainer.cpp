@@ -23,6 +23,7 @@
 #include "model/model.h"
 #include "optim/adamw.h"
 #include "train/metrics.h"
+#include "train/model_state.h"
 
 namespace moe {
 
@@ -106,15 +107,6 @@ std::vector<TensorRef> tensor_refs(const ParamLayout& layout, const float* base,
   return refs;
 }
 
-std::string bias_name(const ModelConfig& m, int64_t moe_index) {
-  int64_t seen = 0;
-  for (int64_t l = 0; l < m.n_layers; ++l) {
-    if (is_dense_layer(m, l)) continue;
-    if (seen++ == moe_index) return layer_prefix(l) + "mlp.gate.expert_bias";
-  }
-  MOE_FAIL("MoE layer index ", moe_index, " out of range");
-}
-
 }  // namespace
 
 TrainSummary train(const Config& cfg, std::ostream& out) {
@@ -149,12 +141,7 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
               target, "'");
     if (step_dir) {
       LoadedCheckpoint ck = LoadedCheckpoint::open(*step_dir);
-      for (const ParamEntry& e : layout.entries()) ck.read_model(e.name, e.shape, model.params() + e.offset);
-      for (int64_t m = 0; m < model.num_moe_layers(); ++m) {
-        const std::string name = bias_name(cfg.model, m);
-        if (ck.model().find(name))
-          ck.read_model(name, {cfg.moe.num_experts}, model.expert_bias().data() + m * cfg.moe.num_experts);
-      }
+      load_model_state(ck, model);
       const nlohmann::json& st = ck.train_state();
       start = st.at("step").get<int64_t>();
       if (ck.has_optim()) {
@@ -295,10 +282,7 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
     }
     if ((cfg.checkpoint.interval > 0 && done % cfg.checkpoint.interval == 0) || last) {
       CheckpointFiles files;
-      files.model = tensor_refs(layout, model.params(), "");
-      for (int64_t m = 0; m < model.num_moe_layers(); ++m)
-        files.model.push_back({bias_name(cfg.model, m), DType::kF32, {cfg.moe.num_experts},
-                               model.expert_bias().data() + m * cfg.moe.num_experts});
+      files.model = model_state_refs(model);
       auto avg = tensor_refs(layout, opt.exp_avg().data(), ".exp_avg");
       auto avg_sq = tensor_refs(layout, opt.exp_avg_sq().data(), ".exp_avg_sq");
       files.optim = avg;

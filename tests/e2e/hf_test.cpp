@@ -18,19 +18,13 @@
 #include "core/config_io.h"
 #include "core/dtype.h"
 #include "model/layout.h"
+#include "support/test_util.h"
 #include "train/trainer.h"
 
 namespace moe::testing {
 namespace {
 
 namespace fs = std::filesystem;
-
-fs::path temp_dir(const std::string& name) {
-  fs::path p = fs::temp_directory_path() / ("moecore_hf_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p;
-}
 
 Config olmoe_like(const fs::path& run) {
   Config c;
@@ -52,17 +46,9 @@ Config olmoe_like(const fs::path& run) {
   return c;
 }
 
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 TEST(HfInterop, ExportImportIsBitExact) {
-  const fs::path root = temp_dir("roundtrip");
+  const TempDir tmp("roundtrip");
+  const fs::path root = tmp.root();
   const Config c = olmoe_like(root / "run");
   std::ostringstream log;
   train(c, log);
@@ -107,7 +93,6 @@ TEST(HfInterop, ExportImportIsBitExact) {
   EXPECT_EQ(s.start_step, 0);
   EXPECT_EQ(s.steps_done, 2);
   EXPECT_NE(log.str().find("resumed from"), std::string::npos);
-  fs::remove_all(root);
 }
 
 TEST(HfInterop, ConfigJsonFields) {
@@ -135,19 +120,19 @@ TEST(HfInterop, ConfigJsonFields) {
 TEST(HfInterop, RefusesWhatOlmoeCannotExpress) {
   Config c = olmoe_like("unused");
   c.moe.shared_experts = 1;
-  EXPECT_NE(message_of([&] { check_olmoe_expressible(c); }).find("shared experts"), std::string::npos);
+  EXPECT_NE(error_of([&] { check_olmoe_expressible(c); }).find("shared experts"), std::string::npos);
   c = olmoe_like("unused");
   c.model.dense_layers = {0};
-  EXPECT_NE(message_of([&] { check_olmoe_expressible(c); }).find("dense"), std::string::npos);
+  EXPECT_NE(error_of([&] { check_olmoe_expressible(c); }).find("dense"), std::string::npos);
   c = olmoe_like("unused");
   c.moe.router = "sigmoid";
-  EXPECT_NE(message_of([&] { check_olmoe_expressible(c); }).find("sigmoid"), std::string::npos);
+  EXPECT_NE(error_of([&] { check_olmoe_expressible(c); }).find("sigmoid"), std::string::npos);
   nlohmann::json j = olmoe_config_json(olmoe_like("unused"), "fp32");
   j["hidden_act"] = "gelu";
-  EXPECT_NE(message_of([&] { config_from_olmoe_json(j, "config.json"); }).find("hidden_act"), std::string::npos);
+  EXPECT_NE(error_of([&] { config_from_olmoe_json(j, "config.json"); }).find("hidden_act"), std::string::npos);
   j = olmoe_config_json(olmoe_like("unused"), "fp32");
   j.erase("num_experts");
-  EXPECT_NE(message_of([&] { config_from_olmoe_json(j, "config.json"); }).find("num_experts"), std::string::npos);
+  EXPECT_NE(error_of([&] { config_from_olmoe_json(j, "config.json"); }).find("num_experts"), std::string::npos);
 }
 
 // Writes an HF directory with the fused transformers-5 expert layout in BF16.
@@ -171,7 +156,8 @@ void write_fused_hf(const fs::path& dir, const Config& c, bool drop_one, bool ba
 }
 
 TEST(HfInterop, ImportsFusedBf16Layout) {
-  const fs::path root = temp_dir("fused");
+  const TempDir tmp("fused");
+  const fs::path root = tmp.root();
   const Config c = olmoe_like("unused");
   write_fused_hf(root / "hf", c, false, false);
   import_hf((root / "hf").string(), (root / "ck").string());
@@ -182,22 +168,21 @@ TEST(HfInterop, ImportsFusedBf16Layout) {
   b.read_model(e.name, e.shape, y.data());
   for (int64_t i = 0; i < e.numel; i += 97)
     EXPECT_EQ(y[i], bf16_to_f32(f32_to_bf16(0.001f * float((i * 37 + e.offset) % 101) - 0.05f)));
-  fs::remove_all(root);
 }
 
 TEST(HfInterop, RefusesMissingAndMismatchedTensors) {
-  const fs::path root = temp_dir("bad");
+  const TempDir tmp("bad");
+  const fs::path root = tmp.root();
   const Config c = olmoe_like("unused");
   write_fused_hf(root / "missing", c, true, false);
-  EXPECT_NE(message_of([&] { import_hf((root / "missing").string(), (root / "ck1").string()); })
+  EXPECT_NE(error_of([&] { import_hf((root / "missing").string(), (root / "ck1").string()); })
                 .find("model.layers.1.self_attn.k_norm.weight"),
             std::string::npos);
   write_fused_hf(root / "shape", c, false, true);
-  const std::string m = message_of([&] { import_hf((root / "shape").string(), (root / "ck2").string()); });
+  const std::string m = error_of([&] { import_hf((root / "shape").string(), (root / "ck2").string()); });
   EXPECT_NE(m.find("lm_head.weight"), std::string::npos) << m;
   EXPECT_NE(m.find("shape"), std::string::npos) << m;
   EXPECT_FALSE(fs::exists(root / "ck1" / "latest"));
-  fs::remove_all(root);
 }
 
 }  // namespace

@@ -16,19 +16,13 @@
 
 #include "core/config.h"
 #include "core/config_io.h"
+#include "support/test_util.h"
 #include "train/trainer.h"
 
 namespace moe::testing {
 namespace {
 
 namespace fs = std::filesystem;
-
-fs::path temp_dir(const std::string& name) {
-  fs::path p = fs::temp_directory_path() / ("moecore_e2e_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p;
-}
 
 std::vector<nlohmann::json> read_metrics(const fs::path& run_dir) {
   std::vector<nlohmann::json> out;
@@ -71,7 +65,8 @@ Config small_config(const fs::path& run_dir) {
 }
 
 TEST(Train, ResumeIsBitExact) {
-  const fs::path root = temp_dir("resume");
+  const TempDir tmp("resume");
+  const fs::path root = tmp.root();
   Config a = small_config(root / "straight");
   a.checkpoint.interval = 4;
   std::ostringstream log;
@@ -88,11 +83,11 @@ TEST(Train, ResumeIsBitExact) {
   const std::vector<double> resumed = train_losses(root / "resumed");
   ASSERT_EQ(resumed.size(), 4u);
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed[i], straight[4 + i]) << "step " << 5 + i;
-  fs::remove_all(root);
 }
 
 TEST(Train, ResumeAutoContinuesFromLatest) {
-  const fs::path root = temp_dir("auto");
+  const TempDir tmp("auto");
+  const fs::path root = tmp.root();
   Config a = small_config(root / "run");
   a.train.steps = 4;
   a.optim.schedule = "constant";
@@ -104,11 +99,11 @@ TEST(Train, ResumeAutoContinuesFromLatest) {
   EXPECT_EQ(s.start_step, 4);
   EXPECT_EQ(s.steps_done, 6);
   EXPECT_EQ(train_losses(root / "run").size(), 6u);  // appended
-  fs::remove_all(root);
 }
 
 TEST(Train, MetricsHaveContractKeys) {
-  const fs::path root = temp_dir("metrics");
+  const TempDir tmp("metrics");
+  const fs::path root = tmp.root();
   Config a = small_config(root / "run");
   a.train.steps = 2;
   a.train.eval_interval = 1;
@@ -133,13 +128,13 @@ TEST(Train, MetricsHaveContractKeys) {
   std::stringstream ss;
   ss << f.rdbuf();
   EXPECT_EQ(config_to_toml(parse_config_toml(ss.str(), "config.toml")), config_to_toml(a));
-  fs::remove_all(root);
 }
 
 TEST(Train, NonFiniteStepsAreSkipped) {
   // Weights of 1e30 overflow the logits: every step's loss is non-finite and is skipped,
   // leaving the parameters as initialised.
-  const fs::path root = temp_dir("skip");
+  const TempDir tmp("skip");
+  const fs::path root = tmp.root();
   Config a = small_config(root / "run");
   a.train.steps = 2;
   a.model.init_std = 1e30;
@@ -150,12 +145,12 @@ TEST(Train, NonFiniteStepsAreSkipped) {
   for (const auto& r : read_metrics(root / "run"))
     if (r.contains("skipped_steps")) skipped += r["skipped_steps"].get<int64_t>();
   EXPECT_EQ(skipped, 2);
-  fs::remove_all(root);
 }
 
 TEST(Train, DefaultRunLossFalls) {
   // The embedded default with fewer steps: eval loss must fall at least 30%.
-  const fs::path root = temp_dir("default");
+  const TempDir tmp("default");
+  const fs::path root = tmp.root();
   Config c;
   c.run.dir = (root / "run").string();
   c.train.steps = 40;
@@ -168,7 +163,6 @@ TEST(Train, DefaultRunLossFalls) {
   ASSERT_GT(s.initial_eval_loss, 0);
   EXPECT_LT(s.final_eval_loss, 0.7 * s.initial_eval_loss)
       << "initial " << s.initial_eval_loss << " final " << s.final_eval_loss;
-  fs::remove_all(root);
 }
 
 struct CmdResult {
@@ -214,7 +208,8 @@ TEST(Cli, HelpAndInspect) {
   EXPECT_EQ(run_cli("--help").status, 0);
   EXPECT_EQ(run_cli("train --help").status, 0);
   EXPECT_EQ(run_cli("inspect --help").status, 0);
-  const fs::path root = temp_dir("inspect");
+  const TempDir tmp("inspect");
+  const fs::path root = tmp.root();
   Config c = small_config(root / "run");
   c.train.steps = 1;
   std::ostringstream log;
@@ -224,7 +219,6 @@ TEST(Cli, HelpAndInspect) {
   EXPECT_NE(i.output.find("step 1"), std::string::npos) << i.output;
   EXPECT_NE(i.output.find("model.layers.1.mlp.experts.gate_up_proj"), std::string::npos);
   EXPECT_NE(i.output.find("exp_avg_sq"), std::string::npos);
-  fs::remove_all(root);
 }
 
 }  // namespace

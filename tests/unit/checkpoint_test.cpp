@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "checkpoint/safetensors.h"
+#include "support/test_util.h"
 #include "core/error.h"
 
 namespace moe::testing {
@@ -30,25 +31,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() /
-            ("moe_ckpt_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string path() const { return path_.string(); }
-  std::string sub(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
 
 std::string read_text(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -10,23 +10,12 @@
 #include <set>
 #include <sstream>
 
+#include "support/test_util.h"
 #include "core/config_io.h"
 #include "core/error.h"
 
 namespace moe::testing {
 namespace {
-
-// The message of the moe::Error that `f` throws ("" and a test failure when it does not throw).
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const moe::Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a moe::Error";
-  return "";
-}
 
 #define EXPECT_CONTAINS(text, part) \
   EXPECT_NE(std::string(text).find(part), std::string::npos) << "missing: " << (part) << "\nin: " << (text)

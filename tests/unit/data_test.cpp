@@ -14,6 +14,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "support/test_util.h"
 #include "core/error.h"
 #include "data/dataset.h"
 #include "data/embedded.h"
@@ -24,17 +25,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using Bytes = std::vector<uint8_t>;
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const moe::Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected moe::Error";
-  return "";
-}
 
 void expect_contains(const std::string& msg, std::initializer_list<std::string> parts) {
   for (const std::string& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
