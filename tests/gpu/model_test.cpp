@@ -84,10 +84,9 @@ TEST(CudaModel, RefusesCapacityFactor) {
   EXPECT_THROW(CudaModel(gpu_model_config(), e), Error);
 }
 
-TEST(CudaModel, ForwardAndGradientsMatchCpuModel) {
-  MOE_SKIP_WITHOUT_GPU();
-  const ModelConfig mc = gpu_model_config();
-  const MoeConfig ec = gpu_moe_config();
+// One forward + backward of both models on the same weights and batch; compares statistics and
+// every gradient tensor.
+void check_against_cpu(const ModelConfig& mc, const MoeConfig& ec) {
   Model<float> cpu(mc, ec);
   init_bf16_weights(cpu);
   CudaModel gpu(mc, ec);
@@ -144,6 +143,28 @@ TEST(CudaModel, ForwardAndGradientsMatchCpuModel) {
     worst = std::max(worst, err);
   }
   std::printf("worst normwise gradient error %.3e\n", worst);
+}
+
+// GQA with head_dim 64, QK-norm, a dense layer, softmax router, one shared expert.
+TEST(CudaModel, ForwardAndGradientsMatchCpuModel) {
+  MOE_SKIP_WITHOUT_GPU();
+  check_against_cpu(gpu_model_config(), gpu_moe_config());
+}
+
+// head_dim 128, no QK-norm, MoE only, sigmoid router with normalised top-k, no shared expert.
+TEST(CudaModel, ForwardAndGradientsMatchCpuModelSigmoidNoSharedExpert) {
+  MOE_SKIP_WITHOUT_GPU();
+  ModelConfig mc = gpu_model_config();
+  mc.n_layers = 2;
+  mc.n_heads = 2;
+  mc.n_kv_heads = 1;
+  mc.qk_norm = false;
+  mc.dense_layers = {};
+  MoeConfig ec = gpu_moe_config();
+  ec.shared_experts = 0;
+  ec.router = "sigmoid";
+  ec.norm_topk_prob = true;
+  check_against_cpu(mc, ec);
 }
 
 TEST(CudaModel, AdamWStepsTrackCpuModel) {
