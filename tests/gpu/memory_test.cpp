@@ -1,0 +1,64 @@
+// cuda/ops/memory.h: the FP32 -> BF16 cast and the FP32 residual add with its BF16 copy against
+// host arithmetic (bitwise: one FP32 add, round to nearest even), and the byte copies.
+#include <cstring>
+
+#include "core/dtype.h"
+#include "cuda/ops/memory.h"
+#include "gpu_test_util.h"
+
+namespace moe::testing {
+namespace {
+
+TEST(CudaMemory, CastAndResidualAddMatchHostBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  TestStream s;
+  for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{1} << 20}) {
+    const std::vector<float> acc0 = random_f32(n, 11, 3.0f);
+    const std::vector<uint16_t> add = random_bf16(n, 12, 2.0f);
+    GuardedBuffer<float> acc{acc0};
+    GuardedBuffer<uint16_t> add_d{add}, acc16{n}, cast16{n};
+    cuda::cast_f32_to_bf16(acc.data(), cast16.data(), n, s.get());
+    cuda::residual_add(acc.data(), add_d.data(), acc16.data(), n, s.get());
+    s.sync();
+    const std::vector<uint16_t> cast_got = cast16.download(), acc16_got = acc16.download();
+    const std::vector<float> acc_got = acc.download();
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float want = acc0[i] + moe::bf16_to_f32(add[i]);
+      bad += cast_got[i] != moe::f32_to_bf16(acc0[i]);
+      bad += std::memcmp(&acc_got[i], &want, sizeof(float)) != 0;
+      bad += acc16_got[i] != moe::f32_to_bf16(want);
+    }
+    EXPECT_EQ(bad, 0) << "n=" << n;
+    acc.expect_guards_intact("acc");
+    acc16.expect_guards_intact("acc_bf16");
+    cast16.expect_guards_intact("cast");
+  }
+}
+
+TEST(CudaMemory, CopiesMemsetAndBufferGrowth) {
+  MOE_SKIP_WITHOUT_GPU();
+  cuda::Stream st = cuda::stream_create();
+  cuda::DeviceBuffer a(64), b;
+  EXPECT_EQ(b.data(), nullptr);
+  b.reserve(128);
+  EXPECT_GE(b.bytes(), 128u);
+  std::vector<int32_t> host(16), back(16, -1);
+  for (int i = 0; i < 16; ++i) host[i] = i * 7 - 3;
+  cuda::copy_h2d(a.data(), host.data(), 64, st);
+  cuda::copy_d2d(b.data(), a.data(), 64, st);
+  cuda::copy_d2h(back.data(), b.data(), 64, st);
+  EXPECT_EQ(back, host);
+  cuda::device_memset(b.data(), 0, 64, st);
+  cuda::copy_d2h(back.data(), b.data(), 64, st);
+  EXPECT_EQ(back, std::vector<int32_t>(16, 0));
+  cuda::DeviceBuffer c(std::move(a));
+  EXPECT_EQ(a.data(), nullptr);
+  cuda::copy_d2h(back.data(), c.data(), 64, st);
+  EXPECT_EQ(back, host);
+  cuda::stream_sync(st);
+  cuda::stream_destroy(st);
+}
+
+}  // namespace
+}  // namespace moe::testing
