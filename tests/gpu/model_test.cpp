@@ -118,6 +118,7 @@ void check_against_cpu(const ModelConfig& mc, const MoeConfig& ec) {
   // (|diff| sum 2); allow up to 4 flips per layer (8 of its 256 routes) and print them.
   ASSERT_EQ(got.tokens_per_expert.size(), want.tokens_per_expert.size());
   bool counts_equal = true;
+  int64_t max_flips = 0;
   for (size_t l = 0; l < want.tokens_per_expert.size(); ++l) {
     int64_t diff = 0, sum = 0;
     for (size_t i = 0; i < want.tokens_per_expert[l].size(); ++i) {
@@ -128,17 +129,22 @@ void check_against_cpu(const ModelConfig& mc, const MoeConfig& ec) {
     EXPECT_EQ(sum, kBatch * kSeq * ec.top_k);
     EXPECT_LE(diff, 8) << "MoE layer " << l;
     counts_equal = counts_equal && diff == 0;
+    max_flips = std::max<int64_t>(max_flips, diff / 2);
   }
 
-  // Gradients, normwise per tensor. Router gate and expert tensors get a looser bound when a
-  // route flipped (a flipped token moves its whole contribution to another expert).
+  // Gradients, normwise per tensor. A flipped route moves one token's whole contribution from
+  // one expert to another, about 1 / (routes per expert) of that expert's gradient, and that
+  // change flows back into every earlier tensor. So when routes flipped, router gate and expert
+  // tensors are held to 2e-2 + 4 * flips / (routes per expert) and the others to 3e-2; without
+  // flips every tensor is held to 2e-2.
   const std::vector<float> g = gpu.download_grads();
+  const double routes_per_expert = double(kBatch * kSeq * ec.top_k) / double(ec.num_experts);
   double worst = 0;
   for (const ParamEntry& p : cpu.layout().entries()) {
     const double err = normwise_error(g.data() + p.offset, cpu.grads() + p.offset, p.numel);
     const bool routed = p.expert || p.name.find("mlp.gate.weight") != std::string::npos;
-    const double tol = routed && !counts_equal ? 6e-2 : 2e-2;
-    std::printf("grad %-52s normwise err %.3e (tol %.0e)\n", p.name.c_str(), err, tol);
+    const double tol = counts_equal ? 2e-2 : routed ? 2e-2 + 4.0 * double(max_flips) / routes_per_expert : 3e-2;
+    std::printf("grad %-52s normwise err %.3e (tol %.2e)\n", p.name.c_str(), err, tol);
     EXPECT_LE(err, tol) << p.name;
     worst = std::max(worst, err);
   }
