@@ -22,6 +22,7 @@
 #include "model/layout.h"
 #include "model/model.h"
 #include "optim/adamw.h"
+#include "train/gpu_trainer.h"
 #include "train/metrics.h"
 #include "train/model_state.h"
 
@@ -85,15 +86,16 @@ DataSources open_data(const Config& cfg) {
   return d;
 }
 
-double evaluate(Model<float>& model, const DataLoader& eval, const Config& cfg) {
+double evaluate(Model<float>& model, GpuTrainer* gpu, const DataLoader& eval, const Config& cfg) {
   const int64_t seqs = cfg.train.micro_batch;
   const int64_t nb = std::min<int64_t>(cfg.train.eval_batches, eval.num_eval_batches(seqs));
   double ce = 0;
   int64_t count = 0;
   for (int64_t i = 0; i < nb; ++i) {
     const Batch b = eval.eval_batch(i, seqs);
-    const ForwardStats s = model.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len,
-                                         routing_seed(cfg.train.seed, -1, i));
+    const uint64_t seed = routing_seed(cfg.train.seed, -1, i);
+    const ForwardStats s = gpu ? gpu->forward_only(b, seed)
+                               : model.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len, seed);
     ce += s.ce_sum;
     count += s.num_targets;
   }
@@ -119,6 +121,17 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
     MOE_CHECK(f.good(), "cannot write ", (fs::path(cfg.run.dir) / "config.toml").string());
   }
 
+  // Device and memory first, so that a run that cannot fit fails before allocating.
+  const std::string device = resolve_device(cfg.train);
+  {
+    const ModelCounts c = count_model(cfg.model, cfg.moe, cfg.train.seq_len);
+    const double need = double(c.total_params) * 16.0 +
+                        4.0 * double(activation_elements(cfg.model, cfg.moe, cfg.train.micro_batch * cfg.train.seq_len));
+    const double have = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+    MOE_CHECK(have <= 0 || need < 0.9 * have, "this model needs about ", need / double(1ull << 30),
+              " GiB of host memory (FP32 weights, gradients, AdamW moments and activations; see moecore train "
+              "--dry-run) but the machine has ", have / double(1ull << 30), " GiB");
+  }
   DataSources data = open_data(cfg);
   DataLoader loader(*data.train, cfg.train.seq_len, cfg.train.global_batch, cfg.train.micro_batch, cfg.train.seed,
                     /*dp_rank=*/0, /*dp_size=*/1);
@@ -156,18 +169,21 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
     }
   }
   summary.start_step = start;
+  std::unique_ptr<GpuTrainer> gpu;
+  if (device == "cuda") gpu = make_gpu_trainer(cfg, model, opt);
   MOE_CHECK(start <= cfg.train.steps, "checkpoint step ", start, " is beyond train.steps = ", cfg.train.steps);
 
   MetricsWriter metrics((fs::path(cfg.run.dir) / "metrics.jsonl").string(), /*append=*/start > 0);
   const ModelCounts counts = count_model(cfg.model, cfg.moe, cfg.train.seq_len);
   char head[256];
-  std::snprintf(head, sizeof head, "moecore train: %.2fM params (%.2fM active), %lld steps x %lld tokens, run dir %s\n",
+  std::snprintf(head, sizeof head, "moecore train: %.2fM params (%.2fM active), %lld steps x %lld tokens on %s (%s), run dir %s\n",
                 counts.total_params / 1e6, counts.active_params / 1e6, (long long)cfg.train.steps,
-                (long long)(cfg.train.global_batch * cfg.train.seq_len), cfg.run.dir.c_str());
+                (long long)(cfg.train.global_batch * cfg.train.seq_len), device.c_str(), cfg.train.precision.c_str(),
+                cfg.run.dir.c_str());
   out << head << std::flush;
 
   if (eval && start == 0) {
-    summary.initial_eval_loss = evaluate(model, *eval, cfg);
+    summary.initial_eval_loss = evaluate(model, gpu.get(), *eval, cfg);
     metrics.write({{"step", 0}, {"eval_loss", summary.initial_eval_loss}});
     char buf[96];
     std::snprintf(buf, sizeof buf, "step %lld | eval_loss %.4f\n", 0LL, summary.initial_eval_loss);
@@ -185,7 +201,8 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
   for (int64_t step = start; step < cfg.train.steps; ++step) {
     const auto t0 = Clock::now();
     const std::vector<Batch> micro = loader.next();
-    model.zero_grads();
+    if (gpu) gpu->zero_grads();
+    else model.zero_grads();
     int64_t global_targets = 0;
     for (const Batch& b : micro)
       for (int32_t t : b.targets) global_targets += t >= 0;
@@ -197,9 +214,14 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
                                                     std::vector<int64_t>(cfg.moe.num_experts, 0));
     for (int64_t m = 0; m < static_cast<int64_t>(micro.size()); ++m) {
       const Batch& b = micro[m];
-      const ForwardStats s = model.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len,
-                                           routing_seed(cfg.train.seed, step, m));
-      model.backward(scales);
+      const uint64_t seed = routing_seed(cfg.train.seed, step, m);
+      ForwardStats s;
+      if (gpu) {
+        s = gpu->forward_backward(b, scales, seed);
+      } else {
+        s = model.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len, seed);
+        model.backward(scales);
+      }
       ce += s.ce_sum;
       lb += s.lb_loss / double(micro_steps);
       z += s.z_loss / double(micro_steps);
@@ -209,9 +231,18 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
         for (size_t e = 0; e < s.tokens_per_expert[l].size(); ++e) expert_counts[l][e] += s.tokens_per_expert[l][e];
     }
     const double loss = ce / double(std::max<int64_t>(1, global_targets));
-    const double gnorm = global_grad_norm(model.grads(), total);
     const double lr = lr_at(cfg.optim, step, cfg.train.steps);
-    const bool skip = !std::isfinite(loss) || !std::isfinite(gnorm);
+    double gnorm = 0;
+    bool skip = false;
+    if (gpu) {
+      // The device applies clipping and AdamW, or skips the step when the norm is not finite.
+      const GpuTrainer::StepResult r = gpu->optimizer_step(lr);
+      gnorm = r.grad_norm;
+      skip = r.skipped || !std::isfinite(loss);
+    } else {
+      gnorm = global_grad_norm(model.grads(), total);
+      skip = !std::isfinite(loss) || !std::isfinite(gnorm);
+    }
     if (skip) {
       char buf[160];
       std::snprintf(buf, sizeof buf, "step %lld skipped: non-finite %s (loss %g, grad norm %g)\n", (long long)(step + 1),
@@ -219,9 +250,14 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
       out << buf << std::flush;
       ++window_skipped;
     } else {
-      clip_grads(model.grads(), total, gnorm, cfg.optim.grad_clip);
-      opt.step(model.params(), model.grads(), lr);
-      if (cfg.moe.bias_update_rate > 0) model.update_expert_bias(expert_counts, cfg.moe.bias_update_rate);
+      if (!gpu) {
+        clip_grads(model.grads(), total, gnorm, cfg.optim.grad_clip);
+        opt.step(model.params(), model.grads(), lr);
+      }
+      if (cfg.moe.bias_update_rate > 0) {
+        model.update_expert_bias(expert_counts, cfg.moe.bias_update_rate);
+        if (gpu) gpu->upload_expert_bias(model.expert_bias());
+      }
     }
     const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
     const int64_t done = step + 1;
@@ -273,7 +309,7 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
 
     const bool last = done == cfg.train.steps;
     if (eval && ((cfg.train.eval_interval > 0 && done % cfg.train.eval_interval == 0) || last)) {
-      const double el = evaluate(model, *eval, cfg);
+      const double el = evaluate(model, gpu.get(), *eval, cfg);
       summary.final_eval_loss = el;
       metrics.write({{"step", done}, {"eval_loss", el}});
       char buf[96];
@@ -281,6 +317,7 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
       out << buf << std::flush;
     }
     if ((cfg.checkpoint.interval > 0 && done % cfg.checkpoint.interval == 0) || last) {
+      if (gpu) gpu->download(model, opt);
       CheckpointFiles files;
       files.model = model_state_refs(model);
       auto avg = tensor_refs(layout, opt.exp_avg().data(), ".exp_avg");
