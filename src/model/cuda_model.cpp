@@ -44,14 +44,7 @@ T* grow(DeviceBuffer& b, int64_t n) {
 
 }  // namespace
 
-struct CudaModel::LayerState {
-  int64_t ln1 = 0, wq = 0, wk = 0, wv = 0, wo = 0, qn = -1, kn = -1, ln2 = 0;
-  int64_t mg = 0, mu = 0, md = 0;
-  int64_t gate = 0, e_gate_up = 0, e_down = 0;
-  bool dense = false, shared = false;
-  int64_t moe_index = -1;
-  int64_t mlp_hidden = 0;  // dense_hidden or shared_experts * expert_hidden
-
+struct CudaModel::LayerState : LayerParams {
   // Saved activations (BF16 unless noted).
   DeviceBuffer x_in, norm1, rstd1 /*f32*/, q_raw, k_raw, q_rstd /*f32*/, k_rstd /*f32*/, q, k, v, attn,
       lse /*f32*/, x_mid, norm2, rstd2 /*f32*/, mlp_gate_up, mlp_h;
@@ -126,40 +119,9 @@ CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe)
   I.emb = layout_.find("model.embed_tokens.weight").offset;
   I.fnorm = layout_.find("model.norm.weight").offset;
   I.head = layout_.find("lm_head.weight").offset;
-  int64_t moe_index = 0;
-  for (int64_t l = 0; l < mcfg_.n_layers; ++l) {
+  for (const LayerParams& p : layer_params(layout_, mcfg_, ecfg_)) {
     auto s = std::make_unique<LayerState>();
-    const std::string pre = layer_prefix(l);
-    auto off = [&](const std::string& n) { return layout_.find(pre + n).offset; };
-    s->ln1 = off("input_layernorm.weight");
-    s->wq = off("self_attn.q_proj.weight");
-    s->wk = off("self_attn.k_proj.weight");
-    s->wv = off("self_attn.v_proj.weight");
-    s->wo = off("self_attn.o_proj.weight");
-    if (mcfg_.qk_norm) {
-      s->qn = off("self_attn.q_norm.weight");
-      s->kn = off("self_attn.k_norm.weight");
-    }
-    s->ln2 = off("post_attention_layernorm.weight");
-    s->dense = is_dense_layer(mcfg_, l);
-    if (s->dense) {
-      s->mg = off("mlp.gate_proj.weight");
-      s->mu = off("mlp.up_proj.weight");
-      s->md = off("mlp.down_proj.weight");
-      s->mlp_hidden = mcfg_.dense_hidden;
-    } else {
-      s->moe_index = moe_index++;
-      s->gate = off("mlp.gate.weight");
-      s->e_gate_up = off("mlp.experts.gate_up_proj");
-      s->e_down = off("mlp.experts.down_proj");
-      s->shared = ecfg_.shared_experts > 0;
-      if (s->shared) {
-        s->mg = off("mlp.shared_expert.gate_proj.weight");
-        s->mu = off("mlp.shared_expert.up_proj.weight");
-        s->md = off("mlp.shared_expert.down_proj.weight");
-        s->mlp_hidden = ecfg_.shared_experts * ecfg_.expert_hidden;
-      }
-    }
+    static_cast<LayerParams&>(*s) = p;
     I.layers.push_back(std::move(s));
   }
   cuda::stream_sync(stream_);

@@ -101,3 +101,46 @@ int64_t activation_elements(const ModelConfig& m, const MoeConfig& e, int64_t n)
   return total;
 }
 }  // namespace moe
+
+namespace moe {
+std::vector<LayerParams> layer_params(const ParamLayout& layout, const ModelConfig& m, const MoeConfig& e) {
+  std::vector<LayerParams> out;
+  int64_t moe_index = 0;
+  for (int64_t l = 0; l < m.n_layers; ++l) {
+    const std::string pre = layer_prefix(l);
+    auto off = [&](const std::string& n) { return layout.find(pre + n).offset; };
+    LayerParams p;
+    p.ln1 = off("input_layernorm.weight");
+    p.wq = off("self_attn.q_proj.weight");
+    p.wk = off("self_attn.k_proj.weight");
+    p.wv = off("self_attn.v_proj.weight");
+    p.wo = off("self_attn.o_proj.weight");
+    if (m.qk_norm) {
+      p.qn = off("self_attn.q_norm.weight");
+      p.kn = off("self_attn.k_norm.weight");
+    }
+    p.ln2 = off("post_attention_layernorm.weight");
+    p.dense = is_dense_layer(m, l);
+    if (p.dense) {
+      p.mg = off("mlp.gate_proj.weight");
+      p.mu = off("mlp.up_proj.weight");
+      p.md = off("mlp.down_proj.weight");
+      p.mlp_hidden = m.dense_hidden;
+    } else {
+      p.moe_index = moe_index++;
+      p.gate = off("mlp.gate.weight");
+      p.e_gate_up = off("mlp.experts.gate_up_proj");
+      p.e_down = off("mlp.experts.down_proj");
+      p.shared = e.shared_experts > 0;
+      if (p.shared) {
+        p.mg = off("mlp.shared_expert.gate_proj.weight");
+        p.mu = off("mlp.shared_expert.up_proj.weight");
+        p.md = off("mlp.shared_expert.down_proj.weight");
+        p.mlp_hidden = e.shared_experts * e.expert_hidden;
+      }
+    }
+    out.push_back(p);
+  }
+  return out;
+}
+}  // namespace moe

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "core/arena.h"
 #include "core/config.h"
@@ -32,4 +33,18 @@ namespace moe {
 // Elements of activations the CPU reference saves for backward in one micro-batch of
 // `tokens` tokens (float32 on CPU), plus the largest transient buffer of backward.
 int64_t activation_elements(const ModelConfig& m, const MoeConfig& e, int64_t tokens);
+}  // namespace moe
+
+namespace moe {
+// Offsets (in the flat layout) of one block's tensors, shared by the CPU and GPU models.
+// -1 marks a tensor the block does not have.
+struct LayerParams {
+  int64_t ln1 = 0, wq = 0, wk = 0, wv = 0, wo = 0, qn = -1, kn = -1, ln2 = 0;
+  int64_t mg = -1, mu = -1, md = -1;            // dense MLP or shared expert
+  int64_t gate = -1, e_gate_up = -1, e_down = -1;  // MoE router and experts
+  bool dense = false, shared = false;
+  int64_t moe_index = -1;  // index among MoE layers
+  int64_t mlp_hidden = 0;  // dense_hidden or shared_experts * expert_hidden
+};
+std::vector<LayerParams> layer_params(const ParamLayout& layout, const ModelConfig& m, const MoeConfig& e);
 }  // namespace moe

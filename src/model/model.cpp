@@ -49,14 +49,7 @@ cpu::RouterParams router_params(const MoeConfig& e, int64_t n, int64_t d, uint64
 }  // namespace
 
 template <typename T>
-struct Model<T>::LayerState {
-  // Parameter offsets (into params_/grads_), resolved once.
-  int64_t ln1 = 0, wq = 0, wk = 0, wv = 0, wo = 0, qn = -1, kn = -1, ln2 = 0;
-  int64_t mg = 0, mu = 0, md = 0;                 // dense MLP or shared expert
-  int64_t gate = 0, e_gate_up = 0, e_down = 0;    // MoE
-  bool dense = false, shared = false;
-  int64_t moe_index = -1;
-
+struct Model<T>::LayerState : LayerParams {
   // Saved activations.
   std::vector<T> x_in_ND, norm1_ND, rstd1_N;
   std::vector<T> q_raw_NQ, k_raw_NK, q_rstd_N, k_rstd_N, q_NQ, k_NK, v_NK, attn_NQ, lse_BHS;
@@ -77,38 +70,9 @@ Model<T>::Model(const ModelConfig& model, const MoeConfig& moe)
   grads_.assign(layout_.total_numel(), T(0));
   num_moe_layers_ = moe::num_moe_layers(model);
   expert_bias_.assign(num_moe_layers_ * moe.num_experts, 0.f);
-  int64_t moe_index = 0;
-  for (int64_t l = 0; l < mcfg_.n_layers; ++l) {
+  for (const LayerParams& p : layer_params(layout_, mcfg_, ecfg_)) {
     auto s = std::make_unique<LayerState>();
-    const std::string pre = layer_prefix(l);
-    auto off = [&](const std::string& n) { return layout_.find(pre + n).offset; };
-    s->ln1 = off("input_layernorm.weight");
-    s->wq = off("self_attn.q_proj.weight");
-    s->wk = off("self_attn.k_proj.weight");
-    s->wv = off("self_attn.v_proj.weight");
-    s->wo = off("self_attn.o_proj.weight");
-    if (mcfg_.qk_norm) {
-      s->qn = off("self_attn.q_norm.weight");
-      s->kn = off("self_attn.k_norm.weight");
-    }
-    s->ln2 = off("post_attention_layernorm.weight");
-    s->dense = is_dense_layer(mcfg_, l);
-    if (s->dense) {
-      s->mg = off("mlp.gate_proj.weight");
-      s->mu = off("mlp.up_proj.weight");
-      s->md = off("mlp.down_proj.weight");
-    } else {
-      s->moe_index = moe_index++;
-      s->gate = off("mlp.gate.weight");
-      s->e_gate_up = off("mlp.experts.gate_up_proj");
-      s->e_down = off("mlp.experts.down_proj");
-      s->shared = ecfg_.shared_experts > 0;
-      if (s->shared) {
-        s->mg = off("mlp.shared_expert.gate_proj.weight");
-        s->mu = off("mlp.shared_expert.up_proj.weight");
-        s->md = off("mlp.shared_expert.down_proj.weight");
-      }
-    }
+    static_cast<LayerParams&>(*s) = p;
     layers_.push_back(std::move(s));
   }
 }
