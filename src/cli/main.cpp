@@ -64,6 +64,11 @@ void print_dry_run(const Config& cfg) {
   std::printf("# memory estimate   %.3f GiB weights + grads + AdamW (FP32), %.3f GiB activations per micro-batch "
               "of %lld tokens, %.3f GiB total\n",
               state_gib, act_gib, (long long)tokens, state_gib + act_gib);
+  // CUDA backend: FP32 master, BF16 copy, FP32 gradients and two FP32 moments (18 B/param) on the
+  // device, activations mostly BF16; the host keeps an FP32 mirror of weights and moments.
+  const double gpu_state_gib = double(c.total_params) * 18.0 / (1ull << 30);
+  std::printf("# on cuda (bf16)    %.3f GiB on the GPU (%.3f GiB weights + grads + AdamW, ~%.3f GiB activations)\n",
+              gpu_state_gib + act_gib / 2, gpu_state_gib, act_gib / 2);
 }
 
 int cmd_train(std::vector<std::string> args) {
