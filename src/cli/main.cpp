@@ -40,6 +40,31 @@ constexpr const char* kUsage =
     "\n"
     "`moecore <command> --help` for details.\n";
 
+// The value after `flag` at args[i] (advancing i), with an error naming the flag when absent.
+const std::string& flag_value(const std::vector<std::string>& args, size_t& i) {
+  MOE_CHECK(i + 1 < args.size(), args[i], " needs a value");
+  return args[++i];
+}
+
+// `text` as an integer; anything else is refused naming `what`.
+int64_t parse_int(const std::string& what, const std::string& text) {
+  size_t used = 0;
+  int64_t out = 0;
+  try {
+    out = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  MOE_CHECK(!text.empty() && used == text.size(), what, ": expected an integer, got '", text, "'");
+  return out;
+}
+
+// An integer flag value (see flag_value).
+int64_t flag_int(const std::vector<std::string>& args, size_t& i) {
+  const std::string flag = args[i];
+  return parse_int(flag, flag_value(args, i));
+}
+
 bool has_flag(std::vector<std::string>& args, const std::string& flag) {
   for (auto it = args.begin(); it != args.end(); ++it) {
     if (*it == flag) {
@@ -116,13 +141,9 @@ int cmd_bench(std::vector<std::string> args, const std::string& command) {
   std::string path;
   std::vector<std::string> overrides;
   for (size_t i = 0; i < args.size(); ++i) {
-    auto value = [&](const std::string& flag) {
-      MOE_CHECK(i + 1 < args.size(), flag, " needs a value");
-      return args[++i];
-    };
-    if (args[i] == "--warmup") opt.warmup = std::stoll(value("--warmup"));
-    else if (args[i] == "--steps") opt.steps = std::stoll(value("--steps"));
-    else if (args[i] == "--out") opt.out_dir = value("--out");
+    if (args[i] == "--warmup") opt.warmup = flag_int(args, i);
+    else if (args[i] == "--steps") opt.steps = flag_int(args, i);
+    else if (args[i] == "--out") opt.out_dir = flag_value(args, i);
     else if (args[i].rfind("--out=", 0) == 0) opt.out_dir = args[i].substr(6);
     else if (args[i].rfind("--", 0) == 0) overrides.push_back(args[i]);
     else if (path.empty()) path = args[i];
@@ -169,13 +190,9 @@ int cmd_tokenize(std::vector<std::string> args) {
   std::vector<std::string> inputs;
   const bool help = has_flag(args, "--help") || has_flag(args, "-h");
   for (size_t i = 0; i < args.size(); ++i) {
-    auto value = [&](const std::string& flag) {
-      MOE_CHECK(i + 1 < args.size(), flag, " needs a value");
-      return args[++i];
-    };
-    if (args[i] == "--out") out = value("--out");
-    else if (args[i] == "--dtype") dtype = value("--dtype");
-    else if (args[i] == "--eos") eos = std::stoll(value("--eos"));
+    if (args[i] == "--out") out = flag_value(args, i);
+    else if (args[i] == "--dtype") dtype = flag_value(args, i);
+    else if (args[i] == "--eos") eos = flag_int(args, i);
     else inputs.push_back(args[i]);
   }
   if (help || out.empty() || inputs.empty()) {
@@ -194,12 +211,11 @@ int cmd_export_hf(std::vector<std::string> args) {
   std::vector<std::string> pos;
   for (size_t i = 0; i < args.size(); ++i) {
     if (args[i] == "--dtype") {
-      MOE_CHECK(i + 1 < args.size(), "--dtype needs a value (bf16 or fp32)");
-      opt.dtype = args[++i];
+      opt.dtype = flag_value(args, i);
     } else if (args[i].rfind("--dtype=", 0) == 0) {
       opt.dtype = args[i].substr(8);
     } else if (args[i].rfind("--max-shard-bytes=", 0) == 0) {
-      opt.max_shard_bytes = std::stoll(args[i].substr(18));
+      opt.max_shard_bytes = parse_int("--max-shard-bytes", args[i].substr(18));
     } else {
       pos.push_back(args[i]);
     }
@@ -234,12 +250,8 @@ int cmd_logits(std::vector<std::string> args) {
   std::string tokens_arg, out;
   std::vector<std::string> pos;
   for (size_t i = 0; i < args.size(); ++i) {
-    auto value = [&](const std::string& flag) {
-      MOE_CHECK(i + 1 < args.size(), flag, " needs a value");
-      return args[++i];
-    };
-    if (args[i] == "--tokens") tokens_arg = value("--tokens");
-    else if (args[i] == "--out") out = value("--out");
+    if (args[i] == "--tokens") tokens_arg = flag_value(args, i);
+    else if (args[i] == "--out") out = flag_value(args, i);
     else pos.push_back(args[i]);
   }
   if (help || pos.size() != 1 || tokens_arg.empty()) {
@@ -259,7 +271,7 @@ int cmd_logits(std::vector<std::string> args) {
   while (start <= tokens_arg.size()) {
     const size_t comma = tokens_arg.find(',', start);
     const std::string tok = tokens_arg.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    if (!tok.empty()) ids.push_back(static_cast<int32_t>(std::stol(tok)));
+    if (!tok.empty()) ids.push_back(static_cast<int32_t>(parse_int("--tokens", tok)));
     if (comma == std::string::npos) break;
     start = comma + 1;
   }
