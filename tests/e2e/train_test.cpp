@@ -24,22 +24,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::vector<nlohmann::json> read_metrics(const fs::path& run_dir) {
-  std::vector<nlohmann::json> out;
-  std::ifstream f(run_dir / "metrics.jsonl");
-  std::string line;
-  while (std::getline(f, line))
-    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
-
-std::vector<double> train_losses(const fs::path& run_dir) {
-  std::vector<double> out;
-  for (const auto& r : read_metrics(run_dir))
-    if (r.contains("loss")) out.push_back(r["loss"].get<double>());
-  return out;
-}
-
 Config small_config(const fs::path& run_dir) {
   Config c;
   c.model.d_model = 32;
@@ -193,6 +177,15 @@ TEST(Cli, BadKeySuggestsNearest) {
   const CmdResult r = run_cli("train --dry-run --moe.topk=3");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.output.find("moe.top_k"), std::string::npos) << r.output;
+}
+
+TEST(Cli, BadFlagValuesNameTheFlag) {
+  const CmdResult r = run_cli("bench --steps x --out=");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("--steps: expected an integer, got 'x'"), std::string::npos) << r.output;
+  const CmdResult m = run_cli("tokenize --out /tmp/unused.bin --eos");
+  EXPECT_EQ(m.status, 1);
+  EXPECT_NE(m.output.find("--eos needs a value"), std::string::npos) << m.output;
 }
 
 TEST(Cli, BadConfigNamesKey) {

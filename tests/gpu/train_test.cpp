@@ -18,17 +18,6 @@
 namespace moe::testing {
 namespace {
 
-std::vector<double> losses(const std::filesystem::path& run_dir) {
-  std::vector<double> out;
-  std::ifstream f(run_dir / "metrics.jsonl");
-  std::string line;
-  while (std::getline(f, line)) {
-    const auto r = nlohmann::json::parse(line);
-    if (r.contains("loss")) out.push_back(r["loss"].get<double>());
-  }
-  return out;
-}
-
 Config small(const std::filesystem::path& run, const std::string& device, const std::string& precision) {
   Config c;
   c.model.d_model = 256;  // head_dim 64: the CUDA attention supports 64 and 128
@@ -60,7 +49,7 @@ TEST(CudaTrain, FollowsCpuLossCurve) {
   std::ostringstream log;
   const TrainSummary cpu = train(small(tmp / "cpu", "cpu", "fp32"), log);
   const TrainSummary gpu = train(small(tmp / "gpu", "cuda", "bf16"), log);
-  const std::vector<double> a = losses(tmp / "cpu"), b = losses(tmp / "gpu");
+  const std::vector<double> a = train_losses(tmp / "cpu"), b = train_losses(tmp / "gpu");
   ASSERT_EQ(a.size(), 20u);
   ASSERT_EQ(b.size(), 20u);
   double worst = 0;

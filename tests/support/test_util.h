@@ -6,7 +6,11 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 
@@ -48,5 +52,22 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+
+// The records of <run_dir>/metrics.jsonl, and the training losses among them.
+inline std::vector<nlohmann::json> read_metrics(const std::filesystem::path& run_dir) {
+  std::vector<nlohmann::json> out;
+  std::ifstream f(run_dir / "metrics.jsonl");
+  std::string line;
+  while (std::getline(f, line))
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+inline std::vector<double> train_losses(const std::filesystem::path& run_dir) {
+  std::vector<double> out;
+  for (const auto& r : read_metrics(run_dir))
+    if (r.contains("loss")) out.push_back(r["loss"].get<double>());
+  return out;
+}
 
 }  // namespace moe::testing
