@@ -1,0 +1,61 @@
+// Communicators: a group of ranks and the collectives the trainer needs, on host buffers.
+// Comm is the interface; make_world_comm() returns the MPI world when the process was started
+// by mpirun/srun (or a torchrun-style environment with WORLD_SIZE > 1) and a one-rank
+// communicator otherwise. Every collective is blocking and called by every rank of the group
+// in the same order. Counts are in elements. A collective that does not complete within
+// timeout_s() throws an Error naming the collective and the rank.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace moe {
+
+enum class ReduceOp { kSum, kMax };
+
+class Comm {
+ public:
+  virtual ~Comm() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // "mpi" or "self".
+  virtual std::string backend() const = 0;
+
+  // In place over `n` elements.
+  virtual void all_reduce(float* data, int64_t n, ReduceOp op) = 0;
+  virtual void all_reduce(double* data, int64_t n, ReduceOp op) = 0;
+  virtual void all_reduce(int64_t* data, int64_t n, ReduceOp op) = 0;
+  // send: size() * count elements; rank r receives the sum of every rank's block r in recv[count].
+  virtual void reduce_scatter(const float* send, float* recv, int64_t count) = 0;
+  // send[count] from every rank; recv: size() * count elements, rank r's block at r * count.
+  virtual void all_gather(const float* send, float* recv, int64_t count) = 0;
+  virtual void all_gather(const int64_t* send, int64_t* recv, int64_t count) = 0;
+  // send holds size() blocks, block p (send_counts[p] elements) going to rank p, packed in rank
+  // order; recv receives recv_counts[p] elements from rank p, packed in rank order.
+  virtual void all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
+                            const int64_t* recv_counts) = 0;
+  // Fixed-size exchange: `count` elements to and from every rank (e.g. per-expert counts).
+  virtual void all_to_all(const int64_t* send, int64_t* recv, int64_t count) = 0;
+  virtual void broadcast(float* data, int64_t n, int root) = 0;
+  virtual void broadcast(int64_t* data, int64_t n, int root) = 0;
+  virtual void barrier() = 0;
+  // Ranks with equal color form a new group, ordered by key (MPI_Comm_split semantics).
+  virtual std::unique_ptr<Comm> split(int color, int key) = 0;
+  // Ends every process of the job with a non-zero status (MPI_Abort); never returns.
+  [[noreturn]] virtual void abort(int code) = 0;
+
+  double timeout_s() const { return timeout_s_; }
+  void set_timeout_s(double s) { timeout_s_ = s; }
+
+ protected:
+  double timeout_s_ = 300.0;
+};
+
+// The communicator every rank of this process's job shares (one-rank when not launched in
+// parallel). Initialises MPI on first use; finalised at exit.
+Comm& world_comm();
+// A standalone one-rank communicator (tests, single-process tools).
+std::unique_ptr<Comm> make_self_comm();
+
+}  // namespace moe
