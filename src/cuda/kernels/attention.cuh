@@ -64,6 +64,21 @@ __device__ __forceinline__ void load_tile_async(uint16_t* dst, const uint16_t* s
   }
 }
 
+// K and V rows of key block `blk` (BLOCK_K rows from blk * BLOCK_K) into the double buffer half
+// blk & 1 of s_k / s_v; rows past seq become zeros. Asynchronous like load_tile_async.
+template <int BLOCK_K, int D, int THREADS>
+__device__ __forceinline__ void load_kv_block_async(uint16_t* s_k, uint16_t* s_v, const uint16_t* k_bh,
+                                                    const uint16_t* v_bh, int64_t kv_ld, int seq, int blk,
+                                                    const uint16_t* safe_k, const uint16_t* safe_v) {
+  constexpr int kStride = kAttnSmemStride<D>;
+  const int k0 = blk * BLOCK_K;
+  const int buf = blk & 1;
+  load_tile_async<BLOCK_K, D, THREADS>(s_k + buf * BLOCK_K * kStride, k_bh + int64_t{k0} * kv_ld, kv_ld, seq - k0,
+                                       safe_k);
+  load_tile_async<BLOCK_K, D, THREADS>(s_v + buf * BLOCK_K * kStride, v_bh + int64_t{k0} * kv_ld, kv_ld, seq - k0,
+                                       safe_v);
+}
+
 // A fragment (16 rows x 16 columns at column k0) of a row-major shared tile, rows row0..row0+15.
 template <int D>
 __device__ __forceinline__ void load_a_frag(uint32_t (&a)[4], const uint16_t* tile, int row0, int k0, int lane) {
@@ -182,8 +197,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize)
   const int num_k_blocks = (key_end + kBlockK - 1) / kBlockK;
 
   load_tile_async<kBlockQ, D, kThreads>(s_q, q_bh + int64_t{q0} * q_ld, q_ld, seq - q0, q);
-  load_tile_async<kBlockK, D, kThreads>(s_k, k_bh, kv_ld, seq, k);
-  load_tile_async<kBlockK, D, kThreads>(s_v, v_bh, kv_ld, seq, v);
+  load_kv_block_async<kBlockK, D, kThreads>(s_k, s_v, k_bh, v_bh, kv_ld, seq, 0, k, v);
   cp_async_commit();
 
   const int row_base = q0 + warp * 16;  // this warp's first query row
@@ -197,12 +211,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize)
 
   for (int j = 0; j < num_k_blocks; ++j) {
     if (j + 1 < num_k_blocks) {
-      const int k0_next = (j + 1) * kBlockK;
-      const int buf = (j + 1) & 1;
-      load_tile_async<kBlockK, D, kThreads>(s_k + buf * kBlockK * kStride, k_bh + int64_t{k0_next} * kv_ld, kv_ld,
-                                            seq - k0_next, k);
-      load_tile_async<kBlockK, D, kThreads>(s_v + buf * kBlockK * kStride, v_bh + int64_t{k0_next} * kv_ld, kv_ld,
-                                            seq - k0_next, v);
+      load_kv_block_async<kBlockK, D, kThreads>(s_k, s_v, k_bh, v_bh, kv_ld, seq, j + 1, k, v);
     }
     cp_async_commit();
     cp_async_wait<1>();
@@ -475,8 +484,7 @@ __global__ void __launch_bounds__(AttnBackwardQTile<D>::kThreads)
 
   load_tile_async<kBlockQ, D, kThreads>(s_q, q + q_off + int64_t{q0} * q_ld, q_ld, seq - q0, q);
   load_tile_async<kBlockQ, D, kThreads>(s_do, dout + q_off + int64_t{q0} * q_ld, q_ld, seq - q0, dout);
-  load_tile_async<kBlockK, D, kThreads>(s_k, k_bh, kv_ld, seq, k);
-  load_tile_async<kBlockK, D, kThreads>(s_v, v_bh, kv_ld, seq, v);
+  load_kv_block_async<kBlockK, D, kThreads>(s_k, s_v, k_bh, v_bh, kv_ld, seq, 0, k, v);
   cp_async_commit();
 
   const int row_base = q0 + warp * 16;
@@ -495,12 +503,7 @@ __global__ void __launch_bounds__(AttnBackwardQTile<D>::kThreads)
 
   for (int j = 0; j < num_k_blocks; ++j) {
     if (j + 1 < num_k_blocks) {
-      const int k0_next = (j + 1) * kBlockK;
-      const int buf = (j + 1) & 1;
-      load_tile_async<kBlockK, D, kThreads>(s_k + buf * kBlockK * kStride, k_bh + int64_t{k0_next} * kv_ld, kv_ld,
-                                            seq - k0_next, k);
-      load_tile_async<kBlockK, D, kThreads>(s_v + buf * kBlockK * kStride, v_bh + int64_t{k0_next} * kv_ld, kv_ld,
-                                            seq - k0_next, v);
+      load_kv_block_async<kBlockK, D, kThreads>(s_k, s_v, k_bh, v_bh, kv_ld, seq, j + 1, k, v);
     }
     cp_async_commit();
     cp_async_wait<1>();
