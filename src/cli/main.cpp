@@ -16,7 +16,7 @@
 #include "model/model.h"
 #include "train/bench.h"
 #include "train/gpu_bench.h"
-#include "train/gpu_trainer.h"
+#include "train/device.h"
 #include "train/model_state.h"
 #include "train/trainer.h"
 

@@ -26,6 +26,7 @@
 #include "model/cuda_model.h"
 #include "optim/adamw.h"
 #include "train/cuda_step.h"
+#include "train/metrics.h"
 #endif
 
 namespace moe {
@@ -86,24 +87,6 @@ void fill_synthetic_step(std::vector<Batch>& micro, int64_t step, const Config& 
   }
 }
 
-// max/mean tokens per expert of each MoE layer, averaged over the layers (0 without MoE layers).
-double mean_load_imbalance(const StepStats& s) {
-  double sum = 0;
-  int64_t layers = 0;
-  for (const std::vector<int64_t>& counts : s.tokens_per_expert) {
-    if (counts.empty()) continue;
-    int64_t total = 0, most = 0;
-    for (const int64_t c : counts) {
-      total += c;
-      most = std::max(most, c);
-    }
-    if (total == 0) continue;
-    sum += double(most) / (double(total) / double(counts.size()));
-    ++layers;
-  }
-  return layers ? sum / double(layers) : 0.0;
-}
-
 double step_loss(const StepStats& s) {
   return s.num_targets > 0 ? s.ce_sum / double(s.num_targets) : std::nan("");
 }
@@ -138,6 +121,7 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
             " GiB; use a config with fewer layers or experts (configs/olmoe-8l.toml fits one H200) or lower "
             "train.micro_batch / train.seq_len");
   const size_t used_before = cuda::device_used_bytes();
+  cuda::reset_device_peak_bytes();
 
   CudaStepRunner runner(cfg);
   CudaModel& model = runner.model();
@@ -148,13 +132,11 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
 
   const int64_t profile_steps = 2;  // the first fills the timer's event pool; the second is reported
   const int64_t total_steps = opt.warmup + opt.steps + profile_steps;
-  std::array<std::vector<Batch>, 2> ring{std::vector<Batch>(size_t(micro_steps)),
-                                         std::vector<Batch>(size_t(micro_steps))};
+  std::vector<Batch> micro(static_cast<size_t>(micro_steps));  // submit() stages the ids in pinned memory
   int64_t step = 0, skipped = 0;
   StepStats first, last;
   auto submit_next = [&] {
     ++step;
-    std::vector<Batch>& micro = ring[size_t(step % 2)];  // the other slot's step may still be in flight
     fill_synthetic_step(micro, step, cfg);
     runner.submit(step, micro, tokens_per_step, lr_at(cfg.optim, step - 1, total_steps), cfg.train.seed);
   };
@@ -191,6 +173,8 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
   }
   runner.set_phase_timer(nullptr);
   const size_t used_after = cuda::device_used_bytes();
+  const size_t peak_bytes = cuda::device_peak_bytes();
+  const int64_t graph_launches = runner.graph_launches();
 
   const double step_ms = 1e3 * timed_s / double(opt.steps);
   const double tps = double(tokens_per_step) * double(opt.steps) / timed_s;
@@ -198,7 +182,7 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
   const double mfu = tflops / kGpuPeakTflops;
   double phase_sum = 0;
   for (const double ms : phase_ms) phase_sum += ms;
-  const double imbalance = mean_load_imbalance(last);
+  const double imbalance = load_imbalance(last.tokens_per_expert);
   const double first_loss = step_loss(first), last_loss = step_loss(last);
   const bool loss_finite = std::isfinite(last_loss);
   const bool graph = runner.uses_graph();
@@ -229,6 +213,7 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
       {"micro_batches_per_step", micro_steps},
       {"tokens_per_step", tokens_per_step},
       {"cuda_graph", graph},
+      {"graph_launches", graph_launches},
       {"step_ms", {{"mean", step_ms}}},
       {"step_ms_source", "wall clock from the first timed submit to the last collect, divided by timed_steps"},
       {"tokens_per_s", tps},
@@ -242,8 +227,10 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
       {"phase_sum_ms", phase_sum},
       {"profiled_step_ms", profiled_ms},
       {"phase_source", "CUDA events around each phase of one eager step (after one eager warm step)"},
-      {"mem_peak_gib", double(used_after) / kGiB},
-      {"mem_peak_source", "cudaMemGetInfo total - free after the run (CUDA context and other processes included)"},
+      {"mem_peak_gib", double(peak_bytes) / kGiB},
+      {"mem_peak_source", "high-water mark of moecore's device allocations (cuda::device_peak_bytes)"},
+      {"mem_used_gib", double(used_after) / kGiB},
+      {"mem_used_source", "cudaMemGetInfo total - free after the run (CUDA context, cuBLASLt and other processes included)"},
       {"mem_bench_gib", double(used_after - std::min(used_after, used_before)) / kGiB},
       {"mem_estimate_gib", est.total_bytes() / kGiB},
       {"load_imbalance", imbalance},
@@ -258,9 +245,10 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
 
   char buf[320];
   std::snprintf(buf, sizeof buf,
-                "moecore bench %s on %s (%d SMs, %.1f GiB), %lld timed steps after %lld warm-up, CUDA graph %s\n",
+                "moecore bench %s on %s (%d SMs, %.1f GiB), %lld timed steps after %lld warm-up, CUDA graph %s "
+                "(%lld launches)\n",
                 opt.config_name.c_str(), dev.name.c_str(), dev.sm_count, double(dev.total_bytes) / kGiB,
-                (long long)opt.steps, (long long)opt.warmup, graph ? "on" : "off");
+                (long long)opt.steps, (long long)opt.warmup, graph ? "on" : "off", (long long)graph_launches);
   out << buf;
   std::snprintf(buf, sizeof buf, "  %.3gB parameters (%.3gB active), %lld tokens/step (%lld x %lld x %lld)\n",
                 double(counts.total_params) / 1e9, double(counts.active_params) / 1e9, (long long)tokens_per_step,
@@ -281,9 +269,10 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
                 tflops, 100.0 * mfu, kGpuPeakTflops, step_ms);
   out << buf;
   std::snprintf(buf, sizeof buf,
-                "memory: %.2f GiB in use after the run (cudaMemGetInfo total - free), %.2f GiB of it allocated by the "
-                "bench; estimate %.2f GiB\n",
-                double(used_after) / kGiB, rec["mem_bench_gib"].get<double>(), est.total_bytes() / kGiB);
+                "memory: peak %.2f GiB allocated (device_alloc high-water mark) | %.2f GiB in use after the run "
+                "(cudaMemGetInfo total - free; %.2f GiB more than before the run) | estimate %.2f GiB\n",
+                double(peak_bytes) / kGiB, double(used_after) / kGiB, rec["mem_bench_gib"].get<double>(),
+                est.total_bytes() / kGiB);
   out << buf;
   std::snprintf(buf, sizeof buf,
                 "expert load: max/mean tokens per expert %.3f (mean over %zu MoE layers, step %lld) | loss %.4f "
