@@ -15,6 +15,8 @@
 #include "model/layout.h"
 #include "model/model.h"
 #include "train/bench.h"
+#include "train/gpu_bench.h"
+#include "train/device.h"
 #include "train/model_state.h"
 #include "train/trainer.h"
 
@@ -27,7 +29,7 @@ constexpr const char* kUsage =
     "commands:\n"
     "  train [CONFIG.toml] [--section.key=value ...]   train a model (no CONFIG: the embedded default)\n"
     "  train --dry-run ...                             print the resolved config, sizes, FLOPs and memory\n"
-    "  bench [CONFIG.toml] [--warmup N] [--steps N] [--out DIR] [--section.key=value ...]\n"
+    "  bench [CONFIG.toml] [--warmup N] [--steps N] [--out DIR | --json PATH] [--section.key=value ...]\n"
     "                                                  time warm training steps: tokens/s, TFLOP/s, phases, memory\n"
     "  inspect CHECKPOINT_DIR                          print a checkpoint's step, config and tensors\n"
     "  export-hf CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32]\n"
@@ -130,28 +132,49 @@ int cmd_train(std::vector<std::string> args) {
 
 int cmd_bench(std::vector<std::string> args, const std::string& command) {
   if (has_flag(args, "--help") || has_flag(args, "-h")) {
-    std::cout << "usage: moecore bench [CONFIG.toml] [--warmup N] [--steps N] [--out DIR] [--section.key=value ...]\n\n"
+    std::cout << "usage: moecore bench [CONFIG.toml] [--warmup N] [--steps N] [--out DIR | --json PATH]\n"
+                 "                     [--section.key=value ...]       (flags also as --flag=value)\n\n"
                  "Runs warm training steps on random tokens and prints tokens/s, TFLOP/s (FLOPs per token from\n"
                  "docs/architecture.md), MFU, step time by phase and peak memory; writes the same as JSON under\n"
-                 "DIR (default bench/results; --out= for none).\n";
+                 "DIR (default bench/results; --out= for none) or to PATH. train.device and train.precision pick\n"
+                 "the backend as for train: cuda runs one GPU (CUDA graph, device-side initialisation), cpu the\n"
+                 "reference. See docs/benchmarks.md for what each figure means.\n";
     return 0;
   }
   BenchOptions opt;
   opt.command = command;
   std::string path;
   std::vector<std::string> overrides;
+  // `--name VALUE` or `--name=VALUE`; true when args[i] is that flag (i advanced past a separate value).
+  auto flag = [&](const char* name, size_t& i, std::string& value) {
+    const std::string eq = std::string(name) + "=";
+    if (args[i] == name) {
+      value = flag_value(args, i);
+      return true;
+    }
+    if (args[i].rfind(eq, 0) == 0) {
+      value = args[i].substr(eq.size());
+      return true;
+    }
+    return false;
+  };
   for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--warmup") opt.warmup = flag_int(args, i);
-    else if (args[i] == "--steps") opt.steps = flag_int(args, i);
-    else if (args[i] == "--out") opt.out_dir = flag_value(args, i);
-    else if (args[i].rfind("--out=", 0) == 0) opt.out_dir = args[i].substr(6);
+    std::string value;
+    if (flag("--warmup", i, value)) opt.warmup = parse_int("--warmup", value);
+    else if (flag("--steps", i, value)) opt.steps = parse_int("--steps", value);
+    else if (flag("--out", i, value)) opt.out_dir = value;
+    else if (flag("--json", i, value)) opt.json_path = value;
     else if (args[i].rfind("--", 0) == 0) overrides.push_back(args[i]);
     else if (path.empty()) path = args[i];
     else MOE_FAIL("unexpected argument '", args[i], "'");
   }
   if (!path.empty()) opt.config_name = std::filesystem::path(path).stem().string();
   const Config cfg = load_config(path, overrides);
-  run_bench(cfg, opt, std::cout);
+  if (resolve_device(cfg.train) == "cuda") {
+    run_gpu_bench(cfg, opt, std::cout);
+  } else {
+    run_bench(cfg, opt, std::cout);
+  }
   return 0;
 }
 

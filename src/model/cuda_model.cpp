@@ -1,15 +1,19 @@
 // CudaModel: Model<float>'s forward/backward on the GPU ops, block by block in the same order.
 // Residual stream x and its gradient dx are FP32; each update also writes the BF16 copy the
 // next op reads (cuda::residual_add), which is what the norms save for their backward.
-// Parameter gradients accumulate (+=) in FP32; activation gradients are overwritten.
+// Parameter gradients accumulate (+=) in FP32; activation gradients are overwritten. All buffers
+// are sized in one place (ensure_capacity) so forward/backward never allocate once sized.
 #ifdef MOECORE_HAS_CUDA
 
 #include "model/cuda_model.h"
 
 #include <algorithm>
+#include <cstring>
+#include <map>
 #include <string>
 
 #include "core/error.h"
+#include "cuda/event_timer.h"
 #include "cuda/ops/attention.h"
 #include "cuda/ops/cross_entropy.h"
 #include "cuda/ops/embedding.h"
@@ -19,6 +23,7 @@
 #include "cuda/ops/moe_routing.h"
 #include "cuda/ops/rmsnorm.h"
 #include "cuda/ops/rope.h"
+#include "cuda/ops/step_stats.h"
 #include "cuda/ops/swiglu.h"
 #include "model/layout.h"
 
@@ -36,12 +41,6 @@ uint64_t mix_seed(uint64_t seed, uint64_t layer) {
   return z ^ (z >> 31);
 }
 
-template <typename T>
-T* grow(DeviceBuffer& b, int64_t n) {
-  b.reserve(static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T));
-  return b.as<T>();
-}
-
 }  // namespace
 
 struct CudaModel::LayerState : LayerParams {
@@ -54,17 +53,30 @@ struct CudaModel::LayerState : LayerParams {
 };
 
 struct CudaModel::Impl {
+  cuda::Stream stream = nullptr;
   std::unique_ptr<cuda::GemmHandle> gemm;
   DeviceBuffer params, params_bf16, grads, expert_bias;
   std::vector<std::unique_ptr<LayerState>> layers;
   int64_t emb = 0, fnorm = 0, head = 0;
 
-  // Last forward.
-  int64_t batch = 0, seq = 0, num_targets = 0;
+  // Buffer reallocations so far; embedding_backward_workspace_bytes by token count (a device
+  // query, so it is asked once per shape, never during capture).
+  int64_t generation = 0;
+  std::map<int64_t, size_t> emb_ws_bytes;
+
+  // Last forward: shape and the device token ids backward reads.
+  int64_t batch = 0, seq = 0;
+  const int32_t* cur_inputs = nullptr;
+  const int32_t* cur_targets = nullptr;
+  int64_t host_num_targets = 0;  // targets of host-id forwards since reset_stats()
+  int64_t num_forwards = 0, num_routes = 0;  // forwards and their routes since reset_stats()
   DeviceBuffer inputs, targets, final_in, final_norm, final_rstd, loss, lse, logits_chunk;
-  // Device statistics: ce_sum (f64), per-MoE-layer losses [M, 2] f32 and counts [M, E] i32,
-  // bad id / bad target counters (u32 each).
-  DeviceBuffer ce_sum, moe_losses, counts, bad_ids, bad_targets;
+  // Per forward, written by the router per MoE layer: losses [M, 2] f32 and counts [M, E] i32.
+  DeviceBuffer moe_losses, counts;
+  // Statistics record (cuda::StepStatsRecord + int64 counts [M, E]); backward's bad id / target
+  // counters (u32 [2], never read: the forward's counts are the ones reported).
+  DeviceBuffer stats, bwd_bad;
+  size_t stats_bytes = 0;
   // Device scalars (f32): backward's ce grad scale, dlb, dz; then 1 (forward's discarded CE gradient).
   DeviceBuffer scalars;
   float host_scalars[4] = {0, 0, 0, 1};
@@ -72,7 +84,22 @@ struct CudaModel::Impl {
   DeviceBuffer x32, dx32, dx, branch, dtmp, dbranch, dnorm, dq, dk, dv, dattn, dq_raw, dk_raw, mlp_dh, mlp_dgu,
       dy_sorted, dtopk_w, dx_sorted, e_dh, e_dgu, dlogits32, dlogits16, ws_router, ws_dispatch, ws_rms, ws_attn,
       ws_emb;
-  size_t ws_router_bytes = 0, ws_dispatch_bytes = 0, ws_rms_bytes = 0, ws_attn_bytes = 0, ws_emb_bytes = 0;
+
+  // Ensures `b` holds n elements of T (at least one). Growing while the stream is captured would
+  // free memory a graph node may already point at, so it throws instead.
+  template <typename T>
+  void grow(DeviceBuffer& b, int64_t n, const char* what) {
+    const size_t bytes = static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T);
+    if (bytes <= b.bytes()) return;
+    MOE_CHECK(!cuda::stream_is_capturing(stream), "CudaModel: buffer '", what, "' would grow from ", b.bytes(),
+              " to ", bytes, " bytes during graph capture; call reserve(batch, seq) with the step's shape "
+              "before capturing");
+    b.reserve(bytes);
+    ++generation;
+  }
+  void grow_bytes(DeviceBuffer& b, size_t bytes, const char* what) {
+    grow<uint8_t>(b, static_cast<int64_t>(std::max<size_t>(bytes, 16)), what);
+  }
 };
 
 CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe)
@@ -94,27 +121,29 @@ CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe)
   }
   Impl& I = *impl_;
   stream_ = cuda::stream_create();
+  I.stream = stream_;
   I.gemm = std::make_unique<cuda::GemmHandle>();
   const int64_t total = layout_.total_numel();
-  grow<float>(I.params, total);
-  grow<uint16_t>(I.params_bf16, total);
-  grow<float>(I.grads, total);
+  I.grow<float>(I.params, total, "params");
+  I.grow<uint16_t>(I.params_bf16, total, "params_bf16");
+  I.grow<float>(I.grads, total, "grads");
   cuda::device_memset(I.params.data(), 0, total * sizeof(float), stream_);
   cuda::device_memset(I.params_bf16.data(), 0, total * sizeof(uint16_t), stream_);
   cuda::device_memset(I.grads.data(), 0, total * sizeof(float), stream_);
   const int64_t e = ecfg_.num_experts, m = std::max<int64_t>(num_moe_layers_, 1);
-  grow<float>(I.expert_bias, m * e);
+  I.grow<float>(I.expert_bias, m * e, "expert_bias");
   cuda::device_memset(I.expert_bias.data(), 0, m * e * sizeof(float), stream_);
-  grow<double>(I.ce_sum, 1);
-  grow<float>(I.moe_losses, 2 * m);
-  grow<int32_t>(I.counts, m * e);
-  grow<uint32_t>(I.bad_ids, 1);
-  grow<uint32_t>(I.bad_targets, 1);
-  grow<float>(I.scalars, 4);
-  cuda::copy_h2d(I.scalars.data(), I.host_scalars, sizeof(I.host_scalars), stream_);
+  I.grow<float>(I.moe_losses, 2 * m, "moe_losses");
+  I.grow<int32_t>(I.counts, m * e, "counts");
   cuda::device_memset(I.moe_losses.data(), 0, 2 * m * sizeof(float), stream_);
   cuda::device_memset(I.counts.data(), 0, m * e * sizeof(int32_t), stream_);
-  cuda::device_memset(I.ce_sum.data(), 0, sizeof(double), stream_);
+  I.stats_bytes = cuda::step_stats_bytes(num_moe_layers_, e);
+  I.grow_bytes(I.stats, I.stats_bytes, "stats");
+  cuda::device_memset(I.stats.data(), 0, I.stats_bytes, stream_);
+  I.grow<uint32_t>(I.bwd_bad, 2, "bwd_bad");
+  cuda::device_memset(I.bwd_bad.data(), 0, 2 * sizeof(uint32_t), stream_);
+  I.grow<float>(I.scalars, 4, "scalars");
+  cuda::copy_h2d(I.scalars.data(), I.host_scalars, sizeof(I.host_scalars), stream_);
 
   I.emb = layout_.find("model.embed_tokens.weight").offset;
   I.fnorm = layout_.find("model.norm.weight").offset;
@@ -141,6 +170,11 @@ CudaModel::~CudaModel() {
 float* CudaModel::params() { return impl_->params.as<float>(); }
 uint16_t* CudaModel::params_bf16() { return impl_->params_bf16.as<uint16_t>(); }
 float* CudaModel::grads() { return impl_->grads.as<float>(); }
+float* CudaModel::expert_bias() { return impl_->expert_bias.as<float>(); }
+float* CudaModel::loss_scales_device() { return impl_->scalars.as<float>(); }
+cuda::StepStatsRecord* CudaModel::stats_record() { return impl_->stats.as<cuda::StepStatsRecord>(); }
+size_t CudaModel::stats_bytes() const { return impl_->stats_bytes; }
+int64_t CudaModel::buffer_generation() const { return impl_->generation; }
 
 void CudaModel::load_params(const float* host_params) {
   const int64_t total = layout_.total_numel();
@@ -171,7 +205,130 @@ std::vector<float> CudaModel::download_grads() {
   return h;
 }
 
+std::vector<float> CudaModel::download_expert_bias() {
+  std::vector<float> h(static_cast<size_t>(num_moe_layers_ * ecfg_.num_experts));
+  cuda::copy_d2h(h.data(), expert_bias(), h.size() * sizeof(float), stream_);
+  return h;
+}
+
 void CudaModel::zero_grads() { cuda::device_memset(grads(), 0, layout_.total_numel() * sizeof(float), stream_); }
+
+void CudaModel::reset_stats() {
+  impl_->host_num_targets = 0;
+  impl_->num_forwards = 0;
+  impl_->num_routes = 0;
+  cuda::device_memset(impl_->stats.data(), 0, impl_->stats_bytes, stream_);
+}
+
+void CudaModel::reserve(int64_t batch, int64_t seq) {
+  MOE_CHECK(batch > 0 && seq > 0, "CudaModel::reserve: batch and sequence must be positive, got batch=", batch,
+            " seq=", seq);
+  Impl& I = *impl_;
+  const int64_t n = batch * seq, d = mcfg_.d_model, hd = mcfg_.head_dim();
+  const int64_t hq = mcfg_.n_heads, hkv = mcfg_.n_kv_heads, q = hq * hd, kv = hkv * hd;
+  const int64_t v = mcfg_.vocab_size, e = ecfg_.num_experts, k = ecfg_.top_k;
+  const int64_t inner = ecfg_.expert_hidden, rows = n * k;
+  const int64_t chunk = std::min(n, kHeadChunkRows);
+
+  // Forward.
+  I.grow<int32_t>(I.inputs, n, "inputs");
+  I.grow<int32_t>(I.targets, n, "targets");
+  I.grow<float>(I.x32, n * d, "x32");
+  I.grow<uint16_t>(I.branch, n * d, "branch");
+  int64_t widest_mlp = 0;
+  bool any_moe = false;
+  for (auto& sp : I.layers) {
+    LayerState& s = *sp;
+    I.grow<uint16_t>(s.x_in, n * d, "x_in");
+    I.grow<uint16_t>(s.norm1, n * d, "norm1");
+    I.grow<float>(s.rstd1, n, "rstd1");
+    I.grow<uint16_t>(s.q, n * q, "q");
+    I.grow<uint16_t>(s.k, n * kv, "k");
+    I.grow<uint16_t>(s.v, n * kv, "v");
+    if (mcfg_.qk_norm) {
+      I.grow<uint16_t>(s.q_raw, n * q, "q_raw");
+      I.grow<uint16_t>(s.k_raw, n * kv, "k_raw");
+      I.grow<float>(s.q_rstd, n, "q_rstd");
+      I.grow<float>(s.k_rstd, n, "k_rstd");
+    }
+    I.grow<uint16_t>(s.attn, n * q, "attn");
+    I.grow<float>(s.lse, batch * hq * seq, "lse");
+    I.grow<uint16_t>(s.x_mid, n * d, "x_mid");
+    I.grow<uint16_t>(s.norm2, n * d, "norm2");
+    I.grow<float>(s.rstd2, n, "rstd2");
+    if (s.dense || s.shared) {
+      I.grow<uint16_t>(s.mlp_gate_up, n * 2 * s.mlp_hidden, "mlp_gate_up");
+      I.grow<uint16_t>(s.mlp_h, n * s.mlp_hidden, "mlp_h");
+      widest_mlp = std::max(widest_mlp, s.mlp_hidden);
+    }
+    if (!s.dense) {
+      any_moe = true;
+      I.grow<float>(s.logits, n * e, "router logits");
+      I.grow<float>(s.scores, n * e, "router scores");
+      I.grow<int32_t>(s.topk_idx, n * k, "topk_idx");
+      I.grow<float>(s.topk_w, n * k, "topk_w");
+      I.grow<int32_t>(s.offsets, e + 1, "expert offsets");
+      I.grow<int32_t>(s.sorted_route, rows, "sorted_route");
+      I.grow<int32_t>(s.route_to_row, rows, "route_to_row");
+      I.grow<uint16_t>(s.x_sorted, rows * d, "x_sorted");
+      I.grow<uint16_t>(s.gate_up, rows * 2 * inner, "expert gate_up");
+      I.grow<uint16_t>(s.h, rows * inner, "expert h");
+      I.grow<uint16_t>(s.y_sorted, rows * d, "y_sorted");
+    }
+  }
+  I.grow<uint16_t>(I.final_in, n * d, "final_in");
+  I.grow<uint16_t>(I.final_norm, n * d, "final_norm");
+  I.grow<float>(I.final_rstd, n, "final_rstd");
+  I.grow<uint16_t>(I.logits_chunk, chunk * v, "logits_chunk");
+  I.grow<float>(I.loss, n, "loss");
+  I.grow<float>(I.lse, n, "lse");
+  if (any_moe) {
+    cuda::RouterParams rp;
+    rp.num_tokens = n;
+    rp.num_experts = e;
+    rp.top_k = k;
+    I.grow_bytes(I.ws_router, cuda::router_workspace_bytes(rp), "router workspace");
+    I.grow_bytes(I.ws_dispatch, cuda::dispatch_map_workspace_bytes(n, k, e), "dispatch workspace");
+  }
+
+  // Backward.
+  const int64_t widest = std::max({d, q, kv});
+  I.grow_bytes(I.ws_rms, cuda::rmsnorm_backward_workspace_bytes(n, widest), "rmsnorm workspace");
+  I.grow_bytes(I.ws_attn, cuda::attention_backward_workspace_bytes(batch, seq, hq), "attention workspace");
+  auto emb_ws = I.emb_ws_bytes.find(n);
+  if (emb_ws == I.emb_ws_bytes.end()) {
+    MOE_CHECK(!cuda::stream_is_capturing(stream_), "CudaModel: a batch of ", n, " tokens was never seen before "
+              "graph capture; call reserve(batch, seq) with the step's shape before capturing");
+    emb_ws = I.emb_ws_bytes.emplace(n, cuda::embedding_backward_workspace_bytes(n, v)).first;
+  }
+  I.grow_bytes(I.ws_emb, emb_ws->second, "embedding workspace");
+  I.grow<uint16_t>(I.dnorm, n * d, "dnorm");
+  I.grow<uint16_t>(I.dtmp, n * d, "dtmp");
+  I.grow<float>(I.dx32, n * d, "dx32");
+  I.grow<uint16_t>(I.dx, n * d, "dx");
+  I.grow<uint16_t>(I.dbranch, n * d, "dbranch");
+  I.grow<uint16_t>(I.dq, n * q, "dq");
+  I.grow<uint16_t>(I.dk, n * kv, "dk");
+  I.grow<uint16_t>(I.dv, n * kv, "dv");
+  I.grow<uint16_t>(I.dattn, n * q, "dattn");
+  if (widest_mlp > 0) {
+    I.grow<uint16_t>(I.mlp_dh, n * widest_mlp, "mlp_dh");
+    I.grow<uint16_t>(I.mlp_dgu, n * 2 * widest_mlp, "mlp_dgu");
+  }
+  if (any_moe) {
+    I.grow<uint16_t>(I.dy_sorted, rows * d, "dy_sorted");
+    I.grow<float>(I.dtopk_w, n * k, "dtopk_w");
+    I.grow<uint16_t>(I.e_dh, rows * inner, "expert dh");
+    I.grow<uint16_t>(I.e_dgu, rows * 2 * inner, "expert dgate_up");
+    I.grow<uint16_t>(I.dx_sorted, rows * d, "dx_sorted");
+    I.grow<float>(I.dlogits32, n * e, "router dlogits32");
+    I.grow<uint16_t>(I.dlogits16, n * e, "router dlogits16");
+  }
+  if (mcfg_.qk_norm) {
+    I.grow<uint16_t>(I.dq_raw, n * q, "dq_raw");
+    I.grow<uint16_t>(I.dk_raw, n * kv, "dk_raw");
+  }
+}
 
 namespace {
 
@@ -207,30 +364,45 @@ void CudaModel::forward(const int32_t* inputs, const int32_t* targets, int64_t b
   MOE_CHECK(batch > 0 && seq > 0, "CudaModel::forward: batch and sequence must be positive, got batch=", batch,
             " seq=", seq);
   Impl& I = *impl_;
+  const int64_t n = batch * seq;
+  reserve(batch, seq);
+  reset_stats();
+  for (int64_t i = 0; i < n; ++i) I.host_num_targets += targets[i] >= 0 ? 1 : 0;
+  cuda::copy_h2d(I.inputs.data(), inputs, n * sizeof(int32_t), stream_);
+  cuda::copy_h2d(I.targets.data(), targets, n * sizeof(int32_t), stream_);
+  forward_device(I.inputs.as<int32_t>(), I.targets.as<int32_t>(), batch, seq, routing_seed);
+}
+
+void CudaModel::forward_device(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                               uint64_t routing_seed) {
+  MOE_CHECK(batch > 0 && seq > 0, "CudaModel::forward_device: batch and sequence must be positive, got batch=",
+            batch, " seq=", seq);
+  MOE_CHECK(inputs != nullptr && targets != nullptr, "CudaModel::forward_device: null token id pointer");
+  Impl& I = *impl_;
+  const int64_t n = batch * seq;
+  reserve(batch, seq);  // host checks only once the shape was seen (buffers grow, never shrink)
   cuda::Stream st = stream_;
   cuda::GemmHandle& G = *I.gemm;
-  const int64_t n = batch * seq, d = mcfg_.d_model, hd = mcfg_.head_dim();
+  const int64_t d = mcfg_.d_model, hd = mcfg_.head_dim();
   const int64_t hq = mcfg_.n_heads, hkv = mcfg_.n_kv_heads, q = hq * hd, kv = hkv * hd;
   const int64_t v = mcfg_.vocab_size, e = ecfg_.num_experts, k = ecfg_.top_k;
   const int64_t inner = ecfg_.expert_hidden, rows = n * k;
   const uint16_t* P = params_bf16();
+  cuda::StepStatsRecord* rec = stats_record();
   I.batch = batch;
   I.seq = seq;
-  I.num_targets = 0;
-  for (int64_t i = 0; i < n; ++i) I.num_targets += targets[i] >= 0 ? 1 : 0;
+  I.num_forwards += 1;
+  I.num_routes += num_moe_layers_ * rows;
+  I.cur_inputs = inputs;
+  I.cur_targets = targets;
 
-  cuda::copy_h2d(grow<int32_t>(I.inputs, n), inputs, n * sizeof(int32_t), st);
-  cuda::copy_h2d(grow<int32_t>(I.targets, n), targets, n * sizeof(int32_t), st);
-  cuda::device_memset(I.ce_sum.data(), 0, sizeof(double), st);
-  cuda::device_memset(I.bad_ids.data(), 0, sizeof(uint32_t), st);
-  cuda::device_memset(I.bad_targets.data(), 0, sizeof(uint32_t), st);
-
-  float* x32 = grow<float>(I.x32, n * d);
-  uint16_t* branch = grow<uint16_t>(I.branch, n * d);
+  float* x32 = I.x32.as<float>();
+  uint16_t* branch = I.branch.as<uint16_t>();
   // Embedding into the first saved BF16 residual copy, then x32 = float(x).
+  if (timer_) timer_->mark(cuda::Phase::kEmbedding);
   LayerState* first = I.layers.empty() ? nullptr : I.layers[0].get();
-  uint16_t* x16 = first ? grow<uint16_t>(first->x_in, n * d) : grow<uint16_t>(I.final_in, n * d);
-  cuda::embedding_forward(I.inputs.as<int32_t>(), P + I.emb, x16, n, v, d, I.bad_ids.as<uint32_t>(), st);
+  uint16_t* x16 = first ? first->x_in.as<uint16_t>() : I.final_in.as<uint16_t>();
+  cuda::embedding_forward(inputs, P + I.emb, x16, n, v, d, &rec->bad_ids, st);
   cuda::device_memset(x32, 0, n * d * sizeof(float), st);
   cuda::residual_add(x32, x16, nullptr, n * d, st);
 
@@ -238,19 +410,20 @@ void CudaModel::forward(const int32_t* inputs, const int32_t* targets, int64_t b
     LayerState& s = *I.layers[l];
     const uint16_t* xin = s.x_in.as<uint16_t>();
     // Attention branch.
-    uint16_t* norm1 = grow<uint16_t>(s.norm1, n * d);
-    float* rstd1 = grow<float>(s.rstd1, n);
+    if (timer_) timer_->mark(cuda::Phase::kAttention);
+    uint16_t* norm1 = s.norm1.as<uint16_t>();
+    float* rstd1 = s.rstd1.as<float>();
     cuda::rmsnorm_forward(xin, P + s.ln1, norm1, rstd1, n, d, mcfg_.norm_eps, st);
-    uint16_t* qb = grow<uint16_t>(s.q, n * q);
-    uint16_t* kb = grow<uint16_t>(s.k, n * kv);
-    uint16_t* vb = grow<uint16_t>(s.v, n * kv);
+    uint16_t* qb = s.q.as<uint16_t>();
+    uint16_t* kb = s.k.as<uint16_t>();
+    uint16_t* vb = s.v.as<uint16_t>();
     if (mcfg_.qk_norm) {
-      uint16_t* q_raw = grow<uint16_t>(s.q_raw, n * q);
-      uint16_t* k_raw = grow<uint16_t>(s.k_raw, n * kv);
+      uint16_t* q_raw = s.q_raw.as<uint16_t>();
+      uint16_t* k_raw = s.k_raw.as<uint16_t>();
       cuda::gemm(G, false, true, n, q, d, 1.f, norm1, d, P + s.wq, d, 0.f, q_raw, q, st);
       cuda::gemm(G, false, true, n, kv, d, 1.f, norm1, d, P + s.wk, d, 0.f, k_raw, kv, st);
-      cuda::rmsnorm_forward(q_raw, P + s.qn, qb, grow<float>(s.q_rstd, n), n, q, mcfg_.norm_eps, st);
-      cuda::rmsnorm_forward(k_raw, P + s.kn, kb, grow<float>(s.k_rstd, n), n, kv, mcfg_.norm_eps, st);
+      cuda::rmsnorm_forward(q_raw, P + s.qn, qb, s.q_rstd.as<float>(), n, q, mcfg_.norm_eps, st);
+      cuda::rmsnorm_forward(k_raw, P + s.kn, kb, s.k_rstd.as<float>(), n, kv, mcfg_.norm_eps, st);
     } else {
       cuda::gemm(G, false, true, n, q, d, 1.f, norm1, d, P + s.wq, d, 0.f, qb, q, st);
       cuda::gemm(G, false, true, n, kv, d, 1.f, norm1, d, P + s.wk, d, 0.f, kb, kv, st);
@@ -258,23 +431,21 @@ void CudaModel::forward(const int32_t* inputs, const int32_t* targets, int64_t b
     cuda::gemm(G, false, true, n, kv, d, 1.f, norm1, d, P + s.wv, d, 0.f, vb, kv, st);
     cuda::rope_forward(qb, batch, seq, hq, hd, mcfg_.rope_theta, st);
     cuda::rope_forward(kb, batch, seq, hkv, hd, mcfg_.rope_theta, st);
-    uint16_t* attn = grow<uint16_t>(s.attn, n * q);
-    cuda::attention_forward(qb, kb, vb, attn, grow<float>(s.lse, batch * hq * seq), batch, seq, hq, hkv, hd, st);
+    uint16_t* attn = s.attn.as<uint16_t>();
+    cuda::attention_forward(qb, kb, vb, attn, s.lse.as<float>(), batch, seq, hq, hkv, hd, st);
     cuda::gemm(G, false, true, n, d, q, 1.f, attn, q, P + s.wo, q, 0.f, branch, d, st);
-    uint16_t* xmid = grow<uint16_t>(s.x_mid, n * d);
+    uint16_t* xmid = s.x_mid.as<uint16_t>();
     cuda::residual_add(x32, branch, xmid, n * d, st);
 
     // MLP / MoE branch.
-    uint16_t* norm2 = grow<uint16_t>(s.norm2, n * d);
-    cuda::rmsnorm_forward(xmid, P + s.ln2, norm2, grow<float>(s.rstd2, n), n, d, mcfg_.norm_eps, st);
-    if (s.dense || s.shared) {
-      uint16_t* gu = grow<uint16_t>(s.mlp_gate_up, n * 2 * s.mlp_hidden);
-      uint16_t* h = grow<uint16_t>(s.mlp_h, n * s.mlp_hidden);
-      if (s.dense) {
-        mlp_forward_gpu(G, norm2, P + s.mg, P + s.mu, P + s.md, n, d, s.mlp_hidden, gu, h, branch, false, st);
-      }
-    }
-    if (!s.dense) {
+    if (timer_) timer_->mark(cuda::Phase::kMlp);
+    uint16_t* norm2 = s.norm2.as<uint16_t>();
+    cuda::rmsnorm_forward(xmid, P + s.ln2, norm2, s.rstd2.as<float>(), n, d, mcfg_.norm_eps, st);
+    if (s.dense) {
+      mlp_forward_gpu(G, norm2, P + s.mg, P + s.mu, P + s.md, n, d, s.mlp_hidden, s.mlp_gate_up.as<uint16_t>(),
+                      s.mlp_h.as<uint16_t>(), branch, false, st);
+    } else {
+      if (timer_) timer_->mark(cuda::Phase::kRouter);
       s.rp.num_tokens = n;
       s.rp.num_experts = e;
       s.rp.top_k = k;
@@ -284,60 +455,76 @@ void CudaModel::forward(const int32_t* inputs, const int32_t* targets, int64_t b
                   : ecfg_.routing == "uniform" ? cuda::RoutingMode::kUniform
                                                : cuda::RoutingMode::kLearned;
       s.rp.seed = mix_seed(routing_seed, static_cast<uint64_t>(l));
-      float* logits = grow<float>(s.logits, n * e);
+      float* logits = s.logits.as<float>();
       cuda::gemm(G, false, true, n, e, d, 1.f, norm2, d, P + s.gate, d, 0.f, logits, e, st);
-      const size_t rws = cuda::router_workspace_bytes(s.rp);
-      I.ws_router.reserve(rws);
       int32_t* counts = I.counts.as<int32_t>() + s.moe_index * e;
-      int32_t* topk_idx = grow<int32_t>(s.topk_idx, n * k);
-      float* topk_w = grow<float>(s.topk_w, n * k);
-      cuda::router_forward(s.rp, logits, I.expert_bias.as<float>() + s.moe_index * e, grow<float>(s.scores, n * e),
-                           topk_idx, topk_w, counts, nullptr, I.moe_losses.as<float>() + 2 * s.moe_index,
-                           I.ws_router.data(), I.ws_router.bytes(), st);
-      const size_t dws = cuda::dispatch_map_workspace_bytes(n, k, e);
-      I.ws_dispatch.reserve(dws);
-      int32_t* offsets = grow<int32_t>(s.offsets, e + 1);
-      int32_t* sorted_route = grow<int32_t>(s.sorted_route, rows);
-      int32_t* route_to_row = grow<int32_t>(s.route_to_row, rows);
+      int32_t* topk_idx = s.topk_idx.as<int32_t>();
+      float* topk_w = s.topk_w.as<float>();
+      cuda::router_forward(s.rp, logits, expert_bias() + s.moe_index * e, s.scores.as<float>(), topk_idx, topk_w,
+                           counts, nullptr, I.moe_losses.as<float>() + 2 * s.moe_index, I.ws_router.data(),
+                           I.ws_router.bytes(), st);
+      if (timer_) timer_->mark(cuda::Phase::kDispatch);
+      int32_t* offsets = s.offsets.as<int32_t>();
+      int32_t* sorted_route = s.sorted_route.as<int32_t>();
+      int32_t* route_to_row = s.route_to_row.as<int32_t>();
       cuda::build_dispatch_map(topk_idx, n, k, e, 0, counts, offsets, sorted_route, route_to_row, nullptr,
                                I.ws_dispatch.data(), I.ws_dispatch.bytes(), st);
-      uint16_t* xs = grow<uint16_t>(s.x_sorted, rows * d);
+      uint16_t* xs = s.x_sorted.as<uint16_t>();
       cuda::permute_forward(norm2, sorted_route, n, k, d, xs, st);
-      uint16_t* gu = grow<uint16_t>(s.gate_up, rows * 2 * inner);
-      uint16_t* h = grow<uint16_t>(s.h, rows * inner);
-      uint16_t* ys = grow<uint16_t>(s.y_sorted, rows * d);
+      if (timer_) timer_->mark(cuda::Phase::kExperts);
+      uint16_t* gu = s.gate_up.as<uint16_t>();
+      uint16_t* h = s.h.as<uint16_t>();
+      uint16_t* ys = s.y_sorted.as<uint16_t>();
       cuda::grouped_gemm_forward(xs, P + s.e_gate_up, offsets, gu, rows, e, 2 * inner, d, st);
       cuda::swiglu_forward(gu, h, rows, inner, st);
       cuda::grouped_gemm_forward(h, P + s.e_down, offsets, ys, rows, e, d, inner, st);
+      if (timer_) timer_->mark(cuda::Phase::kCombine);
       cuda::unpermute_forward(ys, route_to_row, topk_w, n, k, d, branch, st);
+      if (timer_) timer_->mark(cuda::Phase::kMlp);
       if (s.shared) {
         mlp_forward_gpu(G, norm2, P + s.mg, P + s.mu, P + s.md, n, d, s.mlp_hidden, s.mlp_gate_up.as<uint16_t>(),
                         s.mlp_h.as<uint16_t>(), branch, true, st);
       }
     }
-    uint16_t* next = l + 1 < mcfg_.n_layers ? grow<uint16_t>(I.layers[l + 1]->x_in, n * d)
-                                            : grow<uint16_t>(I.final_in, n * d);
+    uint16_t* next = l + 1 < mcfg_.n_layers ? I.layers[l + 1]->x_in.as<uint16_t>() : I.final_in.as<uint16_t>();
     cuda::residual_add(x32, branch, next, n * d, st);
   }
 
   // Final norm; LM head and cross-entropy chunk by chunk (losses only: backward recomputes).
-  uint16_t* fin = grow<uint16_t>(I.final_in, n * d);
-  uint16_t* fnorm = grow<uint16_t>(I.final_norm, n * d);
-  cuda::rmsnorm_forward(fin, P + I.fnorm, fnorm, grow<float>(I.final_rstd, n), n, d, mcfg_.norm_eps, st);
+  if (timer_) timer_->mark(cuda::Phase::kLmHead);
+  uint16_t* fin = I.final_in.as<uint16_t>();
+  uint16_t* fnorm = I.final_norm.as<uint16_t>();
+  cuda::rmsnorm_forward(fin, P + I.fnorm, fnorm, I.final_rstd.as<float>(), n, d, mcfg_.norm_eps, st);
   const int64_t chunk = std::min(n, kHeadChunkRows);
-  uint16_t* lg = grow<uint16_t>(I.logits_chunk, chunk * v);
-  float* loss = grow<float>(I.loss, n);
-  float* lse = grow<float>(I.lse, n);
+  uint16_t* lg = I.logits_chunk.as<uint16_t>();
+  float* loss = I.loss.as<float>();
+  float* lse = I.lse.as<float>();
   for (int64_t r0 = 0; r0 < n; r0 += chunk) {
     const int64_t c = std::min(chunk, n - r0);
     cuda::gemm(G, false, true, c, v, d, 1.f, fnorm + r0 * d, d, P + I.head, d, 0.f, lg, v, st);
-    cuda::cross_entropy_forward_backward(lg, lg, I.targets.as<int32_t>() + r0, loss + r0, lse + r0, c, v, 0.0,
-                                         I.scalars.as<float>() + 3, I.ce_sum.as<double>(),
-                                         I.bad_targets.as<uint32_t>(), st);
+    cuda::cross_entropy_forward_backward(lg, lg, targets + r0, loss + r0, lse + r0, c, v, 0.0,
+                                         I.scalars.as<float>() + 3, &rec->ce_sum, &rec->bad_targets, st);
   }
+  if (num_moe_layers_ > 0) {
+    if (timer_) timer_->mark(cuda::Phase::kRouter);
+    cuda::step_stats_accumulate_router(I.moe_losses.as<float>(), I.counts.as<int32_t>(), num_moe_layers_, e, rec,
+                                       st);
+  }
+  if (timer_) timer_->close();
 }
 
 void CudaModel::backward(const LossScales& scales) {
+  Impl& I = *impl_;
+  MOE_CHECK(I.batch > 0, "CudaModel::backward called before forward");
+  // Device scalars: ce grad scale, dlb, dz (the per-layer share of the mean over MoE layers).
+  I.host_scalars[0] = static_cast<float>(scales.ce_scale);
+  I.host_scalars[1] = num_moe_layers_ ? static_cast<float>(scales.lb_scale / double(num_moe_layers_)) : 0.f;
+  I.host_scalars[2] = num_moe_layers_ ? static_cast<float>(scales.z_scale / double(num_moe_layers_)) : 0.f;
+  cuda::copy_h2d(I.scalars.data(), I.host_scalars, 3 * sizeof(float), stream_);
+  backward();
+}
+
+void CudaModel::backward() {
   Impl& I = *impl_;
   MOE_CHECK(I.batch > 0, "CudaModel::backward called before forward");
   cuda::Stream st = stream_;
@@ -349,89 +536,86 @@ void CudaModel::backward(const LossScales& scales) {
   const int64_t inner = ecfg_.expert_hidden, rows = n * k;
   const uint16_t* P = params_bf16();
   float* Gr = grads();
-
-  // Device scalars: ce grad scale, dlb, dz (the per-layer share of the mean over MoE layers).
-  I.host_scalars[0] = static_cast<float>(scales.ce_scale);
-  I.host_scalars[1] = num_moe_layers_ ? static_cast<float>(scales.lb_scale / double(num_moe_layers_)) : 0.f;
-  I.host_scalars[2] = num_moe_layers_ ? static_cast<float>(scales.z_scale / double(num_moe_layers_)) : 0.f;
-  cuda::copy_h2d(I.scalars.data(), I.host_scalars, 3 * sizeof(float), st);
   const float* ce_scale = I.scalars.as<float>();
   const float* dlb = ce_scale + 1;
   const float* dz = ce_scale + 2;
-
-  // Workspaces.
-  const int64_t widest = std::max({d, q, kv});
-  I.ws_rms.reserve(std::max<size_t>(cuda::rmsnorm_backward_workspace_bytes(n, widest), 16));
-  I.ws_attn.reserve(std::max<size_t>(cuda::attention_backward_workspace_bytes(batch, seq, hq), 16));
-  I.ws_emb.reserve(std::max<size_t>(cuda::embedding_backward_workspace_bytes(n, v), 16));
+  uint32_t* bad_ids_bwd = I.bwd_bad.as<uint32_t>();
+  uint32_t* bad_targets_bwd = bad_ids_bwd + 1;
 
   // LM head, chunk by chunk: logits again, fused CE gradient in place, dnorm and dW_head.
-  uint16_t* dnorm = grow<uint16_t>(I.dnorm, n * d);
+  if (timer_) timer_->mark(cuda::Phase::kLmHead);
+  uint16_t* dnorm = I.dnorm.as<uint16_t>();
   const uint16_t* fnorm = I.final_norm.as<uint16_t>();
   const int64_t chunk = std::min(n, kHeadChunkRows);
-  uint16_t* lg = grow<uint16_t>(I.logits_chunk, chunk * v);
+  uint16_t* lg = I.logits_chunk.as<uint16_t>();
   for (int64_t r0 = 0; r0 < n; r0 += chunk) {
     const int64_t c = std::min(chunk, n - r0);
     cuda::gemm(G, false, true, c, v, d, 1.f, fnorm + r0 * d, d, P + I.head, d, 0.f, lg, v, st);
-    cuda::cross_entropy_forward_backward(lg, lg, I.targets.as<int32_t>() + r0, I.loss.as<float>() + r0,
-                                         I.lse.as<float>() + r0, c, v, 0.0, ce_scale, nullptr,
-                                         I.bad_targets.as<uint32_t>(), st);
+    cuda::cross_entropy_forward_backward(lg, lg, I.cur_targets + r0, I.loss.as<float>() + r0, I.lse.as<float>() + r0,
+                                         c, v, 0.0, ce_scale, nullptr, bad_targets_bwd, st);
     cuda::gemm(G, false, false, c, d, v, 1.f, lg, v, P + I.head, d, 0.f, dnorm + r0 * d, d, st);
     cuda::gemm(G, true, false, v, d, c, 1.f, lg, v, fnorm + r0 * d, d, 1.f, Gr + I.head, d, st);
   }
-  uint16_t* dtmp = grow<uint16_t>(I.dtmp, n * d);
-  float* dx32 = grow<float>(I.dx32, n * d);
-  uint16_t* dx = grow<uint16_t>(I.dx, n * d);
+  uint16_t* dtmp = I.dtmp.as<uint16_t>();
+  float* dx32 = I.dx32.as<float>();
+  uint16_t* dx = I.dx.as<uint16_t>();
   cuda::rmsnorm_backward(I.final_in.as<uint16_t>(), P + I.fnorm, I.final_rstd.as<float>(), dnorm, dtmp,
                          Gr + I.fnorm, n, d, I.ws_rms.data(), I.ws_rms.bytes(), st);
   cuda::device_memset(dx32, 0, n * d * sizeof(float), st);
   cuda::residual_add(dx32, dtmp, dx, n * d, st);
 
-  uint16_t* dbranch = grow<uint16_t>(I.dbranch, n * d);
-  uint16_t* dq = grow<uint16_t>(I.dq, n * q);
-  uint16_t* dk = grow<uint16_t>(I.dk, n * kv);
-  uint16_t* dv = grow<uint16_t>(I.dv, n * kv);
-  uint16_t* dattn = grow<uint16_t>(I.dattn, n * q);
+  uint16_t* dbranch = I.dbranch.as<uint16_t>();
+  uint16_t* dq = I.dq.as<uint16_t>();
+  uint16_t* dk = I.dk.as<uint16_t>();
+  uint16_t* dv = I.dv.as<uint16_t>();
+  uint16_t* dattn = I.dattn.as<uint16_t>();
   for (int64_t l = mcfg_.n_layers - 1; l >= 0; --l) {
     LayerState& s = *I.layers[l];
     const uint16_t* norm2 = s.norm2.as<uint16_t>();
     // MLP / MoE branch: dbranch = d(branch)/d(norm2) applied to dx.
+    if (timer_) timer_->mark(cuda::Phase::kMlp);
     if (s.dense || s.shared) {
       const int64_t f = s.mlp_hidden;
       mlp_backward_gpu(G, norm2, P + s.mg, P + s.mu, P + s.md, s.mlp_gate_up.as<uint16_t>(), s.mlp_h.as<uint16_t>(),
-                       dx, n, d, f, grow<uint16_t>(I.mlp_dh, n * f), grow<uint16_t>(I.mlp_dgu, n * 2 * f), dbranch,
-                       false, Gr + s.mg, Gr + s.mu, Gr + s.md, st);
+                       dx, n, d, f, I.mlp_dh.as<uint16_t>(), I.mlp_dgu.as<uint16_t>(), dbranch, false, Gr + s.mg,
+                       Gr + s.mu, Gr + s.md, st);
     }
     if (!s.dense) {
       if (!s.shared) cuda::device_memset(dbranch, 0, n * d * sizeof(uint16_t), st);
+      if (timer_) timer_->mark(cuda::Phase::kCombine);
       const int32_t* offsets = s.offsets.as<int32_t>();
-      uint16_t* dys = grow<uint16_t>(I.dy_sorted, rows * d);
-      float* dtopk_w = grow<float>(I.dtopk_w, n * k);
+      uint16_t* dys = I.dy_sorted.as<uint16_t>();
+      float* dtopk_w = I.dtopk_w.as<float>();
       cuda::unpermute_backward(dx, s.y_sorted.as<uint16_t>(), s.sorted_route.as<int32_t>(),
                                s.route_to_row.as<int32_t>(), s.topk_w.as<float>(), n, k, d, dys, dtopk_w, st);
-      uint16_t* edh = grow<uint16_t>(I.e_dh, rows * inner);
-      uint16_t* edgu = grow<uint16_t>(I.e_dgu, rows * 2 * inner);
-      uint16_t* dxs = grow<uint16_t>(I.dx_sorted, rows * d);
+      if (timer_) timer_->mark(cuda::Phase::kExperts);
+      uint16_t* edh = I.e_dh.as<uint16_t>();
+      uint16_t* edgu = I.e_dgu.as<uint16_t>();
+      uint16_t* dxs = I.dx_sorted.as<uint16_t>();
       cuda::grouped_gemm_dgrad(dys, P + s.e_down, offsets, edh, rows, e, d, inner, st);
       cuda::grouped_gemm_wgrad(dys, s.h.as<uint16_t>(), offsets, Gr + s.e_down, rows, e, d, inner, true, st);
       cuda::swiglu_backward(s.gate_up.as<uint16_t>(), edh, edgu, rows, inner, st);
       cuda::grouped_gemm_dgrad(edgu, P + s.e_gate_up, offsets, dxs, rows, e, 2 * inner, d, st);
       cuda::grouped_gemm_wgrad(edgu, s.x_sorted.as<uint16_t>(), offsets, Gr + s.e_gate_up, rows, e, 2 * inner, d,
                                true, st);
+      if (timer_) timer_->mark(cuda::Phase::kDispatch);
       cuda::permute_backward(dxs, s.route_to_row.as<int32_t>(), n, k, d, dbranch, st);
-      float* dl32 = grow<float>(I.dlogits32, n * e);
-      uint16_t* dl16 = grow<uint16_t>(I.dlogits16, n * e);
+      if (timer_) timer_->mark(cuda::Phase::kRouter);
+      float* dl32 = I.dlogits32.as<float>();
+      uint16_t* dl16 = I.dlogits16.as<uint16_t>();
       cuda::router_backward(s.rp, s.logits.as<float>(), s.scores.as<float>(), s.topk_idx.as<int32_t>(),
                             I.counts.as<int32_t>() + s.moe_index * e, dtopk_w, dlb, dz, dl32, st);
       cuda::cast_f32_to_bf16(dl32, dl16, n * e, st);
       cuda::gemm(G, false, false, n, d, e, 1.f, dl16, e, P + s.gate, d, 1.f, dbranch, d, st);
       cuda::gemm(G, true, false, e, d, n, 1.f, dl16, e, norm2, d, 1.f, Gr + s.gate, d, st);
+      if (timer_) timer_->mark(cuda::Phase::kMlp);
     }
     cuda::rmsnorm_backward(s.x_mid.as<uint16_t>(), P + s.ln2, s.rstd2.as<float>(), dbranch, dtmp, Gr + s.ln2, n, d,
                            I.ws_rms.data(), I.ws_rms.bytes(), st);
     cuda::residual_add(dx32, dtmp, dx, n * d, st);
 
     // Attention branch.
+    if (timer_) timer_->mark(cuda::Phase::kAttention);
     const uint16_t* attn = s.attn.as<uint16_t>();
     const uint16_t* norm1 = s.norm1.as<uint16_t>();
     cuda::gemm(G, false, false, n, q, d, 1.f, dx, d, P + s.wo, q, 0.f, dattn, q, st);
@@ -443,8 +627,8 @@ void CudaModel::backward(const LossScales& scales) {
     const uint16_t* gq = dq;
     const uint16_t* gk = dk;
     if (mcfg_.qk_norm) {
-      uint16_t* dq_raw = grow<uint16_t>(I.dq_raw, n * q);
-      uint16_t* dk_raw = grow<uint16_t>(I.dk_raw, n * kv);
+      uint16_t* dq_raw = I.dq_raw.as<uint16_t>();
+      uint16_t* dk_raw = I.dk_raw.as<uint16_t>();
       cuda::rmsnorm_backward(s.q_raw.as<uint16_t>(), P + s.qn, s.q_rstd.as<float>(), dq, dq_raw, Gr + s.qn, n, q,
                              I.ws_rms.data(), I.ws_rms.bytes(), st);
       cuda::rmsnorm_backward(s.k_raw.as<uint16_t>(), P + s.kn, s.k_rstd.as<float>(), dk, dk_raw, Gr + s.kn, n, kv,
@@ -462,38 +646,40 @@ void CudaModel::backward(const LossScales& scales) {
                            I.ws_rms.data(), I.ws_rms.bytes(), st);
     cuda::residual_add(dx32, dtmp, dx, n * d, st);
   }
-  cuda::embedding_backward(I.inputs.as<int32_t>(), dx, Gr + I.emb, n, v, d, I.bad_ids.as<uint32_t>(),
-                           I.ws_emb.data(), I.ws_emb.bytes(), st);
+  if (timer_) timer_->mark(cuda::Phase::kEmbedding);
+  cuda::embedding_backward(I.cur_inputs, dx, Gr + I.emb, n, v, d, bad_ids_bwd, I.ws_emb.data(), I.ws_emb.bytes(),
+                           st);
+  if (timer_) timer_->close();
 }
 
 ForwardStats CudaModel::read_stats() {
   Impl& I = *impl_;
-  MOE_CHECK(I.batch > 0, "CudaModel::read_stats called before forward");
-  const int64_t n = I.batch * I.seq, e = ecfg_.num_experts, m = num_moe_layers_;
+  const int64_t e = ecfg_.num_experts, m = num_moe_layers_;
+  std::vector<uint8_t> raw(I.stats_bytes);
+  cuda::copy_d2h(raw.data(), I.stats.data(), raw.size(), stream_);
+  cuda::StepStatsRecord rec;
+  std::memcpy(&rec, raw.data(), sizeof(rec));
+  MOE_CHECK(rec.bad_ids == 0, "CudaModel: ", rec.bad_ids, " input token ids outside [0, vocab_size = ",
+            mcfg_.vocab_size, "): check the data's token ids against model.vocab_size");
+  MOE_CHECK(rec.bad_targets == 0, "CudaModel: ", rec.bad_targets, " targets >= vocab_size = ", mcfg_.vocab_size,
+            ": check the data's token ids against model.vocab_size");
   ForwardStats s;
-  double ce = 0;
-  uint32_t bad[2] = {0, 0};
-  std::vector<float> losses(static_cast<size_t>(2 * std::max<int64_t>(m, 1)));
-  std::vector<int32_t> counts(static_cast<size_t>(std::max<int64_t>(m, 1) * e));
-  cuda::copy_d2h(&ce, I.ce_sum.data(), sizeof(double), stream_);
-  cuda::copy_d2h(&bad[0], I.bad_ids.data(), sizeof(uint32_t), stream_);
-  cuda::copy_d2h(&bad[1], I.bad_targets.data(), sizeof(uint32_t), stream_);
-  cuda::copy_d2h(losses.data(), I.moe_losses.data(), losses.size() * sizeof(float), stream_);
-  cuda::copy_d2h(counts.data(), I.counts.data(), counts.size() * sizeof(int32_t), stream_);
-  MOE_CHECK(bad[0] == 0, "CudaModel: ", bad[0], " input token ids outside [0, vocab_size = ", mcfg_.vocab_size, ")");
-  MOE_CHECK(bad[1] == 0, "CudaModel: ", bad[1], " targets >= vocab_size = ", mcfg_.vocab_size);
-  s.ce_sum = ce;
-  s.num_targets = I.num_targets;
+  s.ce_sum = rec.ce_sum;
+  s.num_targets = I.host_num_targets;
+  if (m > 0 && I.num_forwards > 0) {
+    s.lb_loss = rec.lb_sum / double(m * I.num_forwards);
+    s.z_loss = rec.z_sum / double(m * I.num_forwards);
+  }
   for (int64_t l = 0; l < m; ++l) {
-    s.lb_loss += losses[2 * l];
-    s.z_loss += losses[2 * l + 1];
-    s.tokens_per_expert.emplace_back(counts.begin() + l * e, counts.begin() + (l + 1) * e);
+    std::vector<int32_t> c(static_cast<size_t>(e));
+    for (int64_t i = 0; i < e; ++i) {
+      int64_t v = 0;
+      std::memcpy(&v, raw.data() + sizeof(rec) + (l * e + i) * sizeof(int64_t), sizeof(v));
+      c[i] = static_cast<int32_t>(v);
+    }
+    s.tokens_per_expert.push_back(std::move(c));
   }
-  if (m > 0) {
-    s.lb_loss /= double(m);
-    s.z_loss /= double(m);
-  }
-  s.num_routes = m * n * ecfg_.top_k;
+  s.num_routes = I.num_routes;
   s.num_dropped = 0;
   return s;
 }

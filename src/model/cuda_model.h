@@ -5,8 +5,12 @@
 // cross-entropy run in chunks of kHeadChunkRows rows, so [N, V] logits never exist; backward
 // recomputes each chunk's logits (one extra N x V x D GEMM) and fuses the softmax gradient.
 // Dropless routing only (capacity_factor = 0). No CUDA headers; defined only in CUDA builds
-// (MOECORE_HAS_CUDA), so CPU-only code must not reference it. Loss sums, lb/z losses and expert counts stay on the device until
-// read_stats(). Legend: B batch, S sequence, N = B*S, D width, V vocabulary, E experts.
+// (MOECORE_HAS_CUDA), so CPU-only code must not reference it.
+// Sync-free: forward_device/backward only enqueue work on stream(). Every buffer is sized by
+// reserve(batch, seq) (or the first forward of a shape) and never grows while the stream is being
+// captured, so a whole step is capturable in a CUDA graph. Statistics (CE sum, lb/z sums, expert
+// counts, bad id/target counters) accumulate in a device record until reset_stats().
+// Legend: B batch, S sequence, N = B*S, D width, V vocabulary, E experts, M MoE layers.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +23,11 @@
 #include "model/model.h"
 
 namespace moe {
+
+namespace cuda {
+class EventTimer;
+struct StepStatsRecord;
+}  // namespace cuda
 
 class CudaModel {
  public:
@@ -40,6 +49,7 @@ class CudaModel {
   float* params();          // FP32 master weights
   uint16_t* params_bf16();  // BF16 copy every op reads (adamw_step refreshes it)
   float* grads();           // FP32 gradients
+  float* expert_bias();     // [M, E] FP32, selection only
 
   // Copies host FP32 parameters [total_numel] (e.g. Model<float>::params()) and refreshes the BF16 copy.
   void load_params(const float* host_params);
@@ -49,17 +59,48 @@ class CudaModel {
   void refresh_bf16();
   std::vector<float> download_params();
   std::vector<float> download_grads();
+  std::vector<float> download_expert_bias();  // [M * E]
   void zero_grads();
 
-  // inputs/targets: host [B, S] token ids (targets < 0 do not count). Enqueues the forward on
-  // stream() and saves what backward needs; the statistics stay on the device (read_stats()).
+  // Sizes every activation, work buffer and workspace for batches of `batch` x `seq` tokens
+  // (dropless expert rows: N * top_k). Allocates only what is missing; call it outside capture.
+  void reserve(int64_t batch, int64_t seq);
+  // Counts buffer reallocations (reserve or a forward of a larger shape). A captured graph holds
+  // the addresses it saw: it is stale once this number changes.
+  int64_t buffer_generation() const;
+
+  // inputs/targets: host [B, S] token ids (targets < 0 do not count). Resets the statistics, copies
+  // the ids into the model's own device buffers, then runs forward_device. Not for capture.
   void forward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                uint64_t routing_seed = 0);
-  // Accumulates (+=) the gradient of scales.objective(stats of the last forward) into grads().
+  // inputs/targets: device [B, S] token ids, which must stay unchanged until backward() ran.
+  // Enqueues the forward on stream() and saves what backward needs; the CE sum, the router's
+  // lb/z losses and expert counts and the bad id/target counts add to the statistics record.
+  void forward_device(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                      uint64_t routing_seed = 0);
+  // Accumulates (+=) the gradient of ce * ce_sum + lb * sum_l lb_l + z * sum_l z_l of the last
+  // forward into grads(), with the three FP32 factors read on the device from
+  // loss_scales_device() (write them there before the step; a graph replays with new values).
+  void backward();
+  // Writes scales into loss_scales_device() (ce_scale, lb_scale / M, z_scale / M: the gradient of
+  // scales.objective(stats of the last forward)), then backward(). Not for capture.
   void backward(const LossScales& scales);
-  // Waits for the stream and copies the last forward's statistics to the host. num_dropped is 0
-  // (dropless); bad token ids or targets (counted on the device) throw here.
+  float* loss_scales_device();  // device FP32 [3]: CE gradient scale, per-layer lb and z factors
+
+  // Enqueues zeroing of the statistics record (stats_record(), stats_bytes() bytes: a
+  // cuda::StepStatsRecord followed by int64 counts [M, E]).
+  void reset_stats();
+  cuda::StepStatsRecord* stats_record();
+  size_t stats_bytes() const;
+  // Waits for the stream and returns the statistics accumulated since the last reset_stats() (after
+  // forward() with host ids: that forward's). lb_loss, z_loss: means over MoE layers and forwards;
+  // num_targets counts the host-id forwards' targets; num_dropped is 0 (dropless). Bad token ids
+  // or targets (counted on the device) throw here, naming vocab_size.
   ForwardStats read_stats();
+
+  // While set, forward and backward mark their phases on the timer (profiling of eager steps; a
+  // timer must not be set while the stream is captured). nullptr: off.
+  void set_phase_timer(cuda::EventTimer* timer) { timer_ = timer; }
 
  private:
   struct Impl;
@@ -69,6 +110,7 @@ class CudaModel {
   ParamLayout layout_;
   int64_t num_moe_layers_ = 0;
   cuda::Stream stream_ = nullptr;
+  cuda::EventTimer* timer_ = nullptr;
   std::unique_ptr<Impl> impl_;
 };
 

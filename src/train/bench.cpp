@@ -1,5 +1,6 @@
 // Benchmark loop of the CPU reference backend: same model, optimizer and loss scaling as
-// train(), random tokens, median over timed steps.
+// train(), random tokens, median over timed steps. Also the record helpers (commit, date,
+// JSON file) that the GPU bench shares.
 #include "train/bench.h"
 
 #include <sys/resource.h>
@@ -8,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -52,6 +54,39 @@ double peak_rss_gib() {
 }
 
 }  // namespace
+
+std::string bench_commit() {
+  if (const char* env = std::getenv("MOECORE_COMMIT"); env != nullptr && *env != '\0') return env;
+  const std::string commit = shell_line("git rev-parse --short HEAD 2>/dev/null");
+  return commit.empty() ? "unknown" : commit;
+}
+
+std::string utc_date() {
+  char date[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  return date;
+}
+
+std::string write_bench_record(const nlohmann::json& rec, const BenchOptions& opt, const std::string& device,
+                               const std::string& date, std::ostream& out) {
+  fs::path path;
+  if (!opt.json_path.empty()) {
+    path = opt.json_path;
+  } else if (!opt.out_dir.empty()) {
+    std::string stamp = date;
+    stamp.erase(std::remove(stamp.begin(), stamp.end(), ':'), stamp.end());
+    path = fs::path(opt.out_dir) / ("bench-" + opt.config_name + "-" + device + "-" + stamp + ".json");
+  } else {
+    return "";
+  }
+  if (path.has_parent_path()) fs::create_directories(path.parent_path());
+  std::ofstream f(path);
+  f << rec.dump(2) << "\n";
+  MOE_CHECK(f.good(), "bench: cannot write the JSON record to ", path.string());
+  out << "wrote " << path.string() << "\n";
+  return path.string();
+}
 
 nlohmann::json run_bench(const Config& cfg, const BenchOptions& opt, std::ostream& out) {
   MOE_CHECK(opt.steps >= 1, "bench: --steps must be >= 1, got ", opt.steps);
@@ -115,15 +150,13 @@ nlohmann::json run_bench(const Config& cfg, const BenchOptions& opt, std::ostrea
     phases[std::string(kPhaseNames[p])] = ms;
     phase_sum += ms;
   }
-  char date[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  const std::string commit = shell_line("git rev-parse --short HEAD 2>/dev/null");
+  const std::string date = utc_date();
+  const std::string commit = bench_commit();
   nlohmann::json rec = {
       {"config", opt.config_name},
       {"device", "cpu"},
       {"machine", {{"cpu", cpu_model()}, {"hardware_threads", std::thread::hardware_concurrency()}}},
-      {"commit", commit.empty() ? "unknown" : commit},
+      {"commit", commit},
       {"command", opt.command},
       {"date", date},
       {"warmup_steps", opt.warmup},
@@ -156,16 +189,7 @@ nlohmann::json run_bench(const Config& cfg, const BenchOptions& opt, std::ostrea
   std::snprintf(buf, sizeof buf, "tokens/s %.0f | TFLOP/s %.4f | MFU n/a on cpu | peak memory %.3f GiB\n", tps, tflops,
                 peak_rss_gib());
   out << buf;
-  if (!opt.out_dir.empty()) {
-    fs::create_directories(opt.out_dir);
-    std::string stamp = date;
-    stamp.erase(std::remove(stamp.begin(), stamp.end(), ':'), stamp.end());
-    const fs::path path = fs::path(opt.out_dir) / ("bench-" + opt.config_name + "-cpu-" + stamp + ".json");
-    std::ofstream f(path);
-    f << rec.dump(2) << "\n";
-    MOE_CHECK(f.good(), "cannot write ", path.string());
-    out << "wrote " << path.string() << "\n";
-  }
+  write_bench_record(rec, opt, "cpu", date, out);
   return rec;
 }
 

@@ -30,11 +30,15 @@ struct StepStats {
   std::vector<std::vector<int64_t>> tokens_per_expert;  // [MoE layer][expert], summed over micro-batches
   int64_t num_routes = 0;
   double grad_norm = 0;      // before clipping
-  bool skipped = false;      // non-finite grad norm: no update, no bias change
+  bool skipped = false;      // non-finite grad norm or loss: no update, no bias change
+  int64_t optimizer_steps = 0;  // AdamW steps taken after this step (skipped steps do not count)
 };
 
 class CudaStepRunner {
  public:
+  // Stats slots in pinned memory: at most this many steps may be submitted and not collected.
+  static constexpr int kMaxPending = 4;
+
   // Allocates the model (parameters zero), gradients, moments (zero) and the step buffers for
   // micro-batches of cfg.train.micro_batch x cfg.train.seq_len tokens on the current device.
   explicit CudaStepRunner(const Config& cfg);
@@ -44,19 +48,26 @@ class CudaStepRunner {
 
   CudaModel& model();
   // Host state in: FP32 params and moments [layout().total_numel()] (moments may be null: zero),
-  // optimizer steps taken, expert bias [MoE layers x E]. Waits for the copies.
+  // optimizer steps taken, expert bias [MoE layers x E]. Waits for every submitted step, then
+  // for the copies.
   void load_state(const float* params, const float* exp_avg, const float* exp_avg_sq, int64_t optimizer_steps,
                   const std::vector<float>& expert_bias);
-  // Host state out (waits for every submitted step): the same buffers.
+  // Host state out (waits for every submitted step): the same buffers; any pointer may be null
+  // to skip that part.
   void download_state(float* params, float* exp_avg, float* exp_avg_sq, int64_t* optimizer_steps,
                       std::vector<float>* expert_bias);
 
-  // Enqueues step `step` (1-based). micro: this rank's micro-batches; global_targets: targets of
-  // the whole step (sets the CE scale); lr from the schedule; routing seeds as the CPU trainer.
-  // Returns without waiting for the GPU.
+  // Enqueues step `step` (1-based, larger than every step submitted before). micro: this rank's
+  // micro-batches, all of one shape; global_targets: targets of the whole step (sets the CE
+  // scale 1 / global_targets); lr from the schedule; micro-batch m routes with
+  // routing_seed(train_seed, step - 1, m) (train/routing_seed.h), as the CPU trainer. Returns
+  // without waiting for the GPU, except that a pinned staging slot is reused only once the
+  // device has copied out of it (an event two steps old). Throws when kMaxPending steps are
+  // waiting to be collected.
   void submit(int64_t step, const std::vector<Batch>& micro, int64_t global_targets, double lr, uint64_t train_seed);
-  // Statistics of the oldest submitted step not yet collected; waits only for that step.
-  // Throws when nothing is pending, or when the device counted bad token ids or targets.
+  // Statistics of the oldest submitted step not yet collected; waits only for that step's event.
+  // Throws when nothing is pending, or when the device counted bad token ids or targets (the step
+  // is then dropped from the queue; the ids name vocab_size).
   StepStats collect();
   int64_t pending() const;
 
@@ -67,7 +78,10 @@ class CudaStepRunner {
   void set_phase_timer(cuda::EventTimer* timer);
   // True when the config allows graph capture (learned routing) and capture is on.
   bool uses_graph() const;
+  // Capture on (the default) or off; off waits for the stream and drops a captured graph.
   void set_use_graph(bool on);
+  // Graph replays so far (the capturing step's first launch included).
+  int64_t graph_launches() const;
 
  private:
   struct Impl;

@@ -1,5 +1,6 @@
 // Trainer: the CPU training loop with gradient accumulation, clipping, skip-on-non-finite,
-// eval, metrics and atomic checkpoints that resume bit-exactly.
+// eval, metrics and atomic checkpoints that resume bit-exactly; on the CUDA backend the same
+// loop around CudaStepRunner (sync-free steps, statistics logged one step late).
 #include "train/trainer.h"
 
 #include <unistd.h>
@@ -22,9 +23,17 @@
 #include "model/layout.h"
 #include "model/model.h"
 #include "optim/adamw.h"
-#include "train/gpu_trainer.h"
+#include "train/device.h"
 #include "train/metrics.h"
 #include "train/model_state.h"
+#include "train/routing_seed.h"
+
+#ifdef MOECORE_HAS_CUDA
+#include <deque>
+
+#include "cuda/ops/memory.h"
+#include "train/cuda_step.h"
+#endif
 
 namespace moe {
 
@@ -37,12 +46,6 @@ std::string checkpoint_dir(const Config& cfg) {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-uint64_t routing_seed(uint64_t seed, int64_t step, int64_t micro) {
-  uint64_t z = seed ^ (0x9E3779B97F4A7C15ull * uint64_t(step + 1)) ^ (0xC2B2AE3D27D4EB4Full * uint64_t(micro + 1));
-  z = (z ^ (z >> 33)) * 0xFF51AFD7ED558CCDull;
-  return z ^ (z >> 33);
-}
 
 std::string fmt_duration(double s) {
   char buf[32];
@@ -86,7 +89,7 @@ DataSources open_data(const Config& cfg) {
   return d;
 }
 
-double evaluate(Model<float>& model, GpuTrainer* gpu, const DataLoader& eval, const Config& cfg) {
+double evaluate(Model<float>& model, const DataLoader& eval, const Config& cfg) {
   const int64_t seqs = cfg.train.micro_batch;
   const int64_t nb = std::min<int64_t>(cfg.train.eval_batches, eval.num_eval_batches(seqs));
   double ce = 0;
@@ -94,8 +97,7 @@ double evaluate(Model<float>& model, GpuTrainer* gpu, const DataLoader& eval, co
   for (int64_t i = 0; i < nb; ++i) {
     const Batch b = eval.eval_batch(i, seqs);
     const uint64_t seed = routing_seed(cfg.train.seed, -1, i);
-    const ForwardStats s = gpu ? gpu->forward_only(b, seed)
-                               : model.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len, seed);
+    const ForwardStats s = model.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len, seed);
     ce += s.ce_sum;
     count += s.num_targets;
   }
@@ -108,6 +110,179 @@ std::vector<TensorRef> tensor_refs(const ParamLayout& layout, const float* base,
     refs.push_back({e.name + suffix, DType::kF32, e.shape, base + e.offset});
   return refs;
 }
+
+#ifdef MOECORE_HAS_CUDA
+
+constexpr double kPeakTflopsPerGpu = 989.0;  // H100/H200 dense BF16: the MFU denominator
+
+double evaluate_gpu(CudaStepRunner& runner, const DataLoader& eval, const Config& cfg) {
+  const int64_t seqs = cfg.train.micro_batch;
+  const int64_t nb = std::min<int64_t>(cfg.train.eval_batches, eval.num_eval_batches(seqs));
+  double ce = 0;
+  int64_t count = 0;
+  for (int64_t i = 0; i < nb; ++i) {
+    const ForwardStats s = runner.evaluate(eval.eval_batch(i, seqs), routing_seed(cfg.train.seed, -1, i));
+    ce += s.ce_sum;
+    count += s.num_targets;
+  }
+  return count ? ce / double(count) : std::nan("");
+}
+
+// The training loop on one GPU: step N is submitted, then step N - 1 is collected and logged, so
+// the host stages the next step while the GPU runs; the queue is flushed before every eval,
+// checkpoint and at the end. The host Model<float> and AdamW are the checkpoint mirror: the
+// device state is downloaded into them before each save. Step time is the wall time from the
+// later of the step's submission and the previous step's completion to this step's completion.
+void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, DataLoader& loader,
+                  const DataLoader* eval, Model<float>& model, AdamW& opt, const std::string& ckpt_dir,
+                  MetricsWriter& metrics) {
+  const int64_t start = summary.start_step;
+  const ParamLayout& layout = model.layout();
+  cuda::reset_device_peak_bytes();
+  CudaStepRunner runner(cfg);
+  runner.load_state(model.params(), opt.exp_avg().data(), opt.exp_avg_sq().data(), opt.steps_taken(),
+                    model.expert_bias());
+  const bool tty = isatty(fileno(stdout)) && &out == &std::cout;
+
+  if (eval && start == 0) {
+    summary.initial_eval_loss = evaluate_gpu(runner, *eval, cfg);
+    metrics.write({{"step", 0}, {"eval_loss", summary.initial_eval_loss}});
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "step %lld | eval_loss %.4f\n", 0LL, summary.initial_eval_loss);
+    out << buf << std::flush;
+  }
+
+  const int64_t tokens_per_step = cfg.train.global_batch * cfg.train.seq_len;
+  const double flops_per_step = count_model(cfg.model, cfg.moe, cfg.train.seq_len).flops_per_token * double(tokens_per_step);
+  const auto t_start = Clock::now();
+  double window_loss = 0, window_lb = 0, window_z = 0, window_s = 0, window_imb = 0;
+  int64_t window_n = 0, window_skipped = 0;
+  bool first = true;
+  std::deque<Clock::time_point> submitted;  // submission time of each pending step
+  Clock::time_point last_done = t_start;
+
+  auto log_step = [&](const StepStats& s) {
+    const auto now = Clock::now();
+    const double step_s = std::chrono::duration<double>(now - std::max(submitted.front(), last_done)).count();
+    submitted.pop_front();
+    last_done = now;
+    const int64_t done = s.step;
+    const double loss = s.ce_sum / double(std::max<int64_t>(1, s.num_targets));
+    const double lr = lr_at(cfg.optim, done - 1, cfg.train.steps);
+    if (s.skipped || !std::isfinite(loss)) {
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "step %lld skipped: non-finite %s (loss %g, grad norm %g)\n", (long long)done,
+                    std::isfinite(loss) ? "grad norm" : "loss", loss, s.grad_norm);
+      out << buf << std::flush;
+      ++window_skipped;
+    }
+    if (first) summary.first_loss = loss;
+    first = false;
+    summary.last_loss = loss;
+    summary.steps_done = done;
+    const double imbalance = load_imbalance(s.tokens_per_expert);
+    window_loss += loss;
+    window_lb += s.lb_loss;
+    window_z += s.z_loss;
+    window_s += step_s;
+    window_imb += imbalance;
+    ++window_n;
+
+    if (done % cfg.log.interval == 0 || done == cfg.train.steps) {
+      const double elapsed = std::chrono::duration<double>(now - t_start).count();
+      const double tps = double(tokens_per_step * window_n) / window_s;
+      const double tflops = flops_per_step * double(window_n) / window_s / 1e12;
+      const double eta = elapsed / double(done - start) * double(cfg.train.steps - done);
+      const double peak_gib = double(cuda::device_peak_bytes()) / double(1ull << 30);
+      size_t free_bytes = 0, total_bytes = 0;
+      cuda::device_mem_info(&free_bytes, &total_bytes);
+      nlohmann::json rec = {{"step", done},
+                            {"loss", window_loss / window_n},
+                            {"lb_loss", window_lb / window_n},
+                            {"z_loss", window_z / window_n},
+                            {"grad_norm", s.grad_norm},
+                            {"lr", lr},
+                            {"tokens_per_s", tps},
+                            {"step_ms", 1e3 * window_s / window_n},
+                            {"load_imbalance", window_imb / window_n},
+                            {"dropped_frac", 0.0},
+                            {"skipped_steps", window_skipped},
+                            {"tflops_per_gpu", tflops},
+                            {"mfu", tflops / kPeakTflopsPerGpu},
+                            {"mem_peak_gib", peak_gib},
+                            {"mem_used_gib", double(total_bytes - free_bytes) / double(1ull << 30)}};
+      metrics.write(rec);
+      char buf[400];
+      std::snprintf(buf, sizeof buf,
+                    "%sstep %*lld/%lld | loss %.4f | lb %.3f | z %.3f | gnorm %.3f | lr %.2e | %s tok/s | %.1f TFLOP/s "
+                    "(mfu %.1f%%) | mem %.2f GiB | imb %.2f | %s elapsed | ETA %s\n",
+                    tty ? "\r\033[K" : "", int(std::to_string(cfg.train.steps).size()), (long long)done,
+                    (long long)cfg.train.steps, window_loss / window_n, window_lb / window_n, window_z / window_n,
+                    s.grad_norm, lr, fmt_rate(tps).c_str(), tflops, 100.0 * tflops / kPeakTflopsPerGpu, peak_gib,
+                    window_imb / window_n, fmt_duration(elapsed).c_str(), fmt_duration(eta).c_str());
+      out << buf << std::flush;
+      window_loss = window_lb = window_z = window_s = window_imb = 0;
+      window_n = window_skipped = 0;
+    } else if (tty) {
+      char buf[128];
+      std::snprintf(buf, sizeof buf, "\r\033[K  step %lld/%lld  loss %.4f  %.0f ms/step", (long long)done,
+                    (long long)cfg.train.steps, loss, step_s * 1e3);
+      out << buf << std::flush;
+    }
+  };
+  auto flush = [&] {
+    while (runner.pending() > 0) log_step(runner.collect());
+  };
+
+  for (int64_t step = start; step < cfg.train.steps; ++step) {
+    const auto t0 = Clock::now();
+    const std::vector<Batch> micro = loader.next();
+    int64_t global_targets = 0;
+    for (const Batch& b : micro)
+      for (int32_t t : b.targets) global_targets += t >= 0;
+    runner.submit(step + 1, micro, global_targets, lr_at(cfg.optim, step, cfg.train.steps), cfg.train.seed);
+    submitted.push_back(t0);
+    if (runner.pending() > 1) log_step(runner.collect());  // the previous step, while this one runs
+
+    const int64_t done = step + 1;
+    const bool last = done == cfg.train.steps;
+    const bool do_eval = eval && ((cfg.train.eval_interval > 0 && done % cfg.train.eval_interval == 0) || last);
+    const bool do_ckpt = (cfg.checkpoint.interval > 0 && done % cfg.checkpoint.interval == 0) || last;
+    if (do_eval || do_ckpt) flush();
+    if (do_eval) {
+      const double el = evaluate_gpu(runner, *eval, cfg);
+      summary.final_eval_loss = el;
+      metrics.write({{"step", done}, {"eval_loss", el}});
+      char buf[96];
+      std::snprintf(buf, sizeof buf, "%sstep %lld | eval_loss %.4f\n", tty ? "\r\033[K" : "", (long long)done, el);
+      out << buf << std::flush;
+    }
+    if (do_ckpt) {
+      int64_t optimizer_steps = 0;
+      runner.download_state(model.params(), opt.exp_avg().data(), opt.exp_avg_sq().data(), &optimizer_steps,
+                            &model.expert_bias());
+      opt.set_steps_taken(optimizer_steps);
+      CheckpointFiles files;
+      files.model = model_state_refs(model);
+      auto avg = tensor_refs(layout, opt.exp_avg().data(), ".exp_avg");
+      auto avg_sq = tensor_refs(layout, opt.exp_avg_sq().data(), ".exp_avg_sq");
+      files.optim = avg;
+      files.optim.insert(files.optim.end(), avg_sq.begin(), avg_sq.end());
+      files.train_state = {{"step", done},
+                           {"data_position", loader.position()},
+                           {"optimizer_steps", opt.steps_taken()},
+                           {"rng", {{"kind", "counter-based"}, {"seed", cfg.train.seed}, {"step", done}}},
+                           {"config", config_to_toml(cfg)}};
+      summary.last_checkpoint = save_checkpoint(ckpt_dir, done, files, cfg.checkpoint.keep_last);
+      if (!last || cfg.checkpoint.interval > 0)
+        out << (tty ? "\r\033[K" : "") << "saved checkpoint " << summary.last_checkpoint << "\n" << std::flush;
+    }
+  }
+  flush();
+  summary.wall_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+}
+
+#endif  // MOECORE_HAS_CUDA
 
 }  // namespace
 
@@ -169,8 +344,6 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
     }
   }
   summary.start_step = start;
-  std::unique_ptr<GpuTrainer> gpu;
-  if (device == "cuda") gpu = make_gpu_trainer(cfg, model, opt);
   MOE_CHECK(start <= cfg.train.steps, "checkpoint step ", start, " is beyond train.steps = ", cfg.train.steps);
 
   MetricsWriter metrics((fs::path(cfg.run.dir) / "metrics.jsonl").string(), /*append=*/start > 0);
@@ -181,9 +354,15 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
                 (long long)(cfg.train.global_batch * cfg.train.seq_len), device.c_str(), cfg.train.precision.c_str(),
                 cfg.run.dir.c_str());
   out << head << std::flush;
+#ifdef MOECORE_HAS_CUDA
+  if (device == "cuda") {
+    train_on_gpu(cfg, out, summary, loader, eval ? &*eval : nullptr, model, opt, ckpt_dir, metrics);
+    return summary;
+  }
+#endif
 
   if (eval && start == 0) {
-    summary.initial_eval_loss = evaluate(model, gpu.get(), *eval, cfg);
+    summary.initial_eval_loss = evaluate(model, *eval, cfg);
     metrics.write({{"step", 0}, {"eval_loss", summary.initial_eval_loss}});
     char buf[96];
     std::snprintf(buf, sizeof buf, "step %lld | eval_loss %.4f\n", 0LL, summary.initial_eval_loss);
@@ -201,8 +380,7 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
   for (int64_t step = start; step < cfg.train.steps; ++step) {
     const auto t0 = Clock::now();
     const std::vector<Batch> micro = loader.next();
-    if (gpu) gpu->zero_grads();
-    else model.zero_grads();
+    model.zero_grads();
     int64_t global_targets = 0;
     for (const Batch& b : micro)
       for (int32_t t : b.targets) global_targets += t >= 0;
@@ -215,13 +393,8 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
     for (int64_t m = 0; m < static_cast<int64_t>(micro.size()); ++m) {
       const Batch& b = micro[m];
       const uint64_t seed = routing_seed(cfg.train.seed, step, m);
-      ForwardStats s;
-      if (gpu) {
-        s = gpu->forward_backward(b, scales, seed);
-      } else {
-        s = model.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len, seed);
-        model.backward(scales);
-      }
+      const ForwardStats s = model.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len, seed);
+      model.backward(scales);
       ce += s.ce_sum;
       lb += s.lb_loss / double(micro_steps);
       z += s.z_loss / double(micro_steps);
@@ -232,17 +405,8 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
     }
     const double loss = ce / double(std::max<int64_t>(1, global_targets));
     const double lr = lr_at(cfg.optim, step, cfg.train.steps);
-    double gnorm = 0;
-    bool skip = false;
-    if (gpu) {
-      // The device applies clipping and AdamW, or skips the step when the norm is not finite.
-      const GpuTrainer::StepResult r = gpu->optimizer_step(lr);
-      gnorm = r.grad_norm;
-      skip = r.skipped || !std::isfinite(loss);
-    } else {
-      gnorm = global_grad_norm(model.grads(), total);
-      skip = !std::isfinite(loss) || !std::isfinite(gnorm);
-    }
+    const double gnorm = global_grad_norm(model.grads(), total);
+    const bool skip = !std::isfinite(loss) || !std::isfinite(gnorm);
     if (skip) {
       char buf[160];
       std::snprintf(buf, sizeof buf, "step %lld skipped: non-finite %s (loss %g, grad norm %g)\n", (long long)(step + 1),
@@ -250,14 +414,9 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
       out << buf << std::flush;
       ++window_skipped;
     } else {
-      if (!gpu) {
-        clip_grads(model.grads(), total, gnorm, cfg.optim.grad_clip);
-        opt.step(model.params(), model.grads(), lr);
-      }
-      if (cfg.moe.bias_update_rate > 0) {
-        model.update_expert_bias(expert_counts, cfg.moe.bias_update_rate);
-        if (gpu) gpu->upload_expert_bias(model.expert_bias());
-      }
+      clip_grads(model.grads(), total, gnorm, cfg.optim.grad_clip);
+      opt.step(model.params(), model.grads(), lr);
+      if (cfg.moe.bias_update_rate > 0) model.update_expert_bias(expert_counts, cfg.moe.bias_update_rate);
     }
     const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
     const int64_t done = step + 1;
@@ -309,7 +468,7 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
 
     const bool last = done == cfg.train.steps;
     if (eval && ((cfg.train.eval_interval > 0 && done % cfg.train.eval_interval == 0) || last)) {
-      const double el = evaluate(model, gpu.get(), *eval, cfg);
+      const double el = evaluate(model, *eval, cfg);
       summary.final_eval_loss = el;
       metrics.write({{"step", done}, {"eval_loss", el}});
       char buf[96];
@@ -317,7 +476,6 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
       out << buf << std::flush;
     }
     if ((cfg.checkpoint.interval > 0 && done % cfg.checkpoint.interval == 0) || last) {
-      if (gpu) gpu->download(model, opt);
       CheckpointFiles files;
       files.model = model_state_refs(model);
       auto avg = tensor_refs(layout, opt.exp_avg().data(), ".exp_avg");

@@ -1,12 +1,25 @@
-// Every entry point is capturable in a CUDA graph (no host synchronisation, allocation or
-// device-value read inside): one step of embedding -> RMSNorm -> RoPE and SwiGLU, forward and
-// backward, captured once and replayed twice, must reproduce an eager run bitwise, and the
-// bad-id counter must advance on every replay (bad ids are flagged, never trapped).
+// CUDA graphs. Ops: one step of embedding -> RMSNorm -> RoPE and SwiGLU, forward and backward,
+// captured once and replayed twice, reproduces an eager run bitwise, and the bad-id counter
+// advances on every replay (bad ids are flagged, never trapped). Whole training steps
+// (CudaStepRunner): graph on and graph off give the same losses, grad norms, parameters, moments
+// and expert bias; the graph is captured once and replayed; a reallocation drops and recaptures
+// it; the device expert-bias update is Model<float>::update_expert_bias bitwise; statistics come
+// back in order; random routing runs eagerly and reproduces itself; bad token ids throw.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <random>
+
 #include "cuda/ops/embedding.h"
+#include "cuda/ops/memory.h"
 #include "cuda/ops/rmsnorm.h"
 #include "cuda/ops/rope.h"
 #include "cuda/ops/swiglu.h"
 #include "gpu/gpu_test_util.h"
+#include "model/model.h"
+#include "support/test_util.h"
+#include "train/cuda_step.h"
 
 namespace moe::testing {
 namespace {
@@ -98,6 +111,311 @@ TEST(CudaGraph, CapturedStepReplaysBitwiseAndCountsBadIds) {
   }
   MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
   MOE_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Whole training steps through CudaStepRunner.
+
+// The GPU tests' tiny model (head_dim 64, QK-norm, a dense layer, 8 experts top-2, a shared
+// expert), learned routing, 2 micro-batches of 2 x 64 tokens per step, expert-bias updates on.
+Config step_config(const std::string& routing = "learned") {
+  Config c;
+  c.model.vocab_size = 256;
+  c.model.d_model = 256;
+  c.model.n_layers = 3;
+  c.model.n_heads = 4;
+  c.model.n_kv_heads = 2;
+  c.model.qk_norm = true;
+  c.model.dense_layers = {0};
+  c.model.dense_hidden = 256;
+  c.moe.num_experts = 8;
+  c.moe.top_k = 2;
+  c.moe.expert_hidden = 128;
+  c.moe.shared_experts = 1;
+  c.moe.lb_loss_weight = 0.01;
+  c.moe.z_loss_weight = 0.001;
+  c.moe.bias_update_rate = 1e-3;
+  c.moe.routing = routing;
+  c.train.seq_len = 64;
+  c.train.micro_batch = 2;
+  c.train.global_batch = 4;
+  c.optim.lr = 2e-3;
+  c.optim.weight_decay = 0.1;
+  c.optim.grad_clip = 1.0;
+  return c;
+}
+
+// Micro-batch m of step `step`: random ids from the first 32 of the vocabulary (so the loss can
+// fall from ln 256 towards ln 32 in a few steps), targets = inputs shifted by one, two ignored.
+Batch step_batch(const Config& c, int64_t step, int64_t m, int64_t sequences = -1) {
+  const int64_t seqs = sequences > 0 ? sequences : c.train.micro_batch, len = c.train.seq_len;
+  std::mt19937_64 gen(1000 * static_cast<uint64_t>(step) + static_cast<uint64_t>(m));
+  std::uniform_int_distribution<int32_t> tok(0, 31);
+  Batch b;
+  b.batch = step;
+  b.seq_len = len;
+  for (int64_t s = 0; s < seqs; ++s) {
+    std::vector<int32_t> row(static_cast<size_t>(len + 1));
+    for (auto& t : row) t = tok(gen);
+    b.inputs.insert(b.inputs.end(), row.begin(), row.end() - 1);
+    b.targets.insert(b.targets.end(), row.begin() + 1, row.end());
+  }
+  b.targets[3] = -1;
+  b.targets[b.targets.size() - 2] = -1;
+  return b;
+}
+
+std::vector<Batch> step_batches(const Config& c, int64_t step) {
+  std::vector<Batch> micro;
+  for (int64_t m = 0; m < c.train.global_batch / c.train.micro_batch; ++m) micro.push_back(step_batch(c, step, m));
+  return micro;
+}
+
+int64_t count_targets(const std::vector<Batch>& micro) {
+  int64_t n = 0;
+  for (const Batch& b : micro)
+    for (int32_t t : b.targets) n += t >= 0;
+  return n;
+}
+
+struct RunResult {
+  std::vector<StepStats> steps;
+  std::vector<float> params, exp_avg, exp_avg_sq, bias;
+  int64_t optimizer_steps = 0, graph_launches = 0;
+  bool uses_graph = false;
+};
+
+// `steps` steps from Model<float>::init_params(7), each submitted before the previous one is
+// collected (the trainer's pattern); `after_submit(runner, step)` runs after each submit.
+RunResult run_steps(const Config& c, bool graph, int64_t steps,
+                    const std::function<void(CudaStepRunner&, int64_t)>& after_submit = {}) {
+  Model<float> init(c.model, c.moe);
+  init.init_params(7);
+  CudaStepRunner runner(c);
+  runner.set_use_graph(graph);
+  runner.load_state(init.params(), nullptr, nullptr, 0, init.expert_bias());
+  RunResult r;
+  for (int64_t step = 1; step <= steps; ++step) {
+    const std::vector<Batch> micro = step_batches(c, step);
+    runner.submit(step, micro, count_targets(micro), c.optim.lr * (step <= 2 ? 0.5 : 1.0), 99);
+    if (after_submit) after_submit(runner, step);
+    if (runner.pending() > 1) r.steps.push_back(runner.collect());
+  }
+  while (runner.pending() > 0) r.steps.push_back(runner.collect());
+  const size_t total = static_cast<size_t>(init.layout().total_numel());
+  r.params.resize(total);
+  r.exp_avg.resize(total);
+  r.exp_avg_sq.resize(total);
+  runner.download_state(r.params.data(), r.exp_avg.data(), r.exp_avg_sq.data(), &r.optimizer_steps, &r.bias);
+  r.graph_launches = runner.graph_launches();
+  r.uses_graph = runner.uses_graph();
+  return r;
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) worst = std::max(worst, std::abs(double(a[i]) - double(b[i])));
+  return worst;
+}
+
+double rel_diff(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
+
+// Losses, grad norms, counts and final state of two runs. Both run the same kernels in the same
+// order on the same data: results are expected bitwise equal (the only atomics are integer
+// counters); the bounds allow 1e-6 relative on losses and norms and 1e-6 absolute on weights
+// and moments (weights are ~0.02-1), expert bias exactly.
+void expect_same_runs(const RunResult& a, const RunResult& b, const char* what) {
+  ASSERT_EQ(a.steps.size(), b.steps.size()) << what;
+  for (size_t i = 0; i < a.steps.size(); ++i) {
+    const StepStats& x = a.steps[i];
+    const StepStats& y = b.steps[i];
+    const double lx = x.ce_sum / double(x.num_targets), ly = y.ce_sum / double(y.num_targets);
+    std::printf("%s step %lld: loss %.9f / %.9f, grad norm %.9f / %.9f\n", what, (long long)x.step, lx, ly,
+                x.grad_norm, y.grad_norm);
+    EXPECT_EQ(x.step, y.step);
+    EXPECT_EQ(x.num_targets, y.num_targets);
+    EXPECT_LE(rel_diff(lx, ly), 1e-6) << what << " step " << x.step;
+    EXPECT_LE(rel_diff(x.grad_norm, y.grad_norm), 1e-6) << what << " step " << x.step;
+    EXPECT_LE(rel_diff(x.lb_loss, y.lb_loss), 1e-6) << what << " step " << x.step;
+    EXPECT_LE(rel_diff(x.z_loss, y.z_loss), 1e-6) << what << " step " << x.step;
+    EXPECT_EQ(x.tokens_per_expert, y.tokens_per_expert) << what << " step " << x.step;
+    EXPECT_EQ(x.skipped, y.skipped) << what << " step " << x.step;
+  }
+  const double dp = max_abs_diff(a.params, b.params), dm = max_abs_diff(a.exp_avg, b.exp_avg),
+               dv = max_abs_diff(a.exp_avg_sq, b.exp_avg_sq);
+  std::printf("%s: final max |diff| params %.3e, exp_avg %.3e, exp_avg_sq %.3e\n", what, dp, dm, dv);
+  EXPECT_LE(dp, 1e-6) << what;
+  EXPECT_LE(dm, 1e-6) << what;
+  EXPECT_LE(dv, 1e-6) << what;
+  EXPECT_EQ(a.bias, b.bias) << what;
+  EXPECT_EQ(a.optimizer_steps, b.optimizer_steps) << what;
+}
+
+TEST(CudaStep, GraphMatchesEagerAndReplays) {
+  MOE_SKIP_WITHOUT_GPU();
+  const Config c = step_config();
+  constexpr int64_t kSteps = 6;
+  const RunResult eager = run_steps(c, false, kSteps);
+  const RunResult graph = run_steps(c, true, kSteps);
+  EXPECT_FALSE(eager.uses_graph);
+  EXPECT_EQ(eager.graph_launches, 0);
+  EXPECT_TRUE(graph.uses_graph);
+  EXPECT_EQ(graph.graph_launches, kSteps - 1);  // step 1 eager, step 2 captured, then replays
+  expect_same_runs(graph, eager, "graph vs eager");
+  EXPECT_EQ(graph.optimizer_steps, kSteps);
+  // It trained, the bias moved, every route was counted.
+  const double first = graph.steps.front().ce_sum / double(graph.steps.front().num_targets);
+  const double last = graph.steps.back().ce_sum / double(graph.steps.back().num_targets);
+  EXPECT_LT(last, first);
+  EXPECT_TRUE(std::any_of(graph.bias.begin(), graph.bias.end(), [](float b) { return b != 0.0f; }));
+  for (const StepStats& s : graph.steps) {
+    EXPECT_FALSE(s.skipped);
+    EXPECT_EQ(s.num_routes, 2 * 2 * 128 * 2);  // micro-batches x MoE layers x tokens x top_k
+    for (const auto& layer : s.tokens_per_expert) {
+      int64_t sum = 0;
+      for (int64_t v : layer) sum += v;
+      EXPECT_EQ(sum, 2 * 128 * 2) << "step " << s.step;
+    }
+  }
+}
+
+// Evaluation between steps (same shape) keeps the graph; an evaluation of a larger batch
+// reallocates buffers, so the next step runs eagerly and the one after is captured again.
+TEST(CudaStep, EvaluationBetweenStepsAndReallocation) {
+  MOE_SKIP_WITHOUT_GPU();
+  const Config c = step_config();
+  constexpr int64_t kSteps = 6;
+  const RunResult eager = run_steps(c, false, kSteps);
+  double eval_same = 0;
+  const RunResult same_shape = run_steps(c, true, kSteps, [&](CudaStepRunner& r, int64_t step) {
+    if (step == 3) eval_same = r.evaluate(step_batch(c, 100, 0), 5).ce_sum;
+  });
+  EXPECT_GT(eval_same, 0.0);
+  EXPECT_EQ(same_shape.graph_launches, kSteps - 1);
+  expect_same_runs(same_shape, eager, "eval between steps");
+  const RunResult grown = run_steps(c, true, kSteps, [&](CudaStepRunner& r, int64_t step) {
+    if (step == 3) {
+      const ForwardStats s = r.evaluate(step_batch(c, 100, 0, 8), 5);  // 8 x 64 tokens: buffers grow
+      EXPECT_EQ(s.num_targets, 8 * 64 - 2);
+    }
+  });
+  EXPECT_EQ(grown.graph_launches, kSteps - 2);  // steps 2, 3 (graph), 4 eager, 5 captured again, 6
+  expect_same_runs(grown, eager, "after reallocation");
+}
+
+TEST(CudaStep, ExpertBiasUpdateIsTheHostFormula) {
+  MOE_SKIP_WITHOUT_GPU();
+  Config c = step_config();
+  c.moe.bias_update_rate = 0.01;
+  Model<float> host(c.model, c.moe);
+  host.init_params(7);
+  host.expert_bias()[3] = 0.25f;  // start from a non-zero bias
+  CudaStepRunner runner(c);
+  runner.load_state(host.params(), nullptr, nullptr, 0, host.expert_bias());
+  for (int64_t step = 1; step <= 4; ++step) {
+    const std::vector<Batch> micro = step_batches(c, step);
+    runner.submit(step, micro, count_targets(micro), c.optim.lr, 3);
+    const StepStats s = runner.collect();
+    ASSERT_FALSE(s.skipped);
+    host.update_expert_bias(s.tokens_per_expert, c.moe.bias_update_rate);
+    std::vector<float> bias;
+    runner.download_state(nullptr, nullptr, nullptr, nullptr, &bias);
+    EXPECT_EQ(bias, host.expert_bias()) << "step " << step;
+  }
+  EXPECT_EQ(runner.graph_launches(), 3);
+}
+
+// A non-finite loss skips the whole step on the device: parameters, moments, step count and
+// expert bias unchanged; the next step trains again.
+TEST(CudaStep, NonFiniteLossSkipsTheStep) {
+  MOE_SKIP_WITHOUT_GPU();
+  const Config c = step_config();
+  Model<float> host(c.model, c.moe);
+  host.init_params(7);
+  CudaStepRunner runner(c);
+  runner.load_state(host.params(), nullptr, nullptr, 0, host.expert_bias());
+  std::vector<Batch> micro = step_batches(c, 1);
+  runner.submit(1, micro, count_targets(micro), c.optim.lr, 3);
+  const StepStats s1 = runner.collect();
+  EXPECT_FALSE(s1.skipped);
+  const size_t total = static_cast<size_t>(host.layout().total_numel());
+  std::vector<float> p1(total), m1(total), b1;
+  int64_t steps1 = 0;
+  runner.download_state(p1.data(), m1.data(), nullptr, &steps1, &b1);
+  EXPECT_EQ(steps1, 1);
+  // An Inf weight in the LM head makes the logits, hence the loss, non-finite.
+  std::vector<float> poisoned = p1;
+  const ParamEntry& head = host.layout().find("lm_head.weight");
+  poisoned[static_cast<size_t>(head.offset)] = INFINITY;
+  runner.load_state(poisoned.data(), m1.data(), nullptr, steps1, b1);
+  micro = step_batches(c, 2);
+  runner.submit(2, micro, count_targets(micro), c.optim.lr, 3);
+  const StepStats s2 = runner.collect();
+  EXPECT_TRUE(s2.skipped);
+  EXPECT_FALSE(std::isfinite(s2.ce_sum));
+  EXPECT_EQ(s2.optimizer_steps, 1);
+  std::vector<float> p2(total), b2;
+  int64_t steps2 = 0;
+  runner.download_state(p2.data(), nullptr, nullptr, &steps2, &b2);
+  EXPECT_EQ(steps2, 1);
+  EXPECT_EQ(b2, b1);
+  EXPECT_EQ(std::memcmp(p2.data(), poisoned.data(), total * sizeof(float)), 0);
+}
+
+TEST(CudaStep, CollectReturnsStepsInOrder) {
+  MOE_SKIP_WITHOUT_GPU();
+  const Config c = step_config();
+  Model<float> init(c.model, c.moe);
+  init.init_params(7);
+  CudaStepRunner runner(c);
+  runner.load_state(init.params(), nullptr, nullptr, 0, init.expert_bias());
+  EXPECT_EQ(runner.pending(), 0);
+  EXPECT_NE(error_of([&] { runner.collect(); }).find("no submitted step"), std::string::npos);
+  std::vector<int64_t> targets;
+  for (int64_t step = 1; step <= CudaStepRunner::kMaxPending; ++step) {
+    const std::vector<Batch> micro = step_batches(c, step);
+    targets.push_back(count_targets(micro));
+    runner.submit(step, micro, targets.back(), c.optim.lr, 3);
+    EXPECT_EQ(runner.pending(), step);
+  }
+  const std::vector<Batch> more = step_batches(c, 9);
+  EXPECT_NE(error_of([&] { runner.submit(9, more, 100, c.optim.lr, 3); }).find("collect()"), std::string::npos);
+  for (int64_t step = 1; step <= CudaStepRunner::kMaxPending; ++step) {
+    const StepStats s = runner.collect();
+    EXPECT_EQ(s.step, step);
+    EXPECT_EQ(s.num_targets, targets[step - 1]);
+    EXPECT_EQ(s.optimizer_steps, step);
+    EXPECT_EQ(runner.pending(), CudaStepRunner::kMaxPending - step);
+  }
+  EXPECT_NE(error_of([&] { runner.submit(2, more, 100, c.optim.lr, 3); }).find("increasing order"), std::string::npos);
+  runner.submit(9, more, count_targets(more), c.optim.lr, 3);
+  EXPECT_EQ(runner.collect().step, 9);
+}
+
+// Random routing draws per-step seeds: no graph; two runs agree; steps route differently.
+TEST(CudaStep, RandomRoutingRunsEagerlyAndReproduces) {
+  MOE_SKIP_WITHOUT_GPU();
+  const Config c = step_config("random");
+  const RunResult a = run_steps(c, true, 4);
+  const RunResult b = run_steps(c, true, 4);
+  EXPECT_FALSE(a.uses_graph);
+  EXPECT_EQ(a.graph_launches, 0);
+  expect_same_runs(a, b, "random routing rerun");
+  EXPECT_NE(a.steps[0].tokens_per_expert, a.steps[1].tokens_per_expert);
+}
+
+TEST(CudaStep, BadTokenIdsThrowAtCollect) {
+  MOE_SKIP_WITHOUT_GPU();
+  const Config c = step_config();
+  CudaStepRunner runner(c);
+  std::vector<Batch> micro = step_batches(c, 1);
+  micro[1].inputs[10] = 300;  // vocab_size is 256
+  runner.submit(1, micro, count_targets(micro), c.optim.lr, 3);
+  const std::string msg = error_of([&] { runner.collect(); });
+  EXPECT_NE(msg.find("vocab_size = 256"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("step 1"), std::string::npos) << msg;
+  EXPECT_EQ(runner.pending(), 0);
 }
 
 }  // namespace

@@ -12,7 +12,7 @@
 
 #include "gpu/gpu_test_util.h"
 #include "support/test_util.h"
-#include "train/gpu_trainer.h"
+#include "train/device.h"
 #include "train/trainer.h"
 
 namespace moe::testing {

@@ -1,22 +1,97 @@
 // Runtime wrappers and the element-wise glue kernels declared in memory.h (grid-stride loops,
-// FP32 math, __float2bfloat16_rn rounding).
+// FP32 math, __float2bfloat16_rn rounding). device_alloc/device_free keep a map of live
+// allocations under a mutex so that the byte counter and its high-water mark are exact.
 #include "cuda/ops/memory.h"
 
 #include <cuda_bf16.h>
+
+#include <mutex>
+#include <unordered_map>
 
 #include "cuda/common.h"
 
 namespace moe::cuda {
 
+namespace {
+
+struct AllocationCounter {
+  std::mutex mu;
+  std::unordered_map<void*, size_t> live;
+  size_t in_use = 0, peak = 0;
+};
+
+AllocationCounter& allocation_counter() {
+  static AllocationCounter* c = new AllocationCounter;  // never destroyed: frees may run at exit
+  return *c;
+}
+
+}  // namespace
+
 void* device_alloc(size_t bytes) {
   if (bytes == 0) return nullptr;
   void* p = nullptr;
   MOE_CUDA_CHECK(cudaMalloc(&p, bytes));
+  AllocationCounter& c = allocation_counter();
+  try {
+    std::lock_guard<std::mutex> lock(c.mu);
+    c.live.emplace(p, bytes);
+    c.in_use += bytes;
+    if (c.in_use > c.peak) c.peak = c.in_use;
+  } catch (...) {
+    cudaFree(p);
+    throw;
+  }
   return p;
 }
 
 void device_free(void* p) {
-  if (p != nullptr) cudaFree(p);
+  if (p == nullptr) return;
+  AllocationCounter& c = allocation_counter();
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    const auto it = c.live.find(p);
+    if (it != c.live.end()) {
+      c.in_use -= it->second;
+      c.live.erase(it);
+    }
+  }
+  cudaFree(p);
+}
+
+size_t device_bytes_in_use() {
+  AllocationCounter& c = allocation_counter();
+  std::lock_guard<std::mutex> lock(c.mu);
+  return c.in_use;
+}
+
+size_t device_peak_bytes() {
+  AllocationCounter& c = allocation_counter();
+  std::lock_guard<std::mutex> lock(c.mu);
+  return c.peak;
+}
+
+void reset_device_peak_bytes() {
+  AllocationCounter& c = allocation_counter();
+  std::lock_guard<std::mutex> lock(c.mu);
+  c.peak = c.in_use;
+}
+
+void device_mem_info(size_t* free_bytes, size_t* total_bytes) {
+  size_t f = 0, t = 0;
+  MOE_CUDA_CHECK(cudaMemGetInfo(&f, &t));
+  if (free_bytes != nullptr) *free_bytes = f;
+  if (total_bytes != nullptr) *total_bytes = t;
+}
+
+void* host_alloc_pinned(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  void* p = nullptr;
+  MOE_CUDA_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocDefault));
+  return p;
+}
+
+void host_free_pinned(void* p) {
+  if (p != nullptr) cudaFreeHost(p);
 }
 
 void copy_h2d(void* dst, const void* src, size_t bytes, Stream stream) {
@@ -28,6 +103,11 @@ void copy_d2h(void* dst, const void* src, size_t bytes, Stream stream) {
   if (bytes == 0) return;
   MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream));
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void copy_d2h_async(void* dst, const void* src, size_t bytes, Stream stream) {
+  if (bytes == 0) return;
+  MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream));
 }
 
 void copy_d2d(void* dst, const void* src, size_t bytes, Stream stream) {
@@ -51,6 +131,66 @@ void stream_destroy(Stream stream) {
 }
 
 void stream_sync(Stream stream) { MOE_CUDA_CHECK(cudaStreamSynchronize(stream)); }
+
+bool stream_is_capturing(Stream stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  MOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+Event event_create() {
+  cudaEvent_t e = nullptr;
+  MOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return e;
+}
+
+void event_destroy(Event event) {
+  if (event != nullptr) cudaEventDestroy(event);
+}
+
+void event_record(Event event, Stream stream) { MOE_CUDA_CHECK(cudaEventRecord(event, stream)); }
+
+void event_sync(Event event) { MOE_CUDA_CHECK(cudaEventSynchronize(event)); }
+
+void StreamGraph::begin_capture(Stream stream) {
+  MOE_CHECK(exec_ == nullptr && graph_ == nullptr, "StreamGraph::begin_capture: a graph is already held; reset() it first");
+  MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+}
+
+void StreamGraph::end_capture(Stream stream) {
+  cudaGraph_t g = nullptr;
+  MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+  graph_ = g;
+  cudaGraphExec_t e = nullptr;
+  const cudaError_t err = cudaGraphInstantiate(&e, g, 0);
+  if (err != cudaSuccess) {
+    reset();
+    MOE_CUDA_CHECK(err);
+  }
+  exec_ = e;
+}
+
+void StreamGraph::abort_capture(Stream stream) noexcept {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
+    cudaGraph_t g = nullptr;
+    if (cudaStreamEndCapture(stream, &g) == cudaSuccess && g != nullptr) cudaGraphDestroy(g);
+  }
+  (void)cudaGetLastError();  // a failed capture leaves a (non-sticky) error behind
+  reset();
+}
+
+void StreamGraph::launch(Stream stream) const {
+  MOE_CHECK(exec_ != nullptr, "StreamGraph::launch: nothing was captured");
+  MOE_CUDA_CHECK(cudaGraphLaunch(exec_, stream));
+}
+
+void StreamGraph::reset() {
+  if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+  if (graph_ != nullptr) cudaGraphDestroy(graph_);
+  exec_ = nullptr;
+  graph_ = nullptr;
+}
 
 namespace {
 
@@ -95,6 +235,17 @@ void residual_add(float* acc, const uint16_t* add, uint16_t* acc_bf16, int64_t n
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
   if (this != &o) {
     device_free(ptr_);
+    ptr_ = o.ptr_;
+    bytes_ = o.bytes_;
+    o.ptr_ = nullptr;
+    o.bytes_ = 0;
+  }
+  return *this;
+}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
+  if (this != &o) {
+    host_free_pinned(ptr_);
     ptr_ = o.ptr_;
     bytes_ = o.bytes_;
     o.ptr_ = nullptr;

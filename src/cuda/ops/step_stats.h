@@ -1,0 +1,62 @@
+// A training step's statistics kept on the device, and the step's small device-side updates:
+// router losses and expert counts summed over micro-batches, the loss guard before AdamW, the
+// aux-loss-free expert-bias update (Model<float>::update_expert_bias on the step's summed counts,
+// skipped with the step) and the record's final optimizer fields. Every entry point only enqueues
+// work (no host read of a device value): all are capturable in a CUDA graph.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/device.h"
+
+namespace moe::cuda {
+
+struct OptimStepScalars;
+
+// One step's statistics in device memory: this 64-byte record, followed in the same allocation by
+// the routed (token, slot) pairs per expert summed over the step's forwards, int64
+// [num_moe_layers, num_experts]. Zeroed at the start of a step (memset), filled by the forwards
+// and the optimizer, copied to the host in one piece of step_stats_bytes(...) bytes.
+struct StepStatsRecord {
+  double ce_sum = 0;            // sum of the forwards' per-token cross-entropy (targets >= 0)
+  double lb_sum = 0;            // sum over forwards and MoE layers of the load-balancing loss
+  double z_sum = 0;             // the same for the router z-loss
+  double grad_norm = 0;         // global grad norm before clipping (step_guard_nonfinite_loss)
+  int64_t optimizer_steps = 0;  // AdamW steps taken after this step (step_stats_finish)
+  int64_t num_skipped = 0;      // skipped steps so far (step_stats_finish)
+  uint32_t bad_ids = 0;         // input ids outside [0, vocab) seen by the forwards
+  uint32_t bad_targets = 0;     // targets >= vocab seen by the forwards
+  int32_t skipped = 0;          // 1: the step changed nothing (non-finite grad norm or loss)
+  int32_t reserved = 0;
+};
+
+// Bytes of the record plus its counts.
+size_t step_stats_bytes(int64_t num_moe_layers, int64_t num_experts);
+// The counts that follow the record (device pointer arithmetic only).
+int64_t* step_stats_counts(StepStatsRecord* rec);
+const int64_t* step_stats_counts(const StepStatsRecord* rec);
+
+// One forward's router outputs into the step sums: rec->lb_sum += sum_l losses[2l],
+// rec->z_sum += sum_l losses[2l + 1] (FP64, in layer order), counts_sum[i] += counts[i] for
+// i < num_moe_layers * num_experts. losses [M, 2] FP32 and counts [M, E] int32 are what
+// router_forward / build_dispatch_map wrote per layer. One block, no atomics: deterministic.
+void step_stats_accumulate_router(const float* losses, const int32_t* counts, int64_t num_moe_layers,
+                                  int64_t num_experts, StepStatsRecord* rec, Stream stream);
+
+// rec->grad_norm = scalars->grad_norm (after global_grad_norm); then, when rec->ce_sum is not
+// finite, scalars->grad_norm = NaN so that adamw_step skips the step, as the CPU trainer skips a
+// step whose loss is not finite. One thread.
+void step_guard_nonfinite_loss(StepStatsRecord* rec, OptimStepScalars* scalars, Stream stream);
+
+// Unless scalars->skipped (read on the device, after adamw_step): for each MoE layer l,
+// mean_l = (sum_i counts_sum[l, i]) / E in FP64 and bias[l, i] += float(rate * sign(mean_l -
+// counts_sum[l, i])): bitwise Model<float>::update_expert_bias (integer sums below 2^53 are exact
+// in FP64 in any order). bias [M, E] FP32. One block per layer; E <= 4096.
+void expert_bias_update(const int64_t* counts_sum, int64_t num_moe_layers, int64_t num_experts, double rate,
+                        const OptimStepScalars* scalars, float* bias, Stream stream);
+
+// rec->skipped, rec->optimizer_steps and rec->num_skipped from scalars (after adamw_step). One thread.
+void step_stats_finish(const OptimStepScalars* scalars, StepStatsRecord* rec, Stream stream);
+
+}  // namespace moe::cuda

@@ -1,0 +1,362 @@
+// CudaStepRunner: host staging in pinned memory (two slots, each guarded by an event), the step
+// body (forwards, backwards, grad norm, loss guard, AdamW, expert bias, record finish) enqueued
+// eagerly or captured once into a CUDA graph and replayed, and a ring of pinned stats slots each
+// filled by one asynchronous copy and an event. Per submit, the host enqueues three copies
+// (token ids, loss scales, lr), the step (one graph launch when captured) and the stats copy.
+#ifdef MOECORE_HAS_CUDA
+
+#include "train/cuda_step.h"
+
+#include <array>
+#include <cstring>
+
+#include "core/error.h"
+#include "cuda/event_timer.h"
+#include "cuda/ops/memory.h"
+#include "cuda/ops/optim.h"
+#include "cuda/ops/step_stats.h"
+#include "train/routing_seed.h"
+
+namespace moe {
+
+namespace {
+
+constexpr int kStagingSlots = 2;
+
+// Scalars staged with each step's token ids (pinned), copied to the device before the step.
+struct StagedScalars {
+  double lr = 0;
+  float loss_scales[3] = {0, 0, 0};  // CE gradient scale, per-layer lb and z factors
+  float reserved = 0;
+};
+
+struct StepShape {
+  int64_t micro = 0, batch = 0, seq = 0;
+  int64_t tokens() const { return batch * seq; }
+  bool operator==(const StepShape&) const = default;
+};
+
+}  // namespace
+
+struct CudaStepRunner::Impl {
+  Config cfg;
+  CudaModel model;
+  cuda::ParamSegmentTable segments;
+  cuda::DeviceBuffer exp_avg, exp_avg_sq, norm_ws, opt_scalars;
+  size_t norm_ws_bytes = 0;
+  // Token ids of the step on the device: inputs [micro * n] then targets [micro * n], int32.
+  cuda::DeviceBuffer tokens;
+  int64_t token_reallocations = 0;
+
+  struct Staging {
+    cuda::PinnedBuffer scalars;  // StagedScalars
+    cuda::PinnedBuffer tokens;   // the layout of `tokens` above
+    cuda::Event copied = nullptr;  // recorded after the copies that read this slot
+    bool used = false;
+  };
+  std::array<Staging, kStagingSlots> staging;
+  int64_t num_submitted = 0;
+  int64_t last_step = 0;
+
+  struct StatsSlot {
+    cuda::PinnedBuffer host;  // model.stats_bytes()
+    cuda::Event ready = nullptr;
+    int64_t step = 0, num_targets = 0, num_forwards = 0, num_routes = 0;
+  };
+  std::array<StatsSlot, kMaxPending> ring;
+  int64_t ring_head = 0, num_pending = 0;
+
+  bool use_graph = true;
+  cuda::EventTimer* timer = nullptr;
+  cuda::StreamGraph graph;
+  StepShape graph_shape;
+  int64_t graph_generation = -1;
+  int64_t launches = 0;
+  // The last step run eagerly, and the buffer generation after it: a step of this shape may be
+  // captured once nothing has been reallocated since (every buffer sized, every GEMM planned).
+  StepShape eager_shape;
+  int64_t eager_generation = -1;
+
+  explicit Impl(const Config& c) : cfg(c), model(c.model, c.moe), segments(model.layout()) {}
+
+  cuda::Stream stream() const { return model.stream(); }
+  int64_t generation() const { return model.buffer_generation() + token_reallocations; }
+  cuda::OptimStepScalars* opt() const { return opt_scalars.as<cuda::OptimStepScalars>(); }
+  bool graph_allowed() const { return use_graph && timer == nullptr && cfg.moe.routing == "learned"; }
+
+  // Everything of one step after its inputs are on the device; only enqueues work.
+  void enqueue_step(const StepShape& sh, int64_t step, uint64_t train_seed) {
+    const cuda::Stream st = stream();
+    const int64_t n = sh.tokens(), total = model.layout().total_numel();
+    const int32_t* inputs = tokens.as<int32_t>();
+    const int32_t* targets = inputs + sh.micro * n;
+    model.reset_stats();
+    model.zero_grads();
+    for (int64_t m = 0; m < sh.micro; ++m) {
+      model.forward_device(inputs + m * n, targets + m * n, sh.batch, sh.seq, routing_seed(train_seed, step - 1, m));
+      model.backward();
+    }
+    if (timer) timer->mark(cuda::Phase::kOptimizer);
+    cuda::StepStatsRecord* rec = model.stats_record();
+    cuda::global_grad_norm(model.grads(), total, &opt()->grad_norm, norm_ws.data(), norm_ws_bytes, st);
+    cuda::step_guard_nonfinite_loss(rec, opt(), st);
+    cuda::adamw_step(segments, cfg.optim, model.params(), model.grads(), exp_avg.as<float>(),
+                     exp_avg_sq.as<float>(), model.params_bf16(), opt(), st);
+    if (cfg.moe.bias_update_rate > 0 && model.num_moe_layers() > 0) {
+      cuda::expert_bias_update(cuda::step_stats_counts(rec), model.num_moe_layers(), cfg.moe.num_experts,
+                               cfg.moe.bias_update_rate, opt(), model.expert_bias(), st);
+    }
+    cuda::step_stats_finish(opt(), rec, st);
+    if (timer) timer->close();
+  }
+
+  // Pinned staging for `bytes` of token ids; waits for the device to have copied out of the slot.
+  Staging& staging_slot(size_t token_bytes) {
+    Staging& s = staging[num_submitted % kStagingSlots];
+    if (s.used) cuda::event_sync(s.copied);  // the copies of the step two submits ago
+    if (s.tokens.bytes() < token_bytes) s.tokens = cuda::PinnedBuffer(token_bytes);
+    return s;
+  }
+};
+
+CudaStepRunner::CudaStepRunner(const Config& cfg) : impl_(std::make_unique<Impl>(cfg)) {
+  Impl& I = *impl_;
+  MOE_CHECK(cfg.train.micro_batch > 0 && cfg.train.seq_len > 0 && cfg.train.global_batch > 0,
+            "CudaStepRunner: train.micro_batch, train.seq_len and train.global_batch must be positive, got ",
+            cfg.train.micro_batch, ", ", cfg.train.seq_len, ", ", cfg.train.global_batch);
+  const int64_t total = I.model.layout().total_numel();
+  const size_t bytes = size_t(total) * sizeof(float);
+  I.exp_avg.reserve(bytes);
+  I.exp_avg_sq.reserve(bytes);
+  I.norm_ws_bytes = cuda::global_grad_norm_workspace_bytes(total);
+  I.norm_ws.reserve(std::max<size_t>(I.norm_ws_bytes, 16));
+  I.opt_scalars.reserve(sizeof(cuda::OptimStepScalars));
+  const cuda::Stream st = I.stream();
+  cuda::device_memset(I.exp_avg.data(), 0, bytes, st);
+  cuda::device_memset(I.exp_avg_sq.data(), 0, bytes, st);
+  const cuda::OptimStepScalars zero{};
+  cuda::copy_h2d(I.opt_scalars.data(), &zero, sizeof(zero), st);
+
+  // Static shapes of a step: every buffer at its final size before any capture.
+  const int64_t micro = std::max<int64_t>(1, cfg.train.global_batch / cfg.train.micro_batch);
+  const int64_t n = cfg.train.micro_batch * cfg.train.seq_len;
+  I.model.reserve(cfg.train.micro_batch, cfg.train.seq_len);
+  I.tokens.reserve(size_t(2 * micro * n) * sizeof(int32_t));
+  for (Impl::Staging& s : I.staging) {
+    s.scalars = cuda::PinnedBuffer(sizeof(StagedScalars));
+    s.tokens = cuda::PinnedBuffer(size_t(2 * micro * n) * sizeof(int32_t));
+    s.copied = cuda::event_create();
+  }
+  for (Impl::StatsSlot& s : I.ring) {
+    s.host = cuda::PinnedBuffer(I.model.stats_bytes());
+    s.ready = cuda::event_create();
+  }
+  cuda::stream_sync(st);
+}
+
+CudaStepRunner::~CudaStepRunner() {
+  Impl& I = *impl_;
+  try {
+    cuda::stream_sync(I.stream());
+  } catch (...) {
+  }
+  I.graph.reset();
+  for (Impl::Staging& s : I.staging) cuda::event_destroy(s.copied);
+  for (Impl::StatsSlot& s : I.ring) cuda::event_destroy(s.ready);
+}
+
+CudaModel& CudaStepRunner::model() { return impl_->model; }
+int64_t CudaStepRunner::pending() const { return impl_->num_pending; }
+bool CudaStepRunner::uses_graph() const { return impl_->use_graph && impl_->cfg.moe.routing == "learned"; }
+int64_t CudaStepRunner::graph_launches() const { return impl_->launches; }
+
+void CudaStepRunner::set_use_graph(bool on) {
+  Impl& I = *impl_;
+  I.use_graph = on;
+  if (!on && I.graph.ready()) {
+    cuda::stream_sync(I.stream());
+    I.graph.reset();
+  }
+}
+
+void CudaStepRunner::set_phase_timer(cuda::EventTimer* timer) {
+  impl_->timer = timer;
+  impl_->model.set_phase_timer(timer);
+}
+
+void CudaStepRunner::load_state(const float* params, const float* exp_avg, const float* exp_avg_sq,
+                                int64_t optimizer_steps, const std::vector<float>& expert_bias) {
+  Impl& I = *impl_;
+  MOE_CHECK(params != nullptr, "CudaStepRunner::load_state: params must not be null");
+  MOE_CHECK(optimizer_steps >= 0, "CudaStepRunner::load_state: optimizer_steps must be >= 0, got ", optimizer_steps);
+  const cuda::Stream st = I.stream();
+  cuda::stream_sync(st);
+  const size_t bytes = size_t(I.model.layout().total_numel()) * sizeof(float);
+  I.model.load_params(params);
+  if (exp_avg != nullptr) cuda::copy_h2d(I.exp_avg.data(), exp_avg, bytes, st);
+  else cuda::device_memset(I.exp_avg.data(), 0, bytes, st);
+  if (exp_avg_sq != nullptr) cuda::copy_h2d(I.exp_avg_sq.data(), exp_avg_sq, bytes, st);
+  else cuda::device_memset(I.exp_avg_sq.data(), 0, bytes, st);
+  cuda::OptimStepScalars s{};
+  s.step = optimizer_steps;
+  cuda::copy_h2d(I.opt_scalars.data(), &s, sizeof(s), st);
+  I.model.load_expert_bias(expert_bias);  // waits for the stream
+}
+
+void CudaStepRunner::download_state(float* params, float* exp_avg, float* exp_avg_sq, int64_t* optimizer_steps,
+                                    std::vector<float>* expert_bias) {
+  Impl& I = *impl_;
+  const cuda::Stream st = I.stream();
+  const size_t bytes = size_t(I.model.layout().total_numel()) * sizeof(float);
+  cuda::stream_sync(st);
+  if (params != nullptr) cuda::copy_d2h(params, I.model.params(), bytes, st);
+  if (exp_avg != nullptr) cuda::copy_d2h(exp_avg, I.exp_avg.data(), bytes, st);
+  if (exp_avg_sq != nullptr) cuda::copy_d2h(exp_avg_sq, I.exp_avg_sq.data(), bytes, st);
+  if (optimizer_steps != nullptr) {
+    cuda::OptimStepScalars s{};
+    cuda::copy_d2h(&s, I.opt_scalars.data(), sizeof(s), st);
+    *optimizer_steps = s.step;
+  }
+  if (expert_bias != nullptr) *expert_bias = I.model.download_expert_bias();
+}
+
+void CudaStepRunner::submit(int64_t step, const std::vector<Batch>& micro, int64_t global_targets, double lr,
+                            uint64_t train_seed) {
+  Impl& I = *impl_;
+  const char* op = "CudaStepRunner::submit";
+  MOE_CHECK(!micro.empty(), op, ": step ", step, " has no micro-batches");
+  MOE_CHECK(step > I.last_step, op, ": steps must be submitted in increasing order; got step ", step, " after step ",
+            I.last_step);
+  MOE_CHECK(I.num_pending < kMaxPending, op, ": ", I.num_pending, " steps are waiting to be collected (at most ",
+            kMaxPending, "); call collect() before submitting step ", step);
+  StepShape sh{static_cast<int64_t>(micro.size()), micro[0].num_sequences(), micro[0].seq_len};
+  MOE_CHECK(sh.batch > 0 && sh.seq > 0, op, ": step ", step, " micro-batch 0 is empty");
+  const int64_t n = sh.tokens();
+  int64_t num_targets = 0;
+  for (size_t m = 0; m < micro.size(); ++m) {
+    const Batch& b = micro[m];
+    MOE_CHECK(b.num_sequences() == sh.batch && b.seq_len == sh.seq &&
+                  static_cast<int64_t>(b.inputs.size()) == n && static_cast<int64_t>(b.targets.size()) == n,
+              op, ": micro-batch ", m, " of step ", step, " is ", b.num_sequences(), " x ", b.seq_len, " (",
+              b.inputs.size(), " inputs, ", b.targets.size(), " targets); micro-batch 0 is ", sh.batch, " x ", sh.seq,
+              ": every micro-batch of a step must have one shape");
+    for (int32_t t : b.targets) num_targets += t >= 0 ? 1 : 0;
+  }
+  const cuda::Stream st = I.stream();
+  const size_t token_bytes = size_t(2 * sh.micro * n) * sizeof(int32_t);
+
+  // Stage the step's host data in pinned memory.
+  Impl::Staging& stage = I.staging_slot(token_bytes);
+  int32_t* host_tokens = stage.tokens.as<int32_t>();
+  for (int64_t m = 0; m < sh.micro; ++m) {
+    std::memcpy(host_tokens + m * n, micro[m].inputs.data(), size_t(n) * sizeof(int32_t));
+    std::memcpy(host_tokens + (sh.micro + m) * n, micro[m].targets.data(), size_t(n) * sizeof(int32_t));
+  }
+  auto* scalars = stage.scalars.as<StagedScalars>();
+  const int64_t layers = I.model.num_moe_layers();
+  const double per_layer = layers > 0 ? 1.0 / (double(sh.micro) * double(layers)) : 0.0;
+  scalars->lr = lr;
+  scalars->loss_scales[0] = static_cast<float>(1.0 / double(std::max<int64_t>(1, global_targets)));
+  scalars->loss_scales[1] = static_cast<float>(I.cfg.moe.lb_loss_weight * per_layer);
+  scalars->loss_scales[2] = static_cast<float>(I.cfg.moe.z_loss_weight * per_layer);
+
+  // Device token buffer: grows (outside any capture) only for a larger step than configured.
+  if (I.tokens.bytes() < token_bytes) {
+    cuda::stream_sync(st);
+    I.tokens.reserve(token_bytes);
+    ++I.token_reallocations;
+  }
+  // Inputs of the step, before the step in stream order (outside any captured region).
+  cuda::copy_h2d(I.tokens.data(), host_tokens, token_bytes, st);
+  cuda::copy_h2d(I.model.loss_scales_device(), scalars->loss_scales, sizeof(scalars->loss_scales), st);
+  cuda::copy_h2d(&I.opt()->lr, &scalars->lr, sizeof(double), st);
+  cuda::event_record(stage.copied, st);
+  stage.used = true;
+  ++I.num_submitted;
+
+  // The step: replay, capture then replay, or eager.
+  const bool allowed = I.graph_allowed();
+  if (I.graph.ready() && I.graph_generation != I.generation()) {
+    cuda::stream_sync(st);  // a buffer the graph points at was reallocated: drop it (rare)
+    I.graph.reset();
+  }
+  if (allowed && I.graph.ready() && I.graph_shape == sh) {
+    I.graph.launch(st);
+    ++I.launches;
+  } else if (allowed && !I.graph.ready() && I.eager_shape == sh && I.eager_generation == I.generation()) {
+    I.graph.begin_capture(st);
+    try {
+      I.enqueue_step(sh, step, train_seed);
+      I.graph.end_capture(st);
+    } catch (...) {
+      I.graph.abort_capture(st);
+      throw;
+    }
+    MOE_CHECK(I.generation() == I.eager_generation, op, ": a buffer was reallocated during capture");
+    I.graph_shape = sh;
+    I.graph_generation = I.generation();
+    I.graph.launch(st);
+    ++I.launches;
+  } else {
+    I.enqueue_step(sh, step, train_seed);
+    I.eager_shape = sh;
+    I.eager_generation = I.generation();
+  }
+
+  // Statistics into the next ring slot, one copy and an event.
+  Impl::StatsSlot& slot = I.ring[(I.ring_head + I.num_pending) % kMaxPending];
+  cuda::copy_d2h_async(slot.host.data(), I.model.stats_record(), I.model.stats_bytes(), st);
+  cuda::event_record(slot.ready, st);
+  slot.step = step;
+  slot.num_targets = num_targets;
+  slot.num_forwards = sh.micro;
+  slot.num_routes = sh.micro * layers * n * I.cfg.moe.top_k;
+  ++I.num_pending;
+  I.last_step = step;
+}
+
+StepStats CudaStepRunner::collect() {
+  Impl& I = *impl_;
+  MOE_CHECK(I.num_pending > 0, "CudaStepRunner::collect: no submitted step is waiting to be collected");
+  Impl::StatsSlot& slot = I.ring[I.ring_head];
+  cuda::event_sync(slot.ready);
+  I.ring_head = (I.ring_head + 1) % kMaxPending;
+  --I.num_pending;
+
+  const auto* raw = slot.host.as<const uint8_t>();
+  cuda::StepStatsRecord rec;
+  std::memcpy(&rec, raw, sizeof(rec));
+  const int64_t vocab = I.cfg.model.vocab_size;
+  MOE_CHECK(rec.bad_ids == 0, "step ", slot.step, ": ", rec.bad_ids, " input token ids outside [0, vocab_size = ",
+            vocab, "): check the data's token ids against model.vocab_size");
+  MOE_CHECK(rec.bad_targets == 0, "step ", slot.step, ": ", rec.bad_targets, " targets >= vocab_size = ", vocab,
+            ": check the data's token ids against model.vocab_size");
+  StepStats s;
+  s.step = slot.step;
+  s.ce_sum = rec.ce_sum;
+  s.num_targets = slot.num_targets;
+  const int64_t layers = I.model.num_moe_layers(), e = I.cfg.moe.num_experts;
+  if (layers > 0 && slot.num_forwards > 0) {
+    s.lb_loss = rec.lb_sum / double(layers * slot.num_forwards);
+    s.z_loss = rec.z_sum / double(layers * slot.num_forwards);
+  }
+  s.tokens_per_expert.assign(static_cast<size_t>(layers), std::vector<int64_t>(static_cast<size_t>(e)));
+  for (int64_t l = 0; l < layers; ++l)
+    std::memcpy(s.tokens_per_expert[l].data(), raw + sizeof(rec) + size_t(l * e) * sizeof(int64_t),
+                size_t(e) * sizeof(int64_t));
+  s.num_routes = slot.num_routes;
+  s.grad_norm = rec.grad_norm;
+  s.skipped = rec.skipped != 0;
+  s.optimizer_steps = rec.optimizer_steps;
+  return s;
+}
+
+ForwardStats CudaStepRunner::evaluate(const Batch& b, uint64_t routing_seed) {
+  CudaModel& m = impl_->model;
+  m.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len, routing_seed);
+  return m.read_stats();
+}
+
+}  // namespace moe
+
+#endif  // MOECORE_HAS_CUDA

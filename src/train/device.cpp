@@ -1,0 +1,46 @@
+// Device resolution for the trainer: gpu_available() asks the CUDA backend (when built) for a
+// device count; resolve_device() turns train.device/train.precision into the backend to use.
+#include "train/device.h"
+
+#include "core/error.h"
+
+#ifdef MOECORE_HAS_CUDA
+#include "cuda/device.h"
+#endif
+
+namespace moe {
+
+bool gpu_available() {
+#ifdef MOECORE_HAS_CUDA
+  return cuda::cuda_device_count() > 0;
+#else
+  return false;
+#endif
+}
+
+std::string resolve_device(const TrainConfig& t) {
+  if (t.device == "cpu") {
+    MOE_CHECK(t.precision == "fp32", "train.precision = \"", t.precision,
+              "\" is not available on the cpu backend (train.device = \"cpu\"): use \"fp32\"");
+    return "cpu";
+  }
+  if (t.device == "auto") {
+    if (gpu_available() && t.precision == "bf16") return "cuda";
+    MOE_CHECK(t.precision == "fp32", "train.precision = \"", t.precision,
+              "\" needs a GPU, and train.device = \"auto\" found none (",
+              gpu_available() ? "" : "no CUDA device in this build or machine",
+              "): set --train.precision=fp32 to train on the cpu backend");
+    return "cpu";
+  }
+  MOE_CHECK(t.device == "cuda", "train.device: expected auto, cpu or cuda, got \"", t.device, "\"");
+#ifndef MOECORE_HAS_CUDA
+  MOE_FAIL("train.device = \"cuda\" needs a build with the CUDA backend (cmake --preset cuda)");
+#else
+  MOE_CHECK(gpu_available(), "train.device = \"cuda\" but no CUDA device is visible");
+  MOE_CHECK(t.precision == "bf16", "train.precision = \"", t.precision,
+            "\" is not available on cuda yet: use \"bf16\" (fp32 runs on train.device = \"cpu\")");
+  return "cuda";
+#endif
+}
+
+}  // namespace moe

@@ -1,0 +1,17 @@
+// Which backend a run trains on: the CUDA device check and the resolution of train.device and
+// train.precision into "cpu" or "cuda". Available in every build (a CPU-only build has no GPU).
+#pragma once
+
+#include <string>
+
+#include "core/config.h"
+
+namespace moe {
+
+// True when this build has the CUDA backend and a GPU is visible.
+bool gpu_available();
+// "cpu" or "cuda" for train.device and train.precision ("auto": cuda when a GPU is available
+// and precision is bf16). Throws naming the keys when the combination cannot run.
+std::string resolve_device(const TrainConfig& t);
+
+}  // namespace moe
