@@ -3,6 +3,8 @@
 // (renameat2 RENAME_EXCHANGE when step_<N> exists, so the name never disappears), fsync CKPT_DIR,
 // then replace `latest` through latest.tmp + fsync + rename. A crash at any point leaves every
 // complete step directory intact and `latest` naming one of them (or absent before the first).
+// Sliced saves (several ranks) follow the same protocol; rank 0 publishes only after every rank
+// reported its files written and fsynced.
 #include "checkpoint/checkpoint.h"
 
 #include <fcntl.h>
@@ -20,8 +22,11 @@
 
 #include "checkpoint/sha256.h"
 #include "core/error.h"
+#include "parallel/comm.h"
 
 namespace moe {
+
+std::string step_dir_name(int64_t step);
 
 namespace {
 
@@ -200,12 +205,38 @@ bool is_hex_digest(const std::string& s) {
          });
 }
 
-void read_checked(const SafetensorsFile& f, const std::string& name, const Shape& shape, float* out) {
-  const TensorInfo* t = f.find(name);
-  MOE_CHECK(t != nullptr, "tensor '", name, "' not found in '", f.path(), "'");
-  MOE_CHECK(t->shape == shape, "tensor '", name, "' in '", f.path(), "' has shape ", shape_str(t->shape),
-            ", expected ", shape_str(shape), " (does the config match the checkpoint?)");
-  f.read_f32(name, out, shape_numel(shape));
+void point_latest_and_prune(const std::string& ckpt_dir, int64_t step, int64_t keep_last) {
+  const std::string latest = join(ckpt_dir, kLatestFile);
+  write_text_synced(latest + ".tmp", step_dir_name(step) + "\n");
+  rename_checked(latest + ".tmp", latest);
+  fsync_path(ckpt_dir, true);
+  prune(ckpt_dir, step, keep_last);
+}
+
+std::string rank_file(const char* kind, int rank, int world) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%s-%05d-of-%05d.safetensors", kind, rank, world);
+  return buf;
+}
+
+// Checks that `slices` ({offset, numel}, any order) tile [0, numel(shape)) exactly.
+void check_tiling(const std::string& name, const Shape& shape, std::vector<std::pair<int64_t, int64_t>> slices,
+                  const std::string& where) {
+  std::sort(slices.begin(), slices.end());
+  int64_t next = 0;
+  for (const auto& [offset, numel] : slices) {
+    MOE_CHECK(offset == next && numel > 0, where, ": the slices of tensor '", name, "' do not tile it: expected a ",
+              "slice at flat offset ", next, ", got one at ", offset, " of ", numel, " elements");
+    next += numel;
+  }
+  MOE_CHECK(next == shape_numel(shape), where, ": the slices of tensor '", name, "' cover ", next, " of its ",
+            shape_numel(shape), " elements (shape ", shape_str(shape), ")");
+}
+
+std::vector<TensorRef> slice_refs(const std::vector<TensorSlice>& slices) {
+  std::vector<TensorRef> refs;
+  for (const TensorSlice& t : slices) refs.push_back({t.name, DType::kF32, {t.numel}, t.data});
+  return refs;
 }
 
 }  // namespace
@@ -279,13 +310,138 @@ std::string save_checkpoint(const std::string& ckpt_dir, int64_t step, const Che
     fs::remove_all(tmp_dir, ignored);
     throw;
   }
+  point_latest_and_prune(ckpt_dir, step, keep_last);
+  return final_dir;
+}
 
-  const std::string latest = join(ckpt_dir, kLatestFile);
-  write_text_synced(latest + ".tmp", name + "\n");
-  rename_checked(latest + ".tmp", latest);
-  fsync_path(ckpt_dir, true);
+std::string save_checkpoint_sliced(Comm& comm, const std::string& ckpt_dir, int64_t step,
+                                   const SlicedCheckpointFiles& mine, int64_t keep_last) {
+  MOE_CHECK(step >= 0, "checkpoint step must be >= 0, got ", step);
+  const int rank = comm.rank(), world = comm.size();
+  const std::string name = step_dir_name(step);
+  const std::string final_dir = join(ckpt_dir, name);
+  std::string error;
 
-  prune(ckpt_dir, step, keep_last);
+  // 1. Rank 0 prepares the temporary directory; every rank learns its name (rank 0's pid).
+  int64_t head[2] = {0, int64_t(::getpid())};
+  if (rank == 0) {
+    try {
+      MOE_CHECK(mine.train_state.is_object() || mine.train_state.is_null(), "train_state must be a JSON object, got ",
+                mine.train_state.type_name());
+      std::error_code ec;
+      fs::create_directories(ckpt_dir, ec);
+      MOE_CHECK(!ec, "cannot create checkpoint directory '", ckpt_dir, "': ", ec.message());
+      remove_stale(ckpt_dir);
+      const std::string tmp = join(ckpt_dir, kTmpPrefix + name + "-" + std::to_string(head[1]));
+      fs::create_directory(tmp, ec);
+      MOE_CHECK(!ec, "cannot create '", tmp, "': ", ec.message());
+    } catch (const std::exception& e) {
+      head[0] = 1;
+      error = e.what();
+    }
+  }
+  comm.broadcast(head, 2, 0);
+  MOE_CHECK(head[0] == 0, "checkpoint save of step ", step, " failed",
+            rank == 0 ? ": " + error : std::string(" on rank 0 (its error says why)"));
+  const std::string tmp_dir = join(ckpt_dir, kTmpPrefix + name + "-" + std::to_string(head[1]));
+  auto fail_all = [&](int64_t failed, const char* phase) {
+    comm.all_reduce(&failed, 1, ReduceOp::kMax);
+    if (failed == 0) return;
+    if (rank == 0) {
+      std::error_code ignored;
+      fs::remove_all(tmp_dir, ignored);
+    }
+    MOE_FAIL("checkpoint save of step ", step, " failed while ", phase,
+             error.empty() ? std::string(" on another rank (its error says why)") : " on rank " +
+                                 std::to_string(rank) + ": " + error,
+             "; nothing was published");
+  };
+
+  // 2. Every rank writes its slices, checksums them and lists them in part-<r>.json.
+  int64_t failed = 0;
+  try {
+    const std::map<std::string, std::string> meta = {
+        {"step", std::to_string(step)}, {"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}};
+    json part;
+    part["files"] = json::object();
+    part["slices"] = json::array();
+    for (const char* kind : {"model", "optim"}) {
+      const std::vector<TensorSlice>& slices = std::string(kind) == "model" ? mine.model : mine.optim;
+      if (slices.empty()) continue;
+      const std::string file = rank_file(kind, rank, world);
+      for (const TensorSlice& t : slices) {
+        MOE_CHECK(t.offset >= 0 && t.numel > 0 && t.offset + t.numel <= shape_numel(t.global_shape),
+                  "slice of '", t.name, "' at offset ", t.offset, " with ", t.numel, " elements does not fit its ",
+                  "global shape ", shape_str(t.global_shape));
+        part["slices"].push_back({{"kind", kind}, {"file", file}, {"name", t.name}, {"shape", t.global_shape},
+                                  {"offset", t.offset}, {"numel", t.numel}});
+      }
+      write_safetensors(join(tmp_dir, file), slice_refs(slices), meta);
+      part["files"][file] = file_entry(join(tmp_dir, file));
+    }
+    write_text_synced(join(tmp_dir, "part-" + std::to_string(rank) + ".json"), to_text(part, "a slice list"));
+  } catch (const std::exception& e) {
+    failed = 1;
+    error = e.what();
+  }
+  fail_all(failed, "writing the slices");
+
+  // 3. Rank 0 merges the lists into the manifest and publishes the step.
+  failed = 0;
+  if (rank == 0) {
+    try {
+      json train_state = mine.train_state.is_null() ? json::object() : mine.train_state;
+      if (train_state.contains("step"))
+        MOE_CHECK(train_state["step"] == step, "train_state step ", describe(train_state["step"]),
+                  " differs from the checkpoint step ", step);
+      else
+        train_state["step"] = step;
+      nlohmann::ordered_json manifest;
+      manifest["format"] = kCheckpointFormat;
+      manifest["version"] = kSlicedCheckpointVersion;
+      manifest["step"] = step;
+      manifest["world_size"] = world;
+      manifest["files"] = nlohmann::ordered_json::object();
+      nlohmann::ordered_json tensors = {{"model", nlohmann::ordered_json::object()},
+                                        {"optim", nlohmann::ordered_json::object()}};
+      std::map<std::string, std::vector<std::pair<int64_t, int64_t>>> tiles;
+      for (int r = 0; r < world; ++r) {
+        const std::string part_path = join(tmp_dir, "part-" + std::to_string(r) + ".json");
+        const json part = json::parse(read_text(part_path));
+        for (const auto& [file, entry] : part.at("files").items()) manifest["files"][file] = entry;
+        for (const json& sl : part.at("slices")) {
+          const std::string kind = sl.at("kind"), tname = sl.at("name");
+          auto& t = tensors[kind][tname];
+          if (t.is_null()) {
+            t["shape"] = sl.at("shape");
+            t["slices"] = nlohmann::ordered_json::array();
+          }
+          MOE_CHECK(t["shape"] == sl.at("shape"), "rank ", r, " wrote tensor '", tname, "' with global shape ",
+                    sl.at("shape").dump(), ", another rank with ", t["shape"].dump());
+          t["slices"].push_back({{"file", sl.at("file")}, {"offset", sl.at("offset")}, {"numel", sl.at("numel")}});
+          tiles[kind + "/" + tname].push_back({sl.at("offset").get<int64_t>(), sl.at("numel").get<int64_t>()});
+        }
+        remove_all_checked(part_path);
+      }
+      for (const char* kind : {"model", "optim"})
+        for (const auto& [tname, t] : tensors[kind].items())
+          check_tiling(tname, t["shape"].get<Shape>(), tiles[std::string(kind) + "/" + tname],
+                       "sliced checkpoint of step " + std::to_string(step));
+      write_text_synced(join(tmp_dir, kTrainStateFile), to_text(train_state, "train_state"));
+      manifest["files"][kTrainStateFile] = file_entry(join(tmp_dir, kTrainStateFile));
+      manifest["tensors"] = tensors;
+      write_text_synced(join(tmp_dir, kManifestFile), to_text(manifest, "the manifest"));
+      fsync_path(tmp_dir, true);
+      publish_dir(tmp_dir, final_dir,
+                  join(ckpt_dir, kTmpPrefix + std::string("old-") + name + "-" + std::to_string(head[1])));
+      fsync_path(ckpt_dir, true);
+      point_latest_and_prune(ckpt_dir, step, keep_last);
+    } catch (const std::exception& e) {
+      failed = 1;
+      error = e.what();
+    }
+  }
+  fail_all(failed, "publishing the step");
   return final_dir;
 }
 
@@ -327,8 +483,9 @@ LoadedCheckpoint LoadedCheckpoint::open(const std::string& step_dir) {
             "': format must be \"", kCheckpointFormat, "\", got ", format == m.end() ? "nothing" : describe(*format));
   const auto version = m.find("version");
   MOE_CHECK(version != m.end() && version->is_number_integer(), "'", manifest_path, "': missing integer 'version'");
-  MOE_CHECK(*version == kCheckpointVersion, "'", manifest_path, "': version ", describe(*version),
-            " is not supported (this build reads version ", kCheckpointVersion, ")");
+  MOE_CHECK(*version == kCheckpointVersion || *version == kSlicedCheckpointVersion, "'", manifest_path,
+            "': version ", describe(*version), " is not supported (this build reads versions ", kCheckpointVersion,
+            " and ", kSlicedCheckpointVersion, ")");
   const auto step = m.find("step");
   MOE_CHECK(step != m.end() && step->is_number_unsigned(), "'", manifest_path,
             "': 'step' must be a non-negative integer, got ", step == m.end() ? "nothing" : describe(*step));
@@ -356,31 +513,179 @@ LoadedCheckpoint LoadedCheckpoint::open(const std::string& step_dir) {
     MOE_CHECK(actual_sha == sha->get<std::string>(), "checksum mismatch for checkpoint file '", path,
               "': manifest sha256 ", sha->get<std::string>(), ", file has ", actual_sha, " (corrupted)");
   }
-  MOE_CHECK(listed->contains(kModelFile), "'", manifest_path, "' does not list ", kModelFile);
   MOE_CHECK(listed->contains(kTrainStateFile), "'", manifest_path, "' does not list ", kTrainStateFile);
 
+  LoadedCheckpoint ck;
+  ck.dir_ = step_dir;
+  ck.step_ = int64_t(step->get<uint64_t>());
+  ck.version_ = version->get<int>();
   const std::string ts_path = join(step_dir, kTrainStateFile);
-  json train_state = json::parse(read_text(ts_path), nullptr, /*allow_exceptions=*/false);
-  MOE_CHECK(!train_state.is_discarded() && train_state.is_object(), "'", ts_path, "' is not a JSON object");
+  ck.train_state_ = json::parse(read_text(ts_path), nullptr, /*allow_exceptions=*/false);
+  MOE_CHECK(!ck.train_state_.is_discarded() && ck.train_state_.is_object(), "'", ts_path, "' is not a JSON object");
 
-  SafetensorsFile model = SafetensorsFile::open(join(step_dir, kModelFile));
-  std::optional<SafetensorsFile> optim;
-  if (listed->contains(kOptimFile)) optim = SafetensorsFile::open(join(step_dir, kOptimFile));
-  return LoadedCheckpoint(step_dir, int64_t(step->get<uint64_t>()), std::move(train_state), std::move(model),
-                          std::move(optim));
+  // Whole tensors of one file: one slice each.
+  auto index_file = [&](int file, Index& index, std::vector<std::string>& order) {
+    const std::vector<TensorInfo>& ts = ck.files_[size_t(file)].tensors();
+    for (size_t t = 0; t < ts.size(); ++t) {
+      Global g;
+      g.info = {ts[t].name, ts[t].dtype_name, ts[t].shape, ts[t].bytes(), 1};
+      g.slices.push_back({file, t, 0, ts[t].numel()});
+      order.push_back(ts[t].name);
+      index.emplace(ts[t].name, std::move(g));
+    }
+  };
+  if (ck.version_ == kCheckpointVersion) {
+    MOE_CHECK(listed->contains(kModelFile), "'", manifest_path, "' does not list ", kModelFile);
+    ck.files_.push_back(SafetensorsFile::open(join(step_dir, kModelFile)));
+    ck.model_file_ = 0;
+    index_file(0, ck.model_index_, ck.model_order_);
+    if (listed->contains(kOptimFile)) {
+      ck.files_.push_back(SafetensorsFile::open(join(step_dir, kOptimFile)));
+      ck.optim_file_ = 1;
+      index_file(1, ck.optim_index_, ck.optim_order_);
+    }
+    return ck;
+  }
+
+  // Sliced: "tensors": {"model"|"optim": {name: {"shape": [...], "slices": [{file, offset, numel}]}}}.
+  const auto world = m.find("world_size");
+  MOE_CHECK(world != m.end() && world->is_number_unsigned() && world->get<uint64_t>() >= 1, "'", manifest_path,
+            "': a sliced checkpoint needs an integer 'world_size' >= 1");
+  ck.world_size_ = int(world->get<uint64_t>());
+  const auto tensors = m.find("tensors");
+  MOE_CHECK(tensors != m.end() && tensors->is_object() && tensors->contains("model"), "'", manifest_path,
+            "': a sliced checkpoint needs a 'tensors' object with a 'model' map");
+  std::map<std::string, int> file_ids;
+  auto file_id = [&](const std::string& fname) {
+    auto it = file_ids.find(fname);
+    if (it != file_ids.end()) return it->second;
+    MOE_CHECK(listed->contains(fname), "'", manifest_path, "' maps a slice to '", fname,
+              "', which its 'files' does not list");
+    ck.files_.push_back(SafetensorsFile::open(join(step_dir, fname)));
+    return file_ids[fname] = int(ck.files_.size() - 1);
+  };
+  for (const char* kind : {"model", "optim"}) {
+    if (!tensors->contains(kind)) continue;
+    const json& map = (*tensors)[kind];
+    MOE_CHECK(map.is_object(), "'", manifest_path, "': tensors.", kind, " must be an object");
+    Index& index = std::string(kind) == "model" ? ck.model_index_ : ck.optim_index_;
+    std::vector<std::string>& order = std::string(kind) == "model" ? ck.model_order_ : ck.optim_order_;
+    for (const auto& [tname, t] : map.items()) {
+      MOE_CHECK(t.is_object() && t.contains("shape") && t["shape"].is_array() && t.contains("slices") &&
+                    t["slices"].is_array(),
+                "'", manifest_path, "': tensor '", tname, "' needs 'shape' and 'slices' arrays");
+      Global g;
+      g.info.name = tname;
+      g.info.dtype_name = "F32";
+      for (const json& d : t["shape"]) {
+        MOE_CHECK(d.is_number_unsigned(), "'", manifest_path, "': tensor '", tname, "' has a bad shape ",
+                  t["shape"].dump());
+        g.info.shape.push_back(d.get<int64_t>());
+      }
+      std::vector<std::pair<int64_t, int64_t>> tiles;
+      for (const json& sl : t["slices"]) {
+        MOE_CHECK(sl.is_object() && sl.contains("file") && sl["file"].is_string() && sl.contains("offset") &&
+                      sl["offset"].is_number_unsigned() && sl.contains("numel") && sl["numel"].is_number_unsigned(),
+                  "'", manifest_path, "': a slice of '", tname, "' must be {\"file\", \"offset\", \"numel\"}, got ",
+                  describe(sl));
+        Slice s;
+        s.file = file_id(sl["file"].get<std::string>());
+        s.offset = sl["offset"].get<int64_t>();
+        s.numel = sl["numel"].get<int64_t>();
+        const SafetensorsFile& f = ck.files_[size_t(s.file)];
+        const TensorInfo* info = f.find(tname);
+        MOE_CHECK(info != nullptr, "slice of tensor '", tname, "' not found in '", f.path(), "'");
+        MOE_CHECK(info->numel() == s.numel && info->dtype_name == "F32", "slice of tensor '", tname, "' in '",
+                  f.path(), "' holds ", info->numel(), " ", info->dtype_name, " elements; the manifest says ",
+                  s.numel, " F32");
+        s.tensor = size_t(info - f.tensors().data());
+        g.info.bytes += info->bytes();
+        tiles.push_back({s.offset, s.numel});
+        g.slices.push_back(s);
+      }
+      check_tiling(tname, g.info.shape, tiles, "'" + manifest_path + "'");
+      std::sort(g.slices.begin(), g.slices.end(), [](const Slice& a, const Slice& b) { return a.offset < b.offset; });
+      g.info.num_slices = int(g.slices.size());
+      order.push_back(tname);
+      index.emplace(tname, std::move(g));
+    }
+  }
+  return ck;
+}
+
+const SafetensorsFile& LoadedCheckpoint::model() const {
+  MOE_CHECK(model_file_ >= 0, "checkpoint '", dir_, "' is sliced over ", world_size_,
+            " ranks and has no single ", kModelFile, " (read tensors with read_model)");
+  return files_[size_t(model_file_)];
 }
 
 const SafetensorsFile& LoadedCheckpoint::optim() const {
-  MOE_CHECK(optim_.has_value(), "checkpoint '", dir_, "' has no optimizer state (no ", kOptimFile, ")");
-  return *optim_;
+  MOE_CHECK(has_optim(), "checkpoint '", dir_, "' has no optimizer state (no ", kOptimFile, ")");
+  MOE_CHECK(optim_file_ >= 0, "checkpoint '", dir_, "' is sliced over ", world_size_,
+            " ranks and has no single ", kOptimFile, " (read tensors with read_optim)");
+  return files_[size_t(optim_file_)];
+}
+
+std::vector<GlobalTensorInfo> LoadedCheckpoint::list(const Index& index, const std::vector<std::string>& order) const {
+  std::vector<GlobalTensorInfo> out;
+  for (const std::string& n : order) out.push_back(index.at(n).info);
+  return out;
+}
+
+std::vector<GlobalTensorInfo> LoadedCheckpoint::model_tensors() const { return list(model_index_, model_order_); }
+std::vector<GlobalTensorInfo> LoadedCheckpoint::optim_tensors() const { return list(optim_index_, optim_order_); }
+
+std::vector<std::string> LoadedCheckpoint::data_files() const {
+  std::vector<std::string> out;
+  for (const SafetensorsFile& f : files_) out.push_back(fs::path(f.path()).filename().string());
+  return out;
+}
+
+void LoadedCheckpoint::read_range(const Index& index, const char* kind, const std::string& name, const Shape& shape,
+                                  int64_t offset, int64_t numel, float* out) const {
+  if (std::string(kind) == "optim")
+    MOE_CHECK(has_optim(), "checkpoint '", dir_, "' has no optimizer state (no ", kOptimFile, ")");
+  auto it = index.find(name);
+  const std::string where = version_ == kCheckpointVersion
+                                ? files_[size_t(std::string(kind) == "model" ? model_file_ : optim_file_)].path()
+                                : dir_ + " (" + kind + " slices)";
+  MOE_CHECK(it != index.end(), "tensor '", name, "' not found in '", where, "'");
+  const Global& g = it->second;
+  MOE_CHECK(g.info.shape == shape, "tensor '", name, "' in '", where, "' has shape ", shape_str(g.info.shape),
+            ", expected ", shape_str(shape), " (does the config match the checkpoint?)");
+  MOE_CHECK(offset >= 0 && numel >= 0 && offset + numel <= shape_numel(shape), "range [", offset, ", ",
+            offset + numel, ") is outside tensor '", name, "' of ", shape_numel(shape), " elements");
+  for (const Slice& s : g.slices) {
+    const int64_t lo = std::max(offset, s.offset), hi = std::min(offset + numel, s.offset + s.numel);
+    if (lo >= hi) continue;
+    const SafetensorsFile& f = files_[size_t(s.file)];
+    const TensorInfo& t = f.tensors()[s.tensor];
+    if (lo == s.offset && hi == s.offset + s.numel) {
+      f.read_f32(t.name, out + (lo - offset), s.numel);  // the whole slice: the checked reader
+      continue;
+    }
+    const int64_t elt = t.numel() ? t.bytes() / t.numel() : 0;
+    safetensors_to_f32(static_cast<const uint8_t*>(f.data(t)) + (lo - s.offset) * elt, t.dtype_name,
+                       out + (lo - offset), hi - lo);
+  }
 }
 
 void LoadedCheckpoint::read_model(const std::string& name, const Shape& shape, float* out) const {
-  read_checked(model_, name, shape, out);
+  read_range(model_index_, "model", name, shape, 0, shape_numel(shape), out);
 }
 
 void LoadedCheckpoint::read_optim(const std::string& name, const Shape& shape, float* out) const {
-  read_checked(optim(), name, shape, out);
+  read_range(optim_index_, "optim", name, shape, 0, shape_numel(shape), out);
+}
+
+void LoadedCheckpoint::read_model_range(const std::string& name, const Shape& shape, int64_t offset, int64_t numel,
+                                        float* out) const {
+  read_range(model_index_, "model", name, shape, offset, numel, out);
+}
+
+void LoadedCheckpoint::read_optim_range(const std::string& name, const Shape& shape, int64_t offset, int64_t numel,
+                                        float* out) const {
+  read_range(optim_index_, "optim", name, shape, offset, numel, out);
 }
 
 }  // namespace moe

@@ -164,7 +164,7 @@ int export_hf(const std::string& checkpoint, const std::string& out_dir, const H
   for (const ParamEntry& e : layout.entries()) ck.read_model(e.name, e.shape, params.data() + e.offset);
   for (int64_t l = 0; l < cfg.model.n_layers; ++l) {
     const std::string bias = layer_prefix(l) + "mlp.gate.expert_bias";
-    if (!ck.model().find(bias)) continue;
+    if (!ck.has_model(bias)) continue;
     std::vector<float> b(cfg.moe.num_experts);
     ck.read_model(bias, {cfg.moe.num_experts}, b.data());
     for (float x : b)

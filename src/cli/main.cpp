@@ -1,5 +1,6 @@
 // moecore command-line entry point: train (and --dry-run), inspect, tokenize.
-// Every error reaches the user as one "error: ..." line and exit status 1.
+// Every error reaches the user as one "error: ..." line and exit status 1; in a multi-process
+// job as "[rank r] error: ..." followed by an abort of every rank (MPI_Abort).
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -14,6 +15,7 @@
 #include "data/embedded.h"
 #include "model/layout.h"
 #include "model/model.h"
+#include "parallel/comm.h"
 #include "train/bench.h"
 #include "train/gpu_bench.h"
 #include "train/device.h"
@@ -107,6 +109,9 @@ int cmd_train(std::vector<std::string> args) {
     return 0;
   }
   const bool dry = has_flag(args, "--dry-run");
+  // Join the job first (MPI when a launcher started us), so that every later error is reported
+  // with its rank and ends all ranks.
+  Comm* world = dry ? nullptr : &world_comm();
   std::string path;
   std::vector<std::string> overrides;
   for (const std::string& a : args) {
@@ -119,7 +124,8 @@ int cmd_train(std::vector<std::string> args) {
     print_dry_run(cfg);
     return 0;
   }
-  const TrainSummary s = train(cfg, std::cout);
+  const TrainSummary s = train(cfg, std::cout, *world);
+  if (world->rank() != 0) return 0;
   std::printf("done: steps %lld-%lld, loss %.4f -> %.4f", (long long)s.start_step + 1, (long long)s.steps_done,
               s.first_loss, s.last_loss);
   if (s.initial_eval_loss >= 0 && s.final_eval_loss >= 0)
@@ -202,8 +208,25 @@ int cmd_inspect(std::vector<std::string> args) {
       std::printf("  %-60s %-5s %s\n", t.name.c_str(), t.dtype_name.c_str(),
                   shape_str(t.shape).c_str());
   };
-  list("model.safetensors", ck.model());
-  if (ck.has_optim()) list("optim.safetensors", ck.optim());
+  if (!ck.sliced()) {
+    list("model.safetensors", ck.model());
+    if (ck.has_optim()) list("optim.safetensors", ck.optim());
+    return 0;
+  }
+  // Sliced over several ranks: the global tensors reassembled from their slices.
+  std::cout << "sliced over " << ck.world_size() << " ranks:";
+  for (const std::string& f : ck.data_files()) std::cout << " " << f;
+  std::cout << "\n";
+  auto list_global = [](const char* what, const std::vector<GlobalTensorInfo>& ts) {
+    int64_t bytes = 0;
+    for (const auto& t : ts) bytes += t.bytes;
+    std::printf("%s: %zu tensors, %.2f MiB\n", what, ts.size(), double(bytes) / (1 << 20));
+    for (const auto& t : ts)
+      std::printf("  %-60s %-5s %-16s %d slice%s\n", t.name.c_str(), t.dtype_name.c_str(), shape_str(t.shape).c_str(),
+                  t.num_slices, t.num_slices == 1 ? "" : "s");
+  };
+  list_global("model", ck.model_tensors());
+  if (ck.has_optim()) list_global("optim", ck.optim_tensors());
   return 0;
 }
 
@@ -314,6 +337,18 @@ int cmd_logits(std::vector<std::string> args) {
 }
 
 }  // namespace
+
+// Prints the error; in a job of several ranks prefixes the rank and aborts every rank, so that
+// no peer waits for this one in a collective.
+int report_error(const char* what) {
+  if (world_comm_started() && world_comm().size() > 1) {
+    std::fprintf(stderr, "[rank %d] error: %s\n", world_comm().rank(), what);
+    world_comm().abort(1);
+  }
+  std::fprintf(stderr, "error: %s\n", what);
+  return 1;
+}
+
 }  // namespace moe
 
 int main(int argc, char** argv) {
@@ -338,11 +373,7 @@ int main(int argc, char** argv) {
     if (cmd == "import-hf") return moe::cmd_import_hf(args);
     std::fprintf(stderr, "error: unknown command '%s'\n\n%s", cmd.c_str(), moe::kUsage);
     return 2;
-  } catch (const moe::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
+    return moe::report_error(e.what());
   }
 }

@@ -76,6 +76,8 @@ struct ParallelConfig {
   int64_t ep = 1;
   int64_t pp = 1;
   std::string ep_backend = "alltoall";  // "alltoall" | "rowwise"
+  bool zero = true;          // ZeRO-1: AdamW moments sharded over data-parallel ranks (dp > 1)
+  double timeout_s = 300.0;  // a collective waiting longer fails the job
 };
 
 struct CheckpointConfig {

@@ -138,6 +138,10 @@ std::vector<ConfigKey> build_keys() {
       entry("parallel.pp", &C::parallel, &P::pp, "pipeline stages (only 1 for now)"),
       entry("parallel.ep_backend", &C::parallel, &P::ep_backend, "token exchange between expert-parallel ranks",
             {"alltoall", "rowwise"}),
+      entry("parallel.zero", &C::parallel, &P::zero,
+            "ZeRO-1 with dp > 1: AdamW moments sharded over data-parallel ranks (false: replicated)"),
+      entry("parallel.timeout_s", &C::parallel, &P::timeout_s,
+            "seconds a collective may wait for the other ranks before the job fails"),
 
       entry("checkpoint.dir", &C::checkpoint, &K::dir, "checkpoint directory; empty: <run.dir>/checkpoints"),
       entry("checkpoint.interval", &C::checkpoint, &K::interval,
@@ -802,6 +806,7 @@ void validate_config(const Config& c) {
   p.need(q.dp >= 0, "parallel.dp must be >= 0 (0: world_size / pp), got ", q.dp);
   p.need(q.ep >= 1, "parallel.ep must be >= 1, got ", q.ep);
   p.need(q.pp == 1, "parallel.pp = ", q.pp, ": pipeline parallelism is not available yet; set parallel.pp = 1");
+  p.need(q.timeout_s > 0, "parallel.timeout_s must be > 0 seconds, got ", q.timeout_s);
   if (q.dp > 0 && q.ep >= 1)
     p.need(q.dp % q.ep == 0, "parallel.ep (", q.ep, ") must divide parallel.dp (", q.dp, "): ", q.dp, " % ",
            q.ep, " = ", q.dp % q.ep);

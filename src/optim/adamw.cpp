@@ -35,26 +35,34 @@ double clip_grads(float* grads, int64_t n, double norm, double max_norm) {
 AdamW::AdamW(const ParamLayout& layout, const OptimConfig& cfg)
     : layout_(layout), cfg_(cfg), m_(layout.total_numel(), 0.f), v_(layout.total_numel(), 0.f) {}
 
+AdamWCoefs adamw_coefs(const OptimConfig& cfg, int64_t t, double lr) {
+  const double bc1 = 1.0 - std::pow(cfg.beta1, double(t));
+  const double bc2 = 1.0 - std::pow(cfg.beta2, double(t));
+  AdamWCoefs c;
+  c.b1 = float(cfg.beta1);
+  c.b2 = float(cfg.beta2);
+  c.step_size = float(lr / bc1);
+  c.inv_sqrt_bc2 = float(1.0 / std::sqrt(bc2));
+  c.eps = float(cfg.eps);
+  c.decay_factor = float(1.0 - lr * cfg.weight_decay);
+  return c;
+}
+
+void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const AdamWCoefs& c, bool decay) {
+  const float b1 = c.b1, b2 = c.b2, step_size = c.step_size, inv_sqrt_bc2 = c.inv_sqrt_bc2, eps = c.eps;
+  const float d = decay ? c.decay_factor : 1.f;
+  for (int64_t i = 0; i < n; ++i) {
+    m[i] = b1 * m[i] + (1.f - b1) * g[i];
+    v[i] = b2 * v[i] + (1.f - b2) * g[i] * g[i];
+    p[i] = p[i] * d - step_size * m[i] / (std::sqrt(v[i]) * inv_sqrt_bc2 + eps);
+  }
+}
+
 void AdamW::step(float* params, const float* grads, double lr) {
   ++t_;
-  const double bc1 = 1.0 - std::pow(cfg_.beta1, double(t_));
-  const double bc2 = 1.0 - std::pow(cfg_.beta2, double(t_));
-  const float b1 = float(cfg_.beta1), b2 = float(cfg_.beta2);
-  const float step_size = float(lr / bc1);
-  const float inv_sqrt_bc2 = float(1.0 / std::sqrt(bc2));
-  const float eps = float(cfg_.eps);
-  for (const ParamEntry& e : layout_.entries()) {
-    float* p = params + e.offset;
-    const float* g = grads + e.offset;
-    float* m = m_.data() + e.offset;
-    float* v = v_.data() + e.offset;
-    const float decay = e.decay ? float(1.0 - lr * cfg_.weight_decay) : 1.f;
-    for (int64_t i = 0; i < e.numel; ++i) {
-      m[i] = b1 * m[i] + (1.f - b1) * g[i];
-      v[i] = b2 * v[i] + (1.f - b2) * g[i] * g[i];
-      p[i] = p[i] * decay - step_size * m[i] / (std::sqrt(v[i]) * inv_sqrt_bc2 + eps);
-    }
-  }
+  const AdamWCoefs c = adamw_coefs(cfg_, t_, lr);
+  for (const ParamEntry& e : layout_.entries())
+    adamw_update(params + e.offset, grads + e.offset, m_.data() + e.offset, v_.data() + e.offset, e.numel, c, e.decay);
 }
 
 }  // namespace moe

@@ -21,6 +21,15 @@ double global_grad_norm(const float* grads, int64_t n);
 // Multiplies grads by min(1, max_norm / (norm + 1e-6)); returns the factor. max_norm <= 0: no clip.
 double clip_grads(float* grads, int64_t n, double norm, double max_norm);
 
+// The coefficients of step t (count after increment) at learning rate lr, and the element
+// update shared by AdamW and the distributed optimizer (parallel/dist_optim.h), so that both
+// run the same FP32 math. decay = false: no weight decay (norms).
+struct AdamWCoefs {
+  float b1 = 0, b2 = 0, step_size = 0, inv_sqrt_bc2 = 0, eps = 0, decay_factor = 1;
+};
+AdamWCoefs adamw_coefs(const OptimConfig& cfg, int64_t t, double lr);
+void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const AdamWCoefs& c, bool decay);
+
 class AdamW {
  public:
   AdamW(const ParamLayout& layout, const OptimConfig& cfg);

@@ -1,12 +1,13 @@
 // Communicators: a group of ranks and the collectives the trainer needs, on host buffers.
-// Comm is the interface; make_world_comm() returns the MPI world when the process was started
-// by mpirun/srun (or a torchrun-style environment with WORLD_SIZE > 1) and a one-rank
-// communicator otherwise. Every collective is blocking and called by every rank of the group
-// in the same order. Counts are in elements. A collective that does not complete within
-// timeout_s() throws an Error naming the collective and the rank.
+// Comm is the interface; world_comm() returns the MPI world when the process was started
+// by mpirun/srun (an MPI launcher's environment) and a one-rank communicator otherwise. Every
+// collective is blocking and called by every rank of the group in the same order. Counts are in
+// elements. A collective that does not complete within timeout_s() throws an Error naming the
+// collective, the rank and the group size.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -40,7 +41,8 @@ class Comm {
   virtual void broadcast(float* data, int64_t n, int root) = 0;
   virtual void broadcast(int64_t* data, int64_t n, int root) = 0;
   virtual void barrier() = 0;
-  // Ranks with equal color form a new group, ordered by key (MPI_Comm_split semantics).
+  // Ranks with equal color form a new group, ordered by key (MPI_Comm_split semantics). The
+  // new group inherits timeout_s().
   virtual std::unique_ptr<Comm> split(int color, int key) = 0;
   // Ends every process of the job with a non-zero status (MPI_Abort); never returns.
   [[noreturn]] virtual void abort(int code) = 0;
@@ -52,10 +54,23 @@ class Comm {
   double timeout_s_ = 300.0;
 };
 
+// Seconds a collective may wait before it fails, when neither the config (parallel.timeout_s)
+// nor the environment (MOECORE_COMM_TIMEOUT_S) says otherwise.
+inline constexpr double kDefaultCommTimeoutS = 300.0;
+
 // The communicator every rank of this process's job shares (one-rank when not launched in
-// parallel). Initialises MPI on first use; finalised at exit.
+// parallel). Initialises MPI on first use when an MPI launcher started the process; finalised at
+// exit. Its timeout_s() starts at MOECORE_COMM_TIMEOUT_S when that is set. Throws when the
+// environment shows a torchrun-style launch (WORLD_SIZE > 1) without an MPI launcher.
 Comm& world_comm();
+// True once world_comm() has been created (main uses it to decide how to fail).
+bool world_comm_started();
 // A standalone one-rank communicator (tests, single-process tools).
 std::unique_ptr<Comm> make_self_comm();
+
+// Which launcher the environment `getenv` describes: "mpi" (OMPI_COMM_WORLD_SIZE, PMI_SIZE /
+// PMI_RANK, PMIX_RANK, or SLURM_PROCID with SLURM_NTASKS > 1), "torchrun" (RANK and WORLD_SIZE
+// > 1 without an MPI launcher) or "none". Exposed for tests.
+std::string detect_launcher(const std::function<const char*(const char*)>& getenv_fn);
 
 }  // namespace moe

@@ -31,7 +31,7 @@ void load_model_state(const LoadedCheckpoint& ck, Model<float>& model) {
   const int64_t ne = model.moe_config().num_experts;
   for (int64_t m = 0; m < model.num_moe_layers(); ++m) {
     const std::string name = expert_bias_name(model.model_config(), m);
-    if (ck.model().find(name)) ck.read_model(name, {ne}, model.expert_bias().data() + m * ne);
+    if (ck.has_model(name)) ck.read_model(name, {ne}, model.expert_bias().data() + m * ne);
   }
 }
 

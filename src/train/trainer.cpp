@@ -1,12 +1,16 @@
 // Trainer: the CPU training loop with gradient accumulation, clipping, skip-on-non-finite,
 // eval, metrics and atomic checkpoints that resume bit-exactly; on the CUDA backend the same
-// loop around CudaStepRunner (sync-free steps, statistics logged one step late).
+// loop around CudaStepRunner (sync-free steps, statistics logged one step late). Data-parallel
+// over MPI ranks (CPU): each rank runs its slice of the global batch with loss scales of the
+// global batch, gradients are summed over ranks (ZeRO-1 reduce-scatter, or all-reduce), metrics
+// are all-reduced, rank 0 prints and writes files, and every rank writes checkpoint slices.
 #include "train/trainer.h"
 
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -23,6 +27,9 @@
 #include "model/layout.h"
 #include "model/model.h"
 #include "optim/adamw.h"
+#include "parallel/comm.h"
+#include "parallel/dist_optim.h"
+#include "parallel/topology.h"
 #include "train/device.h"
 #include "train/metrics.h"
 #include "train/model_state.h"
@@ -89,17 +96,23 @@ DataSources open_data(const Config& cfg) {
   return d;
 }
 
-double evaluate(Model<float>& model, const DataLoader& eval, const Config& cfg) {
+// Eval batches are dealt round-robin over the ranks of `comm`; sums are all-reduced.
+double evaluate(Model<float>& model, const DataLoader& eval, const Config& cfg, Comm& comm) {
   const int64_t seqs = cfg.train.micro_batch;
   const int64_t nb = std::min<int64_t>(cfg.train.eval_batches, eval.num_eval_batches(seqs));
   double ce = 0;
   int64_t count = 0;
   for (int64_t i = 0; i < nb; ++i) {
+    if (i % comm.size() != comm.rank()) continue;
     const Batch b = eval.eval_batch(i, seqs);
     const uint64_t seed = routing_seed(cfg.train.seed, -1, i);
     const ForwardStats s = model.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len, seed);
     ce += s.ce_sum;
     count += s.num_targets;
+  }
+  if (comm.size() > 1) {
+    comm.all_reduce(&ce, 1, ReduceOp::kSum);
+    comm.all_reduce(&count, 1, ReduceOp::kSum);
   }
   return count ? ce / double(count) : std::nan("");
 }
@@ -109,6 +122,71 @@ std::vector<TensorRef> tensor_refs(const ParamLayout& layout, const float* base,
   for (const ParamEntry& e : layout.entries())
     refs.push_back({e.name + suffix, DType::kF32, e.shape, base + e.offset});
   return refs;
+}
+
+// Test-only fault injection: MOECORE_FAULT_EXIT_RANK=r and MOECORE_FAULT_EXIT_STEP=n make rank r
+// leave with _exit(3) when step n begins, as a crashed process would (no MPI_Finalize).
+struct FaultInjection {
+  int rank = -1;
+  int64_t step = -1;
+  static FaultInjection from_env() {
+    FaultInjection f;
+    const char* r = std::getenv("MOECORE_FAULT_EXIT_RANK");
+    const char* n = std::getenv("MOECORE_FAULT_EXIT_STEP");
+    if (r && n && *r && *n) {
+      f.rank = std::atoi(r);
+      f.step = std::atoll(n);
+    }
+    return f;
+  }
+  void maybe_exit(int rank_now, int64_t step_now) const {
+    if (rank_now != rank || step_now != step) return;
+    std::fprintf(stderr, "[rank %d] fault injection: exiting at step %lld (MOECORE_FAULT_EXIT_*)\n", rank_now,
+                 (long long)step_now);
+    std::fflush(nullptr);
+    ::_exit(3);
+  }
+};
+
+// Parameters from a checkpoint on any layout: every tensor, or for expert tensors with ep > 1 the
+// rank's range of the global tensor; then the expert biases (global).
+void load_params(const LoadedCheckpoint& ck, Model<float>& model, const Topology& topo) {
+  for (const ParamEntry& e : model.layout().entries()) {
+    const GlobalPlacement g = global_placement(e, topo.sizes.ep, topo.ep_rank);
+    ck.read_model_range(e.name, g.global_shape, g.offset, e.numel, model.params() + e.offset);
+  }
+  const int64_t ne = model.moe_config().num_experts;
+  for (int64_t m = 0; m < model.num_moe_layers(); ++m) {
+    const std::string name = expert_bias_name(model.model_config(), m);
+    if (ck.has_model(name)) ck.read_model(name, {ne}, model.expert_bias().data() + m * ne);
+  }
+}
+
+// This rank's checkpoint slices: the ranges its shard plans own (parameters and moments, the
+// moments from the ZeRO shards or from the replicated AdamW), plus the expert biases on rank 0.
+SlicedCheckpointFiles sliced_files(Model<float>& model, const std::vector<ShardGroup>& owned, DistOptimizer* dist,
+                                   AdamW& opt, const Topology& topo) {
+  SlicedCheckpointFiles f;
+  const ParamLayout& layout = model.layout();
+  for (size_t gi = 0; gi < owned.size(); ++gi) {
+    for (const ShardPiece& p : owned[gi].plan.my_pieces()) {
+      const ParamEntry& e = layout.at(p.entry);
+      const GlobalPlacement g = global_placement(e, topo.sizes.ep, topo.ep_rank);
+      const int64_t at = g.offset + p.entry_offset;
+      const float* m = dist ? dist->groups()[gi].m.data() + p.shard_offset : opt.exp_avg().data() + e.offset + p.entry_offset;
+      const float* v = dist ? dist->groups()[gi].v.data() + p.shard_offset
+                            : opt.exp_avg_sq().data() + e.offset + p.entry_offset;
+      f.model.push_back({e.name, g.global_shape, at, p.numel, model.params() + e.offset + p.entry_offset});
+      f.optim.push_back({e.name + ".exp_avg", g.global_shape, at, p.numel, m});
+      f.optim.push_back({e.name + ".exp_avg_sq", g.global_shape, at, p.numel, v});
+    }
+  }
+  if (topo.rank == 0) {
+    const int64_t ne = model.moe_config().num_experts;
+    for (int64_t m = 0; m < model.num_moe_layers(); ++m)
+      f.model.push_back({expert_bias_name(model.model_config(), m), {ne}, 0, ne, model.expert_bias().data() + m * ne});
+  }
+  return f;
 }
 
 #ifdef MOECORE_HAS_CUDA
@@ -286,11 +364,21 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
 
 }  // namespace
 
-TrainSummary train(const Config& cfg, std::ostream& out) {
+TrainSummary train(const Config& cfg, std::ostream& out) { return train(cfg, out, world_comm()); }
+
+TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
+  world.set_timeout_s(cfg.parallel.timeout_s);
+  const Topology topo = make_topology(cfg, world);
+  const int64_t dp = topo.sizes.dp;
+  const bool lead = world.rank() == 0;
+  std::ostream null_out(nullptr);  // ranks other than 0 print nothing
+  std::ostream& out = lead ? console : null_out;
+  const FaultInjection fault = FaultInjection::from_env();
+
   TrainSummary summary;
   summary.run_dir = cfg.run.dir;
-  fs::create_directories(cfg.run.dir);
-  {
+  if (lead) {
+    fs::create_directories(cfg.run.dir);
     std::ofstream f(fs::path(cfg.run.dir) / "config.toml");
     f << config_to_toml(cfg);
     MOE_CHECK(f.good(), "cannot write ", (fs::path(cfg.run.dir) / "config.toml").string());
@@ -298,6 +386,8 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
 
   // Device and memory first, so that a run that cannot fit fails before allocating.
   const std::string device = resolve_device(cfg.train);
+  MOE_CHECK(device == "cpu" || world.size() == 1, "multi-process training runs on the CPU backend for now: ",
+            world.size(), " ranks resolved train.device to '", device, "'; set train.device = \"cpu\"");
   {
     const ModelCounts c = count_model(cfg.model, cfg.moe, cfg.train.seq_len);
     const double need = double(c.total_params) * 16.0 +
@@ -309,7 +399,7 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
   }
   DataSources data = open_data(cfg);
   DataLoader loader(*data.train, cfg.train.seq_len, cfg.train.global_batch, cfg.train.micro_batch, cfg.train.seed,
-                    /*dp_rank=*/0, /*dp_size=*/1);
+                    topo.dp_rank, dp);
   std::optional<DataLoader> eval;
   if (data.eval) eval.emplace(*data.eval, cfg.train.seq_len, cfg.train.micro_batch, cfg.train.micro_batch, cfg.train.seed, 0, 1);
 
@@ -318,6 +408,27 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
   const ParamLayout& layout = model.layout();
   const int64_t total = layout.total_numel();
   AdamW opt(layout, cfg.optim);
+
+  // Distributed state: expert tensors must hold this rank's experts when ep > 1; gradients of
+  // dense tensors are summed over dp, of expert tensors over ep-dp (with ep = 1: also dp).
+  if (topo.sizes.ep > 1)
+    for (const ParamEntry& e : layout.entries())
+      MOE_CHECK(!e.expert || e.shape.at(0) * topo.sizes.ep == cfg.moe.num_experts, "parallel.ep = ", topo.sizes.ep,
+                ": expert tensor '", e.name, "' holds ", e.shape.at(0), " of ", cfg.moe.num_experts,
+                " experts; this build's CPU model keeps every expert on every rank, so it trains with "
+                "parallel.ep = 1 only");
+  Comm* expert_comm = topo.sizes.ep > 1 ? topo.ep_dp_comm.get() : nullptr;
+  std::vector<ShardGroup> owned;
+  std::unique_ptr<DistOptimizer> dist;
+  if (dp > 1) {
+    owned = make_shard_groups(layout, *topo.dp_comm, expert_comm);
+    if (cfg.parallel.zero) {
+      dist = std::make_unique<DistOptimizer>(layout, cfg.optim, *topo.dp_comm, expert_comm);
+      // ZeRO-1 keeps the moments only for this rank's shards: release the replicated ones.
+      std::vector<float>().swap(opt.exp_avg());
+      std::vector<float>().swap(opt.exp_avg_sq());
+    }
+  }
 
   // Resume.
   int64_t start = 0;
@@ -329,15 +440,32 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
               target, "'");
     if (step_dir) {
       LoadedCheckpoint ck = LoadedCheckpoint::open(*step_dir);
-      load_model_state(ck, model);
+      load_params(ck, model, topo);
       const nlohmann::json& st = ck.train_state();
       start = st.at("step").get<int64_t>();
       if (ck.has_optim()) {
-        for (const ParamEntry& e : layout.entries()) {
-          ck.read_optim(e.name + ".exp_avg", e.shape, opt.exp_avg().data() + e.offset);
-          ck.read_optim(e.name + ".exp_avg_sq", e.shape, opt.exp_avg_sq().data() + e.offset);
+        // Moments of any layout: the ranges this rank keeps (its ZeRO shards, or every tensor).
+        for (size_t gi = 0; dist && gi < dist->groups().size(); ++gi) {
+          DistOptimizer::Group& g = dist->groups()[gi];
+          for (const ShardPiece& p : g.plan.my_pieces()) {
+            const ParamEntry& e = layout.at(p.entry);
+            const GlobalPlacement gp = global_placement(e, topo.sizes.ep, topo.ep_rank);
+            ck.read_optim_range(e.name + ".exp_avg", gp.global_shape, gp.offset + p.entry_offset, p.numel,
+                                g.m.data() + p.shard_offset);
+            ck.read_optim_range(e.name + ".exp_avg_sq", gp.global_shape, gp.offset + p.entry_offset, p.numel,
+                                g.v.data() + p.shard_offset);
+          }
         }
+        if (!dist)
+          for (const ParamEntry& e : layout.entries()) {
+            const GlobalPlacement gp = global_placement(e, topo.sizes.ep, topo.ep_rank);
+            ck.read_optim_range(e.name + ".exp_avg", gp.global_shape, gp.offset, e.numel,
+                                opt.exp_avg().data() + e.offset);
+            ck.read_optim_range(e.name + ".exp_avg_sq", gp.global_shape, gp.offset, e.numel,
+                                opt.exp_avg_sq().data() + e.offset);
+          }
         opt.set_steps_taken(st.value("optimizer_steps", start));
+        if (dist) dist->set_steps_taken(opt.steps_taken());
       }
       loader.set_position(st.value("data_position", start));
       out << "resumed from " << *step_dir << " at step " << start << "\n";
@@ -346,7 +474,8 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
   summary.start_step = start;
   MOE_CHECK(start <= cfg.train.steps, "checkpoint step ", start, " is beyond train.steps = ", cfg.train.steps);
 
-  MetricsWriter metrics((fs::path(cfg.run.dir) / "metrics.jsonl").string(), /*append=*/start > 0);
+  std::optional<MetricsWriter> metrics;  // rank 0 writes metrics.jsonl
+  if (lead) metrics.emplace((fs::path(cfg.run.dir) / "metrics.jsonl").string(), /*append=*/start > 0);
   const ModelCounts counts = count_model(cfg.model, cfg.moe, cfg.train.seq_len);
   char head[256];
   std::snprintf(head, sizeof head, "moecore train: %.2fM params (%.2fM active), %lld steps x %lld tokens on %s (%s), run dir %s\n",
@@ -354,23 +483,29 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
                 (long long)(cfg.train.global_batch * cfg.train.seq_len), device.c_str(), cfg.train.precision.c_str(),
                 cfg.run.dir.c_str());
   out << head << std::flush;
+  if (world.size() > 1)
+    out << "parallel: " << world.size() << " ranks (" << world.backend() << "), dp " << dp << ", ep " << topo.sizes.ep
+        << ", ZeRO-1 " << (dist ? "on" : "off") << ", collective timeout " << world.timeout_s() << " s\n"
+        << std::flush;
 #ifdef MOECORE_HAS_CUDA
   if (device == "cuda") {
-    train_on_gpu(cfg, out, summary, loader, eval ? &*eval : nullptr, model, opt, ckpt_dir, metrics);
+    train_on_gpu(cfg, out, summary, loader, eval ? &*eval : nullptr, model, opt, ckpt_dir, *metrics);
     return summary;
   }
 #endif
 
   if (eval && start == 0) {
-    summary.initial_eval_loss = evaluate(model, *eval, cfg);
-    metrics.write({{"step", 0}, {"eval_loss", summary.initial_eval_loss}});
+    summary.initial_eval_loss = evaluate(model, *eval, cfg, *topo.dp_comm);
+    if (metrics) metrics->write({{"step", 0}, {"eval_loss", summary.initial_eval_loss}});
     char buf[96];
     std::snprintf(buf, sizeof buf, "step %lld | eval_loss %.4f\n", 0LL, summary.initial_eval_loss);
     out << buf << std::flush;
   }
 
-  const bool tty = isatty(fileno(stdout)) && &out == &std::cout;
+  // Open MPI hands ranks a pty even when mpirun's output goes to a file: no live line there.
+  const bool tty = isatty(fileno(stdout)) && &out == &std::cout && world.size() == 1;
   const int64_t micro_steps = loader.micro_steps_per_batch();
+  const double micro_total = double(micro_steps * dp);  // micro-batches of the global batch
   const int64_t tokens_per_step = cfg.train.global_batch * cfg.train.seq_len;
   const auto t_start = Clock::now();
   double window_loss = 0, window_lb = 0, window_z = 0, window_s = 0, window_imb = 0, window_dropped = 0;
@@ -378,34 +513,65 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
   bool first = true;
 
   for (int64_t step = start; step < cfg.train.steps; ++step) {
+    fault.maybe_exit(world.rank(), step + 1);
     const auto t0 = Clock::now();
     const std::vector<Batch> micro = loader.next();
     model.zero_grads();
     int64_t global_targets = 0;
     for (const Batch& b : micro)
       for (int32_t t : b.targets) global_targets += t >= 0;
+    if (dp > 1) topo.dp_comm->all_reduce(&global_targets, 1, ReduceOp::kSum);
+    // Scales of the global batch, so that the gradients summed over ranks are the 1-rank ones.
     const LossScales scales{1.0 / double(std::max<int64_t>(1, global_targets)),
-                            cfg.moe.lb_loss_weight / double(micro_steps), cfg.moe.z_loss_weight / double(micro_steps)};
+                            cfg.moe.lb_loss_weight / micro_total, cfg.moe.z_loss_weight / micro_total};
     double ce = 0, lb = 0, z = 0;
     int64_t routes = 0, dropped = 0;
     std::vector<std::vector<int64_t>> expert_counts(model.num_moe_layers(),
                                                     std::vector<int64_t>(cfg.moe.num_experts, 0));
     for (int64_t m = 0; m < static_cast<int64_t>(micro.size()); ++m) {
       const Batch& b = micro[m];
-      const uint64_t seed = routing_seed(cfg.train.seed, step, m);
+      // The micro-batch's index in the global batch, so random routing does not depend on dp.
+      const uint64_t seed = routing_seed(cfg.train.seed, step, topo.dp_rank * micro_steps + m);
       const ForwardStats s = model.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len, seed);
       model.backward(scales);
       ce += s.ce_sum;
-      lb += s.lb_loss / double(micro_steps);
-      z += s.z_loss / double(micro_steps);
+      lb += s.lb_loss / micro_total;
+      z += s.z_loss / micro_total;
       routes += s.num_routes;
       dropped += s.num_dropped;
       for (size_t l = 0; l < s.tokens_per_expert.size(); ++l)
         for (size_t e = 0; e < s.tokens_per_expert[l].size(); ++e) expert_counts[l][e] += s.tokens_per_expert[l][e];
     }
+    if (dp > 1) {  // global figures on every rank, so that every rank takes the same decisions
+      double sums[3] = {ce, lb, z};
+      topo.dp_comm->all_reduce(sums, 3, ReduceOp::kSum);
+      ce = sums[0], lb = sums[1], z = sums[2];
+      std::vector<int64_t> ints = {routes, dropped};
+      for (const auto& layer : expert_counts) ints.insert(ints.end(), layer.begin(), layer.end());
+      topo.dp_comm->all_reduce(ints.data(), int64_t(ints.size()), ReduceOp::kSum);
+      routes = ints[0], dropped = ints[1];
+      size_t at = 2;
+      for (auto& layer : expert_counts)
+        for (int64_t& c : layer) c = ints[at++];
+    }
     const double loss = ce / double(std::max<int64_t>(1, global_targets));
     const double lr = lr_at(cfg.optim, step, cfg.train.steps);
-    const double gnorm = global_grad_norm(model.grads(), total);
+    double gnorm = 0;
+    if (dp > 1) {
+      // Sum the gradients; the squared norm is summed over the elements each rank owns.
+      double sq = 0;
+      if (dist) {
+        dist->reduce_gradients(model.grads());
+        sq = dist->local_sum_squares();
+      } else {
+        all_reduce_gradients(layout, model.grads(), *topo.dp_comm, expert_comm);
+        for (const ShardGroup& g : owned) sq += owned_sum_squares(g.plan, layout, model.grads());
+      }
+      topo.dp_comm->all_reduce(&sq, 1, ReduceOp::kSum);
+      gnorm = std::sqrt(sq);
+    } else {
+      gnorm = global_grad_norm(model.grads(), total);
+    }
     const bool skip = !std::isfinite(loss) || !std::isfinite(gnorm);
     if (skip) {
       char buf[160];
@@ -414,8 +580,13 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
       out << buf << std::flush;
       ++window_skipped;
     } else {
-      clip_grads(model.grads(), total, gnorm, cfg.optim.grad_clip);
-      opt.step(model.params(), model.grads(), lr);
+      if (dist) {
+        dist->step(model.params(), lr, gnorm);
+        opt.set_steps_taken(dist->steps_taken());
+      } else {
+        clip_grads(model.grads(), total, gnorm, cfg.optim.grad_clip);
+        opt.step(model.params(), model.grads(), lr);
+      }
       if (cfg.moe.bias_update_rate > 0) model.update_expert_bias(expert_counts, cfg.moe.bias_update_rate);
     }
     const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -424,6 +595,7 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
     first = false;
     summary.last_loss = loss;
     summary.steps_done = done;
+    summary.losses.push_back(loss);
     const double imbalance = load_imbalance(expert_counts);
     window_loss += loss;
     window_lb += lb;
@@ -448,7 +620,7 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
                             {"load_imbalance", window_imb / window_n},
                             {"dropped_frac", window_dropped / window_n},
                             {"skipped_steps", window_skipped}};
-      metrics.write(rec);
+      if (metrics) metrics->write(rec);
       char buf[320];
       std::snprintf(buf, sizeof buf,
                     "%sstep %*lld/%lld | loss %.4f | lb %.3f | z %.3f | gnorm %.3f | lr %.2e | %s tok/s | imb %.2f | %s elapsed | ETA %s\n",
@@ -468,25 +640,34 @@ TrainSummary train(const Config& cfg, std::ostream& out) {
 
     const bool last = done == cfg.train.steps;
     if (eval && ((cfg.train.eval_interval > 0 && done % cfg.train.eval_interval == 0) || last)) {
-      const double el = evaluate(model, *eval, cfg);
+      const double el = evaluate(model, *eval, cfg, *topo.dp_comm);
       summary.final_eval_loss = el;
-      metrics.write({{"step", done}, {"eval_loss", el}});
+      if (metrics) metrics->write({{"step", done}, {"eval_loss", el}});
       char buf[96];
       std::snprintf(buf, sizeof buf, "%sstep %lld | eval_loss %.4f\n", tty ? "\r\033[K" : "", (long long)done, el);
       out << buf << std::flush;
     }
     if ((cfg.checkpoint.interval > 0 && done % cfg.checkpoint.interval == 0) || last) {
+      const nlohmann::json train_state = {{"step", done},
+                                          {"data_position", loader.position()},
+                                          {"optimizer_steps", opt.steps_taken()},
+                                          {"rng", {{"kind", "counter-based"}, {"seed", cfg.train.seed}, {"step", done}}},
+                                          {"config", config_to_toml(cfg)}};
+      if (world.size() > 1) {
+        SlicedCheckpointFiles sliced = sliced_files(model, owned, dist.get(), opt, topo);
+        sliced.train_state = train_state;
+        summary.last_checkpoint = save_checkpoint_sliced(world, ckpt_dir, done, sliced, cfg.checkpoint.keep_last);
+        if (!last || cfg.checkpoint.interval > 0)
+          out << (tty ? "\r\033[K" : "") << "saved checkpoint " << summary.last_checkpoint << "\n" << std::flush;
+        continue;
+      }
       CheckpointFiles files;
       files.model = model_state_refs(model);
       auto avg = tensor_refs(layout, opt.exp_avg().data(), ".exp_avg");
       auto avg_sq = tensor_refs(layout, opt.exp_avg_sq().data(), ".exp_avg_sq");
       files.optim = avg;
       files.optim.insert(files.optim.end(), avg_sq.begin(), avg_sq.end());
-      files.train_state = {{"step", done},
-                           {"data_position", loader.position()},
-                           {"optimizer_steps", opt.steps_taken()},
-                           {"rng", {{"kind", "counter-based"}, {"seed", cfg.train.seed}, {"step", done}}},
-                           {"config", config_to_toml(cfg)}};
+      files.train_state = train_state;
       summary.last_checkpoint = save_checkpoint(ckpt_dir, done, files, cfg.checkpoint.keep_last);
       if (!last || cfg.checkpoint.interval > 0)
         out << (tty ? "\r\033[K" : "") << "saved checkpoint " << summary.last_checkpoint << "\n" << std::flush;

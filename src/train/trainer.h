@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <iosfwd>
 #include <string>
+#include <vector>
 
 #include "core/config.h"
 
@@ -18,10 +19,16 @@ struct TrainSummary {
   double initial_eval_loss = -1, final_eval_loss = -1;  // -1: no eval data
   double wall_s = 0;
   std::string run_dir, last_checkpoint;
+  std::vector<double> losses;  // loss of every step run (global over ranks), in order
 };
 
-// Runs cfg (already validated). Console lines go to `out`.
+class Comm;
+
+// Runs cfg (already validated) over world_comm(). Console lines go to `out`.
 TrainSummary train(const Config& cfg, std::ostream& out);
+// The same over the ranks of `world` (every rank calls it; rank 0 prints and writes the run's
+// files; parallel.* is checked against world.size()). Sets world's timeout to parallel.timeout_s.
+TrainSummary train(const Config& cfg, std::ostream& out, Comm& world);
 
 // Checkpoint directory of a run: checkpoint.dir, or <run.dir>/checkpoints when empty.
 std::string checkpoint_dir(const Config& cfg);

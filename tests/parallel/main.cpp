@@ -1,0 +1,64 @@
+// Entry point of the multi-process suite, run by CTest as `mpirun -np N test_parallel` (and as
+// one plain process). Every rank runs every test; rank 0 prints the usual report, the others
+// only their failures prefixed with their rank; the exit status is the worst over the ranks.
+// `test_parallel --timeout-probe` instead lets rank 1 skip a collective (Launch tests use it).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+
+#include "core/error.h"
+#include "parallel/comm.h"
+
+namespace {
+
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (!r.failed()) return;
+    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
+                 r.line_number(), r.message());
+  }
+
+ private:
+  int rank_;
+};
+
+// Rank 1 never joins the all-reduce: rank 0 must fail with the timeout error and abort the job.
+int timeout_probe() {
+  moe::Comm& world = moe::world_comm();
+  try {
+    if (world.rank() == 1) {
+      ::sleep(60);
+      return 0;
+    }
+    float x = 1;
+    world.all_reduce(&x, 1, moe::ReduceOp::kSum);
+    std::fprintf(stderr, "[rank %d] the all-reduce completed without rank 1\n", world.rank());
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[rank %d] error: %s\n", world.rank(), e.what());
+    world.abort(1);
+  }
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "--timeout-probe") == 0) return timeout_probe();
+  ::testing::InitGoogleTest(&argc, argv);
+  moe::Comm& world = moe::world_comm();
+  if (world.rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new RankFailurePrinter(world.rank()));
+  }
+  int64_t failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+  world.all_reduce(&failed, 1, moe::ReduceOp::kMax);
+  if (world.rank() == 0 && world.size() > 1)
+    std::printf("%d ranks: %s\n", world.size(), failed ? "a test failed on some rank" : "all ranks passed");
+  return int(failed);
+}

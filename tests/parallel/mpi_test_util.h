@@ -1,0 +1,129 @@
+// Helpers of the multi-process suite: the world communicator, a directory every rank of a
+// group shares, a small model config, and running a command (mpirun, moecore) with a time limit.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/config_io.h"
+#include "parallel/comm.h"
+
+#define EXPECT_CONTAINS(text, part) \
+  EXPECT_NE(std::string(text).find(part), std::string::npos) << "missing: " << (part) << "\nin: " << (text)
+
+namespace moe::testing {
+
+// A temporary directory named by rank 0 of `comm` (its pid and a counter), created by rank 0
+// before the constructor returns on any rank, removed by rank 0 when every rank is done with it.
+class SharedDir {
+ public:
+  SharedDir(Comm& comm, const std::string& tag) : comm_(comm) {
+    static int64_t counter = 0;
+    int64_t id[2] = {int64_t(::getpid()), counter++};
+    comm_.broadcast(id, 2, 0);
+    counter = std::max(counter, id[1] + 1);
+    path_ = std::filesystem::temp_directory_path() /
+            ("moecore_mpi_" + tag + "_" + std::to_string(id[0]) + "_" + std::to_string(id[1]));
+    if (comm_.rank() == 0) {
+      std::filesystem::remove_all(path_);
+      std::filesystem::create_directories(path_);
+    }
+    comm_.barrier();
+  }
+  ~SharedDir() {
+    comm_.barrier();
+    std::error_code ec;
+    if (comm_.rank() == 0) std::filesystem::remove_all(path_, ec);
+  }
+  SharedDir(const SharedDir&) = delete;
+  SharedDir& operator=(const SharedDir&) = delete;
+  std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
+  const std::filesystem::path& root() const { return path_; }
+
+ private:
+  Comm& comm_;
+  std::filesystem::path path_;
+};
+
+// Two layers (one dense, one MoE with 4 experts), global batch 8 of 16-token sequences in
+// micro-batches of 2: 4 micro-batches per step on 1 rank, 2 on 2 ranks, 1 on 4.
+inline Config small_parallel_config(const std::filesystem::path& run_dir, int64_t steps = 20) {
+  Config c;
+  c.model.d_model = 32;
+  c.model.n_layers = 2;
+  c.model.n_heads = 4;
+  c.model.n_kv_heads = 2;
+  c.model.dense_layers = {0};
+  c.model.dense_hidden = 64;
+  c.moe.num_experts = 4;
+  c.moe.top_k = 2;
+  c.moe.expert_hidden = 32;
+  c.moe.bias_update_rate = 0.001;
+  c.train.seq_len = 16;
+  c.train.micro_batch = 2;
+  c.train.global_batch = 8;
+  c.train.steps = steps;
+  c.train.eval_interval = 0;
+  c.train.eval_batches = 2;
+  c.train.device = "cpu";
+  c.optim.warmup_steps = 2;
+  c.log.interval = 1;
+  c.parallel.timeout_s = 120;
+  c.run.dir = run_dir.string();
+  validate_config(c);
+  return c;
+}
+
+// Worst |a - b| / max(|b|, 1e-12) over two equally long series (fails when lengths differ).
+inline double worst_relative_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    worst = std::max(worst, std::abs(a[i] - b[i]) / std::max(std::abs(b[i]), 1e-12));
+  return worst;
+}
+
+struct CommandResult {
+  int status = -1;  // exit status, or 128 + signal
+  std::string output;  // stdout and stderr
+  double seconds = 0;
+};
+
+// Runs `command` through the shell with stderr joined to stdout.
+inline CommandResult run_command(const std::string& command) {
+  CommandResult r;
+  const auto t0 = std::chrono::steady_clock::now();
+  FILE* p = ::popen((command + " 2>&1").c_str(), "r");
+  if (!p) {
+    ADD_FAILURE() << "popen failed for " << command;
+    return r;
+  }
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+  const int st = ::pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + (WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+// `mpirun -np N --oversubscribe` with the variables a root-run container needs and one BLAS
+// thread per rank; `env` adds NAME=value pairs for every rank (-x).
+inline std::string mpirun(int np, const std::vector<std::string>& env = {}) {
+  std::string cmd = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OPENBLAS_NUM_THREADS=1 ";
+  for (const auto& e : env) cmd += e + " ";
+  cmd += std::string(MOECORE_MPIEXEC) + " -np " + std::to_string(np) + " --oversubscribe";
+  for (const auto& e : env) cmd += " -x " + e.substr(0, e.find('='));
+  return cmd + " ";
+}
+
+}  // namespace moe::testing
