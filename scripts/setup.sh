@@ -4,7 +4,7 @@
 set -euo pipefail
 
 packages=(g++ cmake ninja-build ccache libopenblas-dev libtomlplusplus-dev
-          nlohmann-json3-dev libgtest-dev)
+          nlohmann-json3-dev libgtest-dev openmpi-bin libopenmpi-dev)
 
 missing=()
 for p in "${packages[@]}"; do

@@ -18,7 +18,7 @@ namespace fs = std::filesystem;
 
 // A short run of a two-layer model (overrides for `moecore train`).
 std::string small_run(const fs::path& run_dir, int steps) {
-  return std::string(MOECORE_BINARY) + " train --model.d_model=32 --model.n_layers=2 --model.dense_hidden=64" +
+  return std::string(MOECORE_BINARY) + " train --model.d_model=32 --model.n_layers=2 --model.dense_layers=" +
          " --moe.num_experts=4 --moe.expert_hidden=32 --train.seq_len=16 --train.micro_batch=2" +
          " --train.global_batch=8 --train.eval_interval=0 --train.device=cpu --log.interval=1" +
          " --train.steps=" + std::to_string(steps) + " --run.dir=" + run_dir.string();

@@ -119,7 +119,7 @@ inline CommandResult run_command(const std::string& command) {
 // `mpirun -np N --oversubscribe` with the variables a root-run container needs and one BLAS
 // thread per rank; `env` adds NAME=value pairs for every rank (-x).
 inline std::string mpirun(int np, const std::vector<std::string>& env = {}) {
-  std::string cmd = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OPENBLAS_NUM_THREADS=1 ";
+  std::string cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OPENBLAS_NUM_THREADS=1 ";
   for (const auto& e : env) cmd += e + " ";
   cmd += std::string(MOECORE_MPIEXEC) + " -np " + std::to_string(np) + " --oversubscribe";
   for (const auto& e : env) cmd += " -x " + e.substr(0, e.find('='));

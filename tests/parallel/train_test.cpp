@@ -53,32 +53,37 @@ TEST(DataParallel, FollowsOneRankLosses) {
   if (!needs_ranks(2)) GTEST_SKIP() << "needs >= 2 ranks";
   const SharedDir dir(w, "dp");
   auto self = make_self_comm();
-  const Config ref_cfg = small_parallel_config(dir / ("ref-" + std::to_string(w.rank())));
-  const std::vector<double> ref = losses_of(ref_cfg, *self);
-  ASSERT_EQ(ref.size(), 20u);
-  for (int64_t ep : kExpertParallelSizes) {
-    Config cfg = small_parallel_config(dir / ("dp-ep" + std::to_string(ep)));
-    cfg.parallel.ep = ep;
+  for (const std::string routing : {"learned", "random"}) {
+    const std::string ref_dir = "ref-" + routing + "-" + std::to_string(w.rank());
+    Config ref_cfg = small_parallel_config(dir / ref_dir);
+    ref_cfg.moe.routing = routing;
     std::ostringstream log;
-    const TrainSummary s = train(cfg, log, w);
-    const double worst = worst_relative_difference(s.losses, ref);
-    if (w.rank() == 0)
-      std::printf("dp=%d ep=%lld: worst relative loss difference vs 1 rank over %zu steps: %.3g\n", w.size(),
-                  (long long)ep, ref.size(), worst);
-    EXPECT_LT(worst, kLossTolerance);
-    EXPECT_LT(std::abs(s.final_eval_loss - train(ref_cfg, log, *self).final_eval_loss), 1e-3);
-    // Only rank 0 writes the run's files; it logged every step.
-    if (w.rank() == 0) {
-      EXPECT_EQ(train_losses(cfg.run.dir).size(), 20u);
+    const TrainSummary ref = train(ref_cfg, log, *self);
+    ASSERT_EQ(ref.losses.size(), 20u);
+    for (int64_t ep : kExpertParallelSizes) {
+      Config cfg = small_parallel_config(dir / ("dp-" + routing + "-ep" + std::to_string(ep)));
+      cfg.moe.routing = routing;
+      cfg.parallel.ep = ep;
+      const TrainSummary s = train(cfg, log, w);
+      const double worst = worst_relative_difference(s.losses, ref.losses);
+      if (w.rank() == 0)
+        std::printf("dp=%d ep=%lld routing=%s: worst relative loss difference vs 1 rank over %zu steps: %.3g\n",
+                    w.size(), (long long)ep, routing.c_str(), ref.losses.size(), worst);
+      EXPECT_LT(worst, kLossTolerance) << routing;
+      EXPECT_LT(std::abs(s.final_eval_loss - ref.final_eval_loss), kLossTolerance * ref.final_eval_loss) << routing;
+      // Only rank 0 writes the run's files; it logged every step.
+      if (w.rank() == 0) {
+        EXPECT_EQ(train_losses(cfg.run.dir).size(), 20u);
+      }
+      // The sliced checkpoint holds the one-rank run's model, within the same rounding.
+      const std::vector<float> a = checkpoint_params(s.last_checkpoint, cfg);
+      const std::vector<float> b = checkpoint_params(ref.last_checkpoint, ref_cfg);
+      ASSERT_EQ(a.size(), b.size());
+      double worst_param = 0;
+      for (size_t i = 0; i < a.size(); ++i) worst_param = std::max(worst_param, double(std::abs(a[i] - b[i])));
+      EXPECT_LT(worst_param, 1e-5) << routing;
+      w.barrier();
     }
-    // The sliced checkpoint holds the same model as the one-rank run, within the same rounding.
-    const std::vector<float> a = checkpoint_params(s.last_checkpoint, cfg);
-    const std::vector<float> b = checkpoint_params(dir / ("ref-" + std::to_string(w.rank())) / "checkpoints" / "step_20", ref_cfg);
-    ASSERT_EQ(a.size(), b.size());
-    double worst_param = 0;
-    for (size_t i = 0; i < a.size(); ++i) worst_param = std::max(worst_param, double(std::abs(a[i] - b[i])));
-    EXPECT_LT(worst_param, 1e-4);
-    w.barrier();
   }
 }
 

@@ -300,9 +300,12 @@ TEST(Checkpoint, ManifestIsValidated) {
   auto write_manifest = [&](const json& m) { std::ofstream(mpath, std::ios::trunc) << m.dump(); };
 
   json m = good;
-  m["version"] = 2;
+  m["version"] = 3;
   write_manifest(m);
-  expect_error([&] { LoadedCheckpoint::open(step_dir); }, {"version 2", "not supported"});
+  expect_error([&] { LoadedCheckpoint::open(step_dir); }, {"version 3", "not supported"});
+  m["version"] = 2;  // sliced: needs world_size and a slice map
+  write_manifest(m);
+  expect_error([&] { LoadedCheckpoint::open(step_dir); }, {"sliced checkpoint needs", "world_size"});
   m = good;
   m["format"] = "other";
   write_manifest(m);
