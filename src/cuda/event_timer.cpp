@@ -22,6 +22,7 @@ const char* phase_name(Phase p) {
     case Phase::kExperts: return "experts";
     case Phase::kCombine: return "combine";
     case Phase::kLmHead: return "lm_head";
+    case Phase::kGradReduce: return "grad_reduce";
     case Phase::kOptimizer: return "optimizer";
     case Phase::kCount: break;
   }

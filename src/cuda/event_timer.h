@@ -21,11 +21,13 @@ enum class Phase : int {
   kExperts,    // grouped GEMMs and SwiGLU of the routed experts
   kCombine,    // weighted unpermute and its backward
   kLmHead,     // final norm, LM head, cross-entropy
+  kGradReduce, // data parallel: all-reduce of the gradients and step statistics over the GPUs
   kOptimizer,  // grad norm, clipping, AdamW, BF16 refresh, expert-bias update
   kCount
 };
 constexpr int kNumPhases = static_cast<int>(Phase::kCount);
-// "embedding", "attention", "mlp", "router", "dispatch", "experts", "combine", "lm_head", "optimizer".
+// "embedding", "attention", "mlp", "router", "dispatch", "experts", "combine", "lm_head",
+// "grad_reduce", "optimizer".
 const char* phase_name(Phase p);
 
 class EventTimer {

@@ -1,0 +1,69 @@
+// NCCL for data parallelism over GPUs, one GPU per process: the device binding of the process,
+// the 128-byte unique id that rank 0 makes and the other ranks receive (over MPI), a communicator
+// over the group on the current device, in-place sum all-reduces enqueued on a stream (legal
+// inside CUDA graph capture), and a wait for device work holding collectives that fails instead
+// of hanging when a peer died. No CUDA or NCCL headers: src/train includes it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "cuda/device.h"
+#include "cuda/ops/memory.h"
+
+namespace moe::cuda {
+
+// cudaSetDevice(ordinal) for this thread; throws naming the ordinal and the visible device count.
+void set_device(int ordinal);
+// The current device (cudaGetDevice).
+int current_device();
+
+// The NCCL library this process runs ("2.28.9"), from ncclGetVersion.
+std::string nccl_version();
+
+constexpr int kNcclIdBytes = 128;  // NCCL_UNIQUE_ID_BYTES
+struct NcclId {
+  unsigned char bytes[kNcclIdBytes] = {};
+};
+// A fresh id (ncclGetUniqueId): made by one rank, then given to every rank of the group.
+NcclId nccl_make_id();
+
+enum class NcclDType { kF32, kF64, kI64, kU32 };
+
+class NcclComm {
+ public:
+  // Collective over the `size` ranks that hold the same id (ncclCommInitRank on the current
+  // device; blocks until every rank joined). timeout_s bounds wait().
+  NcclComm(const NcclId& id, int size, int rank, double timeout_s);
+  ~NcclComm();  // ncclCommDestroy (nothing after an abort); never throws
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+
+  int rank() const;
+  int size() const;
+  int device() const;  // the device the communicator was made on
+  double timeout_s() const;
+
+  // data[i] = sum over ranks of data[i], i < n, in place in device memory, enqueued on `stream`
+  // (returns at once; capturable). Every rank calls it with the same n, type and order. The
+  // result is bitwise the same on every rank.
+  void all_reduce_sum(void* data, int64_t n, NcclDType type, Stream stream);
+  // Collectives issued between group_start() and group_end() are launched together.
+  void group_start();
+  void group_end();
+
+  // Waits until `event` completed, polling it and NCCL's asynchronous error state. When NCCL
+  // reports an error, or timeout_s passes (a peer died, hangs, or issued other collectives),
+  // aborts the communicator (its pending kernels end, so the stream drains) and throws naming
+  // `what`, the rank and the group size.
+  void wait(Event event, const char* what);
+  // True after the communicator was aborted (every later collective throws).
+  bool aborted() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moe::cuda
