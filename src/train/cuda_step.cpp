@@ -3,16 +3,24 @@
 // eagerly or captured once into a CUDA graph and replayed, and a ring of pinned stats slots each
 // filled by one asynchronous copy and an event. Per submit, the host enqueues three copies
 // (token ids, loss scales, lr), the step (one graph launch when captured) and the stats copy.
+// Data parallel: after the last backward the step sums, over the NCCL group, the FP32 gradients
+// (buckets of kGradBucketElements) and the statistics record's CE/lb/z sums, bad-id counters and
+// expert counts, all on the model's stream before the grad norm, so the rest of the step is the
+// one-GPU step on global figures.
 #ifdef MOECORE_HAS_CUDA
 
 #include "train/cuda_step.h"
 
+#include <algorithm>
 #include <array>
+#include <cstddef>
 #include <cstring>
+#include <string>
 
 #include "core/error.h"
 #include "cuda/event_timer.h"
 #include "cuda/ops/memory.h"
+#include "cuda/ops/nccl.h"
 #include "cuda/ops/optim.h"
 #include "cuda/ops/step_stats.h"
 #include "train/routing_seed.h"
@@ -30,6 +38,33 @@ struct StagedScalars {
   float reserved = 0;
 };
 
+// The record's fields that are summed over data-parallel ranks, as contiguous runs.
+static_assert(offsetof(cuda::StepStatsRecord, lb_sum) == offsetof(cuda::StepStatsRecord, ce_sum) + sizeof(double) &&
+                  offsetof(cuda::StepStatsRecord, z_sum) == offsetof(cuda::StepStatsRecord, ce_sum) + 2 * sizeof(double),
+              "ce_sum, lb_sum, z_sum must be three adjacent doubles");
+static_assert(offsetof(cuda::StepStatsRecord, bad_targets) == offsetof(cuda::StepStatsRecord, bad_ids) + sizeof(uint32_t),
+              "bad_ids, bad_targets must be two adjacent uint32");
+
+// Checks that need no allocation, before the model is built.
+const Config& checked_config(const Config& cfg, cuda::NcclComm* dp) {
+  MOE_CHECK(cfg.train.micro_batch > 0 && cfg.train.seq_len > 0 && cfg.train.global_batch > 0,
+            "CudaStepRunner: train.micro_batch, train.seq_len and train.global_batch must be positive, got ",
+            cfg.train.micro_batch, ", ", cfg.train.seq_len, ", ", cfg.train.global_batch);
+  MOE_CHECK(cfg.parallel.ep == 1, "parallel.ep = ", cfg.parallel.ep,
+            ": expert parallelism is not available on GPUs yet; train.device = \"cuda\" runs data parallel "
+            "with every expert on every GPU: set parallel.ep = 1 (or train on train.device = \"cpu\")");
+  if (dp) {
+    MOE_CHECK(cfg.train.global_batch % (dp->size() * cfg.train.micro_batch) == 0, "CudaStepRunner: train.global_batch (",
+              cfg.train.global_batch, ") must be divisible by dp x train.micro_batch = ", dp->size(), " x ",
+              cfg.train.micro_batch);
+    MOE_CHECK(!dp->aborted(), "CudaStepRunner: the data-parallel NCCL communicator was aborted");
+    MOE_CHECK(dp->device() == cuda::current_device(), "CudaStepRunner: the NCCL communicator of rank ", dp->rank(),
+              " was made on GPU ", dp->device(), " but the current GPU is ", cuda::current_device(),
+              "; bind the process to its GPU (bind_local_gpu) before making either");
+  }
+  return cfg;
+}
+
 struct StepShape {
   int64_t micro = 0, batch = 0, seq = 0;
   int64_t tokens() const { return batch * seq; }
@@ -40,6 +75,8 @@ struct StepShape {
 
 struct CudaStepRunner::Impl {
   Config cfg;
+  cuda::NcclComm* dp = nullptr;  // not owned; null: one GPU
+  int64_t dp_size = 1, dp_rank = 0;
   CudaModel model;
   cuda::ParamSegmentTable segments;
   cuda::DeviceBuffer exp_avg, exp_avg_sq, norm_ws, opt_scalars;
@@ -77,12 +114,36 @@ struct CudaStepRunner::Impl {
   StepShape eager_shape;
   int64_t eager_generation = -1;
 
-  explicit Impl(const Config& c) : cfg(c), model(c.model, c.moe), segments(model.layout()) {}
+  Impl(const Config& c, cuda::NcclComm* d)
+      : cfg(c), dp(d), dp_size(d ? d->size() : 1), dp_rank(d ? d->rank() : 0), model(c.model, c.moe),
+        segments(model.layout()) {}
 
   cuda::Stream stream() const { return model.stream(); }
   int64_t generation() const { return model.buffer_generation() + token_reallocations; }
   cuda::OptimStepScalars* opt() const { return opt_scalars.as<cuda::OptimStepScalars>(); }
   bool graph_allowed() const { return use_graph && timer == nullptr && cfg.moe.routing == "learned"; }
+
+  // Waits for work recorded before `e`; with a data-parallel group, fails instead of hanging.
+  void wait(cuda::Event e, const std::string& what) {
+    if (dp) dp->wait(e, what.c_str());
+    else cuda::event_sync(e);
+  }
+
+  // Sums the gradients and the step statistics over the data-parallel group; only enqueues work.
+  void all_reduce_step(cuda::Stream st) {
+    const int64_t total = model.layout().total_numel();
+    float* grads = model.grads();
+    for (int64_t at = 0; at < total; at += kGradBucketElements)
+      dp->all_reduce_sum(grads + at, std::min(kGradBucketElements, total - at), cuda::NcclDType::kF32, st);
+    cuda::StepStatsRecord* rec = model.stats_record();
+    auto* base = reinterpret_cast<unsigned char*>(rec);
+    dp->group_start();
+    dp->all_reduce_sum(base + offsetof(cuda::StepStatsRecord, ce_sum), 3, cuda::NcclDType::kF64, st);
+    dp->all_reduce_sum(base + offsetof(cuda::StepStatsRecord, bad_ids), 2, cuda::NcclDType::kU32, st);
+    dp->all_reduce_sum(cuda::step_stats_counts(rec), model.num_moe_layers() * cfg.moe.num_experts,
+                       cuda::NcclDType::kI64, st);
+    dp->group_end();
+  }
 
   // Everything of one step after its inputs are on the device; only enqueues work.
   void enqueue_step(const StepShape& sh, int64_t step, uint64_t train_seed) {
@@ -93,8 +154,15 @@ struct CudaStepRunner::Impl {
     model.reset_stats();
     model.zero_grads();
     for (int64_t m = 0; m < sh.micro; ++m) {
-      model.forward_device(inputs + m * n, targets + m * n, sh.batch, sh.seq, routing_seed(train_seed, step - 1, m));
+      // The micro-batch's index in the global batch, so random routing does not depend on dp.
+      const int64_t global_m = dp_rank * sh.micro + m;
+      model.forward_device(inputs + m * n, targets + m * n, sh.batch, sh.seq,
+                           routing_seed(train_seed, step - 1, global_m));
       model.backward();
+    }
+    if (dp) {
+      if (timer) timer->mark(cuda::Phase::kGradReduce);
+      all_reduce_step(st);
     }
     if (timer) timer->mark(cuda::Phase::kOptimizer);
     cuda::StepStatsRecord* rec = model.stats_record();
@@ -113,17 +181,15 @@ struct CudaStepRunner::Impl {
   // Pinned staging for `bytes` of token ids; waits for the device to have copied out of the slot.
   Staging& staging_slot(size_t token_bytes) {
     Staging& s = staging[num_submitted % kStagingSlots];
-    if (s.used) cuda::event_sync(s.copied);  // the copies of the step two submits ago
+    if (s.used) wait(s.copied, "the input copies of the step two submits ago");
     if (s.tokens.bytes() < token_bytes) s.tokens = cuda::PinnedBuffer(token_bytes);
     return s;
   }
 };
 
-CudaStepRunner::CudaStepRunner(const Config& cfg) : impl_(std::make_unique<Impl>(cfg)) {
+CudaStepRunner::CudaStepRunner(const Config& cfg, cuda::NcclComm* dp)
+    : impl_(std::make_unique<Impl>(checked_config(cfg, dp), dp)) {
   Impl& I = *impl_;
-  MOE_CHECK(cfg.train.micro_batch > 0 && cfg.train.seq_len > 0 && cfg.train.global_batch > 0,
-            "CudaStepRunner: train.micro_batch, train.seq_len and train.global_batch must be positive, got ",
-            cfg.train.micro_batch, ", ", cfg.train.seq_len, ", ", cfg.train.global_batch);
   const int64_t total = I.model.layout().total_numel();
   const size_t bytes = size_t(total) * sizeof(float);
   I.exp_avg.reserve(bytes);
@@ -138,7 +204,7 @@ CudaStepRunner::CudaStepRunner(const Config& cfg) : impl_(std::make_unique<Impl>
   cuda::copy_h2d(I.opt_scalars.data(), &zero, sizeof(zero), st);
 
   // Static shapes of a step: every buffer at its final size before any capture.
-  const int64_t micro = std::max<int64_t>(1, cfg.train.global_batch / cfg.train.micro_batch);
+  const int64_t micro = std::max<int64_t>(1, cfg.train.global_batch / (I.dp_size * cfg.train.micro_batch));
   const int64_t n = cfg.train.micro_batch * cfg.train.seq_len;
   I.model.reserve(cfg.train.micro_batch, cfg.train.seq_len);
   I.tokens.reserve(size_t(2 * micro * n) * sizeof(int32_t));
@@ -157,6 +223,15 @@ CudaStepRunner::CudaStepRunner(const Config& cfg) : impl_(std::make_unique<Impl>
 CudaStepRunner::~CudaStepRunner() {
   Impl& I = *impl_;
   try {
+    // With a group, pending collectives may wait for a rank that left: wait under the deadline
+    // (which aborts the communicator, ending them) before the plain synchronisation.
+    if (I.dp && !I.dp->aborted()) {
+      cuda::event_record(I.staging[0].copied, I.stream());
+      I.wait(I.staging[0].copied, "the last steps before the step runner is destroyed");
+    }
+  } catch (...) {
+  }
+  try {
     cuda::stream_sync(I.stream());
   } catch (...) {
   }
@@ -167,6 +242,8 @@ CudaStepRunner::~CudaStepRunner() {
 
 CudaModel& CudaStepRunner::model() { return impl_->model; }
 int64_t CudaStepRunner::pending() const { return impl_->num_pending; }
+int64_t CudaStepRunner::dp_size() const { return impl_->dp_size; }
+int64_t CudaStepRunner::dp_rank() const { return impl_->dp_rank; }
 bool CudaStepRunner::uses_graph() const { return impl_->use_graph && impl_->cfg.moe.routing == "learned"; }
 int64_t CudaStepRunner::graph_launches() const { return impl_->launches; }
 
@@ -254,7 +331,9 @@ void CudaStepRunner::submit(int64_t step, const std::vector<Batch>& micro, int64
   }
   auto* scalars = stage.scalars.as<StagedScalars>();
   const int64_t layers = I.model.num_moe_layers();
-  const double per_layer = layers > 0 ? 1.0 / (double(sh.micro) * double(layers)) : 0.0;
+  // Micro-batches of the global batch: the lb and z weights are per micro-batch of all ranks.
+  const int64_t global_micro = sh.micro * I.dp_size;
+  const double per_layer = layers > 0 ? 1.0 / (double(global_micro) * double(layers)) : 0.0;
   scalars->lr = lr;
   scalars->loss_scales[0] = static_cast<float>(1.0 / double(std::max<int64_t>(1, global_targets)));
   scalars->loss_scales[1] = static_cast<float>(I.cfg.moe.lb_loss_weight * per_layer);
@@ -308,9 +387,9 @@ void CudaStepRunner::submit(int64_t step, const std::vector<Batch>& micro, int64
   cuda::copy_d2h_async(slot.host.data(), I.model.stats_record(), I.model.stats_bytes(), st);
   cuda::event_record(slot.ready, st);
   slot.step = step;
-  slot.num_targets = num_targets;
-  slot.num_forwards = sh.micro;
-  slot.num_routes = sh.micro * layers * n * I.cfg.moe.top_k;
+  slot.num_targets = I.dp ? global_targets : num_targets;  // the CE sum is global after the all-reduce
+  slot.num_forwards = global_micro;
+  slot.num_routes = global_micro * layers * n * I.cfg.moe.top_k;
   ++I.num_pending;
   I.last_step = step;
 }
@@ -319,7 +398,7 @@ StepStats CudaStepRunner::collect() {
   Impl& I = *impl_;
   MOE_CHECK(I.num_pending > 0, "CudaStepRunner::collect: no submitted step is waiting to be collected");
   Impl::StatsSlot& slot = I.ring[I.ring_head];
-  cuda::event_sync(slot.ready);
+  I.wait(slot.ready, "step " + std::to_string(slot.step));
   I.ring_head = (I.ring_head + 1) % kMaxPending;
   --I.num_pending;
 

@@ -5,6 +5,11 @@
 // inside a step: the step's statistics are copied asynchronously into pinned host memory and
 // collected one step later. When the config allows it (learned routing; no phase timer), the
 // step after the first is captured once in a CUDA graph and replayed.
+// Data parallel (an NcclComm over dp ranks, one GPU each): every rank runs its micro-batches, then
+// the FP32 gradients and the step statistics are summed over the ranks with NCCL on the model's
+// stream (inside the graph), so every rank computes the same grad norm, skip decision, AdamW
+// update and expert-bias update on replicated state (plain all-reduce DDP, no overlap with
+// backward yet, no ZeRO on GPU).
 #pragma once
 
 #ifdef MOECORE_HAS_CUDA
@@ -20,12 +25,15 @@
 namespace moe {
 namespace cuda {
 class EventTimer;
+class NcclComm;
 }
 
+// With data parallelism every figure is global: summed (or averaged) over the micro-batches of
+// every rank, identical on every rank.
 struct StepStats {
   int64_t step = 0;          // 1-based number of the step these statistics belong to
   double ce_sum = 0;         // summed over micro-batches
-  int64_t num_targets = 0;
+  int64_t num_targets = 0;   // one rank: counted in the batches; dp > 1: submit's global_targets
   double lb_loss = 0, z_loss = 0;  // mean over micro-batches (each a mean over MoE layers)
   std::vector<std::vector<int64_t>> tokens_per_expert;  // [MoE layer][expert], summed over micro-batches
   int64_t num_routes = 0;
@@ -39,9 +47,17 @@ class CudaStepRunner {
   // Stats slots in pinned memory: at most this many steps may be submitted and not collected.
   static constexpr int kMaxPending = 4;
 
+  // Gradient all-reduce buckets (FP32 elements): 64 Mi elements, 256 MiB per NCCL call.
+  static constexpr int64_t kGradBucketElements = int64_t(64) << 20;
+
   // Allocates the model (parameters zero), gradients, moments (zero) and the step buffers for
   // micro-batches of cfg.train.micro_batch x cfg.train.seq_len tokens on the current device.
-  explicit CudaStepRunner(const Config& cfg);
+  // dp (not owned, may be null: one GPU): the data-parallel group, made on the current device;
+  // each rank then runs global_batch / (dp x micro_batch) micro-batches per step. Refuses
+  // parallel.ep > 1 (no expert parallelism on GPUs yet). Every rank of the group must make the
+  // same calls in the same order with batches of the same shapes (submit, set_use_graph,
+  // set_phase_timer, evaluate is local): a captured NCCL collective is collective over the group.
+  explicit CudaStepRunner(const Config& cfg, cuda::NcclComm* dp = nullptr);
   ~CudaStepRunner();
   CudaStepRunner(const CudaStepRunner&) = delete;
   CudaStepRunner& operator=(const CudaStepRunner&) = delete;
@@ -58,20 +74,28 @@ class CudaStepRunner {
                       std::vector<float>* expert_bias);
 
   // Enqueues step `step` (1-based, larger than every step submitted before). micro: this rank's
-  // micro-batches, all of one shape; global_targets: targets of the whole step (sets the CE
-  // scale 1 / global_targets); lr from the schedule; micro-batch m routes with
-  // routing_seed(train_seed, step - 1, m) (train/routing_seed.h), as the CPU trainer. Returns
+  // micro-batches, all of one shape; global_targets: targets of the whole step over every rank
+  // (sets the CE scale 1 / global_targets; with dp > 1 the caller sums the ranks' counts on the
+  // host, e.g. one MPI all-reduce); lr from the schedule; micro-batch m of dp rank r routes with
+  // routing_seed(train_seed, step - 1, r x micro.size() + m) (train/routing_seed.h), its index in
+  // the global batch, as the CPU trainer. The lb and z weights are divided by the micro-batches
+  // of the global batch (dp x micro.size()). Returns
   // without waiting for the GPU, except that a pinned staging slot is reused only once the
   // device has copied out of it (an event two steps old). Throws when kMaxPending steps are
   // waiting to be collected.
   void submit(int64_t step, const std::vector<Batch>& micro, int64_t global_targets, double lr, uint64_t train_seed);
-  // Statistics of the oldest submitted step not yet collected; waits only for that step's event.
-  // Throws when nothing is pending, or when the device counted bad token ids or targets (the step
-  // is then dropped from the queue; the ids name vocab_size).
+  // Statistics of the oldest submitted step not yet collected; waits only for that step's event
+  // (dp > 1: NcclComm::wait, which throws after parallel.timeout_s or an NCCL error instead of
+  // hanging). Throws when nothing is pending, or when the device counted bad token ids or targets
+  // on any rank (the step is then dropped from the queue; the ids name vocab_size).
   StepStats collect();
   int64_t pending() const;
+  // Ranks of the data-parallel group (1 without one) and this rank's index in it.
+  int64_t dp_size() const;
+  int64_t dp_rank() const;
 
-  // Eager forward of one batch for evaluation (waits; returns CE sum and target count).
+  // Eager forward of one batch for evaluation on this GPU alone (waits; returns CE sum and
+  // target count; the caller sums over ranks).
   ForwardStats evaluate(const Batch& b, uint64_t routing_seed);
 
   // While set, steps run eagerly and mark phases on the timer (bench profiling); nullptr: off.
