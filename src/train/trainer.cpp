@@ -4,6 +4,8 @@
 // over MPI ranks (CPU): each rank runs its slice of the global batch with loss scales of the
 // global batch, gradients are summed over ranks (ZeRO-1 reduce-scatter, or all-reduce), metrics
 // are all-reduced, rank 0 prints and writes files, and every rank writes checkpoint slices.
+// Data-parallel on GPUs: one GPU per rank, gradients and statistics summed over NCCL inside the
+// step, replicated AdamW, rank 0 writes single-file checkpoints.
 #include "train/trainer.h"
 
 #include <unistd.h>
@@ -39,6 +41,8 @@
 #include <deque>
 
 #include "cuda/ops/memory.h"
+#include "cuda/ops/nccl.h"
+#include "parallel/nccl_comm.h"
 #include "train/cuda_step.h"
 #endif
 
@@ -193,38 +197,71 @@ SlicedCheckpointFiles sliced_files(Model<float>& model, const std::vector<ShardG
 
 constexpr double kPeakTflopsPerGpu = 989.0;  // H100/H200 dense BF16: the MFU denominator
 
-double evaluate_gpu(CudaStepRunner& runner, const DataLoader& eval, const Config& cfg) {
+// Eval batches are dealt round-robin over the ranks of `comm` (each on its own GPU); the sums are
+// all-reduced over MPI.
+double evaluate_gpu(CudaStepRunner& runner, const DataLoader& eval, const Config& cfg, Comm& comm) {
   const int64_t seqs = cfg.train.micro_batch;
   const int64_t nb = std::min<int64_t>(cfg.train.eval_batches, eval.num_eval_batches(seqs));
   double ce = 0;
   int64_t count = 0;
   for (int64_t i = 0; i < nb; ++i) {
+    if (i % comm.size() != comm.rank()) continue;
     const ForwardStats s = runner.evaluate(eval.eval_batch(i, seqs), routing_seed(cfg.train.seed, -1, i));
     ce += s.ce_sum;
     count += s.num_targets;
   }
+  if (comm.size() > 1) {
+    comm.all_reduce(&ce, 1, ReduceOp::kSum);
+    comm.all_reduce(&count, 1, ReduceOp::kSum);
+  }
   return count ? ce / double(count) : std::nan("");
 }
 
-// The training loop on one GPU: step N is submitted, then step N - 1 is collected and logged, so
+// The training loop on the GPUs: step N is submitted, then step N - 1 is collected and logged, so
 // the host stages the next step while the GPU runs; the queue is flushed before every eval,
-// checkpoint and at the end. The host Model<float> and AdamW are the checkpoint mirror: the
-// device state is downloaded into them before each save. Step time is the wall time from the
-// later of the step's submission and the previous step's completion to this step's completion.
+// checkpoint and at the end. With dp > 1 every rank drives its own GPU (bound by local rank) on
+// its slice of the global batch; the ranks sum their target counts over MPI before each submit
+// (the CE scale of the global batch) and the step itself sums gradients and statistics over
+// NCCL, so every rank holds the same replicated state. The host Model<float> and AdamW are the
+// checkpoint mirror: rank 0 downloads the device state into them and writes the single-file
+// checkpoint. Step time is the wall time from the later of the step's submission and the
+// previous step's completion to this step's completion (rank 0's clock).
 void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, DataLoader& loader,
                   const DataLoader* eval, Model<float>& model, AdamW& opt, const std::string& ckpt_dir,
-                  MetricsWriter& metrics) {
+                  MetricsWriter* metrics, const Topology& topo, const FaultInjection& fault) {
   const int64_t start = summary.start_step;
   const ParamLayout& layout = model.layout();
+  const int64_t dp = topo.sizes.dp;
+  Comm& dp_comm = *topo.dp_comm;
+  Comm& world = *topo.world;
+  // One GPU per rank, chosen before anything is allocated on a GPU.
+  if (world.size() > 1) {
+    LocalRank local;
+    const int gpu = bind_local_gpu(world, &local);
+    std::vector<int64_t> gpus(size_t(world.size()));
+    const int64_t mine = gpu;
+    world.all_gather(&mine, gpus.data(), 1);
+    out << "GPUs: rank r -> GPU";
+    for (size_t r = 0; r < gpus.size(); ++r) out << (r ? ", " : " ") << r << ":" << gpus[r];
+    out << " (local rank from " << local.source << ")\n" << std::flush;
+  }
   cuda::reset_device_peak_bytes();
-  CudaStepRunner runner(cfg);
+  std::unique_ptr<cuda::NcclComm> nccl;
+  if (dp > 1) {
+    nccl = make_nccl_comm(dp_comm);
+    out << "data parallel over " << dp << " GPUs: NCCL " << cuda::nccl_version()
+        << ", gradients all-reduced after the last backward (no overlap), replicated AdamW\n"
+        << std::flush;
+  }
+  CudaStepRunner runner(cfg, nccl.get());
   runner.load_state(model.params(), opt.exp_avg().data(), opt.exp_avg_sq().data(), opt.steps_taken(),
                     model.expert_bias());
-  const bool tty = isatty(fileno(stdout)) && &out == &std::cout;
+  // Open MPI hands ranks a pty even when mpirun's output goes to a file: no live line there.
+  const bool tty = isatty(fileno(stdout)) && &out == &std::cout && world.size() == 1;
 
   if (eval && start == 0) {
-    summary.initial_eval_loss = evaluate_gpu(runner, *eval, cfg);
-    metrics.write({{"step", 0}, {"eval_loss", summary.initial_eval_loss}});
+    summary.initial_eval_loss = evaluate_gpu(runner, *eval, cfg, dp_comm);
+    if (metrics) metrics->write({{"step", 0}, {"eval_loss", summary.initial_eval_loss}});
     char buf[96];
     std::snprintf(buf, sizeof buf, "step %lld | eval_loss %.4f\n", 0LL, summary.initial_eval_loss);
     out << buf << std::flush;
@@ -258,6 +295,7 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
     first = false;
     summary.last_loss = loss;
     summary.steps_done = done;
+    summary.losses.push_back(loss);
     const double imbalance = load_imbalance(s.tokens_per_expert);
     window_loss += loss;
     window_lb += s.lb_loss;
@@ -269,7 +307,7 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
     if (done % cfg.log.interval == 0 || done == cfg.train.steps) {
       const double elapsed = std::chrono::duration<double>(now - t_start).count();
       const double tps = double(tokens_per_step * window_n) / window_s;
-      const double tflops = flops_per_step * double(window_n) / window_s / 1e12;
+      const double tflops = flops_per_step * double(window_n) / window_s / 1e12 / double(dp);  // per GPU
       const double eta = elapsed / double(done - start) * double(cfg.train.steps - done);
       const double peak_gib = double(cuda::device_peak_bytes()) / double(1ull << 30);
       size_t free_bytes = 0, total_bytes = 0;
@@ -289,7 +327,11 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
                             {"mfu", tflops / kPeakTflopsPerGpu},
                             {"mem_peak_gib", peak_gib},
                             {"mem_used_gib", double(total_bytes - free_bytes) / double(1ull << 30)}};
-      metrics.write(rec);
+      if (dp > 1) {
+        rec["num_gpus"] = dp;
+        rec["tokens_per_s_per_gpu"] = tps / double(dp);
+      }
+      if (metrics) metrics->write(rec);
       char buf[400];
       std::snprintf(buf, sizeof buf,
                     "%sstep %*lld/%lld | loss %.4f | lb %.3f | z %.3f | gnorm %.3f | lr %.2e | %s tok/s | %.1f TFLOP/s "
@@ -313,11 +355,14 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
   };
 
   for (int64_t step = start; step < cfg.train.steps; ++step) {
+    fault.maybe_exit(world.rank(), step + 1);
     const auto t0 = Clock::now();
     const std::vector<Batch> micro = loader.next();
     int64_t global_targets = 0;
     for (const Batch& b : micro)
       for (int32_t t : b.targets) global_targets += t >= 0;
+    // Host counts only (the host never reads a device value inside a step).
+    if (dp > 1) dp_comm.all_reduce(&global_targets, 1, ReduceOp::kSum);
     runner.submit(step + 1, micro, global_targets, lr_at(cfg.optim, step, cfg.train.steps), cfg.train.seed);
     submitted.push_back(t0);
     if (runner.pending() > 1) log_step(runner.collect());  // the previous step, while this one runs
@@ -328,30 +373,47 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
     const bool do_ckpt = (cfg.checkpoint.interval > 0 && done % cfg.checkpoint.interval == 0) || last;
     if (do_eval || do_ckpt) flush();
     if (do_eval) {
-      const double el = evaluate_gpu(runner, *eval, cfg);
+      const double el = evaluate_gpu(runner, *eval, cfg, dp_comm);
       summary.final_eval_loss = el;
-      metrics.write({{"step", done}, {"eval_loss", el}});
+      if (metrics) metrics->write({{"step", done}, {"eval_loss", el}});
       char buf[96];
       std::snprintf(buf, sizeof buf, "%sstep %lld | eval_loss %.4f\n", tty ? "\r\033[K" : "", (long long)done, el);
       out << buf << std::flush;
     }
     if (do_ckpt) {
-      int64_t optimizer_steps = 0;
-      runner.download_state(model.params(), opt.exp_avg().data(), opt.exp_avg_sq().data(), &optimizer_steps,
-                            &model.expert_bias());
-      opt.set_steps_taken(optimizer_steps);
-      CheckpointFiles files;
-      files.model = model_state_refs(model);
-      auto avg = tensor_refs(layout, opt.exp_avg().data(), ".exp_avg");
-      auto avg_sq = tensor_refs(layout, opt.exp_avg_sq().data(), ".exp_avg_sq");
-      files.optim = avg;
-      files.optim.insert(files.optim.end(), avg_sq.begin(), avg_sq.end());
-      files.train_state = {{"step", done},
-                           {"data_position", loader.position()},
-                           {"optimizer_steps", opt.steps_taken()},
-                           {"rng", {{"kind", "counter-based"}, {"seed", cfg.train.seed}, {"step", done}}},
-                           {"config", config_to_toml(cfg)}};
-      summary.last_checkpoint = save_checkpoint(ckpt_dir, done, files, cfg.checkpoint.keep_last);
+      // Replicated state: rank 0 writes the global tensors; the others wait for its verdict, so
+      // that a failed save stops every rank with the same error.
+      std::string failure;
+      if (world.rank() == 0) {
+        try {
+          int64_t optimizer_steps = 0;
+          runner.download_state(model.params(), opt.exp_avg().data(), opt.exp_avg_sq().data(), &optimizer_steps,
+                                &model.expert_bias());
+          opt.set_steps_taken(optimizer_steps);
+          CheckpointFiles files;
+          files.model = model_state_refs(model);
+          auto avg = tensor_refs(layout, opt.exp_avg().data(), ".exp_avg");
+          auto avg_sq = tensor_refs(layout, opt.exp_avg_sq().data(), ".exp_avg_sq");
+          files.optim = avg;
+          files.optim.insert(files.optim.end(), avg_sq.begin(), avg_sq.end());
+          files.train_state = {{"step", done},
+                               {"data_position", loader.position()},
+                               {"optimizer_steps", opt.steps_taken()},
+                               {"rng", {{"kind", "counter-based"}, {"seed", cfg.train.seed}, {"step", done}}},
+                               {"config", config_to_toml(cfg)}};
+          summary.last_checkpoint = save_checkpoint(ckpt_dir, done, files, cfg.checkpoint.keep_last);
+        } catch (const std::exception& e) {
+          if (world.size() == 1) throw;
+          failure = e.what();
+        }
+      }
+      if (world.size() > 1) {
+        int64_t failed = failure.empty() ? 0 : 1;
+        world.broadcast(&failed, 1, 0);
+        MOE_CHECK(failed == 0, "saving the checkpoint of step ", done, " failed on rank 0",
+                  failure.empty() ? std::string(" (see its error)") : ": " + failure);
+        if (world.rank() != 0) summary.last_checkpoint = (fs::path(ckpt_dir) / step_dir_name(done)).string();
+      }
       if (!last || cfg.checkpoint.interval > 0)
         out << (tty ? "\r\033[K" : "") << "saved checkpoint " << summary.last_checkpoint << "\n" << std::flush;
     }
@@ -386,8 +448,9 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
 
   // Device and memory first, so that a run that cannot fit fails before allocating.
   const std::string device = resolve_device(cfg.train);
-  MOE_CHECK(device == "cpu" || world.size() == 1, "multi-process training runs on the CPU backend for now: ",
-            world.size(), " ranks resolved train.device to '", device, "'; set train.device = \"cpu\"");
+  MOE_CHECK(device == "cpu" || topo.sizes.ep == 1, "parallel.ep = ", topo.sizes.ep, " with train.device = \"",
+            device, "\": expert parallelism is not available on GPUs yet; GPU runs are data parallel over NCCL ",
+            "with every expert on every GPU: set parallel.ep = 1, or train.device = \"cpu\"");
   {
     const ModelCounts c = count_model(cfg.model, cfg.moe, cfg.train.seq_len);
     const double need = double(c.total_params) * 16.0 +
@@ -422,7 +485,7 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
   std::unique_ptr<DistOptimizer> dist;
   if (dp > 1) {
     owned = make_shard_groups(layout, *topo.dp_comm, expert_comm);
-    if (cfg.parallel.zero) {
+    if (cfg.parallel.zero && device == "cpu") {  // GPU runs keep replicated moments (no ZeRO on GPU yet)
       dist = std::make_unique<DistOptimizer>(layout, cfg.optim, *topo.dp_comm, expert_comm);
       // ZeRO-1 keeps the moments only for this rank's shards: release the replicated ones.
       std::vector<float>().swap(opt.exp_avg());
@@ -489,7 +552,8 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
         << std::flush;
 #ifdef MOECORE_HAS_CUDA
   if (device == "cuda") {
-    train_on_gpu(cfg, out, summary, loader, eval ? &*eval : nullptr, model, opt, ckpt_dir, *metrics);
+    train_on_gpu(cfg, out, summary, loader, eval ? &*eval : nullptr, model, opt, ckpt_dir, metrics ? &*metrics : nullptr,
+                 topo, fault);
     return summary;
   }
 #endif
