@@ -144,9 +144,14 @@ int cmd_bench(std::vector<std::string> args, const std::string& command) {
                  "docs/architecture.md), MFU, step time by phase and peak memory; writes the same as JSON under\n"
                  "DIR (default bench/results; --out= for none) or to PATH. train.device and train.precision pick\n"
                  "the backend as for train: cuda runs one GPU (CUDA graph, device-side initialisation), cpu the\n"
-                 "reference. See docs/benchmarks.md for what each figure means.\n";
+                 "reference. `mpirun -np N moecore bench ...` (cuda) runs data parallel over N GPUs (NCCL), each\n"
+                 "GPU with the one-GPU step's micro-batches (global batch x N), and reports figures per GPU and the\n"
+                 "gradient all-reduce. See docs/benchmarks.md for what each figure means.\n";
     return 0;
   }
+  // Join the job first (MPI when a launcher started us), so that every later error is reported
+  // with its rank and ends all ranks.
+  Comm& world = world_comm();
   BenchOptions opt;
   opt.command = command;
   std::string path;
@@ -177,8 +182,10 @@ int cmd_bench(std::vector<std::string> args, const std::string& command) {
   if (!path.empty()) opt.config_name = std::filesystem::path(path).stem().string();
   const Config cfg = load_config(path, overrides);
   if (resolve_device(cfg.train) == "cuda") {
-    run_gpu_bench(cfg, opt, std::cout);
+    run_gpu_bench(cfg, opt, std::cout, &world);
   } else {
+    MOE_CHECK(world.size() == 1, "moecore bench on the cpu backend runs one process, but the job has ", world.size(),
+              " ranks; multi-rank benchmarks run on GPUs (train.device = \"cuda\", one GPU per rank)");
     run_bench(cfg, opt, std::cout);
   }
   return 0;

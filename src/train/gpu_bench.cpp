@@ -1,7 +1,8 @@
-// The GPU benchmark loop of gpu_bench.h: memory check, device-side initialisation, warm-up and
-// timed steps with at most two in flight (submit step s, then collect step s-1), two eager steps
-// with the phase timer (the first fills the event pool, the second is reported), then the table
-// and the JSON record. Tokens: splitmix64 streams per (seed, step, sequence), targets = next token.
+// The GPU benchmark loop of gpu_bench.h: (several ranks: GPU binding and the NCCL group), memory
+// check, device-side initialisation, warm-up and timed steps with at most two in flight (submit
+// step s, then collect step s-1), two eager steps with the phase timer (the first fills the event
+// pool, the second is reported), then the table and the JSON record. Tokens: splitmix64 streams
+// per (seed, step, sequence of the global batch), targets = next token.
 #include "train/gpu_bench.h"
 
 #include <algorithm>
@@ -11,10 +12,12 @@
 
 #include "core/error.h"
 #include "model/layout.h"
+#include "parallel/comm.h"
 
 #ifdef MOECORE_HAS_CUDA
 #include <array>
 #include <chrono>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -22,9 +25,11 @@
 #include "cuda/ops/device_info.h"
 #include "cuda/ops/init.h"
 #include "cuda/ops/memory.h"
+#include "cuda/ops/nccl.h"
 #include "data/dataset.h"
 #include "model/cuda_model.h"
 #include "optim/adamw.h"
+#include "parallel/nccl_comm.h"
 #include "train/cuda_step.h"
 #include "train/metrics.h"
 #endif
@@ -42,7 +47,7 @@ GpuMemoryEstimate estimate_gpu_memory(const Config& cfg) {
 
 #ifndef MOECORE_HAS_CUDA
 
-nlohmann::json run_gpu_bench(const Config&, const BenchOptions&, std::ostream&) {
+nlohmann::json run_gpu_bench(const Config&, const BenchOptions&, std::ostream&, Comm*) {
   MOE_FAIL("the GPU bench needs a build with the CUDA backend (cmake --preset cuda)");
 }
 
@@ -60,10 +65,11 @@ uint64_t splitmix64_next(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
-// The micro-batches of step `step` (1-based): sequence j of micro-batch m is seq_len + 1 tokens
-// of the splitmix64 stream mix_seed(mix_seed(seed ^ kTokenStream, step), m * micro_batch + j),
-// each uniform in [0, vocab) by multiply-shift of the high 32 bits; targets = inputs shifted by one.
-void fill_synthetic_step(std::vector<Batch>& micro, int64_t step, const Config& cfg) {
+// The micro-batches of step `step` (1-based) from micro-batch `first_micro` of the global batch on:
+// sequence j of global micro-batch g is seq_len + 1 tokens of the splitmix64 stream
+// mix_seed(mix_seed(seed ^ kTokenStream, step), g * micro_batch + j), each uniform in [0, vocab) by
+// multiply-shift of the high 32 bits; targets = inputs shifted by one.
+void fill_synthetic_step(std::vector<Batch>& micro, int64_t step, const Config& cfg, int64_t first_micro) {
   const int64_t seq = cfg.train.seq_len, mb = cfg.train.micro_batch;
   const uint64_t vocab = static_cast<uint64_t>(cfg.model.vocab_size);
   const uint64_t step_seed = mix_seed(cfg.train.seed ^ kTokenStream, static_cast<uint64_t>(step));
@@ -74,7 +80,7 @@ void fill_synthetic_step(std::vector<Batch>& micro, int64_t step, const Config& 
     b.inputs.resize(static_cast<size_t>(mb * seq));
     b.targets.resize(static_cast<size_t>(mb * seq));
     for (int64_t j = 0; j < mb; ++j) {
-      uint64_t state = mix_seed(step_seed, static_cast<uint64_t>(int64_t(m) * mb + j));
+      uint64_t state = mix_seed(step_seed, static_cast<uint64_t>((first_micro + int64_t(m)) * mb + j));
       auto draw = [&] { return static_cast<int32_t>(((splitmix64_next(state) >> 32) * vocab) >> 32); };
       int32_t prev = draw();
       for (int64_t t = 0; t < seq; ++t) {
@@ -99,14 +105,28 @@ std::string gib_str(double bytes) {
 
 }  // namespace
 
-nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::ostream& out) {
+nlohmann::json run_gpu_bench(const Config& cfg_in, const BenchOptions& opt, std::ostream& console, Comm* world) {
   MOE_CHECK(opt.steps >= 1, "bench: --steps must be >= 1, got ", opt.steps);
   MOE_CHECK(opt.warmup >= 0, "bench: --warmup must be >= 0, got ", opt.warmup);
-  MOE_CHECK(cfg.train.global_batch % cfg.train.micro_batch == 0, "bench: train.global_batch (",
-            cfg.train.global_batch, ") must be a multiple of train.micro_batch (", cfg.train.micro_batch, ")");
+  MOE_CHECK(cfg_in.train.global_batch % cfg_in.train.micro_batch == 0, "bench: train.global_batch (",
+            cfg_in.train.global_batch, ") must be a multiple of train.micro_batch (", cfg_in.train.micro_batch, ")");
+  const int64_t dp = world ? world->size() : 1;
+  const int64_t rank = world ? world->rank() : 0;
+  std::ostream null_out(nullptr);  // ranks other than 0 print nothing
+  std::ostream& out = rank == 0 ? console : null_out;
+  // Data parallel: every GPU runs the one-GPU step's micro-batches; the global batch grows with dp.
+  Config cfg = cfg_in;
+  LocalRank local;
+  if (dp > 1) {
+    MOE_CHECK(cfg.parallel.dp == 0 || cfg.parallel.dp == dp, "bench: parallel.dp = ", cfg.parallel.dp, " but the job has ",
+              dp, " ranks; the GPU bench is data parallel over every rank: set parallel.dp = 0");
+    MOE_CHECK(cfg.parallel.pp == 1, "bench: parallel.pp = ", cfg.parallel.pp, ": no pipeline parallelism yet");
+    cfg.train.global_batch *= dp;
+    bind_local_gpu(*world, &local);  // before anything touches a GPU
+  }
   const int64_t seq = cfg.train.seq_len, mb = cfg.train.micro_batch;
-  const int64_t micro_steps = cfg.train.global_batch / mb;
-  const int64_t tokens_per_step = cfg.train.global_batch * seq;
+  const int64_t micro_steps = cfg.train.global_batch / (dp * mb);  // per GPU
+  const int64_t tokens_per_step = cfg.train.global_batch * seq;    // all GPUs
   const ModelCounts counts = count_model(cfg.model, cfg.moe, seq);
 
   // Refuse what cannot fit before allocating anything.
@@ -123,8 +143,11 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
   const size_t used_before = cuda::device_used_bytes();
   cuda::reset_device_peak_bytes();
 
-  CudaStepRunner runner(cfg);
+  std::unique_ptr<cuda::NcclComm> nccl;
+  if (dp > 1) nccl = make_nccl_comm(*world);
+  CudaStepRunner runner(cfg, nccl.get());
   CudaModel& model = runner.model();
+  // The same seed on every rank: replicas start identical.
   cuda::init_params(model.layout(), model.params(), cfg.train.seed, cfg.model.init_std, model.stream());
   model.refresh_bf16();
   model.load_expert_bias(std::vector<float>(size_t(model.num_moe_layers() * cfg.moe.num_experts), 0.0f));
@@ -137,7 +160,7 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
   StepStats first, last;
   auto submit_next = [&] {
     ++step;
-    fill_synthetic_step(micro, step, cfg);
+    fill_synthetic_step(micro, step, cfg, rank * micro_steps);
     runner.submit(step, micro, tokens_per_step, lr_at(cfg.optim, step - 1, total_steps), cfg.train.seed);
   };
   auto collect_one = [&] {
@@ -156,11 +179,13 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
 
   using Clock = std::chrono::steady_clock;
   run_steps(opt.warmup);
+  if (world && dp > 1) world->barrier();  // the timed steps start together on every host
   const auto t0 = Clock::now();
   run_steps(opt.steps);
-  const double timed_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  double timed_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (world && dp > 1) world->all_reduce(&timed_s, 1, ReduceOp::kMax);  // the slowest rank's
 
-  // Phase profile: eager steps (set_phase_timer turns the graph off while set).
+  // Phase profile: eager steps (set_phase_timer turns the graph off while set), on every rank.
   cuda::EventTimer timer(model.stream());
   runner.set_phase_timer(&timer);
   std::array<double, cuda::kNumPhases> phase_ms{};
@@ -173,12 +198,14 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
   }
   runner.set_phase_timer(nullptr);
   const size_t used_after = cuda::device_used_bytes();
-  const size_t peak_bytes = cuda::device_peak_bytes();
+  double peak_bytes = double(cuda::device_peak_bytes());
+  if (world && dp > 1) world->all_reduce(&peak_bytes, 1, ReduceOp::kMax);  // the fullest GPU
   const int64_t graph_launches = runner.graph_launches();
 
   const double step_ms = 1e3 * timed_s / double(opt.steps);
   const double tps = double(tokens_per_step) * double(opt.steps) / timed_s;
-  const double tflops = counts.flops_per_token * tps / 1e12;
+  const double tps_gpu = tps / double(dp);
+  const double tflops = counts.flops_per_token * tps_gpu / 1e12;  // per GPU
   const double mfu = tflops / kGpuPeakTflops;
   double phase_sum = 0;
   for (const double ms : phase_ms) phase_sum += ms;
@@ -186,6 +213,12 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
   const double first_loss = step_loss(first), last_loss = step_loss(last);
   const bool loss_finite = std::isfinite(last_loss);
   const bool graph = runner.uses_graph();
+  // Gradient all-reduce of the profiled step: the FP32 gradient buffer (the layout's elements),
+  // algorithm and bus bandwidth as nccl-tests define them (busbw = algbw x 2 (n - 1) / n).
+  const double reduce_ms = phase_ms[int(cuda::Phase::kGradReduce)];
+  const double reduce_bytes = 4.0 * double(model.layout().total_numel());
+  const double algbw = dp > 1 && reduce_ms > 0 ? reduce_bytes / (reduce_ms * 1e-3) / 1e9 : 0.0;
+  const double busbw = algbw * 2.0 * double(dp - 1) / double(dp);
 
   nlohmann::json phases = nlohmann::json::object(), scaled = nlohmann::json::object();
   for (int p = 0; p < cuda::kNumPhases; ++p) {
@@ -202,7 +235,7 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
         {"compute_capability", std::to_string(dev.cc_major) + "." + std::to_string(dev.cc_minor)},
         {"sm_count", dev.sm_count},
         {"memory_gib", double(dev.total_bytes) / kGiB}}},
-      {"num_gpus", 1},
+      {"num_gpus", dp},
       {"commit", bench_commit()},
       {"command", opt.command},
       {"date", date},
@@ -211,13 +244,15 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
       {"seq_len", seq},
       {"micro_batch", mb},
       {"micro_batches_per_step", micro_steps},
+      {"global_batch", cfg.train.global_batch},
       {"tokens_per_step", tokens_per_step},
       {"cuda_graph", graph},
       {"graph_launches", graph_launches},
       {"step_ms", {{"mean", step_ms}}},
-      {"step_ms_source", "wall clock from the first timed submit to the last collect, divided by timed_steps"},
+      {"step_ms_source", "wall clock from the first timed submit to the last collect, divided by timed_steps"
+                         " (the slowest rank's)"},
       {"tokens_per_s", tps},
-      {"tokens_per_s_per_gpu", tps},
+      {"tokens_per_s_per_gpu", tps_gpu},
       {"flops_per_token", counts.flops_per_token},
       {"tflops_per_gpu", tflops},
       {"peak_tflops", kGpuPeakTflops},
@@ -226,9 +261,9 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
       {"phase_ms_scaled_to_step", scaled},
       {"phase_sum_ms", phase_sum},
       {"profiled_step_ms", profiled_ms},
-      {"phase_source", "CUDA events around each phase of one eager step (after one eager warm step)"},
-      {"mem_peak_gib", double(peak_bytes) / kGiB},
-      {"mem_peak_source", "high-water mark of moecore's device allocations (cuda::device_peak_bytes)"},
+      {"phase_source", "CUDA events around each phase of one eager step (after one eager warm step), rank 0"},
+      {"mem_peak_gib", peak_bytes / kGiB},
+      {"mem_peak_source", "high-water mark of moecore's device allocations (cuda::device_peak_bytes), largest over GPUs"},
       {"mem_used_gib", double(used_after) / kGiB},
       {"mem_used_source", "cudaMemGetInfo total - free after the run (CUDA context, cuBLASLt and other processes included)"},
       {"mem_bench_gib", double(used_after - std::min(used_after, used_before)) / kGiB},
@@ -242,17 +277,33 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
       {"skipped_steps", skipped},
       {"total_params", counts.total_params},
       {"active_params", counts.active_params}};
+  if (dp > 1) {
+    rec["data_parallel"] = {
+        {"nccl_version", cuda::nccl_version()},
+        {"local_rank_source", local.source},
+        {"grad_reduce_ms", reduce_ms},
+        {"grad_reduce_bytes", reduce_bytes},
+        {"grad_reduce_algbw_gbs", algbw},
+        {"grad_reduce_busbw_gbs", busbw},
+        {"grad_reduce_source", "CUDA events around the NCCL all-reduces (gradients, then statistics) of the eager "
+                               "profiled step on rank 0, waiting for the slower rank included; not overlapped with "
+                               "backward"},
+        {"scaling_efficiency_source", "tokens_per_s_per_gpu here divided by tokens_per_s of a one-GPU run of the "
+                                      "same config (moecore bench without mpirun), a separate run"}};
+  }
 
   char buf[320];
   std::snprintf(buf, sizeof buf,
-                "moecore bench %s on %s (%d SMs, %.1f GiB), %lld timed steps after %lld warm-up, CUDA graph %s "
+                "moecore bench %s on %s%s (%d SMs, %.1f GiB), %lld timed steps after %lld warm-up, CUDA graph %s "
                 "(%lld launches)\n",
-                opt.config_name.c_str(), dev.name.c_str(), dev.sm_count, double(dev.total_bytes) / kGiB,
-                (long long)opt.steps, (long long)opt.warmup, graph ? "on" : "off", (long long)graph_launches);
+                opt.config_name.c_str(), dp > 1 ? (std::to_string(dp) + " x ").c_str() : "", dev.name.c_str(),
+                dev.sm_count, double(dev.total_bytes) / kGiB, (long long)opt.steps, (long long)opt.warmup,
+                graph ? "on" : "off", (long long)graph_launches);
   out << buf;
-  std::snprintf(buf, sizeof buf, "  %.3gB parameters (%.3gB active), %lld tokens/step (%lld x %lld x %lld)\n",
+  std::snprintf(buf, sizeof buf, "  %.3gB parameters (%.3gB active), %lld tokens/step (%s%lld x %lld x %lld)\n",
                 double(counts.total_params) / 1e9, double(counts.active_params) / 1e9, (long long)tokens_per_step,
-                (long long)micro_steps, (long long)mb, (long long)seq);
+                dp > 1 ? (std::to_string(dp) + " GPUs x ").c_str() : "", (long long)micro_steps, (long long)mb,
+                (long long)seq);
   out << buf;
   std::snprintf(buf, sizeof buf, "  %-12s %12s %8s %14s\n", "phase", "eager ms", "share", "ms of step");
   out << buf;
@@ -265,14 +316,22 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
   std::snprintf(buf, sizeof buf, "  %-12s %12.2f %7.1f%% %14.2f   (eager step %.2f ms wall; timed step %.2f ms)\n",
                 "sum", phase_sum, 100.0, step_ms, profiled_ms, step_ms);
   out << buf;
-  std::snprintf(buf, sizeof buf, "tokens/s/GPU %.0f | TFLOP/s/GPU %.1f | MFU %.1f%% (of %.0f) | step %.2f ms\n", tps,
+  std::snprintf(buf, sizeof buf, "tokens/s/GPU %.0f | TFLOP/s/GPU %.1f | MFU %.1f%% (of %.0f) | step %.2f ms\n", tps_gpu,
                 tflops, 100.0 * mfu, kGpuPeakTflops, step_ms);
   out << buf;
+  if (dp > 1) {
+    std::snprintf(buf, sizeof buf,
+                  "data parallel: %lld GPUs, NCCL %s | tokens/s all GPUs %.0f | grad all-reduce %.2f ms of the eager "
+                  "step (%.2f GB FP32, algbw %.1f GB/s, busbw %.1f GB/s, not overlapped) | scaling efficiency: "
+                  "tokens/s/GPU over a one-GPU run's tokens/s (run `moecore bench` without mpirun)\n",
+                  (long long)dp, cuda::nccl_version().c_str(), tps, reduce_ms, reduce_bytes / 1e9, algbw, busbw);
+    out << buf;
+  }
   std::snprintf(buf, sizeof buf,
-                "memory: peak %.2f GiB allocated (device_alloc high-water mark) | %.2f GiB in use after the run "
+                "memory: peak %.2f GiB allocated (device_alloc high-water mark%s) | %.2f GiB in use after the run "
                 "(cudaMemGetInfo total - free; %.2f GiB more than before the run) | estimate %.2f GiB\n",
-                double(peak_bytes) / kGiB, double(used_after) / kGiB, rec["mem_bench_gib"].get<double>(),
-                est.total_bytes() / kGiB);
+                peak_bytes / kGiB, dp > 1 ? ", largest GPU" : "", double(used_after) / kGiB,
+                rec["mem_bench_gib"].get<double>(), est.total_bytes() / kGiB);
   out << buf;
   std::snprintf(buf, sizeof buf,
                 "expert load: max/mean tokens per expert %.3f (mean over %zu MoE layers, step %lld) | loss %.4f "
@@ -280,7 +339,7 @@ nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::os
                 imbalance, last.tokens_per_expert.size(), (long long)last.step, first_loss, last_loss,
                 (long long)last.step, loss_finite ? "" : " NOT FINITE", (long long)skipped);
   out << buf;
-  write_bench_record(rec, opt, "gpu", date, out);
+  if (rank == 0) write_bench_record(rec, opt, dp > 1 ? "gpux" + std::to_string(dp) : "gpu", date, out);
   return rec;
 }
 

@@ -1,7 +1,9 @@
-// `moecore bench` on one GPU: CudaStepRunner steps (CUDA graph when the config allows it) on
+// `moecore bench` on GPUs: CudaStepRunner steps (CUDA graph when the config allows it) on
 // synthetic tokens, parameters initialised on the device (no host copy). Step time = wall clock
-// from the first timed submit to the last collect, / steps; TFLOP/s = count_model flops/token x
-// tokens/s; MFU against kGpuPeakTflops; phases from one extra eager step timed with CUDA events.
+// from the first timed submit to the last collect, / steps (the slowest rank's); TFLOP/s =
+// count_model flops/token x tokens/s; MFU against kGpuPeakTflops; phases from one extra eager
+// step timed with CUDA events. Under `mpirun -np N`: data parallel over N GPUs (NCCL), each GPU
+// running the one-GPU step's micro-batches (global batch x N); figures per GPU.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +15,8 @@
 #include "train/bench.h"
 
 namespace moe {
+
+class Comm;
 
 // Dense BF16 tensor-core peak of an H100/H200 SXM (TFLOP/s), the MFU denominator.
 constexpr double kGpuPeakTflops = 989.0;
@@ -30,9 +34,12 @@ struct GpuMemoryEstimate {
 };
 GpuMemoryEstimate estimate_gpu_memory(const Config& cfg);
 
-// Runs the benchmark on the current GPU and returns its JSON record (printed as a table to
-// `out`, written as write_bench_record says with device "gpu"). Refuses, before allocating, a
-// config whose estimate exceeds the free device memory. Builds without CUDA: throws.
-nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::ostream& out);
+// Runs the benchmark and returns its JSON record (printed as a table to `out`, written as
+// write_bench_record says with device "gpu"). world == nullptr or one rank: the current GPU.
+// Several ranks (collective): each rank binds its GPU by local rank, the group is data parallel
+// over NCCL with train.global_batch x world size sequences per step (parallel.dp must be 0 or the
+// world size, parallel.ep 1); rank 0 prints and writes, other ranks print nothing. Refuses, before
+// allocating, a config whose estimate exceeds the free device memory. Builds without CUDA: throws.
+nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::ostream& out, Comm* world = nullptr);
 
 }  // namespace moe
