@@ -1,0 +1,145 @@
+// The data-parallel machinery on one GPU (part of test_gpu; the two-GPU tests are nccl_test.cpp):
+// the local-rank rule of the launcher variables; a one-rank NCCL communicator whose all-reduce is
+// the identity, so that CudaStepRunner with it (gradient buckets, statistics all-reduce, NCCL calls
+// captured in the step's CUDA graph) reproduces the runner without one bitwise; NcclComm::wait
+// failing after its deadline and aborting the communicator; ep > 1 refused on the GPU.
+#include <chrono>
+#include <cstdlib>
+#include <map>
+#include <thread>
+
+#include "cuda/event_timer.h"
+#include "cuda/ops/memory.h"
+#include "cuda/ops/nccl.h"
+#include "gpu/dp_test_util.h"
+#include "gpu/gpu_test_util.h"
+#include "parallel/nccl_comm.h"
+#include "support/test_util.h"
+
+namespace moe::testing {
+namespace {
+
+TEST(LocalRank, LauncherVariablesInOrder) {
+  std::map<std::string, std::string> env;
+  auto getenv_fn = [&](const char* n) -> const char* {
+    const auto it = env.find(n);
+    return it == env.end() ? nullptr : it->second.c_str();
+  };
+  std::string name;
+  EXPECT_EQ(local_rank_from_env(getenv_fn, &name), -1);
+  env["LOCAL_RANK"] = "3";
+  EXPECT_EQ(local_rank_from_env(getenv_fn, &name), 3);
+  EXPECT_EQ(name, "LOCAL_RANK");
+  env["SLURM_LOCALID"] = "2";
+  EXPECT_EQ(local_rank_from_env(getenv_fn, &name), 2);
+  EXPECT_EQ(name, "SLURM_LOCALID");
+  env["MPI_LOCALRANKID"] = "5";
+  EXPECT_EQ(local_rank_from_env(getenv_fn, &name), 5);
+  env["OMPI_COMM_WORLD_LOCAL_RANK"] = "1";
+  EXPECT_EQ(local_rank_from_env(getenv_fn, &name), 1);
+  EXPECT_EQ(name, "OMPI_COMM_WORLD_LOCAL_RANK");
+  env["OMPI_COMM_WORLD_LOCAL_RANK"] = "";  // empty: the next variable
+  EXPECT_EQ(local_rank_from_env(getenv_fn, &name), 5);
+  env["MPI_LOCALRANKID"] = "x1";
+  const std::string msg = error_of([&] { local_rank_from_env(getenv_fn); });
+  EXPECT_NE(msg.find("MPI_LOCALRANKID"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'x1'"), std::string::npos) << msg;
+  env["MPI_LOCALRANKID"] = "-1";
+  EXPECT_NE(error_of([&] { local_rank_from_env(getenv_fn); }).find("non-negative"), std::string::npos);
+}
+
+TEST(LocalRank, OneProcessIsLocalRankZeroOfItsHost) {
+  if (local_rank_from_env([](const char* n) -> const char* { return std::getenv(n); }) > 0)
+    GTEST_SKIP() << "a launcher variable names a local rank above 0 for this process";
+  auto self = make_self_comm();
+  const LocalRank lr = local_rank(*self);
+  EXPECT_EQ(lr.size, 1);
+  EXPECT_FALSE(lr.host.empty());
+  // A launcher variable may name the rank; without one the hostname split gives 0.
+  if (lr.source == "hostname split") {
+    EXPECT_EQ(lr.rank, 0);
+  }
+}
+
+TEST(EventTimer, GradReducePhaseName) {
+  EXPECT_STREQ(cuda::phase_name(cuda::Phase::kGradReduce), "grad_reduce");
+  EXPECT_LT(int(cuda::Phase::kGradReduce), int(cuda::Phase::kOptimizer));
+}
+
+std::unique_ptr<cuda::NcclComm> one_rank_comm(double timeout_s = 120) {
+  return std::make_unique<cuda::NcclComm>(cuda::nccl_make_id(), 1, 0, timeout_s);
+}
+
+TEST(NcclOneRank, AllReduceIsIdentityAndCommunicatorDescribesItself) {
+  MOE_SKIP_WITHOUT_GPU();
+  auto comm = one_rank_comm();
+  EXPECT_EQ(comm->rank(), 0);
+  EXPECT_EQ(comm->size(), 1);
+  EXPECT_EQ(comm->device(), cuda::current_device());
+  EXPECT_FALSE(cuda::nccl_version().empty());
+  const std::vector<float> host = random_f32(4097, 5);
+  GuardedBuffer<float> buf(host);
+  TestStream stream;
+  cuda::Event done = cuda::event_create();
+  comm->all_reduce_sum(buf.data(), buf.size(), cuda::NcclDType::kF32, stream.get());
+  cuda::event_record(done, stream.get());
+  comm->wait(done, "one-rank all-reduce");
+  EXPECT_TRUE(same_bits(buf.download(), host));
+  buf.expect_guards_intact("one-rank all-reduce");
+  cuda::event_destroy(done);
+  EXPECT_NE(error_of([&] { comm->all_reduce_sum(buf.data(), -1, cuda::NcclDType::kF32, stream.get()); })
+                .find(">= 0"),
+            std::string::npos);
+}
+
+// The step with a one-rank communicator runs every data-parallel call (gradient buckets, the
+// statistics all-reduce in a group, all captured in the graph from step 2) and must change nothing.
+TEST(NcclOneRank, StepWithCommunicatorMatchesStepWithoutBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  const Config c = dp_step_config();
+  auto comm = one_rank_comm();
+  for (const bool graph : {true, false}) {
+    CudaStepRunner plain(c), with_comm(c, comm.get());
+    EXPECT_EQ(with_comm.dp_size(), 1);
+    const DpRun a = dp_run(c, plain, graph, 4), b = dp_run(c, with_comm, graph, 4);
+    expect_same_steps(a, b, graph ? "graph on" : "graph off");
+    EXPECT_TRUE(same_bits(a.bias_after_step1, b.bias_after_step1));
+    EXPECT_EQ(b.graph_launches, graph ? 3 : 0);
+  }
+}
+
+TEST(NcclOneRank, WaitFailsAfterItsDeadlineAndAbortsTheCommunicator) {
+  MOE_SKIP_WITHOUT_GPU();
+  auto comm = one_rank_comm(/*timeout_s=*/0.3);
+  TestStream stream;
+  // A host function holds the stream for 2 s: the event recorded after it is late.
+  MOE_CUDA_CHECK(cudaLaunchHostFunc(
+      stream.get(), [](void*) { std::this_thread::sleep_for(std::chrono::seconds(2)); }, nullptr));
+  cuda::Event late = cuda::event_create();
+  cuda::event_record(late, stream.get());
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string msg = error_of([&] { comm->wait(late, "the late step"); });
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(msg.find("the late step"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("did not complete within"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("parallel.timeout_s"), std::string::npos) << msg;
+  EXPECT_GE(waited, 0.3);
+  EXPECT_LT(waited, 1.9);
+  EXPECT_TRUE(comm->aborted());
+  EXPECT_NE(error_of([&] { comm->all_reduce_sum(nullptr, 1, cuda::NcclDType::kF32, stream.get()); }).find("aborted"),
+            std::string::npos);
+  stream.sync();
+  cuda::event_destroy(late);
+}
+
+TEST(NcclOneRank, StepRunnerRefusesExpertParallelism) {
+  MOE_SKIP_WITHOUT_GPU();
+  Config c = dp_step_config();
+  c.parallel.ep = 2;
+  const std::string msg = error_of([&] { CudaStepRunner runner(c); });
+  EXPECT_NE(msg.find("parallel.ep = 2"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("not available on GPUs"), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace moe::testing
