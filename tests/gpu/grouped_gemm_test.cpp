@@ -94,6 +94,8 @@ std::vector<GroupedCase> parity_cases() {
       {"n200_k136", 200, 136, {64, 1, 191, 0, 256}, 0},
       {"n264_k520", 264, 520, {0, 300, 7, 64, 513}, 2},
       {"n520_k72", 520, 72, {127, 1, 0, 66}, 4},
+      // E = 300: the wgmma M-grouped schedule no longer fits beside a 4-stage ring (3 stages).
+      {"e300_small", 24, 40, drawn_counts(3000, skewed_weights(300), 65), 5},
   };
 }
 

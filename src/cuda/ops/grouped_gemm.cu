@@ -114,10 +114,12 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-// A BF16 tensor map with 128-byte swizzle over a row-major tensor: dims and box innermost first
-// (elements), strides of the outer dimensions in bytes; out-of-bounds elements load as zeros.
-CUtensorMap bf16_tensor_map(const char* op, const char* operand, const void* base, std::initializer_list<uint64_t> dims,
-                            std::initializer_list<uint64_t> strides, std::initializer_list<uint32_t> box) {
+// A tensor map with 128-byte swizzle over a row-major BF16 or FP32 tensor: dims and box innermost
+// first (elements), strides of the outer dimensions in bytes; out-of-bounds elements load as zeros
+// and are skipped by stores.
+CUtensorMap tensor_map(const char* op, const char* operand, CUtensorMapDataType dtype, const void* base,
+                       std::initializer_list<uint64_t> dims, std::initializer_list<uint64_t> strides,
+                       std::initializer_list<uint32_t> box) {
   const auto rank = static_cast<cuuint32_t>(dims.size());
   cuuint64_t global_dim[3] = {}, global_strides[2] = {};
   cuuint32_t box_dim[3] = {}, element_strides[3] = {1, 1, 1};
@@ -126,13 +128,22 @@ CUtensorMap bf16_tensor_map(const char* op, const char* operand, const void* bas
   std::copy(box.begin(), box.end(), box_dim);
   CUtensorMap map;
   std::memset(&map, 0, sizeof(map));
-  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base),
-                                          global_dim, global_strides, box_dim, element_strides,
-                                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = tensor_map_encoder()(&map, dtype, rank, const_cast<void*>(base), global_dim, global_strides,
+                                          box_dim, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   MOE_CHECK(r == CUDA_SUCCESS, op, ": cuTensorMapEncodeTiled failed for operand '", operand, "' (CUresult ",
             static_cast<int>(r), ", dims ", global_dim[0], " x ", global_dim[1], " x ", global_dim[2], ")");
   return map;
+}
+
+constexpr CUtensorMapDataType kMapBf16 = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+constexpr CUtensorMapDataType kMapF32 = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+
+int max_shared_memory_per_block(int device) {
+  int bytes = 0;
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return bytes;
 }
 
 // The wgmma kernels keep 1 CTA on each multiprocessor; checks that it fits.
@@ -147,30 +158,51 @@ int sm90_grid(const char* op, Kernel kernel, size_t smem, int64_t max_tiles) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_tiles, multiprocessor_count(device))));
 }
 
+template <bool kBMn, int kStages>
+void launch_m_contiguous_sm90_stages(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_out,
+                                     const char* op, const int32_t* expert_offsets, uint16_t* out, int64_t max_rows,
+                                     int64_t num_experts, int64_t n_out, int64_t k_red, Stream stream) {
+  namespace k90 = kernels::sm90;
+  const auto kernel = k90::grouped_gemm_m_contiguous_sm90<kBMn, kStages>;
+  const size_t smem = static_cast<size_t>(k90::smem_bytes(kStages, num_experts, true));
+  const int64_t max_tiles = (ceil_div(max_rows, k90::kBM) + num_experts) * ceil_div(n_out, k90::kBN);
+  const int grid = sm90_grid(op, kernel, smem, max_tiles);
+  kernel<<<grid, k90::kThreads, smem, stream>>>(map_a, map_b, map_out, expert_offsets, out,
+                                                static_cast<int>(max_rows), static_cast<int>(num_experts),
+                                                static_cast<int>(n_out), static_cast<int>(k_red));
+  check_launch(kBMn ? "grouped_gemm_m_contiguous_sm90<MN>" : "grouped_gemm_m_contiguous_sm90<K>");
+}
+
 // out = a @ B_e per row group on the wgmma kernels; kBMn as launch_m_contiguous's kMN (dgrad).
+// A 4-stage ring when the schedule of E experts fits beside it (E <= 247 on an H100/H200), else 3.
 template <bool kBMn>
 void launch_m_contiguous_sm90(const char* op, const uint16_t* a, const uint16_t* w, const int32_t* expert_offsets,
                               uint16_t* out, int64_t max_rows, int64_t num_experts, int64_t n_out, int64_t k_red,
                               Stream stream) {
   namespace k90 = kernels::sm90;
   const auto u64 = [](int64_t v) { return static_cast<uint64_t>(v); };
-  const CUtensorMap map_a = bf16_tensor_map(op, kBMn ? "dy" : "x", a, {u64(k_red), u64(max_rows)}, {u64(k_red * 2)},
-                                            {64, k90::kBM});
+  const CUtensorMap map_a = tensor_map(op, kBMn ? "dy" : "x", kMapBf16, a, {u64(k_red), u64(max_rows)},
+                                       {u64(k_red * 2)}, {64, k90::kBM});
   // w[e] is [n_out, k_red] (forward, B K-major: boxes of kBN rows of 64 k) or [k_red, n_out]
   // (dgrad, B MN-major: boxes of 64 k rows of 64 columns).
   const CUtensorMap map_b =
-      kBMn ? bf16_tensor_map(op, "w", w, {u64(n_out), u64(k_red), u64(num_experts)},
-                             {u64(n_out * 2), u64(n_out * k_red * 2)}, {64, 64, 1})
-           : bf16_tensor_map(op, "w", w, {u64(k_red), u64(n_out), u64(num_experts)},
-                             {u64(k_red * 2), u64(n_out * k_red * 2)}, {64, k90::kBN, 1});
-  const auto kernel = k90::grouped_gemm_m_contiguous_sm90<kBMn>;
-  const size_t smem = static_cast<size_t>(k90::smem_bytes(num_experts));
-  const int64_t max_tiles = (ceil_div(max_rows, k90::kBM) + num_experts) * ceil_div(n_out, k90::kBN);
-  const int grid = sm90_grid(op, kernel, smem, max_tiles);
-  kernel<<<grid, k90::kThreads, smem, stream>>>(map_a, map_b, expert_offsets, out, static_cast<int>(max_rows),
-                                                static_cast<int>(num_experts), static_cast<int>(n_out),
-                                                static_cast<int>(k_red));
-  check_launch(kBMn ? "grouped_gemm_m_contiguous_sm90<MN>" : "grouped_gemm_m_contiguous_sm90<K>");
+      kBMn ? tensor_map(op, "w", kMapBf16, w, {u64(n_out), u64(k_red), u64(num_experts)},
+                        {u64(n_out * 2), u64(n_out * k_red * 2)}, {64, 64, 1})
+           : tensor_map(op, "w", kMapBf16, w, {u64(k_red), u64(n_out), u64(num_experts)},
+                        {u64(k_red * 2), u64(n_out * k_red * 2)}, {64, k90::kBN, 1});
+  const CUtensorMap map_out = tensor_map(op, kBMn ? "dx" : "y", kMapBf16, out, {u64(n_out), u64(max_rows)},
+                                         {u64(n_out * 2)}, {64, 64});
+  const int limit = max_shared_memory_per_block(current_device());
+  if (k90::smem_bytes(4, num_experts, true) <= limit) {
+    launch_m_contiguous_sm90_stages<kBMn, 4>(map_a, map_b, map_out, op, expert_offsets, out, max_rows, num_experts,
+                                             n_out, k_red, stream);
+  } else {
+    MOE_CHECK(k90::smem_bytes(3, num_experts, true) <= limit, op, ": the wgmma schedule of ", num_experts,
+              " experts needs ", k90::smem_bytes(3, num_experts, true), " bytes of shared memory, the device has ",
+              limit);
+    launch_m_contiguous_sm90_stages<kBMn, 3>(map_a, map_b, map_out, op, expert_offsets, out, max_rows, num_experts,
+                                             n_out, k_red, stream);
+  }
 }
 
 void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t* x, const int32_t* expert_offsets,
@@ -178,13 +210,15 @@ void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t
                               Stream stream) {
   namespace k90 = kernels::sm90;
   const auto u64 = [](int64_t v) { return static_cast<uint64_t>(v); };
-  const CUtensorMap map_a = bf16_tensor_map(op, "dy", dy, {u64(n), u64(max_rows)}, {u64(n * 2)}, {64, 64});
-  const CUtensorMap map_b = bf16_tensor_map(op, "x", x, {u64(k), u64(max_rows)}, {u64(k * 2)}, {64, 64});
+  const CUtensorMap map_a = tensor_map(op, "dy", kMapBf16, dy, {u64(n), u64(max_rows)}, {u64(n * 2)}, {64, 64});
+  const CUtensorMap map_b = tensor_map(op, "x", kMapBf16, x, {u64(k), u64(max_rows)}, {u64(k * 2)}, {64, 64});
+  const CUtensorMap map_dw = tensor_map(op, "dw", kMapF32, dw, {u64(k), u64(n), u64(num_experts)},
+                                        {u64(k * 4), u64(n * k * 4)}, {32, 64, 1});
   const auto kernel = k90::grouped_gemm_k_contiguous_sm90;
-  const size_t smem = static_cast<size_t>(k90::smem_bytes(num_experts));
+  const size_t smem = static_cast<size_t>(k90::smem_bytes(4, num_experts, false));
   const int64_t max_tiles = num_experts * ceil_div(n, k90::kBM) * ceil_div(k, k90::kBN);
   const int grid = sm90_grid(op, kernel, smem, max_tiles);
-  kernel<<<grid, k90::kThreads, smem, stream>>>(map_a, map_b, expert_offsets, dw, static_cast<int>(max_rows),
+  kernel<<<grid, k90::kThreads, smem, stream>>>(map_a, map_b, map_dw, expert_offsets, dw, static_cast<int>(max_rows),
                                                 static_cast<int>(num_experts), static_cast<int>(n),
                                                 static_cast<int>(k), accumulate);
   check_launch("grouped_gemm_k_contiguous_sm90");
