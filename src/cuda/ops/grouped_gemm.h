@@ -4,8 +4,8 @@
 // come from static bounds only (max_rows = T * k, E, n, k), so every call is graph-capturable.
 // BF16 operands (uint16_t bit patterns), FP32 accumulation; weights w are [E, n, k] row-major.
 // Two kernel families, same contract and results within the GEMM tolerance: wgmma (sm_90 only:
-// TMA + wgmma, grouped_gemm_sm90.cuh) and mma (mma.sync, grouped_gemm.cuh). Every shape the
-// checks accept runs on either; none is sent to the other backend.
+// TMA + wgmma, grouped_gemm_sm90.cuh, about 2x faster) and mma (mma.sync, grouped_gemm.cuh).
+// Every shape the checks accept runs on either; no call is sent to the other backend.
 #pragma once
 
 #include <cstdint>
@@ -49,6 +49,8 @@ void grouped_gemm_dgrad(const uint16_t* dy, const uint16_t* w, const int32_t* ex
 // rows of expert e. dy [max_rows, n], x [max_rows, k] (BF16), dw [E, n, k] FP32. An expert with
 // no rows leaves dw[e] bitwise unchanged (accumulate) or zeroes it (overwrite). Deterministic:
 // each dw tile is reduced by one CTA over the expert's rows in order (no atomics, no row split).
+// Accumulate order: mma adds dw[e] to the finished sum (one FP32 add); wgmma starts the
+// tensor-core sum from dw[e], so its rounding grows with |dw[e]| x rows / 16 (docs/cuda.md).
 void grouped_gemm_wgrad(const uint16_t* dy, const uint16_t* x, const int32_t* expert_offsets, float* dw,
                         int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, bool accumulate,
                         Stream stream, GroupedGemmBackend backend = GroupedGemmBackend::kAuto);
