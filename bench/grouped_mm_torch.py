@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """torch._grouped_mm on the same grouped-GEMM problems as moecore_op_bench, in the same run.
 
-Reads moecore_op_bench's JSON (shapes and per-expert row counts), times torch's grouped GEMM
-(CUTLASS) for the six expert GEMMs with CUDA events (warm-up, median), and prints one table:
-op | moecore us | torch us | moecore TFLOP/s | torch TFLOP/s | x torch. Writes the merged
+Reads moecore_op_bench's JSON (shapes, per-expert row counts, one result per op and backend),
+times torch's grouped GEMM (CUTLASS) for the six expert GEMMs with CUDA events (warm-up, median),
+and prints one table: op | TFLOP/s of each moecore backend (mma, wgmma) | torch TFLOP/s | speed
+of each backend relative to torch (torch us / moecore us; > 1 is faster). Writes the merged
 record to --out.
 
 usage: grouped_mm_torch.py MOECORE_RESULT.json [--out FILE.json]
@@ -67,19 +68,33 @@ def main():
         "down dgrad": (lambda: gm(dy_dn, w_dn_d, offs=offs), 2.0 * rows * D * I),
         "down wgrad": (lambda: gm(dy_dn_t, h_c, offs=offs_w), 2.0 * rows * D * I),
     }
-    print(f"{'op':<18} | {'moecore us':>10} | {'torch us':>10} | {'moecore TF/s':>12} | {'torch TF/s':>10} | {'x torch':>7}")
-    merged = []
+    backends = []
     for r in ours["results"]:
-        fn, flops = problems[r["op"]]
+        b = r.get("backend", "mma")
+        if b not in backends:
+            backends.append(b)
+    header = f"{'op':<18} | " + " | ".join(f"{b + ' TF/s':>11}" for b in backends)
+    header += f" | {'torch TF/s':>10} | " + " | ".join(f"{b + ' x torch':>13}" for b in backends)
+    print(header)
+    merged = []
+    for op, (fn, flops) in problems.items():
+        mine = {r.get("backend", "mma"): r for r in ours["results"] if r["op"] == op}
+        if not mine:
+            continue
         try:
             ms = timed(fn, ours["warmup"], ours["iters"])
             t_us, t_tf = ms * 1e3, flops / (ms * 1e-3) / 1e12
-            ratio = t_us / r["us_median"]
-            print(f"{r['op']:<18} | {r['us_median']:10.1f} | {t_us:10.1f} | {r['tflops']:12.1f} | {t_tf:10.1f} | {ratio:7.2f}")
-            merged.append({**r, "torch_us_median": t_us, "torch_tflops": t_tf, "x_torch": ratio})
         except Exception as e:  # a layout torch refuses: report, do not hide
-            print(f"{r['op']:<18} | {r['us_median']:10.1f} | torch failed: {e}")
-            merged.append({**r, "torch_error": str(e)})
+            print(f"{op:<18} | torch failed: {e}")
+            merged += [{**r, "torch_error": str(e)} for r in mine.values()]
+            continue
+        line = f"{op:<18} | " + " | ".join(
+            f"{mine[b]['tflops']:11.1f}" if b in mine else f"{'-':>11}" for b in backends)
+        line += f" | {t_tf:10.1f} | " + " | ".join(
+            f"{t_us / mine[b]['us_median']:13.2f}" if b in mine else f"{'-':>13}" for b in backends)
+        print(line)
+        merged += [{**r, "torch_us_median": t_us, "torch_tflops": t_tf, "x_torch": t_us / r["us_median"]}
+                   for r in mine.values()]
     rec = {**ours, "results": merged, "torch": torch.__version__,
            "torch_wgrad_counts": aligned, "note": "torch wgrad on 8-row-aligned group sizes"}
     if out_path:

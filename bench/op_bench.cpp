@@ -1,15 +1,19 @@
 // moecore_op_bench: CUDA op micro-benchmarks. Grouped GEMM of the MoE experts (forward,
 // dgrad, wgrad) on a model's expert shapes, rows spread over experts by a random top-k
-// routing. Random BF16 data (never zeros), inputs larger than L2, warm-up, CUDA events,
-// median/min/max. Prints `op shape | us | TFLOP/s` and writes one JSON file.
+// routing, for each grouped-GEMM backend the device runs (mma everywhere, wgmma on sm_90).
+// Random BF16 data (never zeros), inputs larger than L2, warm-up, CUDA events, median/min/max.
+// Prints `op | backend | us | TFLOP/s | diff`, diff = ||out - out_mma|| / ||out_mma|| of one
+// overwrite run of each backend (0 for mma itself), and writes one JSON file.
 // usage: moecore_op_bench [--tokens T] [--top-k K] [--experts E] [--d-model D] [--hidden I]
-//                         [--warmup N] [--iters N] [--out FILE.json]
+//                         [--warmup N] [--iters N] [--backend mma|wgmma|all] [--out FILE.json]
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -25,8 +29,11 @@ namespace {
 struct Args {
   int64_t tokens = 16384, top_k = 8, experts = 64, d_model = 2048, hidden = 1024;
   int warmup = 5, iters = 20;
+  std::string backend = "all";
   std::string out;
 };
+
+using moe::cuda::GroupedGemmBackend;
 
 template <typename T>
 T* device_copy(const std::vector<T>& h) {
@@ -45,7 +52,8 @@ std::vector<uint16_t> random_bf16(int64_t n, const char* name, float scale) {
 }
 
 template <typename F>
-nlohmann::json time_op(const std::string& op, double flops, const Args& a, cudaStream_t s, F&& fn) {
+nlohmann::json time_op(const std::string& op, GroupedGemmBackend backend, double flops, const Args& a,
+                       cudaStream_t s, F&& fn) {
   for (int i = 0; i < a.warmup; ++i) fn();
   std::vector<float> ms(a.iters);
   cudaEvent_t e0, e1;
@@ -63,9 +71,32 @@ nlohmann::json time_op(const std::string& op, double flops, const Args& a, cudaS
   std::sort(ms.begin(), ms.end());
   const double med = ms[ms.size() / 2];
   const double tflops = flops / (med * 1e-3) / 1e12;
-  std::printf("%-22s | %9.1f us | %7.1f TFLOP/s\n", op.c_str(), med * 1e3, tflops);
-  return {{"op", op}, {"us_median", med * 1e3}, {"us_min", ms.front() * 1e3}, {"us_max", ms.back() * 1e3},
-          {"tflops", tflops}, {"flops", flops}};
+  return {{"op", op}, {"backend", moe::cuda::grouped_gemm_backend_name(backend)}, {"us_median", med * 1e3},
+          {"us_min", ms.front() * 1e3}, {"us_max", ms.back() * 1e3}, {"tflops", tflops}, {"flops", flops}};
+}
+
+// Host copy of a device output as floats (BF16 or FP32 elements).
+std::vector<float> download(const void* d, int64_t count, bool bf16) {
+  std::vector<float> out(count);
+  if (bf16) {
+    std::vector<uint16_t> raw(count);
+    MOE_CUDA_CHECK(cudaMemcpy(raw.data(), d, count * 2, cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < count; ++i) out[i] = moe::bf16_to_f32(raw[i]);
+  } else {
+    MOE_CUDA_CHECK(cudaMemcpy(out.data(), d, count * 4, cudaMemcpyDeviceToHost));
+  }
+  return out;
+}
+
+// ||got - ref|| / ||ref|| over the first `count` elements (NaN when either holds a NaN).
+double relative_difference(const std::vector<float>& got, const std::vector<float>& ref) {
+  double num = 0.0, den = 0.0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = double{got[i]} - ref[i];
+    num += d * d;
+    den += double{ref[i]} * ref[i];
+  }
+  return den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 }  // namespace
@@ -85,6 +116,7 @@ int main(int argc, char** argv) {
     else if (k == "--hidden") a.hidden = std::stoll(next());
     else if (k == "--warmup") a.warmup = std::stoi(next());
     else if (k == "--iters") a.iters = std::stoi(next());
+    else if (k == "--backend") a.backend = next();
     else if (k == "--out") a.out = next();
     else { std::fprintf(stderr, "error: unknown argument '%s'\n", k.c_str()); return 2; }
   }
@@ -112,7 +144,7 @@ int main(int argc, char** argv) {
     float* dw = nullptr;
     MOE_CUDA_CHECK(cudaMalloc(&y_gu, rows * 2 * I * 2));
     MOE_CUDA_CHECK(cudaMalloc(&y_dn, rows * D * 2));
-    MOE_CUDA_CHECK(cudaMalloc(&dx, rows * D * 2));
+    MOE_CUDA_CHECK(cudaMalloc(&dx, rows * std::max(D, I) * 2));
     MOE_CUDA_CHECK(cudaMalloc(&dw, E * 2 * I * D * 4));
     MOE_CUDA_CHECK(cudaMemset(dw, 0, E * 2 * I * D * 4));
 
@@ -122,14 +154,68 @@ int main(int argc, char** argv) {
                 prop.name, (long long)a.tokens, (long long)a.top_k, (long long)rows, (long long)E, (long long)D,
                 (long long)I);
     const double f_gu = 2.0 * rows * (2 * I) * D, f_dn = 2.0 * rows * D * I;
-    nlohmann::json results = nlohmann::json::array();
     using namespace moe::cuda;
-    results.push_back(time_op("gate_up forward", f_gu, a, s, [&] { grouped_gemm_forward(x, w_gu, off, y_gu, rows, E, 2 * I, D, s); }));
-    results.push_back(time_op("gate_up dgrad", f_gu, a, s, [&] { grouped_gemm_dgrad(dy_gu, w_gu, off, dx, rows, E, 2 * I, D, s); }));
-    results.push_back(time_op("gate_up wgrad", f_gu, a, s, [&] { grouped_gemm_wgrad(dy_gu, x, off, dw, rows, E, 2 * I, D, true, s); }));
-    results.push_back(time_op("down forward", f_dn, a, s, [&] { grouped_gemm_forward(h, w_dn, off, y_dn, rows, E, D, I, s); }));
-    results.push_back(time_op("down dgrad", f_dn, a, s, [&] { grouped_gemm_dgrad(dy_dn, w_dn, off, dx, rows, E, D, I, s); }));
-    results.push_back(time_op("down wgrad", f_dn, a, s, [&] { grouped_gemm_wgrad(dy_dn, h, off, dw, rows, E, D, I, true, s); }));
+    std::vector<GroupedGemmBackend> backends;
+    if (a.backend == "mma" || a.backend == "all") backends.push_back(GroupedGemmBackend::kMma);
+    if ((a.backend == "wgmma" || a.backend == "all") && grouped_gemm_wgmma_available()) {
+      backends.push_back(GroupedGemmBackend::kWgmma);
+    }
+    if (backends.empty()) {
+      std::fprintf(stderr, "error: --backend %s: no such backend on this device (mma, wgmma on sm_90, all)\n",
+                   a.backend.c_str());
+      return 2;
+    }
+    // One problem: the timed call (wgrad accumulates, as in training) and an overwrite call whose
+    // output the backends' results are compared on.
+    struct Problem {
+      const char* op;
+      double flops;
+      const void* out;
+      int64_t out_count;
+      bool bf16;
+      std::function<void(GroupedGemmBackend, bool)> run;  // (backend, timed)
+    };
+    const std::vector<Problem> problems = {
+        {"gate_up forward", f_gu, y_gu, rows * 2 * I, true,
+         [&](GroupedGemmBackend b, bool) { grouped_gemm_forward(x, w_gu, off, y_gu, rows, E, 2 * I, D, s, b); }},
+        {"gate_up dgrad", f_gu, dx, rows * D, true,
+         [&](GroupedGemmBackend b, bool) { grouped_gemm_dgrad(dy_gu, w_gu, off, dx, rows, E, 2 * I, D, s, b); }},
+        {"gate_up wgrad", f_gu, dw, E * 2 * I * D, false,
+         [&](GroupedGemmBackend b, bool timed) {
+           grouped_gemm_wgrad(dy_gu, x, off, dw, rows, E, 2 * I, D, timed, s, b);
+         }},
+        {"down forward", f_dn, y_dn, rows * D, true,
+         [&](GroupedGemmBackend b, bool) { grouped_gemm_forward(h, w_dn, off, y_dn, rows, E, D, I, s, b); }},
+        {"down dgrad", f_dn, dx, rows * I, true,
+         [&](GroupedGemmBackend b, bool) { grouped_gemm_dgrad(dy_dn, w_dn, off, dx, rows, E, D, I, s, b); }},
+        {"down wgrad", f_dn, dw, E * D * I, false,
+         [&](GroupedGemmBackend b, bool timed) { grouped_gemm_wgrad(dy_dn, h, off, dw, rows, E, D, I, timed, s, b); }},
+    };
+    std::printf("%-18s | %-7s | %10s | %9s | %s\n", "op", "backend", "us", "TFLOP/s", "diff vs mma");
+    nlohmann::json results = nlohmann::json::array();
+    for (const Problem& p : problems) {
+      std::vector<float> reference;
+      for (GroupedGemmBackend b : backends) {
+        nlohmann::json r = time_op(p.op, b, p.flops, a, s, [&] { p.run(b, true); });
+        // The compared run starts from NaN bytes, so an element a backend skipped shows.
+        MOE_CUDA_CHECK(cudaMemsetAsync(const_cast<void*>(p.out), 0xFF, p.out_count * (p.bf16 ? 2 : 4), s));
+        p.run(b, false);
+        MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+        std::vector<float> out = download(p.out, p.out_count, p.bf16);
+        double diff = 0.0;
+        if (b == GroupedGemmBackend::kMma) {
+          reference = std::move(out);
+        } else if (!reference.empty()) {
+          diff = relative_difference(out, reference);
+        }
+        r["diff_vs_mma"] = reference.empty() ? nlohmann::json() : nlohmann::json(diff);
+        char diff_text[32] = "-";
+        if (!reference.empty()) std::snprintf(diff_text, sizeof(diff_text), "%.3e", diff);
+        std::printf("%-18s | %-7s | %10.1f | %9.1f | %s\n", p.op, grouped_gemm_backend_name(b),
+                    r["us_median"].get<double>(), r["tflops"].get<double>(), diff_text);
+        results.push_back(std::move(r));
+      }
+    }
     if (!a.out.empty()) {
       nlohmann::json rec = {{"gpu", prop.name}, {"tokens", a.tokens}, {"top_k", a.top_k}, {"experts", E},
                             {"d_model", D}, {"hidden", I}, {"rows", rows}, {"counts", counts},

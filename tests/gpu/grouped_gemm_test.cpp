@@ -1,13 +1,16 @@
 // cuda::grouped_gemm_forward / _dgrad / _wgrad against a loop of cpu::gemm<float> over the experts
-// on the same BF16 inputs: forward and dgrad (BF16) under the bf16 row, wgrad (FP32) under the
-// GEMM bound below; integer-valued inputs bitwise. Groups include empty experts, every row in one
-// expert, single rows and odd counts; rows past offsets[E] hold NaN inputs (never read) and stay
-// unwritten; a captured CUDA graph replays with the offsets changed on the device and must match
-// eager runs bitwise.
+// on the same BF16 inputs, for both backends (mma; wgmma where the device is sm_90): forward and
+// dgrad (BF16) under the bf16 row, wgrad (FP32) under the GEMM bound below; integer-valued inputs
+// bitwise. Groups include empty experts, every row in one expert, single rows and odd counts, and
+// widths around the wgmma tiles (8, 136, 200, 264, 520); rows past offsets[E] hold NaN inputs
+// (never change a result) and stay unwritten; a captured CUDA graph replays with the offsets
+// changed on the device and must match eager runs bitwise.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
 #include <ostream>
+#include <tuple>
 
 #include "cpu/linear.h"
 #include "cuda/ops/grouped_gemm.h"
@@ -34,6 +37,16 @@ struct GroupedCase {
     return off;
   }
 };
+
+using Backend = cuda::GroupedGemmBackend;
+
+// Skips the test when the backend cannot run on this device (wgmma needs compute capability 9.0).
+#define MOE_SKIP_WITHOUT_BACKEND(backend)                                                    \
+  do {                                                                                       \
+    MOE_SKIP_WITHOUT_GPU();                                                                  \
+    if ((backend) == Backend::kWgmma && !cuda::grouped_gemm_wgmma_available())               \
+      GTEST_SKIP() << "the wgmma backend needs a compute capability 9.0 device";             \
+  } while (0)
 
 void PrintTo(const GroupedCase& c, std::ostream* os) {
   *os << c.name << " (E=" << c.num_experts() << ", n=" << c.n << ", k=" << c.k << ", rows=" << c.rows()
@@ -73,6 +86,16 @@ std::vector<GroupedCase> parity_cases() {
       {"olmoe_down_e8", 2048, 1024, drawn_counts(4096, uniform_weights(8), 62), 0},
       {"e64_rows131072_down", 2048, 1024, drawn_counts(16384 * 8, uniform_weights(64, {5, 40}), 63), 0},
       {"e128_skewed", 512, 2048, drawn_counts(16384, skewed_weights(128), 64), 3},
+      // Around the wgmma tiles (128 x 256 x 64; wgrad: 64-row reduction steps from each expert's
+      // first row): widths below one box, one box plus a chunk, not a multiple of 64 or 256;
+      // groups of exactly 64 / 128 rows (no partial step) next to 63, 65, 1 and 0.
+      {"n8_k8", 8, 8, {3, 0, 1, 70, 0}, 9},
+      {"n136_k200", 136, 200, {65, 64, 0, 63, 129, 1, 128}, 11},
+      {"n200_k136", 200, 136, {64, 1, 191, 0, 256}, 0},
+      {"n264_k520", 264, 520, {0, 300, 7, 64, 513}, 2},
+      {"n520_k72", 520, 72, {127, 1, 0, 66}, 4},
+      // E = 300: the wgmma M-grouped schedule no longer fits beside a 4-stage ring (3 stages).
+      {"e300_small", 24, 40, drawn_counts(3000, skewed_weights(300), 65), 5},
   };
 }
 
@@ -236,11 +259,18 @@ void expect_empty_experts_exact(const GroupedCase& c, const std::vector<float>& 
   }
 }
 
-class GroupedGemmParity : public ::testing::TestWithParam<GroupedCase> {};
+class GroupedGemmParity : public ::testing::TestWithParam<std::tuple<GroupedCase, Backend>> {
+ protected:
+  const GroupedCase& problem() const { return std::get<0>(GetParam()); }
+  Backend backend() const { return std::get<1>(GetParam()); }
+  std::string label(const char* what) const {
+    return param_name(what, "[", problem().name, ",", cuda::grouped_gemm_backend_name(backend()), "]");
+  }
+};
 
 TEST_P(GroupedGemmParity, Forward) {
-  MOE_SKIP_WITHOUT_GPU();
-  const GroupedCase& c = GetParam();
+  MOE_SKIP_WITHOUT_BACKEND(backend());
+  const GroupedCase& c = problem();
   const auto off = c.offsets();
   const HostInputs in = make_inputs(c, 101);
   GuardedBuffer<uint16_t> d_x(in.x), d_w(in.w), d_y(c.max_rows() * c.n);
@@ -248,13 +278,12 @@ TEST_P(GroupedGemmParity, Forward) {
   TestStream stream;
   settle_uploads();
   cuda::grouped_gemm_forward(d_x.data(), d_w.data(), d_off.data(), d_y.data(), c.max_rows(), c.num_experts(), c.n,
-                             c.k, stream.get());
+                             c.k, stream.get(), backend());
   stream.sync();
 
   const auto y = d_y.download();
   const auto ref = reference_forward(c, off, in.xf.data(), in.wf.data());
-  expect_parity(param_name("grouped_gemm.y[", c.name, "]"), head(bf16_to_f32(y), c.rows() * c.n), ref,
-                kBF16Elementwise);
+  expect_parity(label("grouped_gemm.y"), head(bf16_to_f32(y), c.rows() * c.n), ref, kBF16Elementwise);
   expect_rows_unwritten("y", y, c.n, c.rows(), c.max_rows());
   EXPECT_TRUE(bitwise_equal(d_x.download(), in.x)) << "x was modified";
   EXPECT_TRUE(bitwise_equal(d_w.download(), in.w)) << "w was modified";
@@ -265,8 +294,8 @@ TEST_P(GroupedGemmParity, Forward) {
 }
 
 TEST_P(GroupedGemmParity, Dgrad) {
-  MOE_SKIP_WITHOUT_GPU();
-  const GroupedCase& c = GetParam();
+  MOE_SKIP_WITHOUT_BACKEND(backend());
+  const GroupedCase& c = problem();
   const auto off = c.offsets();
   const HostInputs in = make_inputs(c, 201);
   GuardedBuffer<uint16_t> d_dy(in.dy), d_w(in.w), d_dx(c.max_rows() * c.k);
@@ -274,13 +303,12 @@ TEST_P(GroupedGemmParity, Dgrad) {
   TestStream stream;
   settle_uploads();
   cuda::grouped_gemm_dgrad(d_dy.data(), d_w.data(), d_off.data(), d_dx.data(), c.max_rows(), c.num_experts(), c.n,
-                           c.k, stream.get());
+                           c.k, stream.get(), backend());
   stream.sync();
 
   const auto dx = d_dx.download();
   const auto ref = reference_dgrad(c, off, in.dyf.data(), in.wf.data());
-  expect_parity(param_name("grouped_gemm.dx[", c.name, "]"), head(bf16_to_f32(dx), c.rows() * c.k), ref,
-                kBF16Elementwise);
+  expect_parity(label("grouped_gemm.dx"), head(bf16_to_f32(dx), c.rows() * c.k), ref, kBF16Elementwise);
   expect_rows_unwritten("dx", dx, c.k, c.rows(), c.max_rows());
   EXPECT_TRUE(bitwise_equal(d_dy.download(), in.dy)) << "dy was modified";
   d_dy.expect_guards_intact("dy");
@@ -288,7 +316,7 @@ TEST_P(GroupedGemmParity, Dgrad) {
   d_dx.expect_guards_intact("dx");
 }
 
-void run_wgrad_case(const GroupedCase& c, bool accumulate) {
+void run_wgrad_case(const GroupedCase& c, Backend backend, bool accumulate) {
   const auto off = c.offsets();
   const HostInputs in = make_inputs(c, accumulate ? 301 : 401);
   const auto dw0 = random_f32(c.num_experts() * c.n * c.k, accumulate ? 302 : 402);
@@ -298,14 +326,15 @@ void run_wgrad_case(const GroupedCase& c, bool accumulate) {
   TestStream stream;
   settle_uploads();
   cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw.data(), c.max_rows(), c.num_experts(), c.n,
-                           c.k, accumulate, stream.get());
+                           c.k, accumulate, stream.get(), backend);
   stream.sync();
   const auto dw = d_dw.download();
 
   std::vector<float> ref = dw0;
   reference_wgrad(c, off, in.dyf.data(), in.xf.data(), ref, accumulate);
-  expect_wgrad_parity(param_name("grouped_gemm.dw[", c.name, accumulate ? ",accumulate]" : ",overwrite]"), c, off,
-                      in.dyf, in.xf, dw, ref);
+  expect_wgrad_parity(param_name("grouped_gemm.dw[", c.name, ",", cuda::grouped_gemm_backend_name(backend),
+                                 accumulate ? ",accumulate]" : ",overwrite]"),
+                      c, off, in.dyf, in.xf, dw, ref);
   expect_empty_experts_exact(c, dw, dw0, accumulate);
   d_dy.expect_guards_intact("dy");
   d_x.expect_guards_intact("x");
@@ -315,24 +344,30 @@ void run_wgrad_case(const GroupedCase& c, bool accumulate) {
   d_dw.upload(dw0);
   settle_uploads();
   cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw.data(), c.max_rows(), c.num_experts(), c.n,
-                           c.k, accumulate, stream.get());
+                           c.k, accumulate, stream.get(), backend);
   stream.sync();
   const auto again = d_dw.download();
   EXPECT_EQ(std::memcmp(again.data(), dw.data(), dw.size() * sizeof(float)), 0) << "dw differs between two runs";
 }
 
 TEST_P(GroupedGemmParity, WgradAccumulate) {
-  MOE_SKIP_WITHOUT_GPU();
-  run_wgrad_case(GetParam(), true);
+  MOE_SKIP_WITHOUT_BACKEND(backend());
+  run_wgrad_case(problem(), backend(), true);
 }
 
 TEST_P(GroupedGemmParity, WgradOverwrite) {
-  MOE_SKIP_WITHOUT_GPU();
-  run_wgrad_case(GetParam(), false);
+  MOE_SKIP_WITHOUT_BACKEND(backend());
+  run_wgrad_case(problem(), backend(), false);
 }
 
-INSTANTIATE_TEST_SUITE_P(Groups, GroupedGemmParity, ::testing::ValuesIn(parity_cases()),
-                         [](const auto& info) { return std::string(info.param.name); });
+std::string backend_suffix(Backend b) { return std::string("_") + cuda::grouped_gemm_backend_name(b); }
+
+INSTANTIATE_TEST_SUITE_P(Groups, GroupedGemmParity,
+                         ::testing::Combine(::testing::ValuesIn(parity_cases()),
+                                            ::testing::Values(Backend::kMma, Backend::kWgmma)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param).name) + backend_suffix(std::get<1>(info.param));
+                         });
 
 // Small integers (|v| <= 3) in BF16: every product and partial sum is an integer below 2^24, exact
 // in FP32 in any order, so the GPU must match the reference bitwise (BF16 outputs: the reference
@@ -351,8 +386,11 @@ std::vector<uint16_t> round_to_bf16(const std::vector<float>& v) {
   return out;
 }
 
-TEST(GroupedGemmExact, IntegerInputsMatchBitwise) {
-  MOE_SKIP_WITHOUT_GPU();
+class GroupedGemmBackends : public ::testing::TestWithParam<Backend> {};
+
+TEST_P(GroupedGemmBackends, IntegerInputsMatchBitwise) {
+  const Backend backend = GetParam();
+  MOE_SKIP_WITHOUT_BACKEND(backend);
   const GroupedCase c{"integers", 264, 520, {0, 1, 257, 64, 129, 3}, 7};
   const auto off = c.offsets();
   auto x = small_int_bf16(c.max_rows() * c.k, 501, 3), dy = small_int_bf16(c.max_rows() * c.n, 503, 3);
@@ -370,27 +408,28 @@ TEST(GroupedGemmExact, IntegerInputsMatchBitwise) {
   settle_uploads();
   const cudaStream_t s = stream.get();
   cuda::grouped_gemm_forward(d_x.data(), d_w.data(), d_off.data(), d_y.data(), c.max_rows(), c.num_experts(), c.n,
-                             c.k, s);
+                             c.k, s, backend);
   cuda::grouped_gemm_dgrad(d_dy.data(), d_w.data(), d_off.data(), d_dx.data(), c.max_rows(), c.num_experts(), c.n,
-                           c.k, s);
+                           c.k, s, backend);
   cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw_acc.data(), c.max_rows(), c.num_experts(),
-                           c.n, c.k, true, s);
+                           c.n, c.k, true, s, backend);
   cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw_new.data(), c.max_rows(), c.num_experts(),
-                           c.n, c.k, false, s);
+                           c.n, c.k, false, s, backend);
   stream.sync();
 
   const auto y = d_y.download(), dx = d_dx.download();
   const auto y_ref = round_to_bf16(reference_forward(c, off, xf.data(), wf.data()));
   const auto dx_ref = round_to_bf16(reference_dgrad(c, off, dyf.data(), wf.data()));
-  EXPECT_TRUE(bitwise_equal(std::vector<uint16_t>(y.begin(), y.begin() + c.rows() * c.n), y_ref)) << "y";
-  EXPECT_TRUE(bitwise_equal(std::vector<uint16_t>(dx.begin(), dx.begin() + c.rows() * c.k), dx_ref)) << "dx";
+  const char* name = cuda::grouped_gemm_backend_name(backend);
+  EXPECT_TRUE(bitwise_equal(std::vector<uint16_t>(y.begin(), y.begin() + c.rows() * c.n), y_ref)) << "y, " << name;
+  EXPECT_TRUE(bitwise_equal(std::vector<uint16_t>(dx.begin(), dx.begin() + c.rows() * c.k), dx_ref)) << "dx, " << name;
   expect_rows_unwritten("y", y, c.n, c.rows(), c.max_rows());
   expect_rows_unwritten("dx", dx, c.k, c.rows(), c.max_rows());
   for (bool accumulate : {true, false}) {
     std::vector<float> ref = dw0;
     reference_wgrad(c, off, dyf.data(), xf.data(), ref, accumulate);
     const auto got = (accumulate ? d_dw_acc : d_dw_new).download();
-    expect_parity(accumulate ? "grouped_gemm.dw[integers,accumulate]" : "grouped_gemm.dw[integers,overwrite]", got,
+    expect_parity(param_name("grouped_gemm.dw[integers,", name, accumulate ? ",accumulate]" : ",overwrite]"), got,
                   ref, kExact);
   }
   for (auto* b : {&d_x, &d_w, &d_dy, &d_y, &d_dx}) b->expect_guards_intact("grouped gemm bf16 buffer");
@@ -468,17 +507,19 @@ struct GraphBuffers {
   GuardedBuffer<float> dw_start{random_f32(kExperts * kN * kK, 704)}, dw_acc{kExperts * kN * kK},
       dw_new{kExperts * kN * kK};
   GuardedBuffer<int32_t> offsets{kExperts + 1};
+  Backend backend = Backend::kAuto;
 
   void run(cudaStream_t s) {
     MOE_CUDA_CHECK(cudaMemsetAsync(y.data(), 0xFF, y.bytes(), s));
     MOE_CUDA_CHECK(cudaMemsetAsync(dx.data(), 0xFF, dx.bytes(), s));
     MOE_CUDA_CHECK(cudaMemsetAsync(dw_new.data(), 0xFF, dw_new.bytes(), s));
     MOE_CUDA_CHECK(cudaMemcpyAsync(dw_acc.data(), dw_start.data(), dw_acc.bytes(), cudaMemcpyDeviceToDevice, s));
-    cuda::grouped_gemm_forward(x.data(), w.data(), offsets.data(), y.data(), kMaxRows, kExperts, kN, kK, s);
-    cuda::grouped_gemm_dgrad(dy.data(), w.data(), offsets.data(), dx.data(), kMaxRows, kExperts, kN, kK, s);
-    cuda::grouped_gemm_wgrad(dy.data(), x.data(), offsets.data(), dw_acc.data(), kMaxRows, kExperts, kN, kK, true, s);
+    cuda::grouped_gemm_forward(x.data(), w.data(), offsets.data(), y.data(), kMaxRows, kExperts, kN, kK, s, backend);
+    cuda::grouped_gemm_dgrad(dy.data(), w.data(), offsets.data(), dx.data(), kMaxRows, kExperts, kN, kK, s, backend);
+    cuda::grouped_gemm_wgrad(dy.data(), x.data(), offsets.data(), dw_acc.data(), kMaxRows, kExperts, kN, kK, true, s,
+                             backend);
     cuda::grouped_gemm_wgrad(dy.data(), x.data(), offsets.data(), dw_new.data(), kMaxRows, kExperts, kN, kK, false,
-                             s);
+                             s, backend);
   }
 };
 
@@ -496,9 +537,11 @@ GraphSnapshot snapshot(const GraphBuffers& b) {
   return {b.y.download(), b.dx.download(), b.dw_acc.download(), b.dw_new.download()};
 }
 
-TEST(GroupedGemmGraph, ReplaysWithOffsetsChangedOnDevice) {
-  MOE_SKIP_WITHOUT_GPU();
+TEST_P(GroupedGemmBackends, GraphReplaysWithOffsetsChangedOnDevice) {
+  const Backend backend = GetParam();
+  MOE_SKIP_WITHOUT_BACKEND(backend);
   GraphBuffers b;
+  b.backend = backend;
   TestStream stream;
   settle_uploads();
   const std::vector<std::vector<int32_t>> offset_sets = {
@@ -536,6 +579,54 @@ TEST(GroupedGemmGraph, ReplaysWithOffsetsChangedOnDevice) {
   MOE_CUDA_CHECK(cudaGraphDestroy(graph));
   for (auto* buf : {&b.x, &b.w, &b.dy, &b.y, &b.dx}) buf->expect_guards_intact("graph bf16 buffer");
   for (auto* buf : {&b.dw_acc, &b.dw_new}) buf->expect_guards_intact("graph dw");
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, GroupedGemmBackends, ::testing::Values(Backend::kMma, Backend::kWgmma),
+                         [](const auto& info) { return std::string(cuda::grouped_gemm_backend_name(info.param)); });
+
+// MOECORE_GROUPED_GEMM picks the backend of kAuto calls; an explicit backend argument wins; a bad
+// value is refused naming the variable (checked before any device query, so this runs anywhere).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    ::setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      ::setenv(name_, old_.c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+TEST(GroupedGemm, BackendFromEnvironment) {
+  {
+    ScopedEnv env("MOECORE_GROUPED_GEMM", "tensorcore");
+    expect_error_naming([] { cuda::grouped_gemm_resolve_backend(); }, {"MOECORE_GROUPED_GEMM", "'tensorcore'"});
+  }
+  MOE_SKIP_WITHOUT_GPU();
+  const bool sm90 = cuda::grouped_gemm_wgmma_available();
+  {
+    ScopedEnv env("MOECORE_GROUPED_GEMM", "mma");
+    EXPECT_EQ(cuda::grouped_gemm_resolve_backend(), Backend::kMma);
+    if (sm90) {
+      EXPECT_EQ(cuda::grouped_gemm_resolve_backend(Backend::kWgmma), Backend::kWgmma);
+    }
+  }
+  {
+    ScopedEnv env("MOECORE_GROUPED_GEMM", "");
+    EXPECT_EQ(cuda::grouped_gemm_resolve_backend(), sm90 ? Backend::kWgmma : Backend::kMma);
+  }
+  if (!sm90) {
+    expect_error_naming([] { cuda::grouped_gemm_resolve_backend(Backend::kWgmma); }, {"wgmma", "9.0"});
+  }
 }
 
 }  // namespace

@@ -3,6 +3,9 @@
 // (int32 [E+1] device array, from the GPU counting sort; the host never reads it). Launch sizes
 // come from static bounds only (max_rows = T * k, E, n, k), so every call is graph-capturable.
 // BF16 operands (uint16_t bit patterns), FP32 accumulation; weights w are [E, n, k] row-major.
+// Two kernel families, same contract and results within the GEMM tolerance: wgmma (sm_90 only:
+// TMA + wgmma, grouped_gemm_sm90.cuh, about 2x faster) and mma (mma.sync, grouped_gemm.cuh).
+// Every shape the checks accept runs on either; no call is sent to the other backend.
 #pragma once
 
 #include <cstdint>
@@ -11,26 +14,46 @@
 
 namespace moe::cuda {
 
+// Which kernels an entry point uses. kAuto: the environment variable MOECORE_GROUPED_GEMM
+// ("mma" or "wgmma") when set, else wgmma on a compute capability 9.0 device and mma elsewhere.
+enum class GroupedGemmBackend { kAuto, kMma, kWgmma };
+
+// "auto", "mma" or "wgmma".
+const char* grouped_gemm_backend_name(GroupedGemmBackend backend);
+
+// The backend `requested` runs on for the current device (never kAuto). Throws moe::Error when
+// MOECORE_GROUPED_GEMM holds another value, or when wgmma is asked for (by argument or variable)
+// on a device that is not compute capability 9.0.
+GroupedGemmBackend grouped_gemm_resolve_backend(GroupedGemmBackend requested = GroupedGemmBackend::kAuto);
+
+// Whether the current device runs the wgmma backend (compute capability 9.0); false without a GPU.
+bool grouped_gemm_wgmma_available();
+
 // Forward, M-grouped contiguous: y[r, :] = x[r, :] @ w[e]^T for the rows r of expert e.
 // x [max_rows, k], w [E, n, k], y [max_rows, n] (BF16). Rows outside [offsets[0], offsets[E])
-// (the dispatcher's dropped tail) are neither read nor written, by every entry point here.
+// (the dispatcher's dropped tail) are never written and never change a result, by every entry
+// point here (the wgmma kernels may load some of them into a tile whose products they discard).
 // n and k must be multiples of 8, pointers 16-byte aligned.
 void grouped_gemm_forward(const uint16_t* x, const uint16_t* w, const int32_t* expert_offsets, uint16_t* y,
-                          int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, Stream stream);
+                          int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, Stream stream,
+                          GroupedGemmBackend backend = GroupedGemmBackend::kAuto);
 
 // Data gradient, M-grouped contiguous: dx[r, :] = dy[r, :] @ w[e] for the rows r of expert e.
 // dy [max_rows, n], w [E, n, k] (read as is, no transposed copy), dx [max_rows, k] (BF16,
 // overwritten on the grouped rows only).
 void grouped_gemm_dgrad(const uint16_t* dy, const uint16_t* w, const int32_t* expert_offsets, uint16_t* dx,
-                        int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, Stream stream);
+                        int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, Stream stream,
+                        GroupedGemmBackend backend = GroupedGemmBackend::kAuto);
 
 // Weight gradient, K-grouped: dw[e] = dy_e^T @ x_e (+ dw[e] when accumulate), the sum over the
 // rows of expert e. dy [max_rows, n], x [max_rows, k] (BF16), dw [E, n, k] FP32. An expert with
 // no rows leaves dw[e] bitwise unchanged (accumulate) or zeroes it (overwrite). Deterministic:
 // each dw tile is reduced by one CTA over the expert's rows in order (no atomics, no row split).
+// Accumulate order: mma adds dw[e] to the finished sum (one FP32 add); wgmma starts the
+// tensor-core sum from dw[e], so its rounding grows with |dw[e]| x rows / 16 (docs/cuda.md).
 void grouped_gemm_wgrad(const uint16_t* dy, const uint16_t* x, const int32_t* expert_offsets, float* dw,
                         int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, bool accumulate,
-                        Stream stream);
+                        Stream stream, GroupedGemmBackend backend = GroupedGemmBackend::kAuto);
 
 // Largest num_experts the entry points accept (the M-grouped schedule lives in shared memory).
 inline constexpr int64_t kGroupedGemmMaxExperts = 4096;
