@@ -49,8 +49,9 @@ inline Config dp_step_config(const std::string& routing = "learned") {
 
 // Micro-batch g of the global batch of step `step`: ids from the first 32 of the vocabulary,
 // targets = inputs shifted by one, two targets ignored (so target counts differ from token counts).
-inline Batch dp_global_micro_batch(const Config& c, int64_t step, int64_t g) {
-  const int64_t seqs = c.train.micro_batch, len = c.train.seq_len;
+// `sequences` > 0 overrides the micro-batch size (e.g. a larger evaluation batch).
+inline Batch dp_global_micro_batch(const Config& c, int64_t step, int64_t g, int64_t sequences = -1) {
+  const int64_t seqs = sequences > 0 ? sequences : c.train.micro_batch, len = c.train.seq_len;
   std::mt19937_64 gen(7919 * static_cast<uint64_t>(step) + static_cast<uint64_t>(g));
   std::uniform_int_distribution<int32_t> tok(0, 31);
   Batch b;

@@ -16,6 +16,7 @@
 #include "cuda/ops/rmsnorm.h"
 #include "cuda/ops/rope.h"
 #include "cuda/ops/swiglu.h"
+#include "gpu/dp_test_util.h"
 #include "gpu/gpu_test_util.h"
 #include "model/model.h"
 #include "support/test_util.h"
@@ -116,66 +117,25 @@ TEST(CudaGraph, CapturedStepReplaysBitwiseAndCountsBadIds) {
 // ---------------------------------------------------------------------------------------------
 // Whole training steps through CudaStepRunner.
 
-// The GPU tests' tiny model (head_dim 64, QK-norm, a dense layer, 8 experts top-2, a shared
-// expert), learned routing, 2 micro-batches of 2 x 64 tokens per step, expert-bias updates on.
+// The GPU tests' tiny model (dp_step_config: head_dim 64, QK-norm, a dense layer, 8 experts
+// top-2, a shared expert), learned routing, 2 micro-batches of 2 x 64 tokens per step,
+// expert-bias updates on.
 Config step_config(const std::string& routing = "learned") {
-  Config c;
-  c.model.vocab_size = 256;
-  c.model.d_model = 256;
-  c.model.n_layers = 3;
-  c.model.n_heads = 4;
-  c.model.n_kv_heads = 2;
-  c.model.qk_norm = true;
-  c.model.dense_layers = {0};
-  c.model.dense_hidden = 256;
-  c.moe.num_experts = 8;
-  c.moe.top_k = 2;
-  c.moe.expert_hidden = 128;
-  c.moe.shared_experts = 1;
-  c.moe.lb_loss_weight = 0.01;
-  c.moe.z_loss_weight = 0.001;
-  c.moe.bias_update_rate = 1e-3;
-  c.moe.routing = routing;
-  c.train.seq_len = 64;
-  c.train.micro_batch = 2;
+  Config c = dp_step_config(routing);
   c.train.global_batch = 4;
-  c.optim.lr = 2e-3;
-  c.optim.weight_decay = 0.1;
-  c.optim.grad_clip = 1.0;
   return c;
 }
 
-// Micro-batch m of step `step`: random ids from the first 32 of the vocabulary (so the loss can
-// fall from ln 256 towards ln 32 in a few steps), targets = inputs shifted by one, two ignored.
+// Micro-batch m of step `step` (dp_global_micro_batch: ids from the first 32 of the vocabulary,
+// so the loss can fall from ln 256 towards ln 32 in a few steps; two targets ignored).
 Batch step_batch(const Config& c, int64_t step, int64_t m, int64_t sequences = -1) {
-  const int64_t seqs = sequences > 0 ? sequences : c.train.micro_batch, len = c.train.seq_len;
-  std::mt19937_64 gen(1000 * static_cast<uint64_t>(step) + static_cast<uint64_t>(m));
-  std::uniform_int_distribution<int32_t> tok(0, 31);
-  Batch b;
-  b.batch = step;
-  b.seq_len = len;
-  for (int64_t s = 0; s < seqs; ++s) {
-    std::vector<int32_t> row(static_cast<size_t>(len + 1));
-    for (auto& t : row) t = tok(gen);
-    b.inputs.insert(b.inputs.end(), row.begin(), row.end() - 1);
-    b.targets.insert(b.targets.end(), row.begin() + 1, row.end());
-  }
-  b.targets[3] = -1;
-  b.targets[b.targets.size() - 2] = -1;
-  return b;
+  return dp_global_micro_batch(c, step, m, sequences);
 }
 
 std::vector<Batch> step_batches(const Config& c, int64_t step) {
   std::vector<Batch> micro;
   for (int64_t m = 0; m < c.train.global_batch / c.train.micro_batch; ++m) micro.push_back(step_batch(c, step, m));
   return micro;
-}
-
-int64_t count_targets(const std::vector<Batch>& micro) {
-  int64_t n = 0;
-  for (const Batch& b : micro)
-    for (int32_t t : b.targets) n += t >= 0;
-  return n;
 }
 
 struct RunResult {
@@ -197,7 +157,7 @@ RunResult run_steps(const Config& c, bool graph, int64_t steps,
   RunResult r;
   for (int64_t step = 1; step <= steps; ++step) {
     const std::vector<Batch> micro = step_batches(c, step);
-    runner.submit(step, micro, count_targets(micro), c.optim.lr * (step <= 2 ? 0.5 : 1.0), 99);
+    runner.submit(step, micro, dp_count_targets(micro), c.optim.lr * (step <= 2 ? 0.5 : 1.0), 99);
     if (after_submit) after_submit(runner, step);
     if (runner.pending() > 1) r.steps.push_back(runner.collect());
   }
@@ -315,7 +275,7 @@ TEST(CudaStep, ExpertBiasUpdateIsTheHostFormula) {
   runner.load_state(host.params(), nullptr, nullptr, 0, host.expert_bias());
   for (int64_t step = 1; step <= 4; ++step) {
     const std::vector<Batch> micro = step_batches(c, step);
-    runner.submit(step, micro, count_targets(micro), c.optim.lr, 3);
+    runner.submit(step, micro, dp_count_targets(micro), c.optim.lr, 3);
     const StepStats s = runner.collect();
     ASSERT_FALSE(s.skipped);
     host.update_expert_bias(s.tokens_per_expert, c.moe.bias_update_rate);
@@ -336,7 +296,7 @@ TEST(CudaStep, NonFiniteLossSkipsTheStep) {
   CudaStepRunner runner(c);
   runner.load_state(host.params(), nullptr, nullptr, 0, host.expert_bias());
   std::vector<Batch> micro = step_batches(c, 1);
-  runner.submit(1, micro, count_targets(micro), c.optim.lr, 3);
+  runner.submit(1, micro, dp_count_targets(micro), c.optim.lr, 3);
   const StepStats s1 = runner.collect();
   EXPECT_FALSE(s1.skipped);
   const size_t total = static_cast<size_t>(host.layout().total_numel());
@@ -350,7 +310,7 @@ TEST(CudaStep, NonFiniteLossSkipsTheStep) {
   poisoned[static_cast<size_t>(head.offset)] = INFINITY;
   runner.load_state(poisoned.data(), m1.data(), nullptr, steps1, b1);
   micro = step_batches(c, 2);
-  runner.submit(2, micro, count_targets(micro), c.optim.lr, 3);
+  runner.submit(2, micro, dp_count_targets(micro), c.optim.lr, 3);
   const StepStats s2 = runner.collect();
   EXPECT_TRUE(s2.skipped);
   EXPECT_FALSE(std::isfinite(s2.ce_sum));
@@ -375,7 +335,7 @@ TEST(CudaStep, CollectReturnsStepsInOrder) {
   std::vector<int64_t> targets;
   for (int64_t step = 1; step <= CudaStepRunner::kMaxPending; ++step) {
     const std::vector<Batch> micro = step_batches(c, step);
-    targets.push_back(count_targets(micro));
+    targets.push_back(dp_count_targets(micro));
     runner.submit(step, micro, targets.back(), c.optim.lr, 3);
     EXPECT_EQ(runner.pending(), step);
   }
@@ -389,7 +349,7 @@ TEST(CudaStep, CollectReturnsStepsInOrder) {
     EXPECT_EQ(runner.pending(), CudaStepRunner::kMaxPending - step);
   }
   EXPECT_NE(error_of([&] { runner.submit(2, more, 100, c.optim.lr, 3); }).find("increasing order"), std::string::npos);
-  runner.submit(9, more, count_targets(more), c.optim.lr, 3);
+  runner.submit(9, more, dp_count_targets(more), c.optim.lr, 3);
   EXPECT_EQ(runner.collect().step, 9);
 }
 
@@ -411,7 +371,7 @@ TEST(CudaStep, BadTokenIdsThrowAtCollect) {
   CudaStepRunner runner(c);
   std::vector<Batch> micro = step_batches(c, 1);
   micro[1].inputs[10] = 300;  // vocab_size is 256
-  runner.submit(1, micro, count_targets(micro), c.optim.lr, 3);
+  runner.submit(1, micro, dp_count_targets(micro), c.optim.lr, 3);
   const std::string msg = error_of([&] { runner.collect(); });
   EXPECT_NE(msg.find("vocab_size = 256"), std::string::npos) << msg;
   EXPECT_NE(msg.find("step 1"), std::string::npos) << msg;
