@@ -1,5 +1,8 @@
-// Model tensors to and from a checkpoint.
+// Model tensors to and from a checkpoint; expert tensors under EP as dim-0 slices of the global
+// tensors (read whole, then the local rows copied out).
 #include "train/model_state.h"
+
+#include <algorithm>
 
 #include "core/error.h"
 #include "model/layout.h"
@@ -26,8 +29,42 @@ std::vector<TensorRef> model_state_refs(Model<float>& model) {
   return refs;
 }
 
+std::vector<TensorShard> model_state_shards(const Model<float>& model) {
+  std::vector<TensorShard> shards = model.shards();
+  const int64_t ne = model.moe_config().num_experts;
+  for (int64_t m = 0; m < model.num_moe_layers(); ++m) shards.push_back({{ne}, 0, false});
+  return shards;
+}
+
+void read_tensor_shard(const LoadedCheckpoint& ck, bool optim, const std::string& name, const Shape& local_shape,
+                       const TensorShard& shard, float* out) {
+  auto read = [&](const Shape& shape, float* dst) {
+    if (optim) {
+      ck.read_optim(name, shape, dst);
+    } else {
+      ck.read_model(name, shape, dst);
+    }
+  };
+  if (!shard.sharded) {
+    read(local_shape, out);
+    return;
+  }
+  MOE_CHECK(!local_shape.empty() && local_shape.size() == shard.global_shape.size() &&
+                shard.dim0_offset >= 0 && shard.dim0_offset + local_shape[0] <= shard.global_shape[0],
+            "tensor '", name, "': local slice of ", local_shape.empty() ? 0 : local_shape[0], " rows at ",
+            shard.dim0_offset, " does not fit its global shape of ", shard.global_shape.empty() ? 0 : shard.global_shape[0],
+            " rows");
+  const int64_t row = shape_numel(local_shape) / local_shape[0];
+  std::vector<float> whole(shape_numel(shard.global_shape));
+  read(shard.global_shape, whole.data());
+  std::copy(whole.begin() + shard.dim0_offset * row, whole.begin() + (shard.dim0_offset + local_shape[0]) * row, out);
+}
+
 void load_model_state(const LoadedCheckpoint& ck, Model<float>& model) {
-  for (const ParamEntry& e : model.layout().entries()) ck.read_model(e.name, e.shape, model.params() + e.offset);
+  const auto& entries = model.layout().entries();
+  for (size_t i = 0; i < entries.size(); ++i)
+    read_tensor_shard(ck, false, entries[i].name, entries[i].shape, model.shards()[i],
+                      model.params() + entries[i].offset);
   const int64_t ne = model.moe_config().num_experts;
   for (int64_t m = 0; m < model.num_moe_layers(); ++m) {
     const std::string name = expert_bias_name(model.model_config(), m);
