@@ -1,8 +1,6 @@
 // Model tensors to and from a checkpoint; expert tensors under EP as dim-0 slices of the global
-// tensors (read whole, then the local rows copied out).
+// tensors, read as one flat range each.
 #include "train/model_state.h"
-
-#include <algorithm>
 
 #include "core/error.h"
 #include "model/layout.h"
@@ -38,15 +36,12 @@ std::vector<TensorShard> model_state_shards(const Model<float>& model) {
 
 void read_tensor_shard(const LoadedCheckpoint& ck, bool optim, const std::string& name, const Shape& local_shape,
                        const TensorShard& shard, float* out) {
-  auto read = [&](const Shape& shape, float* dst) {
-    if (optim) {
-      ck.read_optim(name, shape, dst);
-    } else {
-      ck.read_model(name, shape, dst);
-    }
-  };
   if (!shard.sharded) {
-    read(local_shape, out);
+    if (optim) {
+      ck.read_optim(name, local_shape, out);
+    } else {
+      ck.read_model(name, local_shape, out);
+    }
     return;
   }
   MOE_CHECK(!local_shape.empty() && local_shape.size() == shard.global_shape.size() &&
@@ -54,10 +49,13 @@ void read_tensor_shard(const LoadedCheckpoint& ck, bool optim, const std::string
             "tensor '", name, "': local slice of ", local_shape.empty() ? 0 : local_shape[0], " rows at ",
             shard.dim0_offset, " does not fit its global shape of ", shard.global_shape.empty() ? 0 : shard.global_shape[0],
             " rows");
-  const int64_t row = shape_numel(local_shape) / local_shape[0];
-  std::vector<float> whole(shape_numel(shard.global_shape));
-  read(shard.global_shape, whole.data());
-  std::copy(whole.begin() + shard.dim0_offset * row, whole.begin() + (shard.dim0_offset + local_shape[0]) * row, out);
+  // A dim-0 slice is one contiguous flat range of the global tensor.
+  const int64_t numel = shape_numel(local_shape), offset = shard.dim0_offset * (numel / local_shape[0]);
+  if (optim) {
+    ck.read_optim_range(name, shard.global_shape, offset, numel, out);
+  } else {
+    ck.read_model_range(name, shard.global_shape, offset, numel, out);
+  }
 }
 
 void load_model_state(const LoadedCheckpoint& ck, Model<float>& model) {
