@@ -152,24 +152,6 @@ std::vector<LayerParams> layer_params(const ParamLayout& layout, const ModelConf
 }  // namespace moe
 
 namespace moe {
-std::vector<TensorShard> param_shards(const ParamLayout& layout, const MoeConfig& e, const ExpertSlice& slice) {
-  std::vector<TensorShard> out;
-  out.reserve(layout.entries().size());
-  for (const ParamEntry& p : layout.entries()) {
-    TensorShard s;
-    s.global_shape = p.shape;
-    if (p.expert && slice.count > 0) {
-      MOE_CHECK(!p.shape.empty() && p.shape[0] == slice.count, "expert tensor '", p.name, "' has ",
-                p.shape.empty() ? 0 : p.shape[0], " rows along dim 0, expected the slice's ", slice.count);
-      s.global_shape[0] = e.num_experts;
-      s.dim0_offset = slice.first;
-      s.sharded = slice.count < e.num_experts;
-    }
-    out.push_back(std::move(s));
-  }
-  return out;
-}
-
 std::vector<FlatRange> flat_ranges(const ParamLayout& layout, bool expert) {
   std::vector<FlatRange> out;
   const auto& entries = layout.entries();

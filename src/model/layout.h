@@ -1,8 +1,8 @@
 // The model's parameter plan: every tensor's HF-style name and shape in one flat layout
 // (core/arena.h), plus the counts users ask for before launch: total and active parameters and
 // training FLOPs per token (the formula of docs/architecture.md). Under expert parallelism a
-// rank's layout holds only its experts' rows (dim 0) of the stacked expert tensors; a side table
-// (TensorShard) gives each local tensor's global shape and its offset along dim 0.
+// rank's layout holds only its experts' rows (dim 0) of the stacked expert tensors; where such a
+// local tensor sits in its global tensor is global_placement (parallel/topology.h).
 #pragma once
 
 #include <string>
@@ -31,16 +31,6 @@ struct ExpertSlice {
 // mlp.experts.down_proj [count, D, I] (rows first..first+count-1 of the global tensors), names
 // unchanged. Checks that the slice lies inside [0, num_experts).
 ParamLayout build_param_layout(const ModelConfig& m, const MoeConfig& e, const ExpertSlice& slice = {});
-
-// Where a local tensor sits in its global tensor: rows [dim0_offset, dim0_offset + shape[0]) of
-// a tensor of global_shape (same name). Unsharded tensors: global_shape == shape, offset 0.
-struct TensorShard {
-  Shape global_shape;
-  int64_t dim0_offset = 0;
-  bool sharded = false;  // true for the expert tensors of an expert-parallel layout
-};
-// One TensorShard per entry of `layout`, in entry order (for checkpoints of global tensors).
-std::vector<TensorShard> param_shards(const ParamLayout& layout, const MoeConfig& e, const ExpertSlice& slice);
 
 // Flat ranges [begin, end) of the layout (alignment padding included, adjacent entries merged)
 // holding expert tensors (expert == true) or every other tensor (expert == false). Together they

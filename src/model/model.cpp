@@ -84,7 +84,8 @@ Model<T>::Model(const ModelConfig& model, const MoeConfig& moe, const ExpertPara
     slice_ = ep->slice();
   }
   layout_ = build_param_layout(model, moe, slice_);
-  shards_ = param_shards(layout_, moe, slice_);
+  for (const ParamEntry& e : layout_.entries())
+    placements_.push_back(global_placement(e, ep_ ? ep_->size() : 1, ep_ ? ep_->rank() : 0));
   params_.assign(layout_.total_numel(), T(0));
   grads_.assign(layout_.total_numel(), T(0));
   num_moe_layers_ = moe::num_moe_layers(model);
@@ -108,9 +109,8 @@ void Model<T>::init_params(uint64_t seed) {
     if (e.shape.size() == 1) {  // norm weights
       for (int64_t j = 0; j < e.numel; ++j) p[j] = T(1);
     } else {
-      // A dim-0 slice of a global tensor starts at element dim0_offset * (elements per row).
-      const int64_t start = e.numel == 0 ? 0 : shards_[i].dim0_offset * (e.numel / e.shape[0]);
-      fill_trunc_normal(p, e.numel, start, seed, e.name, mcfg_.init_std);
+      // The global tensor's stream from the local tensor's offset in it.
+      fill_trunc_normal(p, e.numel, placements_[i].offset, seed, e.name, mcfg_.init_std);
     }
   }
   std::fill(expert_bias_.begin(), expert_bias_.end(), 0.f);

@@ -19,6 +19,7 @@
 #include "model/layout.h"
 #include "model/mlp.h"
 #include "parallel/expert_parallel.h"
+#include "parallel/topology.h"
 
 namespace moe {
 
@@ -59,8 +60,10 @@ class Model {
   const ModelConfig& model_config() const { return mcfg_; }
   const MoeConfig& moe_config() const { return ecfg_; }
   const ParamLayout& layout() const { return layout_; }
-  // Per layout entry: global shape and dim-0 offset (expert tensors under EP), for checkpoints.
-  const std::vector<TensorShard>& shards() const { return shards_; }
+  // Per layout entry, in entry order: its global shape and the flat offset of the local tensor in
+  // it (global_placement with this model's ep size and rank; expert tensors under EP sit at their
+  // experts' rows, every other tensor is whole at offset 0). Checkpoints and resume use it.
+  const std::vector<GlobalPlacement>& placements() const { return placements_; }
   // The expert-parallel context, or null when the experts are not sharded (no EP or ep == 1).
   const ExpertParallel* expert_parallel() const { return ep_ ? &*ep_ : nullptr; }
   // Global experts this rank holds ({0, E} without expert parallelism).
@@ -100,7 +103,7 @@ class Model {
   std::optional<ExpertParallel> ep_;
   ExpertSlice slice_;
   ParamLayout layout_;
-  std::vector<TensorShard> shards_;
+  std::vector<GlobalPlacement> placements_;
   int64_t num_moe_layers_ = 0;
   std::vector<T> params_, grads_;
   std::vector<float> expert_bias_;

@@ -19,18 +19,6 @@ ExpertParallel make_expert_parallel(Comm& group, int64_t num_experts) {
   return ExpertParallel{&group, num_experts};
 }
 
-ExpertParallelGroups split_expert_parallel(Comm& dp_world, int64_t ep) {
-  const int size = dp_world.size(), rank = dp_world.rank();
-  MOE_CHECK(ep >= 1 && size % ep == 0, "parallel.ep = ", ep, " must be >= 1 and divide the ", size,
-            " data-parallel ranks");
-  ExpertParallelGroups g;
-  g.ep = dp_world.split(static_cast<int>(rank / ep), rank);
-  g.ep_dp = dp_world.split(static_cast<int>(rank % ep), rank);
-  MOE_CHECK(g.ep->size() == ep && g.ep->rank() == rank % ep, "expert parallelism: EP group of rank ", rank,
-            " has size ", g.ep->size(), " and rank ", g.ep->rank(), ", expected ", ep, " and ", rank % ep);
-  return g;
-}
-
 EpHandle ep_exchange_counts(const ExpertParallel& ep, const int32_t* counts_E) {
   MOE_CHECK(ep.group != nullptr, "expert parallelism: no EP group communicator");
   const int64_t peers = ep.size(), local = ep.local_experts();

@@ -6,7 +6,6 @@
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <vector>
 
 #include "core/phase_timer.h"
@@ -15,7 +14,8 @@
 
 namespace moe {
 
-// This rank's place in its EP group. `group` is not owned and must outlive every user.
+// This rank's place in its EP group (Topology::ep_comm, or split_expert_parallel's `ep`).
+// `group` is not owned and must outlive every user.
 struct ExpertParallel {
   Comm* group = nullptr;
   int64_t num_experts = 0;
@@ -31,17 +31,6 @@ struct ExpertParallel {
 
 // Checks that group.size() divides num_experts.
 ExpertParallel make_expert_parallel(Comm& group, int64_t num_experts);
-
-// The two communicators an EP run needs, split from the data-parallel world of `dp_size` ranks
-// (dp rank r): `ep` holds ranks [g*ep, (g+1)*ep) (g = r / ep), one full copy of every expert;
-// `ep_dp` holds the ranks with the same EP index r % ep, which hold the same experts (expert
-// gradients are reduced over it; dense gradients over the whole dp world).
-struct ExpertParallelGroups {
-  std::unique_ptr<Comm> ep;
-  std::unique_ptr<Comm> ep_dp;
-};
-// Collective over `dp_world`. Checks that ep >= 1 divides dp_world.size().
-ExpertParallelGroups split_expert_parallel(Comm& dp_world, int64_t ep);
 
 // Routing metadata of one exchange, built from this rank's per-expert row counts; forward
 // dispatch, forward combine and their backward reuse it.

@@ -207,16 +207,17 @@ inline ModelCheck check_model_case(Comm& world, const ModelCase& c) {
   for (size_t i = 0; i < entries.size(); ++i) {
     const ParamEntry& pe = entries[i];
     const ParamEntry& re = ref.layout().find(pe.name);
-    const TensorShard& sh = model.shards()[i];
-    EXPECT_EQ(sh.global_shape, re.shape) << tag << pe.name;
+    const GlobalPlacement& pl = model.placements()[i];
+    EXPECT_EQ(pl.global_shape, re.shape) << tag << pe.name;
     EXPECT_EQ(pe.expert, re.expert) << tag << pe.name;
-    const int64_t rows = pe.expert ? slice.count : (pe.shape.empty() ? 1 : pe.shape[0]);
-    EXPECT_EQ(sh.dim0_offset, pe.expert ? slice.first : 0) << tag << pe.name;
-    EXPECT_EQ(sh.sharded, pe.expert && c.ep > 1) << tag << pe.name;
+    // Expert tensors: rows [slice.first, slice.first + count) of the global tensor.
+    const int64_t start = pe.expert ? slice.first * (re.numel / re.shape[0]) : 0;
+    EXPECT_EQ(pl.offset, start) << tag << pe.name;
     if (pe.expert) {
-      EXPECT_EQ(pe.shape[0], rows) << tag << pe.name;
+      EXPECT_EQ(pe.shape[0], slice.count) << tag << pe.name;
+    } else {
+      EXPECT_EQ(pe.shape, re.shape) << tag << pe.name;
     }
-    const int64_t start = sh.dim0_offset * (re.numel / re.shape[0]);
     EXPECT_EQ(std::memcmp(model.params() + pe.offset, ref.params() + re.offset + start, pe.numel * sizeof(float)), 0)
         << tag << "initial values of " << pe.name << " differ from the 1-rank model's rows";
   }
@@ -267,7 +268,7 @@ inline ModelCheck check_model_case(Comm& world, const ModelCase& c) {
     std::vector<float> g(model.grads() + pe.offset, model.grads() + pe.offset + pe.numel);
     Comm& over = pe.expert ? *groups.ep_dp : world;
     over.all_reduce(g.data(), pe.numel, ReduceOp::kSum);
-    const int64_t start = model.shards()[i].dim0_offset * (re.numel / re.shape[0]);
+    const int64_t start = model.placements()[i].offset;
     const std::vector<float> want(ref.grads() + re.offset + start, ref.grads() + re.offset + start + pe.numel);
     expect_parity(tag + "grad " + pe.name, g, want, kEpTol);
   }

@@ -1,6 +1,6 @@
 // Expert-parallel models and global checkpoints: a checkpoint written by a 1-rank model loads
 // into every rank of an EP group (each rank keeps its experts' rows of the global tensors), and
-// model_state_shards describes every ref of model_state_refs. Ranks are threads.
+// model_state_placements places every ref of model_state_refs. Ranks are threads.
 #include "ep_check.h"
 #include "ep_thread_comm.h"
 #include "support/test_util.h"
@@ -36,30 +36,33 @@ TEST(EpCheckpoint, GlobalCheckpointLoadsIntoEveryEpLayout) {
       const std::string tag = rank_tag(comm) + "ep=" + std::to_string(ranks) + " ";
       EXPECT_EQ(local.expert_bias(), global.expert_bias()) << tag;
       const std::vector<TensorRef> refs = model_state_refs(local);
-      const std::vector<TensorShard> shards = model_state_shards(local);
-      EXPECT_EQ(refs.size(), shards.size()) << tag;
-      for (size_t i = 0; i < refs.size() && i < shards.size(); ++i) {
+      const std::vector<GlobalPlacement> places = model_state_placements(local);
+      EXPECT_EQ(refs.size(), places.size()) << tag;
+      for (size_t i = 0; i < refs.size() && i < places.size(); ++i) {
         const bool expert = refs[i].name.find("mlp.experts.") != std::string::npos;
-        EXPECT_EQ(shards[i].sharded, expert) << tag << refs[i].name;
-        if (!global.layout().contains(refs[i].name)) continue;  // expert biases
-        const ParamEntry& g = global.layout().find(refs[i].name);
-        EXPECT_EQ(shards[i].global_shape, g.shape) << tag << refs[i].name;
         const int64_t numel = shape_numel(refs[i].shape);
-        const int64_t start = shards[i].dim0_offset * (g.numel / g.shape[0]);
-        EXPECT_EQ(shards[i].dim0_offset, expert ? ep.first_expert() : 0) << tag << refs[i].name;
+        if (!global.layout().contains(refs[i].name)) {  // expert biases: replicated, whole
+          EXPECT_EQ(places[i].global_shape, refs[i].shape) << tag << refs[i].name;
+          EXPECT_EQ(places[i].offset, 0) << tag << refs[i].name;
+          continue;
+        }
+        const ParamEntry& g = global.layout().find(refs[i].name);
+        EXPECT_EQ(places[i].global_shape, g.shape) << tag << refs[i].name;
+        const int64_t start = expert ? ep.first_expert() * (g.numel / g.shape[0]) : 0;
+        EXPECT_EQ(places[i].offset, start) << tag << refs[i].name;
         EXPECT_EQ(std::memcmp(refs[i].data, global.params() + g.offset + start, numel * sizeof(float)), 0)
             << tag << "loaded values of " << refs[i].name;
-        // Optimizer moments through the same shard description.
+        // Optimizer moments through the same placement.
         std::vector<float> got(numel);
-        read_tensor_shard(ck, true, refs[i].name + ".exp_avg", refs[i].shape, shards[i], got.data());
+        ck.read_optim_range(refs[i].name + ".exp_avg", places[i].global_shape, places[i].offset, numel, got.data());
         EXPECT_EQ(std::memcmp(got.data(), moment.data() + g.offset + start, numel * sizeof(float)), 0)
             << tag << "moment of " << refs[i].name;
       }
-      // A shard that does not fit its global tensor is refused, naming the tensor.
+      // A range that does not fit its global tensor is refused, naming the tensor.
       const std::string name = "model.layers.0.mlp.experts.down_proj";
-      TensorShard bad{{8, 8, 6}, 7, true};
       std::vector<float> out(2 * 8 * 6);
-      const std::string msg = error_of([&] { read_tensor_shard(ck, false, name, {2, 8, 6}, bad, out.data()); });
+      const std::string msg =
+          error_of([&] { ck.read_model_range(name, {8, 8, 6}, 7 * 8 * 6, 2 * 8 * 6, out.data()); });
       EXPECT_NE(msg.find(name), std::string::npos) << msg;
     });
   }

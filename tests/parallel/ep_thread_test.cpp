@@ -116,7 +116,7 @@ TEST(EpThreads, Refusals) {
   });
 }
 
-TEST(EpThreads, ShardsAndFlatRanges) {
+TEST(EpThreads, PlacementsAndFlatRanges) {
   EP_SKIP_UNDER_MPI();
   run_thread_ranks(4, [](Comm& comm) {
     const ExpertParallel ep = make_expert_parallel(comm, 8);
@@ -128,14 +128,16 @@ TEST(EpThreads, ShardsAndFlatRanges) {
     EXPECT_EQ(p.find("model.layers.2.mlp.gate.weight").shape, (Shape{8, 8}));
     for (size_t i = 0; i < p.entries().size(); ++i) {
       const ParamEntry& e = p.entries()[i];
-      const TensorShard& s = model.shards()[i];
+      const GlobalPlacement& g = model.placements()[i];
       if (e.expert) {
-        EXPECT_TRUE(s.sharded) << e.name;
-        EXPECT_EQ(s.dim0_offset, 2 * r) << e.name;
-        EXPECT_EQ(s.global_shape[0], 8) << e.name;
+        // Rank r holds experts [2r, 2r + 2) of 8: rows 2r.. of the global tensor.
+        EXPECT_EQ(g.offset, 2 * r * (e.numel / 2)) << e.name;
+        EXPECT_EQ(g.global_shape[0], 8) << e.name;
+        EXPECT_EQ(Shape(g.global_shape.begin() + 1, g.global_shape.end()), Shape(e.shape.begin() + 1, e.shape.end()))
+            << e.name;
       } else {
-        EXPECT_FALSE(s.sharded) << e.name;
-        EXPECT_EQ(s.global_shape, e.shape) << e.name;
+        EXPECT_EQ(g.offset, 0) << e.name;
+        EXPECT_EQ(g.global_shape, e.shape) << e.name;
       }
     }
     // Expert and dense ranges tile the flat buffer without overlap, each holding its kind only.
