@@ -18,6 +18,7 @@
 #include "parallel/comm.h"
 #include "parallel/mpi_test_util.h"
 #include "support/test_util.h"
+#include "train/model_state.h"
 #include "train/trainer.h"
 
 namespace moe::testing {
@@ -39,7 +40,7 @@ std::vector<double> losses_of(const Config& cfg, Comm& comm) {
   return train(cfg, log, comm).losses;
 }
 
-// Every parameter of a checkpoint as one flat vector, in layout order.
+// Every parameter of a checkpoint as one flat vector, in layout order, then the expert biases.
 std::vector<float> checkpoint_params(const std::string& step_dir, const Config& cfg) {
   const LoadedCheckpoint ck = LoadedCheckpoint::open(step_dir);
   const ParamLayout layout = build_param_layout(cfg.model, cfg.moe);
@@ -48,6 +49,11 @@ std::vector<float> checkpoint_params(const std::string& step_dir, const Config& 
     std::vector<float> t(size_t(e.numel));
     ck.read_model(e.name, e.shape, t.data());
     out.insert(out.end(), t.begin(), t.end());
+  }
+  for (int64_t m = 0; m < num_moe_layers(cfg.model); ++m) {
+    std::vector<float> b(size_t(cfg.moe.num_experts));
+    ck.read_model(expert_bias_name(cfg.model, m), {cfg.moe.num_experts}, b.data());
+    out.insert(out.end(), b.begin(), b.end());
   }
   return out;
 }
@@ -71,22 +77,24 @@ TEST(DataParallel, FollowsOneRankLosses) {
       cfg.parallel.ep = ep;
       const TrainSummary s = train(cfg, log, w);
       const double worst = worst_relative_difference(s.losses, ref.losses);
-      if (w.rank() == 0)
-        std::printf("dp=%d ep=%lld routing=%s: worst relative loss difference vs 1 rank over %zu steps: %.3g\n",
-                    w.size(), (long long)ep, routing.c_str(), ref.losses.size(), worst);
-      EXPECT_LT(worst, kLossTolerance) << routing;
+      EXPECT_LT(worst, kLossTolerance) << routing << " ep " << ep;
       EXPECT_LT(std::abs(s.final_eval_loss - ref.final_eval_loss), kLossTolerance * ref.final_eval_loss) << routing;
       // Only rank 0 writes the run's files; it logged every step.
       if (w.rank() == 0) {
         EXPECT_EQ(train_losses(cfg.run.dir).size(), 20u);
       }
-      // The sliced checkpoint holds the one-rank run's model, within the same rounding.
+      // The sliced checkpoint holds the one-rank run's model (expert tensors reassembled from
+      // their ep ranks' slices, expert biases from global counts), within the same rounding.
       const std::vector<float> a = checkpoint_params(s.last_checkpoint, cfg);
       const std::vector<float> b = checkpoint_params(ref.last_checkpoint, ref_cfg);
       ASSERT_EQ(a.size(), b.size());
       double worst_param = 0;
       for (size_t i = 0; i < a.size(); ++i) worst_param = std::max(worst_param, double(std::abs(a[i] - b[i])));
-      EXPECT_LT(worst_param, 1e-5) << routing;
+      if (w.rank() == 0)
+        std::printf("dp=%d ep=%lld routing=%s: worst relative loss difference vs 1 rank over %zu steps: %.3g, "
+                    "worst parameter difference after them: %.3g\n",
+                    w.size(), (long long)ep, routing.c_str(), ref.losses.size(), worst, worst_param);
+      EXPECT_LT(worst_param, 1e-5) << routing << " ep " << ep;
       w.barrier();
     }
   }
