@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "core/error.h"
+
 namespace moe {
 
 bool is_dense_layer(const ModelConfig& m, int64_t l) {
@@ -18,7 +20,11 @@ int64_t num_moe_layers(const ModelConfig& m) {
 
 std::string layer_prefix(int64_t l) { return "model.layers." + std::to_string(l) + "."; }
 
-ParamLayout build_param_layout(const ModelConfig& m, const MoeConfig& e) {
+ParamLayout build_param_layout(const ModelConfig& m, const MoeConfig& e, const ExpertSlice& slice) {
+  MOE_CHECK(slice.count >= 0 && slice.first >= 0 && slice.first + slice.count <= e.num_experts,
+            "expert slice must lie in [0, num_experts=", e.num_experts, "), got first=", slice.first,
+            " count=", slice.count);
+  const int64_t local_experts = slice.count > 0 ? slice.count : e.num_experts;
   const int64_t d = m.d_model, hd = m.head_dim();
   const int64_t q = m.n_heads * hd, kv = m.n_kv_heads * hd;
   const bool kNoDecay = false;
@@ -42,8 +48,8 @@ ParamLayout build_param_layout(const ModelConfig& m, const MoeConfig& e) {
       p.add(pre + "mlp.down_proj.weight", {d, m.dense_hidden});
     } else {
       p.add(pre + "mlp.gate.weight", {e.num_experts, d});
-      p.add(pre + "mlp.experts.gate_up_proj", {e.num_experts, 2 * e.expert_hidden, d}, true, true);
-      p.add(pre + "mlp.experts.down_proj", {e.num_experts, d, e.expert_hidden}, true, true);
+      p.add(pre + "mlp.experts.gate_up_proj", {local_experts, 2 * e.expert_hidden, d}, true, true);
+      p.add(pre + "mlp.experts.down_proj", {local_experts, d, e.expert_hidden}, true, true);
       if (e.shared_experts > 0) {
         const int64_t sh = e.shared_experts * e.expert_hidden;
         p.add(pre + "mlp.shared_expert.gate_proj.weight", {sh, d});
@@ -140,6 +146,24 @@ std::vector<LayerParams> layer_params(const ParamLayout& layout, const ModelConf
       }
     }
     out.push_back(p);
+  }
+  return out;
+}
+}  // namespace moe
+
+namespace moe {
+std::vector<FlatRange> flat_ranges(const ParamLayout& layout, bool expert) {
+  std::vector<FlatRange> out;
+  const auto& entries = layout.entries();
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (entries[i].expert != expert) continue;
+    const int64_t begin = entries[i].offset;
+    const int64_t end = i + 1 < entries.size() ? entries[i + 1].offset : layout.total_numel();
+    if (!out.empty() && out.back().end == begin) {
+      out.back().end = end;
+    } else {
+      out.push_back({begin, end});
+    }
   }
   return out;
 }

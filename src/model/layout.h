@@ -1,6 +1,8 @@
-// The model's parameter plan: every tensor's HF-style name and global shape in one flat
-// layout (core/arena.h), plus the counts users ask for before launch: total and active
-// parameters and training FLOPs per token (the formula of docs/architecture.md).
+// The model's parameter plan: every tensor's HF-style name and shape in one flat layout
+// (core/arena.h), plus the counts users ask for before launch: total and active parameters and
+// training FLOPs per token (the formula of docs/architecture.md). Under expert parallelism a
+// rank's layout holds only its experts' rows (dim 0) of the stacked expert tensors; where such a
+// local tensor sits in its global tensor is global_placement (parallel/topology.h).
 #pragma once
 
 #include <string>
@@ -18,7 +20,27 @@ int64_t num_moe_layers(const ModelConfig& m);
 // Name prefix of layer l: "model.layers.<l>."
 std::string layer_prefix(int64_t l);
 
-ParamLayout build_param_layout(const ModelConfig& m, const MoeConfig& e);
+// The experts a rank holds: global experts [first, first + count) of every MoE layer.
+// count == 0 means all of them (no expert parallelism).
+struct ExpertSlice {
+  int64_t first = 0;
+  int64_t count = 0;
+};
+
+// Global layout when `slice` is empty; otherwise mlp.experts.gate_up_proj is [count, 2I, D] and
+// mlp.experts.down_proj [count, D, I] (rows first..first+count-1 of the global tensors), names
+// unchanged. Checks that the slice lies inside [0, num_experts).
+ParamLayout build_param_layout(const ModelConfig& m, const MoeConfig& e, const ExpertSlice& slice = {});
+
+// Flat ranges [begin, end) of the layout (alignment padding included, adjacent entries merged)
+// holding expert tensors (expert == true) or every other tensor (expert == false). Together they
+// tile [0, total_numel()). Under EP, expert ranges are reduced over the ranks holding the same
+// experts (the ep-dp group), the others over all data-parallel ranks.
+struct FlatRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+std::vector<FlatRange> flat_ranges(const ParamLayout& layout, bool expert);
 
 struct ModelCounts {
   int64_t total_params = 0;   // every parameter

@@ -1,10 +1,13 @@
 // Model<T>: forward saves every activation backward needs; backward walks the blocks in
 // reverse. Gradient conventions: parameter gradients accumulate (+=); activation gradients
-// are overwritten except the residual stream, which sums the block's branches.
+// are overwritten except the residual stream, which sums the block's branches. Under expert
+// parallelism the MoE branch sends its sorted rows to the experts' ranks between dispatch and
+// combine (forward) and the row gradients likewise (backward); the rest is unchanged.
 #include "model/model.h"
 
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "core/error.h"
 #include "core/rng.h"
@@ -60,12 +63,29 @@ struct Model<T>::LayerState : LayerParams {
   std::vector<T> logits_NE, scores_NE, topk_w_NK;
   std::vector<int32_t> topk_idx_NK, counts_E, offsets_E1, sorted_route_R, route_to_row_R, kept_E;
   int64_t kept_rows = 0;  // rows the experts process (all routes when dropless)
-  std::vector<T> x_sorted_RD, gate_up_R2I, h_RI, y_sorted_RD;
+  std::vector<T> x_sorted_RD, gate_up_R2I, h_RI, y_sorted_RD;  // under EP: y_sorted_RD only
+  EpExpertsSaved ep;  // under EP: the exchange and the local experts' saved rows
 };
 
 template <typename T>
-Model<T>::Model(const ModelConfig& model, const MoeConfig& moe)
-    : mcfg_(model), ecfg_(moe), layout_(build_param_layout(model, moe)) {
+Model<T>::Model(const ModelConfig& model, const MoeConfig& moe, const ExpertParallel* ep)
+    : mcfg_(model), ecfg_(moe) {
+  slice_ = {0, moe.num_experts};
+  if (ep != nullptr && ep->size() > 1) {
+    MOE_CHECK((std::is_same_v<T, float>), "expert parallelism (ep = ", ep->size(),
+              ") runs in Model<float> only; the double model is single-rank");
+    MOE_CHECK(ep->num_experts == moe.num_experts, "expert parallelism: the EP context has ", ep->num_experts,
+              " experts, moe.num_experts is ", moe.num_experts);
+    MOE_CHECK(moe.num_experts % ep->size() == 0, "expert parallelism: parallel.ep = ", ep->size(),
+              " must divide moe.num_experts = ", moe.num_experts);
+    MOE_CHECK(moe.capacity_factor == 0, "expert parallelism is dropless only: moe.capacity_factor must be 0 with "
+              "parallel.ep = ", ep->size(), ", got ", moe.capacity_factor);
+    ep_ = *ep;
+    slice_ = ep->slice();
+  }
+  layout_ = build_param_layout(model, moe, slice_);
+  for (const ParamEntry& e : layout_.entries())
+    placements_.push_back(global_placement(e, ep_ ? ep_->size() : 1, ep_ ? ep_->rank() : 0));
   params_.assign(layout_.total_numel(), T(0));
   grads_.assign(layout_.total_numel(), T(0));
   num_moe_layers_ = moe::num_moe_layers(model);
@@ -82,12 +102,15 @@ Model<T>::~Model() = default;
 
 template <typename T>
 void Model<T>::init_params(uint64_t seed) {
-  for (const ParamEntry& e : layout_.entries()) {
+  const auto& entries = layout_.entries();
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const ParamEntry& e = entries[i];
     T* p = params_.data() + e.offset;
     if (e.shape.size() == 1) {  // norm weights
-      for (int64_t i = 0; i < e.numel; ++i) p[i] = T(1);
+      for (int64_t j = 0; j < e.numel; ++j) p[j] = T(1);
     } else {
-      fill_trunc_normal(p, e.numel, 0, seed, e.name, mcfg_.init_std);
+      // The global tensor's stream from the local tensor's offset in it.
+      fill_trunc_normal(p, e.numel, placements_[i].offset, seed, e.name, mcfg_.init_std);
     }
   }
   std::fill(expert_bias_.begin(), expert_bias_.end(), 0.f);
@@ -191,14 +214,25 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
       s.kept_rows = s.offsets_E1[e];
     }
     const int64_t kept = s.kept_rows;
-    s.x_sorted_RD.resize(kept * d);
-    cpu::permute_forward(s.norm2_ND.data(), s.sorted_route_R.data(), kept, k, d, s.x_sorted_RD.data());
-    timer_.lap(Phase::kExperts);
-    s.gate_up_R2I.resize(kept * 2 * inner);
-    s.h_RI.resize(kept * inner);
-    s.y_sorted_RD.resize(kept * d);
-    cpu::experts_forward(s.x_sorted_RD.data(), s.offsets_E1.data(), P + s.e_gate_up, P + s.e_down, e, d, inner,
-                         s.gate_up_R2I.data(), s.h_RI.data(), s.y_sorted_RD.data());
+    if (ep_) {
+      if constexpr (std::is_same_v<T, float>) {
+        // Rows sorted by global expert travel to the experts' ranks and back.
+        std::vector<float> x_send(kept * d);
+        cpu::permute_forward(s.norm2_ND.data(), s.sorted_route_R.data(), kept, k, d, x_send.data());
+        s.y_sorted_RD.resize(kept * d);
+        ep_experts_forward(*ep_, x_send.data(), s.counts_E.data(), P + s.e_gate_up, P + s.e_down, d, inner, s.ep,
+                           s.y_sorted_RD.data(), &timer_);
+      }
+    } else {
+      s.x_sorted_RD.resize(kept * d);
+      cpu::permute_forward(s.norm2_ND.data(), s.sorted_route_R.data(), kept, k, d, s.x_sorted_RD.data());
+      timer_.lap(Phase::kExperts);
+      s.gate_up_R2I.resize(kept * 2 * inner);
+      s.h_RI.resize(kept * inner);
+      s.y_sorted_RD.resize(kept * d);
+      cpu::experts_forward(s.x_sorted_RD.data(), s.offsets_E1.data(), P + s.e_gate_up, P + s.e_down, e, d, inner,
+                           s.gate_up_R2I.data(), s.h_RI.data(), s.y_sorted_RD.data());
+    }
     timer_.lap(Phase::kCombine);
     cpu::unpermute_forward(s.y_sorted_RD.data(), s.route_to_row_R.data(), s.topk_w_NK.data(), n, k, d,
                            branch.data());
@@ -277,13 +311,21 @@ void Model<T>::backward(const LossScales& scales) {
       }
       timer_.lap(Phase::kCombine);
       const int64_t kept = s.kept_rows;
-      std::vector<T> dy_sorted(kept * d), dtopk_w(n * k), dx_sorted(kept * d), scratch(kept * 3 * inner);
+      std::vector<T> dy_sorted(kept * d), dtopk_w(n * k), dx_sorted(kept * d);
       cpu::unpermute_backward(dx.data(), s.y_sorted_RD.data(), s.route_to_row_R.data(), s.topk_w_NK.data(), n, k, d,
                               kept, dy_sorted.data(), dtopk_w.data());
-      timer_.lap(Phase::kExperts);
-      cpu::experts_backward(s.x_sorted_RD.data(), s.offsets_E1.data(), P + s.e_gate_up, P + s.e_down,
-                            s.gate_up_R2I.data(), s.h_RI.data(), dy_sorted.data(), e, d, inner, dx_sorted.data(),
-                            G + s.e_gate_up, G + s.e_down, scratch.data());
+      if (ep_) {
+        if constexpr (std::is_same_v<T, float>) {
+          ep_experts_backward(*ep_, s.ep, P + s.e_gate_up, P + s.e_down, dy_sorted.data(), d, inner,
+                              dx_sorted.data(), G + s.e_gate_up, G + s.e_down, &timer_);
+        }
+      } else {
+        std::vector<T> scratch(kept * 3 * inner);
+        timer_.lap(Phase::kExperts);
+        cpu::experts_backward(s.x_sorted_RD.data(), s.offsets_E1.data(), P + s.e_gate_up, P + s.e_down,
+                              s.gate_up_R2I.data(), s.h_RI.data(), dy_sorted.data(), e, d, inner, dx_sorted.data(),
+                              G + s.e_gate_up, G + s.e_down, scratch.data());
+      }
       timer_.lap(Phase::kDispatch);
       cpu::permute_backward(dx_sorted.data(), s.sorted_route_R.data(), kept, k, d, dbranch.data());
       timer_.lap(Phase::kRouter);

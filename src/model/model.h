@@ -2,17 +2,24 @@
 // forward and backward. Pre-norm blocks: x += Attn(RMSNorm(x)); x += MLP|MoE(RMSNorm(x));
 // QK-norm over the full projection width before RoPE; untied embedding and LM head.
 // Parameters and gradients live in two flat buffers laid out by build_param_layout.
+// Expert parallelism (Model<float>): with an EP group of ep > 1 ranks the layout holds only this
+// rank's E/ep experts per MoE layer and every MoE layer exchanges token rows with its peers
+// (parallel/expert_parallel.h); everything else is replicated and sees only local tokens.
 // Legend: B batch, S sequence, N = B*S tokens, D model width, V vocabulary, E experts.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "core/arena.h"
 #include "core/config.h"
 #include "core/phase_timer.h"
+#include "model/layout.h"
 #include "model/mlp.h"
+#include "parallel/expert_parallel.h"
+#include "parallel/topology.h"
 
 namespace moe {
 
@@ -23,7 +30,8 @@ struct ForwardStats {
   double z_loss = 0;        // router z-loss, mean over MoE layers
   int64_t num_routes = 0;   // (token, slot) pairs over MoE layers
   int64_t num_dropped = 0;  // of which dropped by expert capacity (capacity_factor > 0)
-  // Routed (token, slot) pairs per expert (before capacity dropping), one vector of E counts per MoE layer.
+  // Routed (token, slot) pairs per expert (before capacity dropping), one vector of E counts per
+  // MoE layer: this rank's tokens over all E global experts, also under expert parallelism.
   std::vector<std::vector<int32_t>> tokens_per_expert;
 };
 
@@ -40,7 +48,11 @@ struct LossScales {
 template <typename T>
 class Model {
  public:
-  Model(const ModelConfig& model, const MoeConfig& moe);
+  // ep: this rank's expert-parallel context (copied; its communicator must outlive the model),
+  // or null. With ep->size() > 1 (Model<float> only, dropless only) the layout holds experts
+  // [ep->first_expert(), + ep->local_experts()) of every MoE layer, and forward/backward are
+  // collectives over ep->group: every rank of the group calls them in the same order.
+  Model(const ModelConfig& model, const MoeConfig& moe, const ExpertParallel* ep = nullptr);
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -48,6 +60,14 @@ class Model {
   const ModelConfig& model_config() const { return mcfg_; }
   const MoeConfig& moe_config() const { return ecfg_; }
   const ParamLayout& layout() const { return layout_; }
+  // Per layout entry, in entry order: its global shape and the flat offset of the local tensor in
+  // it (global_placement with this model's ep size and rank; expert tensors under EP sit at their
+  // experts' rows, every other tensor is whole at offset 0). Checkpoints and resume use it.
+  const std::vector<GlobalPlacement>& placements() const { return placements_; }
+  // The expert-parallel context, or null when the experts are not sharded (no EP or ep == 1).
+  const ExpertParallel* expert_parallel() const { return ep_ ? &*ep_ : nullptr; }
+  // Global experts this rank holds ({0, E} without expert parallelism).
+  ExpertSlice expert_slice() const { return slice_; }
   T* params() { return params_.data(); }
   T* grads() { return grads_.data(); }
   const T* params() const { return params_.data(); }
@@ -55,7 +75,8 @@ class Model {
   // Selection-only expert bias (aux-loss-free balancing): [num_moe_layers, E], FP32.
   std::vector<float>& expert_bias() { return expert_bias_; }
 
-  // Weights ~ truncated N(0, init_std) by (seed, name, index); norm weights = 1.
+  // Weights ~ truncated N(0, init_std) by (seed, name, global index); norm weights = 1. A local
+  // expert slice gets exactly the values of the same rows of the global tensor.
   void init_params(uint64_t seed);
   void zero_grads();
 
@@ -79,7 +100,10 @@ class Model {
   struct LayerState;
   ModelConfig mcfg_;
   MoeConfig ecfg_;
+  std::optional<ExpertParallel> ep_;
+  ExpertSlice slice_;
   ParamLayout layout_;
+  std::vector<GlobalPlacement> placements_;
   int64_t num_moe_layers_ = 0;
   std::vector<T> params_, grads_;
   std::vector<float> expert_bias_;

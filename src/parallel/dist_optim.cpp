@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "model/layout.h"
 #include "optim/adamw.h"
 
 namespace moe {
@@ -84,14 +85,11 @@ void all_reduce_gradients(const ParamLayout& layout, float* grads, Comm& dense_c
     dense_comm.all_reduce(grads, layout.total_numel(), ReduceOp::kSum);  // padding is zero
     return;
   }
+  // In place, range by range (padding included: zero on every rank).
   for (bool expert : {false, true}) {
     Comm& comm = expert ? *expert_comm : dense_comm;
-    ShardPlan plan(layout, entries_of_kind(layout, expert), 1, 0);
-    if (plan.numel() == 0) continue;
-    std::vector<float> packed(size_t(plan.padded_numel()));
-    plan.pack(grads, packed.data());
-    comm.all_reduce(packed.data(), plan.numel(), ReduceOp::kSum);
-    plan.unpack(packed.data(), grads);
+    for (const FlatRange& r : flat_ranges(layout, expert))
+      comm.all_reduce(grads + r.begin, r.end - r.begin, ReduceOp::kSum);
   }
 }
 

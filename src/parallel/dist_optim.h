@@ -65,8 +65,9 @@ std::vector<ShardGroup> make_shard_groups(const ParamLayout& layout, Comm& dense
 // Sum of squares (double, in piece order) of a plan's owned elements of a flat layout buffer.
 double owned_sum_squares(const ShardPlan& plan, const ParamLayout& layout, const float* flat);
 
-// Sums gradients without sharding (replicated optimizer): dense entries over dense_comm, expert
-// entries over expert_comm (nullptr: experts go with the dense entries, as with ep = 1).
+// Sums gradients without sharding (replicated optimizer), in place: the dense flat ranges of the
+// layout (flat_ranges(layout, false), model/layout.h) over dense_comm, the expert ranges over
+// expert_comm (nullptr: the whole buffer over dense_comm, as with ep = 1).
 void all_reduce_gradients(const ParamLayout& layout, float* grads, Comm& dense_comm, Comm* expert_comm);
 
 class DistOptimizer {

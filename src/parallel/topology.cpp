@@ -50,6 +50,16 @@ ParallelSizes resolve_parallel(const Config& cfg, int64_t world_size) {
   return s;
 }
 
+ExpertParallelGroups split_expert_parallel(Comm& dp_world, int64_t ep) {
+  const int size = dp_world.size(), rank = dp_world.rank();
+  MOE_CHECK(ep >= 1 && size % ep == 0, "parallel.ep = ", ep, " must be >= 1 and divide the ", size,
+            " data-parallel ranks");
+  ExpertParallelGroups g;
+  g.ep = dp_world.split(int(rank / ep), rank);
+  g.ep_dp = dp_world.split(int(rank % ep), rank);
+  return g;
+}
+
 Topology make_topology(const Config& cfg, Comm& world) {
   Topology t;
   t.sizes = resolve_parallel(cfg, world.size());
@@ -61,8 +71,9 @@ Topology make_topology(const Config& cfg, Comm& world) {
   t.ep_dp_rank = t.rank / ep;
   t.ep_dp_size = t.sizes.dp / ep;
   t.dp_comm = world.split(0, t.rank);
-  t.ep_comm = world.split(t.rank / ep, t.rank);
-  t.ep_dp_comm = world.split(t.rank % ep, t.rank);
+  ExpertParallelGroups g = split_expert_parallel(*t.dp_comm, ep);
+  t.ep_comm = std::move(g.ep);
+  t.ep_dp_comm = std::move(g.ep_dp);
   MOE_CHECK(t.ep_comm->size() == ep && t.ep_comm->rank() == t.ep_rank, "expert-parallel group of rank ", t.rank,
             ": expected size ", ep, " and rank ", t.ep_rank, ", got ", t.ep_comm->size(), " and ", t.ep_comm->rank());
   MOE_CHECK(t.ep_dp_comm->size() == t.ep_dp_size && t.ep_dp_comm->rank() == t.ep_dp_rank, "expert-data-parallel ",

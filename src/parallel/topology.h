@@ -32,13 +32,26 @@ struct Topology {
   std::unique_ptr<Comm> dp_comm, ep_comm, ep_dp_comm;
 };
 
+// The two expert-parallel groups of a data-parallel world of W ranks (rank r): `ep` holds the ep
+// consecutive ranks [g*ep, (g+1)*ep), g = r / ep, EP rank r % ep (one full copy of every
+// expert); `ep_dp` holds the W / ep ranks with the same r % ep, which hold the same experts
+// (expert gradients are summed over it). Collective over `dp_world`; checks that ep >= 1 divides
+// W. make_topology splits its groups with it.
+struct ExpertParallelGroups {
+  std::unique_ptr<Comm> ep;
+  std::unique_ptr<Comm> ep_dp;
+};
+ExpertParallelGroups split_expert_parallel(Comm& dp_world, int64_t ep);
+
 // Checks the layout (resolve_parallel) and splits `world` into the three groups. Collective.
 Topology make_topology(const Config& cfg, Comm& world);
 
-// Where a parameter tensor of this rank sits in its global tensor. Expert entries
+// Where a parameter tensor of this rank sits in its global tensor (the one function for it: the
+// model's initialisation, checkpoint slices and resume all use it). Expert entries
 // (ParamEntry::expert) hold the rank's num_experts / ep experts: dim 0 of the entry is the local
 // expert count, and the local tensor is the contiguous range starting at flat offset
-// ep_rank * numel of the global tensor [ep * local_experts, ...]. Other entries are global.
+// ep_rank * numel of the global tensor [ep * local_experts, ...], i.e. the rows of experts
+// [ep_rank * local_experts, (ep_rank + 1) * local_experts). Other entries are global (offset 0).
 struct GlobalPlacement {
   Shape global_shape;
   int64_t offset = 0;  // flat element offset of this rank's data in the global tensor

@@ -1,4 +1,5 @@
-// Model tensors to and from a checkpoint.
+// Model tensors to and from a checkpoint; expert tensors under EP as dim-0 slices of the global
+// tensors, each one contiguous flat range (Model::placements) read with read_model_range.
 #include "train/model_state.h"
 
 #include "core/error.h"
@@ -26,8 +27,20 @@ std::vector<TensorRef> model_state_refs(Model<float>& model) {
   return refs;
 }
 
+std::vector<GlobalPlacement> model_state_placements(const Model<float>& model) {
+  std::vector<GlobalPlacement> out = model.placements();
+  const int64_t ne = model.moe_config().num_experts;
+  for (int64_t m = 0; m < model.num_moe_layers(); ++m) out.push_back({{ne}, 0});
+  return out;
+}
+
 void load_model_state(const LoadedCheckpoint& ck, Model<float>& model) {
-  for (const ParamEntry& e : model.layout().entries()) ck.read_model(e.name, e.shape, model.params() + e.offset);
+  const auto& entries = model.layout().entries();
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const GlobalPlacement& g = model.placements()[i];
+    ck.read_model_range(entries[i].name, g.global_shape, g.offset, entries[i].numel,
+                        model.params() + entries[i].offset);
+  }
   const int64_t ne = model.moe_config().num_experts;
   for (int64_t m = 0; m < model.num_moe_layers(); ++m) {
     const std::string name = expert_bias_name(model.model_config(), m);

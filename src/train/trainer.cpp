@@ -3,7 +3,9 @@
 // loop around CudaStepRunner (sync-free steps, statistics logged one step late). Data-parallel
 // over MPI ranks (CPU): each rank runs its slice of the global batch with loss scales of the
 // global batch, gradients are summed over ranks (ZeRO-1 reduce-scatter, or all-reduce), metrics
-// are all-reduced, rank 0 prints and writes files, and every rank writes checkpoint slices.
+// are all-reduced, rank 0 prints and writes files, and every rank writes checkpoint slices. With
+// parallel.ep > 1 (CPU) the model holds this rank's experts and exchanges token rows over its ep
+// group; expert gradients are summed (and ZeRO-sharded) over the ep-dp group.
 // Data-parallel on GPUs: one GPU per rank, gradients and statistics summed over NCCL inside the
 // step, replicated AdamW, rank 0 writes single-file checkpoints.
 #include "train/trainer.h"
@@ -31,6 +33,7 @@
 #include "optim/adamw.h"
 #include "parallel/comm.h"
 #include "parallel/dist_optim.h"
+#include "parallel/expert_parallel.h"
 #include "parallel/topology.h"
 #include "train/device.h"
 #include "train/metrics.h"
@@ -100,17 +103,24 @@ DataSources open_data(const Config& cfg) {
   return d;
 }
 
-// Eval batches are dealt round-robin over the ranks of `comm`; sums are all-reduced.
+// Eval batches are dealt round-robin over the ranks of `comm` (batch i to rank i % W); sums are
+// all-reduced. Under expert parallelism forward is a collective of the ep group, so every rank
+// runs the same number of forwards: in the last round a rank without a batch of its own runs one
+// again (i % nb) and discards the result.
 double evaluate(Model<float>& model, const DataLoader& eval, const Config& cfg, Comm& comm) {
   const int64_t seqs = cfg.train.micro_batch;
   const int64_t nb = std::min<int64_t>(cfg.train.eval_batches, eval.num_eval_batches(seqs));
+  const int64_t w = comm.size(), rounds = (nb + w - 1) / w;
+  const bool collective = model.expert_parallel() != nullptr;
   double ce = 0;
   int64_t count = 0;
-  for (int64_t i = 0; i < nb; ++i) {
-    if (i % comm.size() != comm.rank()) continue;
-    const Batch b = eval.eval_batch(i, seqs);
-    const uint64_t seed = routing_seed(cfg.train.seed, -1, i);
+  for (int64_t round = 0; round < rounds; ++round) {
+    const int64_t i = round * w + comm.rank();
+    if (i >= nb && !collective) continue;
+    const Batch b = eval.eval_batch(i % nb, seqs);
+    const uint64_t seed = routing_seed(cfg.train.seed, -1, i % nb);
     const ForwardStats s = model.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len, seed);
+    if (i >= nb) continue;
     ce += s.ce_sum;
     count += s.num_targets;
   }
@@ -152,20 +162,6 @@ struct FaultInjection {
   }
 };
 
-// Parameters from a checkpoint on any layout: every tensor, or for expert tensors with ep > 1 the
-// rank's range of the global tensor; then the expert biases (global).
-void load_params(const LoadedCheckpoint& ck, Model<float>& model, const Topology& topo) {
-  for (const ParamEntry& e : model.layout().entries()) {
-    const GlobalPlacement g = global_placement(e, topo.sizes.ep, topo.ep_rank);
-    ck.read_model_range(e.name, g.global_shape, g.offset, e.numel, model.params() + e.offset);
-  }
-  const int64_t ne = model.moe_config().num_experts;
-  for (int64_t m = 0; m < model.num_moe_layers(); ++m) {
-    const std::string name = expert_bias_name(model.model_config(), m);
-    if (ck.has_model(name)) ck.read_model(name, {ne}, model.expert_bias().data() + m * ne);
-  }
-}
-
 // This rank's checkpoint slices: the ranges its shard plans own (parameters and moments, the
 // moments from the ZeRO shards or from the replicated AdamW), plus the expert biases on rank 0.
 SlicedCheckpointFiles sliced_files(Model<float>& model, const std::vector<ShardGroup>& owned, DistOptimizer* dist,
@@ -175,7 +171,7 @@ SlicedCheckpointFiles sliced_files(Model<float>& model, const std::vector<ShardG
   for (size_t gi = 0; gi < owned.size(); ++gi) {
     for (const ShardPiece& p : owned[gi].plan.my_pieces()) {
       const ParamEntry& e = layout.at(p.entry);
-      const GlobalPlacement g = global_placement(e, topo.sizes.ep, topo.ep_rank);
+      const GlobalPlacement& g = model.placements()[size_t(p.entry)];
       const int64_t at = g.offset + p.entry_offset;
       const float* m = dist ? dist->groups()[gi].m.data() + p.shard_offset : opt.exp_avg().data() + e.offset + p.entry_offset;
       const float* v = dist ? dist->groups()[gi].v.data() + p.shard_offset
@@ -466,20 +462,22 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
   std::optional<DataLoader> eval;
   if (data.eval) eval.emplace(*data.eval, cfg.train.seq_len, cfg.train.micro_batch, cfg.train.micro_batch, cfg.train.seed, 0, 1);
 
-  Model<float> model(cfg.model, cfg.moe);
+  // Expert parallelism: this rank holds experts [ep_rank * E / ep, (ep_rank + 1) * E / ep) of
+  // every MoE layer and exchanges token rows with the ranks of its ep group (Topology::ep_comm).
+  std::optional<ExpertParallel> ep_context;
+  if (topo.sizes.ep > 1) {
+    MOE_CHECK(cfg.parallel.ep_backend == "alltoall", "parallel.ep_backend = \"", cfg.parallel.ep_backend,
+              "\": the CPU trainer exchanges tokens by all-to-all; set parallel.ep_backend = \"alltoall\"");
+    ep_context = make_expert_parallel(*topo.ep_comm, cfg.moe.num_experts);
+  }
+  Model<float> model(cfg.model, cfg.moe, ep_context ? &*ep_context : nullptr);
   model.init_params(cfg.train.seed);
   const ParamLayout& layout = model.layout();
   const int64_t total = layout.total_numel();
   AdamW opt(layout, cfg.optim);
 
-  // Distributed state: expert tensors must hold this rank's experts when ep > 1; gradients of
-  // dense tensors are summed over dp, of expert tensors over ep-dp (with ep = 1: also dp).
-  if (topo.sizes.ep > 1)
-    for (const ParamEntry& e : layout.entries())
-      MOE_CHECK(!e.expert || e.shape.at(0) * topo.sizes.ep == cfg.moe.num_experts, "parallel.ep = ", topo.sizes.ep,
-                ": expert tensor '", e.name, "' holds ", e.shape.at(0), " of ", cfg.moe.num_experts,
-                " experts; this build's CPU model keeps every expert on every rank, so it trains with "
-                "parallel.ep = 1 only");
+  // Distributed state: gradients of dense tensors are summed over dp, of expert tensors over
+  // ep-dp (with ep = 1: also dp); ZeRO-1 shards them over the same groups.
   Comm* expert_comm = topo.sizes.ep > 1 ? topo.ep_dp_comm.get() : nullptr;
   std::vector<ShardGroup> owned;
   std::unique_ptr<DistOptimizer> dist;
@@ -503,7 +501,7 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
               target, "'");
     if (step_dir) {
       LoadedCheckpoint ck = LoadedCheckpoint::open(*step_dir);
-      load_params(ck, model, topo);
+      load_model_state(ck, model);
       const nlohmann::json& st = ck.train_state();
       start = st.at("step").get<int64_t>();
       if (ck.has_optim()) {
@@ -512,7 +510,7 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
           DistOptimizer::Group& g = dist->groups()[gi];
           for (const ShardPiece& p : g.plan.my_pieces()) {
             const ParamEntry& e = layout.at(p.entry);
-            const GlobalPlacement gp = global_placement(e, topo.sizes.ep, topo.ep_rank);
+            const GlobalPlacement& gp = model.placements()[size_t(p.entry)];
             ck.read_optim_range(e.name + ".exp_avg", gp.global_shape, gp.offset + p.entry_offset, p.numel,
                                 g.m.data() + p.shard_offset);
             ck.read_optim_range(e.name + ".exp_avg_sq", gp.global_shape, gp.offset + p.entry_offset, p.numel,
@@ -520,8 +518,9 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
           }
         }
         if (!dist)
-          for (const ParamEntry& e : layout.entries()) {
-            const GlobalPlacement gp = global_placement(e, topo.sizes.ep, topo.ep_rank);
+          for (size_t i = 0; i < layout.entries().size(); ++i) {
+            const ParamEntry& e = layout.entries()[i];
+            const GlobalPlacement& gp = model.placements()[i];
             ck.read_optim_range(e.name + ".exp_avg", gp.global_shape, gp.offset, e.numel,
                                 opt.exp_avg().data() + e.offset);
             ck.read_optim_range(e.name + ".exp_avg_sq", gp.global_shape, gp.offset, e.numel,

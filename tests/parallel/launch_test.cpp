@@ -1,6 +1,6 @@
 // Whole jobs started the way users start them (run as one plain process; each test spawns
 // `mpirun` or `moecore` with a time limit): a 2-rank training run with inspect and export-hf
-// of its sliced checkpoint, a rank that dies mid-run, a collective that times out, a layout
+// of its sliced checkpoint, the same with expert parallelism (ep = 2), a rank that dies mid-run, a collective that times out, a layout
 // that does not fit the job, and a torchrun-style environment without MPI.
 #include <gtest/gtest.h>
 
@@ -8,6 +8,7 @@
 #include <fstream>
 #include <string>
 
+#include "checkpoint/checkpoint.h"
 #include "parallel/mpi_test_util.h"
 #include "support/test_util.h"
 
@@ -58,6 +59,42 @@ TEST(Launch, TwoRankRunThenInspectAndExport) {
   EXPECT_EQ(train_losses(tmp / "run").size(), 8u);
 }
 
+TEST(Launch, ExpertParallelRunThenInspectAndExport) {
+  SKIP_INSIDE_MPI_JOB();
+  const TempDir tmp("launch_ep");
+  const CommandResult r = run_command("timeout 300 " + mpirun(2) + small_run(tmp / "run", 4) + " --parallel.ep=2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "dp 2, ep 2");
+  EXPECT_EQ(train_losses(tmp / "run").size(), 4u);
+  const fs::path step = tmp / "run" / "checkpoints" / "step_4";
+
+  // inspect shows the global expert tensors [E = 4, 2I, D], reassembled from both ranks' slices.
+  const CommandResult ins = run_command(std::string(MOECORE_BINARY) + " inspect " + step.string());
+  ASSERT_EQ(ins.status, 0) << ins.output;
+  const size_t at = ins.output.find("model.layers.1.mlp.experts.gate_up_proj ");
+  ASSERT_NE(at, std::string::npos) << ins.output;
+  const std::string line = ins.output.substr(at, ins.output.find('\n', at) - at);
+  EXPECT_CONTAINS(line, "[4, 64, 32]");
+  EXPECT_CONTAINS(line, "2 slices");
+
+  // export-hf writes every expert; expert 3 (rank 1's) equals its rows of the global tensors.
+  const CommandResult ex = run_command(std::string(MOECORE_BINARY) + " export-hf " + step.string() + " " +
+                                       (tmp / "hf").string() + " --dtype fp32");
+  ASSERT_EQ(ex.status, 0) << ex.output;
+  const SafetensorsFile hf = SafetensorsFile::open((tmp / "hf" / "model-00001-of-00001.safetensors").string());
+  const LoadedCheckpoint ck = LoadedCheckpoint::open(step.string());
+  std::vector<float> gate_up(4 * 64 * 32), down(4 * 32 * 32), gate(32 * 32), up(32 * 32), dn(32 * 32);
+  ck.read_model("model.layers.1.mlp.experts.gate_up_proj", {4, 64, 32}, gate_up.data());
+  ck.read_model("model.layers.1.mlp.experts.down_proj", {4, 32, 32}, down.data());
+  hf.read_f32("model.layers.1.mlp.experts.3.gate_proj.weight", gate.data(), int64_t(gate.size()));
+  hf.read_f32("model.layers.1.mlp.experts.3.up_proj.weight", up.data(), int64_t(up.size()));
+  hf.read_f32("model.layers.1.mlp.experts.3.down_proj.weight", dn.data(), int64_t(dn.size()));
+  const int64_t e3 = 3 * 64 * 32;
+  EXPECT_EQ(gate, std::vector<float>(gate_up.begin() + e3, gate_up.begin() + e3 + 32 * 32));
+  EXPECT_EQ(up, std::vector<float>(gate_up.begin() + e3 + 32 * 32, gate_up.begin() + e3 + 64 * 32));
+  EXPECT_EQ(dn, std::vector<float>(down.begin() + 3 * 32 * 32, down.end()));
+}
+
 TEST(Launch, RankThatExitsFailsTheJob) {
   SKIP_INSIDE_MPI_JOB();
   const TempDir tmp("fault");
@@ -91,6 +128,12 @@ TEST(Launch, LayoutThatDoesNotFitTheJob) {
   r = run_command("timeout 300 " + mpirun(2) + small_run(tmp / "b", 2) + " --parallel.ep=4");
   EXPECT_NE(r.status, 0) << r.output;
   EXPECT_CONTAINS(r.output, "parallel.ep (4) must divide dp (2): 2 % 4 = 2");
+  r = run_command("timeout 300 " + mpirun(2) + small_run(tmp / "c", 2) + " --parallel.ep=2 --moe.capacity_factor=1.25");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "expert parallelism is dropless only: moe.capacity_factor must be 0 with parallel.ep = 2");
+  r = run_command("timeout 300 " + mpirun(2) + small_run(tmp / "d", 2) + " --parallel.ep=2 --parallel.ep_backend=rowwise");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "parallel.ep_backend = \"rowwise\": the CPU trainer exchanges tokens by all-to-all");
 }
 
 TEST(Launch, TorchrunEnvironmentWithoutMpiIsRefused) {

@@ -1,11 +1,14 @@
-// Data-parallel training on the ranks the suite runs on (2 or 4), against a one-rank run that
-// every rank makes on its own (self communicator): per-step losses within the tolerance of
-// docs/numerics.md, ZeRO-1 on and off equal, parameters identical on every rank, and a
-// checkpoint written by 2 ranks resuming on 1 rank and on all ranks. The expert-parallel
-// layouts join through kExpertParallelSizes once the CPU model holds experts per ep rank.
+// Data- and expert-parallel training on the ranks the suite runs on (2 or 4), against a one-rank
+// run that every rank makes on its own (self communicator): per-step losses within the tolerance
+// of docs/numerics.md for every parallel.ep of kExpertParallelSizes that divides the world (ep = 2
+// on 4 ranks: two ep groups, expert gradients summed over ep-dp pairs), ZeRO-1 on and off equal,
+// parameters identical on every rank, a checkpoint written by 2 ranks resuming on 1 rank and on
+// all ranks, and checkpoints of ep > 1 runs resuming on other dp / ep layouts.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <memory>
 #include <sstream>
 #include <vector>
 
@@ -15,6 +18,7 @@
 #include "parallel/comm.h"
 #include "parallel/mpi_test_util.h"
 #include "support/test_util.h"
+#include "train/model_state.h"
 #include "train/trainer.h"
 
 namespace moe::testing {
@@ -25,17 +29,18 @@ namespace fs = std::filesystem;
 // Worst relative difference of per-step losses allowed between layouts (docs/numerics.md):
 // FP32 gradients summed in a different order (per rank, then over ranks) drift by rounding.
 constexpr double kLossTolerance = 1e-6;
-// parallel.ep values to run; 2 joins when the expert-parallel CPU model lands.
-const std::vector<int64_t> kExpertParallelSizes = {1};
+// parallel.ep values to run (those that divide the world size).
+const std::vector<int64_t> kExpertParallelSizes = {1, 2};
 
 bool needs_ranks(int at_least) { return world_comm().size() >= at_least; }
+bool fits(int64_t ep) { return world_comm().size() % ep == 0; }
 
 std::vector<double> losses_of(const Config& cfg, Comm& comm) {
   std::ostringstream log;
   return train(cfg, log, comm).losses;
 }
 
-// Every parameter of a checkpoint as one flat vector, in layout order.
+// Every parameter of a checkpoint as one flat vector, in layout order, then the expert biases.
 std::vector<float> checkpoint_params(const std::string& step_dir, const Config& cfg) {
   const LoadedCheckpoint ck = LoadedCheckpoint::open(step_dir);
   const ParamLayout layout = build_param_layout(cfg.model, cfg.moe);
@@ -44,6 +49,11 @@ std::vector<float> checkpoint_params(const std::string& step_dir, const Config& 
     std::vector<float> t(size_t(e.numel));
     ck.read_model(e.name, e.shape, t.data());
     out.insert(out.end(), t.begin(), t.end());
+  }
+  for (int64_t m = 0; m < num_moe_layers(cfg.model); ++m) {
+    std::vector<float> b(size_t(cfg.moe.num_experts));
+    ck.read_model(expert_bias_name(cfg.model, m), {cfg.moe.num_experts}, b.data());
+    out.insert(out.end(), b.begin(), b.end());
   }
   return out;
 }
@@ -61,27 +71,30 @@ TEST(DataParallel, FollowsOneRankLosses) {
     const TrainSummary ref = train(ref_cfg, log, *self);
     ASSERT_EQ(ref.losses.size(), 20u);
     for (int64_t ep : kExpertParallelSizes) {
+      if (!fits(ep)) continue;
       Config cfg = small_parallel_config(dir / ("dp-" + routing + "-ep" + std::to_string(ep)));
       cfg.moe.routing = routing;
       cfg.parallel.ep = ep;
       const TrainSummary s = train(cfg, log, w);
       const double worst = worst_relative_difference(s.losses, ref.losses);
-      if (w.rank() == 0)
-        std::printf("dp=%d ep=%lld routing=%s: worst relative loss difference vs 1 rank over %zu steps: %.3g\n",
-                    w.size(), (long long)ep, routing.c_str(), ref.losses.size(), worst);
-      EXPECT_LT(worst, kLossTolerance) << routing;
+      EXPECT_LT(worst, kLossTolerance) << routing << " ep " << ep;
       EXPECT_LT(std::abs(s.final_eval_loss - ref.final_eval_loss), kLossTolerance * ref.final_eval_loss) << routing;
       // Only rank 0 writes the run's files; it logged every step.
       if (w.rank() == 0) {
         EXPECT_EQ(train_losses(cfg.run.dir).size(), 20u);
       }
-      // The sliced checkpoint holds the one-rank run's model, within the same rounding.
+      // The sliced checkpoint holds the one-rank run's model (expert tensors reassembled from
+      // their ep ranks' slices, expert biases from global counts), within the same rounding.
       const std::vector<float> a = checkpoint_params(s.last_checkpoint, cfg);
       const std::vector<float> b = checkpoint_params(ref.last_checkpoint, ref_cfg);
       ASSERT_EQ(a.size(), b.size());
       double worst_param = 0;
       for (size_t i = 0; i < a.size(); ++i) worst_param = std::max(worst_param, double(std::abs(a[i] - b[i])));
-      EXPECT_LT(worst_param, 1e-5) << routing;
+      if (w.rank() == 0)
+        std::printf("dp=%d ep=%lld routing=%s: worst relative loss difference vs 1 rank over %zu steps: %.3g, "
+                    "worst parameter difference after them: %.3g\n",
+                    w.size(), (long long)ep, routing.c_str(), ref.losses.size(), worst, worst_param);
+      EXPECT_LT(worst_param, 1e-5) << routing << " ep " << ep;
       w.barrier();
     }
   }
@@ -91,28 +104,34 @@ TEST(DataParallel, ZeroOnAndOffAgree) {
   Comm& w = world_comm();
   if (!needs_ranks(2)) GTEST_SKIP() << "needs >= 2 ranks";
   const SharedDir dir(w, "zero");
-  Config on = small_parallel_config(dir / "on");
-  Config off = small_parallel_config(dir / "off");
-  off.parallel.zero = false;
-  std::ostringstream log;
-  const TrainSummary a = train(on, log, w);
-  const TrainSummary b = train(off, log, w);
-  const double worst = worst_relative_difference(a.losses, b.losses);
-  if (w.rank() == 0) std::printf("dp=%d: worst relative loss difference ZeRO-1 on vs off: %.3g\n", w.size(), worst);
-  // Two ranks: a + b is the same sum in either collective, so the runs are bitwise equal.
-  if (w.size() == 2) {
-    EXPECT_EQ(a.losses, b.losses);
-  }
-  EXPECT_LT(worst, kLossTolerance);
-  // Replicas never drift: the final parameters are identical on every rank (checksums gathered).
-  for (const TrainSummary* s : {&a, &b}) {
-    const std::vector<float> p = checkpoint_params(s->last_checkpoint, on);
-    double sum = 0;
-    for (size_t i = 0; i < p.size(); ++i) sum += double(p[i]) * double(i % 97 + 1);
-    std::vector<double> all(size_t(w.size()));
-    all[size_t(w.rank())] = sum;
-    w.all_reduce(all.data(), w.size(), ReduceOp::kSum);
-    for (double x : all) EXPECT_EQ(x, all[0]);
+  for (int64_t ep : kExpertParallelSizes) {
+    if (!fits(ep)) continue;
+    Config on = small_parallel_config(dir / ("on-ep" + std::to_string(ep)));
+    Config off = small_parallel_config(dir / ("off-ep" + std::to_string(ep)));
+    on.parallel.ep = off.parallel.ep = ep;
+    off.parallel.zero = false;
+    std::ostringstream log;
+    const TrainSummary a = train(on, log, w);
+    const TrainSummary b = train(off, log, w);
+    const double worst = worst_relative_difference(a.losses, b.losses);
+    if (w.rank() == 0)
+      std::printf("dp=%d ep=%lld: worst relative loss difference ZeRO-1 on vs off: %.3g\n", w.size(), (long long)ep,
+                  worst);
+    // Two ranks: a + b is the same sum in either collective, so the runs are bitwise equal.
+    if (w.size() == 2) {
+      EXPECT_EQ(a.losses, b.losses) << "ep " << ep;
+    }
+    EXPECT_LT(worst, kLossTolerance) << "ep " << ep;
+    // Replicas never drift: the final parameters are identical on every rank (checksums gathered).
+    for (const TrainSummary* s : {&a, &b}) {
+      const std::vector<float> p = checkpoint_params(s->last_checkpoint, on);
+      double sum = 0;
+      for (size_t i = 0; i < p.size(); ++i) sum += double(p[i]) * double(i % 97 + 1);
+      std::vector<double> all(size_t(w.size()));
+      all[size_t(w.rank())] = sum;
+      w.all_reduce(all.data(), w.size(), ReduceOp::kSum);
+      for (double x : all) EXPECT_EQ(x, all[0]) << "ep " << ep;
+    }
   }
 }
 
@@ -174,6 +193,93 @@ TEST(DataParallel, CheckpointOfTwoRanksResumesOnOtherLayouts) {
     hf.read_f32(emb->name, a.data(), emb->numel());
     ck.read_model(emb->name, emb->shape, b.data());
     EXPECT_EQ(a, b);
+  }
+}
+
+
+// The parallel layout of one run: `ranks` ranks (the first ones of the world) with parallel.ep.
+struct RunLayout {
+  int ranks = 1;
+  int64_t ep = 1;
+  std::string str() const { return std::to_string(ranks) + " rank(s) ep=" + std::to_string(ep); }
+};
+
+TEST(ExpertParallel, CheckpointResumesOnOtherLayouts) {
+  Comm& w = world_comm();
+  if (!needs_ranks(2)) GTEST_SKIP() << "needs >= 2 ranks";
+  const SharedDir dir(w, "ep-resume");
+  auto self = make_self_comm();
+  // Dense layer and expert-bias updates on: the biases travel through the checkpoint too.
+  auto config = [&](const std::string& name, const RunLayout& l) {
+    Config c = small_parallel_config(dir / name, 20);
+    c.parallel.ep = l.ep;
+    return c;
+  };
+  const std::vector<double> ref = losses_of(config("ref-" + std::to_string(w.rank()), {}), *self);
+  const std::vector<double> tail(ref.begin() + 10, ref.end());
+  // Runs `cfg` on the first l.ranks ranks (one rank: every rank its own copy, on its own
+  // directory); the others wait. Returns the losses, empty on ranks that did not take part.
+  auto run_on = [&](const RunLayout& l, Config cfg) {
+    std::vector<double> losses;
+    if (l.ranks == 1) {
+      cfg.run.dir += "-" + std::to_string(w.rank());
+      losses = losses_of(cfg, *self);
+    } else {
+      std::unique_ptr<Comm> part = w.split(w.rank() < l.ranks ? 0 : 1, w.rank());
+      if (w.rank() < l.ranks) losses = losses_of(cfg, *part);
+    }
+    w.barrier();
+    return losses;
+  };
+
+  // Writer layout -> the layouts that resume its step-10 checkpoint: 2 ranks ep 2 -> 1 rank and
+  // 2 ranks ep 1 (4 ranks ep 4 on a 4-rank world); 4 ranks ep 2 (ep-dp 2) -> 2 ranks ep 1.
+  std::vector<std::pair<RunLayout, std::vector<RunLayout>>> cases = {
+      {{2, 2}, {{1, 1}, w.size() >= 4 ? RunLayout{4, 4} : RunLayout{2, 1}}}};
+  if (w.size() >= 4) cases.push_back({{4, 2}, {{2, 1}}});
+  for (const auto& [writer, readers] : cases) {
+    const std::string wname = "w" + std::to_string(writer.ranks) + "ep" + std::to_string(writer.ep);
+    Config first = config(wname, writer);
+    first.checkpoint.interval = 10;
+    first.checkpoint.keep_last = 0;
+    const std::vector<double> full = run_on(writer, first);
+    if (w.rank() < writer.ranks) {
+      EXPECT_LT(worst_relative_difference(full, ref), kLossTolerance) << writer.str();
+    }
+    const std::string ckpt = checkpoint_dir(first) + "/step_10";
+    const LoadedCheckpoint ck = LoadedCheckpoint::open(ckpt);
+    EXPECT_TRUE(ck.sliced());
+    EXPECT_EQ(ck.world_size(), writer.ranks);
+    // Global FP32 tensors: expert tensors of all 4 experts, from at least one slice per ep rank;
+    // their moments likewise (ZeRO shards of the ep-dp group).
+    const ParamLayout global = build_param_layout(first.model, first.moe);
+    auto check_global = [&](const std::vector<GlobalTensorInfo>& tensors, const std::string& suffix) {
+      for (const ParamEntry& e : global.entries()) {
+        const std::string name = e.name + suffix;
+        auto it = std::find_if(tensors.begin(), tensors.end(), [&](const GlobalTensorInfo& t) { return t.name == name; });
+        ASSERT_NE(it, tensors.end()) << name;
+        EXPECT_EQ(it->shape, e.shape) << name;
+        EXPECT_EQ(it->dtype_name, "F32") << name;
+        if (e.expert) {
+          EXPECT_GE(it->num_slices, writer.ep) << name;
+        }
+      }
+    };
+    check_global(ck.model_tensors(), "");
+    check_global(ck.optim_tensors(), ".exp_avg");
+    check_global(ck.optim_tensors(), ".exp_avg_sq");
+
+    for (const RunLayout& reader : readers) {
+      Config next = config(wname + "-to-" + std::to_string(reader.ranks) + "ep" + std::to_string(reader.ep), reader);
+      next.checkpoint.resume = ckpt;
+      const std::vector<double> resumed = run_on(reader, next);
+      if (resumed.empty()) continue;
+      const double worst = worst_relative_difference(resumed, tail);
+      if (w.rank() == 0)
+        std::printf("checkpoint of %s at step 10 resumed on %s: worst relative loss difference vs uninterrupted "
+                    "1 rank over steps 11-20: %.3g\n", writer.str().c_str(), reader.str().c_str(), worst);
+      EXPECT_LT(worst, kLossTolerance) << writer.str() << " -> " << reader.str();
+    }
   }
 }
 

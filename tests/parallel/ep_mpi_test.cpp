@@ -1,0 +1,43 @@
+// Expert parallelism over MPI: every case of ep_cases.h on the job's world communicator, for
+// each EP size (2 and 4) that divides the world size; run with mpirun -np 2 and -np 4. On a
+// one-rank world the tests skip (the thread-rank variant, ep_thread_test.cpp, runs instead).
+// Every rank runs the same collectives in the same order whatever its checks find, so a failure
+// shows as a failed test on that rank, never as a hang.
+#include "ep_cases.h"
+#include "parallel/comm.h"
+
+namespace moe::testing {
+namespace {
+
+bool world_fits(int64_t ep) {
+  const int w = world_comm().size();
+  return w >= 2 && w % ep == 0;
+}
+
+class EpMpi : public ::testing::TestWithParam<int64_t> {};  // ep
+
+TEST_P(EpMpi, LayerMatchesSingleProcess) {
+  const int64_t ep = GetParam();
+  if (!world_fits(ep)) GTEST_SKIP() << "needs an MPI world whose size ep = " << ep << " divides (mpirun -np 2 or 4)";
+  Comm& world = world_comm();
+  for (const LayerCase& c : layer_cases(ep)) {
+    const EpHandle h = check_layer_case(world, c);
+    expect_layer_scenario(c, h, world.rank());
+  }
+}
+
+TEST_P(EpMpi, ModelMatchesSingleProcess) {
+  const int64_t ep = GetParam();
+  if (!world_fits(ep)) GTEST_SKIP() << "needs an MPI world whose size ep = " << ep << " divides (mpirun -np 2 or 4)";
+  Comm& world = world_comm();
+  for (const ModelCase& c : model_cases(ep)) {
+    const ModelCheck r = check_model_case(world, c);
+    expect_model_scenario(world, c, r);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ep, EpMpi, ::testing::Values(int64_t{2}, int64_t{4}),
+                         [](const auto& info) { return "ep" + std::to_string(info.param); });
+
+}  // namespace
+}  // namespace moe::testing
