@@ -26,6 +26,7 @@
 #include <cudnn_frontend.h>
 
 #include "cuda/common.h"
+#include "cuda/ops/memory.h"
 
 namespace moe::cuda {
 namespace {
@@ -61,7 +62,8 @@ void check_fe(fe::error_t err, const char* step, const PlanKey& key) {
            ". Use the own backend (MOECORE_ATTENTION=own) for this shape");
 }
 
-// One built graph with what its execution needs besides the caller's tensors. A cached plan is
+// One built graph with what its execution needs besides the caller's tensors (device memory from
+// device_alloc, so the process's device byte counter sees it). A cached plan is
 // never freed: the cache lives as long as the process (destroying it at exit would race the CUDA
 // runtime's own teardown); the destructor runs only for a plan whose build failed.
 struct Plan {
@@ -74,8 +76,8 @@ struct Plan {
   Plan(const Plan&) = delete;
   Plan& operator=(const Plan&) = delete;
   ~Plan() {
-    (void)cudaFree(workspace);
-    (void)cudaFree(seq_lens);
+    device_free(workspace);
+    device_free(seq_lens);
   }
 };
 
@@ -181,7 +183,7 @@ std::unique_ptr<Plan> build_plan(const PlanKey& key, cudnnHandle_t handle) {
           .set_seq_len_q(seq_len("seq_len_q", kSeqLenQ))
           .set_seq_len_kv(seq_len("seq_len_kv", kSeqLenKV));
       const std::vector<int32_t> lens(static_cast<size_t>(2 * key.batch), static_cast<int32_t>(key.seq));
-      MOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&plan->seq_lens), lens.size() * sizeof(int32_t)));
+      plan->seq_lens = static_cast<int32_t*>(device_alloc(lens.size() * sizeof(int32_t)));
       MOE_CUDA_CHECK(
           cudaMemcpy(plan->seq_lens, lens.data(), lens.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
     }
@@ -198,7 +200,7 @@ std::unique_ptr<Plan> build_plan(const PlanKey& key, cudnnHandle_t handle) {
   check_fe(g.build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE), "building the execution plan", key);
   check_fe(g.get_workspace_size(plan->workspace_bytes), "the workspace query", key);
   if (plan->workspace_bytes > 0) {
-    MOE_CUDA_CHECK(cudaMalloc(&plan->workspace, static_cast<size_t>(plan->workspace_bytes)));
+    plan->workspace = device_alloc(static_cast<size_t>(plan->workspace_bytes));
   }
   return plan;
 }
