@@ -225,11 +225,12 @@ const std::vector<AttnShape> kSharedShapes = {
     {3, 200, 16, 4, 128}, {2, 333, 8, 1, 64},  {1, 4096, 16, 4, 128}};
 
 // Head dims only cuDNN runs (32, 96, 256), each with GQA and batch > 1, seq 1, odd seq and a
-// multiple of 128 (the backward with and without its padding mask on cuDNN <= 9.15).
+// multiple of 128 (the backward with and without its padding mask on cuDNN <= 9.15); and the
+// ends of the claimed range, 8 and an odd multiple of 8 (40).
 const std::vector<AttnShape> kCudnnOnlyShapes = {
     {2, 1, 8, 2, 96},    {3, 77, 16, 4, 96},  {2, 640, 16, 4, 96}, {1, 1, 4, 1, 32},
     {2, 200, 8, 2, 32},  {4, 128, 4, 2, 32},  {2, 1, 4, 4, 256},   {1, 129, 8, 1, 256},
-    {2, 256, 4, 4, 256}, {1, 1024, 8, 2, 256}};
+    {2, 256, 4, 4, 256}, {1, 1024, 8, 2, 256}, {2, 100, 4, 2, 40}, {1, 33, 2, 2, 8}};
 
 std::vector<AttnCase> parity_cases() {
   std::vector<AttnCase> cases;
@@ -497,10 +498,10 @@ INSTANTIATE_TEST_SUITE_P(Backends, AttentionCrossEntropyGraph,
 
 // A cuDNN call under capture whose plan was never built throws, naming the direction and the
 // shape, and leaves the capture valid; after attention_prepare (eager) the same calls capture,
-// and the replay equals an eager run bitwise. The shape (hd 40) appears in no other test.
+// and the replay equals an eager run bitwise. The shape (S 48) appears in no other test.
 TEST(AttentionCudnn, PlanMissingUnderCaptureIsRefused) {
   MOE_SKIP_WITHOUT_BACKEND(AttentionBackend::kCudnn);
-  const AttnShape s{1, 48, 2, 1, 40};
+  const AttnShape s{1, 48, 2, 1, 64};
   const AttentionBackend cudnn = AttentionBackend::kCudnn;
   const AttnInputs in = make_inputs(s, 601);
   const int64_t nq = static_cast<int64_t>(in.q.size()), nkv = static_cast<int64_t>(in.k.size());
@@ -534,10 +535,10 @@ TEST(AttentionCudnn, PlanMissingUnderCaptureIsRefused) {
     return message;
   };
   const std::string fwd = refused_under_capture(forward);
-  EXPECT_NE(fwd.find("no plan for forward B=1 S=48 Hq=2 Hkv=1 D=40"), std::string::npos) << fwd;
+  EXPECT_NE(fwd.find("no plan for forward B=1 S=48 Hq=2 Hkv=1 D=64"), std::string::npos) << fwd;
   EXPECT_NE(fwd.find("being captured"), std::string::npos) << fwd;
   const std::string bwd = refused_under_capture(backward);
-  EXPECT_NE(bwd.find("no plan for backward B=1 S=48 Hq=2 Hkv=1 D=40"), std::string::npos) << bwd;
+  EXPECT_NE(bwd.find("no plan for backward B=1 S=48 Hq=2 Hkv=1 D=64"), std::string::npos) << bwd;
   EXPECT_EQ(cuda::attention_cudnn_cached_plans(), plans_before) << "a plan was built under capture";
 
   cuda::attention_prepare(s.batch, s.seq, s.q_heads, s.kv_heads, s.head_dim, stream.get(), cudnn);
