@@ -104,10 +104,11 @@ cudnnHandle_t handle_for(Cache& c, int device) {
   return h;
 }
 
-// cuDNN up to 9.15 computes a wrong backward when s_kv is not a multiple of 128 unless a padding
-// mask is present (the frontend then inserts one whose sequence lengths it copies from host
-// memory at every execute, which graph capture cannot hold). Here the mask is explicit and its
-// lengths live in device memory written once, when the plan is built.
+// With cuDNN up to 9.15 the frontend works around a backend limitation of backward graphs whose
+// s_kv is not a multiple of 128 by adding a padding mask itself, with sequence lengths it copies
+// from a host temporary at every execute (which graph capture cannot hold). Here the mask is
+// explicit, so the frontend adds nothing, and its lengths live in device memory written once,
+// when the plan is built.
 bool backward_needs_padding_mask(int64_t seq) { return seq % 128 != 0 && cudnnGetVersion() <= 91500; }
 
 std::shared_ptr<fe::graph::Tensor_attributes> bshd_tensor(fe::graph::Graph& g, const char* name, int64_t uid,
