@@ -4,8 +4,15 @@
 // Random BF16 data (never zeros), inputs larger than L2, warm-up, CUDA events, median/min/max.
 // Prints `op | backend | us | TFLOP/s | diff`, diff = ||out - out_mma|| / ||out_mma|| of one
 // overwrite run of each backend (0 for mma itself), and writes one JSON file.
+// Then causal attention forward and backward on one layer's shape (default olmoe-8l: B 4, S 4096,
+// 16/16 heads, hd 128) for each attention backend (own, cudnn), FLOPs 4*B*Hq*S*S*D/2 forward and
+// 2.5x that backward; diff against the own kernels (out; dq, dk, dv together, both backwards fed
+// the own forward's out and lse). JSON key "attention".
 // usage: moecore_op_bench [--tokens T] [--top-k K] [--experts E] [--d-model D] [--hidden I]
 //                         [--warmup N] [--iters N] [--backend mma|wgmma|all] [--out FILE.json]
+//                         [--ops all|grouped_gemm|attention] [--attn-batch B] [--attn-seq S]
+//                         [--attn-heads Hq] [--attn-kv-heads Hkv] [--attn-head-dim D]
+//                         [--attn-backend own|cudnn|all]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -22,6 +29,8 @@
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "cuda/common.h"
+#include "cuda/ops/attention.h"
+#include "cuda/ops/attention_cudnn.h"
 #include "cuda/ops/grouped_gemm.h"
 
 namespace {
@@ -31,6 +40,9 @@ struct Args {
   int warmup = 5, iters = 20;
   std::string backend = "all";
   std::string out;
+  std::string ops = "all";
+  int64_t attn_batch = 4, attn_seq = 4096, attn_heads = 16, attn_kv_heads = 16, attn_head_dim = 128;
+  std::string attn_backend = "all";
 };
 
 using moe::cuda::GroupedGemmBackend;
@@ -99,6 +111,143 @@ double relative_difference(const std::vector<float>& got, const std::vector<floa
   return den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// Median / min / max milliseconds of `fn` over a.iters timed runs after a.warmup runs.
+struct Timing {
+  double med_ms, min_ms, max_ms;
+};
+
+template <typename F>
+Timing time_ms(const Args& a, cudaStream_t s, F&& fn) {
+  for (int i = 0; i < a.warmup; ++i) fn();
+  std::vector<float> ms(a.iters);
+  cudaEvent_t e0, e1;
+  MOE_CUDA_CHECK(cudaEventCreate(&e0));
+  MOE_CUDA_CHECK(cudaEventCreate(&e1));
+  for (int i = 0; i < a.iters; ++i) {
+    MOE_CUDA_CHECK(cudaEventRecord(e0, s));
+    fn();
+    MOE_CUDA_CHECK(cudaEventRecord(e1, s));
+    MOE_CUDA_CHECK(cudaEventSynchronize(e1));
+    MOE_CUDA_CHECK(cudaEventElapsedTime(&ms[i], e0, e1));
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  std::sort(ms.begin(), ms.end());
+  return {ms[ms.size() / 2], ms.front(), ms.back()};
+}
+
+// Causal attention forward and backward of one layer on each requested backend; returns the
+// JSON record of the section.
+nlohmann::json attention_section(const Args& a, cudaStream_t s) {
+  using moe::cuda::AttentionBackend;
+  const int64_t B = a.attn_batch, S = a.attn_seq, Hq = a.attn_heads, Hkv = a.attn_kv_heads, D = a.attn_head_dim;
+  std::vector<AttentionBackend> backends;
+  if ((a.attn_backend == "own" || a.attn_backend == "all") &&
+      moe::cuda::attention_supports_head_dim(D, AttentionBackend::kOwn)) {
+    backends.push_back(AttentionBackend::kOwn);
+  }
+  if ((a.attn_backend == "cudnn" || a.attn_backend == "all") && moe::cuda::attention_cudnn_available()) {
+    backends.push_back(AttentionBackend::kCudnn);
+  }
+  std::printf("\nattention (causal) B %lld, S %lld, heads %lld/%lld, hd %lld; %s\n", (long long)B, (long long)S,
+              (long long)Hq, (long long)Hkv, (long long)D, moe::cuda::attention_cudnn_version().c_str());
+  if (backends.empty()) {
+    std::printf("no attention backend to run (--attn-backend %s; own runs hd 64 and 128; cudnn %s)\n",
+                a.attn_backend.c_str(), moe::cuda::attention_cudnn_available() ? "built" : "not built");
+    return {{"error", "no backend"}};
+  }
+  const int64_t nq = B * S * Hq * D, nkv = B * S * Hkv * D, nlse = B * Hq * S;
+  auto* q = device_copy(random_bf16(nq, "attn_q", 1.f));
+  auto* k = device_copy(random_bf16(nkv, "attn_k", 1.f));
+  auto* v = device_copy(random_bf16(nkv, "attn_v", 1.f));
+  auto* dout = device_copy(random_bf16(nq, "attn_dout", 1.f));
+  uint16_t *out = nullptr, *out_own = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
+  float *lse = nullptr, *lse_own = nullptr;
+  for (uint16_t** p : {&out, &out_own, &dq}) MOE_CUDA_CHECK(cudaMalloc(p, nq * 2));
+  for (uint16_t** p : {&dk, &dv}) MOE_CUDA_CHECK(cudaMalloc(p, nkv * 2));
+  for (float** p : {&lse, &lse_own}) MOE_CUDA_CHECK(cudaMalloc(p, nlse * 4));
+  const size_t ws_bytes = moe::cuda::attention_backward_workspace_bytes(B, S, Hq);
+  void* ws = nullptr;
+  MOE_CUDA_CHECK(cudaMalloc(&ws, std::max<size_t>(ws_bytes, 16)));
+  // The backward's inputs: one forward's out and lse (the own kernels' when they run, else the
+  // first backend's), the same for every backend.
+  moe::cuda::attention_forward(q, k, v, out_own, lse_own, B, S, Hq, Hkv, D, s, backends.front());
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+
+  const double f_fwd = 4.0 * B * Hq * double(S) * double(S) * D / 2.0, f_bwd = 2.5 * f_fwd;
+  std::printf("%-18s | %-7s | %10s | %9s | %s\n", "op", "backend", "us", "TFLOP/s", "diff vs own");
+  nlohmann::json results = nlohmann::json::array();
+  std::vector<float> ref_out, ref_grads;
+  for (AttentionBackend b : backends) {
+    const bool own = b == AttentionBackend::kOwn;
+    nlohmann::json ws_fields = nlohmann::json::object();
+    if (!own) {
+      ws_fields = {{"plan_workspace_bytes_forward",
+                    moe::cuda::attention_cudnn_prepare(B, S, Hq, Hkv, D, moe::cuda::AttentionDirection::kForward, s)},
+                   {"plan_workspace_bytes_backward",
+                    moe::cuda::attention_cudnn_prepare(B, S, Hq, Hkv, D, moe::cuda::AttentionDirection::kBackward, s)}};
+    }
+    struct Run {
+      const char* op;
+      bool forward;
+      double flops;
+      std::function<void()> fn;
+    };
+    const Run runs[] = {
+        {"attention forward", true, f_fwd, [&] { moe::cuda::attention_forward(q, k, v, out, lse, B, S, Hq, Hkv, D, s, b); }},
+        {"attention backward", false, f_bwd,
+         [&] {
+           moe::cuda::attention_backward(q, k, v, out_own, lse_own, dout, dq, dk, dv, B, S, Hq, Hkv, D, ws, ws_bytes,
+                                         s, b);
+         }},
+    };
+    for (const Run& r : runs) {
+      const Timing t = time_ms(a, s, r.fn);
+      const bool forward = r.forward;
+      // The compared run starts from NaN bytes, so an element a backend skipped shows.
+      for (uint16_t* p : {out, dq}) MOE_CUDA_CHECK(cudaMemsetAsync(p, 0xFF, nq * 2, s));
+      for (uint16_t* p : {dk, dv}) MOE_CUDA_CHECK(cudaMemsetAsync(p, 0xFF, nkv * 2, s));
+      r.fn();
+      MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+      std::vector<float> got = download(forward ? out : dq, nq, true);
+      if (!forward) {
+        for (uint16_t* p : {dk, dv}) {
+          const std::vector<float> part = download(p, nkv, true);
+          got.insert(got.end(), part.begin(), part.end());
+        }
+      }
+      std::vector<float>& ref = forward ? ref_out : ref_grads;
+      nlohmann::json diff;
+      char diff_text[32] = "-";
+      if (own) {
+        ref = std::move(got);
+        diff = 0.0;
+        std::snprintf(diff_text, sizeof(diff_text), "%.3e", 0.0);
+      } else if (!ref.empty()) {
+        const double d = relative_difference(got, ref);
+        diff = d;
+        std::snprintf(diff_text, sizeof(diff_text), "%.3e", d);
+      }
+      const double tflops = r.flops / (t.med_ms * 1e-3) / 1e12;
+      std::printf("%-18s | %-7s | %10.1f | %9.1f | %s\n", r.op, moe::cuda::attention_backend_name(b), t.med_ms * 1e3,
+                  tflops, diff_text);
+      nlohmann::json rec = {{"op", r.op}, {"backend", moe::cuda::attention_backend_name(b)},
+                            {"us_median", t.med_ms * 1e3}, {"us_min", t.min_ms * 1e3}, {"us_max", t.max_ms * 1e3},
+                            {"tflops", tflops}, {"flops", r.flops}, {"diff_vs_own", diff}};
+      rec.update(ws_fields);
+      results.push_back(std::move(rec));
+    }
+  }
+  for (void* p : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(dout),
+                  static_cast<void*>(out), static_cast<void*>(out_own), static_cast<void*>(dq), static_cast<void*>(dk),
+                  static_cast<void*>(dv), static_cast<void*>(lse), static_cast<void*>(lse_own), ws}) {
+    cudaFree(p);
+  }
+  return {{"batch", B}, {"seq", S}, {"q_heads", Hq}, {"kv_heads", Hkv}, {"head_dim", D}, {"causal", true},
+          {"flops_forward", "4*B*Hq*S*S*D/2"}, {"flops_backward", "2.5 x forward"},
+          {"cudnn", moe::cuda::attention_cudnn_version()}, {"results", results}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -118,8 +267,24 @@ int main(int argc, char** argv) {
     else if (k == "--iters") a.iters = std::stoi(next());
     else if (k == "--backend") a.backend = next();
     else if (k == "--out") a.out = next();
+    else if (k == "--ops") a.ops = next();
+    else if (k == "--attn-batch") a.attn_batch = std::stoll(next());
+    else if (k == "--attn-seq") a.attn_seq = std::stoll(next());
+    else if (k == "--attn-heads") a.attn_heads = std::stoll(next());
+    else if (k == "--attn-kv-heads") a.attn_kv_heads = std::stoll(next());
+    else if (k == "--attn-head-dim") a.attn_head_dim = std::stoll(next());
+    else if (k == "--attn-backend") a.attn_backend = next();
     else { std::fprintf(stderr, "error: unknown argument '%s'\n", k.c_str()); return 2; }
   }
+  if (a.ops != "all" && a.ops != "grouped_gemm" && a.ops != "attention") {
+    std::fprintf(stderr, "error: --ops %s: expected all, grouped_gemm or attention\n", a.ops.c_str());
+    return 2;
+  }
+  if (a.attn_backend != "all" && a.attn_backend != "own" && a.attn_backend != "cudnn") {
+    std::fprintf(stderr, "error: --attn-backend %s: expected all, own or cudnn\n", a.attn_backend.c_str());
+    return 2;
+  }
+  const bool run_gemm = a.ops != "attention", run_attention = a.ops != "grouped_gemm";
   try {
     if (moe::cuda::cuda_device_count() == 0) {
       std::fprintf(stderr, "error: no CUDA device visible\n");
@@ -191,35 +356,40 @@ int main(int argc, char** argv) {
         {"down wgrad", f_dn, dw, E * D * I, false,
          [&](GroupedGemmBackend b, bool timed) { grouped_gemm_wgrad(dy_dn, h, off, dw, rows, E, D, I, timed, s, b); }},
     };
-    std::printf("%-18s | %-7s | %10s | %9s | %s\n", "op", "backend", "us", "TFLOP/s", "diff vs mma");
     nlohmann::json results = nlohmann::json::array();
-    for (const Problem& p : problems) {
-      std::vector<float> reference;
-      for (GroupedGemmBackend b : backends) {
-        nlohmann::json r = time_op(p.op, b, p.flops, a, s, [&] { p.run(b, true); });
-        // The compared run starts from NaN bytes, so an element a backend skipped shows.
-        MOE_CUDA_CHECK(cudaMemsetAsync(const_cast<void*>(p.out), 0xFF, p.out_count * (p.bf16 ? 2 : 4), s));
-        p.run(b, false);
-        MOE_CUDA_CHECK(cudaStreamSynchronize(s));
-        std::vector<float> out = download(p.out, p.out_count, p.bf16);
-        double diff = 0.0;
-        if (b == GroupedGemmBackend::kMma) {
-          reference = std::move(out);
-        } else if (!reference.empty()) {
-          diff = relative_difference(out, reference);
+    if (run_gemm) {
+      std::printf("%-18s | %-7s | %10s | %9s | %s\n", "op", "backend", "us", "TFLOP/s", "diff vs mma");
+      for (const Problem& p : problems) {
+        std::vector<float> reference;
+        for (GroupedGemmBackend b : backends) {
+          nlohmann::json r = time_op(p.op, b, p.flops, a, s, [&] { p.run(b, true); });
+          // The compared run starts from NaN bytes, so an element a backend skipped shows.
+          MOE_CUDA_CHECK(cudaMemsetAsync(const_cast<void*>(p.out), 0xFF, p.out_count * (p.bf16 ? 2 : 4), s));
+          p.run(b, false);
+          MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+          std::vector<float> out = download(p.out, p.out_count, p.bf16);
+          double diff = 0.0;
+          if (b == GroupedGemmBackend::kMma) {
+            reference = std::move(out);
+          } else if (!reference.empty()) {
+            diff = relative_difference(out, reference);
+          }
+          r["diff_vs_mma"] = reference.empty() ? nlohmann::json() : nlohmann::json(diff);
+          char diff_text[32] = "-";
+          if (!reference.empty()) std::snprintf(diff_text, sizeof(diff_text), "%.3e", diff);
+          std::printf("%-18s | %-7s | %10.1f | %9.1f | %s\n", p.op, grouped_gemm_backend_name(b),
+                      r["us_median"].get<double>(), r["tflops"].get<double>(), diff_text);
+          results.push_back(std::move(r));
         }
-        r["diff_vs_mma"] = reference.empty() ? nlohmann::json() : nlohmann::json(diff);
-        char diff_text[32] = "-";
-        if (!reference.empty()) std::snprintf(diff_text, sizeof(diff_text), "%.3e", diff);
-        std::printf("%-18s | %-7s | %10.1f | %9.1f | %s\n", p.op, grouped_gemm_backend_name(b),
-                    r["us_median"].get<double>(), r["tflops"].get<double>(), diff_text);
-        results.push_back(std::move(r));
       }
     }
+    nlohmann::json attention;
+    if (run_attention) attention = attention_section(a, s);
     if (!a.out.empty()) {
       nlohmann::json rec = {{"gpu", prop.name}, {"tokens", a.tokens}, {"top_k", a.top_k}, {"experts", E},
                             {"d_model", D}, {"hidden", I}, {"rows", rows}, {"counts", counts},
                             {"warmup", a.warmup}, {"iters", a.iters}, {"results", results}};
+      if (run_attention) rec["attention"] = attention;
       std::ofstream(a.out) << rec.dump(2) << "\n";
     }
     return 0;

@@ -1,10 +1,27 @@
 #!/usr/bin/env bash
 # Installs everything moecore's CPU build and tests need on Debian 12 (idempotent: packages
 # already present are not reinstalled). The CUDA toolkit, when wanted, is installed separately.
+# Where nvcc exists, also fetches the header-only cuDNN frontend (the pinned PyPI wheel
+# nvidia-cudnn-frontend, downloaded with pip, never installed) into .deps/cudnn_frontend/include
+# for the cuDNN attention backend; skipped when that version is already there. A failed fetch is
+# reported and setup goes on (the CUDA build then has the own attention kernels only).
 set -euo pipefail
+
+cd "$(dirname "$0")/.."
 
 packages=(g++ cmake ninja-build ccache libopenblas-dev libtomlplusplus-dev
           nlohmann-json3-dev libgtest-dev openmpi-bin libopenmpi-dev)
+
+SUDO=""
+[ "$(id -u)" -ne 0 ] && SUDO="sudo"
+apt_updated=0
+apt_install() {  # packages...
+  if [ "$apt_updated" -eq 0 ]; then
+    $SUDO apt-get update -qq
+    apt_updated=1
+  fi
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
 
 missing=()
 for p in "${packages[@]}"; do
@@ -13,10 +30,71 @@ done
 
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}"
-  SUDO=""
-  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  apt_install "${missing[@]}"
 else
   echo "setup: all packages present"
+fi
+
+# ---- cuDNN frontend headers (CUDA builds only) -------------------------------------------------
+# The wheel's include/ holds cudnn_frontend*.h and its third-party headers; nothing else of it
+# is used. The file is pinned by version and by its SHA-256.
+fe_version=1.16.0
+fe_wheel=nvidia_cudnn_frontend-1.16.0-cp311-cp311-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
+fe_sha256=5c4a8fc573d85a86e08b15d9bf37f729e2487298781867a492a59cde6ac295e2
+fe_dir=.deps/cudnn_frontend
+fe_header="$fe_dir/include/cudnn_frontend_version.h"
+
+fe_present() {
+  [ -f "$fe_header" ] &&
+    grep -q "CUDNN_FRONTEND_MAJOR_VERSION ${fe_version%%.*}\$" "$fe_header" &&
+    grep -q "CUDNN_FRONTEND_MINOR_VERSION $(echo "$fe_version" | cut -d. -f2)\$" "$fe_header" &&
+    grep -q "CUDNN_FRONTEND_PATCH_VERSION ${fe_version##*.}\$" "$fe_header"
+}
+
+fe_fail() {  # message: setup goes on without the frontend (the build then omits the cuDNN backend)
+  echo "setup: WARNING: could not fetch the cuDNN frontend $fe_version: $*" >&2
+  echo "setup: the CUDA build will have the own attention kernels only (no cuDNN backend). To add it," >&2
+  echo "setup: rerun where PyPI is reachable, or copy $fe_dir/include from such a machine." >&2
+  return 1
+}
+
+fetch_frontend() {
+  if ! python3 -m pip --version >/dev/null 2>&1; then
+    echo "setup: installing python3-pip (to download the cuDNN frontend wheel)"
+    apt_install python3-pip || { fe_fail "apt-get install python3-pip failed"; return 1; }
+  fi
+  local tmp got
+  tmp=$(mktemp -d)
+  trap 'rm -rf "'"$tmp"'"' EXIT
+  echo "setup: downloading nvidia-cudnn-frontend==$fe_version (headers only are kept)"
+  # A fixed wheel whatever the local Python: the headers are the same in every wheel.
+  python3 -m pip download "nvidia-cudnn-frontend==$fe_version" --no-deps --only-binary=:all: \
+      --python-version 3.11 --implementation cp --abi cp311 --platform manylinux_2_28_x86_64 \
+      --disable-pip-version-check --quiet -d "$tmp" ||
+    { fe_fail "pip download failed (is PyPI reachable?)"; return 1; }
+  [ -f "$tmp/$fe_wheel" ] || { fe_fail "pip did not produce $fe_wheel (got: $(ls "$tmp"))"; return 1; }
+  got=$(sha256sum "$tmp/$fe_wheel" | cut -d' ' -f1)
+  [ "$got" = "$fe_sha256" ] || { fe_fail "$fe_wheel has SHA-256 $got, expected $fe_sha256"; return 1; }
+  python3 - "$tmp/$fe_wheel" "$tmp/unpacked" <<'EOF_PY' || { fe_fail "unpacking include/ from the wheel failed"; return 1; }
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    names = [n for n in z.namelist() if n.startswith("include/")]
+    if "include/cudnn_frontend.h" not in names:
+        sys.exit("the wheel has no include/cudnn_frontend.h")
+    z.extractall(sys.argv[2], names)
+EOF_PY
+  # Replace any other version whole.
+  rm -rf "$fe_dir"
+  mkdir -p "$fe_dir"
+  mv "$tmp/unpacked/include" "$fe_dir/include"
+  fe_present || { fe_fail "$fe_header does not name version $fe_version"; return 1; }
+  echo "setup: cuDNN frontend $fe_version in $fe_dir/include"
+}
+
+if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+  echo "setup: no nvcc: skipping the cuDNN frontend (CUDA builds only)"
+elif fe_present; then
+  echo "setup: cuDNN frontend $fe_version present in $fe_dir"
+else
+  fetch_frontend || true
 fi

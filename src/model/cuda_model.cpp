@@ -106,8 +106,11 @@ CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe)
     : mcfg_(model), ecfg_(moe), layout_(build_param_layout(model, moe)), impl_(std::make_unique<Impl>()) {
   MOE_CHECK(ecfg_.capacity_factor == 0.0, "CudaModel: only dropless routing is implemented on the GPU; set "
             "moe.capacity_factor = 0 (got ", ecfg_.capacity_factor, ")");
-  MOE_CHECK(cuda::attention_supports_head_dim(mcfg_.head_dim()), "CudaModel: head_dim = d_model / n_heads = ",
-            mcfg_.head_dim(), " has no GPU attention kernel (64 or 128)");
+  const cuda::AttentionBackend attention_backend = cuda::attention_resolve_backend();
+  MOE_CHECK(cuda::attention_supports_head_dim(mcfg_.head_dim(), attention_backend),
+            "CudaModel: head_dim = d_model / n_heads = ", mcfg_.head_dim(), " has no GPU attention kernel in the '",
+            cuda::attention_backend_name(attention_backend),
+            "' attention backend (own: 64 or 128; cudnn: multiples of 8 up to 256; MOECORE_ATTENTION chooses)");
   MOE_CHECK(mcfg_.n_heads % mcfg_.n_kv_heads == 0, "CudaModel: n_heads (", mcfg_.n_heads,
             ") must be a multiple of n_kv_heads (", mcfg_.n_kv_heads, ")");
   num_moe_layers_ = moe::num_moe_layers(mcfg_);
