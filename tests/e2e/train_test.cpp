@@ -25,26 +25,8 @@ namespace {
 namespace fs = std::filesystem;
 
 Config small_config(const fs::path& run_dir) {
-  Config c;
-  c.model.d_model = 32;
-  c.model.n_layers = 3;
-  c.model.n_heads = 4;
-  c.model.n_kv_heads = 2;
-  c.model.dense_layers = {0};
-  c.model.dense_hidden = 64;
-  c.moe.num_experts = 4;
-  c.moe.top_k = 2;
-  c.moe.expert_hidden = 32;
+  Config c = small_train_config(run_dir, /*n_layers=*/3, /*global_batch=*/4, /*steps=*/8);
   c.moe.shared_experts = 1;
-  c.moe.bias_update_rate = 0.001;
-  c.train.seq_len = 16;
-  c.train.micro_batch = 2;
-  c.train.global_batch = 4;
-  c.train.steps = 8;
-  c.train.eval_interval = 0;
-  c.optim.warmup_steps = 2;
-  c.log.interval = 1;
-  c.run.dir = run_dir.string();
   return c;
 }
 

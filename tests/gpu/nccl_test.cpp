@@ -222,32 +222,14 @@ TEST_F(NcclDataParallel, RandomRoutingSeedsByGlobalMicroBatchIndex) {
 }
 
 Config trainer_config(const std::filesystem::path& run) {
-  Config c;
-  c.model.d_model = 256;  // head_dim 64
-  c.model.n_layers = 3;
-  c.model.n_heads = 4;
-  c.model.n_kv_heads = 2;
-  c.model.dense_layers = {0};
-  c.model.dense_hidden = 512;
-  c.moe.num_experts = 8;
-  c.moe.top_k = 2;
-  c.moe.expert_hidden = 128;
-  c.moe.shared_experts = 1;
+  Config c = small_gpu_train_config(run, /*micro_batch=*/2, /*steps=*/6);
   c.moe.bias_update_rate = 1e-3;
-  c.train.seq_len = 64;
-  c.train.micro_batch = 2;
-  c.train.global_batch = 8;
-  c.train.steps = 6;
   c.train.eval_interval = 3;
   c.train.eval_batches = 4;
-  c.train.device = "cuda";
-  c.train.precision = "bf16";
   c.optim.warmup_steps = 2;
   c.checkpoint.interval = 3;
   c.checkpoint.keep_last = 0;
-  c.log.interval = 1;
   c.parallel.timeout_s = 120;
-  c.run.dir = run.string();
   return c;
 }
 

@@ -19,27 +19,9 @@ namespace moe::testing {
 namespace {
 
 Config small(const std::filesystem::path& run, const std::string& device, const std::string& precision) {
-  Config c;
-  c.model.d_model = 256;  // head_dim 64: the CUDA attention supports 64 and 128
-  c.model.n_layers = 3;
-  c.model.n_heads = 4;
-  c.model.n_kv_heads = 2;
-  c.model.dense_layers = {0};
-  c.model.dense_hidden = 512;
-  c.moe.num_experts = 8;
-  c.moe.top_k = 2;
-  c.moe.expert_hidden = 128;
-  c.moe.shared_experts = 1;
-  c.train.seq_len = 64;
-  c.train.micro_batch = 4;
-  c.train.global_batch = 8;
-  c.train.steps = 20;
+  Config c = small_gpu_train_config(run, /*micro_batch=*/4, /*steps=*/20, device, precision);
   c.train.eval_interval = 10;
-  c.train.device = device;
-  c.train.precision = precision;
   c.optim.warmup_steps = 5;
-  c.log.interval = 1;
-  c.run.dir = run.string();
   return c;
 }
 

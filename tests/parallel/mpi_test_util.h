@@ -16,6 +16,7 @@
 #include "core/config.h"
 #include "core/config_io.h"
 #include "parallel/comm.h"
+#include "support/test_util.h"
 
 #define EXPECT_CONTAINS(text, part) \
   EXPECT_NE(std::string(text).find(part), std::string::npos) << "missing: " << (part) << "\nin: " << (text)
@@ -57,28 +58,10 @@ class SharedDir {
 // Two layers (one dense, one MoE with 4 experts), global batch 8 of 16-token sequences in
 // micro-batches of 2: 4 micro-batches per step on 1 rank, 2 on 2 ranks, 1 on 4.
 inline Config small_parallel_config(const std::filesystem::path& run_dir, int64_t steps = 20) {
-  Config c;
-  c.model.d_model = 32;
-  c.model.n_layers = 2;
-  c.model.n_heads = 4;
-  c.model.n_kv_heads = 2;
-  c.model.dense_layers = {0};
-  c.model.dense_hidden = 64;
-  c.moe.num_experts = 4;
-  c.moe.top_k = 2;
-  c.moe.expert_hidden = 32;
-  c.moe.bias_update_rate = 0.001;
-  c.train.seq_len = 16;
-  c.train.micro_batch = 2;
-  c.train.global_batch = 8;
-  c.train.steps = steps;
-  c.train.eval_interval = 0;
+  Config c = small_train_config(run_dir, /*n_layers=*/2, /*global_batch=*/8, steps);
   c.train.eval_batches = 2;
   c.train.device = "cpu";
-  c.optim.warmup_steps = 2;
-  c.log.interval = 1;
   c.parallel.timeout_s = 120;
-  c.run.dir = run_dir.string();
   validate_config(c);
   return c;
 }

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/config.h"
 #include "core/error.h"
 
 namespace moe::testing {
@@ -54,6 +55,60 @@ class TempDir {
 };
 
 // The records of <run_dir>/metrics.jsonl, and the training losses among them.
+// The small OLMoE-style model of the CPU training tests: width 32, 4 heads over 2 KV heads,
+// a dense layer 0 (hidden 64) then MoE layers of 4 experts top-2 (hidden 32) with expert-bias
+// updates; 16-token sequences in micro-batches of 2, warm-up 2, a log line per step, no eval.
+inline Config small_train_config(const std::filesystem::path& run_dir, int64_t n_layers, int64_t global_batch,
+                                 int64_t steps) {
+  Config c;
+  c.model.d_model = 32;
+  c.model.n_layers = n_layers;
+  c.model.n_heads = 4;
+  c.model.n_kv_heads = 2;
+  c.model.dense_layers = {0};
+  c.model.dense_hidden = 64;
+  c.moe.num_experts = 4;
+  c.moe.top_k = 2;
+  c.moe.expert_hidden = 32;
+  c.moe.bias_update_rate = 0.001;
+  c.train.seq_len = 16;
+  c.train.micro_batch = 2;
+  c.train.global_batch = global_batch;
+  c.train.steps = steps;
+  c.train.eval_interval = 0;
+  c.optim.warmup_steps = 2;
+  c.log.interval = 1;
+  c.run.dir = run_dir.string();
+  return c;
+}
+
+// The model of the GPU training tests (head_dim 64: width 256, 4 heads over 2 KV heads; a dense
+// layer 0 of hidden 512, then 8 experts top-2 of hidden 128 with a shared expert), 64-token
+// sequences, global batch 8, BF16 on `device` unless given otherwise, a log line per step.
+inline Config small_gpu_train_config(const std::filesystem::path& run_dir, int64_t micro_batch, int64_t steps,
+                                     const std::string& device = "cuda", const std::string& precision = "bf16") {
+  Config c;
+  c.model.d_model = 256;
+  c.model.n_layers = 3;
+  c.model.n_heads = 4;
+  c.model.n_kv_heads = 2;
+  c.model.dense_layers = {0};
+  c.model.dense_hidden = 512;
+  c.moe.num_experts = 8;
+  c.moe.top_k = 2;
+  c.moe.expert_hidden = 128;
+  c.moe.shared_experts = 1;
+  c.train.seq_len = 64;
+  c.train.micro_batch = micro_batch;
+  c.train.global_batch = 8;
+  c.train.steps = steps;
+  c.train.device = device;
+  c.train.precision = precision;
+  c.log.interval = 1;
+  c.run.dir = run_dir.string();
+  return c;
+}
+
 inline std::vector<nlohmann::json> read_metrics(const std::filesystem::path& run_dir) {
   std::vector<nlohmann::json> out;
   std::ifstream f(run_dir / "metrics.jsonl");
