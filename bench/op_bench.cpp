@@ -63,29 +63,6 @@ std::vector<uint16_t> random_bf16(int64_t n, const char* name, float scale) {
   return b;
 }
 
-template <typename F>
-nlohmann::json time_op(const std::string& op, GroupedGemmBackend backend, double flops, const Args& a,
-                       cudaStream_t s, F&& fn) {
-  for (int i = 0; i < a.warmup; ++i) fn();
-  std::vector<float> ms(a.iters);
-  cudaEvent_t e0, e1;
-  MOE_CUDA_CHECK(cudaEventCreate(&e0));
-  MOE_CUDA_CHECK(cudaEventCreate(&e1));
-  for (int i = 0; i < a.iters; ++i) {
-    MOE_CUDA_CHECK(cudaEventRecord(e0, s));
-    fn();
-    MOE_CUDA_CHECK(cudaEventRecord(e1, s));
-    MOE_CUDA_CHECK(cudaEventSynchronize(e1));
-    MOE_CUDA_CHECK(cudaEventElapsedTime(&ms[i], e0, e1));
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  std::sort(ms.begin(), ms.end());
-  const double med = ms[ms.size() / 2];
-  const double tflops = flops / (med * 1e-3) / 1e12;
-  return {{"op", op}, {"backend", moe::cuda::grouped_gemm_backend_name(backend)}, {"us_median", med * 1e3},
-          {"us_min", ms.front() * 1e3}, {"us_max", ms.back() * 1e3}, {"tflops", tflops}, {"flops", flops}};
-}
 
 // Host copy of a device output as floats (BF16 or FP32 elements).
 std::vector<float> download(const void* d, int64_t count, bool bf16) {
@@ -134,6 +111,15 @@ Timing time_ms(const Args& a, cudaStream_t s, F&& fn) {
   cudaEventDestroy(e1);
   std::sort(ms.begin(), ms.end());
   return {ms[ms.size() / 2], ms.front(), ms.back()};
+}
+
+template <typename F>
+nlohmann::json time_op(const std::string& op, GroupedGemmBackend backend, double flops, const Args& a,
+                       cudaStream_t s, F&& fn) {
+  const Timing t = time_ms(a, s, fn);
+  const double tflops = flops / (t.med_ms * 1e-3) / 1e12;
+  return {{"op", op}, {"backend", moe::cuda::grouped_gemm_backend_name(backend)}, {"us_median", t.med_ms * 1e3},
+          {"us_min", t.min_ms * 1e3}, {"us_max", t.max_ms * 1e3}, {"tflops", tflops}, {"flops", flops}};
 }
 
 // Causal attention forward and backward of one layer on each requested backend; returns the
