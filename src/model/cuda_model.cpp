@@ -31,18 +31,6 @@ namespace moe {
 
 using cuda::DeviceBuffer;
 
-namespace {
-
-// Same per-layer routing seed as Model<T> (model.cpp).
-uint64_t mix_seed(uint64_t seed, uint64_t layer) {
-  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (layer + 1);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-}  // namespace
-
 struct CudaModel::LayerState : LayerParams {
   // Saved activations (BF16 unless noted).
   DeviceBuffer x_in, norm1, rstd1 /*f32*/, q_raw, k_raw, q_rstd /*f32*/, k_rstd /*f32*/, q, k, v, attn,
@@ -457,7 +445,7 @@ void CudaModel::forward_device(const int32_t* inputs, const int32_t* targets, in
       s.rp.mode = ecfg_.routing == "random"    ? cuda::RoutingMode::kRandom
                   : ecfg_.routing == "uniform" ? cuda::RoutingMode::kUniform
                                                : cuda::RoutingMode::kLearned;
-      s.rp.seed = mix_seed(routing_seed, static_cast<uint64_t>(l));
+      s.rp.seed = layer_routing_seed(routing_seed, static_cast<uint64_t>(l));
       float* logits = s.logits.as<float>();
       cuda::gemm(G, false, true, n, e, d, 1.f, norm2, d, P + s.gate, d, 0.f, logits, e, st);
       int32_t* counts = I.counts.as<int32_t>() + s.moe_index * e;

@@ -27,13 +27,6 @@ namespace moe {
 
 namespace {
 
-uint64_t mix_seed(uint64_t seed, uint64_t layer) {
-  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (layer + 1);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
 cpu::RouterParams router_params(const MoeConfig& e, int64_t n, int64_t d, uint64_t seed) {
   cpu::RouterParams p;
   p.num_tokens = n;
@@ -186,7 +179,7 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
       continue;
     }
     timer_.lap(Phase::kRouter);
-    s.rp = router_params(ecfg_, n, d, mix_seed(routing_seed, static_cast<uint64_t>(l)));
+    s.rp = router_params(ecfg_, n, d, layer_routing_seed(routing_seed, static_cast<uint64_t>(l)));
     s.logits_NE.resize(n * e);
     s.scores_NE.resize(n * e);
     s.topk_idx_NK.resize(n * k);
