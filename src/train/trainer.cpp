@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <optional>
 #include <ostream>
@@ -47,6 +48,7 @@
 #include "cuda/ops/nccl.h"
 #include "parallel/nccl_comm.h"
 #include "train/cuda_step.h"
+#include "train/gpu_bench.h"
 #endif
 
 namespace moe {
@@ -103,23 +105,23 @@ DataSources open_data(const Config& cfg) {
   return d;
 }
 
+// One forward of an evaluation batch on either backend (CPU model or GPU step runner).
+using EvalForward = std::function<ForwardStats(const Batch&, uint64_t routing_seed)>;
+
 // Eval batches are dealt round-robin over the ranks of `comm` (batch i to rank i % W); sums are
-// all-reduced. Under expert parallelism forward is a collective of the ep group, so every rank
-// runs the same number of forwards: in the last round a rank without a batch of its own runs one
-// again (i % nb) and discards the result.
-double evaluate(Model<float>& model, const DataLoader& eval, const Config& cfg, Comm& comm) {
+// all-reduced. When forward is a collective (expert parallelism), every rank runs the same number
+// of forwards: in the last round a rank without a batch of its own runs one again (i % nb) and
+// discards the result.
+double evaluate(const DataLoader& eval, const Config& cfg, Comm& comm, bool collective, const EvalForward& forward) {
   const int64_t seqs = cfg.train.micro_batch;
   const int64_t nb = std::min<int64_t>(cfg.train.eval_batches, eval.num_eval_batches(seqs));
   const int64_t w = comm.size(), rounds = (nb + w - 1) / w;
-  const bool collective = model.expert_parallel() != nullptr;
   double ce = 0;
   int64_t count = 0;
   for (int64_t round = 0; round < rounds; ++round) {
     const int64_t i = round * w + comm.rank();
     if (i >= nb && !collective) continue;
-    const Batch b = eval.eval_batch(i % nb, seqs);
-    const uint64_t seed = routing_seed(cfg.train.seed, -1, i % nb);
-    const ForwardStats s = model.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len, seed);
+    const ForwardStats s = forward(eval.eval_batch(i % nb, seqs), routing_seed(cfg.train.seed, -1, i % nb));
     if (i >= nb) continue;
     ce += s.ce_sum;
     count += s.num_targets;
@@ -129,6 +131,12 @@ double evaluate(Model<float>& model, const DataLoader& eval, const Config& cfg, 
     comm.all_reduce(&count, 1, ReduceOp::kSum);
   }
   return count ? ce / double(count) : std::nan("");
+}
+
+double evaluate(Model<float>& model, const DataLoader& eval, const Config& cfg, Comm& comm) {
+  return evaluate(eval, cfg, comm, model.expert_parallel() != nullptr, [&](const Batch& b, uint64_t seed) {
+    return model.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len, seed);
+  });
 }
 
 std::vector<TensorRef> tensor_refs(const ParamLayout& layout, const float* base, const std::string& suffix) {
@@ -191,26 +199,10 @@ SlicedCheckpointFiles sliced_files(Model<float>& model, const std::vector<ShardG
 
 #ifdef MOECORE_HAS_CUDA
 
-constexpr double kPeakTflopsPerGpu = 989.0;  // H100/H200 dense BF16: the MFU denominator
-
-// Eval batches are dealt round-robin over the ranks of `comm` (each on its own GPU); the sums are
-// all-reduced over MPI.
+// Eval on the GPU: each rank's batches on its own GPU, the sums all-reduced over MPI.
 double evaluate_gpu(CudaStepRunner& runner, const DataLoader& eval, const Config& cfg, Comm& comm) {
-  const int64_t seqs = cfg.train.micro_batch;
-  const int64_t nb = std::min<int64_t>(cfg.train.eval_batches, eval.num_eval_batches(seqs));
-  double ce = 0;
-  int64_t count = 0;
-  for (int64_t i = 0; i < nb; ++i) {
-    if (i % comm.size() != comm.rank()) continue;
-    const ForwardStats s = runner.evaluate(eval.eval_batch(i, seqs), routing_seed(cfg.train.seed, -1, i));
-    ce += s.ce_sum;
-    count += s.num_targets;
-  }
-  if (comm.size() > 1) {
-    comm.all_reduce(&ce, 1, ReduceOp::kSum);
-    comm.all_reduce(&count, 1, ReduceOp::kSum);
-  }
-  return count ? ce / double(count) : std::nan("");
+  return evaluate(eval, cfg, comm, /*collective=*/false,
+                  [&](const Batch& b, uint64_t seed) { return runner.evaluate(b, seed); });
 }
 
 // The training loop on the GPUs: step N is submitted, then step N - 1 is collected and logged, so
@@ -320,7 +312,7 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
                             {"dropped_frac", 0.0},
                             {"skipped_steps", window_skipped},
                             {"tflops_per_gpu", tflops},
-                            {"mfu", tflops / kPeakTflopsPerGpu},
+                            {"mfu", tflops / kGpuPeakTflops},
                             {"mem_peak_gib", peak_gib},
                             {"mem_used_gib", double(total_bytes - free_bytes) / double(1ull << 30)}};
       if (dp > 1) {
@@ -334,7 +326,7 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
                     "(mfu %.1f%%) | mem %.2f GiB | imb %.2f | %s elapsed | ETA %s\n",
                     tty ? "\r\033[K" : "", int(std::to_string(cfg.train.steps).size()), (long long)done,
                     (long long)cfg.train.steps, window_loss / window_n, window_lb / window_n, window_z / window_n,
-                    s.grad_norm, lr, fmt_rate(tps).c_str(), tflops, 100.0 * tflops / kPeakTflopsPerGpu, peak_gib,
+                    s.grad_norm, lr, fmt_rate(tps).c_str(), tflops, 100.0 * tflops / kGpuPeakTflops, peak_gib,
                     window_imb / window_n, fmt_duration(elapsed).c_str(), fmt_duration(eta).c_str());
       out << buf << std::flush;
       window_loss = window_lb = window_z = window_s = window_imb = 0;
