@@ -128,11 +128,14 @@ void launch_backward_single_key(const uint16_t* dout, uint16_t* dq, uint16_t* dk
 
 // MOECORE_ATTENTION: unset or empty -> kAuto; "own" / "cudnn"; anything else is refused.
 AttentionBackend backend_from_environment() {
-  const char* v = std::getenv("MOECORE_ATTENTION");
-  if (v == nullptr || *v == '\0') return AttentionBackend::kAuto;
-  if (std::strcmp(v, "own") == 0) return AttentionBackend::kOwn;
-  if (std::strcmp(v, "cudnn") == 0) return AttentionBackend::kCudnn;
-  MOE_FAIL("environment variable MOECORE_ATTENTION must be 'own' or 'cudnn' (or unset), got '", v, "'");
+  switch (backend_choice_from_env("MOECORE_ATTENTION", {"own", "cudnn"})) {
+    case 1:
+      return AttentionBackend::kOwn;
+    case 2:
+      return AttentionBackend::kCudnn;
+    default:
+      return AttentionBackend::kAuto;
+  }
 }
 
 }  // namespace

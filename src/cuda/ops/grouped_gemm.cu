@@ -226,11 +226,14 @@ void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t
 
 // MOECORE_GROUPED_GEMM: unset or empty -> kAuto; "mma" / "wgmma"; anything else is refused.
 GroupedGemmBackend backend_from_environment() {
-  const char* v = std::getenv("MOECORE_GROUPED_GEMM");
-  if (v == nullptr || *v == '\0') return GroupedGemmBackend::kAuto;
-  if (std::strcmp(v, "mma") == 0) return GroupedGemmBackend::kMma;
-  if (std::strcmp(v, "wgmma") == 0) return GroupedGemmBackend::kWgmma;
-  MOE_FAIL("environment variable MOECORE_GROUPED_GEMM must be 'mma' or 'wgmma' (or unset), got '", v, "'");
+  switch (backend_choice_from_env("MOECORE_GROUPED_GEMM", {"mma", "wgmma"})) {
+    case 1:
+      return GroupedGemmBackend::kMma;
+    case 2:
+      return GroupedGemmBackend::kWgmma;
+    default:
+      return GroupedGemmBackend::kAuto;
+  }
 }
 
 }  // namespace
