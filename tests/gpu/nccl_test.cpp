@@ -302,19 +302,6 @@ TEST_F(NcclDataParallel, TrainerRefusesExpertParallelismOnGpus) {
   EXPECT_NE(msg.find("expert parallelism is not available on GPUs"), std::string::npos) << msg;
 }
 
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (!r.failed()) return;
-    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
-                 r.line_number(), r.message());
-  }
-
- private:
-  int rank_;
-};
-
 }  // namespace
 }  // namespace moe::testing
 
@@ -324,11 +311,7 @@ int main(int argc, char** argv) {
   using namespace moe::testing;
   ::testing::InitGoogleTest(&argc, argv);
   moe::Comm& world = moe::world_comm();
-  if (world.rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new RankFailurePrinter(world.rank()));
-  }
+  print_only_root_report(world);
   const int gpus = moe::cuda::cuda_device_count();
   if (world.size() != 2) {
     g_skip_reason = "needs exactly 2 ranks (mpirun -np 2 test_nccl); this job has " + std::to_string(world.size());
@@ -343,10 +326,7 @@ int main(int argc, char** argv) {
       world.abort(1);
     }
   }
-  int64_t failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+  const int status = RUN_ALL_TESTS();
   g_nccl.reset();
-  world.all_reduce(&failed, 1, moe::ReduceOp::kMax);
-  if (world.rank() == 0 && world.size() > 1)
-    std::printf("%d ranks: %s\n", world.size(), failed ? "a test failed on some rank" : "all ranks passed");
-  return int(failed);
+  return worst_status_over_ranks(world, status);
 }

@@ -10,21 +10,9 @@
 
 #include "core/error.h"
 #include "parallel/comm.h"
+#include "parallel/mpi_test_util.h"
 
 namespace {
-
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (!r.failed()) return;
-    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
-                 r.line_number(), r.message());
-  }
-
- private:
-  int rank_;
-};
 
 // Rank 1 never joins the all-reduce: rank 0 must fail with the timeout error and abort the job.
 int timeout_probe() {
@@ -51,14 +39,6 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "--timeout-probe") == 0) return timeout_probe();
   ::testing::InitGoogleTest(&argc, argv);
   moe::Comm& world = moe::world_comm();
-  if (world.rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new RankFailurePrinter(world.rank()));
-  }
-  int64_t failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
-  world.all_reduce(&failed, 1, moe::ReduceOp::kMax);
-  if (world.rank() == 0 && world.size() > 1)
-    std::printf("%d ranks: %s\n", world.size(), failed ? "a test failed on some rank" : "all ranks passed");
-  return int(failed);
+  moe::testing::print_only_root_report(world);
+  return moe::testing::worst_status_over_ranks(world, RUN_ALL_TESTS());
 }

@@ -66,6 +66,37 @@ inline Config small_parallel_config(const std::filesystem::path& run_dir, int64_
   return c;
 }
 
+// gtest output of a multi-rank test program: rank 0 prints the usual report, every other rank
+// only its failures, prefixed with its rank.
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (!r.failed()) return;
+    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
+                 r.line_number(), r.message());
+  }
+
+ private:
+  int rank_;
+};
+
+inline void print_only_root_report(Comm& world) {
+  if (world.rank() == 0) return;
+  auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+  delete listeners.Release(listeners.default_result_printer());
+  listeners.Append(new RankFailurePrinter(world.rank()));
+}
+
+// The exit status of a multi-rank test program: the worst of RUN_ALL_TESTS over the ranks.
+inline int worst_status_over_ranks(Comm& world, int run_all_tests_status) {
+  int64_t failed = run_all_tests_status != 0 ? 1 : 0;
+  world.all_reduce(&failed, 1, ReduceOp::kMax);
+  if (world.rank() == 0 && world.size() > 1)
+    std::printf("%d ranks: %s\n", world.size(), failed ? "a test failed on some rank" : "all ranks passed");
+  return int(failed);
+}
+
 // Worst |a - b| / max(|b|, 1e-12) over two equally long series (fails when lengths differ).
 inline double worst_relative_difference(const std::vector<double>& a, const std::vector<double>& b) {
   EXPECT_EQ(a.size(), b.size());
