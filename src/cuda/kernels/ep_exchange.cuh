@@ -3,6 +3,7 @@
 // peer-major to local-expert-major order and back. One thread moves Vec bf16 values (Vec = 8:
 // 16-byte loads and stores, needs d % 8 == 0 and 16-byte aligned buffers; Vec = 1 otherwise).
 // An index outside [0, src_rows) zeroes the destination row (never an out-of-bounds read).
+// Also the one-thread combine of range norms for the expert-parallel grad norm.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +30,14 @@ __global__ void ep_gather_rows_kernel(const uint16_t* __restrict__ src, const in
       dst[row * d + pack] = v;
     }
   }
+}
+
+// out[0] = sum_i v[i]^2 (square) or sum_i v[i] then sqrt; one thread, in index order.
+__global__ void ep_norm_combine_kernel(const double* v, int64_t n, bool square, double* out) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  double acc = 0;
+  for (int64_t i = 0; i < n; ++i) acc += square ? v[i] * v[i] : v[i];
+  out[0] = square ? acc : sqrt(acc);
 }
 
 }  // namespace moe::cuda::kernels

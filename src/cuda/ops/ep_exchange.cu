@@ -101,4 +101,16 @@ void ep_exchange_rows(NcclComm& comm, const EpExchangePlan& plan, bool forward, 
   comm.all_to_all_v(send, sc.data(), so.data(), recv, rc.data(), ro.data(), NcclDType::kBF16, stream);
 }
 
+void sum_of_squares(const double* values, int64_t n, double* out, Stream stream) {
+  MOE_CHECK(n >= 0 && out && (n == 0 || values), "cuda::sum_of_squares: n must be >= 0 with non-null buffers, got ", n);
+  kernels::ep_norm_combine_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(values, n, true, out);
+  check_launch("ep_norm_combine_kernel");
+}
+
+void sqrt_of_sum(const double* values, int64_t n, double* out, Stream stream) {
+  MOE_CHECK(n >= 0 && out && (n == 0 || values), "cuda::sqrt_of_sum: n must be >= 0 with non-null buffers, got ", n);
+  kernels::ep_norm_combine_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(values, n, false, out);
+  check_launch("ep_norm_combine_kernel");
+}
+
 }  // namespace moe::cuda

@@ -48,4 +48,10 @@ void ep_gather_rows(const uint16_t* src, const int32_t* idx, int64_t rows, int64
 void ep_exchange_rows(NcclComm& comm, const EpExchangePlan& plan, bool forward, const uint16_t* send,
                       uint16_t* recv, int64_t d, Stream stream);
 
+// Grad norm pieces under expert parallelism (one thread, fixed order, so every rank gets the same
+// bits from the same inputs): out[0] = sum_i values[i]^2 (values: norms of gradient ranges), and
+// out[0] = sqrt(sum_i values[i]) (values: squared norms). Device FP64 pointers.
+void sum_of_squares(const double* values, int64_t n, double* out, Stream stream);
+void sqrt_of_sum(const double* values, int64_t n, double* out, Stream stream);
+
 }  // namespace moe::cuda
