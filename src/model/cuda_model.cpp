@@ -2,7 +2,11 @@
 // Residual stream x and its gradient dx are FP32; each update also writes the BF16 copy the
 // next op reads (cuda::residual_add), which is what the norms save for their backward.
 // Parameter gradients accumulate (+=) in FP32; activation gradients are overwritten. All buffers
-// are sized in one place (ensure_capacity) so forward/backward never allocate once sized.
+// are sized in one place (ensure_capacity) so forward/backward never allocate once sized, except
+// the received rows of expert parallelism, which grow right after the host read the counts.
+// Expert parallelism per MoE layer: counts exchanged (NCCL all-to-all of L int32 per peer), read
+// on the host with the router's counts, the exchange plan, rows out, regroup, local experts,
+// ungroup, rows back; backward the same with dy and dx rows (cuda/ops/ep_exchange.h).
 #ifdef MOECORE_HAS_CUDA
 
 #include "model/cuda_model.h"
@@ -17,6 +21,9 @@
 #include "cuda/ops/attention.h"
 #include "cuda/ops/cross_entropy.h"
 #include "cuda/ops/embedding.h"
+#include "cuda/ops/ep_exchange.h"
+#include "cuda/ops/init.h"
+#include "cuda/ops/nccl.h"
 #include "cuda/ops/gemm.h"
 #include "cuda/ops/grouped_gemm.h"
 #include "cuda/ops/memory.h"
@@ -38,6 +45,10 @@ struct CudaModel::LayerState : LayerParams {
   cuda::RouterParams rp;
   DeviceBuffer logits /*f32*/, scores /*f32*/, topk_idx, topk_w /*f32*/, offsets, sorted_route, route_to_row,
       x_sorted, gate_up, h, y_sorted;
+  // Expert parallelism: the last forward's exchange plan; regroup / ungroup maps [G] and local
+  // expert offsets [L+1] on the device; received rows regrouped by local expert [G, D] (saved).
+  cuda::EpExchangePlan plan;
+  DeviceBuffer regroup, ungroup, local_offsets, x_recv;
 };
 
 struct CudaModel::Impl {
@@ -68,6 +79,11 @@ struct CudaModel::Impl {
   // Device scalars (f32): backward's ce grad scale, dlb, dz; then 1 (forward's discarded CE gradient).
   DeviceBuffer scalars;
   float host_scalars[4] = {0, 0, 0, 1};
+  // Expert parallelism: received counts [ep * L] (i32), peer-major row buffer and expert-side
+  // work rows (each [Gmax, D] BF16), host copies of the counts, traffic counters.
+  DeviceBuffer ep_recv_counts, ep_pm, ep_work;
+  std::vector<int32_t> ep_host_counts;
+  EpTraffic traffic;
   // Work buffers.
   DeviceBuffer x32, dx32, dx, branch, dtmp, dbranch, dnorm, dq, dk, dv, dattn, dq_raw, dk_raw, mlp_dh, mlp_dgu,
       dy_sorted, dtopk_w, dx_sorted, e_dh, e_dgu, dlogits32, dlogits16, ws_router, ws_dispatch, ws_rms, ws_attn,
@@ -90,8 +106,33 @@ struct CudaModel::Impl {
   }
 };
 
-CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe)
-    : mcfg_(model), ecfg_(moe), layout_(build_param_layout(model, moe)), impl_(std::make_unique<Impl>()) {
+namespace {
+
+ExpertSlice ep_slice(const MoeConfig& moe, const CudaExpertParallel* ep) {
+  if (ep == nullptr || ep->comm == nullptr || ep->comm->size() <= 1) return {};
+  const int64_t n = ep->comm->size();
+  MOE_CHECK(moe.num_experts >= n && moe.num_experts % n == 0, "CudaModel: expert parallelism over ", n,
+            " GPUs needs moe.num_experts divisible by ", n, ", got ", moe.num_experts);
+  const int64_t local = moe.num_experts / n;
+  return {ep->comm->rank() * local, local};
+}
+
+}  // namespace
+
+CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaExpertParallel* ep)
+    : mcfg_(model),
+      ecfg_(moe),
+      ep_comm_(ep && ep->comm && ep->comm->size() > 1 ? ep->comm : nullptr),
+      ep_size_(ep_comm_ ? ep_comm_->size() : 1),
+      ep_rank_(ep_comm_ ? ep_comm_->rank() : 0),
+      slice_(ep_slice(moe, ep)),
+      layout_(build_param_layout(model, moe, slice_)),
+      impl_(std::make_unique<Impl>()) {
+  for (const ParamEntry& entry : layout_.entries()) placements_.push_back(global_placement(entry, ep_size_, ep_rank_));
+  if (ep_comm_) {
+    MOE_CHECK(ep_comm_->device() == cuda::current_device(), "CudaModel: the expert-parallel NCCL communicator was "
+              "made on GPU ", ep_comm_->device(), " but the current GPU is ", cuda::current_device());
+  }
   MOE_CHECK(ecfg_.capacity_factor == 0.0, "CudaModel: only dropless routing is implemented on the GPU; set "
             "moe.capacity_factor = 0 (got ", ecfg_.capacity_factor, ")");
   const cuda::AttentionBackend attention_backend = cuda::attention_resolve_backend();
@@ -182,6 +223,20 @@ void CudaModel::load_expert_bias(const std::vector<float>& bias) {
   cuda::stream_sync(stream_);
 }
 
+void CudaModel::init_params_device(uint64_t seed, double std) {
+  // Model<float>::init_params: 1-D tensors are norm weights (ones), the rest truncated normals
+  // drawn at the tensor's offset in its global tensor.
+  for (size_t i = 0; i < layout_.entries().size(); ++i) {
+    const ParamEntry& e = layout_.entries()[i];
+    if (e.shape.size() == 1) cuda::fill_value(params() + e.offset, e.numel, 1.0f, stream_);
+    else cuda::fill_trunc_normal(params() + e.offset, e.numel, placements_[i].offset, seed, e.name, std, stream_);
+  }
+  refresh_bf16();
+}
+
+EpTraffic CudaModel::ep_traffic() const { return impl_->traffic; }
+void CudaModel::reset_ep_traffic() { impl_->traffic = {}; }
+
 void CudaModel::refresh_bf16() { cuda::cast_f32_to_bf16(params(), params_bf16(), layout_.total_numel(), stream_); }
 
 std::vector<float> CudaModel::download_params() {
@@ -265,6 +320,12 @@ void CudaModel::reserve(int64_t batch, int64_t seq) {
       I.grow<uint16_t>(s.gate_up, rows * 2 * inner, "expert gate_up");
       I.grow<uint16_t>(s.h, rows * inner, "expert h");
       I.grow<uint16_t>(s.y_sorted, rows * d, "y_sorted");
+      if (ep_comm_) {
+        I.grow<uint16_t>(s.x_recv, rows * d, "received expert rows");
+        I.grow<int32_t>(s.regroup, rows, "regroup map");
+        I.grow<int32_t>(s.ungroup, rows, "ungroup map");
+        I.grow<int32_t>(s.local_offsets, slice_.count + 1, "local expert offsets");
+      }
     }
   }
   I.grow<uint16_t>(I.final_in, n * d, "final_in");
@@ -280,6 +341,11 @@ void CudaModel::reserve(int64_t batch, int64_t seq) {
     rp.top_k = k;
     I.grow_bytes(I.ws_router, cuda::router_workspace_bytes(rp), "router workspace");
     I.grow_bytes(I.ws_dispatch, cuda::dispatch_map_workspace_bytes(n, k, e), "dispatch workspace");
+    if (ep_comm_) {
+      I.grow<int32_t>(I.ep_recv_counts, e, "received expert counts");
+      I.grow<uint16_t>(I.ep_pm, rows * d, "exchanged rows");
+      I.grow<uint16_t>(I.ep_work, rows * d, "expert work rows");
+    }
   }
 
   // Backward.
@@ -462,13 +528,17 @@ void CudaModel::forward_device(const int32_t* inputs, const int32_t* targets, in
                                I.ws_dispatch.data(), I.ws_dispatch.bytes(), st);
       uint16_t* xs = s.x_sorted.as<uint16_t>();
       cuda::permute_forward(norm2, sorted_route, n, k, d, xs, st);
-      if (timer_) timer_->mark(cuda::Phase::kExperts);
-      uint16_t* gu = s.gate_up.as<uint16_t>();
-      uint16_t* h = s.h.as<uint16_t>();
       uint16_t* ys = s.y_sorted.as<uint16_t>();
-      cuda::grouped_gemm_forward(xs, P + s.e_gate_up, offsets, gu, rows, e, 2 * inner, d, st);
-      cuda::swiglu_forward(gu, h, rows, inner, st);
-      cuda::grouped_gemm_forward(h, P + s.e_down, offsets, ys, rows, e, d, inner, st);
+      if (ep_comm_) {
+        ep_forward_layer(s.moe_index, counts, xs, ys);
+      } else {
+        if (timer_) timer_->mark(cuda::Phase::kExperts);
+        uint16_t* gu = s.gate_up.as<uint16_t>();
+        uint16_t* h = s.h.as<uint16_t>();
+        cuda::grouped_gemm_forward(xs, P + s.e_gate_up, offsets, gu, rows, e, 2 * inner, d, st);
+        cuda::swiglu_forward(gu, h, rows, inner, st);
+        cuda::grouped_gemm_forward(h, P + s.e_down, offsets, ys, rows, e, d, inner, st);
+      }
       if (timer_) timer_->mark(cuda::Phase::kCombine);
       cuda::unpermute_forward(ys, route_to_row, topk_w, n, k, d, branch, st);
       if (timer_) timer_->mark(cuda::Phase::kMlp);
@@ -579,16 +649,20 @@ void CudaModel::backward() {
       float* dtopk_w = I.dtopk_w.as<float>();
       cuda::unpermute_backward(dx, s.y_sorted.as<uint16_t>(), s.sorted_route.as<int32_t>(),
                                s.route_to_row.as<int32_t>(), s.topk_w.as<float>(), n, k, d, dys, dtopk_w, st);
-      if (timer_) timer_->mark(cuda::Phase::kExperts);
-      uint16_t* edh = I.e_dh.as<uint16_t>();
-      uint16_t* edgu = I.e_dgu.as<uint16_t>();
       uint16_t* dxs = I.dx_sorted.as<uint16_t>();
-      cuda::grouped_gemm_dgrad(dys, P + s.e_down, offsets, edh, rows, e, d, inner, st);
-      cuda::grouped_gemm_wgrad(dys, s.h.as<uint16_t>(), offsets, Gr + s.e_down, rows, e, d, inner, true, st);
-      cuda::swiglu_backward(s.gate_up.as<uint16_t>(), edh, edgu, rows, inner, st);
-      cuda::grouped_gemm_dgrad(edgu, P + s.e_gate_up, offsets, dxs, rows, e, 2 * inner, d, st);
-      cuda::grouped_gemm_wgrad(edgu, s.x_sorted.as<uint16_t>(), offsets, Gr + s.e_gate_up, rows, e, 2 * inner, d,
-                               true, st);
+      if (ep_comm_) {
+        ep_backward_layer(s.moe_index, dys, dxs);
+      } else {
+        if (timer_) timer_->mark(cuda::Phase::kExperts);
+        uint16_t* edh = I.e_dh.as<uint16_t>();
+        uint16_t* edgu = I.e_dgu.as<uint16_t>();
+        cuda::grouped_gemm_dgrad(dys, P + s.e_down, offsets, edh, rows, e, d, inner, st);
+        cuda::grouped_gemm_wgrad(dys, s.h.as<uint16_t>(), offsets, Gr + s.e_down, rows, e, d, inner, true, st);
+        cuda::swiglu_backward(s.gate_up.as<uint16_t>(), edh, edgu, rows, inner, st);
+        cuda::grouped_gemm_dgrad(edgu, P + s.e_gate_up, offsets, dxs, rows, e, 2 * inner, d, st);
+        cuda::grouped_gemm_wgrad(edgu, s.x_sorted.as<uint16_t>(), offsets, Gr + s.e_gate_up, rows, e, 2 * inner, d,
+                                 true, st);
+      }
       if (timer_) timer_->mark(cuda::Phase::kDispatch);
       cuda::permute_backward(dxs, s.route_to_row.as<int32_t>(), n, k, d, dbranch, st);
       if (timer_) timer_->mark(cuda::Phase::kRouter);
@@ -641,6 +715,129 @@ void CudaModel::backward() {
   cuda::embedding_backward(I.cur_inputs, dx, Gr + I.emb, n, v, d, bad_ids_bwd, I.ws_emb.data(), I.ws_emb.bytes(),
                            st);
   if (timer_) timer_->close();
+}
+
+// Expert parallelism, one MoE layer's forward after permute_forward: xs [T*k, D] rows sorted by
+// global expert; ys [T*k, D] receives the expert outputs in the same order.
+void CudaModel::ep_forward_layer(int64_t moe_index, const int32_t* counts, const uint16_t* xs, uint16_t* ys) {
+  Impl& I = *impl_;
+  LayerState* sp = nullptr;
+  for (auto& l : I.layers)
+    if (l->moe_index == moe_index) sp = l.get();
+  LayerState& s = *sp;
+  const cuda::Stream st = stream_;
+  const int64_t d = mcfg_.d_model, e = ecfg_.num_experts, inner = ecfg_.expert_hidden, L = slice_.count;
+  const int ep = int(ep_size_);
+  const uint16_t* P = params_bf16();
+  MOE_CHECK(!cuda::stream_is_capturing(st), "CudaModel: the expert-parallel forward reads expert counts on the "
+            "host and cannot be captured in a CUDA graph");
+  if (timer_) timer_->mark(cuda::Phase::kDispatch);
+  // Counts: L per peer out of the router's [E] (peer p's experts are [p L, (p+1) L)), received
+  // [ep * L] (peer-major); both read on the host.
+  std::vector<int64_t> cnt(size_t(ep), L);
+  std::vector<int64_t> off(size_t(ep), 0);
+  for (int p = 0; p < ep; ++p) off[p] = p * L;
+  int32_t* recv_counts = I.ep_recv_counts.as<int32_t>();
+  ep_comm_->all_to_all_v(counts, cnt.data(), off.data(), recv_counts, cnt.data(), off.data(), cuda::NcclDType::kI32,
+                         st);
+  I.ep_host_counts.resize(size_t(2 * e));
+  cuda::copy_d2h(I.ep_host_counts.data(), counts, size_t(e) * sizeof(int32_t), st);
+  cuda::copy_d2h(I.ep_host_counts.data() + e, recv_counts, size_t(e) * sizeof(int32_t), st);
+  s.plan = cuda::make_ep_exchange_plan(ep, int(ep_rank_), L, I.ep_host_counts.data(), I.ep_host_counts.data() + e);
+  const cuda::EpExchangePlan& plan = s.plan;
+  const int64_t G = plan.total_recv;
+  // Everything forward and backward of this layer needs for G rows, grown (with 1/8 headroom)
+  // right after the stream was synchronised by the count read, so no pending work uses a buffer.
+  const int64_t cap = G + G / 8;
+  auto fits = [&](DeviceBuffer& b, int64_t elems, size_t es) { return b.bytes() >= size_t(std::max<int64_t>(G, 1) * elems) * es; };
+  if (!fits(s.x_recv, d, 2)) I.grow<uint16_t>(s.x_recv, cap * d, "received expert rows");
+  if (!fits(s.gate_up, 2 * inner, 2)) I.grow<uint16_t>(s.gate_up, cap * 2 * inner, "expert gate_up");
+  if (!fits(s.h, inner, 2)) I.grow<uint16_t>(s.h, cap * inner, "expert h");
+  if (!fits(s.regroup, 1, 4)) I.grow<int32_t>(s.regroup, cap, "regroup map");
+  if (!fits(s.ungroup, 1, 4)) I.grow<int32_t>(s.ungroup, cap, "ungroup map");
+  if (!fits(I.ep_pm, d, 2)) I.grow<uint16_t>(I.ep_pm, cap * d, "exchanged rows");
+  if (!fits(I.ep_work, d, 2)) I.grow<uint16_t>(I.ep_work, cap * d, "expert work rows");
+  if (!fits(I.e_dh, inner, 2)) I.grow<uint16_t>(I.e_dh, cap * inner, "expert dh");
+  if (!fits(I.e_dgu, 2 * inner, 2)) I.grow<uint16_t>(I.e_dgu, cap * 2 * inner, "expert dgate_up");
+  I.grow<int32_t>(s.local_offsets, L + 1, "local expert offsets");
+  if (G > 0) {
+    cuda::copy_h2d(s.regroup.data(), plan.regroup.data(), size_t(G) * sizeof(int32_t), st);
+    cuda::copy_h2d(s.ungroup.data(), plan.ungroup.data(), size_t(G) * sizeof(int32_t), st);
+  }
+  cuda::copy_h2d(s.local_offsets.data(), plan.local_offsets.data(), size_t(L + 1) * sizeof(int32_t), st);
+  cuda::stream_sync(st);  // the host plan's vectors may change at the next forward of this layer
+
+  uint16_t* pm = I.ep_pm.as<uint16_t>();
+  uint16_t* xr = s.x_recv.as<uint16_t>();
+  cuda::ep_exchange_rows(*ep_comm_, plan, true, xs, pm, d, st);
+  cuda::ep_gather_rows(pm, s.regroup.as<int32_t>(), G, G, d, xr, st);
+  count_ep_traffic(plan, d, 2);
+  if (timer_) timer_->mark(cuda::Phase::kExperts);
+  uint16_t* yr = I.ep_work.as<uint16_t>();
+  if (G > 0) {
+    const int32_t* loff = s.local_offsets.as<int32_t>();
+    uint16_t* gu = s.gate_up.as<uint16_t>();
+    uint16_t* h = s.h.as<uint16_t>();
+    cuda::grouped_gemm_forward(xr, P + s.e_gate_up, loff, gu, G, L, 2 * inner, d, st);
+    cuda::swiglu_forward(gu, h, G, inner, st);
+    cuda::grouped_gemm_forward(h, P + s.e_down, loff, yr, G, L, d, inner, st);
+  }
+  if (timer_) timer_->mark(cuda::Phase::kCombine);
+  cuda::ep_gather_rows(yr, s.ungroup.as<int32_t>(), G, G, d, pm, st);
+  cuda::ep_exchange_rows(*ep_comm_, plan, false, pm, ys, d, st);
+}
+
+// Expert parallelism, one MoE layer's backward: dys [T*k, D] (the unpermute gradient, sorted
+// rows) to the experts' ranks, local expert dgrad and wgrad there, dxs [T*k, D] back.
+void CudaModel::ep_backward_layer(int64_t moe_index, const uint16_t* dys, uint16_t* dxs) {
+  Impl& I = *impl_;
+  LayerState* sp = nullptr;
+  for (auto& l : I.layers)
+    if (l->moe_index == moe_index) sp = l.get();
+  LayerState& s = *sp;
+  const cuda::Stream st = stream_;
+  const int64_t d = mcfg_.d_model, inner = ecfg_.expert_hidden, L = slice_.count;
+  const uint16_t* P = params_bf16();
+  float* Gr = grads();
+  const cuda::EpExchangePlan& plan = s.plan;
+  const int64_t G = plan.total_recv;
+  if (timer_) timer_->mark(cuda::Phase::kDispatch);
+  uint16_t* pm = I.ep_pm.as<uint16_t>();
+  uint16_t* work = I.ep_work.as<uint16_t>();
+  cuda::ep_exchange_rows(*ep_comm_, plan, true, dys, pm, d, st);
+  cuda::ep_gather_rows(pm, s.regroup.as<int32_t>(), G, G, d, work, st);  // dy rows by local expert
+  count_ep_traffic(plan, d, 2);
+  if (timer_) timer_->mark(cuda::Phase::kExperts);
+  if (G > 0) {
+    const int32_t* loff = s.local_offsets.as<int32_t>();
+    uint16_t* edh = I.e_dh.as<uint16_t>();
+    uint16_t* edgu = I.e_dgu.as<uint16_t>();
+    cuda::grouped_gemm_dgrad(work, P + s.e_down, loff, edh, G, L, d, inner, st);
+    cuda::grouped_gemm_wgrad(work, s.h.as<uint16_t>(), loff, Gr + s.e_down, G, L, d, inner, true, st);
+    cuda::swiglu_backward(s.gate_up.as<uint16_t>(), edh, edgu, G, inner, st);
+    // dx rows by local expert overwrite the dy rows (their last reader ran above, in stream order).
+    cuda::grouped_gemm_dgrad(edgu, P + s.e_gate_up, loff, work, G, L, 2 * inner, d, st);
+    cuda::grouped_gemm_wgrad(edgu, s.x_recv.as<uint16_t>(), loff, Gr + s.e_gate_up, G, L, 2 * inner, d, true, st);
+  }
+  if (timer_) timer_->mark(cuda::Phase::kCombine);
+  cuda::ep_gather_rows(work, s.ungroup.as<int32_t>(), G, G, d, pm, st);
+  cuda::ep_exchange_rows(*ep_comm_, plan, false, pm, dxs, d, st);
+}
+
+// Two row exchanges of `plan` (dispatch and combine): rows to and from the other ranks.
+void CudaModel::count_ep_traffic(const cuda::EpExchangePlan& plan, int64_t d, int64_t elem_bytes) {
+  EpTraffic& t = impl_->traffic;
+  int64_t out = 0, in = 0;
+  for (int p = 0; p < plan.ep; ++p) {
+    if (p == plan.rank) continue;
+    out += plan.send_rows[p];
+    in += plan.recv_rows[p];
+  }
+  // Dispatch sends `out` rows and receives `in`; combine returns them the other way.
+  t.exchanges += 2;
+  t.rows_sent += out + in;
+  t.bytes_sent += (out + in) * d * elem_bytes;
+  t.bytes_received += (in + out) * d * elem_bytes;
 }
 
 ForwardStats CudaModel::read_stats() {

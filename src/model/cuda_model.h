@@ -10,6 +10,12 @@
 // reserve(batch, seq) (or the first forward of a shape) and never grows while the stream is being
 // captured, so a whole step is capturable in a CUDA graph. Statistics (CE sum, lb/z sums, expert
 // counts, bad id/target counters) accumulate in a device record until reset_stats().
+// Expert parallelism (optional CudaExpertParallel: the ep group's NCCL communicator): the layout
+// holds experts [ep_rank L, (ep_rank + 1) L) of every MoE layer (L = E / ep, the CPU model's
+// ExpertSlice and placements); each MoE layer sends its routed rows to the experts' ranks and back
+// (dropless all-to-all; docs/parallel.md). That path reads the expert counts on the host, so it
+// syncs the stream once per MoE layer per forward and cannot be captured in a CUDA graph; forward
+// and backward are then collectives over the ep group.
 // Legend: B batch, S sequence, N = B*S, D width, V vocabulary, E experts, M MoE layers.
 #pragma once
 
@@ -21,20 +27,40 @@
 #include "core/config.h"
 #include "cuda/device.h"
 #include "model/model.h"
+#include "parallel/topology.h"
 
 namespace moe {
 
 namespace cuda {
 class EventTimer;
+class NcclComm;
+struct EpExchangePlan;
 struct StepStatsRecord;
 }  // namespace cuda
+
+// Expert parallelism of a CudaModel: the ep group (comm->size() ranks, this rank comm->rank()),
+// made on the model's device; it must outlive the model. E must be divisible by the group size.
+struct CudaExpertParallel {
+  cuda::NcclComm* comm = nullptr;
+};
+
+// Rows and bytes the all-to-all exchanges moved since reset_ep_traffic() (forward and backward,
+// dispatch and combine). "Remote" leaves out the block a rank keeps for itself.
+struct EpTraffic {
+  int64_t exchanges = 0;          // row exchanges (4 per MoE layer per forward + backward)
+  int64_t rows_sent = 0;          // rows sent to other ranks
+  int64_t bytes_sent = 0;         // BF16 row bytes sent to other ranks
+  int64_t bytes_received = 0;     // BF16 row bytes received from other ranks
+};
 
 class CudaModel {
  public:
   static constexpr int64_t kHeadChunkRows = 4096;
 
   // Allocates parameters (zero), gradients (zero) and the expert bias (zero) on the current device.
-  CudaModel(const ModelConfig& model, const MoeConfig& moe);
+  // ep (may be null or of size 1: every expert here) splits the experts over the ep group;
+  // refused with fewer experts than ranks or E not divisible by the group size.
+  CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaExpertParallel* ep = nullptr);
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
@@ -44,6 +70,19 @@ class CudaModel {
   const ParamLayout& layout() const { return layout_; }
   int64_t num_moe_layers() const { return num_moe_layers_; }
   cuda::Stream stream() const { return stream_; }
+  // Expert parallelism: group size (1 without), this rank's index, its experts, and where each
+  // layout entry sits in its global tensor (as Model<float>::placements(): global_placement of
+  // parallel/topology.h; every entry whole at offset 0 without expert parallelism).
+  int64_t ep_size() const { return ep_size_; }
+  int64_t ep_rank() const { return ep_rank_; }
+  const ExpertSlice& expert_slice() const { return slice_; }
+  const std::vector<GlobalPlacement>& placements() const { return placements_; }
+  // Device initialisation with the values of Model<float>::init_params(seed) (init_std = std):
+  // each local tensor gets its range of the global tensor's stream, so a local expert equals the
+  // one-rank model's expert. Refreshes the BF16 copy; no host copy, no synchronisation.
+  void init_params_device(uint64_t seed, double std);
+  EpTraffic ep_traffic() const;
+  void reset_ep_traffic();
 
   // Device buffers, layout().total_numel() elements each.
   float* params();          // FP32 master weights
@@ -105,9 +144,16 @@ class CudaModel {
  private:
   struct Impl;
   struct LayerState;
+  void ep_forward_layer(int64_t moe_index, const int32_t* counts, const uint16_t* xs, uint16_t* ys);
+  void ep_backward_layer(int64_t moe_index, const uint16_t* dys, uint16_t* dxs);
+  void count_ep_traffic(const cuda::EpExchangePlan& plan, int64_t d, int64_t elem_bytes);
   ModelConfig mcfg_;
   MoeConfig ecfg_;
+  cuda::NcclComm* ep_comm_ = nullptr;
+  int64_t ep_size_ = 1, ep_rank_ = 0;
+  ExpertSlice slice_;
   ParamLayout layout_;
+  std::vector<GlobalPlacement> placements_;
   int64_t num_moe_layers_ = 0;
   cuda::Stream stream_ = nullptr;
   cuda::EventTimer* timer_ = nullptr;

@@ -7,6 +7,8 @@
 // (buckets of kGradBucketElements) and the statistics record's CE/lb/z sums, bad-id counters and
 // expert counts, all on the model's stream before the grad norm, so the rest of the step is the
 // one-GPU step on global figures.
+// Expert parallel: dense flat ranges are summed over dp, expert ranges over ep-dp; the grad norm
+// is sqrt(dense squares + expert squares summed over the ep group), from per-range norms.
 #ifdef MOECORE_HAS_CUDA
 
 #include "train/cuda_step.h"
@@ -19,10 +21,12 @@
 
 #include "core/error.h"
 #include "cuda/event_timer.h"
+#include "cuda/ops/ep_exchange.h"
 #include "cuda/ops/memory.h"
 #include "cuda/ops/nccl.h"
 #include "cuda/ops/optim.h"
 #include "cuda/ops/step_stats.h"
+#include "model/layout.h"
 #include "train/routing_seed.h"
 
 namespace moe {
@@ -46,13 +50,24 @@ static_assert(offsetof(cuda::StepStatsRecord, bad_targets) == offsetof(cuda::Ste
               "bad_ids, bad_targets must be two adjacent uint32");
 
 // Checks that need no allocation, before the model is built.
-const Config& checked_config(const Config& cfg, cuda::NcclComm* dp) {
+const Config& checked_config(const Config& cfg, cuda::NcclComm* dp, cuda::NcclComm* ep, cuda::NcclComm* ep_dp) {
   MOE_CHECK(cfg.train.micro_batch > 0 && cfg.train.seq_len > 0 && cfg.train.global_batch > 0,
             "CudaStepRunner: train.micro_batch, train.seq_len and train.global_batch must be positive, got ",
             cfg.train.micro_batch, ", ", cfg.train.seq_len, ", ", cfg.train.global_batch);
-  MOE_CHECK(cfg.parallel.ep == 1, "parallel.ep = ", cfg.parallel.ep,
-            ": expert parallelism is not available on GPUs yet; train.device = \"cuda\" runs data parallel "
-            "with every expert on every GPU: set parallel.ep = 1 (or train on train.device = \"cpu\")");
+  const int64_t ep_size = ep ? ep->size() : 1;
+  MOE_CHECK(cfg.parallel.ep == ep_size, "CudaStepRunner: parallel.ep = ", cfg.parallel.ep, " but the expert-parallel "
+            "NCCL group has ", ep_size, " rank(s); make it over Topology::ep_comm (make_nccl_comm)");
+  if (ep_size > 1) {
+    MOE_CHECK(dp != nullptr && dp->size() % ep_size == 0, "CudaStepRunner: parallel.ep = ", ep_size,
+              " needs the data-parallel group (dp divisible by ep)");
+    const int64_t ep_dp_size = ep_dp ? ep_dp->size() : 1;
+    MOE_CHECK(ep_dp_size * ep_size == dp->size(), "CudaStepRunner: the ep-dp group has ", ep_dp_size,
+              " rank(s) but dp / ep = ", dp->size(), " / ", ep_size, " = ", dp->size() / ep_size);
+    MOE_CHECK(cfg.parallel.ep_backend == "alltoall", "parallel.ep_backend = \"", cfg.parallel.ep_backend,
+              "\": the GPU trainer exchanges tokens by all-to-all (NCCL); set parallel.ep_backend = \"alltoall\"");
+    MOE_CHECK(cfg.moe.capacity_factor == 0.0, "moe.capacity_factor = ", cfg.moe.capacity_factor,
+              ": expert parallelism is dropless only; set moe.capacity_factor = 0");
+  }
   if (dp) {
     MOE_CHECK(cfg.train.global_batch % (dp->size() * cfg.train.micro_batch) == 0, "CudaStepRunner: train.global_batch (",
               cfg.train.global_batch, ") must be divisible by dp x train.micro_batch = ", dp->size(), " x ",
@@ -77,6 +92,9 @@ struct CudaStepRunner::Impl {
   Config cfg;
   cuda::NcclComm* dp = nullptr;  // not owned; null: one GPU
   int64_t dp_size = 1, dp_rank = 0;
+  cuda::NcclComm* ep = nullptr;
+  cuda::NcclComm* ep_dp = nullptr;
+  CudaExpertParallel ep_ctx;
   CudaModel model;
   cuda::ParamSegmentTable segments;
   cuda::DeviceBuffer exp_avg, exp_avg_sq, norm_ws, opt_scalars;
@@ -114,14 +132,35 @@ struct CudaStepRunner::Impl {
   StepShape eager_shape;
   int64_t eager_generation = -1;
 
-  Impl(const Config& c, cuda::NcclComm* d)
-      : cfg(c), dp(d), dp_size(d ? d->size() : 1), dp_rank(d ? d->rank() : 0), model(c.model, c.moe),
-        segments(model.layout()) {}
+  // Expert parallelism (null: none): groups, the layout's dense and expert flat ranges, and
+  // device FP64 scratch for the per-range norms [ranges] and the two squared norms [2].
+  std::vector<FlatRange> dense_ranges, expert_ranges;
+  cuda::DeviceBuffer range_norms, squares;
+
+  static CudaExpertParallel make_ctx(cuda::NcclComm* e) {
+    CudaExpertParallel c;
+    c.comm = e;
+    return c;
+  }
+
+  Impl(const Config& c, cuda::NcclComm* d, cuda::NcclComm* e, cuda::NcclComm* edp)
+      : cfg(c), dp(d), dp_size(d ? d->size() : 1), dp_rank(d ? d->rank() : 0),
+        ep(e && e->size() > 1 ? e : nullptr), ep_dp(ep && edp && edp->size() > 1 ? edp : nullptr),
+        ep_ctx(make_ctx(ep)), model(c.model, c.moe, ep ? &ep_ctx : nullptr), segments(model.layout()) {
+    if (ep) {
+      dense_ranges = flat_ranges(model.layout(), false);
+      expert_ranges = flat_ranges(model.layout(), true);
+      range_norms.reserve(std::max<size_t>(8, (dense_ranges.size() + expert_ranges.size()) * sizeof(double)));
+      squares.reserve(2 * sizeof(double));
+    }
+  }
 
   cuda::Stream stream() const { return model.stream(); }
   int64_t generation() const { return model.buffer_generation() + token_reallocations; }
   cuda::OptimStepScalars* opt() const { return opt_scalars.as<cuda::OptimStepScalars>(); }
-  bool graph_allowed() const { return use_graph && timer == nullptr && cfg.moe.routing == "learned"; }
+  bool graph_allowed() const {
+    return use_graph && timer == nullptr && cfg.moe.routing == "learned" && ep == nullptr;
+  }
 
   // Waits for work recorded before `e`; with a data-parallel group, fails instead of hanging.
   void wait(cuda::Event e, const std::string& what) {
@@ -133,8 +172,21 @@ struct CudaStepRunner::Impl {
   void all_reduce_step(cuda::Stream st) {
     const int64_t total = model.layout().total_numel();
     float* grads = model.grads();
-    for (int64_t at = 0; at < total; at += kGradBucketElements)
-      dp->all_reduce_sum(grads + at, std::min(kGradBucketElements, total - at), cuda::NcclDType::kF32, st);
+    if (ep == nullptr) {
+      for (int64_t at = 0; at < total; at += kGradBucketElements)
+        dp->all_reduce_sum(grads + at, std::min(kGradBucketElements, total - at), cuda::NcclDType::kF32, st);
+    } else {
+      // Dense tensors over every rank; local experts over the ranks holding the same experts
+      // (nothing to do when ep = dp: each expert's gradient already holds every token of its
+      // ep group, which travelled to it).
+      for (const FlatRange& r : dense_ranges)
+        for (int64_t at = r.begin; at < r.end; at += kGradBucketElements)
+          dp->all_reduce_sum(grads + at, std::min(kGradBucketElements, r.end - at), cuda::NcclDType::kF32, st);
+      if (ep_dp)
+        for (const FlatRange& r : expert_ranges)
+          for (int64_t at = r.begin; at < r.end; at += kGradBucketElements)
+            ep_dp->all_reduce_sum(grads + at, std::min(kGradBucketElements, r.end - at), cuda::NcclDType::kF32, st);
+    }
     cuda::StepStatsRecord* rec = model.stats_record();
     auto* base = reinterpret_cast<unsigned char*>(rec);
     dp->group_start();
@@ -166,7 +218,26 @@ struct CudaStepRunner::Impl {
     }
     if (timer) timer->mark(cuda::Phase::kOptimizer);
     cuda::StepStatsRecord* rec = model.stats_record();
-    cuda::global_grad_norm(model.grads(), total, &opt()->grad_norm, norm_ws.data(), norm_ws_bytes, st);
+    if (ep == nullptr) {
+      cuda::global_grad_norm(model.grads(), total, &opt()->grad_norm, norm_ws.data(), norm_ws_bytes, st);
+    } else {
+      // Norm of each range (after the reductions), dense squares (the same on every rank) plus
+      // the expert squares summed over the ep group (different experts on each ep rank).
+      double* norms = range_norms.as<double>();
+      double* sq = squares.as<double>();
+      const size_t nd = dense_ranges.size(), ne = expert_ranges.size();
+      for (size_t i = 0; i < nd; ++i)
+        cuda::global_grad_norm(model.grads() + dense_ranges[i].begin, dense_ranges[i].end - dense_ranges[i].begin,
+                               norms + i, norm_ws.data(), norm_ws_bytes, st);
+      for (size_t i = 0; i < ne; ++i)
+        cuda::global_grad_norm(model.grads() + expert_ranges[i].begin,
+                               expert_ranges[i].end - expert_ranges[i].begin, norms + nd + i, norm_ws.data(),
+                               norm_ws_bytes, st);
+      cuda::sum_of_squares(norms, int64_t(nd), sq, st);
+      cuda::sum_of_squares(norms + nd, int64_t(ne), sq + 1, st);
+      ep->all_reduce_sum(sq + 1, 1, cuda::NcclDType::kF64, st);
+      cuda::sqrt_of_sum(sq, 2, &opt()->grad_norm, st);
+    }
     cuda::step_guard_nonfinite_loss(rec, opt(), st);
     cuda::adamw_step(segments, cfg.optim, model.params(), model.grads(), exp_avg.as<float>(),
                      exp_avg_sq.as<float>(), model.params_bf16(), opt(), st);
@@ -187,8 +258,8 @@ struct CudaStepRunner::Impl {
   }
 };
 
-CudaStepRunner::CudaStepRunner(const Config& cfg, cuda::NcclComm* dp)
-    : impl_(std::make_unique<Impl>(checked_config(cfg, dp), dp)) {
+CudaStepRunner::CudaStepRunner(const Config& cfg, cuda::NcclComm* dp, cuda::NcclComm* ep, cuda::NcclComm* ep_dp)
+    : impl_(std::make_unique<Impl>(checked_config(cfg, dp, ep, ep_dp), dp, ep, ep_dp)) {
   Impl& I = *impl_;
   const int64_t total = I.model.layout().total_numel();
   const size_t bytes = size_t(total) * sizeof(float);
@@ -244,7 +315,9 @@ CudaModel& CudaStepRunner::model() { return impl_->model; }
 int64_t CudaStepRunner::pending() const { return impl_->num_pending; }
 int64_t CudaStepRunner::dp_size() const { return impl_->dp_size; }
 int64_t CudaStepRunner::dp_rank() const { return impl_->dp_rank; }
-bool CudaStepRunner::uses_graph() const { return impl_->use_graph && impl_->cfg.moe.routing == "learned"; }
+bool CudaStepRunner::uses_graph() const {
+  return impl_->use_graph && impl_->cfg.moe.routing == "learned" && impl_->ep == nullptr;
+}
 int64_t CudaStepRunner::graph_launches() const { return impl_->launches; }
 
 void CudaStepRunner::set_use_graph(bool on) {

@@ -10,6 +10,10 @@
 // stream (inside the graph), so every rank computes the same grad norm, skip decision, AdamW
 // update and expert-bias update on replicated state (plain all-reduce DDP, no overlap with
 // backward yet, no ZeRO on GPU).
+// Expert parallel (parallel.ep > 1, NcclComms over the ep and ep-dp groups): the model holds its
+// ep rank's experts and exchanges token rows per MoE layer (CudaModel); dense gradients are summed
+// over dp, expert gradients over ep-dp; the grad norm adds the dense squares (once) and the expert
+// squares summed over the ep group. That path reads expert counts on the host: no CUDA graph.
 #pragma once
 
 #ifdef MOECORE_HAS_CUDA
@@ -54,10 +58,14 @@ class CudaStepRunner {
   // micro-batches of cfg.train.micro_batch x cfg.train.seq_len tokens on the current device.
   // dp (not owned, may be null: one GPU): the data-parallel group, made on the current device;
   // each rank then runs global_batch / (dp x micro_batch) micro-batches per step. Refuses
-  // parallel.ep > 1 (no expert parallelism on GPUs yet). Every rank of the group must make the
+  // parallel.ep > 1 without an ep group of that size. Every rank of the group must make the
   // same calls in the same order with batches of the same shapes (submit, set_use_graph,
   // set_phase_timer, evaluate is local): a captured NCCL collective is collective over the group.
-  explicit CudaStepRunner(const Config& cfg, cuda::NcclComm* dp = nullptr);
+  // ep, ep_dp (not owned; null or size 1: none): with parallel.ep > 1 the ep group (size
+  // parallel.ep; dp must be given) and the ep-dp group (the ranks holding the same experts; null
+  // or size 1 when ep = dp). Expert parallelism turns graph capture off.
+  explicit CudaStepRunner(const Config& cfg, cuda::NcclComm* dp = nullptr, cuda::NcclComm* ep = nullptr,
+                          cuda::NcclComm* ep_dp = nullptr);
   ~CudaStepRunner();
   CudaStepRunner(const CudaStepRunner&) = delete;
   CudaStepRunner& operator=(const CudaStepRunner&) = delete;

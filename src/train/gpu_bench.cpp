@@ -2,7 +2,8 @@
 // check, device-side initialisation, warm-up and timed steps with at most two in flight (submit
 // step s, then collect step s-1), two eager steps with the phase timer (the first fills the event
 // pool, the second is reported), then the table and the JSON record. Tokens: splitmix64 streams
-// per (seed, step, sequence of the global batch), targets = next token.
+// per (seed, step, sequence of the global batch), targets = next token. With --parallel.ep=N the
+// experts are split over ep groups; the profiled step adds dispatch/combine time and bytes moved.
 #include "train/gpu_bench.h"
 
 #include <algorithm>
@@ -30,6 +31,7 @@
 #include "model/cuda_model.h"
 #include "optim/adamw.h"
 #include "parallel/nccl_comm.h"
+#include "parallel/topology.h"
 #include "train/cuda_step.h"
 #include "train/metrics.h"
 #endif
@@ -124,6 +126,9 @@ nlohmann::json run_gpu_bench(const Config& cfg_in, const BenchOptions& opt, std:
     cfg.train.global_batch *= dp;
     bind_local_gpu(*world, &local);  // before anything touches a GPU
   }
+  const int64_t ep = std::max<int64_t>(1, cfg.parallel.ep);
+  MOE_CHECK(ep == 1 || (dp % ep == 0 && cfg.moe.num_experts % ep == 0), "bench: parallel.ep = ", ep,
+            " must divide the number of GPUs (", dp, ") and moe.num_experts (", cfg.moe.num_experts, ")");
   const int64_t seq = cfg.train.seq_len, mb = cfg.train.micro_batch;
   const int64_t micro_steps = cfg.train.global_batch / (dp * mb);  // per GPU
   const int64_t tokens_per_step = cfg.train.global_batch * seq;    // all GPUs
@@ -131,7 +136,11 @@ nlohmann::json run_gpu_bench(const Config& cfg_in, const BenchOptions& opt, std:
 
   // Refuse what cannot fit before allocating anything.
   const cuda::DeviceInfo dev = cuda::device_info();
-  const GpuMemoryEstimate est = estimate_gpu_memory(cfg);
+  GpuMemoryEstimate est = estimate_gpu_memory(cfg);
+  if (ep > 1) {  // parameter state of this GPU's share: its experts only
+    const ExpertSlice slice{0, cfg.moe.num_experts / ep};
+    est.state_bytes = 18.0 * double(build_param_layout(cfg.model, cfg.moe, slice).total_numel());
+  }
   MOE_CHECK(est.total_bytes() <= double(dev.free_bytes), "bench: config '", opt.config_name, "' does not fit on one ",
             dev.name, ": it needs about ", gib_str(est.total_bytes()), " GiB (", est.total_params, " parameters x 18 B = ",
             gib_str(est.state_bytes), " GiB of FP32 weights, BF16 copy, FP32 gradients and two AdamW moments, plus ~",
@@ -143,13 +152,19 @@ nlohmann::json run_gpu_bench(const Config& cfg_in, const BenchOptions& opt, std:
   const size_t used_before = cuda::device_used_bytes();
   cuda::reset_device_peak_bytes();
 
-  std::unique_ptr<cuda::NcclComm> nccl;
+  std::unique_ptr<cuda::NcclComm> nccl, nccl_ep, nccl_ep_dp;
   if (dp > 1) nccl = make_nccl_comm(*world);
-  CudaStepRunner runner(cfg, nccl.get());
+  ExpertParallelGroups groups;
+  if (ep > 1) {
+    groups = split_expert_parallel(*world, ep);
+    nccl_ep = make_nccl_comm(*groups.ep);
+    if (groups.ep_dp->size() > 1) nccl_ep_dp = make_nccl_comm(*groups.ep_dp);
+  }
+  cfg.parallel.ep = ep;
+  CudaStepRunner runner(cfg, nccl.get(), nccl_ep.get(), nccl_ep_dp.get());
   CudaModel& model = runner.model();
-  // The same seed on every rank: replicas start identical.
-  cuda::init_params(model.layout(), model.params(), cfg.train.seed, cfg.model.init_std, model.stream());
-  model.refresh_bf16();
+  // The same seed on every rank: replicas start identical (each GPU's experts at their offsets).
+  model.init_params_device(cfg.train.seed, cfg.model.init_std);
   model.load_expert_bias(std::vector<float>(size_t(model.num_moe_layers() * cfg.moe.num_experts), 0.0f));
   cuda::stream_sync(model.stream());
 
@@ -190,11 +205,14 @@ nlohmann::json run_gpu_bench(const Config& cfg_in, const BenchOptions& opt, std:
   runner.set_phase_timer(&timer);
   std::array<double, cuda::kNumPhases> phase_ms{};
   double profiled_ms = 0;
+  EpTraffic traffic;
   for (int64_t i = 0; i < profile_steps; ++i) {
+    model.reset_ep_traffic();
     const auto p0 = Clock::now();
     run_steps(1);
     profiled_ms = 1e3 * std::chrono::duration<double>(Clock::now() - p0).count();
     phase_ms = timer.collect();
+    traffic = model.ep_traffic();
   }
   runner.set_phase_timer(nullptr);
   const size_t used_after = cuda::device_used_bytes();
@@ -219,6 +237,11 @@ nlohmann::json run_gpu_bench(const Config& cfg_in, const BenchOptions& opt, std:
   const double reduce_bytes = 4.0 * double(model.layout().total_numel());
   const double algbw = dp > 1 && reduce_ms > 0 ? reduce_bytes / (reduce_ms * 1e-3) / 1e9 : 0.0;
   const double busbw = algbw * 2.0 * double(dp - 1) / double(dp);
+
+  // Expert parallelism: dispatch and combine phases of the profiled step (count read, row exchange
+  // and regroup, forward and backward), bytes this rank sent to other GPUs over that time.
+  const double exchange_ms = phase_ms[int(cuda::Phase::kDispatch)] + phase_ms[int(cuda::Phase::kCombine)];
+  const double a2a_gbs = ep > 1 && exchange_ms > 0 ? double(traffic.bytes_sent) / (exchange_ms * 1e-3) / 1e9 : 0.0;
 
   nlohmann::json phases = nlohmann::json::object(), scaled = nlohmann::json::object();
   for (int p = 0; p < cuda::kNumPhases; ++p) {
@@ -277,6 +300,20 @@ nlohmann::json run_gpu_bench(const Config& cfg_in, const BenchOptions& opt, std:
       {"skipped_steps", skipped},
       {"total_params", counts.total_params},
       {"active_params", counts.active_params}};
+  if (ep > 1) {
+    rec["expert_parallel"] = {
+        {"ep", ep},
+        {"experts_per_gpu", cfg.moe.num_experts / ep},
+        {"dispatch_ms", phase_ms[int(cuda::Phase::kDispatch)]},
+        {"combine_ms", phase_ms[int(cuda::Phase::kCombine)]},
+        {"bytes_sent_per_rank", traffic.bytes_sent},
+        {"bytes_received_per_rank", traffic.bytes_received},
+        {"row_exchanges", traffic.exchanges},
+        {"alltoall_gbs", a2a_gbs},
+        {"alltoall_source", "BF16 row bytes rank 0 sent to other GPUs in the profiled eager step (dispatch and "
+                            "combine, forward and backward) over its dispatch + combine phase time (which includes "
+                            "the host count read, the regroup gathers and waiting for the peer)"}};
+  }
   if (dp > 1) {
     rec["data_parallel"] = {
         {"nccl_version", cuda::nccl_version()},
@@ -325,6 +362,14 @@ nlohmann::json run_gpu_bench(const Config& cfg_in, const BenchOptions& opt, std:
                   "step (%.2f GB FP32, algbw %.1f GB/s, busbw %.1f GB/s, not overlapped) | scaling efficiency: "
                   "tokens/s/GPU over a one-GPU run's tokens/s (run `moecore bench` without mpirun)\n",
                   (long long)dp, cuda::nccl_version().c_str(), tps, reduce_ms, reduce_bytes / 1e9, algbw, busbw);
+    out << buf;
+  }
+  if (ep > 1) {
+    std::snprintf(buf, sizeof buf,
+                  "expert parallel: ep %lld (%lld experts per GPU) | dispatch %.2f ms + combine %.2f ms of the eager "
+                  "step | %.3f GB sent per rank to other GPUs | all-to-all %.1f GB/s per rank (no CUDA graph)\n",
+                  (long long)ep, (long long)(cfg.moe.num_experts / ep), phase_ms[int(cuda::Phase::kDispatch)],
+                  phase_ms[int(cuda::Phase::kCombine)], double(traffic.bytes_sent) / 1e9, a2a_gbs);
     out << buf;
   }
   std::snprintf(buf, sizeof buf,

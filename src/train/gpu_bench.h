@@ -38,7 +38,7 @@ GpuMemoryEstimate estimate_gpu_memory(const Config& cfg);
 // write_bench_record says with device "gpu"). world == nullptr or one rank: the current GPU.
 // Several ranks (collective): each rank binds its GPU by local rank, the group is data parallel
 // over NCCL with train.global_batch x world size sequences per step (parallel.dp must be 0 or the
-// world size, parallel.ep 1); rank 0 prints and writes, other ranks print nothing. Refuses, before
+// world size; parallel.ep may split the experts over ep groups of GPUs); rank 0 prints and writes, other ranks print nothing. Refuses, before
 // allocating, a config whose estimate exceeds the free device memory. Builds without CUDA: throws.
 nlohmann::json run_gpu_bench(const Config& cfg, const BenchOptions& opt, std::ostream& out, Comm* world = nullptr);
 

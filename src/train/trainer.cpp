@@ -7,7 +7,9 @@
 // parallel.ep > 1 (CPU) the model holds this rank's experts and exchanges token rows over its ep
 // group; expert gradients are summed (and ZeRO-sharded) over the ep-dp group.
 // Data-parallel on GPUs: one GPU per rank, gradients and statistics summed over NCCL inside the
-// step, replicated AdamW, rank 0 writes single-file checkpoints.
+// step, replicated AdamW, rank 0 writes single-file checkpoints. Expert-parallel on GPUs
+// (parallel.ep > 1, device cuda): NCCL groups over ep and ep-dp, each GPU holds its experts,
+// every rank writes its slices of a sliced checkpoint.
 #include "train/trainer.h"
 
 #include <unistd.h>
@@ -199,9 +201,10 @@ SlicedCheckpointFiles sliced_files(Model<float>& model, const std::vector<ShardG
 
 #ifdef MOECORE_HAS_CUDA
 
-// Eval on the GPU: each rank's batches on its own GPU, the sums all-reduced over MPI.
+// Eval on the GPU: each rank's batches on its own GPU, the sums all-reduced over MPI. With expert
+// parallelism forward is a collective of the ep group, so every rank runs the same number of forwards.
 double evaluate_gpu(CudaStepRunner& runner, const DataLoader& eval, const Config& cfg, Comm& comm) {
-  return evaluate(eval, cfg, comm, /*collective=*/false,
+  return evaluate(eval, cfg, comm, /*collective=*/runner.model().ep_size() > 1,
                   [&](const Batch& b, uint64_t seed) { return runner.evaluate(b, seed); });
 }
 
@@ -216,7 +219,8 @@ double evaluate_gpu(CudaStepRunner& runner, const DataLoader& eval, const Config
 // previous step's completion to this step's completion (rank 0's clock).
 void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, DataLoader& loader,
                   const DataLoader* eval, Model<float>& model, AdamW& opt, const std::string& ckpt_dir,
-                  MetricsWriter* metrics, const Topology& topo, const FaultInjection& fault) {
+                  MetricsWriter* metrics, const Topology& topo, const FaultInjection& fault,
+                  const std::vector<ShardGroup>& owned) {
   const int64_t start = summary.start_step;
   const ParamLayout& layout = model.layout();
   const int64_t dp = topo.sizes.dp;
@@ -241,7 +245,19 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
         << ", gradients all-reduced after the last backward (no overlap), replicated AdamW\n"
         << std::flush;
   }
-  CudaStepRunner runner(cfg, nccl.get());
+  // Expert parallelism: NCCL groups over the ep ranks (token exchange) and, when dp > ep, the
+  // ep-dp ranks (expert gradients); made in the same order on every rank.
+  std::unique_ptr<cuda::NcclComm> nccl_ep, nccl_ep_dp;
+  const int64_t ep = topo.sizes.ep;
+  if (ep > 1) {
+    nccl_ep = make_nccl_comm(*topo.ep_comm);
+    if (topo.ep_dp_size > 1) nccl_ep_dp = make_nccl_comm(*topo.ep_dp_comm);
+    out << "expert parallel over " << ep << " GPUs per group (" << cfg.moe.num_experts / ep
+        << " experts each, ep-dp " << topo.ep_dp_size << "): NCCL all-to-all of token rows per MoE layer, "
+        << "counts read on the host (no CUDA graph)\n"
+        << std::flush;
+  }
+  CudaStepRunner runner(cfg, nccl.get(), nccl_ep.get(), nccl_ep_dp.get());
   runner.load_state(model.params(), opt.exp_avg().data(), opt.exp_avg_sq().data(), opt.steps_taken(),
                     model.expert_bias());
   // Open MPI hands ranks a pty even when mpirun's output goes to a file: no live line there.
@@ -368,7 +384,24 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
       std::snprintf(buf, sizeof buf, "%sstep %lld | eval_loss %.4f\n", tty ? "\r\033[K" : "", (long long)done, el);
       out << buf << std::flush;
     }
-    if (do_ckpt) {
+    if (do_ckpt && ep > 1) {
+      // Expert parallelism: each rank holds other experts, so every rank downloads its state and
+      // writes its slices (dense tensors cut over dp, its experts' rows cut over ep-dp) of a
+      // sliced step, as the CPU trainer does without ZeRO.
+      int64_t optimizer_steps = 0;
+      runner.download_state(model.params(), opt.exp_avg().data(), opt.exp_avg_sq().data(), &optimizer_steps,
+                            &model.expert_bias());
+      opt.set_steps_taken(optimizer_steps);
+      SlicedCheckpointFiles sliced = sliced_files(model, owned, nullptr, opt, topo);
+      sliced.train_state = {{"step", done},
+                            {"data_position", loader.position()},
+                            {"optimizer_steps", opt.steps_taken()},
+                            {"rng", {{"kind", "counter-based"}, {"seed", cfg.train.seed}, {"step", done}}},
+                            {"config", config_to_toml(cfg)}};
+      summary.last_checkpoint = save_checkpoint_sliced(world, ckpt_dir, done, sliced, cfg.checkpoint.keep_last);
+      if (!last || cfg.checkpoint.interval > 0)
+        out << (tty ? "\r\033[K" : "") << "saved checkpoint " << summary.last_checkpoint << "\n" << std::flush;
+    } else if (do_ckpt) {
       // Replicated state: rank 0 writes the global tensors; the others wait for its verdict, so
       // that a failed save stops every rank with the same error.
       std::string failure;
@@ -436,9 +469,6 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
 
   // Device and memory first, so that a run that cannot fit fails before allocating.
   const std::string device = resolve_device(cfg.train);
-  MOE_CHECK(device == "cpu" || topo.sizes.ep == 1, "parallel.ep = ", topo.sizes.ep, " with train.device = \"",
-            device, "\": expert parallelism is not available on GPUs yet; GPU runs are data parallel over NCCL ",
-            "with every expert on every GPU: set parallel.ep = 1, or train.device = \"cpu\"");
   {
     const ModelCounts c = count_model(cfg.model, cfg.moe, cfg.train.seq_len);
     const double need = double(c.total_params) * 16.0 +
@@ -544,7 +574,7 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
 #ifdef MOECORE_HAS_CUDA
   if (device == "cuda") {
     train_on_gpu(cfg, out, summary, loader, eval ? &*eval : nullptr, model, opt, ckpt_dir, metrics ? &*metrics : nullptr,
-                 topo, fault);
+                 topo, fault, owned);
     return summary;
   }
 #endif

@@ -4,7 +4,7 @@
 // (first step almost exactly, expert counts of step 1 exactly, every loss within the BF16 rel 2e-2),
 // the two replicas stay bitwise identical, graph on and off agree bitwise, random routing seeds by
 // the micro-batch's global index; the trainer on 2 GPUs follows 1 GPU, and its rank-0 checkpoint
-// resumes on 1 GPU (same next loss) and on 2 GPUs (bitwise the same run). Every test is skipped,
+// resumes on 1 GPU (same next loss) and on 2 GPUs (bitwise the same run); expert parallelism is tests/gpu/ep_gpu_test.cpp. Every test is skipped,
 // never passed, unless the job has 2 ranks and 2 GPUs are visible. With 2 ranks an FP32 sum a + b
 // is the same in any order, so the NCCL algorithm cannot change results between graph and eager.
 #include <gtest/gtest.h>
@@ -291,15 +291,6 @@ TEST_F(NcclDataParallel, TrainerFollowsOneGpuAndResumesOnOneAndTwoGpus) {
     EXPECT_EQ(r2.losses, std::vector<double>(two.losses.begin() + 3, two.losses.end()));
   }
   if (HasFailure()) std::fprintf(stderr, "[rank %d] trainer output:\n%s\n", r, log.str().c_str());
-}
-
-TEST_F(NcclDataParallel, TrainerRefusesExpertParallelismOnGpus) {
-  SharedDir dir(world(), "nccl_ep");
-  Config c = trainer_config(dir / "ep");
-  c.parallel.ep = 2;
-  std::ostringstream log;
-  const std::string msg = error_of([&] { train(c, log, world()); });
-  EXPECT_NE(msg.find("expert parallelism is not available on GPUs"), std::string::npos) << msg;
 }
 
 }  // namespace

@@ -32,11 +32,25 @@ ncclDataType_t nccl_type(NcclDType t) {
     case NcclDType::kF64: return ncclFloat64;
     case NcclDType::kI64: return ncclInt64;
     case NcclDType::kU32: return ncclUint32;
+    case NcclDType::kI32: return ncclInt32;
+    case NcclDType::kBF16: return ncclBfloat16;
   }
-  MOE_FAIL("NcclDType: expected kF32, kF64, kI64 or kU32, got ", int(t));
+  MOE_FAIL("NcclDType: expected kF32, kF64, kI64, kU32, kI32 or kBF16, got ", int(t));
 }
 
 }  // namespace
+
+int64_t nccl_dtype_bytes(NcclDType t) {
+  switch (t) {
+    case NcclDType::kF32: return 4;
+    case NcclDType::kF64: return 8;
+    case NcclDType::kI64: return 8;
+    case NcclDType::kU32: return 4;
+    case NcclDType::kI32: return 4;
+    case NcclDType::kBF16: return 2;
+  }
+  MOE_FAIL("NcclDType: expected kF32, kF64, kI64, kU32, kI32 or kBF16, got ", int(t));
+}
 
 void set_device(int ordinal) {
   const int count = cuda_device_count();
@@ -119,6 +133,40 @@ void NcclComm::all_reduce_sum(void* data, int64_t n, NcclDType type, Stream stre
   MOE_CHECK(data != nullptr, "NcclComm::all_reduce_sum: null buffer for ", n, " elements");
   MOE_NCCL_CHECK(ncclAllReduce(data, data, static_cast<size_t>(n), nccl_type(type), ncclSum, I.comm,
                                static_cast<cudaStream_t>(stream)));
+}
+
+void NcclComm::all_to_all_v(const void* send, const int64_t* send_counts, const int64_t* send_offsets, void* recv,
+                            const int64_t* recv_counts, const int64_t* recv_offsets, NcclDType type, Stream stream) {
+  Impl& I = *impl_;
+  I.check_usable("all_to_all_v");
+  MOE_CHECK(send_counts && send_offsets && recv_counts && recv_offsets,
+            "NcclComm::all_to_all_v: null count or offset array");
+  const int64_t es = nccl_dtype_bytes(type);
+  const auto* s = static_cast<const unsigned char*>(send);
+  auto* r = static_cast<unsigned char*>(recv);
+  for (int p = 0; p < I.size; ++p) {
+    MOE_CHECK(send_counts[p] >= 0 && send_offsets[p] >= 0 && recv_counts[p] >= 0 && recv_offsets[p] >= 0,
+              "NcclComm::all_to_all_v on rank ", I.rank, ": negative count or offset for peer ", p, " (send ",
+              send_counts[p], " at ", send_offsets[p], ", recv ", recv_counts[p], " at ", recv_offsets[p], ")");
+    MOE_CHECK((send_counts[p] == 0 || send) && (recv_counts[p] == 0 || recv),
+              "NcclComm::all_to_all_v on rank ", I.rank, ": null buffer for a non-empty block of peer ", p);
+  }
+  MOE_CHECK(send_counts[I.rank] == recv_counts[I.rank], "NcclComm::all_to_all_v on rank ", I.rank,
+            ": the block to itself has ", send_counts[I.rank], " elements sent but ", recv_counts[I.rank],
+            " received");
+  const auto cs = static_cast<cudaStream_t>(stream);
+  if (send_counts[I.rank] > 0)
+    MOE_CUDA_CHECK(cudaMemcpyAsync(r + recv_offsets[I.rank] * es, s + send_offsets[I.rank] * es,
+                                   size_t(send_counts[I.rank] * es), cudaMemcpyDeviceToDevice, cs));
+  MOE_NCCL_CHECK(ncclGroupStart());
+  for (int p = 0; p < I.size; ++p) {
+    if (p == I.rank) continue;
+    if (send_counts[p] > 0)
+      MOE_NCCL_CHECK(ncclSend(s + send_offsets[p] * es, size_t(send_counts[p]), nccl_type(type), p, I.comm, cs));
+    if (recv_counts[p] > 0)
+      MOE_NCCL_CHECK(ncclRecv(r + recv_offsets[p] * es, size_t(recv_counts[p]), nccl_type(type), p, I.comm, cs));
+  }
+  MOE_NCCL_CHECK(ncclGroupEnd());
 }
 
 void NcclComm::group_start() {

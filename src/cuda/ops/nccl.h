@@ -1,8 +1,9 @@
-// NCCL for data parallelism over GPUs, one GPU per process: the device binding of the process,
-// the 128-byte unique id that rank 0 makes and the other ranks receive (over MPI), a communicator
-// over the group on the current device, in-place sum all-reduces enqueued on a stream (legal
-// inside CUDA graph capture), and a wait for device work holding collectives that fails instead
-// of hanging when a peer died. No CUDA or NCCL headers: src/train includes it.
+// NCCL for data and expert parallelism over GPUs, one GPU per process: the device binding of the
+// process, the 128-byte unique id that rank 0 makes and the other ranks receive (over MPI), a
+// communicator over the group on the current device (one per group: dp, ep, ep-dp), in-place sum
+// all-reduces enqueued on a stream (legal inside CUDA graph capture), an all-to-all-v of variable
+// blocks per peer (grouped ncclSend/ncclRecv), and a wait for device work holding collectives that
+// fails instead of hanging when a peer died. No CUDA or NCCL headers: src/train includes it.
 #pragma once
 
 #include <cstdint>
@@ -29,7 +30,9 @@ struct NcclId {
 // A fresh id (ncclGetUniqueId): made by one rank, then given to every rank of the group.
 NcclId nccl_make_id();
 
-enum class NcclDType { kF32, kF64, kI64, kU32 };
+enum class NcclDType { kF32, kF64, kI64, kU32, kI32, kBF16 };
+// Bytes of one element of `type`.
+int64_t nccl_dtype_bytes(NcclDType type);
 
 class NcclComm {
  public:
@@ -49,6 +52,15 @@ class NcclComm {
   // (returns at once; capturable). Every rank calls it with the same n, type and order. The
   // result is bitwise the same on every rank.
   void all_reduce_sum(void* data, int64_t n, NcclDType type, Stream stream);
+  // All-to-all with variable blocks: this rank sends send_counts[p] elements starting at element
+  // send_offsets[p] of `send` to peer p and receives recv_counts[p] elements from peer p at element
+  // recv_offsets[p] of `recv` (host arrays of size() entries each). One NCCL group of ncclSend /
+  // ncclRecv pairs; zero-sized blocks are left out (both sides know the counts, so they agree);
+  // the block to this rank itself is a device copy. send and recv must not overlap. Enqueued on
+  // `stream`; every rank of the group calls it with matching counts (recv_counts[p] here ==
+  // send_counts[this rank] on p).
+  void all_to_all_v(const void* send, const int64_t* send_counts, const int64_t* send_offsets, void* recv,
+                    const int64_t* recv_counts, const int64_t* recv_offsets, NcclDType type, Stream stream);
   // Collectives issued between group_start() and group_end() are launched together.
   void group_start();
   void group_end();

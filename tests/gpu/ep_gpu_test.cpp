@@ -1,0 +1,264 @@
+// Expert parallelism over two GPUs with NCCL, run as `mpirun -np 2 test_ep_gpu` (CTest entry
+// gpu.ep.np2, label gpu): ep = 2 with dp = 2 (each GPU holds 4 of the 8 experts of every MoE layer,
+// ep-dp groups of one) against the one-GPU runner on the same global batch. The first step's
+// forward is the one-GPU forward (loss within 1e-5 relative, expert counts and the updated expert
+// bias exactly), its gradients equal the one-GPU gradients (dense tensors, and each rank's
+// experts against the matching rows; normwise 1e-3), and every loss of 6 steps follows within the
+// BF16 tolerance (rel 2e-2); experts without tokens (all routes forced onto rank 0's experts, so
+// rank 1 receives no rows); the trainer with ep = 2 against one GPU and its sliced checkpoint
+// resumed on one GPU. Every test is skipped, never passed, unless the job has 2 ranks and 2 GPUs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuda/common.h"
+#include "cuda/ops/nccl.h"
+#include "gpu/dp_test_util.h"
+#include "parallel/comm.h"
+#include "parallel/mpi_test_util.h"
+#include "parallel/nccl_comm.h"
+#include "support/test_util.h"
+#include "train/trainer.h"
+
+namespace moe::testing {
+namespace {
+
+std::unique_ptr<cuda::NcclComm> g_dp, g_ep;  // both over the world of 2 ranks
+std::string g_skip_reason;
+
+class ExpertParallelGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!g_dp) GTEST_SKIP() << g_skip_reason;
+  }
+  static Comm& world() { return world_comm(); }
+};
+
+// This rank's tensors (the runner's local layout) cut out of a global flat buffer of `global`.
+std::vector<float> local_slice(const ParamLayout& global, const std::vector<float>& values, const CudaModel& m) {
+  std::vector<float> out(size_t(m.layout().total_numel()), 0.0f);
+  for (size_t i = 0; i < m.layout().entries().size(); ++i) {
+    const ParamEntry& e = m.layout().entries()[i];
+    const ParamEntry& g = global.find(e.name);
+    const int64_t at = g.offset + m.placements()[i].offset;
+    std::copy(values.begin() + at, values.begin() + at + e.numel, out.begin() + e.offset);
+  }
+  return out;
+}
+
+double norm_rel_error(const float* a, const float* ref, int64_t n) {
+  double diff = 0, base = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    diff += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
+    base += double(ref[i]) * ref[i];
+  }
+  return base > 0 ? std::sqrt(diff / base) : std::sqrt(diff);
+}
+
+struct EpRun {
+  std::vector<StepStats> steps;
+  std::vector<float> grads_step1, bias_step1, bias;  // local layout
+};
+
+// `steps` steps of the runner from Model<float>::init_params(7), `bias` as the initial expert bias;
+// the rank's micro-batches are its share of the global batch (as dp_run). Step 1 is collected
+// before step 2 is submitted, and its (reduced) gradients and updated bias are read back.
+EpRun ep_run(const Config& c, CudaStepRunner& runner, int64_t steps, const std::vector<float>& bias) {
+  Model<float> init(c.model, c.moe);
+  init.init_params(7);
+  const std::vector<float> global(init.params(), init.params() + init.layout().total_numel());
+  const std::vector<float> local = local_slice(init.layout(), global, runner.model());
+  runner.set_use_graph(false);
+  runner.load_state(local.data(), nullptr, nullptr, 0, bias);
+  const int64_t global_micro = c.train.global_batch / c.train.micro_batch;
+  const int64_t per_rank = global_micro / runner.dp_size(), first = runner.dp_rank() * per_rank;
+  EpRun r;
+  for (int64_t step = 1; step <= steps; ++step) {
+    std::vector<Batch> all, mine;
+    for (int64_t g = 0; g < global_micro; ++g) all.push_back(dp_global_micro_batch(c, step, g));
+    for (int64_t m = 0; m < per_rank; ++m) mine.push_back(all[size_t(first + m)]);
+    runner.submit(step, mine, dp_count_targets(all), c.optim.lr * (step <= 2 ? 0.5 : 1.0), 99);
+    if (step == 1) {
+      r.steps.push_back(runner.collect());
+      r.grads_step1 = runner.model().download_grads();
+      runner.download_state(nullptr, nullptr, nullptr, nullptr, &r.bias_step1);
+    } else if (runner.pending() > 1) {
+      r.steps.push_back(runner.collect());
+    }
+  }
+  while (runner.pending() > 0) r.steps.push_back(runner.collect());
+  runner.download_state(nullptr, nullptr, nullptr, nullptr, &r.bias);
+  return r;
+}
+
+// The one-GPU run and the ep = 2 run of the same config and bias, compared.
+void expect_follows_one_gpu(const Config& c, const std::vector<float>& bias, const std::string& what) {
+  CudaStepRunner one(c);
+  const EpRun ref = ep_run(c, one, 6, bias);
+  Config ce = c;
+  ce.parallel.ep = 2;
+  CudaStepRunner two(ce, g_dp.get(), g_ep.get(), nullptr);
+  EXPECT_FALSE(two.uses_graph()) << what;
+  EXPECT_EQ(two.model().ep_size(), 2) << what;
+  EXPECT_EQ(two.model().expert_slice().first, 4 * int64_t(world_comm().rank())) << what;
+  EXPECT_EQ(two.model().expert_slice().count, 4) << what;
+  const EpRun got = ep_run(ce, two, 6, bias);
+  ASSERT_EQ(ref.steps.size(), 6u) << what;
+  ASSERT_EQ(got.steps.size(), 6u) << what;
+
+  // Step 1: same weights and tokens, so the same forward; gradients up to FP32 summation order.
+  const StepStats &r1 = ref.steps[0], &g1 = got.steps[0];
+  EXPECT_NEAR(dp_loss(g1), dp_loss(r1), 1e-5 * dp_loss(r1)) << what;
+  EXPECT_EQ(g1.num_targets, r1.num_targets) << what;
+  EXPECT_EQ(g1.tokens_per_expert, r1.tokens_per_expert) << what << ": expert counts of step 1";
+  EXPECT_NEAR(g1.grad_norm, r1.grad_norm, 1e-3 * r1.grad_norm) << what;
+  EXPECT_NEAR(g1.lb_loss, r1.lb_loss, 1e-5 * std::abs(r1.lb_loss) + 1e-9) << what;
+  EXPECT_TRUE(same_bits(got.bias_step1, ref.bias_step1)) << what << ": expert bias after step 1";
+  // Gradients: the runner's (dense tensors summed over the ranks, local experts holding every
+  // token of the group) against the one-GPU gradients, tensor by tensor (experts: this rank's rows).
+  Model<float> shape(c.model, c.moe);
+  const std::vector<float> ref_local = local_slice(shape.layout(), ref.grads_step1, two.model());
+  for (const ParamEntry& e : two.model().layout().entries()) {
+    const double err = norm_rel_error(got.grads_step1.data() + e.offset, ref_local.data() + e.offset, e.numel);
+    EXPECT_LE(err, 1e-3) << what << ": gradient of " << e.name << (e.expert ? " (local experts)" : "");
+  }
+  // Every step: BF16 tolerance.
+  for (size_t i = 0; i < 6; ++i) {
+    EXPECT_NEAR(dp_loss(got.steps[i]), dp_loss(ref.steps[i]), 2e-2 * dp_loss(ref.steps[i])) << what << ", step " << i + 1;
+    EXPECT_NEAR(got.steps[i].grad_norm, ref.steps[i].grad_norm, 5e-2 * ref.steps[i].grad_norm)
+        << what << ", step " << i + 1;
+    EXPECT_EQ(got.steps[i].skipped, ref.steps[i].skipped) << what << ", step " << i + 1;
+    EXPECT_EQ(got.steps[i].num_routes, ref.steps[i].num_routes) << what << ", step " << i + 1;
+  }
+  // The replicated bias stays equal on both ranks.
+  std::vector<float> bias0 = got.bias;
+  world_comm().broadcast(bias0.data(), int64_t(bias0.size()), 0);
+  EXPECT_TRUE(same_bits(bias0, got.bias)) << what << ": the ranks' expert biases differ";
+}
+
+TEST_F(ExpertParallelGpu, StepsFollowOneGpu) {
+  const Config c = dp_step_config();
+  Model<float> m(c.model, c.moe);
+  expect_follows_one_gpu(c, std::vector<float>(m.expert_bias().size(), 0.0f), "learned routing");
+}
+
+// Biases push every route onto experts 0-3 (rank 0's): rank 1 receives no rows in any layer, and
+// experts 4-7 have no tokens; nothing else changes.
+TEST_F(ExpertParallelGpu, ExpertsWithoutTokens) {
+  Config c = dp_step_config();
+  c.moe.bias_update_rate = 0;
+  Model<float> m(c.model, c.moe);
+  std::vector<float> bias(m.expert_bias().size(), 0.0f);
+  for (size_t i = 0; i < bias.size(); ++i)
+    if (i % size_t(c.moe.num_experts) >= 4) bias[i] = -100.0f;
+  expect_follows_one_gpu(c, bias, "routes only to rank 0's experts");
+  // The counts themselves: nothing for experts 4-7 (checked on a fresh forward of the ep model).
+  Config ce = c;
+  ce.parallel.ep = 2;
+  CudaStepRunner two(ce, g_dp.get(), g_ep.get(), nullptr);
+  const EpRun got = ep_run(ce, two, 1, bias);
+  ASSERT_EQ(got.steps.size(), 1u);
+  for (const auto& layer : got.steps[0].tokens_per_expert)
+    for (size_t e = 0; e < layer.size(); ++e) {
+      if (e >= 4) {
+        EXPECT_EQ(layer[e], 0) << "expert " << e;
+      }
+    }
+  // Rank 1's experts got no rows: their gradients are exactly zero.
+  if (world().rank() == 1)
+    for (const ParamEntry& e : two.model().layout().entries())
+      if (e.expert)
+        for (int64_t i = 0; i < e.numel; ++i)
+          if (got.grads_step1[size_t(e.offset + i)] != 0.0f) {
+            ADD_FAILURE() << e.name << " has a non-zero gradient at " << i;
+            break;
+          }
+}
+
+Config trainer_config(const std::filesystem::path& run) {
+  Config c = dp_step_config();
+  c.train.steps = 6;
+  c.train.eval_interval = 3;
+  c.train.eval_batches = 3;  // not a multiple of 2 ranks: a rank repeats one eval forward
+  c.train.device = "cuda";
+  c.train.precision = "bf16";
+  c.optim.warmup_steps = 2;
+  c.checkpoint.interval = 3;
+  c.checkpoint.keep_last = 0;
+  c.log.interval = 1;
+  c.parallel.timeout_s = 120;
+  c.run.dir = run.string();
+  return c;
+}
+
+TEST_F(ExpertParallelGpu, TrainerFollowsOneGpuAndItsCheckpointResumesOnOneGpu) {
+  SharedDir dir(world(), "ep_gpu_train");
+  const int r = world().rank();
+  auto self = make_self_comm();
+  std::ostringstream log;
+  const TrainSummary one = train(trainer_config(dir / ("one_r" + std::to_string(r))), log, *self);
+  Config ce = trainer_config(dir / "ep2");
+  ce.parallel.ep = 2;
+  const TrainSummary two = train(ce, log, world());
+  const bool complete = one.losses.size() == 6u && two.losses.size() == 6u;
+  EXPECT_TRUE(complete) << one.losses.size() << " and " << two.losses.size() << " losses";
+  if (complete) {
+    EXPECT_NEAR(two.losses[0], one.losses[0], 1e-5 * one.losses[0]);
+    EXPECT_LE(worst_relative_difference(two.losses, one.losses), 2e-2);
+  }
+  EXPECT_NEAR(two.initial_eval_loss, one.initial_eval_loss, 1e-5 * one.initial_eval_loss);
+  EXPECT_NEAR(two.final_eval_loss, one.final_eval_loss, 2e-2 * one.final_eval_loss);
+  const std::filesystem::path step3 = dir / "ep2" / "checkpoints" / "step_3";
+  EXPECT_TRUE(std::filesystem::exists(step3 / "train_state.json")) << step3;
+
+  // The sliced 2-GPU checkpoint (each rank wrote its experts) on one GPU: the same weights and
+  // bias give the step-4 loss of the ep run up to the forward's rounding.
+  Config resume1 = trainer_config(dir / ("resume1_r" + std::to_string(r)));
+  resume1.checkpoint.resume = step3.string();
+  const TrainSummary r1 = train(resume1, log, *self);
+  EXPECT_EQ(r1.start_step, 3);
+  if (complete && r1.losses.size() == 3u) {
+    EXPECT_NEAR(r1.losses[0], two.losses[3], 1e-5 * two.losses[3]);
+    EXPECT_LE(worst_relative_difference(r1.losses, {two.losses.begin() + 3, two.losses.end()}), 2e-2);
+  } else {
+    ADD_FAILURE() << "resumed on one GPU: " << r1.losses.size() << " losses, expected 3";
+  }
+  if (HasFailure()) std::fprintf(stderr, "[rank %d] trainer output:\n%s\n", r, log.str().c_str());
+}
+
+}  // namespace
+}  // namespace moe::testing
+
+// Every rank runs every test; rank 0 prints the report, the others only their failures; the exit
+// status is the worst over the ranks.
+int main(int argc, char** argv) {
+  using namespace moe::testing;
+  ::testing::InitGoogleTest(&argc, argv);
+  moe::Comm& world = moe::world_comm();
+  print_only_root_report(world);
+  const int gpus = moe::cuda::cuda_device_count();
+  if (world.size() != 2) {
+    g_skip_reason = "needs exactly 2 ranks (mpirun -np 2 test_ep_gpu); this job has " + std::to_string(world.size());
+  } else if (gpus < 2) {
+    g_skip_reason = "needs 2 visible GPUs, found " + std::to_string(gpus);
+  } else {
+    try {
+      moe::bind_local_gpu(world);
+      g_dp = moe::make_nccl_comm(world);
+      g_ep = moe::make_nccl_comm(world);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[rank %d] error: %s\n", world.rank(), e.what());
+      world.abort(1);
+    }
+  }
+  const int status = RUN_ALL_TESTS();
+  g_ep.reset();
+  g_dp.reset();
+  return worst_status_over_ranks(world, status);
+}
