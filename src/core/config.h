@@ -78,6 +78,7 @@ struct ParallelConfig {
   std::string ep_backend = "alltoall";  // "alltoall" | "rowwise"
   bool zero = true;          // ZeRO-1: AdamW moments sharded over data-parallel ranks (dp > 1)
   double timeout_s = 300.0;  // a collective waiting longer fails the job
+  bool overlap_grad_reduce = true;  // GPU data parallel: all-reduce each block's gradients during backward
 };
 
 struct CheckpointConfig {

@@ -142,6 +142,8 @@ std::vector<ConfigKey> build_keys() {
             "ZeRO-1 with dp > 1: AdamW moments sharded over data-parallel ranks (false: replicated)"),
       entry("parallel.timeout_s", &C::parallel, &P::timeout_s,
             "seconds a collective may wait for the other ranks before the job fails"),
+      entry("parallel.overlap_grad_reduce", &C::parallel, &P::overlap_grad_reduce,
+            "GPU data parallel: all-reduce each block's gradients on a second stream while backward goes on"),
 
       entry("checkpoint.dir", &C::checkpoint, &K::dir, "checkpoint directory; empty: <run.dir>/checkpoints"),
       entry("checkpoint.interval", &C::checkpoint, &K::interval,

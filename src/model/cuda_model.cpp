@@ -180,6 +180,7 @@ CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaE
   I.emb = layout_.find("model.embed_tokens.weight").offset;
   I.fnorm = layout_.find("model.norm.weight").offset;
   I.head = layout_.find("lm_head.weight").offset;
+  grads_ready_from_ = grad_group_starts(layout_, mcfg_.n_layers);
   for (const LayerParams& p : layer_params(layout_, mcfg_, ecfg_)) {
     auto s = std::make_unique<LayerState>();
     static_cast<LayerParams&>(*s) = p;
@@ -352,6 +353,8 @@ void CudaModel::reserve(int64_t batch, int64_t seq) {
   const int64_t widest = std::max({d, q, kv});
   I.grow_bytes(I.ws_rms, cuda::rmsnorm_backward_workspace_bytes(n, widest), "rmsnorm workspace");
   I.grow_bytes(I.ws_attn, cuda::attention_backward_workspace_bytes(batch, seq, hq), "attention workspace");
+  // cuDNN attention builds its plans (and their workspaces) for this shape now, outside any capture.
+  cuda::attention_prepare(batch, seq, hq, hkv, hd, stream_);
   auto emb_ws = I.emb_ws_bytes.find(n);
   if (emb_ws == I.emb_ws_bytes.end()) {
     MOE_CHECK(!cuda::stream_is_capturing(stream_), "CudaModel: a batch of ", n, " tokens was never seen before "
@@ -624,6 +627,7 @@ void CudaModel::backward() {
                          Gr + I.fnorm, n, d, I.ws_rms.data(), I.ws_rms.bytes(), st);
   cuda::device_memset(dx32, 0, n * d * sizeof(float), st);
   cuda::residual_add(dx32, dtmp, dx, n * d, st);
+  if (grads_ready_) grads_ready_(grads_ready_from_[size_t(mcfg_.n_layers + 1)]);
 
   uint16_t* dbranch = I.dbranch.as<uint16_t>();
   uint16_t* dq = I.dq.as<uint16_t>();
@@ -710,10 +714,12 @@ void CudaModel::backward() {
     cuda::rmsnorm_backward(s.x_in.as<uint16_t>(), P + s.ln1, s.rstd1.as<float>(), dbranch, dtmp, Gr + s.ln1, n, d,
                            I.ws_rms.data(), I.ws_rms.bytes(), st);
     cuda::residual_add(dx32, dtmp, dx, n * d, st);
+    if (grads_ready_) grads_ready_(grads_ready_from_[size_t(l + 1)]);
   }
   if (timer_) timer_->mark(cuda::Phase::kEmbedding);
   cuda::embedding_backward(I.cur_inputs, dx, Gr + I.emb, n, v, d, bad_ids_bwd, I.ws_emb.data(), I.ws_emb.bytes(),
                            st);
+  if (grads_ready_) grads_ready_(0);
   if (timer_) timer_->close();
 }
 

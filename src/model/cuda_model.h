@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -141,6 +142,14 @@ class CudaModel {
   // timer must not be set while the stream is captured). nullptr: off.
   void set_phase_timer(cuda::EventTimer* timer) { timer_ = timer; }
 
+  // Called by backward() as gradients become final, in the order they do: after the final norm
+  // and LM head, after each block from the last to the first, after the embedding. The argument
+  // is a flat offset: every gradient at an offset >= it is final for this backward (the last call
+  // gives 0). The hook only enqueues work (e.g. a data-parallel all-reduce on another stream after
+  // an event recorded on stream()), so it is captured with the step. Empty: off.
+  using GradsReadyHook = std::function<void(int64_t ready_from)>;
+  void set_grads_ready_hook(GradsReadyHook hook) { grads_ready_ = std::move(hook); }
+
  private:
   struct Impl;
   struct LayerState;
@@ -157,6 +166,10 @@ class CudaModel {
   int64_t num_moe_layers_ = 0;
   cuda::Stream stream_ = nullptr;
   cuda::EventTimer* timer_ = nullptr;
+  GradsReadyHook grads_ready_;
+  // Flat offsets where the gradients of the embedding [0], block l [l + 1] and the final norm and
+  // LM head [n_layers + 1] begin (the layout holds them in this order).
+  std::vector<int64_t> grads_ready_from_;
   std::unique_ptr<Impl> impl_;
 };
 

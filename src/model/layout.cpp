@@ -3,6 +3,7 @@
 #include "model/layout.h"
 
 #include <algorithm>
+#include <string>
 
 #include "core/error.h"
 
@@ -166,5 +167,28 @@ std::vector<FlatRange> flat_ranges(const ParamLayout& layout, bool expert) {
     }
   }
   return out;
+}
+
+std::vector<int64_t> grad_group_starts(const ParamLayout& layout, int64_t n_layers) {
+  const std::string block = "model.layers.";
+  std::vector<int64_t> start(size_t(n_layers + 2), -1);
+  int64_t prev = 0;
+  for (const ParamEntry& e : layout.entries()) {
+    int64_t g = n_layers + 1;  // final norm, LM head
+    if (e.name.rfind("model.embed_tokens.", 0) == 0) {
+      g = 0;
+    } else if (e.name.rfind(block, 0) == 0) {
+      g = 1 + std::stoll(e.name.substr(block.size()));
+    }
+    MOE_CHECK(g >= prev && g <= n_layers + 1, "grad_group_starts: tensor ", e.name, " is out of the order embedding, "
+              "blocks 0..", n_layers - 1, ", final norm and LM head");
+    if (start[size_t(g)] < 0) start[size_t(g)] = e.offset;
+    prev = g;
+  }
+  for (size_t g = 0; g < start.size(); ++g)
+    MOE_CHECK(start[g] >= 0, "grad_group_starts: group ", g, " (0: embedding, l + 1: block l, ", n_layers + 1,
+              ": final norm and LM head) has no tensor");
+  MOE_CHECK(start[0] == 0, "grad_group_starts: the embedding must open the layout");
+  return start;
 }
 }  // namespace moe

@@ -43,6 +43,12 @@ struct FlatRange {
 };
 std::vector<FlatRange> flat_ranges(const ParamLayout& layout, bool expert);
 
+// Flat offsets where the gradient groups begin, in layout order: [0] the embedding (offset 0),
+// [l + 1] block l, [n_layers + 1] the final norm and LM head. Backward finishes them in the reverse
+// order, so after group g every offset >= start[g] is final (data-parallel overlap). Throws when
+// the layout holds the tensors in another order.
+std::vector<int64_t> grad_group_starts(const ParamLayout& layout, int64_t n_layers);
+
 struct ModelCounts {
   int64_t total_params = 0;   // every parameter
   int64_t active_params = 0;  // parameters one token touches (top_k experts, not all E)

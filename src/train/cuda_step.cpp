@@ -3,10 +3,12 @@
 // eagerly or captured once into a CUDA graph and replayed, and a ring of pinned stats slots each
 // filled by one asynchronous copy and an event. Per submit, the host enqueues three copies
 // (token ids, loss scales, lr), the step (one graph launch when captured) and the stats copy.
-// Data parallel: after the last backward the step sums, over the NCCL group, the FP32 gradients
-// (buckets of kGradBucketElements) and the statistics record's CE/lb/z sums, bad-id counters and
-// expert counts, all on the model's stream before the grad norm, so the rest of the step is the
-// one-GPU step on global figures.
+// Data parallel: the step sums, over the NCCL group, the FP32 gradients (buckets of at most
+// kGradBucketElements) and the statistics record's CE/lb/z sums, bad-id counters and expert
+// counts before the grad norm, so the rest of the step is the one-GPU step on global figures.
+// With parallel.overlap_grad_reduce (the default; no ep) the gradients of each block are summed on
+// a second stream as soon as the last micro-batch's backward has finished them (LM head first,
+// embedding last), overlapping the backward of the blocks below; otherwise all after backward.
 // Expert parallel: dense flat ranges are summed over dp, expert ranges over ep-dp; the grad norm
 // is sqrt(dense squares + expert squares summed over the ep group), from per-range norms.
 #ifdef MOECORE_HAS_CUDA
@@ -137,6 +139,15 @@ struct CudaStepRunner::Impl {
   std::vector<FlatRange> dense_ranges, expert_ranges;
   cuda::DeviceBuffer range_norms, squares;
 
+  // Data parallel with overlap (parallel.overlap_grad_reduce, no ep): during the last micro-batch's
+  // backward, each group of gradients that became final (CudaModel's hook) is all-reduced on
+  // comm_stream after an event of the model's stream; `reduced` joins the streams after backward.
+  cuda::Stream comm_stream = nullptr;
+  std::vector<cuda::Event> ready_events;
+  cuda::Event reduced = nullptr;
+  int64_t reduced_from = 0;  // gradients at offsets >= this are reduced (or enqueued)
+  size_t next_ready_event = 0;
+
   static CudaExpertParallel make_ctx(cuda::NcclComm* e) {
     CudaExpertParallel c;
     c.comm = e;
@@ -147,6 +158,13 @@ struct CudaStepRunner::Impl {
       : cfg(c), dp(d), dp_size(d ? d->size() : 1), dp_rank(d ? d->rank() : 0),
         ep(e && e->size() > 1 ? e : nullptr), ep_dp(ep && edp && edp->size() > 1 ? edp : nullptr),
         ep_ctx(make_ctx(ep)), model(c.model, c.moe, ep ? &ep_ctx : nullptr), segments(model.layout()) {
+    if (dp && ep == nullptr && cfg.parallel.overlap_grad_reduce) {
+      comm_stream = cuda::stream_create();
+      ready_events.resize(size_t(cfg.model.n_layers + 2));
+      for (cuda::Event& e : ready_events) e = cuda::event_create();
+      reduced = cuda::event_create();
+      model.set_grads_ready_hook([this](int64_t ready_from) { reduce_ready_grads(ready_from); });
+    }
     if (ep) {
       dense_ranges = flat_ranges(model.layout(), false);
       expert_ranges = flat_ranges(model.layout(), true);
@@ -158,6 +176,7 @@ struct CudaStepRunner::Impl {
   cuda::Stream stream() const { return model.stream(); }
   int64_t generation() const { return model.buffer_generation() + token_reallocations; }
   cuda::OptimStepScalars* opt() const { return opt_scalars.as<cuda::OptimStepScalars>(); }
+  bool overlap_grad_reduce() const { return comm_stream != nullptr; }
   bool graph_allowed() const {
     return use_graph && timer == nullptr && cfg.moe.routing == "learned" && ep == nullptr;
   }
@@ -168,8 +187,37 @@ struct CudaStepRunner::Impl {
     else cuda::event_sync(e);
   }
 
-  // Sums the gradients and the step statistics over the data-parallel group; only enqueues work.
-  void all_reduce_step(cuda::Stream st) {
+  // CudaModel's hook (overlap): enqueues the all-reduce of the gradients at [ready_from,
+  // reduced_from) on comm_stream once the model's stream has produced them. Outside the last
+  // micro-batch's backward (reduced_from < 0) it does nothing.
+  void reduce_ready_grads(int64_t ready_from) {
+    if (reduced_from < 0 || ready_from >= reduced_from) return;
+    MOE_CHECK(next_ready_event < ready_events.size(), "CudaStepRunner: more gradient groups than blocks + 2");
+    const cuda::Event e = ready_events[next_ready_event++];
+    cuda::event_record(e, stream());
+    cuda::stream_wait_event(comm_stream, e);
+    float* grads = model.grads();
+    for (int64_t at = ready_from; at < reduced_from; at += kGradBucketElements)
+      dp->all_reduce_sum(grads + at, std::min(kGradBucketElements, reduced_from - at), cuda::NcclDType::kF32,
+                         comm_stream);
+    reduced_from = ready_from;
+  }
+
+  // The step statistics' CE/lb/z sums, bad-id counters and expert counts over the data-parallel
+  // group, in one NCCL group; only enqueues work.
+  void all_reduce_stats(cuda::Stream st) {
+    cuda::StepStatsRecord* rec = model.stats_record();
+    auto* base = reinterpret_cast<unsigned char*>(rec);
+    dp->group_start();
+    dp->all_reduce_sum(base + offsetof(cuda::StepStatsRecord, ce_sum), 3, cuda::NcclDType::kF64, st);
+    dp->all_reduce_sum(base + offsetof(cuda::StepStatsRecord, bad_ids), 2, cuda::NcclDType::kU32, st);
+    dp->all_reduce_sum(cuda::step_stats_counts(rec), model.num_moe_layers() * cfg.moe.num_experts,
+                       cuda::NcclDType::kI64, st);
+    dp->group_end();
+  }
+
+  // Sums the gradients (after backward) over the data-parallel group; only enqueues work.
+  void all_reduce_grads(cuda::Stream st) {
     const int64_t total = model.layout().total_numel();
     float* grads = model.grads();
     if (ep == nullptr) {
@@ -187,14 +235,6 @@ struct CudaStepRunner::Impl {
           for (int64_t at = r.begin; at < r.end; at += kGradBucketElements)
             ep_dp->all_reduce_sum(grads + at, std::min(kGradBucketElements, r.end - at), cuda::NcclDType::kF32, st);
     }
-    cuda::StepStatsRecord* rec = model.stats_record();
-    auto* base = reinterpret_cast<unsigned char*>(rec);
-    dp->group_start();
-    dp->all_reduce_sum(base + offsetof(cuda::StepStatsRecord, ce_sum), 3, cuda::NcclDType::kF64, st);
-    dp->all_reduce_sum(base + offsetof(cuda::StepStatsRecord, bad_ids), 2, cuda::NcclDType::kU32, st);
-    dp->all_reduce_sum(cuda::step_stats_counts(rec), model.num_moe_layers() * cfg.moe.num_experts,
-                       cuda::NcclDType::kI64, st);
-    dp->group_end();
   }
 
   // Everything of one step after its inputs are on the device; only enqueues work.
@@ -205,16 +245,30 @@ struct CudaStepRunner::Impl {
     const int32_t* targets = inputs + sh.micro * n;
     model.reset_stats();
     model.zero_grads();
+    reduced_from = -1;  // the overlap hook waits for the last micro-batch
     for (int64_t m = 0; m < sh.micro; ++m) {
       // The micro-batch's index in the global batch, so random routing does not depend on dp.
       const int64_t global_m = dp_rank * sh.micro + m;
       model.forward_device(inputs + m * n, targets + m * n, sh.batch, sh.seq,
                            routing_seed(train_seed, step - 1, global_m));
+      if (m + 1 == sh.micro) {
+        reduced_from = total;
+        next_ready_event = 0;
+      }
       model.backward();
     }
     if (dp) {
       if (timer) timer->mark(cuda::Phase::kGradReduce);
-      all_reduce_step(st);
+      if (overlap_grad_reduce()) {
+        MOE_CHECK(reduced_from == 0, "CudaStepRunner: backward left gradients below offset ", reduced_from,
+                  " out of the overlapped all-reduce");
+        cuda::event_record(reduced, comm_stream);
+        cuda::stream_wait_event(st, reduced);
+        all_reduce_stats(st);
+      } else {
+        all_reduce_grads(st);
+        all_reduce_stats(st);
+      }
     }
     if (timer) timer->mark(cuda::Phase::kOptimizer);
     cuda::StepStatsRecord* rec = model.stats_record();
@@ -307,8 +361,44 @@ CudaStepRunner::~CudaStepRunner() {
   } catch (...) {
   }
   I.graph.reset();
+  if (I.comm_stream) {
+    try {
+      cuda::stream_sync(I.comm_stream);
+    } catch (...) {
+    }
+    cuda::stream_destroy(I.comm_stream);
+  }
+  for (cuda::Event e : I.ready_events) cuda::event_destroy(e);
+  cuda::event_destroy(I.reduced);
   for (Impl::Staging& s : I.staging) cuda::event_destroy(s.copied);
   for (Impl::StatsSlot& s : I.ring) cuda::event_destroy(s.ready);
+}
+
+double CudaStepRunner::time_grad_all_reduce(double* bytes) {
+  Impl& I = *impl_;
+  MOE_CHECK(I.dp != nullptr, "CudaStepRunner::time_grad_all_reduce: no data-parallel group");
+  if (bytes) {
+    int64_t elements = I.model.layout().total_numel();
+    if (I.ep && !I.ep_dp)  // experts are not reduced when ep = dp
+      for (const FlatRange& r : I.expert_ranges) elements -= r.end - r.begin;
+    *bytes = 4.0 * double(elements);
+  }
+  while (I.num_pending > 0) collect();
+  cuda::EventTimer timer(I.stream());
+  timer.mark(cuda::Phase::kGradReduce);
+  I.all_reduce_grads(I.stream());
+  timer.close();
+  // Under the group's deadline first, so a dead rank fails the bench instead of hanging it.
+  cuda::Event done = cuda::event_create();
+  cuda::event_record(done, I.stream());
+  try {
+    I.wait(done, "the timed gradient all-reduce");
+  } catch (...) {
+    cuda::event_destroy(done);
+    throw;
+  }
+  cuda::event_destroy(done);
+  return timer.collect()[int(cuda::Phase::kGradReduce)];
 }
 
 CudaModel& CudaStepRunner::model() { return impl_->model; }

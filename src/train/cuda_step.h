@@ -114,6 +114,12 @@ class CudaStepRunner {
   void set_use_graph(bool on);
   // Graph replays so far (the capturing step's first launch included).
   int64_t graph_launches() const;
+  // Milliseconds of one all-reduce of the whole FP32 gradient buffer over the data-parallel group
+  // (dense over dp, experts over ep-dp), eager on the model's stream as the step without overlap
+  // runs it, after the submitted steps are collected. Overwrites the gradients (every step zeroes
+  // them first). For the bench's bandwidth figure; needs a dp group. bytes (may be null): the
+  // FP32 bytes each rank reduced.
+  double time_grad_all_reduce(double* bytes = nullptr);
 
  private:
   struct Impl;

@@ -222,5 +222,35 @@ TEST(Model, LayoutNamesAndCounts) {
   EXPECT_EQ(c.total_params - c.active_params, 2 * (4 - 2) * 3 * 8 * 6);
 }
 
+// Gradient groups for the data-parallel overlap: embedding at 0, block l where its first tensor
+// sits, the final norm and LM head last; every tensor of a group lies inside [start[g], start[g+1]).
+TEST(Model, GradGroupStartsFollowTheLayout) {
+  ModelConfig m = tiny_model();
+  MoeConfig e = tiny_moe();
+  const ParamLayout p = build_param_layout(m, e);
+  const std::vector<int64_t> start = grad_group_starts(p, m.n_layers);
+  ASSERT_EQ(start.size(), size_t(m.n_layers + 2));
+  EXPECT_EQ(start[0], 0);
+  for (int64_t l = 0; l < m.n_layers; ++l)
+    EXPECT_EQ(start[size_t(l + 1)], p.find("model.layers." + std::to_string(l) + ".input_layernorm.weight").offset);
+  EXPECT_EQ(start[size_t(m.n_layers + 1)], p.find("model.norm.weight").offset);
+  for (const ParamEntry& t : p.entries()) {
+    size_t g = 0;
+    while (g + 1 < start.size() && start[g + 1] <= t.offset) ++g;
+    const int64_t end = g + 1 < start.size() ? start[g + 1] : p.total_numel();
+    EXPECT_LE(t.offset + t.numel, end) << t.name << " crosses into the next gradient group";
+  }
+  // A layout missing a group is refused, naming the group.
+  ParamLayout partial;
+  partial.add("model.embed_tokens.weight", {4, 2});
+  partial.add("lm_head.weight", {4, 2});
+  try {
+    grad_group_starts(partial, 1);
+    ADD_FAILURE() << "a layout without block 0 was accepted";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("group 1"), std::string::npos) << err.what();
+  }
+}
+
 }  // namespace
 }  // namespace moe::testing

@@ -338,10 +338,12 @@ TEST(Attention, BackendChoice) {
   const char* saved = std::getenv("MOECORE_ATTENTION");
   const std::string saved_value = saved ? saved : "";
   ::unsetenv("MOECORE_ATTENTION");
-  EXPECT_EQ(cuda::attention_resolve_backend(), AttentionBackend::kOwn) << "the default backend is own";
+  const AttentionBackend default_backend =
+      cuda::attention_cudnn_available() ? AttentionBackend::kCudnn : AttentionBackend::kOwn;
+  EXPECT_EQ(cuda::attention_resolve_backend(), default_backend) << "the default: cudnn where built, else own";
   EXPECT_EQ(cuda::attention_resolve_backend(AttentionBackend::kOwn), AttentionBackend::kOwn);
   ::setenv("MOECORE_ATTENTION", "", 1);
-  EXPECT_EQ(cuda::attention_resolve_backend(), AttentionBackend::kOwn) << "an empty value means unset";
+  EXPECT_EQ(cuda::attention_resolve_backend(), default_backend) << "an empty value means unset";
   ::setenv("MOECORE_ATTENTION", "own", 1);
   EXPECT_EQ(cuda::attention_resolve_backend(), AttentionBackend::kOwn);
   ::setenv("MOECORE_ATTENTION", "flash", 1);

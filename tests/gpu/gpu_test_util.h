@@ -36,6 +36,9 @@ class GuardedBuffer {
     MOE_CUDA_CHECK(cudaMalloc(&base_, total_));
     MOE_CUDA_CHECK(cudaMemset(base_, kGuardByte, total_));
     MOE_CUDA_CHECK(cudaMemset(base_ + kGuardBytes + shift_, kUnwrittenByte, bytes()));
+    // cudaMemset is asynchronous and the tests' streams do not wait for the legacy default stream:
+    // without this a kernel could run before the fill and have its output overwritten.
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
   }
   GuardedBuffer(const std::vector<T>& host, size_t misalign_bytes = 0)
       : GuardedBuffer(static_cast<int64_t>(host.size()), misalign_bytes) {

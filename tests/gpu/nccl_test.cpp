@@ -201,6 +201,27 @@ TEST_F(NcclDataParallel, GraphOnAndOffAgreeBitwise) {
   expect_same_steps(on, off, "dp 2, graph on vs off");
 }
 
+// The gradients summed block by block on the second stream during the last backward (the default)
+// or all after backward: the same sums, so the same steps bit for bit, with and without the graph.
+TEST_F(NcclDataParallel, OverlappedGradReduceMatchesReduceAfterBackwardBitwise) {
+  const Config c = dp_step_config();
+  ASSERT_TRUE(c.parallel.overlap_grad_reduce) << "overlap is the default";
+  Config off_cfg = c;
+  off_cfg.parallel.overlap_grad_reduce = false;
+  for (const bool graph : {true, false}) {
+    DpRun on, off;
+    {
+      CudaStepRunner runner(c, &nccl());
+      on = dp_run(c, runner, graph, 4);
+    }
+    {
+      CudaStepRunner runner(off_cfg, &nccl());
+      off = dp_run(off_cfg, runner, graph, 4);
+    }
+    expect_same_steps(on, off, graph ? "dp 2, graph on: overlap vs none" : "dp 2, graph off: overlap vs none");
+  }
+}
+
 // Random routing draws per micro-batch from its index in the global batch: the counts of step 1
 // (same weights, same tokens, same draws) equal the one-GPU counts exactly.
 TEST_F(NcclDataParallel, RandomRoutingSeedsByGlobalMicroBatchIndex) {

@@ -157,7 +157,9 @@ bool attention_cudnn_available() { return attention_cudnn_built(); }
 AttentionBackend attention_resolve_backend(AttentionBackend requested) {
   const bool from_env = requested == AttentionBackend::kAuto;
   if (from_env) requested = backend_from_environment();
-  if (requested == AttentionBackend::kAuto) return AttentionBackend::kOwn;
+  if (requested == AttentionBackend::kAuto) {
+    return attention_cudnn_built() ? AttentionBackend::kCudnn : AttentionBackend::kOwn;
+  }
   MOE_CHECK(requested != AttentionBackend::kCudnn || attention_cudnn_built(), "cuda::attention: the cudnn backend",
             from_env ? " (MOECORE_ATTENTION=cudnn)" : "",
             " is not in this build: it was configured without cuDNN 9 or without the cuDNN frontend headers (see "

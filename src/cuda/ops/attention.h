@@ -14,8 +14,8 @@
 namespace moe::cuda {
 
 // Which kernels an entry point uses. kAuto: the environment variable MOECORE_ATTENTION ("own" or
-// "cudnn") when set and not empty, else own (the default until the GPU suite has passed with
-// cudnn). No call is sent to the other backend.
+// "cudnn") when set and not empty, else cudnn where the build holds it (2.5-2.8x the own kernels on
+// an H200, docs/benchmarks.md) and own otherwise. No call is sent to the other backend.
 enum class AttentionBackend { kAuto, kOwn, kCudnn };
 
 // "auto", "own" or "cudnn".

@@ -152,6 +152,8 @@ void event_record(Event event, Stream stream) { MOE_CUDA_CHECK(cudaEventRecord(e
 
 void event_sync(Event event) { MOE_CUDA_CHECK(cudaEventSynchronize(event)); }
 
+void stream_wait_event(Stream stream, Event event) { MOE_CUDA_CHECK(cudaStreamWaitEvent(stream, event, 0)); }
+
 void StreamGraph::begin_capture(Stream stream) {
   MOE_CHECK(exec_ == nullptr && graph_ == nullptr, "StreamGraph::begin_capture: a graph is already held; reset() it first");
   MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));

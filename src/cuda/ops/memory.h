@@ -49,6 +49,7 @@ Event event_create();                      // without timing (cudaEventDisableTi
 void event_destroy(Event event);           // nullptr is a no-op; never throws
 void event_record(Event event, Stream stream);
 void event_sync(Event event);              // waits for the work recorded before the event
+void stream_wait_event(Stream stream, Event event);  // later work on `stream` waits for `event` (capturable)
 
 // dst[i] = bf16(src[i]) (round to nearest even), i < n.
 void cast_f32_to_bf16(const float* src, uint16_t* dst, int64_t n, Stream stream);
