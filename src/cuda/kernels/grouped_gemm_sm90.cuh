@@ -222,6 +222,15 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t sr
                : "memory");
 }
 
+// dst (global, through the tensor map) += the box at src, element by element in L2 (FP32 add,
+// round to nearest), asynchronous like tma_store_3d and completed by the same bulk-group waits.
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2) {
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 
 template <int kPending>
@@ -576,11 +585,11 @@ __device__ __forceinline__ int2 expert_range(const int32_t* __restrict__ offsets
 // map_a: dy [max_rows, n], map_b: x [max_rows, k], both with 64 x 64 boxes; map_dw: dw as
 // [E, n, k] FP32, box 32 x 64 x 1. The k loop walks the expert's rows from its (unaligned) first
 // row in steps of kBK; rows of the last step past the expert's end are zeroed in shared memory.
-// Accumulate starts the FP32 accumulators from the old dw tile (brought into L2 by the producer a
-// tile ahead), so dw[e] + dy_e^T x_e is summed in one fixed order: dw0 first, then the rows in
-// 16-row steps. The tile leaves through staged TMA stores clipped at n and k. Experts with no
-// rows: dw[e] untouched (accumulate) or zeroed. Each dw element is written once, by one CTA:
-// deterministic, no atomics. Tiles t = (e, M-tile, N-tile), N fastest; CTA b takes b,
+// The FP32 accumulators start from zero and sum dy_e^T x_e over the rows in 16-row steps; the tile
+// leaves through staged TMA transfers clipped at n and k: stores (overwrite) or reduce-adds into
+// dw (accumulate: dw[e] + tile, one FP32 add per element done by L2, so no consumer waits for the
+// old dw). Experts with no rows: dw[e] untouched (accumulate) or zeroed. Each dw element is
+// written once, by one CTA: deterministic, no atomics between CTAs. Tiles t = (e, M-tile, N-tile), N fastest; CTA b takes b,
 // b + gridDim.x, ... Dynamic smem: smem_bytes(4, E, false).
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_k_contiguous_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -606,16 +615,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int row0 = r / n_tiles * kBM, col0 = r % n_tiles * kBN;
       const int2 rows = expert_range(expert_offsets, e, max_rows);
       const int num_k = (rows.y - rows.x + kBK - 1) / kBK;
-      if (accumulate && t + gridDim.x < num_tiles) {
-        // The dw tile the consumers start the next tile from, brought into L2 a tile ahead.
-        const int64_t t_next = t + gridDim.x;
-        const int e_next = static_cast<int>(t_next / tiles_per_expert), r_next = static_cast<int>(t_next % tiles_per_expert);
-#pragma unroll
-        for (int c = 0; c < (kBM / 64) * (kBN / 32); ++c) {
-          tma_prefetch_3d(&map_dw, r_next % n_tiles * kBN + 32 * (c % (kBN / 32)),
-                          r_next / n_tiles * kBM + 64 * (c / (kBN / 32)), e_next);
-        }
-      }
       for (int kt = 0; kt < num_k; ++kt, ++it) {
         const int s = Ring::ring_stage(it);
         mbar_wait(sm.empty(s), Ring::ring_phase(it) ^ 1u);
@@ -654,27 +653,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int num_k = (end - start + kBK - 1) / kBK;
     if (num_k == 0 && accumulate) continue;  // dw[e] stays as it is; overwrite stores zeros
     {
-      // The accumulation starts from the dw tile (accumulate; in L2 since the producer's prefetch)
-      // or from zeros (overwrite): acc = dw0, then acc += dy^T x in k order. Every element is
-      // written, the loads predicated, so that no branch touches acc before the wgmma chain; the
-      // wait (nothing is in flight here) keeps ptxas from serialising the wgmmas (C7515).
+      // acc = 0, then acc += dy^T x in k order. The wait (nothing is in flight here) keeps ptxas
+      // from serialising the wgmmas (C7515).
       wgmma_wait<0>();
-      const float* dw_e = dw + int64_t{e} * n * k;
-      const int row_lo = row0 + wg * 64 + warp * 16 + lane / 4;
-      const int col_lo = col0 + 2 * (lane % 4);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = row_lo + 8 * h;
-        const float* drow = dw_e + int64_t{min(row, n - 1)} * k;
-#pragma unroll
-        for (int j = 0; j < kBN / 8; ++j) {
-          const int col = col_lo + 8 * j;
-          const bool load = accumulate && row < n && col < k;
-          const float2 v = load ? *reinterpret_cast<const float2*>(drow + col) : make_float2(0.0f, 0.0f);
-          acc[4 * j + 2 * h] = v.x;
-          acc[4 * j + 2 * h + 1] = v.y;
-        }
-      }
+      for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
       fence_accumulators(acc);
       wgmma_fence();
     }
@@ -702,7 +685,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       staged_store(
           sm.staging(wg, c % 2), wg, leader,
           [&](uint32_t buf) { stage_f32_chunk(buf, acc, c, warp, lane, empty_expert); },
-          [&](uint32_t buf) { tma_store_3d(&map_dw, buf, col0 + 32 * c, row0 + 64 * wg, e); });
+          [&](uint32_t buf) {
+            if (accumulate) {
+              tma_reduce_add_3d(&map_dw, buf, col0 + 32 * c, row0 + 64 * wg, e);
+            } else {
+              tma_store_3d(&map_dw, buf, col0 + 32 * c, row0 + 64 * wg, e);
+            }
+          });
     }
   }
   if (leader) bulk_wait_all();
