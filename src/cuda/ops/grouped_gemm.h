@@ -48,9 +48,9 @@ void grouped_gemm_dgrad(const uint16_t* dy, const uint16_t* w, const int32_t* ex
 // Weight gradient, K-grouped: dw[e] = dy_e^T @ x_e (+ dw[e] when accumulate), the sum over the
 // rows of expert e. dy [max_rows, n], x [max_rows, k] (BF16), dw [E, n, k] FP32. An expert with
 // no rows leaves dw[e] bitwise unchanged (accumulate) or zeroes it (overwrite). Deterministic:
-// each dw tile is reduced by one CTA over the expert's rows in order (no atomics, no row split).
-// Accumulate order: mma adds dw[e] to the finished sum (one FP32 add); wgmma starts the
-// tensor-core sum from dw[e], so its rounding grows with |dw[e]| x rows / 16 (docs/cuda.md).
+// each dw tile is reduced by one CTA over the expert's rows in order (no row split, no two writers
+// of an element). Accumulate: both backends add dw[e] to the finished sum in one FP32 add (mma in
+// registers; wgmma by a TMA reduce-add of the tile into dw, done in L2, subnormals flushed).
 void grouped_gemm_wgrad(const uint16_t* dy, const uint16_t* x, const int32_t* expert_offsets, float* dw,
                         int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, bool accumulate,
                         Stream stream, GroupedGemmBackend backend = GroupedGemmBackend::kAuto);
