@@ -44,6 +44,16 @@ GpuMemoryEstimate estimate_gpu_memory(const Config& cfg) {
   est.micro_batch_tokens = cfg.train.micro_batch * cfg.train.seq_len;
   est.state_bytes = 18.0 * double(est.total_params);
   est.activation_bytes = 2.0 * double(activation_elements(cfg.model, cfg.moe, est.micro_batch_tokens));
+  const int64_t ep = cfg.parallel.ep;
+  if (ep > 1 && cfg.moe.num_experts % ep == 0) {
+    // Parameter state of one GPU's share (its experts only), and the exchange buffers CudaModel
+    // adds per MoE layer (received BF16 rows, regroup and ungroup maps) and once (two row buffers).
+    const ExpertSlice slice{0, cfg.moe.num_experts / ep};
+    est.state_bytes = 18.0 * double(build_param_layout(cfg.model, cfg.moe, slice).total_numel());
+    const double rows = double(est.micro_batch_tokens) * double(cfg.moe.top_k);
+    const double d = double(cfg.model.d_model);
+    est.activation_bytes += double(num_moe_layers(cfg.model)) * rows * (2.0 * d + 8.0) + 2.0 * rows * 2.0 * d;
+  }
   return est;
 }
 
@@ -136,11 +146,7 @@ nlohmann::json run_gpu_bench(const Config& cfg_in, const BenchOptions& opt, std:
 
   // Refuse what cannot fit before allocating anything.
   const cuda::DeviceInfo dev = cuda::device_info();
-  GpuMemoryEstimate est = estimate_gpu_memory(cfg);
-  if (ep > 1) {  // parameter state of this GPU's share: its experts only
-    const ExpertSlice slice{0, cfg.moe.num_experts / ep};
-    est.state_bytes = 18.0 * double(build_param_layout(cfg.model, cfg.moe, slice).total_numel());
-  }
+  const GpuMemoryEstimate est = estimate_gpu_memory(cfg);
   MOE_CHECK(est.total_bytes() <= double(dev.free_bytes), "bench: config '", opt.config_name, "' does not fit on one ",
             dev.name, ": it needs about ", gib_str(est.total_bytes()), " GiB (", est.total_params, " parameters x 18 B = ",
             gib_str(est.state_bytes), " GiB of FP32 weights, BF16 copy, FP32 gradients and two AdamW moments, plus ~",

@@ -24,7 +24,9 @@ constexpr double kGpuPeakTflops = 989.0;
 // Device memory a one-GPU run needs, before anything is allocated: parameter state at 18 bytes
 // per parameter (FP32 master 4, BF16 copy 2, FP32 gradient 4, two FP32 AdamW moments 8), plus
 // activation_elements (model/layout.h) of one micro-batch at 2 bytes (BF16), the figure the dry
-// run prints. An estimate: the chunked LM head saves less, step buffers and the CUDA context add some.
+// run prints. With parallel.ep > 1 (dividing the experts): the state of one GPU's share (its experts
+// only) and the expert-parallel exchange buffers. An estimate: the chunked LM head saves less, step
+// buffers and the CUDA context add some.
 struct GpuMemoryEstimate {
   int64_t total_params = 0;
   int64_t micro_batch_tokens = 0;

@@ -16,7 +16,9 @@
 
 #include "core/config.h"
 #include "core/config_io.h"
+#include "model/layout.h"
 #include "support/test_util.h"
+#include "train/gpu_bench.h"
 #include "train/trainer.h"
 
 namespace moe::testing {
@@ -144,6 +146,26 @@ CmdResult run_cli(const std::string& args) {
   while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
   const int rc = pclose(p);
   return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, out};
+}
+
+// The GPU memory estimate with expert parallelism: one GPU's share of the expert state, plus the
+// exchange buffers (received rows and maps per MoE layer, two row buffers) on top of the
+// activations; the dense state stays whole.
+TEST(GpuMemoryEstimate, ExpertParallelShareAndExchangeBuffers) {
+  Config c;
+  ASSERT_NO_THROW(c = load_config(std::string(MOECORE_SOURCE_DIR) + "/configs/olmoe-1b-7b.toml", {}));
+  c.parallel.ep = 1;  // the config file sets ep = 2
+  const GpuMemoryEstimate one = estimate_gpu_memory(c);
+  EXPECT_DOUBLE_EQ(one.state_bytes, 18.0 * double(one.total_params));
+  c.parallel.ep = 2;
+  const GpuMemoryEstimate two = estimate_gpu_memory(c);
+  const ExpertSlice half{0, c.moe.num_experts / 2};
+  EXPECT_DOUBLE_EQ(two.state_bytes, 18.0 * double(build_param_layout(c.model, c.moe, half).total_numel()));
+  EXPECT_LT(two.state_bytes, 0.6 * one.state_bytes);  // experts are most of olmoe-1b-7b
+  const double rows = double(c.train.micro_batch * c.train.seq_len * c.moe.top_k);
+  const double d = double(c.model.d_model);
+  EXPECT_DOUBLE_EQ(two.activation_bytes - one.activation_bytes,
+                   double(num_moe_layers(c.model)) * rows * (2 * d + 8) + 4 * rows * d);
 }
 
 TEST(Cli, DryRunPrintsCountsAndConfig) {
