@@ -1,7 +1,7 @@
 // Torchrun-style jobs started the way users start them (run as one plain process; each test
 // spawns N ranks with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): collectives that do not match,
 // a rank that exits, a collective that times out, a missing MASTER_PORT, and `moecore train` on 2
-// TCP ranks following a one-rank run of the same global batch.
+// TCP ranks: following a one-rank run of the same global batch, and stopping when a rank dies.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -153,6 +153,25 @@ TEST(TcpLaunch, TrainFollowsOneRankLosses) {
   ASSERT_EQ(ep.worst(), 0) << ep.all_output();
   EXPECT_CONTAINS(ep.ranks[0].output, "parallel: 2 ranks (tcp), dp 2, ep 2");
   EXPECT_LT(worst_relative_difference(train_losses(tmp / "tcp_ep"), b), kLossTolerance);
+}
+
+// A training rank that dies mid-run (the trainer's fault injection): the other rank reports it
+// ("[rank 0] error: ... rank 1 closed its connection") and exits instead of waiting.
+TEST(TcpLaunch, TrainingRankThatExitsStopsTheJob) {
+  SKIP_INSIDE_A_JOB();
+  const TempDir tmp("tcp_fault");
+  const TcpJob job = launch_tcp_job(2, small_train(tmp / "run", 20),
+                                    {"OPENBLAS_NUM_THREADS=1", "MOECORE_COMM_TIMEOUT_S=60",
+                                     "MOECORE_FAULT_EXIT_RANK=1", "MOECORE_FAULT_EXIT_STEP=3"},
+                                    120, tmp.root());
+  const std::string all = job.all_output();
+  EXPECT_CONTAINS(job.ranks[1].output, "[rank 1] fault injection: exiting at step 3");
+  EXPECT_EQ(job.ranks[0].status, 1) << all;
+  EXPECT_CONTAINS(job.ranks[0].output, "[rank 0] error: collective ");
+  EXPECT_CONTAINS(job.ranks[0].output, "rank 1 ");
+  EXPECT_CONTAINS(job.ranks[0].output, "its process exited or crashed)");
+  EXPECT_LT(job.seconds, 30) << "rank 0 must not wait for the 60 s timeout\n" << all;
+  EXPECT_FALSE(fs::exists(tmp / "run" / "checkpoints" / "step_20"));
 }
 
 }  // namespace
