@@ -702,16 +702,18 @@ class TcpComm final : public Comm {
         }
       }
       if (missing == 0 && !sends_left) return got;
-      // A peer this round needs has gone.
-      for (int p = 0; p < size_; ++p) {
-        const Peer& peer = m.peers[size_t(members_[size_t(p)])];
-        if (!peer.closed) continue;
-        const bool needed_in = ins[size_t(p)].on && !have[size_t(p)];
-        const bool needed_out =
-            std::any_of(sending.begin(), sending.end(), [&](const Sending& s) {
-              return s.p == p && s.sent < sizeof(FrameHeader) + size_t(s.h.bytes);
-            });
-        if (needed_in || needed_out) fail(where(c) + " failed: " + who(p) + " " + peer.why_closed);
+      // A peer this round needs has gone. Peers it waits for are named first: one that only
+      // still had to receive from this rank may have failed because of them.
+      for (int pass = 0; pass < 2; ++pass) {
+        for (int p = 0; p < size_; ++p) {
+          const Peer& peer = m.peers[size_t(members_[size_t(p)])];
+          if (!peer.closed) continue;
+          const bool needed = pass == 0 ? ins[size_t(p)].on && !have[size_t(p)]
+                                        : std::any_of(sending.begin(), sending.end(), [&](const Sending& s) {
+                                            return s.p == p && s.sent < sizeof(FrameHeader) + size_t(s.h.bytes);
+                                          });
+          if (needed) fail(where(c) + " failed: " + who(p) + " " + peer.why_closed);
+        }
       }
       if (Clock::now() >= c.deadline) {
         std::string waiting;
@@ -899,8 +901,9 @@ void rendezvous_root(Mesh& mesh, int master_port, double timeout_s, Clock::time_
   std::string err;
   int lfd = listen_any(AF_INET6, master_port, mesh.size + 8, &err);
   if (lfd < 0) lfd = listen_any(AF_INET, master_port, mesh.size + 8, &err);
-  MOE_CHECK(lfd >= 0, "rank 0 cannot listen on MASTER_PORT ", master_port, " (", err,
-            "): another program or job uses that port; choose a free MASTER_PORT");
+  MOE_CHECK(lfd >= 0, "rank 0 cannot listen on the rendezvous port ", master_port, " (", err,
+            "): another program or job uses that port; choose a free MASTER_PORT, or set MOECORE_MASTER_PORT "
+            "(under torchrun the rendezvous takes MASTER_PORT + 1, since torchrun's agent holds MASTER_PORT)");
   std::random_device rd;
   const uint64_t job = mix64((uint64_t(rd()) << 32) ^ rd() ^ uint64_t(::getpid()) ^
                              uint64_t(Clock::now().time_since_epoch().count()));
@@ -917,7 +920,7 @@ void rendezvous_root(Mesh& mesh, int master_port, double timeout_s, Clock::time_
       for (int f : fds)
         if (f >= 0) ::close(f);
       ::close(lfd);
-      MOE_FAIL("rendezvous: rank 0 waited ", timeout_text(timeout_s), " s on MASTER_PORT ", master_port, " but only ",
+      MOE_FAIL("rendezvous: rank 0 waited ", timeout_text(timeout_s), " s on port ", master_port, " but only ",
                joined, " of ", mesh.size, " ranks joined (missing RANK ", missing,
                "); start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE");
     }
@@ -957,7 +960,7 @@ void rendezvous_root(Mesh& mesh, int master_port, double timeout_s, Clock::time_
       write_all(f, problem.data(), problem.size(), deadline, &err);
       ::close(f);
     }
-    MOE_FAIL("rendezvous on rank 0 (MASTER_PORT ", master_port, "): ", problem);
+    MOE_FAIL("rendezvous on rank 0 (port ", master_port, "): ", problem);
   }
   for (int r = 1; r < mesh.size; ++r) {
     const int f = fds[size_t(r)];
@@ -975,8 +978,8 @@ void rendezvous_rank(Mesh& mesh, const std::string& master_addr, int master_port
   const int me = mesh.rank;
   std::string err;
   const int fd0 = connect_until(master_addr, master_port, deadline, &err);
-  MOE_CHECK(fd0 >= 0, "rendezvous: rank ", me, " could not reach rank 0 at MASTER_ADDR:MASTER_PORT = ", master_addr,
-            ":", master_port, " within ", timeout_text(timeout_s), " s (last error: ", err,
+  MOE_CHECK(fd0 >= 0, "rendezvous: rank ", me, " could not reach rank 0 at ", master_addr, ":", master_port,
+            " (MASTER_ADDR, MASTER_PORT) within ", timeout_text(timeout_s), " s (last error: ", err,
             "); is rank 0 running, and do all ranks have the same MASTER_ADDR and MASTER_PORT?");
   int family = AF_INET;
   const std::string addr = local_address(fd0, &family);
@@ -1068,6 +1071,17 @@ TcpLaunchEnv tcp_launch_env(const std::function<const char*(const char*)>& geten
   e.master_addr = addr && *addr ? addr : "127.0.0.1";
   e.master_port = parse_int_env(getenv_fn, "MASTER_PORT", 1, 65535,
                                 "a port number, where rank 0 listens for the rendezvous");
+  const char* own = getenv_fn("MOECORE_MASTER_PORT");
+  const char* agent = getenv_fn("TORCHELASTIC_USE_AGENT_STORE");
+  if (own != nullptr && *own != '\0') {
+    e.master_port = parse_int_env(getenv_fn, "MOECORE_MASTER_PORT", 1, 65535,
+                                  "a port number, where rank 0 listens for the rendezvous");
+  } else if (agent != nullptr && std::strcmp(agent, "True") == 0) {
+    // torchrun's agent serves its own TCPStore on MASTER_PORT: take the next port.
+    MOE_CHECK(e.master_port < 65535, "MASTER_PORT = 65535 under torchrun (TORCHELASTIC_USE_AGENT_STORE=True): ",
+              "the rendezvous would use MASTER_PORT + 1; set MOECORE_MASTER_PORT to a free port");
+    e.master_port += 1;
+  }
   return e;
 }
 

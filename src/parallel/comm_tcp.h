@@ -21,12 +21,14 @@ std::unique_ptr<Comm> make_tcp_world(int rank, int world_size, const std::string
                                      double timeout_s);
 
 // What a torchrun-style environment says: RANK, WORLD_SIZE, MASTER_ADDR (default 127.0.0.1),
-// MASTER_PORT (required). Throws naming the variable when one is missing or malformed.
+// MASTER_PORT (required). The rendezvous port is MOECORE_MASTER_PORT when set, else MASTER_PORT,
+// or MASTER_PORT + 1 under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True: the agent
+// itself listens on MASTER_PORT). Throws naming the variable when one is missing or malformed.
 struct TcpLaunchEnv {
   int rank = 0;
   int world_size = 1;
   std::string master_addr;
-  int master_port = 0;
+  int master_port = 0;  // the rendezvous port (see above)
 };
 TcpLaunchEnv tcp_launch_env(const std::function<const char*(const char*)>& getenv_fn);
 

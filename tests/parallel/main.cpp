@@ -42,7 +42,8 @@ int timeout_probe() {
 
 // Ranks of a TCP job that goes wrong on purpose; each prints "[rank r] error after T s: ..." and
 // exits 1 when its collective fails. mismatch: rank 1 calls all_reduce while the others call
-// broadcast; exit: rank 1 leaves after a barrier; sleep: rank 1 sleeps 6 s instead of joining.
+// broadcast; exit: rank 1 leaves after a barrier; sleep: rank 1 sleeps 6 s instead of joining;
+// sum: a job that works (an all-reduce checked on every rank).
 int tcp_probe(const std::string& mode) {
   moe::Comm& world = moe::world_comm();
   const int r = world.rank();
@@ -55,6 +56,14 @@ int tcp_probe(const std::string& mode) {
         world.all_reduce(words, 16, moe::ReduceOp::kSum);
       } else {
         world.broadcast(words, 16, 0);
+      }
+    } else if (mode == "sum") {
+      double x = 0.5 * (r + 1);
+      world.all_reduce(&x, 1, moe::ReduceOp::kSum);
+      const double want = 0.25 * world.size() * (world.size() + 1);
+      if (x != want) {
+        std::fprintf(stderr, "[rank %d] sum %g, expected %g\n", r, x, want);
+        return 1;
       }
     } else if (mode == "exit") {
       if (r == 1) {

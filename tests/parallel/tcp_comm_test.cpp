@@ -216,6 +216,29 @@ TEST(TcpEnv, MissingOrBadVariablesAreNamed) {
       "RANK must be this process's rank, below WORLD_SIZE");
 }
 
+TEST(TcpEnv, TorchrunAgentStoreMovesThePort) {
+  // torchrun's agent listens on MASTER_PORT itself: the rendezvous takes the next port.
+  TcpLaunchEnv e = tcp_launch_env(fake_env(
+      {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29500"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"}}));
+  EXPECT_EQ(e.master_port, 29501);
+  e = tcp_launch_env(fake_env(
+      {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29500"}, {"TORCHELASTIC_USE_AGENT_STORE", "False"}}));
+  EXPECT_EQ(e.master_port, 29500);
+  e = tcp_launch_env(fake_env({{"RANK", "1"},
+                               {"WORLD_SIZE", "2"},
+                               {"MASTER_PORT", "29500"},
+                               {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                               {"MOECORE_MASTER_PORT", "31000"}}));
+  EXPECT_EQ(e.master_port, 31000);
+  EXPECT_CONTAINS(error_of([] {
+                    tcp_launch_env(fake_env({{"RANK", "1"},
+                                             {"WORLD_SIZE", "2"},
+                                             {"MASTER_PORT", "29500"},
+                                             {"MOECORE_MASTER_PORT", "-3"}}));
+                  }),
+                  "MOECORE_MASTER_PORT must be a port number");
+}
+
 // Ranks as threads of this process (each its own rendezvous and mesh).
 TEST(TcpRendezvous, ThreadRanksReduce) {
   const int port = free_tcp_port();
@@ -261,8 +284,8 @@ TEST(TcpRendezvous, DuplicateRankIsRefused) {
 TEST(TcpRendezvous, AbsentRankZeroTimesOut) {
   const int port = free_tcp_port();
   const std::string e = error_of([&] { make_tcp_world(1, 2, "127.0.0.1", port, 0.5); });
-  EXPECT_CONTAINS(e, "rank 1 could not reach rank 0 at MASTER_ADDR:MASTER_PORT = 127.0.0.1:" + std::to_string(port));
-  EXPECT_CONTAINS(e, "within 0.5 s");
+  EXPECT_CONTAINS(e, "rank 1 could not reach rank 0 at 127.0.0.1:" + std::to_string(port) +
+                         " (MASTER_ADDR, MASTER_PORT) within 0.5 s");
 }
 
 }  // namespace

@@ -64,8 +64,8 @@ struct TcpJob {
   }
 };
 
-// Runs `argv` as ranks 0..np-1. `env` adds or replaces NAME=value pairs for every rank, and a
-// bare NAME removes that variable. With `log_dir` each rank's output goes to log_dir/rank_<r>.log
+// Runs `argv` as ranks 0..np-1. `env` adds or replaces NAME=value pairs for every rank (also
+// the ones set here, e.g. MASTER_PORT), and a bare NAME removes that variable. With `log_dir` each rank's output goes to log_dir/rank_<r>.log
 // and comes back in RankRun::output; without, the ranks inherit this process's stdout/stderr.
 inline TcpJob launch_tcp_job(int np, const std::vector<std::string>& argv, const std::vector<std::string>& env,
                              double limit_s, const std::filesystem::path& log_dir = {}) {
@@ -81,10 +81,13 @@ inline TcpJob launch_tcp_job(int np, const std::vector<std::string>& argv, const
                                     "MASTER_ADDR=127.0.0.1",            "MASTER_PORT=" + std::to_string(port)};
     set.insert(set.end(), env.begin(), env.end());
     auto name_of = [](const std::string& kv) { return kv.substr(0, kv.find('=')); };
+    for (size_t i = 0; i < set.size(); ++i)  // a later entry replaces an earlier one of that name
+      for (size_t j = i + 1; j < set.size(); ++j)
+        if (name_of(set[i]) == name_of(set[j])) set[i].clear();
     for (char** e = environ; *e != nullptr; ++e) {
       const std::string kv = *e;
       bool replaced = false;
-      for (const std::string& s : set) replaced = replaced || name_of(s) == name_of(kv);
+      for (const std::string& s : set) replaced = replaced || (!s.empty() && name_of(s) == name_of(kv));
       if (!replaced) vars.push_back(kv);
     }
     for (const std::string& s : set)

@@ -1,8 +1,13 @@
 // Torchrun-style jobs started the way users start them (run as one plain process; each test
 // spawns N ranks with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): collectives that do not match,
-// a rank that exits, a collective that times out, a missing MASTER_PORT, and `moecore train` on 2
-// TCP ranks: following a one-rank run of the same global batch, and stopping when a rank dies.
+// a rank that exits, a collective that times out, a missing MASTER_PORT, MASTER_PORT held by
+// torchrun's agent, and `moecore train` on 2 TCP ranks: following a one-rank run of the same
+// global batch, and stopping when a rank dies.
 #include <gtest/gtest.h>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -61,7 +66,8 @@ TEST(TcpLaunch, RankThatExitsIsNamedByThePeers) {
   for (int r : {0, 2, 3}) {
     EXPECT_EQ(job.ranks[size_t(r)].status, 1) << r << "\n" << all;
     EXPECT_CONTAINS(job.ranks[size_t(r)].output, "collective all_reduce(sum) on rank " + std::to_string(r) +
-                                                     " of group size 4 failed: rank 1 ");
+                                                     " of group size 4 failed: rank 1 ")
+        << "\n" << all;
     EXPECT_CONTAINS(job.ranks[size_t(r)].output, "its process exited or crashed)");
     const double s = error_seconds(job.ranks[size_t(r)].output);
     EXPECT_GE(s, 0) << all;
@@ -81,6 +87,42 @@ TEST(TcpLaunch, CollectiveTimesOut) {
   const double s = error_seconds(job.ranks[0].output);
   EXPECT_GE(s, 0.9) << all;
   EXPECT_LT(s, 4) << "rank 1 sleeps 6 s: the timeout must fire first\n" << all;
+}
+
+// Under torchrun the agent's own TCPStore listens on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=
+// True); the rendezvous then takes MASTER_PORT + 1. Here this process plays the agent.
+TEST(TcpLaunch, PortHeldByTorchrunAgent) {
+  SKIP_INSIDE_A_JOB();
+  const TempDir tmp("tcp_agent");
+  int agent = -1, port = 0;
+  for (int attempt = 0; attempt < 20 && agent < 0; ++attempt) {  // a free port whose next one is free
+    port = free_tcp_port();
+    const int probe = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    a.sin_port = htons(uint16_t(port + 1));
+    const bool next_free = ::bind(probe, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+    ::close(probe);
+    if (!next_free) continue;
+    agent = ::socket(AF_INET, SOCK_STREAM, 0);
+    a.sin_port = htons(uint16_t(port));
+    if (::bind(agent, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(agent, 4) != 0) {
+      ::close(agent);
+      agent = -1;
+    }
+  }
+  ASSERT_GE(agent, 0) << "no free pair of ports";
+  const std::string master_port = "MASTER_PORT=" + std::to_string(port);
+  // Rank 1 reaches the "agent" and waits there for a table until its 2 s deadline.
+  TcpJob job = probe(2, "sum", tmp.root(), {master_port, "MOECORE_COMM_TIMEOUT_S=2"});
+  EXPECT_NE(job.ranks[0].status, 0) << "MASTER_PORT is taken: without the agent variable rank 0 cannot listen";
+  EXPECT_CONTAINS(job.ranks[0].output, "rank 0 cannot listen on the rendezvous port " + std::to_string(port));
+  EXPECT_NE(job.ranks[1].status, 0);
+  job = probe(2, "sum", tmp.root(), {master_port, "MOECORE_COMM_TIMEOUT_S=20", "TORCHELASTIC_USE_AGENT_STORE=True"});
+  EXPECT_EQ(job.worst(), 0) << job.all_output();
+  EXPECT_CONTAINS(job.ranks[0].output, "[rank 0] the collective completed");
+  ::close(agent);
 }
 
 // `moecore train` overrides of a two-layer model (as tests/parallel/launch_test.cpp).
