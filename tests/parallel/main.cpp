@@ -42,7 +42,7 @@ int timeout_probe() {
 
 // Ranks of a TCP job that goes wrong on purpose; each prints "[rank r] error after T s: ..." and
 // exits 1 when its collective fails. mismatch: rank 1 calls all_reduce while the others call
-// broadcast; exit: rank 1 leaves after a barrier; sleep: rank 1 sleeps 6 s instead of joining;
+// broadcast; exit: rank 1 leaves after a barrier; sleep: rank 1 sleeps 4 s instead of joining;
 // sum: a job that works (an all-reduce checked on every rank).
 int tcp_probe(const std::string& mode) {
   moe::Comm& world = moe::world_comm();
@@ -74,7 +74,7 @@ int tcp_probe(const std::string& mode) {
       world.all_reduce(words, 16, moe::ReduceOp::kSum);
     } else if (mode == "sleep") {
       if (r == 1) {
-        ::sleep(6);
+        ::sleep(4);
         return 0;
       }
       world.all_reduce(words, 16, moe::ReduceOp::kSum);
