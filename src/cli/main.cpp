@@ -1,6 +1,7 @@
 // moecore command-line entry point: train (and --dry-run), inspect, tokenize.
 // Every error reaches the user as one "error: ..." line and exit status 1; in a multi-process
-// job as "[rank r] error: ..." followed by an abort of every rank (MPI_Abort).
+// job as "[rank r] error: ..." followed by an abort of every rank (MPI_Abort; over TCP the rank
+// exits and its peers fail on the closed connections).
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -109,7 +110,7 @@ int cmd_train(std::vector<std::string> args) {
     return 0;
   }
   const bool dry = has_flag(args, "--dry-run");
-  // Join the job first (MPI when a launcher started us), so that every later error is reported
+  // Join the job first (MPI or TCP when a launcher started us), so that every later error is reported
   // with its rank and ends all ranks.
   Comm* world = dry ? nullptr : &world_comm();
   std::string path;
@@ -149,7 +150,7 @@ int cmd_bench(std::vector<std::string> args, const std::string& command) {
                  "gradient all-reduce. See docs/benchmarks.md for what each figure means.\n";
     return 0;
   }
-  // Join the job first (MPI when a launcher started us), so that every later error is reported
+  // Join the job first (MPI or TCP when a launcher started us), so that every later error is reported
   // with its rank and ends all ranks.
   Comm& world = world_comm();
   BenchOptions opt;

@@ -1,6 +1,7 @@
 // Communicators: a group of ranks and the collectives the trainer needs, on host buffers.
 // Comm is the interface; world_comm() returns the MPI world when the process was started
-// by mpirun/srun (an MPI launcher's environment) and a one-rank communicator otherwise. Every
+// by mpirun/srun (an MPI launcher's environment), a TCP world (comm_tcp.h) under a torchrun-style
+// launch (RANK, WORLD_SIZE > 1, MASTER_ADDR, MASTER_PORT) and a one-rank communicator otherwise. Every
 // collective is blocking and called by every rank of the group in the same order. Counts are in
 // elements. A collective that does not complete within timeout_s() throws an Error naming the
 // collective, the rank and the group size.
@@ -20,7 +21,7 @@ class Comm {
   virtual ~Comm() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  // "mpi" or "self".
+  // "mpi", "tcp" or "self".
   virtual std::string backend() const = 0;
 
   // In place over `n` elements.
@@ -60,8 +61,9 @@ inline constexpr double kDefaultCommTimeoutS = 300.0;
 
 // The communicator every rank of this process's job shares (one-rank when not launched in
 // parallel). Initialises MPI on first use when an MPI launcher started the process; finalised at
-// exit. Its timeout_s() starts at MOECORE_COMM_TIMEOUT_S when that is set. Throws when the
-// environment shows a torchrun-style launch (WORLD_SIZE > 1) without an MPI launcher.
+// exit. Under a torchrun-style launch without an MPI launcher it joins the TCP rendezvous at
+// MASTER_ADDR (default 127.0.0.1):MASTER_PORT (throws naming MASTER_PORT when it is missing or not
+// a port). Its timeout_s() starts at MOECORE_COMM_TIMEOUT_S when that is set.
 Comm& world_comm();
 // True once world_comm() has been created (main uses it to decide how to fail).
 bool world_comm_started();

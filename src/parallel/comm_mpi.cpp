@@ -19,6 +19,7 @@
 
 #include "core/error.h"
 #include "parallel/comm.h"
+#include "parallel/comm_tcp.h"
 
 namespace moe {
 namespace {
@@ -289,11 +290,8 @@ std::unique_ptr<Comm> make_world() {
   const std::string launcher = detect_launcher([](const char* n) -> const char* { return std::getenv(n); });
   const double timeout = env_timeout();
   if (launcher == "torchrun") {
-    MOE_FAIL("this process was started by a torchrun-style launcher (WORLD_SIZE=", env_long("WORLD_SIZE"),
-             ", RANK=", env_long("RANK"),
-             ") without an MPI launcher; CPU runs communicate over MPI: start them with `mpirun -np N moecore "
-             "train ...` or `srun -n N moecore train ...` (GPU runs under torchrun need the NCCL rendezvous, "
-             "which is not implemented yet)");
+    const TcpLaunchEnv env = tcp_launch_env([](const char* n) -> const char* { return std::getenv(n); });
+    return make_tcp_world(env.rank, env.world_size, env.master_addr, env.master_port, timeout);
   }
   if (launcher == "none") return std::make_unique<SelfComm>(timeout);
 

@@ -1,7 +1,7 @@
 // Trainer: the CPU training loop with gradient accumulation, clipping, skip-on-non-finite,
 // eval, metrics and atomic checkpoints that resume bit-exactly; on the CUDA backend the same
 // loop around CudaStepRunner (sync-free steps, statistics logged one step late). Data-parallel
-// over MPI ranks (CPU): each rank runs its slice of the global batch with loss scales of the
+// over MPI or TCP ranks (CPU): each rank runs its slice of the global batch with loss scales of the
 // global batch, gradients are summed over ranks (ZeRO-1 reduce-scatter, or all-reduce), metrics
 // are all-reduced, rank 0 prints and writes files, and every rank writes checkpoint slices. With
 // parallel.ep > 1 (CPU) the model holds this rank's experts and exchanges token rows over its ep

@@ -144,11 +144,15 @@ TEST(Comm, CountsAboveIntMaxAreRefused) {
   w.barrier();
 }
 
-TEST(Comm, WorldIsMpiOnlyUnderALauncher) {
+TEST(Comm, WorldFollowsTheLauncher) {
   const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
+  const char* tcp_size = std::getenv("WORLD_SIZE");
   if (size) {
     EXPECT_EQ(world_comm().backend(), "mpi");
     EXPECT_EQ(world_comm().size(), std::atoi(size));
+  } else if (tcp_size && std::atoi(tcp_size) > 1) {
+    EXPECT_EQ(world_comm().backend(), "tcp");
+    EXPECT_EQ(world_comm().size(), std::atoi(tcp_size));
   } else {
     EXPECT_EQ(world_comm().backend(), "self");
     EXPECT_EQ(world_comm().size(), 1);

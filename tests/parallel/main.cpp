@@ -1,16 +1,23 @@
 // Entry point of the multi-process suite, run by CTest as `mpirun -np N test_parallel` (and as
 // one plain process). Every rank runs every test; rank 0 prints the usual report, the others
 // only their failures prefixed with their rank; the exit status is the worst over the ranks.
-// `test_parallel --timeout-probe` instead lets rank 1 skip a collective (Launch tests use it).
+// `test_parallel --timeout-probe` instead lets rank 1 skip a collective (Launch tests use it);
+// `test_parallel --tcp-launch N PROGRAM ARGS...` starts N ranks of PROGRAM torchrun-style (CTest's
+// tcp entries); `test_parallel --tcp-probe MODE` is one rank of a failing TCP job (TcpLaunch tests).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "parallel/comm.h"
 #include "parallel/mpi_test_util.h"
+#include "parallel/tcp_launch.h"
 
 namespace {
 
@@ -33,10 +40,78 @@ int timeout_probe() {
   return 1;
 }
 
+// Ranks of a TCP job that goes wrong on purpose; each prints "[rank r] error after T s: ..." and
+// exits 1 when its collective fails. mismatch: rank 1 calls all_reduce while the others call
+// broadcast; exit: rank 1 leaves after a barrier; sleep: rank 1 sleeps 4 s instead of joining;
+// sum: a job that works (an all-reduce checked on every rank).
+int tcp_probe(const std::string& mode) {
+  moe::Comm& world = moe::world_comm();
+  const int r = world.rank();
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    world.barrier();
+    int64_t words[16] = {};
+    if (mode == "mismatch") {
+      if (r == 1) {
+        world.all_reduce(words, 16, moe::ReduceOp::kSum);
+      } else {
+        world.broadcast(words, 16, 0);
+      }
+    } else if (mode == "sum") {
+      double x = 0.5 * (r + 1);
+      world.all_reduce(&x, 1, moe::ReduceOp::kSum);
+      const double want = 0.25 * world.size() * (world.size() + 1);
+      if (x != want) {
+        std::fprintf(stderr, "[rank %d] sum %g, expected %g\n", r, x, want);
+        return 1;
+      }
+    } else if (mode == "exit") {
+      if (r == 1) {
+        std::fprintf(stderr, "[rank 1] exiting on purpose\n");
+        std::fflush(stderr);
+        std::_Exit(3);
+      }
+      world.all_reduce(words, 16, moe::ReduceOp::kSum);
+    } else if (mode == "sleep") {
+      if (r == 1) {
+        ::sleep(4);
+        return 0;
+      }
+      world.all_reduce(words, 16, moe::ReduceOp::kSum);
+    } else {
+      std::fprintf(stderr, "unknown --tcp-probe mode '%s'\n", mode.c_str());
+      return 2;
+    }
+    std::fprintf(stderr, "[rank %d] the collective completed\n", r);
+    return 0;
+  } catch (const std::exception& e) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::fprintf(stderr, "[rank %d] error after %.2f s: %s\n", r, s, e.what());
+    return 1;
+  }
+}
+
+// Starts argv[0..] as N torchrun-style ranks sharing this process's stdout and stderr; the
+// worst exit status wins. Ranks still running after 850 s are killed (CTest's limit is 900 s).
+int tcp_launch(int np, char** argv) {
+  std::vector<std::string> args;
+  for (char** a = argv; *a != nullptr; ++a) args.emplace_back(*a);
+  if (np < 1 || args.empty()) {
+    std::fprintf(stderr, "usage: test_parallel --tcp-launch N PROGRAM [ARGS...]\n");
+    return 2;
+  }
+  const moe::testing::TcpJob job = moe::testing::launch_tcp_job(np, args, {}, 850);
+  for (size_t k = 0; k < job.ranks.size(); ++k)
+    if (job.ranks[k].status != 0) std::fprintf(stderr, "tcp launch: rank %zu exited with status %d\n", k, job.ranks[k].status);
+  return job.worst();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "--timeout-probe") == 0) return timeout_probe();
+  if (argc > 2 && std::strcmp(argv[1], "--tcp-probe") == 0) return tcp_probe(argv[2]);
+  if (argc > 3 && std::strcmp(argv[1], "--tcp-launch") == 0) return tcp_launch(std::atoi(argv[2]), argv + 3);
   ::testing::InitGoogleTest(&argc, argv);
   moe::Comm& world = moe::world_comm();
   moe::testing::print_only_root_report(world);
