@@ -39,6 +39,7 @@
 #include "parallel/expert_parallel.h"
 #include "parallel/topology.h"
 #include "train/device.h"
+#include "train/gpu_bench.h"
 #include "train/metrics.h"
 #include "train/model_state.h"
 #include "train/routing_seed.h"
@@ -50,7 +51,6 @@
 #include "cuda/ops/nccl.h"
 #include "parallel/nccl_comm.h"
 #include "train/cuda_step.h"
-#include "train/gpu_bench.h"
 #endif
 
 namespace moe {
@@ -148,6 +148,140 @@ std::vector<TensorRef> tensor_refs(const ParamLayout& layout, const float* base,
   return refs;
 }
 
+// train_state.json of a checkpoint (docs/checkpoints.md).
+nlohmann::json train_state_json(const Config& cfg, int64_t done, int64_t data_position, int64_t optimizer_steps) {
+  return {{"step", done},
+          {"data_position", data_position},
+          {"optimizer_steps", optimizer_steps},
+          {"rng", {{"kind", "counter-based"}, {"seed", cfg.train.seed}, {"step", done}}},
+          {"config", config_to_toml(cfg)}};
+}
+
+// The one-rank checkpoint: global FP32 parameters (and expert biases) and both AdamW moments.
+CheckpointFiles replicated_checkpoint_files(Model<float>& model, AdamW& opt, nlohmann::json train_state) {
+  CheckpointFiles files;
+  files.model = model_state_refs(model);
+  files.optim = tensor_refs(model.layout(), opt.exp_avg().data(), ".exp_avg");
+  auto avg_sq = tensor_refs(model.layout(), opt.exp_avg_sq().data(), ".exp_avg_sq");
+  files.optim.insert(files.optim.end(), avg_sq.begin(), avg_sq.end());
+  files.train_state = std::move(train_state);
+  return files;
+}
+
+// GPU figures of a logged interval (the CPU loop has none).
+struct GpuFigures {
+  double tflops_per_gpu = 0;
+  double mem_peak_gib = 0;
+  double mem_used_gib = 0;
+  int64_t num_gpus = 1;
+};
+
+// Console lines and metrics.jsonl records of the training loops (CPU and GPU): step figures
+// averaged over each log interval, eval losses, skipped steps, the live line on a terminal.
+class RunLog {
+ public:
+  RunLog(const Config& cfg, std::ostream& out, MetricsWriter* metrics, bool tty, int64_t start_step)
+      : cfg_(cfg), out_(out), metrics_(metrics), tty_(tty), start_(start_step), t_start_(Clock::now()) {}
+
+  // The clock of elapsed time, ETA and wall time starts here (after the initial eval).
+  void start_clock() { t_start_ = Clock::now(); }
+  Clock::time_point start_time() const { return t_start_; }
+  const char* clear() const { return tty_ ? "\r\033[K" : ""; }
+
+  void eval(int64_t step, double loss) {
+    if (metrics_) metrics_->write({{"step", step}, {"eval_loss", loss}});
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "%sstep %lld | eval_loss %.4f\n", step ? clear() : "", (long long)step, loss);
+    out_ << buf << std::flush;
+  }
+
+  void skipped(int64_t step, double loss, double grad_norm) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "step %lld skipped: non-finite %s (loss %g, grad norm %g)\n", (long long)step,
+                  std::isfinite(loss) ? "grad norm" : "loss", loss, grad_norm);
+    out_ << buf << std::flush;
+    ++skipped_;
+  }
+
+  void saved(const std::string& path, bool last) {
+    if (!last || cfg_.checkpoint.interval > 0) out_ << clear() << "saved checkpoint " << path << "\n" << std::flush;
+  }
+
+  // Adds step `done`; at the end of a log interval writes the record and the console line (with
+  // the GPU figures when `gpu` is given: called with the interval's step count and seconds),
+  // otherwise refreshes the live line on a terminal.
+  void step(int64_t done, double loss, double lb, double z, double grad_norm, double lr, double step_s,
+            double imbalance, double dropped_frac, const std::function<GpuFigures(int64_t, double)>& gpu) {
+    loss_ += loss;
+    lb_ += lb;
+    z_ += z;
+    s_ += step_s;
+    imb_ += imbalance;
+    dropped_ += dropped_frac;
+    ++n_;
+    if (done % cfg_.log.interval != 0 && done != cfg_.train.steps) {
+      if (tty_) {
+        char buf[128];
+        std::snprintf(buf, sizeof buf, "\r\033[K  step %lld/%lld  loss %.4f  %.0f ms/step", (long long)done,
+                      (long long)cfg_.train.steps, loss, step_s * 1e3);
+        out_ << buf << std::flush;
+      }
+      return;
+    }
+    const double n = double(n_);
+    const double elapsed = std::chrono::duration<double>(Clock::now() - t_start_).count();
+    const double tps = double(cfg_.train.global_batch * cfg_.train.seq_len) * n / s_;
+    const double eta = elapsed / double(done - start_) * double(cfg_.train.steps - done);
+    nlohmann::json rec = {{"step", done},
+                          {"loss", loss_ / n},
+                          {"lb_loss", lb_ / n},
+                          {"z_loss", z_ / n},
+                          {"grad_norm", grad_norm},
+                          {"lr", lr},
+                          {"tokens_per_s", tps},
+                          {"step_ms", 1e3 * s_ / n},
+                          {"load_imbalance", imb_ / n},
+                          {"dropped_frac", dropped_ / n},
+                          {"skipped_steps", skipped_}};
+    char gpu_part[128] = "";
+    if (gpu) {
+      const GpuFigures g = gpu(n_, s_);
+      const double tflops = g.tflops_per_gpu;
+      rec["tflops_per_gpu"] = tflops;
+      rec["mfu"] = tflops / kGpuPeakTflops;
+      rec["mem_peak_gib"] = g.mem_peak_gib;
+      rec["mem_used_gib"] = g.mem_used_gib;
+      if (g.num_gpus > 1) {
+        rec["num_gpus"] = g.num_gpus;
+        rec["tokens_per_s_per_gpu"] = tps / double(g.num_gpus);
+      }
+      std::snprintf(gpu_part, sizeof gpu_part, " | %.1f TFLOP/s (mfu %.1f%%) | mem %.2f GiB", tflops,
+                    100.0 * tflops / kGpuPeakTflops, g.mem_peak_gib);
+    }
+    if (metrics_) metrics_->write(rec);
+    char buf[400];
+    std::snprintf(buf, sizeof buf,
+                  "%sstep %*lld/%lld | loss %.4f | lb %.3f | z %.3f | gnorm %.3f | lr %.2e | %s tok/s%s | imb %.2f | "
+                  "%s elapsed | ETA %s\n",
+                  clear(), int(std::to_string(cfg_.train.steps).size()), (long long)done, (long long)cfg_.train.steps,
+                  loss_ / n, lb_ / n, z_ / n, grad_norm, lr, fmt_rate(tps).c_str(), gpu_part, imb_ / n,
+                  fmt_duration(elapsed).c_str(), fmt_duration(eta).c_str());
+    out_ << buf << std::flush;
+    loss_ = lb_ = z_ = s_ = imb_ = dropped_ = 0;
+    n_ = skipped_ = 0;
+  }
+
+ private:
+  const Config& cfg_;
+  std::ostream& out_;
+  MetricsWriter* metrics_;
+  bool tty_;
+  int64_t start_;
+  Clock::time_point t_start_;
+  double loss_ = 0, lb_ = 0, z_ = 0, s_ = 0, imb_ = 0, dropped_ = 0;
+  int64_t n_ = 0, skipped_ = 0;
+};
+
 // Test-only fault injection: MOECORE_FAULT_EXIT_RANK=r and MOECORE_FAULT_EXIT_STEP=n make rank r
 // leave with _exit(3) when step n begins, as a crashed process would (no MPI_Finalize).
 struct FaultInjection {
@@ -222,7 +356,6 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
                   MetricsWriter* metrics, const Topology& topo, const FaultInjection& fault,
                   const std::vector<ShardGroup>& owned) {
   const int64_t start = summary.start_step;
-  const ParamLayout& layout = model.layout();
   const int64_t dp = topo.sizes.dp;
   Comm& dp_comm = *topo.dp_comm;
   Comm& world = *topo.world;
@@ -241,8 +374,10 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
   std::unique_ptr<cuda::NcclComm> nccl;
   if (dp > 1) {
     nccl = make_nccl_comm(dp_comm);
-    out << "data parallel over " << dp << " GPUs: NCCL " << cuda::nccl_version()
-        << ", gradients all-reduced after the last backward (no overlap), replicated AdamW\n"
+    const bool overlap = cfg.parallel.overlap_grad_reduce && topo.sizes.ep == 1;
+    out << "data parallel over " << dp << " GPUs: NCCL " << cuda::nccl_version() << ", gradients all-reduced "
+        << (overlap ? "block by block during the last backward (overlapped)" : "after the last backward")
+        << ", replicated AdamW\n"
         << std::flush;
   }
   // Expert parallelism: NCCL groups over the ep ranks (token exchange) and, when dp > ep, the
@@ -262,23 +397,19 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
                     model.expert_bias());
   // Open MPI hands ranks a pty even when mpirun's output goes to a file: no live line there.
   const bool tty = isatty(fileno(stdout)) && &out == &std::cout && world.size() == 1;
+  RunLog log(cfg, out, metrics, tty, start);
 
   if (eval && start == 0) {
     summary.initial_eval_loss = evaluate_gpu(runner, *eval, cfg, dp_comm);
-    if (metrics) metrics->write({{"step", 0}, {"eval_loss", summary.initial_eval_loss}});
-    char buf[96];
-    std::snprintf(buf, sizeof buf, "step %lld | eval_loss %.4f\n", 0LL, summary.initial_eval_loss);
-    out << buf << std::flush;
+    log.eval(0, summary.initial_eval_loss);
   }
+  log.start_clock();
 
   const int64_t tokens_per_step = cfg.train.global_batch * cfg.train.seq_len;
   const double flops_per_step = count_model(cfg.model, cfg.moe, cfg.train.seq_len).flops_per_token * double(tokens_per_step);
-  const auto t_start = Clock::now();
-  double window_loss = 0, window_lb = 0, window_z = 0, window_s = 0, window_imb = 0;
-  int64_t window_n = 0, window_skipped = 0;
   bool first = true;
   std::deque<Clock::time_point> submitted;  // submission time of each pending step
-  Clock::time_point last_done = t_start;
+  Clock::time_point last_done = log.start_time();
 
   auto log_step = [&](const StepStats& s) {
     const auto now = Clock::now();
@@ -288,71 +419,23 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
     const int64_t done = s.step;
     const double loss = s.ce_sum / double(std::max<int64_t>(1, s.num_targets));
     const double lr = lr_at(cfg.optim, done - 1, cfg.train.steps);
-    if (s.skipped || !std::isfinite(loss)) {
-      char buf[160];
-      std::snprintf(buf, sizeof buf, "step %lld skipped: non-finite %s (loss %g, grad norm %g)\n", (long long)done,
-                    std::isfinite(loss) ? "grad norm" : "loss", loss, s.grad_norm);
-      out << buf << std::flush;
-      ++window_skipped;
-    }
+    if (s.skipped || !std::isfinite(loss)) log.skipped(done, loss, s.grad_norm);
     if (first) summary.first_loss = loss;
     first = false;
     summary.last_loss = loss;
     summary.steps_done = done;
     summary.losses.push_back(loss);
-    const double imbalance = load_imbalance(s.tokens_per_expert);
-    window_loss += loss;
-    window_lb += s.lb_loss;
-    window_z += s.z_loss;
-    window_s += step_s;
-    window_imb += imbalance;
-    ++window_n;
-
-    if (done % cfg.log.interval == 0 || done == cfg.train.steps) {
-      const double elapsed = std::chrono::duration<double>(now - t_start).count();
-      const double tps = double(tokens_per_step * window_n) / window_s;
-      const double tflops = flops_per_step * double(window_n) / window_s / 1e12 / double(dp);  // per GPU
-      const double eta = elapsed / double(done - start) * double(cfg.train.steps - done);
-      const double peak_gib = double(cuda::device_peak_bytes()) / double(1ull << 30);
-      size_t free_bytes = 0, total_bytes = 0;
-      cuda::device_mem_info(&free_bytes, &total_bytes);
-      nlohmann::json rec = {{"step", done},
-                            {"loss", window_loss / window_n},
-                            {"lb_loss", window_lb / window_n},
-                            {"z_loss", window_z / window_n},
-                            {"grad_norm", s.grad_norm},
-                            {"lr", lr},
-                            {"tokens_per_s", tps},
-                            {"step_ms", 1e3 * window_s / window_n},
-                            {"load_imbalance", window_imb / window_n},
-                            {"dropped_frac", 0.0},
-                            {"skipped_steps", window_skipped},
-                            {"tflops_per_gpu", tflops},
-                            {"mfu", tflops / kGpuPeakTflops},
-                            {"mem_peak_gib", peak_gib},
-                            {"mem_used_gib", double(total_bytes - free_bytes) / double(1ull << 30)}};
-      if (dp > 1) {
-        rec["num_gpus"] = dp;
-        rec["tokens_per_s_per_gpu"] = tps / double(dp);
-      }
-      if (metrics) metrics->write(rec);
-      char buf[400];
-      std::snprintf(buf, sizeof buf,
-                    "%sstep %*lld/%lld | loss %.4f | lb %.3f | z %.3f | gnorm %.3f | lr %.2e | %s tok/s | %.1f TFLOP/s "
-                    "(mfu %.1f%%) | mem %.2f GiB | imb %.2f | %s elapsed | ETA %s\n",
-                    tty ? "\r\033[K" : "", int(std::to_string(cfg.train.steps).size()), (long long)done,
-                    (long long)cfg.train.steps, window_loss / window_n, window_lb / window_n, window_z / window_n,
-                    s.grad_norm, lr, fmt_rate(tps).c_str(), tflops, 100.0 * tflops / kGpuPeakTflops, peak_gib,
-                    window_imb / window_n, fmt_duration(elapsed).c_str(), fmt_duration(eta).c_str());
-      out << buf << std::flush;
-      window_loss = window_lb = window_z = window_s = window_imb = 0;
-      window_n = window_skipped = 0;
-    } else if (tty) {
-      char buf[128];
-      std::snprintf(buf, sizeof buf, "\r\033[K  step %lld/%lld  loss %.4f  %.0f ms/step", (long long)done,
-                    (long long)cfg.train.steps, loss, step_s * 1e3);
-      out << buf << std::flush;
-    }
+    log.step(done, loss, s.lb_loss, s.z_loss, s.grad_norm, lr, step_s, load_imbalance(s.tokens_per_expert), 0.0,
+             [&](int64_t steps, double seconds) {
+               GpuFigures g;
+               g.tflops_per_gpu = flops_per_step * double(steps) / seconds / 1e12 / double(dp);  // per GPU
+               g.mem_peak_gib = double(cuda::device_peak_bytes()) / double(1ull << 30);
+               size_t free_bytes = 0, total_bytes = 0;
+               cuda::device_mem_info(&free_bytes, &total_bytes);
+               g.mem_used_gib = double(total_bytes - free_bytes) / double(1ull << 30);
+               g.num_gpus = dp;
+               return g;
+             });
   };
   auto flush = [&] {
     while (runner.pending() > 0) log_step(runner.collect());
@@ -377,12 +460,8 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
     const bool do_ckpt = (cfg.checkpoint.interval > 0 && done % cfg.checkpoint.interval == 0) || last;
     if (do_eval || do_ckpt) flush();
     if (do_eval) {
-      const double el = evaluate_gpu(runner, *eval, cfg, dp_comm);
-      summary.final_eval_loss = el;
-      if (metrics) metrics->write({{"step", done}, {"eval_loss", el}});
-      char buf[96];
-      std::snprintf(buf, sizeof buf, "%sstep %lld | eval_loss %.4f\n", tty ? "\r\033[K" : "", (long long)done, el);
-      out << buf << std::flush;
+      summary.final_eval_loss = evaluate_gpu(runner, *eval, cfg, dp_comm);
+      log.eval(done, summary.final_eval_loss);
     }
     if (do_ckpt && ep > 1) {
       // Expert parallelism: each rank holds other experts, so every rank downloads its state and
@@ -393,14 +472,9 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
                             &model.expert_bias());
       opt.set_steps_taken(optimizer_steps);
       SlicedCheckpointFiles sliced = sliced_files(model, owned, nullptr, opt, topo);
-      sliced.train_state = {{"step", done},
-                            {"data_position", loader.position()},
-                            {"optimizer_steps", opt.steps_taken()},
-                            {"rng", {{"kind", "counter-based"}, {"seed", cfg.train.seed}, {"step", done}}},
-                            {"config", config_to_toml(cfg)}};
+      sliced.train_state = train_state_json(cfg, done, loader.position(), opt.steps_taken());
       summary.last_checkpoint = save_checkpoint_sliced(world, ckpt_dir, done, sliced, cfg.checkpoint.keep_last);
-      if (!last || cfg.checkpoint.interval > 0)
-        out << (tty ? "\r\033[K" : "") << "saved checkpoint " << summary.last_checkpoint << "\n" << std::flush;
+      log.saved(summary.last_checkpoint, last);
     } else if (do_ckpt) {
       // Replicated state: rank 0 writes the global tensors; the others wait for its verdict, so
       // that a failed save stops every rank with the same error.
@@ -411,17 +485,8 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
           runner.download_state(model.params(), opt.exp_avg().data(), opt.exp_avg_sq().data(), &optimizer_steps,
                                 &model.expert_bias());
           opt.set_steps_taken(optimizer_steps);
-          CheckpointFiles files;
-          files.model = model_state_refs(model);
-          auto avg = tensor_refs(layout, opt.exp_avg().data(), ".exp_avg");
-          auto avg_sq = tensor_refs(layout, opt.exp_avg_sq().data(), ".exp_avg_sq");
-          files.optim = avg;
-          files.optim.insert(files.optim.end(), avg_sq.begin(), avg_sq.end());
-          files.train_state = {{"step", done},
-                               {"data_position", loader.position()},
-                               {"optimizer_steps", opt.steps_taken()},
-                               {"rng", {{"kind", "counter-based"}, {"seed", cfg.train.seed}, {"step", done}}},
-                               {"config", config_to_toml(cfg)}};
+          const CheckpointFiles files =
+              replicated_checkpoint_files(model, opt, train_state_json(cfg, done, loader.position(), opt.steps_taken()));
           summary.last_checkpoint = save_checkpoint(ckpt_dir, done, files, cfg.checkpoint.keep_last);
         } catch (const std::exception& e) {
           if (world.size() == 1) throw;
@@ -435,12 +500,11 @@ void train_on_gpu(const Config& cfg, std::ostream& out, TrainSummary& summary, D
                   failure.empty() ? std::string(" (see its error)") : ": " + failure);
         if (world.rank() != 0) summary.last_checkpoint = (fs::path(ckpt_dir) / step_dir_name(done)).string();
       }
-      if (!last || cfg.checkpoint.interval > 0)
-        out << (tty ? "\r\033[K" : "") << "saved checkpoint " << summary.last_checkpoint << "\n" << std::flush;
+      log.saved(summary.last_checkpoint, last);
     }
   }
   flush();
-  summary.wall_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+  summary.wall_s = std::chrono::duration<double>(Clock::now() - log.start_time()).count();
 }
 
 #endif  // MOECORE_HAS_CUDA
@@ -579,22 +643,17 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
   }
 #endif
 
-  if (eval && start == 0) {
-    summary.initial_eval_loss = evaluate(model, *eval, cfg, *topo.dp_comm);
-    if (metrics) metrics->write({{"step", 0}, {"eval_loss", summary.initial_eval_loss}});
-    char buf[96];
-    std::snprintf(buf, sizeof buf, "step %lld | eval_loss %.4f\n", 0LL, summary.initial_eval_loss);
-    out << buf << std::flush;
-  }
-
   // Open MPI hands ranks a pty even when mpirun's output goes to a file: no live line there.
   const bool tty = isatty(fileno(stdout)) && &out == &std::cout && world.size() == 1;
+  RunLog log(cfg, out, metrics ? &*metrics : nullptr, tty, start);
+  if (eval && start == 0) {
+    summary.initial_eval_loss = evaluate(model, *eval, cfg, *topo.dp_comm);
+    log.eval(0, summary.initial_eval_loss);
+  }
+  log.start_clock();
+
   const int64_t micro_steps = loader.micro_steps_per_batch();
   const double micro_total = double(micro_steps * dp);  // micro-batches of the global batch
-  const int64_t tokens_per_step = cfg.train.global_batch * cfg.train.seq_len;
-  const auto t_start = Clock::now();
-  double window_loss = 0, window_lb = 0, window_z = 0, window_s = 0, window_imb = 0, window_dropped = 0;
-  int64_t window_n = 0, window_skipped = 0;
   bool first = true;
 
   for (int64_t step = start; step < cfg.train.steps; ++step) {
@@ -659,11 +718,7 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
     }
     const bool skip = !std::isfinite(loss) || !std::isfinite(gnorm);
     if (skip) {
-      char buf[160];
-      std::snprintf(buf, sizeof buf, "step %lld skipped: non-finite %s (loss %g, grad norm %g)\n", (long long)(step + 1),
-                    std::isfinite(loss) ? "grad norm" : "loss", loss, gnorm);
-      out << buf << std::flush;
-      ++window_skipped;
+      log.skipped(step + 1, loss, gnorm);
     } else {
       if (dist) {
         dist->step(model.params(), lr, gnorm);
@@ -681,84 +736,29 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
     summary.last_loss = loss;
     summary.steps_done = done;
     summary.losses.push_back(loss);
-    const double imbalance = load_imbalance(expert_counts);
-    window_loss += loss;
-    window_lb += lb;
-    window_z += z;
-    window_s += step_s;
-    window_imb += imbalance;
-    window_dropped += routes ? double(dropped) / double(routes) : 0.0;
-    ++window_n;
-
-    if (done % cfg.log.interval == 0 || done == cfg.train.steps) {
-      const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
-      const double tps = double(tokens_per_step * window_n) / window_s;
-      const double eta = elapsed / double(done - start) * double(cfg.train.steps - done);
-      nlohmann::json rec = {{"step", done},
-                            {"loss", window_loss / window_n},
-                            {"lb_loss", window_lb / window_n},
-                            {"z_loss", window_z / window_n},
-                            {"grad_norm", gnorm},
-                            {"lr", lr},
-                            {"tokens_per_s", tps},
-                            {"step_ms", 1e3 * window_s / window_n},
-                            {"load_imbalance", window_imb / window_n},
-                            {"dropped_frac", window_dropped / window_n},
-                            {"skipped_steps", window_skipped}};
-      if (metrics) metrics->write(rec);
-      char buf[320];
-      std::snprintf(buf, sizeof buf,
-                    "%sstep %*lld/%lld | loss %.4f | lb %.3f | z %.3f | gnorm %.3f | lr %.2e | %s tok/s | imb %.2f | %s elapsed | ETA %s\n",
-                    tty ? "\r\033[K" : "", int(std::to_string(cfg.train.steps).size()), (long long)done,
-                    (long long)cfg.train.steps, window_loss / window_n, window_lb / window_n, window_z / window_n, gnorm,
-                    lr, fmt_rate(tps).c_str(), window_imb / window_n, fmt_duration(elapsed).c_str(),
-                    fmt_duration(eta).c_str());
-      out << buf << std::flush;
-      window_loss = window_lb = window_z = window_s = window_imb = window_dropped = 0;
-      window_n = window_skipped = 0;
-    } else if (tty) {
-      char buf[128];
-      std::snprintf(buf, sizeof buf, "\r\033[K  step %lld/%lld  loss %.4f  %.0f ms/step", (long long)done,
-                    (long long)cfg.train.steps, loss, step_s * 1e3);
-      out << buf << std::flush;
-    }
+    log.step(done, loss, lb, z, gnorm, lr, step_s, load_imbalance(expert_counts),
+             routes ? double(dropped) / double(routes) : 0.0, nullptr);
 
     const bool last = done == cfg.train.steps;
     if (eval && ((cfg.train.eval_interval > 0 && done % cfg.train.eval_interval == 0) || last)) {
-      const double el = evaluate(model, *eval, cfg, *topo.dp_comm);
-      summary.final_eval_loss = el;
-      if (metrics) metrics->write({{"step", done}, {"eval_loss", el}});
-      char buf[96];
-      std::snprintf(buf, sizeof buf, "%sstep %lld | eval_loss %.4f\n", tty ? "\r\033[K" : "", (long long)done, el);
-      out << buf << std::flush;
+      summary.final_eval_loss = evaluate(model, *eval, cfg, *topo.dp_comm);
+      log.eval(done, summary.final_eval_loss);
     }
     if ((cfg.checkpoint.interval > 0 && done % cfg.checkpoint.interval == 0) || last) {
-      const nlohmann::json train_state = {{"step", done},
-                                          {"data_position", loader.position()},
-                                          {"optimizer_steps", opt.steps_taken()},
-                                          {"rng", {{"kind", "counter-based"}, {"seed", cfg.train.seed}, {"step", done}}},
-                                          {"config", config_to_toml(cfg)}};
+      nlohmann::json train_state = train_state_json(cfg, done, loader.position(), opt.steps_taken());
       if (world.size() > 1) {
         SlicedCheckpointFiles sliced = sliced_files(model, owned, dist.get(), opt, topo);
-        sliced.train_state = train_state;
+        sliced.train_state = std::move(train_state);
         summary.last_checkpoint = save_checkpoint_sliced(world, ckpt_dir, done, sliced, cfg.checkpoint.keep_last);
-        if (!last || cfg.checkpoint.interval > 0)
-          out << (tty ? "\r\033[K" : "") << "saved checkpoint " << summary.last_checkpoint << "\n" << std::flush;
-        continue;
+      } else {
+        summary.last_checkpoint =
+            save_checkpoint(ckpt_dir, done, replicated_checkpoint_files(model, opt, std::move(train_state)),
+                            cfg.checkpoint.keep_last);
       }
-      CheckpointFiles files;
-      files.model = model_state_refs(model);
-      auto avg = tensor_refs(layout, opt.exp_avg().data(), ".exp_avg");
-      auto avg_sq = tensor_refs(layout, opt.exp_avg_sq().data(), ".exp_avg_sq");
-      files.optim = avg;
-      files.optim.insert(files.optim.end(), avg_sq.begin(), avg_sq.end());
-      files.train_state = train_state;
-      summary.last_checkpoint = save_checkpoint(ckpt_dir, done, files, cfg.checkpoint.keep_last);
-      if (!last || cfg.checkpoint.interval > 0)
-        out << (tty ? "\r\033[K" : "") << "saved checkpoint " << summary.last_checkpoint << "\n" << std::flush;
+      log.saved(summary.last_checkpoint, last);
     }
   }
-  summary.wall_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+  summary.wall_s = std::chrono::duration<double>(Clock::now() - log.start_time()).count();
   return summary;
 }
 
