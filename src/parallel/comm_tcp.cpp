@@ -142,23 +142,27 @@ void set_socket_options(int fd) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
-// Writes n bytes; false with `err` on a closed peer, an error or the deadline.
-bool write_all(int fd, const void* data, size_t n, Clock::time_point deadline, std::string* err) {
-  const char* p = static_cast<const char*>(data);
+// Sends (sending) or receives exactly n bytes at p; false with `err` on a closed peer, an error or
+// the deadline.
+bool transfer_all(int fd, char* p, size_t n, bool sending, Clock::time_point deadline, std::string* err) {
   while (n > 0) {
-    const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
+    const ssize_t k = sending ? ::send(fd, p, n, MSG_NOSIGNAL) : ::recv(fd, p, n, 0);
     if (k > 0) {
       p += k;
       n -= size_t(k);
       continue;
     }
+    if (k == 0 && !sending) {
+      *err = "the connection was closed";
+      return false;
+    }
     if (k < 0 && errno == EINTR) continue;
     if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       if (Clock::now() >= deadline) {
-        *err = "timed out sending";
+        *err = sending ? "timed out sending" : "timed out waiting";
         return false;
       }
-      pollfd pf{fd, POLLOUT, 0};
+      pollfd pf{fd, short(sending ? POLLOUT : POLLIN), 0};
       ::poll(&pf, 1, ms_left(deadline));
       continue;
     }
@@ -168,34 +172,12 @@ bool write_all(int fd, const void* data, size_t n, Clock::time_point deadline, s
   return true;
 }
 
-// Reads exactly n bytes; false with `err` on end of stream, an error or the deadline.
+bool write_all(int fd, const void* data, size_t n, Clock::time_point deadline, std::string* err) {
+  return transfer_all(fd, const_cast<char*>(static_cast<const char*>(data)), n, true, deadline, err);
+}
+
 bool read_all(int fd, void* data, size_t n, Clock::time_point deadline, std::string* err) {
-  char* p = static_cast<char*>(data);
-  while (n > 0) {
-    const ssize_t k = ::recv(fd, p, n, 0);
-    if (k > 0) {
-      p += k;
-      n -= size_t(k);
-      continue;
-    }
-    if (k == 0) {
-      *err = "the connection was closed";
-      return false;
-    }
-    if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      if (Clock::now() >= deadline) {
-        *err = "timed out waiting";
-        return false;
-      }
-      pollfd pf{fd, POLLIN, 0};
-      ::poll(&pf, 1, ms_left(deadline));
-      continue;
-    }
-    *err = errno_text(errno);
-    return false;
-  }
-  return true;
+  return transfer_all(fd, static_cast<char*>(data), n, false, deadline, err);
 }
 
 // A listening socket on every address of `family` (AF_INET6 also takes IPv4), port 0 = ephemeral.

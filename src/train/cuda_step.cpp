@@ -187,6 +187,14 @@ struct CudaStepRunner::Impl {
     else cuda::event_sync(e);
   }
 
+  // Sums the FP32 gradients at flat offsets [begin, end) over `group` in pieces of at most
+  // kGradBucketElements; only enqueues work on `st`.
+  void all_reduce_range(cuda::NcclComm* group, int64_t begin, int64_t end, cuda::Stream st) {
+    float* grads = model.grads();
+    for (int64_t at = begin; at < end; at += kGradBucketElements)
+      group->all_reduce_sum(grads + at, std::min(kGradBucketElements, end - at), cuda::NcclDType::kF32, st);
+  }
+
   // CudaModel's hook (overlap): enqueues the all-reduce of the gradients at [ready_from,
   // reduced_from) on comm_stream once the model's stream has produced them. Outside the last
   // micro-batch's backward (reduced_from < 0) it does nothing.
@@ -196,10 +204,7 @@ struct CudaStepRunner::Impl {
     const cuda::Event e = ready_events[next_ready_event++];
     cuda::event_record(e, stream());
     cuda::stream_wait_event(comm_stream, e);
-    float* grads = model.grads();
-    for (int64_t at = ready_from; at < reduced_from; at += kGradBucketElements)
-      dp->all_reduce_sum(grads + at, std::min(kGradBucketElements, reduced_from - at), cuda::NcclDType::kF32,
-                         comm_stream);
+    all_reduce_range(dp, ready_from, reduced_from, comm_stream);
     reduced_from = ready_from;
   }
 
@@ -218,22 +223,15 @@ struct CudaStepRunner::Impl {
 
   // Sums the gradients (after backward) over the data-parallel group; only enqueues work.
   void all_reduce_grads(cuda::Stream st) {
-    const int64_t total = model.layout().total_numel();
-    float* grads = model.grads();
     if (ep == nullptr) {
-      for (int64_t at = 0; at < total; at += kGradBucketElements)
-        dp->all_reduce_sum(grads + at, std::min(kGradBucketElements, total - at), cuda::NcclDType::kF32, st);
+      all_reduce_range(dp, 0, model.layout().total_numel(), st);
     } else {
       // Dense tensors over every rank; local experts over the ranks holding the same experts
       // (nothing to do when ep = dp: each expert's gradient already holds every token of its
       // ep group, which travelled to it).
-      for (const FlatRange& r : dense_ranges)
-        for (int64_t at = r.begin; at < r.end; at += kGradBucketElements)
-          dp->all_reduce_sum(grads + at, std::min(kGradBucketElements, r.end - at), cuda::NcclDType::kF32, st);
+      for (const FlatRange& r : dense_ranges) all_reduce_range(dp, r.begin, r.end, st);
       if (ep_dp)
-        for (const FlatRange& r : expert_ranges)
-          for (int64_t at = r.begin; at < r.end; at += kGradBucketElements)
-            ep_dp->all_reduce_sum(grads + at, std::min(kGradBucketElements, r.end - at), cuda::NcclDType::kF32, st);
+        for (const FlatRange& r : expert_ranges) all_reduce_range(ep_dp, r.begin, r.end, st);
     }
   }
 

@@ -20,6 +20,7 @@
 #include "cuda/common.h"
 #include "cuda/ops/nccl.h"
 #include "gpu/dp_test_util.h"
+#include "gpu/two_gpu_main.h"
 #include "parallel/comm.h"
 #include "parallel/mpi_test_util.h"
 #include "parallel/nccl_comm.h"
@@ -235,30 +236,17 @@ TEST_F(ExpertParallelGpu, TrainerFollowsOneGpuAndItsCheckpointResumesOnOneGpu) {
 }  // namespace
 }  // namespace moe::testing
 
-// Every rank runs every test; rank 0 prints the report, the others only their failures; the exit
-// status is the worst over the ranks.
+// The NCCL groups are made once, after each rank bound its GPU (tests/gpu/two_gpu_main.h).
 int main(int argc, char** argv) {
   using namespace moe::testing;
-  ::testing::InitGoogleTest(&argc, argv);
-  moe::Comm& world = moe::world_comm();
-  print_only_root_report(world);
-  const int gpus = moe::cuda::cuda_device_count();
-  if (world.size() != 2) {
-    g_skip_reason = "needs exactly 2 ranks (mpirun -np 2 test_ep_gpu); this job has " + std::to_string(world.size());
-  } else if (gpus < 2) {
-    g_skip_reason = "needs 2 visible GPUs, found " + std::to_string(gpus);
-  } else {
-    try {
-      moe::bind_local_gpu(world);
-      g_dp = moe::make_nccl_comm(world);
-      g_ep = moe::make_nccl_comm(world);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "[rank %d] error: %s\n", world.rank(), e.what());
-      world.abort(1);
-    }
-  }
-  const int status = RUN_ALL_TESTS();
-  g_ep.reset();
-  g_dp.reset();
-  return worst_status_over_ranks(world, status);
+  return run_two_gpu_tests(
+      argc, argv, "test_ep_gpu", &g_skip_reason,
+      [](moe::Comm& world) {
+        g_dp = moe::make_nccl_comm(world);
+        g_ep = moe::make_nccl_comm(world);
+      },
+      [] {
+        g_ep.reset();
+        g_dp.reset();
+      });
 }
