@@ -6,10 +6,12 @@
 
 #include <cstdint>
 
+#include "core/moe_types.h"
+
 namespace moe::cpu {
 
-enum class ScoreFunc { kSoftmax, kSigmoid };
-enum class RoutingMode { kLearned, kRandom, kUniform };
+using moe::RoutingMode;
+using moe::ScoreFunc;
 
 struct RouterParams {
   int64_t num_tokens = 0, d_model = 0, num_experts = 0, top_k = 0;

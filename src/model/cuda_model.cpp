@@ -473,36 +473,36 @@ void CudaModel::forward_device(const int32_t* inputs, const int32_t* targets, in
     if (timer_) timer_->mark(cuda::Phase::kAttention);
     uint16_t* norm1 = s.norm1.as<uint16_t>();
     float* rstd1 = s.rstd1.as<float>();
-    cuda::rmsnorm_forward(xin, P + s.ln1, norm1, rstd1, n, d, mcfg_.norm_eps, st);
+    cuda::rmsnorm_forward(xin, P + s.attn_norm, norm1, rstd1, n, d, mcfg_.norm_eps, st);
     uint16_t* qb = s.q.as<uint16_t>();
     uint16_t* kb = s.k.as<uint16_t>();
     uint16_t* vb = s.v.as<uint16_t>();
     if (mcfg_.qk_norm) {
       uint16_t* q_raw = s.q_raw.as<uint16_t>();
       uint16_t* k_raw = s.k_raw.as<uint16_t>();
-      cuda::gemm(G, false, true, n, q, d, 1.f, norm1, d, P + s.wq, d, 0.f, q_raw, q, st);
-      cuda::gemm(G, false, true, n, kv, d, 1.f, norm1, d, P + s.wk, d, 0.f, k_raw, kv, st);
-      cuda::rmsnorm_forward(q_raw, P + s.qn, qb, s.q_rstd.as<float>(), n, q, mcfg_.norm_eps, st);
-      cuda::rmsnorm_forward(k_raw, P + s.kn, kb, s.k_rstd.as<float>(), n, kv, mcfg_.norm_eps, st);
+      cuda::gemm(G, false, true, n, q, d, 1.f, norm1, d, P + s.q_proj, d, 0.f, q_raw, q, st);
+      cuda::gemm(G, false, true, n, kv, d, 1.f, norm1, d, P + s.k_proj, d, 0.f, k_raw, kv, st);
+      cuda::rmsnorm_forward(q_raw, P + s.q_norm, qb, s.q_rstd.as<float>(), n, q, mcfg_.norm_eps, st);
+      cuda::rmsnorm_forward(k_raw, P + s.k_norm, kb, s.k_rstd.as<float>(), n, kv, mcfg_.norm_eps, st);
     } else {
-      cuda::gemm(G, false, true, n, q, d, 1.f, norm1, d, P + s.wq, d, 0.f, qb, q, st);
-      cuda::gemm(G, false, true, n, kv, d, 1.f, norm1, d, P + s.wk, d, 0.f, kb, kv, st);
+      cuda::gemm(G, false, true, n, q, d, 1.f, norm1, d, P + s.q_proj, d, 0.f, qb, q, st);
+      cuda::gemm(G, false, true, n, kv, d, 1.f, norm1, d, P + s.k_proj, d, 0.f, kb, kv, st);
     }
-    cuda::gemm(G, false, true, n, kv, d, 1.f, norm1, d, P + s.wv, d, 0.f, vb, kv, st);
+    cuda::gemm(G, false, true, n, kv, d, 1.f, norm1, d, P + s.v_proj, d, 0.f, vb, kv, st);
     cuda::rope_forward(qb, batch, seq, hq, hd, mcfg_.rope_theta, st);
     cuda::rope_forward(kb, batch, seq, hkv, hd, mcfg_.rope_theta, st);
     uint16_t* attn = s.attn.as<uint16_t>();
     cuda::attention_forward(qb, kb, vb, attn, s.lse.as<float>(), batch, seq, hq, hkv, hd, st);
-    cuda::gemm(G, false, true, n, d, q, 1.f, attn, q, P + s.wo, q, 0.f, branch, d, st);
+    cuda::gemm(G, false, true, n, d, q, 1.f, attn, q, P + s.o_proj, q, 0.f, branch, d, st);
     uint16_t* xmid = s.x_mid.as<uint16_t>();
     cuda::residual_add(x32, branch, xmid, n * d, st);
 
     // MLP / MoE branch.
     if (timer_) timer_->mark(cuda::Phase::kMlp);
     uint16_t* norm2 = s.norm2.as<uint16_t>();
-    cuda::rmsnorm_forward(xmid, P + s.ln2, norm2, s.rstd2.as<float>(), n, d, mcfg_.norm_eps, st);
+    cuda::rmsnorm_forward(xmid, P + s.mlp_norm, norm2, s.rstd2.as<float>(), n, d, mcfg_.norm_eps, st);
     if (s.dense) {
-      mlp_forward_gpu(G, norm2, P + s.mg, P + s.mu, P + s.md, n, d, s.mlp_hidden, s.mlp_gate_up.as<uint16_t>(),
+      mlp_forward_gpu(G, norm2, P + s.mlp_gate, P + s.mlp_up, P + s.mlp_down, n, d, s.mlp_hidden, s.mlp_gate_up.as<uint16_t>(),
                       s.mlp_h.as<uint16_t>(), branch, false, st);
     } else {
       if (timer_) timer_->mark(cuda::Phase::kRouter);
@@ -516,7 +516,7 @@ void CudaModel::forward_device(const int32_t* inputs, const int32_t* targets, in
                                                : cuda::RoutingMode::kLearned;
       s.rp.seed = layer_routing_seed(routing_seed, static_cast<uint64_t>(l));
       float* logits = s.logits.as<float>();
-      cuda::gemm(G, false, true, n, e, d, 1.f, norm2, d, P + s.gate, d, 0.f, logits, e, st);
+      cuda::gemm(G, false, true, n, e, d, 1.f, norm2, d, P + s.router, d, 0.f, logits, e, st);
       int32_t* counts = I.counts.as<int32_t>() + s.moe_index * e;
       int32_t* topk_idx = s.topk_idx.as<int32_t>();
       float* topk_w = s.topk_w.as<float>();
@@ -538,15 +538,15 @@ void CudaModel::forward_device(const int32_t* inputs, const int32_t* targets, in
         if (timer_) timer_->mark(cuda::Phase::kExperts);
         uint16_t* gu = s.gate_up.as<uint16_t>();
         uint16_t* h = s.h.as<uint16_t>();
-        cuda::grouped_gemm_forward(xs, P + s.e_gate_up, offsets, gu, rows, e, 2 * inner, d, st);
+        cuda::grouped_gemm_forward(xs, P + s.experts_gate_up, offsets, gu, rows, e, 2 * inner, d, st);
         cuda::swiglu_forward(gu, h, rows, inner, st);
-        cuda::grouped_gemm_forward(h, P + s.e_down, offsets, ys, rows, e, d, inner, st);
+        cuda::grouped_gemm_forward(h, P + s.experts_down, offsets, ys, rows, e, d, inner, st);
       }
       if (timer_) timer_->mark(cuda::Phase::kCombine);
       cuda::unpermute_forward(ys, route_to_row, topk_w, n, k, d, branch, st);
       if (timer_) timer_->mark(cuda::Phase::kMlp);
       if (s.shared) {
-        mlp_forward_gpu(G, norm2, P + s.mg, P + s.mu, P + s.md, n, d, s.mlp_hidden, s.mlp_gate_up.as<uint16_t>(),
+        mlp_forward_gpu(G, norm2, P + s.mlp_gate, P + s.mlp_up, P + s.mlp_down, n, d, s.mlp_hidden, s.mlp_gate_up.as<uint16_t>(),
                         s.mlp_h.as<uint16_t>(), branch, true, st);
       }
     }
@@ -641,9 +641,9 @@ void CudaModel::backward() {
     if (timer_) timer_->mark(cuda::Phase::kMlp);
     if (s.dense || s.shared) {
       const int64_t f = s.mlp_hidden;
-      mlp_backward_gpu(G, norm2, P + s.mg, P + s.mu, P + s.md, s.mlp_gate_up.as<uint16_t>(), s.mlp_h.as<uint16_t>(),
-                       dx, n, d, f, I.mlp_dh.as<uint16_t>(), I.mlp_dgu.as<uint16_t>(), dbranch, false, Gr + s.mg,
-                       Gr + s.mu, Gr + s.md, st);
+      mlp_backward_gpu(G, norm2, P + s.mlp_gate, P + s.mlp_up, P + s.mlp_down, s.mlp_gate_up.as<uint16_t>(), s.mlp_h.as<uint16_t>(),
+                       dx, n, d, f, I.mlp_dh.as<uint16_t>(), I.mlp_dgu.as<uint16_t>(), dbranch, false, Gr + s.mlp_gate,
+                       Gr + s.mlp_up, Gr + s.mlp_down, st);
     }
     if (!s.dense) {
       if (!s.shared) cuda::device_memset(dbranch, 0, n * d * sizeof(uint16_t), st);
@@ -660,11 +660,11 @@ void CudaModel::backward() {
         if (timer_) timer_->mark(cuda::Phase::kExperts);
         uint16_t* edh = I.e_dh.as<uint16_t>();
         uint16_t* edgu = I.e_dgu.as<uint16_t>();
-        cuda::grouped_gemm_dgrad(dys, P + s.e_down, offsets, edh, rows, e, d, inner, st);
-        cuda::grouped_gemm_wgrad(dys, s.h.as<uint16_t>(), offsets, Gr + s.e_down, rows, e, d, inner, true, st);
+        cuda::grouped_gemm_dgrad(dys, P + s.experts_down, offsets, edh, rows, e, d, inner, st);
+        cuda::grouped_gemm_wgrad(dys, s.h.as<uint16_t>(), offsets, Gr + s.experts_down, rows, e, d, inner, true, st);
         cuda::swiglu_backward(s.gate_up.as<uint16_t>(), edh, edgu, rows, inner, st);
-        cuda::grouped_gemm_dgrad(edgu, P + s.e_gate_up, offsets, dxs, rows, e, 2 * inner, d, st);
-        cuda::grouped_gemm_wgrad(edgu, s.x_sorted.as<uint16_t>(), offsets, Gr + s.e_gate_up, rows, e, 2 * inner, d,
+        cuda::grouped_gemm_dgrad(edgu, P + s.experts_gate_up, offsets, dxs, rows, e, 2 * inner, d, st);
+        cuda::grouped_gemm_wgrad(edgu, s.x_sorted.as<uint16_t>(), offsets, Gr + s.experts_gate_up, rows, e, 2 * inner, d,
                                  true, st);
       }
       if (timer_) timer_->mark(cuda::Phase::kDispatch);
@@ -675,11 +675,11 @@ void CudaModel::backward() {
       cuda::router_backward(s.rp, s.logits.as<float>(), s.scores.as<float>(), s.topk_idx.as<int32_t>(),
                             I.counts.as<int32_t>() + s.moe_index * e, dtopk_w, dlb, dz, dl32, st);
       cuda::cast_f32_to_bf16(dl32, dl16, n * e, st);
-      cuda::gemm(G, false, false, n, d, e, 1.f, dl16, e, P + s.gate, d, 1.f, dbranch, d, st);
-      cuda::gemm(G, true, false, e, d, n, 1.f, dl16, e, norm2, d, 1.f, Gr + s.gate, d, st);
+      cuda::gemm(G, false, false, n, d, e, 1.f, dl16, e, P + s.router, d, 1.f, dbranch, d, st);
+      cuda::gemm(G, true, false, e, d, n, 1.f, dl16, e, norm2, d, 1.f, Gr + s.router, d, st);
       if (timer_) timer_->mark(cuda::Phase::kMlp);
     }
-    cuda::rmsnorm_backward(s.x_mid.as<uint16_t>(), P + s.ln2, s.rstd2.as<float>(), dbranch, dtmp, Gr + s.ln2, n, d,
+    cuda::rmsnorm_backward(s.x_mid.as<uint16_t>(), P + s.mlp_norm, s.rstd2.as<float>(), dbranch, dtmp, Gr + s.mlp_norm, n, d,
                            I.ws_rms.data(), I.ws_rms.bytes(), st);
     cuda::residual_add(dx32, dtmp, dx, n * d, st);
 
@@ -687,8 +687,8 @@ void CudaModel::backward() {
     if (timer_) timer_->mark(cuda::Phase::kAttention);
     const uint16_t* attn = s.attn.as<uint16_t>();
     const uint16_t* norm1 = s.norm1.as<uint16_t>();
-    cuda::gemm(G, false, false, n, q, d, 1.f, dx, d, P + s.wo, q, 0.f, dattn, q, st);
-    cuda::gemm(G, true, false, d, q, n, 1.f, dx, d, attn, q, 1.f, Gr + s.wo, q, st);
+    cuda::gemm(G, false, false, n, q, d, 1.f, dx, d, P + s.o_proj, q, 0.f, dattn, q, st);
+    cuda::gemm(G, true, false, d, q, n, 1.f, dx, d, attn, q, 1.f, Gr + s.o_proj, q, st);
     cuda::attention_backward(s.q.as<uint16_t>(), s.k.as<uint16_t>(), s.v.as<uint16_t>(), attn, s.lse.as<float>(),
                              dattn, dq, dk, dv, batch, seq, hq, hkv, hd, I.ws_attn.data(), I.ws_attn.bytes(), st);
     cuda::rope_backward(dq, batch, seq, hq, hd, mcfg_.rope_theta, st);
@@ -698,20 +698,20 @@ void CudaModel::backward() {
     if (mcfg_.qk_norm) {
       uint16_t* dq_raw = I.dq_raw.as<uint16_t>();
       uint16_t* dk_raw = I.dk_raw.as<uint16_t>();
-      cuda::rmsnorm_backward(s.q_raw.as<uint16_t>(), P + s.qn, s.q_rstd.as<float>(), dq, dq_raw, Gr + s.qn, n, q,
+      cuda::rmsnorm_backward(s.q_raw.as<uint16_t>(), P + s.q_norm, s.q_rstd.as<float>(), dq, dq_raw, Gr + s.q_norm, n, q,
                              I.ws_rms.data(), I.ws_rms.bytes(), st);
-      cuda::rmsnorm_backward(s.k_raw.as<uint16_t>(), P + s.kn, s.k_rstd.as<float>(), dk, dk_raw, Gr + s.kn, n, kv,
+      cuda::rmsnorm_backward(s.k_raw.as<uint16_t>(), P + s.k_norm, s.k_rstd.as<float>(), dk, dk_raw, Gr + s.k_norm, n, kv,
                              I.ws_rms.data(), I.ws_rms.bytes(), st);
       gq = dq_raw;
       gk = dk_raw;
     }
-    cuda::gemm(G, false, false, n, d, q, 1.f, gq, q, P + s.wq, d, 0.f, dbranch, d, st);
-    cuda::gemm(G, false, false, n, d, kv, 1.f, gk, kv, P + s.wk, d, 1.f, dbranch, d, st);
-    cuda::gemm(G, false, false, n, d, kv, 1.f, dv, kv, P + s.wv, d, 1.f, dbranch, d, st);
-    cuda::gemm(G, true, false, q, d, n, 1.f, gq, q, norm1, d, 1.f, Gr + s.wq, d, st);
-    cuda::gemm(G, true, false, kv, d, n, 1.f, gk, kv, norm1, d, 1.f, Gr + s.wk, d, st);
-    cuda::gemm(G, true, false, kv, d, n, 1.f, dv, kv, norm1, d, 1.f, Gr + s.wv, d, st);
-    cuda::rmsnorm_backward(s.x_in.as<uint16_t>(), P + s.ln1, s.rstd1.as<float>(), dbranch, dtmp, Gr + s.ln1, n, d,
+    cuda::gemm(G, false, false, n, d, q, 1.f, gq, q, P + s.q_proj, d, 0.f, dbranch, d, st);
+    cuda::gemm(G, false, false, n, d, kv, 1.f, gk, kv, P + s.k_proj, d, 1.f, dbranch, d, st);
+    cuda::gemm(G, false, false, n, d, kv, 1.f, dv, kv, P + s.v_proj, d, 1.f, dbranch, d, st);
+    cuda::gemm(G, true, false, q, d, n, 1.f, gq, q, norm1, d, 1.f, Gr + s.q_proj, d, st);
+    cuda::gemm(G, true, false, kv, d, n, 1.f, gk, kv, norm1, d, 1.f, Gr + s.k_proj, d, st);
+    cuda::gemm(G, true, false, kv, d, n, 1.f, dv, kv, norm1, d, 1.f, Gr + s.v_proj, d, st);
+    cuda::rmsnorm_backward(s.x_in.as<uint16_t>(), P + s.attn_norm, s.rstd1.as<float>(), dbranch, dtmp, Gr + s.attn_norm, n, d,
                            I.ws_rms.data(), I.ws_rms.bytes(), st);
     cuda::residual_add(dx32, dtmp, dx, n * d, st);
     if (grads_ready_) grads_ready_(grads_ready_from_[size_t(l + 1)]);
@@ -784,9 +784,9 @@ void CudaModel::ep_forward_layer(int64_t moe_index, const int32_t* counts, const
     const int32_t* loff = s.local_offsets.as<int32_t>();
     uint16_t* gu = s.gate_up.as<uint16_t>();
     uint16_t* h = s.h.as<uint16_t>();
-    cuda::grouped_gemm_forward(xr, P + s.e_gate_up, loff, gu, G, L, 2 * inner, d, st);
+    cuda::grouped_gemm_forward(xr, P + s.experts_gate_up, loff, gu, G, L, 2 * inner, d, st);
     cuda::swiglu_forward(gu, h, G, inner, st);
-    cuda::grouped_gemm_forward(h, P + s.e_down, loff, yr, G, L, d, inner, st);
+    cuda::grouped_gemm_forward(h, P + s.experts_down, loff, yr, G, L, d, inner, st);
   }
   if (timer_) timer_->mark(cuda::Phase::kCombine);
   cuda::ep_gather_rows(yr, s.ungroup.as<int32_t>(), G, G, d, pm, st);
@@ -818,12 +818,12 @@ void CudaModel::ep_backward_layer(int64_t moe_index, const uint16_t* dys, uint16
     const int32_t* loff = s.local_offsets.as<int32_t>();
     uint16_t* edh = I.e_dh.as<uint16_t>();
     uint16_t* edgu = I.e_dgu.as<uint16_t>();
-    cuda::grouped_gemm_dgrad(work, P + s.e_down, loff, edh, G, L, d, inner, st);
-    cuda::grouped_gemm_wgrad(work, s.h.as<uint16_t>(), loff, Gr + s.e_down, G, L, d, inner, true, st);
+    cuda::grouped_gemm_dgrad(work, P + s.experts_down, loff, edh, G, L, d, inner, st);
+    cuda::grouped_gemm_wgrad(work, s.h.as<uint16_t>(), loff, Gr + s.experts_down, G, L, d, inner, true, st);
     cuda::swiglu_backward(s.gate_up.as<uint16_t>(), edh, edgu, G, inner, st);
     // dx rows by local expert overwrite the dy rows (their last reader ran above, in stream order).
-    cuda::grouped_gemm_dgrad(edgu, P + s.e_gate_up, loff, work, G, L, 2 * inner, d, st);
-    cuda::grouped_gemm_wgrad(edgu, s.x_recv.as<uint16_t>(), loff, Gr + s.e_gate_up, G, L, 2 * inner, d, true, st);
+    cuda::grouped_gemm_dgrad(edgu, P + s.experts_gate_up, loff, work, G, L, 2 * inner, d, st);
+    cuda::grouped_gemm_wgrad(edgu, s.x_recv.as<uint16_t>(), loff, Gr + s.experts_gate_up, G, L, 2 * inner, d, true, st);
   }
   if (timer_) timer_->mark(cuda::Phase::kCombine);
   cuda::ep_gather_rows(work, s.ungroup.as<int32_t>(), G, G, d, pm, st);

@@ -117,32 +117,32 @@ std::vector<LayerParams> layer_params(const ParamLayout& layout, const ModelConf
     const std::string pre = layer_prefix(l);
     auto off = [&](const std::string& n) { return layout.find(pre + n).offset; };
     LayerParams p;
-    p.ln1 = off("input_layernorm.weight");
-    p.wq = off("self_attn.q_proj.weight");
-    p.wk = off("self_attn.k_proj.weight");
-    p.wv = off("self_attn.v_proj.weight");
-    p.wo = off("self_attn.o_proj.weight");
+    p.attn_norm = off("input_layernorm.weight");
+    p.q_proj = off("self_attn.q_proj.weight");
+    p.k_proj = off("self_attn.k_proj.weight");
+    p.v_proj = off("self_attn.v_proj.weight");
+    p.o_proj = off("self_attn.o_proj.weight");
     if (m.qk_norm) {
-      p.qn = off("self_attn.q_norm.weight");
-      p.kn = off("self_attn.k_norm.weight");
+      p.q_norm = off("self_attn.q_norm.weight");
+      p.k_norm = off("self_attn.k_norm.weight");
     }
-    p.ln2 = off("post_attention_layernorm.weight");
+    p.mlp_norm = off("post_attention_layernorm.weight");
     p.dense = is_dense_layer(m, l);
     if (p.dense) {
-      p.mg = off("mlp.gate_proj.weight");
-      p.mu = off("mlp.up_proj.weight");
-      p.md = off("mlp.down_proj.weight");
+      p.mlp_gate = off("mlp.gate_proj.weight");
+      p.mlp_up = off("mlp.up_proj.weight");
+      p.mlp_down = off("mlp.down_proj.weight");
       p.mlp_hidden = m.dense_hidden;
     } else {
       p.moe_index = moe_index++;
-      p.gate = off("mlp.gate.weight");
-      p.e_gate_up = off("mlp.experts.gate_up_proj");
-      p.e_down = off("mlp.experts.down_proj");
+      p.router = off("mlp.gate.weight");
+      p.experts_gate_up = off("mlp.experts.gate_up_proj");
+      p.experts_down = off("mlp.experts.down_proj");
       p.shared = e.shared_experts > 0;
       if (p.shared) {
-        p.mg = off("mlp.shared_expert.gate_proj.weight");
-        p.mu = off("mlp.shared_expert.up_proj.weight");
-        p.md = off("mlp.shared_expert.down_proj.weight");
+        p.mlp_gate = off("mlp.shared_expert.gate_proj.weight");
+        p.mlp_up = off("mlp.shared_expert.up_proj.weight");
+        p.mlp_down = off("mlp.shared_expert.down_proj.weight");
         p.mlp_hidden = e.shared_experts * e.expert_hidden;
       }
     }

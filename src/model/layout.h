@@ -11,6 +11,7 @@
 
 #include "core/arena.h"
 #include "core/config.h"
+#include "core/moe_types.h"
 
 namespace moe {
 
@@ -20,13 +21,6 @@ int64_t num_moe_layers(const ModelConfig& m);
 
 // Name prefix of layer l: "model.layers.<l>."
 std::string layer_prefix(int64_t l);
-
-// The experts a rank holds: global experts [first, first + count) of every MoE layer.
-// count == 0 means all of them (no expert parallelism).
-struct ExpertSlice {
-  int64_t first = 0;
-  int64_t count = 0;
-};
 
 // Global layout when `slice` is empty; otherwise mlp.experts.gate_up_proj is [count, 2I, D] and
 // mlp.experts.down_proj [count, D, I] (rows first..first+count-1 of the global tensors), names
@@ -77,9 +71,11 @@ namespace moe {
 // Offsets (in the flat layout) of one block's tensors, shared by the CPU and GPU models.
 // -1 marks a tensor the block does not have.
 struct LayerParams {
-  int64_t ln1 = 0, wq = 0, wk = 0, wv = 0, wo = 0, qn = -1, kn = -1, ln2 = 0;
-  int64_t mg = -1, mu = -1, md = -1;            // dense MLP or shared expert
-  int64_t gate = -1, e_gate_up = -1, e_down = -1;  // MoE router and experts
+  // Attention: input_layernorm, q/k/v/o projections, QK-norm weights (-1 without qk_norm).
+  int64_t attn_norm = 0, q_proj = 0, k_proj = 0, v_proj = 0, o_proj = 0, q_norm = -1, k_norm = -1;
+  int64_t mlp_norm = 0;                               // post_attention_layernorm
+  int64_t mlp_gate = -1, mlp_up = -1, mlp_down = -1;  // dense MLP or shared expert
+  int64_t router = -1, experts_gate_up = -1, experts_down = -1;  // MoE router (mlp.gate) and experts
   bool dense = false, shared = false;
   int64_t moe_index = -1;  // index among MoE layers
   int64_t mlp_hidden = 0;  // dense_hidden or shared_experts * expert_hidden

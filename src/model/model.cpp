@@ -33,11 +33,9 @@ cpu::RouterParams router_params(const MoeConfig& e, int64_t n, int64_t d, uint64
   p.d_model = d;
   p.num_experts = e.num_experts;
   p.top_k = e.top_k;
-  p.score = e.router == "sigmoid" ? cpu::ScoreFunc::kSigmoid : cpu::ScoreFunc::kSoftmax;
+  p.score = parse_score_func(e.router);
   p.norm_topk = e.norm_topk_prob;
-  p.mode = e.routing == "random"    ? cpu::RoutingMode::kRandom
-           : e.routing == "uniform" ? cpu::RoutingMode::kUniform
-                                    : cpu::RoutingMode::kLearned;
+  p.mode = parse_routing_mode(e.routing);
   p.seed = seed;
   return p;
 }
@@ -141,20 +139,20 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
     // Attention branch.
     s.norm1_ND.resize(n * d);
     s.rstd1_N.resize(n);
-    cpu::rmsnorm_forward(x.data(), P + s.ln1, s.norm1_ND.data(), s.rstd1_N.data(), n, d, mcfg_.norm_eps);
+    cpu::rmsnorm_forward(x.data(), P + s.attn_norm, s.norm1_ND.data(), s.rstd1_N.data(), n, d, mcfg_.norm_eps);
     s.q_raw_NQ.resize(n * q);
     s.k_raw_NK.resize(n * kv);
     s.v_NK.resize(n * kv);
-    cpu::linear_forward(s.norm1_ND.data(), P + s.wq, s.q_raw_NQ.data(), n, d, q);
-    cpu::linear_forward(s.norm1_ND.data(), P + s.wk, s.k_raw_NK.data(), n, d, kv);
-    cpu::linear_forward(s.norm1_ND.data(), P + s.wv, s.v_NK.data(), n, d, kv);
+    cpu::linear_forward(s.norm1_ND.data(), P + s.q_proj, s.q_raw_NQ.data(), n, d, q);
+    cpu::linear_forward(s.norm1_ND.data(), P + s.k_proj, s.k_raw_NK.data(), n, d, kv);
+    cpu::linear_forward(s.norm1_ND.data(), P + s.v_proj, s.v_NK.data(), n, d, kv);
     if (mcfg_.qk_norm) {
       s.q_NQ.resize(n * q);
       s.k_NK.resize(n * kv);
       s.q_rstd_N.resize(n);
       s.k_rstd_N.resize(n);
-      cpu::rmsnorm_forward(s.q_raw_NQ.data(), P + s.qn, s.q_NQ.data(), s.q_rstd_N.data(), n, q, mcfg_.norm_eps);
-      cpu::rmsnorm_forward(s.k_raw_NK.data(), P + s.kn, s.k_NK.data(), s.k_rstd_N.data(), n, kv, mcfg_.norm_eps);
+      cpu::rmsnorm_forward(s.q_raw_NQ.data(), P + s.q_norm, s.q_NQ.data(), s.q_rstd_N.data(), n, q, mcfg_.norm_eps);
+      cpu::rmsnorm_forward(s.k_raw_NK.data(), P + s.k_norm, s.k_NK.data(), s.k_rstd_N.data(), n, kv, mcfg_.norm_eps);
     } else {
       s.q_NQ = s.q_raw_NQ;
       s.k_NK = s.k_raw_NK;
@@ -165,16 +163,16 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
     s.lse_BHS.resize(batch * hq * seq);
     cpu::attention_forward(s.q_NQ.data(), s.k_NK.data(), s.v_NK.data(), s.attn_NQ.data(), s.lse_BHS.data(),
                            batch, seq, hq, hkv, hd);
-    cpu::linear_forward(s.attn_NQ.data(), P + s.wo, x.data(), n, q, d, /*accumulate=*/true);
+    cpu::linear_forward(s.attn_NQ.data(), P + s.o_proj, x.data(), n, q, d, /*accumulate=*/true);
     s.x_mid_ND = x;
 
     // MLP / MoE branch.
     s.norm2_ND.resize(n * d);
     s.rstd2_N.resize(n);
-    cpu::rmsnorm_forward(x.data(), P + s.ln2, s.norm2_ND.data(), s.rstd2_N.data(), n, d, mcfg_.norm_eps);
+    cpu::rmsnorm_forward(x.data(), P + s.mlp_norm, s.norm2_ND.data(), s.rstd2_N.data(), n, d, mcfg_.norm_eps);
     if (s.dense) {
       timer_.lap(Phase::kMlp);
-      mlp_forward(s.norm2_ND.data(), P + s.mg, P + s.mu, P + s.md, n, d, mcfg_.dense_hidden, s.mlp, x.data(),
+      mlp_forward(s.norm2_ND.data(), P + s.mlp_gate, P + s.mlp_up, P + s.mlp_down, n, d, mcfg_.dense_hidden, s.mlp, x.data(),
                   /*accumulate=*/true);
       continue;
     }
@@ -186,7 +184,7 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
     s.topk_w_NK.resize(n * k);
     s.counts_E.resize(e);
     const cpu::RouterStats rs = cpu::router_forward(
-        s.rp, s.norm2_ND.data(), P + s.gate, expert_bias_.data() + s.moe_index * e, s.logits_NE.data(),
+        s.rp, s.norm2_ND.data(), P + s.router, expert_bias_.data() + s.moe_index * e, s.logits_NE.data(),
         s.scores_NE.data(), s.topk_idx_NK.data(), s.topk_w_NK.data(), s.counts_E.data());
     stats.lb_loss += rs.lb_loss;
     stats.z_loss += rs.z_loss;
@@ -213,7 +211,7 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
         std::vector<float> x_send(kept * d);
         cpu::permute_forward(s.norm2_ND.data(), s.sorted_route_R.data(), kept, k, d, x_send.data());
         s.y_sorted_RD.resize(kept * d);
-        ep_experts_forward(*ep_, x_send.data(), s.counts_E.data(), P + s.e_gate_up, P + s.e_down, d, inner, s.ep,
+        ep_experts_forward(*ep_, x_send.data(), s.counts_E.data(), P + s.experts_gate_up, P + s.experts_down, d, inner, s.ep,
                            s.y_sorted_RD.data(), &timer_);
       }
     } else {
@@ -223,7 +221,7 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
       s.gate_up_R2I.resize(kept * 2 * inner);
       s.h_RI.resize(kept * inner);
       s.y_sorted_RD.resize(kept * d);
-      cpu::experts_forward(s.x_sorted_RD.data(), s.offsets_E1.data(), P + s.e_gate_up, P + s.e_down, e, d, inner,
+      cpu::experts_forward(s.x_sorted_RD.data(), s.offsets_E1.data(), P + s.experts_gate_up, P + s.experts_down, e, d, inner,
                            s.gate_up_R2I.data(), s.h_RI.data(), s.y_sorted_RD.data());
     }
     timer_.lap(Phase::kCombine);
@@ -231,7 +229,7 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
                            branch.data());
     if (s.shared) {
       timer_.lap(Phase::kMlp);
-      mlp_forward(s.norm2_ND.data(), P + s.mg, P + s.mu, P + s.md, n, d, ecfg_.shared_experts * inner, s.mlp,
+      mlp_forward(s.norm2_ND.data(), P + s.mlp_gate, P + s.mlp_up, P + s.mlp_down, n, d, ecfg_.shared_experts * inner, s.mlp,
                   branch.data(), /*accumulate=*/true);
     }
     for (int64_t i = 0; i < n * d; ++i) x[i] += branch[i];
@@ -294,13 +292,13 @@ void Model<T>::backward(const LossScales& scales) {
     std::fill(dbranch.begin(), dbranch.end(), T(0));
     if (s.dense) {
       timer_.lap(Phase::kMlp);
-      mlp_backward(s.norm2_ND.data(), P + s.mg, P + s.mu, P + s.md, s.mlp, dx.data(), n, d, mcfg_.dense_hidden,
-                   dbranch.data(), G + s.mg, G + s.mu, G + s.md);
+      mlp_backward(s.norm2_ND.data(), P + s.mlp_gate, P + s.mlp_up, P + s.mlp_down, s.mlp, dx.data(), n, d, mcfg_.dense_hidden,
+                   dbranch.data(), G + s.mlp_gate, G + s.mlp_up, G + s.mlp_down);
     } else {
       if (s.shared) {
         timer_.lap(Phase::kMlp);
-        mlp_backward(s.norm2_ND.data(), P + s.mg, P + s.mu, P + s.md, s.mlp, dx.data(), n, d,
-                     ecfg_.shared_experts * inner, dbranch.data(), G + s.mg, G + s.mu, G + s.md);
+        mlp_backward(s.norm2_ND.data(), P + s.mlp_gate, P + s.mlp_up, P + s.mlp_down, s.mlp, dx.data(), n, d,
+                     ecfg_.shared_experts * inner, dbranch.data(), G + s.mlp_gate, G + s.mlp_up, G + s.mlp_down);
       }
       timer_.lap(Phase::kCombine);
       const int64_t kept = s.kept_rows;
@@ -309,29 +307,29 @@ void Model<T>::backward(const LossScales& scales) {
                               kept, dy_sorted.data(), dtopk_w.data());
       if (ep_) {
         if constexpr (std::is_same_v<T, float>) {
-          ep_experts_backward(*ep_, s.ep, P + s.e_gate_up, P + s.e_down, dy_sorted.data(), d, inner,
-                              dx_sorted.data(), G + s.e_gate_up, G + s.e_down, &timer_);
+          ep_experts_backward(*ep_, s.ep, P + s.experts_gate_up, P + s.experts_down, dy_sorted.data(), d, inner,
+                              dx_sorted.data(), G + s.experts_gate_up, G + s.experts_down, &timer_);
         }
       } else {
         std::vector<T> scratch(kept * 3 * inner);
         timer_.lap(Phase::kExperts);
-        cpu::experts_backward(s.x_sorted_RD.data(), s.offsets_E1.data(), P + s.e_gate_up, P + s.e_down,
+        cpu::experts_backward(s.x_sorted_RD.data(), s.offsets_E1.data(), P + s.experts_gate_up, P + s.experts_down,
                               s.gate_up_R2I.data(), s.h_RI.data(), dy_sorted.data(), e, d, inner, dx_sorted.data(),
-                              G + s.e_gate_up, G + s.e_down, scratch.data());
+                              G + s.experts_gate_up, G + s.experts_down, scratch.data());
       }
       timer_.lap(Phase::kDispatch);
       cpu::permute_backward(dx_sorted.data(), s.sorted_route_R.data(), kept, k, d, dbranch.data());
       timer_.lap(Phase::kRouter);
-      cpu::router_backward(s.rp, s.norm2_ND.data(), P + s.gate, s.logits_NE.data(), s.scores_NE.data(),
+      cpu::router_backward(s.rp, s.norm2_ND.data(), P + s.router, s.logits_NE.data(), s.scores_NE.data(),
                            s.topk_idx_NK.data(), s.counts_E.data(), dtopk_w.data(), dlb, dz, dbranch.data(),
-                           G + s.gate);
+                           G + s.router);
     }
     timer_.lap(Phase::kAttention);
-    cpu::rmsnorm_backward(s.x_mid_ND.data(), P + s.ln2, s.rstd2_N.data(), dbranch.data(), dtmp.data(), G + s.ln2, n, d);
+    cpu::rmsnorm_backward(s.x_mid_ND.data(), P + s.mlp_norm, s.rstd2_N.data(), dbranch.data(), dtmp.data(), G + s.mlp_norm, n, d);
     for (int64_t i = 0; i < n * d; ++i) dx[i] += dtmp[i];
 
     // Attention branch.
-    cpu::linear_backward(s.attn_NQ.data(), P + s.wo, dx.data(), dattn.data(), G + s.wo, n, q, d);
+    cpu::linear_backward(s.attn_NQ.data(), P + s.o_proj, dx.data(), dattn.data(), G + s.o_proj, n, q, d);
     cpu::attention_backward(s.q_NQ.data(), s.k_NK.data(), s.v_NK.data(), s.attn_NQ.data(), s.lse_BHS.data(),
                             dattn.data(), dq.data(), dk.data(), dv.data(), batch, seq, hq, hkv, hd);
     cpu::rope_backward(dq.data(), batch, seq, hq, hd, mcfg_.rope_theta);
@@ -341,15 +339,15 @@ void Model<T>::backward(const LossScales& scales) {
     if (mcfg_.qk_norm) {
       dq_raw.resize(n * q);
       dk_raw.resize(n * kv);
-      cpu::rmsnorm_backward(s.q_raw_NQ.data(), P + s.qn, s.q_rstd_N.data(), dq.data(), dq_raw.data(), G + s.qn, n, q);
-      cpu::rmsnorm_backward(s.k_raw_NK.data(), P + s.kn, s.k_rstd_N.data(), dk.data(), dk_raw.data(), G + s.kn, n, kv);
+      cpu::rmsnorm_backward(s.q_raw_NQ.data(), P + s.q_norm, s.q_rstd_N.data(), dq.data(), dq_raw.data(), G + s.q_norm, n, q);
+      cpu::rmsnorm_backward(s.k_raw_NK.data(), P + s.k_norm, s.k_rstd_N.data(), dk.data(), dk_raw.data(), G + s.k_norm, n, kv);
       gq = dq_raw.data();
       gk = dk_raw.data();
     }
-    cpu::linear_backward(s.norm1_ND.data(), P + s.wq, gq, dbranch.data(), G + s.wq, n, d, q);
-    cpu::linear_backward(s.norm1_ND.data(), P + s.wk, gk, dbranch.data(), G + s.wk, n, d, kv, true);
-    cpu::linear_backward(s.norm1_ND.data(), P + s.wv, dv.data(), dbranch.data(), G + s.wv, n, d, kv, true);
-    cpu::rmsnorm_backward(s.x_in_ND.data(), P + s.ln1, s.rstd1_N.data(), dbranch.data(), dtmp.data(), G + s.ln1, n, d);
+    cpu::linear_backward(s.norm1_ND.data(), P + s.q_proj, gq, dbranch.data(), G + s.q_proj, n, d, q);
+    cpu::linear_backward(s.norm1_ND.data(), P + s.k_proj, gk, dbranch.data(), G + s.k_proj, n, d, kv, true);
+    cpu::linear_backward(s.norm1_ND.data(), P + s.v_proj, dv.data(), dbranch.data(), G + s.v_proj, n, d, kv, true);
+    cpu::rmsnorm_backward(s.x_in_ND.data(), P + s.attn_norm, s.rstd1_N.data(), dbranch.data(), dtmp.data(), G + s.attn_norm, n, d);
     for (int64_t i = 0; i < n * d; ++i) dx[i] += dtmp[i];
   }
   timer_.lap(Phase::kEmbedding);

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "core/phase_timer.h"
-#include "model/layout.h"
+#include "core/moe_types.h"
 #include "parallel/comm.h"
 
 namespace moe {

@@ -8,12 +8,12 @@
 #include <climits>
 #include <cstdint>
 
-#include "cpu/router.h"
+#include "core/moe_types.h"
 #include "cuda/kernels/moe_common.cuh"
 
 namespace moe::cuda::kernels {
 
-using cpu::RoutingMode;
+using moe::RoutingMode;
 
 constexpr int kRouterWarps = 8;
 constexpr int kRouterThreads = kRouterWarps * 32;

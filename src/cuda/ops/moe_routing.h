@@ -8,13 +8,13 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cpu/router.h"    // ScoreFunc, RoutingMode: shared with the CPU reference
+#include "core/moe_types.h"  // ScoreFunc, RoutingMode: shared with the CPU reference
 #include "cuda/device.h"  // Stream = CUstream_st* (cudaStream_t); no CUDA headers here
 
 namespace moe::cuda {
 
-using cpu::RoutingMode;
-using cpu::ScoreFunc;
+using moe::RoutingMode;
+using moe::ScoreFunc;
 
 constexpr int64_t kMaxRouterExperts = 256;  // one warp holds a token's E scores (8 per lane)
 constexpr int64_t kMaxRouterTopK = 16;
