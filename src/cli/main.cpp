@@ -18,7 +18,7 @@
 #include "model/model.h"
 #include "parallel/comm.h"
 #include "train/bench.h"
-#include "train/gpu_bench.h"
+#include "train/run_plan.h"
 #include "train/device.h"
 #include "train/model_state.h"
 #include "train/trainer.h"
@@ -31,7 +31,8 @@ constexpr const char* kUsage =
     "\n"
     "commands:\n"
     "  train [CONFIG.toml] [--section.key=value ...]   train a model (no CONFIG: the embedded default)\n"
-    "  train --dry-run ...                             print the resolved config, sizes, FLOPs and memory\n"
+    "  train --dry-run [--world N] ...                 print the resolved config and the run plan: layout,\n"
+    "                                                  batch arithmetic, FLOPs, memory per rank (N ranks)\n"
     "  bench [CONFIG.toml] [--warmup N] [--steps N] [--out DIR | --json PATH] [--section.key=value ...]\n"
     "                                                  time warm training steps: tokens/s, TFLOP/s, phases, memory\n"
     "  inspect CHECKPOINT_DIR                          print a checkpoint's step, config and tensors\n"
@@ -80,49 +81,52 @@ bool has_flag(std::vector<std::string>& args, const std::string& flag) {
   return false;
 }
 
-void print_dry_run(const Config& cfg) {
+// The resolved config and the run plan of `world` ranks (rank 0's figures are every rank's:
+// ranks differ only in which experts and shards they hold, not in how many).
+void print_dry_run(const Config& cfg, int64_t world) {
   std::cout << config_to_toml(cfg) << "\n";
-  const ModelCounts c = count_model(cfg.model, cfg.moe, cfg.train.seq_len);
-  const int64_t tokens = cfg.train.micro_batch * cfg.train.seq_len;
-  const double state_gib = double(c.total_params) * 16.0 / (1ull << 30);  // params, grads, 2 moments (FP32)
-  const double act_gib = double(activation_elements(cfg.model, cfg.moe, tokens)) * 4.0 / (1ull << 30);
-  std::printf("# parameters        %lld total, %lld active per token (%.1f%%)\n", (long long)c.total_params,
-              (long long)c.active_params, 100.0 * double(c.active_params) / double(c.total_params));
-  std::printf("# FLOPs per token   %.4g (forward + backward; %.4g per step of %lld tokens)\n", c.flops_per_token,
-              c.flops_per_token * double(cfg.train.global_batch * cfg.train.seq_len),
-              (long long)(cfg.train.global_batch * cfg.train.seq_len));
-  std::printf("# memory estimate   %.3f GiB weights + grads + AdamW (FP32), %.3f GiB activations per micro-batch "
-              "of %lld tokens, %.3f GiB total\n",
-              state_gib, act_gib, (long long)tokens, state_gib + act_gib);
-  // CUDA backend: FP32 master, BF16 copy, FP32 gradients and two FP32 moments (18 B/param) on the
-  // device, activations mostly BF16; the host keeps an FP32 mirror of weights and moments.
-  const double gpu_state_gib = double(c.total_params) * 18.0 / (1ull << 30);
-  std::printf("# on cuda (bf16)    %.3f GiB on the GPU (%.3f GiB weights + grads + AdamW, ~%.3f GiB activations)\n",
-              gpu_state_gib + act_gib / 2, gpu_state_gib, act_gib / 2);
+  const std::string device = resolve_device(cfg.train);
+  std::cout << describe_run_plan(make_run_plan(cfg, world, device));
+  if (device == "cpu") {  // what the same run needs on the CUDA backend
+    Config gpu = cfg;
+    gpu.train.device = "cuda";
+    gpu.train.precision = "bf16";
+    std::cout << "# on cuda (bf16):\n" << describe_run_plan(make_run_plan(gpu, world, "cuda"));
+  }
 }
 
 int cmd_train(std::vector<std::string> args) {
   if (has_flag(args, "--help") || has_flag(args, "-h")) {
-    std::cout << "usage: moecore train [CONFIG.toml] [--dry-run] [--section.key=value ...]\n\n"
+    std::cout << "usage: moecore train [CONFIG.toml] [--dry-run [--world N]] [--section.key=value ...]\n\n"
                  "Without CONFIG the embedded default (configs/tiny.toml) trains on the built-in corpus.\n"
                  "Keys (type, default, meaning):\n"
               << config_help();
     return 0;
   }
   const bool dry = has_flag(args, "--dry-run");
-  // Join the job first (MPI or TCP when a launcher started us), so that every later error is reported
-  // with its rank and ends all ranks.
-  Comm* world = dry ? nullptr : &world_comm();
   std::string path;
   std::vector<std::string> overrides;
-  for (const std::string& a : args) {
-    if (a.rfind("--", 0) == 0) overrides.push_back(a);
-    else if (path.empty()) path = a;
-    else MOE_FAIL("unexpected argument '", a, "': give one CONFIG.toml and --section.key=value overrides");
+  int64_t dry_world = 0;  // --world N: the dry run's plan for N ranks without launching them
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--dry-run") continue;
+    if (a == "--world" || a.rfind("--world=", 0) == 0) {
+      dry_world = parse_int("--world", a == "--world" ? flag_value(args, i) : a.substr(8));
+      MOE_CHECK(dry && dry_world >= 1, "--world N goes with --dry-run and needs N >= 1, got ", dry_world);
+    } else if (a.rfind("--", 0) == 0) {
+      overrides.push_back(a);
+    } else if (path.empty()) {
+      path = a;
+    } else {
+      MOE_FAIL("unexpected argument '", a, "': give one CONFIG.toml and --section.key=value overrides");
+    }
   }
+  // Join the job first (MPI or TCP when a launcher started us), so that every later error is reported
+  // with its rank and ends all ranks. A dry run joins only to learn the world size.
+  Comm* world = dry && dry_world > 0 ? nullptr : &world_comm();
   const Config cfg = load_config(path, overrides);
   if (dry) {
-    print_dry_run(cfg);
+    if (world == nullptr || world->rank() == 0) print_dry_run(cfg, world ? world->size() : dry_world);
     return 0;
   }
   const TrainSummary s = train(cfg, std::cout, *world);
@@ -182,13 +186,7 @@ int cmd_bench(std::vector<std::string> args, const std::string& command) {
   }
   if (!path.empty()) opt.config_name = std::filesystem::path(path).stem().string();
   const Config cfg = load_config(path, overrides);
-  if (resolve_device(cfg.train) == "cuda") {
-    run_gpu_bench(cfg, opt, std::cout, &world);
-  } else {
-    MOE_CHECK(world.size() == 1, "moecore bench on the cpu backend runs one process, but the job has ", world.size(),
-              " ranks; multi-rank benchmarks run on GPUs (train.device = \"cuda\", one GPU per rank)");
-    run_bench(cfg, opt, std::cout);
-  }
+  run_bench(cfg, opt, std::cout, world);
   return 0;
 }
 

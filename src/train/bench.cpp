@@ -1,32 +1,41 @@
-// Benchmark loop of the CPU reference backend: same model, optimizer and loss scaling as
-// train(), random tokens, median over timed steps. Also the record helpers (commit, date,
-// JSON file) that the GPU bench shares.
+// The benchmark loop of `moecore bench`, one for both backends: run plan and topology, the step
+// (GPU: parameters initialised on the device; CPU: a HostState), warm-up and timed steps with
+// in_flight() steps submitted (the host stages step s + 1 while the GPU runs step s), two
+// profiled steps (GPU: eager, CUDA events; the first fills the event pool, the second is
+// reported), the backend's details, then the table and the JSON record. Tokens: splitmix64
+// streams per (seed, step, sequence of the global batch), targets = next token.
 #include "train/bench.h"
-
-#include <sys/resource.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <ostream>
-#include <thread>
 
 #include "core/error.h"
-#include "core/rng.h"
-#include "model/layout.h"
-#include "model/model.h"
+#include "data/dataset.h"
 #include "optim/adamw.h"
+#include "parallel/comm.h"
+#include "parallel/topology.h"
+#include "train/checkpointing.h"
+#include "train/device.h"
+#include "train/metrics.h"
+#include "train/run_plan.h"
+#include "train/step.h"
 
 namespace moe {
 
 namespace fs = std::filesystem;
 
 namespace {
+
+constexpr double kGiB = double(1ull << 30);
+constexpr uint64_t kTokenStream = 0x62656E6368746F6Bull;  // separates bench tokens from other seeds
 
 std::string shell_line(const char* cmd) {
   std::string out;
@@ -39,18 +48,54 @@ std::string shell_line(const char* cmd) {
   return out;
 }
 
-std::string cpu_model() {
-  std::ifstream f("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  return "unknown";
+uint64_t splitmix64_next(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
 }
 
-double peak_rss_gib() {
-  rusage ru{};
-  getrusage(RUSAGE_SELF, &ru);
-  return double(ru.ru_maxrss) * 1024.0 / double(1ull << 30);  // ru_maxrss is in KiB on Linux
+// The micro-batches of step `step` (1-based) from micro-batch `first_micro` of the global batch on:
+// sequence j of global micro-batch g is seq_len + 1 tokens of the splitmix64 stream
+// mix_seed(mix_seed(seed ^ kTokenStream, step), g * micro_batch + j), each uniform in [0, vocab) by
+// multiply-shift of the high 32 bits; targets = inputs shifted by one.
+void fill_synthetic_step(std::vector<Batch>& micro, int64_t step, const Config& cfg, int64_t first_micro) {
+  const int64_t seq = cfg.train.seq_len, mb = cfg.train.micro_batch;
+  const uint64_t vocab = static_cast<uint64_t>(cfg.model.vocab_size);
+  const uint64_t step_seed = mix_seed(cfg.train.seed ^ kTokenStream, static_cast<uint64_t>(step));
+  for (size_t m = 0; m < micro.size(); ++m) {
+    Batch& b = micro[m];
+    b.batch = step - 1;
+    b.seq_len = seq;
+    b.inputs.resize(static_cast<size_t>(mb * seq));
+    b.targets.resize(static_cast<size_t>(mb * seq));
+    for (int64_t j = 0; j < mb; ++j) {
+      uint64_t state = mix_seed(step_seed, static_cast<uint64_t>((first_micro + int64_t(m)) * mb + j));
+      auto draw = [&] { return static_cast<int32_t>(((splitmix64_next(state) >> 32) * vocab) >> 32); };
+      int32_t prev = draw();
+      for (int64_t t = 0; t < seq; ++t) {
+        const int32_t next = draw();
+        b.inputs[j * seq + t] = prev;
+        b.targets[j * seq + t] = next;
+        prev = next;
+      }
+    }
+  }
+}
+
+// The settings that change a bench's figures, as the record names them.
+nlohmann::json bench_settings(const Config& cfg, const RunPlan& plan) {
+  return {{"device", plan.device},
+          {"precision", cfg.train.precision},
+          {"recompute", cfg.train.recompute},
+          {"routing", cfg.moe.routing},
+          {"capacity_factor", cfg.moe.capacity_factor},
+          {"ep_backend", cfg.parallel.ep_backend},
+          {"dp", plan.sizes.dp},
+          {"ep", plan.sizes.ep},
+          {"pp", plan.sizes.pp},
+          {"zero", plan.zero},
+          {"overlap_grad_reduce", cfg.parallel.overlap_grad_reduce}};
 }
 
 }  // namespace
@@ -88,108 +133,229 @@ std::string write_bench_record(const nlohmann::json& rec, const BenchOptions& op
   return path.string();
 }
 
-nlohmann::json run_bench(const Config& cfg, const BenchOptions& opt, std::ostream& out) {
+nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ostream& console, Comm& world) {
   MOE_CHECK(opt.steps >= 1, "bench: --steps must be >= 1, got ", opt.steps);
   MOE_CHECK(opt.warmup >= 0, "bench: --warmup must be >= 0, got ", opt.warmup);
-  MOE_CHECK(cfg.train.global_batch % cfg.train.micro_batch == 0, "bench: train.global_batch (",
-            cfg.train.global_batch, ") must be a multiple of train.micro_batch (", cfg.train.micro_batch, ")");
-  const int64_t seq = cfg.train.seq_len, mb = cfg.train.micro_batch;
-  const int64_t micro_steps = cfg.train.global_batch / mb;
-  const int64_t tokens_per_step = cfg.train.global_batch * seq;
-
-  Model<float> model(cfg.model, cfg.moe);
-  model.init_params(cfg.train.seed);
-  AdamW opt_state(model.layout(), cfg.optim);
-  const int64_t total = model.layout().total_numel();
-  std::vector<int32_t> inputs(mb * seq), targets(mb * seq);
-  const LossScales scales{1.0 / double(tokens_per_step), cfg.moe.lb_loss_weight / double(micro_steps),
-                          cfg.moe.z_loss_weight / double(micro_steps)};
-
-  std::vector<double> step_s;
-  PhaseTimer& timer = model.timer();
-  double loss = 0;
-  for (int64_t step = 0; step < opt.warmup + opt.steps; ++step) {
-    const bool timed = step >= opt.warmup;
-    if (step == opt.warmup) {
-      timer.reset();
-      timer.enable(true);
-    }
-    const auto t0 = std::chrono::steady_clock::now();
-    model.zero_grads();
-    double ce = 0;
-    for (int64_t m = 0; m < micro_steps; ++m) {
-      for (int64_t i = 0; i < mb * seq; ++i) {
-        const uint64_t idx = uint64_t((step * micro_steps + m) * mb * seq + i);
-        inputs[i] = int32_t(bits_at(cfg.train.seed, 1, idx) % uint32_t(cfg.model.vocab_size));
-        targets[i] = int32_t(bits_at(cfg.train.seed, 2, idx) % uint32_t(cfg.model.vocab_size));
-      }
-      ce += model.forward(inputs.data(), targets.data(), mb, seq, uint64_t(step * micro_steps + m)).ce_sum;
-      model.backward(scales);
-    }
-    timer.lap(Phase::kOptimizer);
-    const double norm = global_grad_norm(model.grads(), total);
-    clip_grads(model.grads(), total, norm, cfg.optim.grad_clip);
-    opt_state.step(model.params(), model.grads(), lr_at(cfg.optim, step, opt.warmup + opt.steps));
-    timer.stop();
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (timed) step_s.push_back(s);
-    loss = ce / double(tokens_per_step);
+  const std::string device = resolve_device(cfg_in.train);
+  const int64_t ranks = world.size();
+  std::ostream null_out(nullptr);  // ranks other than 0 print nothing
+  std::ostream& out = world.rank() == 0 ? console : null_out;
+  Config cfg = cfg_in;
+  if (ranks > 1) {
+    MOE_CHECK(device == "cuda", "moecore bench on the cpu backend runs one process, but the job has ", ranks,
+              " ranks; multi-rank benchmarks run on GPUs (train.device = \"cuda\", one GPU per rank)");
+    MOE_CHECK(cfg.parallel.dp == 0 || cfg.parallel.dp == ranks, "bench: parallel.dp = ", cfg.parallel.dp,
+              " but the job has ", ranks, " ranks; the bench is data parallel over every rank: set parallel.dp = 0");
+    cfg.train.global_batch *= ranks;  // every GPU runs the one-GPU step's micro-batches
   }
+  world.set_timeout_s(cfg.parallel.timeout_s);
+  const RunPlan plan = make_run_plan(cfg, ranks, device);
+  const Topology topo = make_topology(cfg, world);
+  std::optional<HostState> state;  // the CPU step trains host state; the GPU step initialises on the device
+  if (device == "cpu") state.emplace(cfg, plan, topo);
+  const std::unique_ptr<Step> step = make_step(cfg, plan, topo, state ? &*state : nullptr, out);
 
-  std::vector<double> sorted = step_s;
+  const int64_t profile_steps = 2;  // the first fills the GPU timer's event pool; the second is reported
+  const int64_t total_steps = opt.warmup + opt.steps + profile_steps;
+  std::vector<Batch> micro(static_cast<size_t>(plan.micro_steps));
+  int64_t submitted = 0, skipped = 0;
+  StepStats first, last;
+  using Clock = std::chrono::steady_clock;
+  std::vector<double> intervals;  // seconds between consecutive collects of the timed steps
+  Clock::time_point last_collect;
+  bool timing = false;
+  auto collect_one = [&] {
+    StepStats s = step->collect();
+    const auto now = Clock::now();
+    if (timing) intervals.push_back(std::chrono::duration<double>(now - last_collect).count());
+    last_collect = now;
+    if (s.step == 1) first = s;
+    skipped += s.skipped ? 1 : 0;
+    last = std::move(s);
+  };
+  auto run_steps = [&](int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+      ++submitted;
+      fill_synthetic_step(micro, submitted, cfg, topo.dp_rank * plan.micro_steps);
+      step->submit({submitted, &micro, plan.tokens_per_step, lr_at(cfg.optim, submitted - 1, total_steps)});
+      if (step->pending() >= step->in_flight()) collect_one();
+    }
+    while (step->pending() > 0) collect_one();
+  };
+
+  run_steps(opt.warmup);
+  if (ranks > 1) world.barrier();  // the timed steps start together on every host
+  const auto t0 = Clock::now();
+  last_collect = t0;
+  timing = true;
+  run_steps(opt.steps);
+  timing = false;
+  double timed_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (ranks > 1) world.all_reduce(&timed_s, 1, ReduceOp::kMax);  // the slowest rank's
+
+  // Phase profile (GPU: eager steps, on every rank).
+  std::vector<std::pair<std::string, double>> phases;
+  double profiled_ms = 0;
+  step->set_profiling(true);
+  for (int64_t i = 0; i < profile_steps; ++i) {
+    const auto p0 = Clock::now();
+    run_steps(1);
+    profiled_ms = 1e3 * std::chrono::duration<double>(Clock::now() - p0).count();
+    phases = step->profiled_phases_ms();
+  }
+  step->set_profiling(false);
+  const nlohmann::json details = step->bench_details();
+
+  const bool gpu = device == "cuda";
+  const double step_ms = 1e3 * timed_s / double(opt.steps);
+  std::vector<double> sorted = intervals;
   std::sort(sorted.begin(), sorted.end());
-  const double median = sorted[sorted.size() / 2];
-  const ModelCounts counts = count_model(cfg.model, cfg.moe, seq);
-  const double tps = double(tokens_per_step) / median;
-  const double tflops = counts.flops_per_token * tps / 1e12;
-
-  nlohmann::json phases = nlohmann::json::object();
+  const double tps = double(plan.tokens_per_step) * double(opt.steps) / timed_s;
+  const double tps_dev = tps / double(plan.sizes.dp);
+  const double tflops = plan.counts.flops_per_token * tps_dev / 1e12;  // per device
+  const double mfu = tflops / kGpuPeakTflops;
   double phase_sum = 0;
-  for (int p = 0; p < static_cast<int>(Phase::kCount); ++p) {
-    const double ms = 1e3 * timer.seconds(static_cast<Phase>(p)) / double(opt.steps);
-    phases[std::string(kPhaseNames[p])] = ms;
-    phase_sum += ms;
+  for (const auto& [name, ms] : phases) phase_sum += ms;
+  const double imbalance = load_imbalance(last.tokens_per_expert);
+  const double first_loss = first.loss(), last_loss = last.loss();
+  const bool loss_finite = std::isfinite(last_loss);
+
+  nlohmann::json phase_json = nlohmann::json::object(), scaled = nlohmann::json::object();
+  for (const auto& [name, ms] : phases) {
+    phase_json[name] = ms;
+    scaled[name] = phase_sum > 0 ? ms / phase_sum * step_ms : 0.0;
   }
   const std::string date = utc_date();
-  const std::string commit = bench_commit();
-  nlohmann::json rec = {
-      {"config", opt.config_name},
-      {"device", "cpu"},
-      {"machine", {{"cpu", cpu_model()}, {"hardware_threads", std::thread::hardware_concurrency()}}},
-      {"commit", commit},
-      {"command", opt.command},
-      {"date", date},
-      {"warmup_steps", opt.warmup},
-      {"timed_steps", opt.steps},
-      {"tokens_per_step", tokens_per_step},
-      {"step_ms", {{"median", 1e3 * median}, {"min", 1e3 * sorted.front()}, {"max", 1e3 * sorted.back()}}},
-      {"tokens_per_s", tps},
-      {"flops_per_token", counts.flops_per_token},
-      {"tflops_per_device", tflops},
-      {"mfu", nullptr},  // no defined dense peak for a CPU
-      {"phase_ms", phases},
-      {"mem_peak_gib", peak_rss_gib()},
-      {"total_params", counts.total_params},
-      {"active_params", counts.active_params},
-      {"last_loss", loss}};
+  nlohmann::json rec = {{"config", opt.config_name},
+                        {"device", gpu ? "gpu" : "cpu"},
+                        {"commit", bench_commit()},
+                        {"command", opt.command},
+                        {"date", date},
+                        {"settings", bench_settings(cfg, plan)},
+                        {"warmup_steps", opt.warmup},
+                        {"timed_steps", opt.steps},
+                        {"seq_len", plan.seq_len},
+                        {"micro_batch", plan.micro_batch},
+                        {"micro_batches_per_step", plan.micro_steps},
+                        {"global_batch", plan.global_batch},
+                        {"tokens_per_step", plan.tokens_per_step},
+                        {"step_ms",
+                         {{"mean", step_ms},
+                          {"median", sorted.empty() ? step_ms : 1e3 * sorted[sorted.size() / 2]},
+                          {"min", sorted.empty() ? step_ms : 1e3 * sorted.front()},
+                          {"max", sorted.empty() ? step_ms : 1e3 * sorted.back()}}},
+                        {"step_ms_source", "mean: wall clock from the first timed submit to the last collect, divided "
+                                           "by timed_steps (the slowest rank's); median/min/max: between consecutive "
+                                           "collects on rank 0"},
+                        {"tokens_per_s", tps},
+                        {"tokens_per_s_per_gpu", gpu ? nlohmann::json(tps_dev) : nlohmann::json(nullptr)},
+                        {"flops_per_token", plan.counts.flops_per_token},
+                        {"tflops_per_device", tflops},
+                        {"tflops_per_gpu", gpu ? nlohmann::json(tflops) : nlohmann::json(nullptr)},
+                        {"peak_tflops", gpu ? nlohmann::json(kGpuPeakTflops) : nlohmann::json(nullptr)},
+                        {"mfu", gpu ? nlohmann::json(mfu) : nlohmann::json(nullptr)},  // no defined dense peak for a CPU
+                        {"phase_ms", phase_json},
+                        {"phase_ms_scaled_to_step", scaled},
+                        {"phase_sum_ms", phase_sum},
+                        {"profiled_step_ms", profiled_ms},
+                        {"phase_source", gpu ? "CUDA events around each phase of one eager step (after one eager warm "
+                                               "step), rank 0"
+                                             : "wall clock around each phase of one step (after one profiled step)"},
+                        {"mem_estimate_gib", plan.memory.total() / kGiB},
+                        {"load_imbalance", imbalance},
+                        {"moe_layers", int64_t(last.tokens_per_expert.size())},
+                        {"first_loss", first_loss},
+                        {"last_loss", last_loss},
+                        {"loss_finite", loss_finite},
+                        {"last_grad_norm", last.grad_norm},
+                        {"skipped_steps", skipped},
+                        {"total_params", plan.counts.total_params},
+                        {"active_params", plan.counts.active_params}};
+  rec.update(details);
 
-  char buf[256];
-  out << "moecore bench " << opt.config_name << " on cpu (" << cpu_model() << "), " << opt.steps << " timed steps after "
-      << opt.warmup << " warm-up\n";
-  std::snprintf(buf, sizeof buf, "  %-14s %10s\n", "phase", "ms/step");
+  char buf[640];
+  if (gpu) {
+    const nlohmann::json& g = details.at("gpu");
+    std::snprintf(buf, sizeof buf,
+                  "moecore bench %s on %s%s (%d SMs, %.1f GiB), %lld timed steps after %lld warm-up, CUDA graph %s "
+                  "(%lld launches)\n",
+                  opt.config_name.c_str(), ranks > 1 ? (std::to_string(ranks) + " x ").c_str() : "",
+                  g.at("name").get<std::string>().c_str(), g.at("sm_count").get<int>(), g.at("memory_gib").get<double>(),
+                  (long long)opt.steps, (long long)opt.warmup, details.at("cuda_graph").get<bool>() ? "on" : "off",
+                  (long long)details.at("graph_launches").get<int64_t>());
+  } else {
+    std::snprintf(buf, sizeof buf, "moecore bench %s on cpu (%s), %lld timed steps after %lld warm-up\n",
+                  opt.config_name.c_str(), details.at("machine").at("cpu").get<std::string>().c_str(),
+                  (long long)opt.steps, (long long)opt.warmup);
+  }
   out << buf;
-  for (int p = 0; p < static_cast<int>(Phase::kCount); ++p) {
-    std::snprintf(buf, sizeof buf, "  %-14s %10.2f\n", std::string(kPhaseNames[p]).c_str(),
-                  phases[std::string(kPhaseNames[p])].get<double>());
+  std::snprintf(buf, sizeof buf, "  %.3gB parameters (%.3gB active), %lld tokens/step (%s%lld x %lld x %lld)\n",
+                double(plan.counts.total_params) / 1e9, double(plan.counts.active_params) / 1e9,
+                (long long)plan.tokens_per_step, ranks > 1 ? (std::to_string(ranks) + " GPUs x ").c_str() : "",
+                (long long)plan.micro_steps, (long long)plan.micro_batch, (long long)plan.seq_len);
+  out << buf;
+  std::snprintf(buf, sizeof buf, "  %-12s %12s %8s %14s\n", "phase", gpu ? "eager ms" : "ms", "share", "ms of step");
+  out << buf;
+  for (const auto& [name, ms] : phases) {
+    std::snprintf(buf, sizeof buf, "  %-12s %12.2f %7.1f%% %14.2f\n", name.c_str(), ms,
+                  phase_sum > 0 ? 100.0 * ms / phase_sum : 0.0, scaled[name].get<double>());
     out << buf;
   }
-  std::snprintf(buf, sizeof buf, "  %-14s %10.2f   (step median %.2f ms, min %.2f, max %.2f)\n", "sum", phase_sum,
-                1e3 * median, 1e3 * sorted.front(), 1e3 * sorted.back());
+  std::snprintf(buf, sizeof buf, "  %-12s %12.2f %7.1f%% %14.2f   (profiled step %.2f ms wall; timed step %.2f ms)\n",
+                "sum", phase_sum, 100.0, step_ms, profiled_ms, step_ms);
   out << buf;
-  std::snprintf(buf, sizeof buf, "tokens/s %.0f | TFLOP/s %.4f | MFU n/a on cpu | peak memory %.3f GiB\n", tps, tflops,
-                peak_rss_gib());
+  if (gpu) {
+    std::snprintf(buf, sizeof buf, "tokens/s/GPU %.0f | TFLOP/s/GPU %.1f | MFU %.1f%% (of %.0f) | step %.2f ms\n", tps_dev,
+                  tflops, 100.0 * mfu, kGpuPeakTflops, step_ms);
+  } else {
+    std::snprintf(buf, sizeof buf, "tokens/s %.0f | TFLOP/s %.4f | MFU n/a on cpu | step %.2f ms (median %.2f)\n", tps,
+                  tflops, step_ms, rec["step_ms"]["median"].get<double>());
+  }
   out << buf;
-  write_bench_record(rec, opt, "cpu", date, out);
+  if (details.contains("data_parallel")) {
+    const nlohmann::json& d = details["data_parallel"];
+    std::snprintf(buf, sizeof buf,
+                  "data parallel: %lld GPUs, NCCL %s | tokens/s all GPUs %.0f | grad all-reduce %.2f ms exposed in "
+                  "the eager step (%s) | alone: %.2f ms for %.2f GB FP32, algbw %.1f GB/s, busbw %.1f GB/s | "
+                  "scaling efficiency: tokens/s/GPU over a one-GPU run's tokens/s (run `moecore bench` without "
+                  "mpirun)\n",
+                  (long long)plan.sizes.dp, d["nccl_version"].get<std::string>().c_str(), tps,
+                  d["grad_reduce_exposed_ms"].get<double>(),
+                  d["overlap_grad_reduce"].get<bool>() ? "overlapped with backward" : "after backward, not overlapped",
+                  d["grad_reduce_ms"].get<double>(), d["grad_reduce_bytes"].get<double>() / 1e9,
+                  d["grad_reduce_algbw_gbs"].get<double>(), d["grad_reduce_busbw_gbs"].get<double>());
+    out << buf;
+  }
+  if (details.contains("expert_parallel")) {
+    const nlohmann::json& e = details["expert_parallel"];
+    std::snprintf(buf, sizeof buf,
+                  "expert parallel: ep %lld (%lld experts per GPU) | dispatch %.2f ms + combine %.2f ms of the eager "
+                  "step | %.3f GB sent per rank to other GPUs | all-to-all %.1f GB/s per rank (no CUDA graph)\n",
+                  (long long)plan.sizes.ep, (long long)e["experts_per_gpu"].get<int64_t>(), e["dispatch_ms"].get<double>(),
+                  e["combine_ms"].get<double>(), double(e["bytes_sent_per_rank"].get<int64_t>()) / 1e9,
+                  e["alltoall_gbs"].get<double>());
+    out << buf;
+  }
+  if (gpu) {
+    std::snprintf(buf, sizeof buf,
+                  "memory: peak %.2f GiB allocated (device_alloc high-water mark%s) | %.2f GiB in use after the run "
+                  "(cudaMemGetInfo total - free; %.2f GiB more than before the run) | estimate %.2f GiB\n",
+                  details["mem_peak_gib"].get<double>(), ranks > 1 ? ", largest GPU" : "",
+                  details["mem_used_gib"].get<double>(), details["mem_bench_gib"].get<double>(),
+                  plan.memory.total() / kGiB);
+  } else {
+    std::snprintf(buf, sizeof buf, "memory: peak %.3f GiB resident (peak RSS) | estimate %.3f GiB\n",
+                  details["mem_peak_gib"].get<double>(), plan.memory.total() / kGiB);
+  }
+  out << buf;
+  std::snprintf(buf, sizeof buf,
+                "expert load: max/mean tokens per expert %.3f (mean over %zu MoE layers, step %lld) | loss %.4f "
+                "(step 1) -> %.4f (step %lld)%s | skipped steps %lld\n",
+                imbalance, last.tokens_per_expert.size(), (long long)last.step, first_loss, last_loss,
+                (long long)last.step, loss_finite ? "" : " NOT FINITE", (long long)skipped);
+  out << buf;
+  if (world.rank() == 0)
+    write_bench_record(rec, opt, gpu ? (ranks > 1 ? "gpux" + std::to_string(ranks) : "gpu") : "cpu", date, out);
   return rec;
 }
 

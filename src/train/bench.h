@@ -1,8 +1,8 @@
-// `moecore bench`: warm training steps on random tokens (system benchmark; data loading is
-// not timed), reported as tokens/s, TFLOP/s (docs/architecture.md FLOP formula), MFU, step
-// time by phase and peak memory; also written as JSON with machine, commit, command and date.
-// This is the CPU reference backend's loop and the helpers both benches share; the GPU bench
-// is train/gpu_bench.h.
+// `moecore bench`: warm training steps on synthetic tokens (a system benchmark; no data loading)
+// through the same step interface as `moecore train` (train/step.h) on either backend, reported
+// as tokens/s (per GPU), TFLOP/s (docs/architecture.md FLOP formula), MFU on GPUs, step time by
+// phase, peak memory and the backend's details (graph, collectives, expert exchange), and
+// written as JSON with machine, commit, command, date and every setting that changes the figures.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +15,8 @@
 
 namespace moe {
 
+class Comm;
+
 struct BenchOptions {
   int64_t warmup = 2;
   int64_t steps = 5;
@@ -24,8 +26,13 @@ struct BenchOptions {
   std::string config_name = "default";
 };
 
-// Returns the JSON record (also printed as a table to `out`).
-nlohmann::json run_bench(const Config& cfg, const BenchOptions& opt, std::ostream& out);
+// Runs the benchmark on train.device and returns its JSON record (printed as a table to `out` on
+// rank 0, written as write_bench_record says). Collective over `world`: several ranks run on GPUs
+// only, one GPU per rank, data parallel with train.global_batch x world size sequences per step
+// (each GPU runs the one-GPU step's micro-batches; parallel.dp must be 0 or the world size;
+// parallel.ep may split the experts over ep groups of GPUs). GPU parameters are initialised on the
+// device; a run whose estimate exceeds the free device memory is refused before allocating.
+nlohmann::json run_bench(const Config& cfg, const BenchOptions& opt, std::ostream& out, Comm& world);
 
 // $MOECORE_COMMIT when set and non-empty, else `git rev-parse --short HEAD`, else "unknown".
 std::string bench_commit();

@@ -52,10 +52,8 @@ static_assert(offsetof(cuda::StepStatsRecord, bad_targets) == offsetof(cuda::Ste
               "bad_ids, bad_targets must be two adjacent uint32");
 
 // Checks that need no allocation, before the model is built.
+// The groups against the config (the batch arithmetic is the run plan's: make_run_plan).
 const Config& checked_config(const Config& cfg, cuda::NcclComm* dp, cuda::NcclComm* ep, cuda::NcclComm* ep_dp) {
-  MOE_CHECK(cfg.train.micro_batch > 0 && cfg.train.seq_len > 0 && cfg.train.global_batch > 0,
-            "CudaStepRunner: train.micro_batch, train.seq_len and train.global_batch must be positive, got ",
-            cfg.train.micro_batch, ", ", cfg.train.seq_len, ", ", cfg.train.global_batch);
   const int64_t ep_size = ep ? ep->size() : 1;
   MOE_CHECK(cfg.parallel.ep == ep_size, "CudaStepRunner: parallel.ep = ", cfg.parallel.ep, " but the expert-parallel "
             "NCCL group has ", ep_size, " rank(s); make it over Topology::ep_comm (make_nccl_comm)");
@@ -71,9 +69,6 @@ const Config& checked_config(const Config& cfg, cuda::NcclComm* dp, cuda::NcclCo
               ": expert parallelism is dropless only; set moe.capacity_factor = 0");
   }
   if (dp) {
-    MOE_CHECK(cfg.train.global_batch % (dp->size() * cfg.train.micro_batch) == 0, "CudaStepRunner: train.global_batch (",
-              cfg.train.global_batch, ") must be divisible by dp x train.micro_batch = ", dp->size(), " x ",
-              cfg.train.micro_batch);
     MOE_CHECK(!dp->aborted(), "CudaStepRunner: the data-parallel NCCL communicator was aborted");
     MOE_CHECK(dp->device() == cuda::current_device(), "CudaStepRunner: the NCCL communicator of rank ", dp->rank(),
               " was made on GPU ", dp->device(), " but the current GPU is ", cuda::current_device(),
@@ -301,6 +296,103 @@ struct CudaStepRunner::Impl {
     if (timer) timer->close();
   }
 
+  // Checks the micro-batches, stages their ids and the step's scalars in pinned memory and copies
+  // them to the device (before the step in stream order, outside any captured region). Returns
+  // this rank's target count.
+  int64_t stage_inputs(const StepShape& sh, int64_t step, const std::vector<Batch>& micro, int64_t global_targets,
+                       double lr) {
+    MOE_CHECK(sh.batch > 0 && sh.seq > 0, "CudaStepRunner::submit: step ", step, " micro-batch 0 is empty");
+    const int64_t n = sh.tokens();
+    int64_t num_targets = 0;
+    for (size_t m = 0; m < micro.size(); ++m) {
+      const Batch& b = micro[m];
+      MOE_CHECK(b.num_sequences() == sh.batch && b.seq_len == sh.seq && static_cast<int64_t>(b.inputs.size()) == n &&
+                    static_cast<int64_t>(b.targets.size()) == n,
+                "CudaStepRunner::submit: micro-batch ", m, " of step ", step, " is ", b.num_sequences(), " x ",
+                b.seq_len, " (", b.inputs.size(), " inputs, ", b.targets.size(), " targets); micro-batch 0 is ",
+                sh.batch, " x ", sh.seq, ": every micro-batch of a step must have one shape");
+      for (int32_t t : b.targets) num_targets += t >= 0 ? 1 : 0;
+    }
+    const cuda::Stream st = stream();
+    const size_t token_bytes = size_t(2 * sh.micro * n) * sizeof(int32_t);
+    Staging& stage = staging_slot(token_bytes);
+    int32_t* host_tokens = stage.tokens.as<int32_t>();
+    for (int64_t m = 0; m < sh.micro; ++m) {
+      std::memcpy(host_tokens + m * n, micro[m].inputs.data(), size_t(n) * sizeof(int32_t));
+      std::memcpy(host_tokens + (sh.micro + m) * n, micro[m].targets.data(), size_t(n) * sizeof(int32_t));
+    }
+    auto* scalars = stage.scalars.as<StagedScalars>();
+    const int64_t layers = model.num_moe_layers();
+    // Micro-batches of the global batch: the lb and z weights are per micro-batch of all ranks.
+    const int64_t global_micro = sh.micro * dp_size;
+    const double per_layer = layers > 0 ? 1.0 / (double(global_micro) * double(layers)) : 0.0;
+    scalars->lr = lr;
+    scalars->loss_scales[0] = static_cast<float>(1.0 / double(std::max<int64_t>(1, global_targets)));
+    scalars->loss_scales[1] = static_cast<float>(cfg.moe.lb_loss_weight * per_layer);
+    scalars->loss_scales[2] = static_cast<float>(cfg.moe.z_loss_weight * per_layer);
+    // Device token buffer: grows (outside any capture) only for a larger step than configured.
+    if (tokens.bytes() < token_bytes) {
+      cuda::stream_sync(st);
+      tokens.reserve(token_bytes);
+      ++token_reallocations;
+    }
+    cuda::copy_h2d(tokens.data(), host_tokens, token_bytes, st);
+    cuda::copy_h2d(model.loss_scales_device(), scalars->loss_scales, sizeof(scalars->loss_scales), st);
+    cuda::copy_h2d(&opt()->lr, &scalars->lr, sizeof(double), st);
+    cuda::event_record(stage.copied, st);
+    stage.used = true;
+    ++num_submitted;
+    return num_targets;
+  }
+
+  // The step: a replay of the captured graph, its capture (the second eager-ready step of a
+  // shape) then a replay, or an eager step.
+  void run_step(const StepShape& sh, int64_t step, uint64_t train_seed) {
+    const cuda::Stream st = stream();
+    const bool allowed = graph_allowed();
+    if (graph.ready() && graph_generation != generation()) {
+      cuda::stream_sync(st);  // a buffer the graph points at was reallocated: drop it (rare)
+      graph.reset();
+    }
+    if (allowed && graph.ready() && graph_shape == sh) {
+      graph.launch(st);
+      ++launches;
+    } else if (allowed && !graph.ready() && eager_shape == sh && eager_generation == generation()) {
+      graph.begin_capture(st);
+      try {
+        enqueue_step(sh, step, train_seed);
+        graph.end_capture(st);
+      } catch (...) {
+        graph.abort_capture(st);
+        throw;
+      }
+      MOE_CHECK(generation() == eager_generation, "CudaStepRunner::submit: a buffer was reallocated during capture");
+      graph_shape = sh;
+      graph_generation = generation();
+      graph.launch(st);
+      ++launches;
+    } else {
+      enqueue_step(sh, step, train_seed);
+      eager_shape = sh;
+      eager_generation = generation();
+    }
+  }
+
+  // The step's statistics into the next ring slot: one asynchronous copy and an event.
+  void queue_stats(const StepShape& sh, int64_t step, int64_t slot_targets) {
+    const cuda::Stream st = stream();
+    const int64_t global_micro = sh.micro * dp_size;
+    StatsSlot& slot = ring[(ring_head + num_pending) % kMaxPending];
+    cuda::copy_d2h_async(slot.host.data(), model.stats_record(), model.stats_bytes(), st);
+    cuda::event_record(slot.ready, st);
+    slot.step = step;
+    slot.num_targets = slot_targets;
+    slot.num_forwards = global_micro;
+    slot.num_routes = global_micro * model.num_moe_layers() * sh.tokens() * cfg.moe.top_k;
+    ++num_pending;
+    last_step = step;
+  }
+
   // Pinned staging for `bytes` of token ids; waits for the device to have copied out of the slot.
   Staging& staging_slot(size_t token_bytes) {
     Staging& s = staging[num_submitted % kStagingSlots];
@@ -311,8 +403,15 @@ struct CudaStepRunner::Impl {
 };
 
 CudaStepRunner::CudaStepRunner(const Config& cfg, cuda::NcclComm* dp, cuda::NcclComm* ep, cuda::NcclComm* ep_dp)
+    : CudaStepRunner(cfg, make_run_plan(checked_config(cfg, dp, ep, ep_dp), dp ? dp->size() : 1, "cuda"), dp, ep,
+                     ep_dp) {}
+
+CudaStepRunner::CudaStepRunner(const Config& cfg, const RunPlan& plan, cuda::NcclComm* dp, cuda::NcclComm* ep,
+                               cuda::NcclComm* ep_dp)
     : impl_(std::make_unique<Impl>(checked_config(cfg, dp, ep, ep_dp), dp, ep, ep_dp)) {
   Impl& I = *impl_;
+  MOE_CHECK(plan.sizes.dp == I.dp_size && plan.micro_steps > 0, "CudaStepRunner: the run plan is for dp = ",
+            plan.sizes.dp, " but the data-parallel NCCL group has ", I.dp_size, " rank(s)");
   const int64_t total = I.model.layout().total_numel();
   const size_t bytes = size_t(total) * sizeof(float);
   I.exp_avg.reserve(bytes);
@@ -327,8 +426,8 @@ CudaStepRunner::CudaStepRunner(const Config& cfg, cuda::NcclComm* dp, cuda::Nccl
   cuda::copy_h2d(I.opt_scalars.data(), &zero, sizeof(zero), st);
 
   // Static shapes of a step: every buffer at its final size before any capture.
-  const int64_t micro = std::max<int64_t>(1, cfg.train.global_batch / (I.dp_size * cfg.train.micro_batch));
-  const int64_t n = cfg.train.micro_batch * cfg.train.seq_len;
+  const int64_t micro = plan.micro_steps;
+  const int64_t n = plan.tokens_per_micro_batch;
   I.model.reserve(cfg.train.micro_batch, cfg.train.seq_len);
   I.tokens.reserve(size_t(2 * micro * n) * sizeof(int32_t));
   for (Impl::Staging& s : I.staging) {
@@ -461,98 +560,16 @@ void CudaStepRunner::download_state(float* params, float* exp_avg, float* exp_av
 void CudaStepRunner::submit(int64_t step, const std::vector<Batch>& micro, int64_t global_targets, double lr,
                             uint64_t train_seed) {
   Impl& I = *impl_;
-  const char* op = "CudaStepRunner::submit";
-  MOE_CHECK(!micro.empty(), op, ": step ", step, " has no micro-batches");
-  MOE_CHECK(step > I.last_step, op, ": steps must be submitted in increasing order; got step ", step, " after step ",
-            I.last_step);
-  MOE_CHECK(I.num_pending < kMaxPending, op, ": ", I.num_pending, " steps are waiting to be collected (at most ",
-            kMaxPending, "); call collect() before submitting step ", step);
-  StepShape sh{static_cast<int64_t>(micro.size()), micro[0].num_sequences(), micro[0].seq_len};
-  MOE_CHECK(sh.batch > 0 && sh.seq > 0, op, ": step ", step, " micro-batch 0 is empty");
-  const int64_t n = sh.tokens();
-  int64_t num_targets = 0;
-  for (size_t m = 0; m < micro.size(); ++m) {
-    const Batch& b = micro[m];
-    MOE_CHECK(b.num_sequences() == sh.batch && b.seq_len == sh.seq &&
-                  static_cast<int64_t>(b.inputs.size()) == n && static_cast<int64_t>(b.targets.size()) == n,
-              op, ": micro-batch ", m, " of step ", step, " is ", b.num_sequences(), " x ", b.seq_len, " (",
-              b.inputs.size(), " inputs, ", b.targets.size(), " targets); micro-batch 0 is ", sh.batch, " x ", sh.seq,
-              ": every micro-batch of a step must have one shape");
-    for (int32_t t : b.targets) num_targets += t >= 0 ? 1 : 0;
-  }
-  const cuda::Stream st = I.stream();
-  const size_t token_bytes = size_t(2 * sh.micro * n) * sizeof(int32_t);
-
-  // Stage the step's host data in pinned memory.
-  Impl::Staging& stage = I.staging_slot(token_bytes);
-  int32_t* host_tokens = stage.tokens.as<int32_t>();
-  for (int64_t m = 0; m < sh.micro; ++m) {
-    std::memcpy(host_tokens + m * n, micro[m].inputs.data(), size_t(n) * sizeof(int32_t));
-    std::memcpy(host_tokens + (sh.micro + m) * n, micro[m].targets.data(), size_t(n) * sizeof(int32_t));
-  }
-  auto* scalars = stage.scalars.as<StagedScalars>();
-  const int64_t layers = I.model.num_moe_layers();
-  // Micro-batches of the global batch: the lb and z weights are per micro-batch of all ranks.
-  const int64_t global_micro = sh.micro * I.dp_size;
-  const double per_layer = layers > 0 ? 1.0 / (double(global_micro) * double(layers)) : 0.0;
-  scalars->lr = lr;
-  scalars->loss_scales[0] = static_cast<float>(1.0 / double(std::max<int64_t>(1, global_targets)));
-  scalars->loss_scales[1] = static_cast<float>(I.cfg.moe.lb_loss_weight * per_layer);
-  scalars->loss_scales[2] = static_cast<float>(I.cfg.moe.z_loss_weight * per_layer);
-
-  // Device token buffer: grows (outside any capture) only for a larger step than configured.
-  if (I.tokens.bytes() < token_bytes) {
-    cuda::stream_sync(st);
-    I.tokens.reserve(token_bytes);
-    ++I.token_reallocations;
-  }
-  // Inputs of the step, before the step in stream order (outside any captured region).
-  cuda::copy_h2d(I.tokens.data(), host_tokens, token_bytes, st);
-  cuda::copy_h2d(I.model.loss_scales_device(), scalars->loss_scales, sizeof(scalars->loss_scales), st);
-  cuda::copy_h2d(&I.opt()->lr, &scalars->lr, sizeof(double), st);
-  cuda::event_record(stage.copied, st);
-  stage.used = true;
-  ++I.num_submitted;
-
-  // The step: replay, capture then replay, or eager.
-  const bool allowed = I.graph_allowed();
-  if (I.graph.ready() && I.graph_generation != I.generation()) {
-    cuda::stream_sync(st);  // a buffer the graph points at was reallocated: drop it (rare)
-    I.graph.reset();
-  }
-  if (allowed && I.graph.ready() && I.graph_shape == sh) {
-    I.graph.launch(st);
-    ++I.launches;
-  } else if (allowed && !I.graph.ready() && I.eager_shape == sh && I.eager_generation == I.generation()) {
-    I.graph.begin_capture(st);
-    try {
-      I.enqueue_step(sh, step, train_seed);
-      I.graph.end_capture(st);
-    } catch (...) {
-      I.graph.abort_capture(st);
-      throw;
-    }
-    MOE_CHECK(I.generation() == I.eager_generation, op, ": a buffer was reallocated during capture");
-    I.graph_shape = sh;
-    I.graph_generation = I.generation();
-    I.graph.launch(st);
-    ++I.launches;
-  } else {
-    I.enqueue_step(sh, step, train_seed);
-    I.eager_shape = sh;
-    I.eager_generation = I.generation();
-  }
-
-  // Statistics into the next ring slot, one copy and an event.
-  Impl::StatsSlot& slot = I.ring[(I.ring_head + I.num_pending) % kMaxPending];
-  cuda::copy_d2h_async(slot.host.data(), I.model.stats_record(), I.model.stats_bytes(), st);
-  cuda::event_record(slot.ready, st);
-  slot.step = step;
-  slot.num_targets = I.dp ? global_targets : num_targets;  // the CE sum is global after the all-reduce
-  slot.num_forwards = global_micro;
-  slot.num_routes = global_micro * layers * n * I.cfg.moe.top_k;
-  ++I.num_pending;
-  I.last_step = step;
+  MOE_CHECK(!micro.empty(), "CudaStepRunner::submit: step ", step, " has no micro-batches");
+  MOE_CHECK(step > I.last_step, "CudaStepRunner::submit: steps must be submitted in increasing order; got step ", step,
+            " after step ", I.last_step);
+  MOE_CHECK(I.num_pending < kMaxPending, "CudaStepRunner::submit: ", I.num_pending,
+            " steps are waiting to be collected (at most ", kMaxPending, "); call collect() before submitting step ",
+            step);
+  const StepShape sh{static_cast<int64_t>(micro.size()), micro[0].num_sequences(), micro[0].seq_len};
+  const int64_t num_targets = I.stage_inputs(sh, step, micro, global_targets, lr);
+  I.run_step(sh, step, train_seed);
+  I.queue_stats(sh, step, I.dp ? global_targets : num_targets);  // the CE sum is global after the all-reduce
 }
 
 StepStats CudaStepRunner::collect() {

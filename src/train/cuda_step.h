@@ -8,8 +8,8 @@
 // Data parallel (an NcclComm over dp ranks, one GPU each): every rank runs its micro-batches, then
 // the FP32 gradients and the step statistics are summed over the ranks with NCCL on the model's
 // stream (inside the graph), so every rank computes the same grad norm, skip decision, AdamW
-// update and expert-bias update on replicated state (plain all-reduce DDP, no overlap with
-// backward yet, no ZeRO on GPU).
+// update and expert-bias update on replicated state (no ZeRO on GPU); with
+// parallel.overlap_grad_reduce each block's gradients are all-reduced during the last backward.
 // Expert parallel (parallel.ep > 1, NcclComms over the ep and ep-dp groups): the model holds its
 // ep rank's experts and exchanges token rows per MoE layer (CudaModel); dense gradients are summed
 // over dp, expert gradients over ep-dp; the grad norm adds the dense squares (once) and the expert
@@ -25,26 +25,14 @@
 #include "core/config.h"
 #include "data/dataset.h"
 #include "model/cuda_model.h"
+#include "train/run_plan.h"
+#include "train/step.h"
 
 namespace moe {
 namespace cuda {
 class EventTimer;
 class NcclComm;
 }
-
-// With data parallelism every figure is global: summed (or averaged) over the micro-batches of
-// every rank, identical on every rank.
-struct StepStats {
-  int64_t step = 0;          // 1-based number of the step these statistics belong to
-  double ce_sum = 0;         // summed over micro-batches
-  int64_t num_targets = 0;   // one rank: counted in the batches; dp > 1: submit's global_targets
-  double lb_loss = 0, z_loss = 0;  // mean over micro-batches (each a mean over MoE layers)
-  std::vector<std::vector<int64_t>> tokens_per_expert;  // [MoE layer][expert], summed over micro-batches
-  int64_t num_routes = 0;
-  double grad_norm = 0;      // before clipping
-  bool skipped = false;      // non-finite grad norm or loss: no update, no bias change
-  int64_t optimizer_steps = 0;  // AdamW steps taken after this step (skipped steps do not count)
-};
 
 class CudaStepRunner {
  public:
@@ -64,6 +52,10 @@ class CudaStepRunner {
   // ep, ep_dp (not owned; null or size 1: none): with parallel.ep > 1 the ep group (size
   // parallel.ep; dp must be given) and the ep-dp group (the ranks holding the same experts; null
   // or size 1 when ep = dp). Expert parallelism turns graph capture off.
+  // plan: the run plan of cfg over the dp group's ranks (micro-steps per rank size the buffers).
+  CudaStepRunner(const Config& cfg, const RunPlan& plan, cuda::NcclComm* dp, cuda::NcclComm* ep,
+                 cuda::NcclComm* ep_dp);
+  // The same with make_run_plan(cfg, dp ranks, "cuda").
   explicit CudaStepRunner(const Config& cfg, cuda::NcclComm* dp = nullptr, cuda::NcclComm* ep = nullptr,
                           cuda::NcclComm* ep_dp = nullptr);
   ~CudaStepRunner();

@@ -1,6 +1,6 @@
 // The training loop: data -> micro-batches (gradient accumulation to train.global_batch) ->
 // forward/backward -> global grad norm, clip, skip on non-finite -> AdamW -> expert-bias
-// update -> metrics, eval and checkpoints. CPU reference backend.
+// update -> metrics, eval and checkpoints, on the CPU or GPU step (train/step.h).
 #pragma once
 
 #include <cstdint>
@@ -30,7 +30,8 @@ TrainSummary train(const Config& cfg, std::ostream& out);
 // files; parallel.* is checked against world.size()). Sets world's timeout to parallel.timeout_s.
 TrainSummary train(const Config& cfg, std::ostream& out, Comm& world);
 
-// Checkpoint directory of a run: checkpoint.dir, or <run.dir>/checkpoints when empty.
+// Checkpoint directory of a run: checkpoint.dir, or <run.dir>/checkpoints when empty
+// (train/checkpointing.cpp).
 std::string checkpoint_dir(const Config& cfg);
 
 }  // namespace moe

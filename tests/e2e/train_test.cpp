@@ -18,7 +18,7 @@
 #include "core/config_io.h"
 #include "model/layout.h"
 #include "support/test_util.h"
-#include "train/gpu_bench.h"
+#include "train/run_plan.h"
 #include "train/trainer.h"
 
 namespace moe::testing {
@@ -148,24 +148,47 @@ CmdResult run_cli(const std::string& args) {
   return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, out};
 }
 
-// The GPU memory estimate with expert parallelism: one GPU's share of the expert state, plus the
-// exchange buffers (received rows and maps per MoE layer, two row buffers) on top of the
-// activations; the dense state stays whole.
-TEST(GpuMemoryEstimate, ExpertParallelShareAndExchangeBuffers) {
+// The GPU memory estimate of the run plan with expert parallelism: one GPU's share of the expert
+// state, plus the exchange buffers (received rows and maps per MoE layer, two row buffers) on top
+// of the activations; the dense state stays whole.
+TEST(RunPlan, GpuMemoryExpertParallelShareAndExchangeBuffers) {
   Config c;
   ASSERT_NO_THROW(c = load_config(std::string(MOECORE_SOURCE_DIR) + "/configs/olmoe-1b-7b.toml", {}));
   c.parallel.ep = 1;  // the config file sets ep = 2
-  const GpuMemoryEstimate one = estimate_gpu_memory(c);
-  EXPECT_DOUBLE_EQ(one.state_bytes, 18.0 * double(one.total_params));
+  c.train.global_batch = 2 * c.train.micro_batch;  // two GPUs
+  const RunPlan one = make_run_plan(c, 2, "cuda");
+  const double one_state = one.memory.params + one.memory.grads + one.memory.moments;
+  EXPECT_DOUBLE_EQ(one_state, 18.0 * double(build_param_layout(c.model, c.moe).total_numel()));
+  EXPECT_NEAR(one_state, 18.0 * double(one.counts.total_params), 1e-3 * one_state);
   c.parallel.ep = 2;
-  const GpuMemoryEstimate two = estimate_gpu_memory(c);
+  const RunPlan two = make_run_plan(c, 2, "cuda");
   const ExpertSlice half{0, c.moe.num_experts / 2};
-  EXPECT_DOUBLE_EQ(two.state_bytes, 18.0 * double(build_param_layout(c.model, c.moe, half).total_numel()));
-  EXPECT_LT(two.state_bytes, 0.6 * one.state_bytes);  // experts are most of olmoe-1b-7b
+  const double two_state = two.memory.params + two.memory.grads + two.memory.moments;
+  EXPECT_DOUBLE_EQ(two_state, 18.0 * double(build_param_layout(c.model, c.moe, half).total_numel()));
+  EXPECT_LT(two_state, 0.6 * one_state);  // experts are most of olmoe-1b-7b
   const double rows = double(c.train.micro_batch * c.train.seq_len * c.moe.top_k);
   const double d = double(c.model.d_model);
-  EXPECT_DOUBLE_EQ(two.activation_bytes - one.activation_bytes,
+  EXPECT_DOUBLE_EQ(two.memory.activations, one.memory.activations);
+  EXPECT_DOUBLE_EQ(two.memory.exchange - one.memory.exchange,
                    double(num_moe_layers(c.model)) * rows * (2 * d + 8) + 4 * rows * d);
+}
+
+// The batch arithmetic is derived once, for the world size; a bad layout fails with its arithmetic.
+TEST(RunPlan, BatchArithmeticAndZeroShards) {
+  Config c;
+  c.train.global_batch = 16;
+  c.train.micro_batch = 2;
+  const RunPlan p = make_run_plan(c, 4, "cpu");
+  EXPECT_EQ(p.sizes.dp, 4);
+  EXPECT_EQ(p.micro_steps, 2);
+  EXPECT_EQ(p.micro_batches, 8);
+  EXPECT_EQ(p.tokens_per_step, 16 * c.train.seq_len);
+  EXPECT_TRUE(p.zero);  // parallel.zero defaults on, dp > 1
+  const RunPlan one = make_run_plan(c, 1, "cpu");
+  EXPECT_FALSE(one.zero);
+  EXPECT_LT(p.memory.moments, 0.3 * one.memory.moments);  // a quarter of the moments per rank (dense over 4 ranks)
+  EXPECT_DOUBLE_EQ(p.memory.params, one.memory.params);
+  EXPECT_NE(error_of([&] { make_run_plan(c, 3, "cpu"); }).find("16 % 6 = 4"), std::string::npos);
 }
 
 TEST(Cli, DryRunPrintsCountsAndConfig) {
@@ -175,6 +198,12 @@ TEST(Cli, DryRunPrintsCountsAndConfig) {
   EXPECT_NE(r.output.find("# parameters"), std::string::npos);
   EXPECT_NE(r.output.find("# FLOPs per token"), std::string::npos);
   EXPECT_NE(r.output.find("# memory estimate"), std::string::npos);
+  // Under --world N: the per-rank figures of N ranks.
+  const CmdResult w = run_cli("train --dry-run --world 4 --train.global_batch=16 --train.micro_batch=2");
+  EXPECT_EQ(w.status, 0) << w.output;
+  EXPECT_NE(w.output.find("4 rank(s) on cpu: dp 4"), std::string::npos) << w.output;
+  EXPECT_NE(w.output.find("dp 4 x micro-batch 2 x 2 micro-steps"), std::string::npos) << w.output;
+  EXPECT_NE(w.output.find("ZeRO-1"), std::string::npos) << w.output;
 }
 
 TEST(Cli, BadKeySuggestsNearest) {

@@ -1,0 +1,181 @@
+// HostState, resume and the checkpoint writers of the training loop (both backends): the
+// replicated single-file checkpoint, the sliced one (each rank's shard-plan ranges of parameters
+// and moments, expert biases from rank 0), train_state.json, and resuming any layout's moments
+// into the ranges this rank keeps.
+#include "train/checkpointing.h"
+
+#include <filesystem>
+#include <ostream>
+
+#include "checkpoint/checkpoint.h"
+#include "core/config_io.h"
+#include "core/error.h"
+#include "data/dataset.h"
+#include "parallel/topology.h"
+#include "train/model_state.h"
+#include "train/run_plan.h"
+#include "train/trainer.h"
+
+namespace moe {
+
+namespace fs = std::filesystem;
+
+std::string checkpoint_dir(const Config& cfg) {
+  return cfg.checkpoint.dir.empty() ? (fs::path(cfg.run.dir) / "checkpoints").string() : cfg.checkpoint.dir;
+}
+
+namespace {
+
+std::optional<ExpertParallel> expert_parallel_of(const Config& cfg, const RunPlan& plan, const Topology& topo) {
+  if (topo.sizes.ep <= 1) return std::nullopt;
+  MOE_CHECK(cfg.parallel.ep_backend == "alltoall", "parallel.ep_backend = \"", cfg.parallel.ep_backend, "\": the ",
+            plan.device == "cpu" ? "CPU trainer exchanges tokens by all-to-all" : "GPU trainer exchanges tokens by all-to-all (NCCL)",
+            "; set parallel.ep_backend = \"alltoall\"");
+  return make_expert_parallel(*topo.ep_comm, cfg.moe.num_experts);
+}
+
+std::vector<TensorRef> tensor_refs(const ParamLayout& layout, const float* base, const std::string& suffix) {
+  std::vector<TensorRef> refs;
+  for (const ParamEntry& e : layout.entries()) refs.push_back({e.name + suffix, DType::kF32, e.shape, base + e.offset});
+  return refs;
+}
+
+// train_state.json of a checkpoint (docs/checkpoints.md).
+nlohmann::json train_state_json(const Config& cfg, int64_t done, int64_t data_position, int64_t optimizer_steps) {
+  return {{"step", done},
+          {"data_position", data_position},
+          {"optimizer_steps", optimizer_steps},
+          {"rng", {{"kind", "counter-based"}, {"seed", cfg.train.seed}, {"step", done}}},
+          {"config", config_to_toml(cfg)}};
+}
+
+// The one-rank checkpoint: global FP32 parameters (and expert biases) and both AdamW moments.
+CheckpointFiles replicated_files(HostState& s, nlohmann::json train_state) {
+  CheckpointFiles files;
+  files.model = model_state_refs(s.model);
+  files.optim = tensor_refs(s.model.layout(), s.opt.exp_avg().data(), ".exp_avg");
+  auto avg_sq = tensor_refs(s.model.layout(), s.opt.exp_avg_sq().data(), ".exp_avg_sq");
+  files.optim.insert(files.optim.end(), avg_sq.begin(), avg_sq.end());
+  files.train_state = std::move(train_state);
+  return files;
+}
+
+// This rank's checkpoint slices: the ranges its shard plans own (parameters and moments, the
+// moments from the ZeRO shards or from the replicated AdamW), plus the expert biases on rank 0.
+SlicedCheckpointFiles sliced_files(HostState& s, const Topology& topo) {
+  SlicedCheckpointFiles f;
+  Model<float>& model = s.model;
+  const ParamLayout& layout = model.layout();
+  for (size_t gi = 0; gi < s.owned.size(); ++gi) {
+    for (const ShardPiece& p : s.owned[gi].plan.my_pieces()) {
+      const ParamEntry& e = layout.at(p.entry);
+      const GlobalPlacement& g = model.placements()[size_t(p.entry)];
+      const int64_t at = g.offset + p.entry_offset;
+      const float* m = s.zero ? s.zero->groups()[gi].m.data() + p.shard_offset
+                              : s.opt.exp_avg().data() + e.offset + p.entry_offset;
+      const float* v = s.zero ? s.zero->groups()[gi].v.data() + p.shard_offset
+                              : s.opt.exp_avg_sq().data() + e.offset + p.entry_offset;
+      f.model.push_back({e.name, g.global_shape, at, p.numel, model.params() + e.offset + p.entry_offset});
+      f.optim.push_back({e.name + ".exp_avg", g.global_shape, at, p.numel, m});
+      f.optim.push_back({e.name + ".exp_avg_sq", g.global_shape, at, p.numel, v});
+    }
+  }
+  if (topo.rank == 0) {
+    const int64_t ne = model.moe_config().num_experts;
+    for (int64_t m = 0; m < model.num_moe_layers(); ++m)
+      f.model.push_back({expert_bias_name(model.model_config(), m), {ne}, 0, ne, model.expert_bias().data() + m * ne});
+  }
+  return f;
+}
+
+}  // namespace
+
+HostState::HostState(const Config& cfg, const RunPlan& plan, const Topology& topo)
+    : ep(expert_parallel_of(cfg, plan, topo)), model(cfg.model, cfg.moe, ep ? &*ep : nullptr), opt(model.layout(), cfg.optim) {
+  model.init_params(cfg.train.seed);
+  // Gradients of dense tensors are summed over dp, of expert tensors over ep-dp (with ep = 1: also
+  // dp); ZeRO-1 shards them over the same groups.
+  if (plan.sizes.dp > 1) {
+    Comm* expert_comm = plan.sizes.ep > 1 ? topo.ep_dp_comm.get() : nullptr;
+    owned = make_shard_groups(model.layout(), *topo.dp_comm, expert_comm);
+    if (plan.zero) {
+      zero = std::make_unique<DistOptimizer>(model.layout(), cfg.optim, *topo.dp_comm, expert_comm);
+      // ZeRO-1 keeps the moments only for this rank's shards: release the replicated ones.
+      std::vector<float>().swap(opt.exp_avg());
+      std::vector<float>().swap(opt.exp_avg_sq());
+    }
+  }
+}
+
+int64_t resume_run(const Config& cfg, HostState& s, DataLoader& loader, std::ostream& out) {
+  if (cfg.checkpoint.resume == "none") return 0;
+  const std::string target = cfg.checkpoint.resume == "auto" ? checkpoint_dir(cfg) : cfg.checkpoint.resume;
+  const std::optional<std::string> step_dir = resolve_checkpoint(target);
+  MOE_CHECK(step_dir || cfg.checkpoint.resume == "auto", "checkpoint.resume: no complete checkpoint found at '", target,
+            "'");
+  if (!step_dir) return 0;
+  LoadedCheckpoint ck = LoadedCheckpoint::open(*step_dir);
+  load_model_state(ck, s.model);
+  const nlohmann::json& st = ck.train_state();
+  const int64_t start = st.at("step").get<int64_t>();
+  const ParamLayout& layout = s.model.layout();
+  if (ck.has_optim()) {
+    // Moments of any layout: the ranges this rank keeps (its ZeRO shards, or every tensor).
+    auto read = [&](const ParamEntry& e, const GlobalPlacement& gp, int64_t entry_offset, int64_t numel, float* m,
+                    float* v) {
+      ck.read_optim_range(e.name + ".exp_avg", gp.global_shape, gp.offset + entry_offset, numel, m);
+      ck.read_optim_range(e.name + ".exp_avg_sq", gp.global_shape, gp.offset + entry_offset, numel, v);
+    };
+    if (s.zero) {
+      for (DistOptimizer::Group& g : s.zero->groups())
+        for (const ShardPiece& p : g.plan.my_pieces())
+          read(layout.at(p.entry), s.model.placements()[size_t(p.entry)], p.entry_offset, p.numel,
+               g.m.data() + p.shard_offset, g.v.data() + p.shard_offset);
+    } else {
+      for (size_t i = 0; i < layout.entries().size(); ++i) {
+        const ParamEntry& e = layout.entries()[i];
+        read(e, s.model.placements()[i], 0, e.numel, s.opt.exp_avg().data() + e.offset,
+             s.opt.exp_avg_sq().data() + e.offset);
+      }
+    }
+    s.opt.set_steps_taken(st.value("optimizer_steps", start));
+    if (s.zero) s.zero->set_steps_taken(s.opt.steps_taken());
+  }
+  loader.set_position(st.value("data_position", start));
+  out << "resumed from " << *step_dir << " at step " << start << "\n";
+  return start;
+}
+
+bool writes_replicated_checkpoint(const RunPlan& plan) {
+  return plan.sizes.world == 1 || (plan.device == "cuda" && plan.sizes.ep == 1);
+}
+
+std::string save_run_checkpoint(const Config& cfg, const RunPlan& plan, const Topology& topo, HostState& s,
+                                int64_t done, int64_t data_position) {
+  Comm& world = *topo.world;
+  const std::string dir = checkpoint_dir(cfg);
+  nlohmann::json train_state = train_state_json(cfg, done, data_position, s.opt.steps_taken());
+  if (!writes_replicated_checkpoint(plan)) {
+    SlicedCheckpointFiles sliced = sliced_files(s, topo);
+    sliced.train_state = std::move(train_state);
+    return save_checkpoint_sliced(world, dir, done, sliced, cfg.checkpoint.keep_last);
+  }
+  if (world.size() == 1) return save_checkpoint(dir, done, replicated_files(s, std::move(train_state)), cfg.checkpoint.keep_last);
+  // Replicated state on several ranks: rank 0 writes the global tensors; the others wait for its
+  // verdict, so that a failed save stops every rank with the same error.
+  std::string failure, path = (fs::path(dir) / step_dir_name(done)).string();
+  if (world.rank() == 0) {
+    try {
+      path = save_checkpoint(dir, done, replicated_files(s, std::move(train_state)), cfg.checkpoint.keep_last);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  int64_t failed = failure.empty() ? 0 : 1;
+  world.broadcast(&failed, 1, 0);
+  MOE_CHECK(failed == 0, "saving the checkpoint of step ", done, " failed on rank 0",
+            failure.empty() ? std::string(" (see its error)") : ": " + failure);
+  return path;
+}
+
+}  // namespace moe

@@ -1,0 +1,59 @@
+// The run's FP32 state on the host and its checkpoints. HostState holds the model (this rank's
+// layout: its experts only under expert parallelism), AdamW (replicated moments) or the ZeRO-1
+// shards, and the shard plans that say which ranges this rank writes. The CPU step trains it in
+// place; the GPU step keeps it as the checkpoint mirror. Checkpoints are global FP32 tensors
+// (docs/checkpoints.md): one rank writes the replicated state whole where every rank holds the
+// same state in full (one rank; GPU data parallel without expert parallelism), otherwise every
+// rank writes its slices; either resumes on any layout.
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/config.h"
+#include "model/model.h"
+#include "optim/adamw.h"
+#include "parallel/dist_optim.h"
+#include "parallel/expert_parallel.h"
+
+namespace moe {
+
+struct RunPlan;
+struct Topology;
+class DataLoader;
+
+struct HostState {
+  // Model (initialised from train.seed), optimizer and shard plans for this rank of `topo`.
+  // With plan.zero the replicated moments are released (the shards hold them).
+  HostState(const Config& cfg, const RunPlan& plan, const Topology& topo);
+  HostState(const HostState&) = delete;
+  HostState& operator=(const HostState&) = delete;
+
+  std::optional<ExpertParallel> ep;  // this rank's expert-parallel context (ep > 1)
+  Model<float> model;
+  AdamW opt;
+  std::vector<ShardGroup> owned;      // dp > 1: the ranges this rank owns (checkpoint slices, norms)
+  std::unique_ptr<DistOptimizer> zero;  // ZeRO-1 shards (plan.zero), else null
+};
+
+// Resumes from checkpoint.resume ("auto": the run's latest, if any; "none": nothing; a path):
+// parameters, expert biases, the moments of the ranges this rank keeps, the optimizer step count
+// and the loader's position. Returns the step to start after (0 when nothing was resumed).
+int64_t resume_run(const Config& cfg, HostState& state, DataLoader& loader, std::ostream& out);
+
+// True when rank 0 writes the state whole (see the header comment).
+bool writes_replicated_checkpoint(const RunPlan& plan);
+
+// Writes the checkpoint of step `done` (the state must be current: Step::sync_host_state first),
+// collective over topo.world; returns the step directory. A failed save on the writing rank fails
+// every rank with its message.
+std::string save_run_checkpoint(const Config& cfg, const RunPlan& plan, const Topology& topo, HostState& state,
+                                int64_t done, int64_t data_position);
+
+}  // namespace moe

@@ -1,0 +1,50 @@
+// What a training run tells its user: console lines and metrics.jsonl records, step figures
+// averaged over each log interval (loss, lb/z, grad norm, lr, tokens/s, load imbalance, dropped
+// routes; device figures when the step has them), eval losses, skipped steps, saved
+// checkpoints, and the live line on a terminal.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <iosfwd>
+
+#include "core/config.h"
+#include "train/metrics.h"
+
+namespace moe {
+
+class Step;
+struct StepStats;
+
+class RunLog {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  // metrics (may be null: ranks other than 0); tty: refresh a live line between records.
+  RunLog(const Config& cfg, std::ostream& out, MetricsWriter* metrics, bool tty, int64_t start_step);
+
+  // The clock of elapsed time, ETA and wall time starts here (after the initial eval).
+  void start_clock() { t_start_ = Clock::now(); }
+  Clock::time_point start_time() const { return t_start_; }
+
+  void eval(int64_t step, double loss);
+  void skipped(int64_t step, double loss, double grad_norm);
+  void saved(const std::string& path, bool last);
+  // Adds step s (which took step_s seconds at learning rate lr); at the end of a log interval
+  // writes the record and the console line (with step.device_figures() when it has them),
+  // otherwise refreshes the live line on a terminal.
+  void step(const StepStats& s, double lr, double step_s, const Step& step);
+
+ private:
+  const char* clear() const { return tty_ ? "\r\033[K" : ""; }
+  const Config& cfg_;
+  std::ostream& out_;
+  MetricsWriter* metrics_;
+  bool tty_;
+  int64_t start_;
+  Clock::time_point t_start_;
+  double loss_ = 0, lb_ = 0, z_ = 0, s_ = 0, imb_ = 0, dropped_ = 0;
+  int64_t n_ = 0, skipped_ = 0;
+};
+
+}  // namespace moe

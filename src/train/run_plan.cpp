@@ -1,0 +1,109 @@
+// make_run_plan: resolve_parallel's checks, then the batch arithmetic and one rank's memory.
+// Memory per rank (bytes): cpu holds FP32 weights, gradients and moments (4 + 4 + 8 per local
+// parameter; ZeRO-1 keeps 8 per parameter of this rank's shard: dense / dp + experts / ep-dp)
+// and FP32 activations; cuda holds FP32 master, BF16 copy, FP32 gradients and moments (18 per
+// parameter), BF16 activations, and with ep > 1 the exchange buffers CudaModel adds (received
+// BF16 rows and two int32 maps per MoE layer, two row buffers), plus a host mirror of 16 per parameter.
+#include "train/run_plan.h"
+
+#include <cstdio>
+
+#include "core/error.h"
+
+namespace moe {
+
+namespace {
+
+constexpr double kGiB = double(1ull << 30);
+
+int64_t range_numel(const std::vector<FlatRange>& ranges) {
+  int64_t n = 0;
+  for (const FlatRange& r : ranges) n += r.end - r.begin;
+  return n;
+}
+
+}  // namespace
+
+RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& device) {
+  MOE_CHECK(device == "cpu" || device == "cuda", "run plan: device must be \"cpu\" or \"cuda\", got \"", device, "\"");
+  RunPlan p;
+  p.device = device;
+  p.sizes = resolve_parallel(cfg, world_size);
+  const int64_t dp = p.sizes.dp, ep = p.sizes.ep;
+  p.ep_dp = dp / ep;
+  p.zero = device == "cpu" && dp > 1 && cfg.parallel.zero;  // GPU runs keep replicated moments
+  p.seq_len = cfg.train.seq_len;
+  p.micro_batch = cfg.train.micro_batch;
+  p.global_batch = cfg.train.global_batch;
+  p.micro_steps = p.global_batch / (dp * p.micro_batch);
+  p.micro_batches = dp * p.micro_steps;
+  p.tokens_per_micro_batch = p.micro_batch * p.seq_len;
+  p.tokens_per_step = p.global_batch * p.seq_len;
+  p.counts = count_model(cfg.model, cfg.moe, p.seq_len);
+  p.flops_per_step = p.counts.flops_per_token * double(p.tokens_per_step);
+
+  MemoryEstimate& m = p.memory;
+  const ExpertSlice slice = ep > 1 ? ExpertSlice{0, cfg.moe.num_experts / ep} : ExpertSlice{};
+  const ParamLayout layout = build_param_layout(cfg.model, cfg.moe, slice);
+  m.local_params = layout.total_numel();
+  const double n = double(m.local_params);
+  const double act = double(activation_elements(cfg.model, cfg.moe, p.tokens_per_micro_batch));
+  const double rows = double(p.tokens_per_micro_batch) * double(cfg.moe.top_k);
+  const double d = double(cfg.model.d_model);
+  const double moe_layers = double(num_moe_layers(cfg.model));
+  if (device == "cpu") {
+    m.params = 4.0 * n;
+    m.grads = 4.0 * n;
+    if (p.zero) {
+      const double dense = double(range_numel(flat_ranges(layout, false)));
+      const double expert = double(range_numel(flat_ranges(layout, true)));
+      m.moments = 8.0 * (dense / double(dp) + expert / double(p.ep_dp));
+    } else {
+      m.moments = 8.0 * n;
+    }
+    m.activations = 4.0 * act;
+    if (ep > 1) m.exchange = 2.0 * rows * d * 4.0;  // the send and receive row blocks of one exchange
+  } else {
+    m.params = 6.0 * n;  // FP32 master + BF16 copy
+    m.grads = 4.0 * n;
+    m.moments = 8.0 * n;
+    m.activations = 2.0 * act;
+    if (ep > 1) m.exchange = moe_layers * rows * (2.0 * d + 8.0) + 2.0 * rows * 2.0 * d;
+    m.host_mirror = 16.0 * n;
+  }
+  return p;
+}
+
+std::string describe_run_plan(const RunPlan& p) {
+  const MemoryEstimate& m = p.memory;
+  char buf[2048], exchange[64] = "";
+  if (m.exchange > 0) std::snprintf(exchange, sizeof exchange, " + %.3f expert exchange", m.exchange / kGiB);
+  const double active_pct = 100.0 * double(p.counts.active_params) / double(std::max<int64_t>(1, p.counts.total_params));
+  std::snprintf(
+      buf, sizeof buf,
+      "# parameters        %lld total, %lld active per token (%.1f%%)\n"
+      "# FLOPs per token   %.4g (forward + backward; %.4g per step of %lld tokens)\n"
+      "# layout            %lld rank(s) on %s: dp %lld, ep %lld, ep-dp %lld, pp %lld%s\n"
+      "# batch             global %lld sequences = dp %lld x micro-batch %lld x %lld micro-steps; %lld tokens per "
+      "micro-batch, %lld per step\n"
+      "# memory estimate   per rank on %s: %.3f GiB total = %.3f weights + %.3f grads + %.3f AdamW moments%s + %.3f "
+      "activations of one micro-batch%s (%lld parameters on this rank)\n",
+      (long long)p.counts.total_params, (long long)p.counts.active_params, active_pct, p.counts.flops_per_token,
+      p.flops_per_step, (long long)p.tokens_per_step, (long long)p.sizes.world, p.device.c_str(),
+      (long long)p.sizes.dp, (long long)p.sizes.ep, (long long)p.ep_dp, (long long)p.sizes.pp,
+      p.zero ? ", ZeRO-1 moment shards" : "", (long long)p.global_batch, (long long)p.sizes.dp,
+      (long long)p.micro_batch, (long long)p.micro_steps, (long long)p.tokens_per_micro_batch,
+      (long long)p.tokens_per_step, p.device == "cuda" ? "the GPU" : "the host", m.total() / kGiB, m.params / kGiB,
+      m.grads / kGiB, m.moments / kGiB, p.zero ? " (this rank's shard)" : "", m.activations / kGiB,
+      exchange,
+      (long long)m.local_params);
+  std::string out = buf;
+  if (p.device == "cuda") {
+    std::snprintf(buf, sizeof buf, "# host memory       %.3f GiB per rank (FP32 mirror of weights, gradients and moments "
+                  "for checkpoints)\n", m.host_mirror / kGiB);
+    out += buf;
+  }
+  return out;
+}
+
+}  // namespace moe

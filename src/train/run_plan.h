@@ -1,0 +1,54 @@
+// The run plan: every quantity a run derives from its config and its world, derived once and
+// validated once. Layout (dp, ep, pp over the world), micro-steps per rank, tokens per step,
+// FLOPs per step, and one rank's memory estimate on its backend (its expert shard, its optimizer
+// shard under ZeRO-1, activations of one micro-batch, expert-exchange buffers). The trainer, the
+// loader, the step runners, the bench and `moecore train --dry-run` all take it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/config.h"
+#include "model/layout.h"
+#include "parallel/topology.h"
+
+namespace moe {
+
+// Dense BF16 tensor-core peak of an H100/H200 SXM (TFLOP/s), the MFU denominator.
+constexpr double kGpuPeakTflops = 989.0;
+
+// Bytes one rank holds on its backend's memory (host for cpu, device for cuda), by kind.
+struct MemoryEstimate {
+  int64_t local_params = 0;  // elements of this rank's parameter layout (its experts only under EP)
+  double params = 0;         // FP32 master weights (cuda: plus the BF16 copy)
+  double grads = 0;          // FP32 gradients
+  double moments = 0;        // two FP32 AdamW moments (this rank's ZeRO-1 shard when sharded)
+  double activations = 0;    // saved activations of one micro-batch (FP32 on cpu, BF16 on cuda)
+  double exchange = 0;       // expert-parallel exchange buffers (ep > 1)
+  double host_mirror = 0;    // cuda: the host's FP32 copy of weights, gradients and moments
+  double total() const { return params + grads + moments + activations + exchange; }
+};
+
+struct RunPlan {
+  std::string device;          // "cpu" | "cuda" (resolve_device)
+  ParallelSizes sizes;         // world, dp, ep, pp
+  int64_t ep_dp = 1;           // ranks holding the same experts: dp / ep
+  bool zero = false;           // ZeRO-1 moment shards (cpu, dp > 1, parallel.zero)
+  int64_t seq_len = 0, micro_batch = 0, global_batch = 0;  // tokens, sequences per rank, sequences
+  int64_t micro_steps = 0;     // micro-batches per rank per step: global_batch / (dp x micro_batch)
+  int64_t micro_batches = 0;   // micro-batches of the global batch: dp x micro_steps
+  int64_t tokens_per_micro_batch = 0;
+  int64_t tokens_per_step = 0;  // global_batch x seq_len, over every rank
+  ModelCounts counts;
+  double flops_per_step = 0;   // counts.flops_per_token x tokens_per_step (docs/architecture.md)
+  MemoryEstimate memory;       // one rank's
+};
+
+// Resolves and checks the layout for `world_size` ranks (resolve_parallel: every problem in one
+// message with its arithmetic) and derives the rest. device: "cpu" or "cuda".
+RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& device);
+
+// The plan as the dry run prints it: layout, batch arithmetic, FLOPs, one rank's memory by kind.
+std::string describe_run_plan(const RunPlan& plan);
+
+}  // namespace moe
