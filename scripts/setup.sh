@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(g++ cmake ninja-build ccache libopenblas-dev libtomlplusplus-dev
-          nlohmann-json3-dev libgtest-dev openmpi-bin libopenmpi-dev)
+          nlohmann-json3-dev libgtest-dev openmpi-bin libopenmpi-dev python3)
 
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"

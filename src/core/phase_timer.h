@@ -1,20 +1,15 @@
-// Wall-clock time per phase of a training step, accumulated lap by lap: lap(p) closes the
-// running phase and opens p; stop() closes it. Disabled timers cost one branch per lap.
-// CPU timing only (a GPU backend records CUDA events into the same table).
+// Wall-clock time per phase of a training step (core/phase.h), accumulated lap by lap: lap(p)
+// closes the running phase and opens p; stop() closes it. Disabled timers cost one branch per lap.
+// CPU timing only (the GPU backend records CUDA events per phase: cuda/event_timer.h).
 #pragma once
 
 #include <array>
 #include <chrono>
 #include <string_view>
 
+#include "core/phase.h"
+
 namespace moe {
-
-enum class Phase : int {
-  kEmbedding, kAttention, kRouter, kDispatch, kExperts, kCombine, kMlp, kLmHead, kOptimizer, kCount
-};
-
-constexpr std::array<std::string_view, static_cast<int>(Phase::kCount)> kPhaseNames = {
-    "embedding", "attention", "router", "dispatch", "experts", "combine", "dense_mlp", "lm_head", "optimizer"};
 
 class PhaseTimer {
  public:
@@ -40,7 +35,7 @@ class PhaseTimer {
   bool enabled_ = false;
   int running_ = -1;
   Clock::time_point since_;
-  std::array<double, static_cast<int>(Phase::kCount)> seconds_{};
+  std::array<double, kNumPhases> seconds_{};
 };
 
 }  // namespace moe

@@ -12,23 +12,6 @@
 
 namespace moe::cuda {
 
-const char* phase_name(Phase p) {
-  switch (p) {
-    case Phase::kEmbedding: return "embedding";
-    case Phase::kAttention: return "attention";
-    case Phase::kMlp: return "mlp";
-    case Phase::kRouter: return "router";
-    case Phase::kDispatch: return "dispatch";
-    case Phase::kExperts: return "experts";
-    case Phase::kCombine: return "combine";
-    case Phase::kLmHead: return "lm_head";
-    case Phase::kGradReduce: return "grad_reduce";
-    case Phase::kOptimizer: return "optimizer";
-    case Phase::kCount: break;
-  }
-  MOE_FAIL("phase_name: expected a phase below kCount, got ", static_cast<int>(p));
-}
-
 struct EventTimer::Impl {
   struct Interval {
     int phase;

@@ -22,7 +22,7 @@ double global_grad_norm(const float* grads, int64_t n);
 double clip_grads(float* grads, int64_t n, double norm, double max_norm);
 
 // The coefficients of step t (count after increment) at learning rate lr, and the element
-// update shared by AdamW and the distributed optimizer (parallel/dist_optim.h), so that both
+// update shared by AdamW and the distributed optimizer (optim/zero1.h), so that both
 // run the same FP32 math. decay = false: no weight decay (norms).
 struct AdamWCoefs {
   float b1 = 0, b2 = 0, step_size = 0, inv_sqrt_bc2 = 0, eps = 0, decay_factor = 1;

@@ -1,25 +1,23 @@
-// Communicators over MPI and the one-rank communicator. Every MPI collective is started with
-// its non-blocking call (MPI_Iallreduce, MPI_Ireduce_scatter_block, MPI_Iallgather,
-// MPI_Ialltoallv, MPI_Ibcast, MPI_Ibarrier) and completed by polling MPI_Test against a deadline
-// of timeout_s(), so a dead or stuck peer turns into an Error (collective, rank, group size)
-// instead of a hang. Reductions and broadcasts over more than INT_MAX elements run in chunks;
-// the block-structured collectives refuse per-rank counts above INT_MAX.
+// The communicator over MPI. Every collective is started with its non-blocking call
+// (MPI_Iallreduce, MPI_Ireduce_scatter_block, MPI_Iallgather, MPI_Ialltoallv, MPI_Ibcast,
+// MPI_Ibarrier) and completed by polling MPI_Test against a deadline of timeout_s(), so a dead or
+// stuck peer turns into an Error (collective, rank, group size) instead of a hang. Reductions and
+// broadcasts over more than INT_MAX elements run in chunks; the block-structured collectives
+// refuse per-rank counts above INT_MAX.
+#include "parallel/comm_mpi.h"
+
 #include <mpi.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "core/error.h"
-#include "parallel/comm.h"
-#include "parallel/comm_tcp.h"
+#include "parallel/comm_self.h"
 
 namespace moe {
 namespace {
@@ -52,52 +50,6 @@ template <>
 MPI_Datatype mpi_type<int64_t>() { return MPI_INT64_T; }
 
 MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kSum ? MPI_SUM : MPI_MAX; }
-
-[[noreturn]] void flush_and_exit(int code) {
-  std::fflush(stdout);
-  std::fflush(stderr);
-  std::_Exit(code == 0 ? 1 : code);
-}
-
-class SelfComm final : public Comm {
- public:
-  explicit SelfComm(double timeout_s) { timeout_s_ = timeout_s; }
-  int rank() const override { return 0; }
-  int size() const override { return 1; }
-  std::string backend() const override { return "self"; }
-
-  void all_reduce(float*, int64_t n, ReduceOp) override { check_count(n, "all_reduce"); }
-  void all_reduce(double*, int64_t n, ReduceOp) override { check_count(n, "all_reduce"); }
-  void all_reduce(int64_t*, int64_t n, ReduceOp) override { check_count(n, "all_reduce"); }
-  void reduce_scatter(const float* send, float* recv, int64_t count) override { copy(send, recv, count, "reduce_scatter"); }
-  void all_gather(const float* send, float* recv, int64_t count) override { copy(send, recv, count, "all_gather"); }
-  void all_gather(const int64_t* send, int64_t* recv, int64_t count) override { copy(send, recv, count, "all_gather"); }
-  void all_to_all_v(const float* send, const int64_t* send_counts, float* recv, const int64_t* recv_counts) override {
-    MOE_CHECK(send_counts[0] == recv_counts[0], "all_to_all_v on one rank: send count ", send_counts[0],
-              " must equal receive count ", recv_counts[0]);
-    copy(send, recv, send_counts[0], "all_to_all_v");
-  }
-  void all_to_all(const int64_t* send, int64_t* recv, int64_t count) override { copy(send, recv, count, "all_to_all"); }
-  void broadcast(float*, int64_t n, int root) override { check_root(n, root); }
-  void broadcast(int64_t*, int64_t n, int root) override { check_root(n, root); }
-  void barrier() override {}
-  std::unique_ptr<Comm> split(int, int) override { return std::make_unique<SelfComm>(timeout_s_); }
-  [[noreturn]] void abort(int code) override { flush_and_exit(code); }
-
- private:
-  static void check_count(int64_t n, const char* what) {
-    MOE_CHECK(n >= 0, what, ": element count must be >= 0, got ", n);
-  }
-  template <typename T>
-  static void copy(const T* send, T* recv, int64_t n, const char* what) {
-    check_count(n, what);
-    if (n > 0 && send != recv) std::memmove(recv, send, size_t(n) * sizeof(T));
-  }
-  static void check_root(int64_t n, int root) {
-    check_count(n, "broadcast");
-    MOE_CHECK(root == 0, "broadcast root ", root, " is not a rank of a one-rank group");
-  }
-};
 
 class MpiComm final : public Comm {
  public:
@@ -264,16 +216,6 @@ class MpiComm final : public Comm {
   int rank_ = 0, size_ = 1;
 };
 
-double env_timeout() {
-  const char* v = std::getenv("MOECORE_COMM_TIMEOUT_S");
-  if (!v || !*v) return kDefaultCommTimeoutS;
-  char* end = nullptr;
-  const double t = std::strtod(v, &end);
-  MOE_CHECK(end && *end == '\0' && t > 0, "MOECORE_COMM_TIMEOUT_S must be a positive number of seconds, got '", v,
-            "'");
-  return t;
-}
-
 long env_long(const char* name) {
   const char* v = std::getenv(name);
   return v && *v ? std::strtol(v, nullptr, 10) : 0;
@@ -286,20 +228,14 @@ void finalize_mpi() {
   if (init && !fin) MPI_Finalize();
 }
 
-std::unique_ptr<Comm> make_world() {
-  const std::string launcher = detect_launcher([](const char* n) -> const char* { return std::getenv(n); });
-  const double timeout = env_timeout();
-  if (launcher == "torchrun") {
-    const TcpLaunchEnv env = tcp_launch_env([](const char* n) -> const char* { return std::getenv(n); });
-    return make_tcp_world(env.rank, env.world_size, env.master_addr, env.master_port, timeout);
-  }
-  if (launcher == "none") return std::make_unique<SelfComm>(timeout);
+}  // namespace
 
+std::unique_ptr<Comm> make_mpi_world(double timeout_s) {
   int provided = 0;
   MOE_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided) == MPI_SUCCESS,
             "MPI_Init_thread failed: the MPI launcher's environment is set but MPI could not start");
   std::atexit(finalize_mpi);
-  auto world = std::make_unique<MpiComm>(MPI_COMM_WORLD, /*owned=*/false, timeout);
+  auto world = std::make_unique<MpiComm>(MPI_COMM_WORLD, /*owned=*/false, timeout_s);
   const long slurm_tasks = env_long("SLURM_NTASKS");
   const bool slurm_only = std::getenv("OMPI_COMM_WORLD_SIZE") == nullptr && std::getenv("PMI_SIZE") == nullptr &&
                           std::getenv("PMIX_RANK") == nullptr;
@@ -312,38 +248,5 @@ std::unique_ptr<Comm> make_world() {
   }
   return world;
 }
-
-std::mutex g_world_mutex;
-std::unique_ptr<Comm> g_world;
-
-}  // namespace
-
-std::string detect_launcher(const std::function<const char*(const char*)>& getenv_fn) {
-  auto has = [&](const char* n) {
-    const char* v = getenv_fn(n);
-    return v != nullptr && *v != '\0';
-  };
-  auto num = [&](const char* n) -> long {
-    const char* v = getenv_fn(n);
-    return v && *v ? std::strtol(v, nullptr, 10) : 0;
-  };
-  if (has("OMPI_COMM_WORLD_SIZE") || has("PMI_SIZE") || has("PMI_RANK") || has("PMIX_RANK")) return "mpi";
-  if (has("SLURM_PROCID") && num("SLURM_NTASKS") > 1) return "mpi";
-  if (has("RANK") && num("WORLD_SIZE") > 1) return "torchrun";
-  return "none";
-}
-
-Comm& world_comm() {
-  std::lock_guard<std::mutex> lock(g_world_mutex);
-  if (!g_world) g_world = make_world();
-  return *g_world;
-}
-
-bool world_comm_started() {
-  std::lock_guard<std::mutex> lock(g_world_mutex);
-  return g_world != nullptr;
-}
-
-std::unique_ptr<Comm> make_self_comm() { return std::make_unique<SelfComm>(kDefaultCommTimeoutS); }
 
 }  // namespace moe

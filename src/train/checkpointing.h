@@ -19,7 +19,7 @@
 #include "core/config.h"
 #include "model/model.h"
 #include "optim/adamw.h"
-#include "parallel/dist_optim.h"
+#include "optim/zero1.h"
 #include "parallel/expert_parallel.h"
 
 namespace moe {

@@ -77,7 +77,7 @@ class CpuStep final : public Step {
   std::vector<std::pair<std::string, double>> profiled_phases_ms() override {
     PhaseTimer& t = s_.model.timer();
     std::vector<std::pair<std::string, double>> out;
-    for (int p = 0; p < int(Phase::kCount); ++p) out.emplace_back(std::string(kPhaseNames[p]), 1e3 * t.seconds(Phase(p)));
+    for (int p = 0; p < kNumPhases; ++p) out.emplace_back(phase_name(Phase(p)), 1e3 * t.seconds(Phase(p)));
     t.reset();
     return out;
   }

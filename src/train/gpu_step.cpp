@@ -158,13 +158,13 @@ class GpuStep final : public Step {
     MOE_CHECK(timer_ != nullptr, "GpuStep: profiled_phases_ms before set_profiling(true)");
     const auto ms = timer_->collect();
     std::vector<std::pair<std::string, double>> out;
-    for (int p = 0; p < cuda::kNumPhases; ++p) out.emplace_back(cuda::phase_name(cuda::Phase(p)), ms[size_t(p)]);
+    for (int p = 0; p < kNumPhases; ++p) out.emplace_back(phase_name(Phase(p)), ms[size_t(p)]);
     traffic_ = runner_->model().ep_traffic();
     runner_->model().reset_ep_traffic();
-    exchange_ms_ = ms[int(cuda::Phase::kDispatch)] + ms[int(cuda::Phase::kCombine)];
-    dispatch_ms_ = ms[int(cuda::Phase::kDispatch)];
-    combine_ms_ = ms[int(cuda::Phase::kCombine)];
-    grad_reduce_exposed_ms_ = ms[int(cuda::Phase::kGradReduce)];
+    exchange_ms_ = ms[int(Phase::kDispatch)] + ms[int(Phase::kCombine)];
+    dispatch_ms_ = ms[int(Phase::kDispatch)];
+    combine_ms_ = ms[int(Phase::kCombine)];
+    grad_reduce_exposed_ms_ = ms[int(Phase::kGradReduce)];
     return out;
   }
 

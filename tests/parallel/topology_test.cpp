@@ -8,7 +8,7 @@
 
 #include "core/arena.h"
 #include "optim/adamw.h"
-#include "parallel/dist_optim.h"
+#include "optim/zero1.h"
 #include "parallel/mpi_test_util.h"
 #include "parallel/topology.h"
 #include "support/test_util.h"

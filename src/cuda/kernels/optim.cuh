@@ -8,7 +8,7 @@
 #include <cmath>
 
 #include "cuda/kernels/vec.cuh"
-#include "cuda/ops/optim.h"
+#include "cuda/optim_types.h"
 
 namespace moe::cuda::kernels {
 

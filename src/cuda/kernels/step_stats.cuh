@@ -1,13 +1,14 @@
-// Device code of the step statistics (ops/step_stats.h): a one-block accumulation of the router's
-// per-layer losses and counts into the step record, the one-thread loss guard and finish, and the
-// expert-bias update (one block per MoE layer, an integer block sum for the layer's mean count).
+// Device code of the step statistics (ops/step_stats.h; the record in step_stats_types.h): a
+// one-block accumulation of the router's per-layer losses and counts into the step record, the
+// one-thread loss guard and finish, and the expert-bias update (one block per MoE layer, an
+// integer block sum for the layer's mean count).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
-#include "cuda/ops/optim.h"
-#include "cuda/ops/step_stats.h"
+#include "cuda/optim_types.h"
+#include "cuda/step_stats_types.h"
 
 namespace moe::cuda::kernels {
 

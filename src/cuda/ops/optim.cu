@@ -16,10 +16,6 @@
 
 namespace moe::cuda {
 
-static_assert(sizeof(OptimStepScalars) == 64 && alignof(OptimStepScalars) == 8,
-              "OptimStepScalars is a 64-byte device record shared with the kernels");
-static_assert(sizeof(ParamSegment) == 24, "ParamSegment is copied to the device as is");
-
 namespace {
 
 using kernels::kAdamWChunk;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cuda/device.h"
+#include "cuda/optim_types.h"
 
 namespace moe {
 class ParamLayout;
@@ -26,14 +27,6 @@ size_t global_grad_norm_workspace_bytes(int64_t n);
 // partials are added in block order: bitwise reproducible. A NaN or Inf gradient gives a non-finite norm.
 void global_grad_norm(const float* grads, int64_t n, double* norm, void* workspace, size_t workspace_bytes,
                       Stream stream);
-
-// One tensor of the flat buffers: elements [offset, offset + numel); decay = 1 applies weight decay.
-struct ParamSegment {
-  int64_t offset = 0;
-  int64_t numel = 0;
-  int32_t decay = 1;
-  int32_t reserved = 0;
-};
 
 // The segments AdamW updates, validated on the host (sorted by offset, non-overlapping, inside
 // [0, total_numel), decay 0 or 1) and copied once to the device. Elements outside every segment
@@ -55,26 +48,6 @@ class ParamSegmentTable {
   std::vector<ParamSegment> host_;
   int64_t total_numel_ = 0;
   ParamSegment* device_ = nullptr;
-};
-
-// Scalars of the optimizer step, in device memory (allocate one, zero it, set `step` when resuming).
-// "in": written by the host before the step (cudaMemcpyAsync from pinned memory is captured as a
-// node that reads the pinned value at every replay) or by a kernel; "out": written on the device,
-// read by the host when it likes (copy the whole struct asynchronously with the step's metrics).
-struct OptimStepScalars {
-  double lr = 0.0;           // in: learning rate of this step (lr_at on the host)
-  double grad_norm = 0.0;    // in: ||g||_2, e.g. written by global_grad_norm(..., &scalars->grad_norm, ...)
-  double clip_factor = 1.0;  // out: the factor applied to the gradients (1: no clipping, or a skipped step)
-  int64_t step = 0;          // in/out: AdamW steps taken (AdamW::steps_taken); +1 by every step not skipped
-  int64_t num_skipped = 0;   // out: skipped steps so far (+1 per skip; no op resets it)
-  int32_t skipped = 0;       // out: 1 when the last adamw_step was skipped (non-finite grad norm), else 0
-  int32_t reserved = 0;
-  // out: this step's coefficients, rounded to FP32 as AdamW::step rounds them (diagnostics; the
-  // update kernel reads them).
-  float step_size = 0.0f;     // lr / (1 - beta1^t)
-  float inv_sqrt_bc2 = 0.0f;  // 1 / sqrt(1 - beta2^t)
-  float decay = 0.0f;         // 1 - lr * weight_decay (decay segments)
-  float grad_scale = 0.0f;    // FP32 clip_factor
 };
 
 // One AdamW step of every segment, same update as AdamW::step after clip_grads (cfg: beta1, beta2,

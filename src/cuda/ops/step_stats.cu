@@ -8,9 +8,6 @@
 
 namespace moe::cuda {
 
-static_assert(sizeof(StepStatsRecord) == 64 && alignof(StepStatsRecord) == 8,
-              "StepStatsRecord is a 64-byte device record followed by int64 counts");
-
 namespace {
 
 constexpr int64_t kMaxBiasExperts = 4096;

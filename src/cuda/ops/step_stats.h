@@ -9,27 +9,11 @@
 #include <cstdint>
 
 #include "cuda/device.h"
+#include "cuda/step_stats_types.h"
 
 namespace moe::cuda {
 
 struct OptimStepScalars;
-
-// One step's statistics in device memory: this 64-byte record, followed in the same allocation by
-// the routed (token, slot) pairs per expert summed over the step's forwards, int64
-// [num_moe_layers, num_experts]. Zeroed at the start of a step (memset), filled by the forwards
-// and the optimizer, copied to the host in one piece of step_stats_bytes(...) bytes.
-struct StepStatsRecord {
-  double ce_sum = 0;            // sum of the forwards' per-token cross-entropy (targets >= 0)
-  double lb_sum = 0;            // sum over forwards and MoE layers of the load-balancing loss
-  double z_sum = 0;             // the same for the router z-loss
-  double grad_norm = 0;         // global grad norm before clipping (step_guard_nonfinite_loss)
-  int64_t optimizer_steps = 0;  // AdamW steps taken after this step (step_stats_finish)
-  int64_t num_skipped = 0;      // skipped steps so far (step_stats_finish)
-  uint32_t bad_ids = 0;         // input ids outside [0, vocab) seen by the forwards
-  uint32_t bad_targets = 0;     // targets >= vocab seen by the forwards
-  int32_t skipped = 0;          // 1: the step changed nothing (non-finite grad norm or loss)
-  int32_t reserved = 0;
-};
 
 // Bytes of the record plus its counts.
 size_t step_stats_bytes(int64_t num_moe_layers, int64_t num_experts);

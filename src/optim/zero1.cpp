@@ -1,6 +1,6 @@
 // ZeRO-1: packed shards, reduce-scatter of gradients, AdamW on the shard (optim/adamw.h math),
 // all-gather of parameters. The same ShardPlan decides which rank writes which checkpoint slice.
-#include "parallel/dist_optim.h"
+#include "optim/zero1.h"
 
 #include <algorithm>
 #include <cstring>
