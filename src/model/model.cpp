@@ -21,6 +21,7 @@
 #include "cpu/rmsnorm.h"
 #include "cpu/rope.h"
 #include "cpu/router.h"
+#include "model/ep_experts.h"
 #include "model/layout.h"
 
 namespace moe {
