@@ -81,4 +81,9 @@ struct LayerParams {
   int64_t mlp_hidden = 0;  // dense_hidden or shared_experts * expert_hidden
 };
 std::vector<LayerParams> layer_params(const ParamLayout& layout, const ModelConfig& m, const MoeConfig& e);
+// The tensor at `offset` of a flat buffer (parameters or gradients), or null for -1 (absent).
+template <typename T>
+T* tensor_at(T* base, int64_t offset) {
+  return offset < 0 ? nullptr : base + offset;
+}
 }  // namespace moe

@@ -1,11 +1,15 @@
 // SwiGLU MLP with separate gate/up weights (dense layers and the shared expert):
 // out = (silu(x Wg^T) * (x Wu^T)) Wd^T. Legend: N tokens, D model width, F hidden width.
 // Weights are [F, D] (gate, up) and [D, F] (down); gate and up outputs share one [N, 2F]
-// buffer (gate columns first) so that cpu::swiglu applies directly.
+// buffer (gate columns first) so that cpu::swiglu applies directly. The dense MLP block of a
+// pre-norm layer is x += MLP(RMSNorm(x)) (mlp_block_*); the MoE layer uses mlp_* for its shared expert.
 #pragma once
 
 #include <cstdint>
 #include <vector>
+
+#include "core/phase_timer.h"
+#include "model/layout.h"
 
 namespace moe {
 
@@ -25,5 +29,35 @@ template <typename T>
 void mlp_backward(const T* x_ND, const T* w_gate_FD, const T* w_up_FD, const T* w_down_DF,
                   const MlpSaved<T>& saved, const T* dout_ND, int64_t n, int64_t d, int64_t f,
                   T* dx_ND, T* dw_gate, T* dw_up, T* dw_down);
+
+// The dense block's tensors in a flat buffer: P = const T* (weights) or T* (gradients).
+template <typename P>
+struct MlpTensors {
+  P mlp_norm, mlp_gate, mlp_up, mlp_down;  // [D], [F,D], [F,D], [D,F]
+};
+template <typename T>
+MlpTensors<T*> mlp_tensors(T* base, const LayerParams& p) {
+  return {tensor_at(base, p.mlp_norm), tensor_at(base, p.mlp_gate), tensor_at(base, p.mlp_up),
+          tensor_at(base, p.mlp_down)};
+}
+
+template <typename T>
+struct MlpBlockSaved {
+  int64_t num_tokens = 0;
+  std::vector<T> x_in_ND;          // block input (the residual stream)
+  std::vector<T> norm_ND, rstd_N;  // mlp_norm output and its rstd
+  MlpSaved<T> mlp;
+};
+
+// Dense block, x_ND [N, D] in place: x += MLP(RMSNorm(x)) (the residual add is the down GEMM's
+// accumulate). Saves what backward needs, x_in_ND included.
+template <typename T>
+void mlp_block_forward(const MlpTensors<const T*>& w, int64_t n, int64_t d, int64_t f, double eps, T* x_ND,
+                       MlpBlockSaved<T>& saved, PhaseTimer* timer = nullptr);
+
+// dx_ND [N, D] in place: the gradient at the block's output in, at its input out. dw += ...
+template <typename T>
+void mlp_block_backward(const MlpTensors<const T*>& w, const MlpBlockSaved<T>& saved, int64_t d, int64_t f,
+                        T* dx_ND, const MlpTensors<T*>& dw, PhaseTimer* timer = nullptr);
 
 }  // namespace moe

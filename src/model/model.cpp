@@ -1,62 +1,20 @@
-// Model<T>: forward saves every activation backward needs; backward walks the blocks in
-// reverse. Gradient conventions: parameter gradients accumulate (+=); activation gradients
-// are overwritten except the residual stream, which sums the block's branches. Under expert
-// parallelism the MoE branch sends its sorted rows to the experts' ranks between dispatch and
-// combine (forward) and the row gradients likewise (backward); the rest is unchanged.
+// Model<T>: the embedding, the blocks and the LM head, each a forward/backward pair on the flat
+// parameter and gradient buffers (attention_block.h, mlp.h, moe_layer.h, lm_head.h). Gradient
+// conventions: parameter gradients accumulate (+=); activation gradients are overwritten except
+// the residual stream, to which each block adds its branch's gradient.
+// Legend: N tokens, D model width, V vocabulary, E experts.
 #include "model/model.h"
 
-#include <cmath>
-#include <string>
+#include <algorithm>
 #include <type_traits>
 
 #include "core/error.h"
 #include "core/rng.h"
-#include "cpu/attention.h"
-#include "cpu/capacity.h"
-#include "cpu/cross_entropy.h"
-#include "cpu/dispatch.h"
 #include "cpu/embedding.h"
-#include "cpu/experts.h"
-#include "cpu/linear.h"
-#include "cpu/rmsnorm.h"
-#include "cpu/rope.h"
-#include "cpu/router.h"
+#include "model/ep_experts.h"
 #include "model/layout.h"
 
 namespace moe {
-
-namespace {
-
-cpu::RouterParams router_params(const MoeConfig& e, int64_t n, int64_t d, uint64_t seed) {
-  cpu::RouterParams p;
-  p.num_tokens = n;
-  p.d_model = d;
-  p.num_experts = e.num_experts;
-  p.top_k = e.top_k;
-  p.score = parse_score_func(e.router);
-  p.norm_topk = e.norm_topk_prob;
-  p.mode = parse_routing_mode(e.routing);
-  p.seed = seed;
-  return p;
-}
-
-}  // namespace
-
-template <typename T>
-struct Model<T>::LayerState : LayerParams {
-  // Saved activations.
-  std::vector<T> x_in_ND, norm1_ND, rstd1_N;
-  std::vector<T> q_raw_NQ, k_raw_NK, q_rstd_N, k_rstd_N, q_NQ, k_NK, v_NK, attn_NQ, lse_BHS;
-  std::vector<T> x_mid_ND, norm2_ND, rstd2_N;
-  MlpSaved<T> mlp;  // dense MLP or shared expert
-  // MoE
-  cpu::RouterParams rp;
-  std::vector<T> logits_NE, scores_NE, topk_w_NK;
-  std::vector<int32_t> topk_idx_NK, counts_E, offsets_E1, sorted_route_R, route_to_row_R, kept_E;
-  int64_t kept_rows = 0;  // rows the experts process (all routes when dropless)
-  std::vector<T> x_sorted_RD, gate_up_R2I, h_RI, y_sorted_RD;  // under EP: y_sorted_RD only
-  EpExpertsSaved ep;  // under EP: the exchange and the local experts' saved rows
-};
 
 template <typename T>
 Model<T>::Model(const ModelConfig& model, const MoeConfig& moe, const ExpertParallel* ep)
@@ -81,11 +39,18 @@ Model<T>::Model(const ModelConfig& model, const MoeConfig& moe, const ExpertPara
   grads_.assign(layout_.total_numel(), T(0));
   num_moe_layers_ = moe::num_moe_layers(model);
   expert_bias_.assign(num_moe_layers_ * moe.num_experts, 0.f);
-  for (const LayerParams& p : layer_params(layout_, mcfg_, ecfg_)) {
-    auto s = std::make_unique<LayerState>();
-    static_cast<LayerParams&>(*s) = p;
-    layers_.push_back(std::move(s));
+
+  attn_cfg_ = attention_config(model);
+  moe_cfg_ = moe_layer_config(model, moe);
+  if constexpr (std::is_same_v<T, float>) {
+    if (ep_) experts_ = std::make_unique<EpExperts>(*ep_, model.d_model, moe.expert_hidden);
   }
+  if (!experts_) experts_ = std::make_unique<LocalExperts<T>>(moe.num_experts, model.d_model, moe.expert_hidden);
+  layers_ = layer_params(layout_, mcfg_, ecfg_);
+  saved_.resize(layers_.size());
+  embed_ = layout_.find("model.embed_tokens.weight").offset;
+  final_norm_ = layout_.find("model.norm.weight").offset;
+  lm_head_ = layout_.find("lm_head.weight").offset;
 }
 
 template <typename T>
@@ -113,149 +78,22 @@ void Model<T>::zero_grads() {
 }
 
 template <typename T>
-ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, int64_t batch,
-                               int64_t seq, uint64_t routing_seed) {
+ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                               uint64_t routing_seed) {
   MOE_CHECK(batch > 0 && seq > 0, "forward: batch and sequence must be positive, got batch=", batch,
             " seq=", seq);
-  const int64_t n = batch * seq, d = mcfg_.d_model, hd = mcfg_.head_dim();
-  const int64_t hq = mcfg_.n_heads, hkv = mcfg_.n_kv_heads, q = hq * hd, kv = hkv * hd;
-  const int64_t v = mcfg_.vocab_size, e = ecfg_.num_experts, k = ecfg_.top_k;
-  const int64_t inner = ecfg_.expert_hidden, rows = n * k;
+  const int64_t n = batch * seq;
   batch_ = batch;
   seq_ = seq;
-  inputs_.assign(inputs, inputs + n);
-  targets_.assign(targets, targets + n);
-  const T* P = params_.data();
-
   ForwardStats stats;
-  std::vector<T> x(n * d), branch(n * d);
-  timer_.lap(Phase::kEmbedding);
-  cpu::embedding_forward(inputs, P + layout_.find("model.embed_tokens.weight").offset, x.data(), n, v, d);
-
-  for (int64_t l = 0; l < mcfg_.n_layers; ++l) {
-    LayerState& s = *layers_[l];
-    timer_.lap(Phase::kAttention);
-    s.x_in_ND = x;
-    // Attention branch.
-    s.norm1_ND.resize(n * d);
-    s.rstd1_N.resize(n);
-    cpu::rmsnorm_forward(x.data(), P + s.attn_norm, s.norm1_ND.data(), s.rstd1_N.data(), n, d, mcfg_.norm_eps);
-    s.q_raw_NQ.resize(n * q);
-    s.k_raw_NK.resize(n * kv);
-    s.v_NK.resize(n * kv);
-    cpu::linear_forward(s.norm1_ND.data(), P + s.q_proj, s.q_raw_NQ.data(), n, d, q);
-    cpu::linear_forward(s.norm1_ND.data(), P + s.k_proj, s.k_raw_NK.data(), n, d, kv);
-    cpu::linear_forward(s.norm1_ND.data(), P + s.v_proj, s.v_NK.data(), n, d, kv);
-    if (mcfg_.qk_norm) {
-      s.q_NQ.resize(n * q);
-      s.k_NK.resize(n * kv);
-      s.q_rstd_N.resize(n);
-      s.k_rstd_N.resize(n);
-      cpu::rmsnorm_forward(s.q_raw_NQ.data(), P + s.q_norm, s.q_NQ.data(), s.q_rstd_N.data(), n, q, mcfg_.norm_eps);
-      cpu::rmsnorm_forward(s.k_raw_NK.data(), P + s.k_norm, s.k_NK.data(), s.k_rstd_N.data(), n, kv, mcfg_.norm_eps);
-    } else {
-      s.q_NQ = s.q_raw_NQ;
-      s.k_NK = s.k_raw_NK;
-    }
-    cpu::rope_forward(s.q_NQ.data(), batch, seq, hq, hd, mcfg_.rope_theta);
-    cpu::rope_forward(s.k_NK.data(), batch, seq, hkv, hd, mcfg_.rope_theta);
-    s.attn_NQ.resize(n * q);
-    s.lse_BHS.resize(batch * hq * seq);
-    cpu::attention_forward(s.q_NQ.data(), s.k_NK.data(), s.v_NK.data(), s.attn_NQ.data(), s.lse_BHS.data(),
-                           batch, seq, hq, hkv, hd);
-    cpu::linear_forward(s.attn_NQ.data(), P + s.o_proj, x.data(), n, q, d, /*accumulate=*/true);
-    s.x_mid_ND = x;
-
-    // MLP / MoE branch.
-    s.norm2_ND.resize(n * d);
-    s.rstd2_N.resize(n);
-    cpu::rmsnorm_forward(x.data(), P + s.mlp_norm, s.norm2_ND.data(), s.rstd2_N.data(), n, d, mcfg_.norm_eps);
-    if (s.dense) {
-      timer_.lap(Phase::kMlp);
-      mlp_forward(s.norm2_ND.data(), P + s.mlp_gate, P + s.mlp_up, P + s.mlp_down, n, d, mcfg_.dense_hidden, s.mlp, x.data(),
-                  /*accumulate=*/true);
-      continue;
-    }
-    timer_.lap(Phase::kRouter);
-    s.rp = router_params(ecfg_, n, d, layer_routing_seed(routing_seed, static_cast<uint64_t>(l)));
-    s.logits_NE.resize(n * e);
-    s.scores_NE.resize(n * e);
-    s.topk_idx_NK.resize(n * k);
-    s.topk_w_NK.resize(n * k);
-    s.counts_E.resize(e);
-    const cpu::RouterStats rs = cpu::router_forward(
-        s.rp, s.norm2_ND.data(), P + s.router, expert_bias_.data() + s.moe_index * e, s.logits_NE.data(),
-        s.scores_NE.data(), s.topk_idx_NK.data(), s.topk_w_NK.data(), s.counts_E.data());
-    stats.lb_loss += rs.lb_loss;
-    stats.z_loss += rs.z_loss;
-    timer_.lap(Phase::kDispatch);
-    s.offsets_E1.resize(e + 1);
-    s.sorted_route_R.resize(rows);
-    s.route_to_row_R.resize(rows);
-    cpu::build_dispatch_map(s.topk_idx_NK.data(), n, k, e, s.counts_E.data(), s.offsets_E1.data(),
-                            s.sorted_route_R.data(), s.route_to_row_R.data());
-    stats.tokens_per_expert.push_back(s.counts_E);
-    stats.num_routes += rows;
-    s.kept_rows = rows;
-    if (ecfg_.capacity_factor > 0) {
-      s.kept_E.resize(e);
-      const int64_t cap = cpu::expert_capacity(ecfg_.capacity_factor, n, k, e);
-      stats.num_dropped += cpu::apply_capacity(cap, n, k, e, s.offsets_E1.data(), s.sorted_route_R.data(),
-                                               s.route_to_row_R.data(), s.kept_E.data());
-      s.kept_rows = s.offsets_E1[e];
-    }
-    const int64_t kept = s.kept_rows;
-    if (ep_) {
-      if constexpr (std::is_same_v<T, float>) {
-        // Rows sorted by global expert travel to the experts' ranks and back.
-        std::vector<float> x_send(kept * d);
-        cpu::permute_forward(s.norm2_ND.data(), s.sorted_route_R.data(), kept, k, d, x_send.data());
-        s.y_sorted_RD.resize(kept * d);
-        ep_experts_forward(*ep_, x_send.data(), s.counts_E.data(), P + s.experts_gate_up, P + s.experts_down, d, inner, s.ep,
-                           s.y_sorted_RD.data(), &timer_);
-      }
-    } else {
-      s.x_sorted_RD.resize(kept * d);
-      cpu::permute_forward(s.norm2_ND.data(), s.sorted_route_R.data(), kept, k, d, s.x_sorted_RD.data());
-      timer_.lap(Phase::kExperts);
-      s.gate_up_R2I.resize(kept * 2 * inner);
-      s.h_RI.resize(kept * inner);
-      s.y_sorted_RD.resize(kept * d);
-      cpu::experts_forward(s.x_sorted_RD.data(), s.offsets_E1.data(), P + s.experts_gate_up, P + s.experts_down, e, d, inner,
-                           s.gate_up_R2I.data(), s.h_RI.data(), s.y_sorted_RD.data());
-    }
-    timer_.lap(Phase::kCombine);
-    cpu::unpermute_forward(s.y_sorted_RD.data(), s.route_to_row_R.data(), s.topk_w_NK.data(), n, k, d,
-                           branch.data());
-    if (s.shared) {
-      timer_.lap(Phase::kMlp);
-      mlp_forward(s.norm2_ND.data(), P + s.mlp_gate, P + s.mlp_up, P + s.mlp_down, n, d, ecfg_.shared_experts * inner, s.mlp,
-                  branch.data(), /*accumulate=*/true);
-    }
-    for (int64_t i = 0; i < n * d; ++i) x[i] += branch[i];
-  }
+  std::vector<T> x(n * mcfg_.d_model);
+  embed_forward(inputs, n, x.data());
+  forward_blocks(0, mcfg_.n_layers, batch, seq, routing_seed, x.data(), stats);
   if (num_moe_layers_ > 0) {
     stats.lb_loss /= double(num_moe_layers_);
     stats.z_loss /= double(num_moe_layers_);
   }
-
-  // Final norm, LM head, cross-entropy.
-  timer_.lap(Phase::kLmHead);
-  final_in_ND_ = x;
-  final_norm_ND_.resize(n * d);
-  final_rstd_N_.resize(n);
-  cpu::rmsnorm_forward(x.data(), P + layout_.find("model.norm.weight").offset, final_norm_ND_.data(),
-                       final_rstd_N_.data(), n, d, mcfg_.norm_eps);
-  logits_NV_.resize(n * v);
-  cpu::linear_forward(final_norm_ND_.data(), P + layout_.find("lm_head.weight").offset, logits_NV_.data(), n, d, v);
-  lse_N_.resize(n);
-  loss_N_.resize(n);
-  cpu::cross_entropy_forward(logits_NV_.data(), targets, loss_N_.data(), lse_N_.data(), n, v, 0.0);
-  for (int64_t i = 0; i < n; ++i) {
-    if (targets[i] < 0) continue;
-    stats.ce_sum += double(loss_N_[i]);
-    stats.num_targets += 1;
-  }
+  head_forward(x.data(), targets, n, stats);
   timer_.stop();
   return stats;
 }
@@ -263,97 +101,111 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
 template <typename T>
 void Model<T>::backward(const LossScales& scales) {
   MOE_CHECK(batch_ > 0, "backward called before forward");
-  const int64_t batch = batch_, seq = seq_;
-  const int64_t n = batch * seq, d = mcfg_.d_model, hd = mcfg_.head_dim();
-  const int64_t hq = mcfg_.n_heads, hkv = mcfg_.n_kv_heads, q = hq * hd, kv = hkv * hd;
-  const int64_t v = mcfg_.vocab_size, e = ecfg_.num_experts, k = ecfg_.top_k;
-  const int64_t inner = ecfg_.expert_hidden;
+  std::vector<T> dx(batch_ * seq_ * mcfg_.d_model);
+  head_backward(scales, dx.data());
+  backward_blocks(0, mcfg_.n_layers, scales, dx.data());
+  embed_backward(dx.data());
+  timer_.stop();
+}
+
+template <typename T>
+void Model<T>::embed_forward(const int32_t* inputs, int64_t n, T* x) {
+  timer_.lap(Phase::kEmbedding);
+  inputs_.assign(inputs, inputs + n);
+  cpu::embedding_forward(inputs, params_.data() + embed_, x, n, mcfg_.vocab_size, mcfg_.d_model);
+}
+
+template <typename T>
+void Model<T>::embed_backward(const T* dx) {
+  timer_.lap(Phase::kEmbedding);
+  cpu::embedding_backward(inputs_.data(), dx, grads_.data() + embed_, static_cast<int64_t>(inputs_.size()),
+                          mcfg_.vocab_size, mcfg_.d_model);
+}
+
+template <typename T>
+void Model<T>::head_forward(const T* x, const int32_t* targets, int64_t n, ForwardStats& stats) {
+  const T* P = params_.data();
+  const LmHeadLoss loss = lm_head_forward<T>({P + final_norm_, P + lm_head_}, x, targets, n, mcfg_.d_model,
+                                             mcfg_.vocab_size, mcfg_.norm_eps, head_, &timer_);
+  stats.ce_sum = loss.ce_sum;
+  stats.num_targets = loss.num_targets;
+}
+
+template <typename T>
+void Model<T>::head_backward(const LossScales& scales, T* dx) {
+  MOE_CHECK(!head_.targets_N.empty(), "head_backward: no saved head forward");
+  const T* P = params_.data();
+  T* G = grads_.data();
+  lm_head_backward<T>({P + final_norm_, P + lm_head_}, head_, mcfg_.d_model, mcfg_.vocab_size, T(scales.ce_scale), dx,
+                      {G + final_norm_, G + lm_head_}, &timer_);
+}
+
+template <typename T>
+void Model<T>::check_blocks(const char* op, int64_t first, int64_t last) const {
+  MOE_CHECK(0 <= first && first <= last && last <= mcfg_.n_layers, op, ": blocks [", first, ", ", last,
+            ") must lie in [0, ", mcfg_.n_layers, ")");
+}
+
+// Block l: the attention block, then the dense MLP block or the MoE block. Returns the MoE block's
+// stats (empty for a dense block).
+template <typename T>
+MoeLayerStats Model<T>::forward_block(int64_t l, int64_t batch, int64_t seq, uint64_t layer_seed, T* x) {
+  const LayerParams& p = layers_[l];
+  BlockSaved<T>& s = saved_[l];
+  const T* P = params_.data();
+  const int64_t n = batch * seq;
+  attention_block_forward(attn_cfg_, attention_tensors(P, p), batch, seq, x, s.attn, &timer_);
+  if (p.dense) {
+    mlp_block_forward(mlp_tensors(P, p), n, mcfg_.d_model, p.mlp_hidden, mcfg_.norm_eps, x, s.mlp, &timer_);
+    return {};
+  }
+  const float* bias = expert_bias_.data() + p.moe_index * ecfg_.num_experts;
+  return moe_layer_forward(moe_cfg_, moe_tensors(P, p), *experts_, bias, n, layer_seed, x, s.moe, &timer_);
+}
+
+template <typename T>
+void Model<T>::forward_blocks(int64_t first, int64_t last, int64_t batch, int64_t seq, uint64_t routing_seed, T* x,
+                              ForwardStats& stats) {
+  check_blocks("forward_blocks", first, last);
+  for (int64_t l = first; l < last; ++l) {
+    const MoeLayerStats ms = forward_block(l, batch, seq, layer_routing_seed(routing_seed, static_cast<uint64_t>(l)), x);
+    if (layers_[l].dense) continue;
+    stats.lb_loss += ms.lb_loss;
+    stats.z_loss += ms.z_loss;
+    stats.num_routes += ms.num_routes;
+    stats.num_dropped += ms.num_dropped;
+    stats.tokens_per_expert.push_back(ms.counts_E);
+  }
+}
+
+template <typename T>
+void Model<T>::backward_blocks(int64_t first, int64_t last, const LossScales& scales, T* dx) {
+  check_blocks("backward_blocks", first, last);
   const T* P = params_.data();
   T* G = grads_.data();
   const T dlb = num_moe_layers_ ? T(scales.lb_scale / double(num_moe_layers_)) : T(0);
   const T dz = num_moe_layers_ ? T(scales.z_scale / double(num_moe_layers_)) : T(0);
-
-  // LM head and final norm.
-  timer_.lap(Phase::kLmHead);
-  std::vector<T> dlogits(n * v), dnorm(n * d), dx(n * d);
-  cpu::cross_entropy_backward(logits_NV_.data(), targets_.data(), lse_N_.data(), dlogits.data(), n, v, 0.0,
-                              T(scales.ce_scale));
-  const int64_t head = layout_.find("lm_head.weight").offset;
-  cpu::linear_backward(final_norm_ND_.data(), P + head, dlogits.data(), dnorm.data(), G + head, n, d, v);
-  const int64_t fnorm = layout_.find("model.norm.weight").offset;
-  cpu::rmsnorm_backward(final_in_ND_.data(), P + fnorm, final_rstd_N_.data(), dnorm.data(), dx.data(), G + fnorm, n, d);
-
-  // dx is the gradient of the residual stream; blocks add their branches into it.
-  std::vector<T> dbranch(n * d), dtmp(n * d);
-  std::vector<T> dq(n * q), dk(n * kv), dv(n * kv), dattn(n * q), dq_raw, dk_raw;
-  for (int64_t l = mcfg_.n_layers - 1; l >= 0; --l) {
-    LayerState& s = *layers_[l];
-    // MLP / MoE branch: dnorm2 = d(branch)/d(norm2) applied to dx.
-    std::fill(dbranch.begin(), dbranch.end(), T(0));
-    if (s.dense) {
-      timer_.lap(Phase::kMlp);
-      mlp_backward(s.norm2_ND.data(), P + s.mlp_gate, P + s.mlp_up, P + s.mlp_down, s.mlp, dx.data(), n, d, mcfg_.dense_hidden,
-                   dbranch.data(), G + s.mlp_gate, G + s.mlp_up, G + s.mlp_down);
+  for (int64_t l = last - 1; l >= first; --l) {
+    const LayerParams& p = layers_[l];
+    const BlockSaved<T>& s = saved_[l];
+    MOE_CHECK(s.attn.batch > 0, "backward_blocks: block ", l, " has no saved forward");
+    if (p.dense) {
+      mlp_block_backward(mlp_tensors(P, p), s.mlp, mcfg_.d_model, p.mlp_hidden, dx, mlp_tensors(G, p), &timer_);
     } else {
-      if (s.shared) {
-        timer_.lap(Phase::kMlp);
-        mlp_backward(s.norm2_ND.data(), P + s.mlp_gate, P + s.mlp_up, P + s.mlp_down, s.mlp, dx.data(), n, d,
-                     ecfg_.shared_experts * inner, dbranch.data(), G + s.mlp_gate, G + s.mlp_up, G + s.mlp_down);
-      }
-      timer_.lap(Phase::kCombine);
-      const int64_t kept = s.kept_rows;
-      std::vector<T> dy_sorted(kept * d), dtopk_w(n * k), dx_sorted(kept * d);
-      cpu::unpermute_backward(dx.data(), s.y_sorted_RD.data(), s.route_to_row_R.data(), s.topk_w_NK.data(), n, k, d,
-                              kept, dy_sorted.data(), dtopk_w.data());
-      if (ep_) {
-        if constexpr (std::is_same_v<T, float>) {
-          ep_experts_backward(*ep_, s.ep, P + s.experts_gate_up, P + s.experts_down, dy_sorted.data(), d, inner,
-                              dx_sorted.data(), G + s.experts_gate_up, G + s.experts_down, &timer_);
-        }
-      } else {
-        std::vector<T> scratch(kept * 3 * inner);
-        timer_.lap(Phase::kExperts);
-        cpu::experts_backward(s.x_sorted_RD.data(), s.offsets_E1.data(), P + s.experts_gate_up, P + s.experts_down,
-                              s.gate_up_R2I.data(), s.h_RI.data(), dy_sorted.data(), e, d, inner, dx_sorted.data(),
-                              G + s.experts_gate_up, G + s.experts_down, scratch.data());
-      }
-      timer_.lap(Phase::kDispatch);
-      cpu::permute_backward(dx_sorted.data(), s.sorted_route_R.data(), kept, k, d, dbranch.data());
-      timer_.lap(Phase::kRouter);
-      cpu::router_backward(s.rp, s.norm2_ND.data(), P + s.router, s.logits_NE.data(), s.scores_NE.data(),
-                           s.topk_idx_NK.data(), s.counts_E.data(), dtopk_w.data(), dlb, dz, dbranch.data(),
-                           G + s.router);
+      moe_layer_backward(moe_cfg_, moe_tensors(P, p), *experts_, s.moe, dlb, dz, dx, moe_tensors(G, p), &timer_);
     }
-    timer_.lap(Phase::kAttention);
-    cpu::rmsnorm_backward(s.x_mid_ND.data(), P + s.mlp_norm, s.rstd2_N.data(), dbranch.data(), dtmp.data(), G + s.mlp_norm, n, d);
-    for (int64_t i = 0; i < n * d; ++i) dx[i] += dtmp[i];
-
-    // Attention branch.
-    cpu::linear_backward(s.attn_NQ.data(), P + s.o_proj, dx.data(), dattn.data(), G + s.o_proj, n, q, d);
-    cpu::attention_backward(s.q_NQ.data(), s.k_NK.data(), s.v_NK.data(), s.attn_NQ.data(), s.lse_BHS.data(),
-                            dattn.data(), dq.data(), dk.data(), dv.data(), batch, seq, hq, hkv, hd);
-    cpu::rope_backward(dq.data(), batch, seq, hq, hd, mcfg_.rope_theta);
-    cpu::rope_backward(dk.data(), batch, seq, hkv, hd, mcfg_.rope_theta);
-    const T* gq = dq.data();
-    const T* gk = dk.data();
-    if (mcfg_.qk_norm) {
-      dq_raw.resize(n * q);
-      dk_raw.resize(n * kv);
-      cpu::rmsnorm_backward(s.q_raw_NQ.data(), P + s.q_norm, s.q_rstd_N.data(), dq.data(), dq_raw.data(), G + s.q_norm, n, q);
-      cpu::rmsnorm_backward(s.k_raw_NK.data(), P + s.k_norm, s.k_rstd_N.data(), dk.data(), dk_raw.data(), G + s.k_norm, n, kv);
-      gq = dq_raw.data();
-      gk = dk_raw.data();
-    }
-    cpu::linear_backward(s.norm1_ND.data(), P + s.q_proj, gq, dbranch.data(), G + s.q_proj, n, d, q);
-    cpu::linear_backward(s.norm1_ND.data(), P + s.k_proj, gk, dbranch.data(), G + s.k_proj, n, d, kv, true);
-    cpu::linear_backward(s.norm1_ND.data(), P + s.v_proj, dv.data(), dbranch.data(), G + s.v_proj, n, d, kv, true);
-    cpu::rmsnorm_backward(s.x_in_ND.data(), P + s.attn_norm, s.rstd1_N.data(), dbranch.data(), dtmp.data(), G + s.attn_norm, n, d);
-    for (int64_t i = 0; i < n * d; ++i) dx[i] += dtmp[i];
+    attention_block_backward(attn_cfg_, attention_tensors(P, p), s.attn, dx, attention_tensors(G, p), &timer_);
   }
-  timer_.lap(Phase::kEmbedding);
-  const int64_t emb = layout_.find("model.embed_tokens.weight").offset;
-  cpu::embedding_backward(inputs_.data(), dx.data(), G + emb, n, v, d);
-  timer_.stop();
+}
+
+template <typename T>
+void Model<T>::recompute_block(int64_t l, T* x_out) {
+  check_blocks("recompute_block", l, l + 1);
+  const BlockSaved<T>& s = saved_[l];
+  MOE_CHECK(s.attn.batch > 0, "recompute_block: block ", l, " has no saved forward");
+  std::vector<T> x = s.attn.x_in_ND;
+  forward_block(l, s.attn.batch, s.attn.seq, layers_[l].dense ? 0 : s.moe.router.seed, x.data());
+  if (x_out) std::copy(x.begin(), x.end(), x_out);
 }
 
 template <typename T>

@@ -1,10 +1,11 @@
 // The OLMoE-style decoder-only MoE transformer on the CPU reference ops, with explicit
-// forward and backward. Pre-norm blocks: x += Attn(RMSNorm(x)); x += MLP|MoE(RMSNorm(x));
-// QK-norm over the full projection width before RoPE; untied embedding and LM head.
-// Parameters and gradients live in two flat buffers laid out by build_param_layout.
-// Expert parallelism (Model<float>): with an EP group of ep > 1 ranks the layout holds only this
-// rank's E/ep experts per MoE layer and every MoE layer exchanges token rows with its peers
-// (parallel/expert_parallel.h); everything else is replicated and sees only local tokens.
+// forward and backward as a list of block calls: embedding, then per layer (a block) the attention
+// block (model/attention_block.h) and the dense MLP block (model/mlp.h) or the MoE block
+// (model/moe_layer.h), then the LM head (model/lm_head.h). Parameters and gradients live in two
+// flat buffers laid out by build_param_layout. Expert parallelism (Model<float>): with an EP group
+// of ep > 1 ranks the layout holds only this rank's E/ep experts per MoE layer and every MoE layer
+// runs its experts through the exchange (model/ep_experts.h); everything else is replicated and
+// sees only local tokens.
 // Legend: B batch, S sequence, N = B*S tokens, D model width, V vocabulary, E experts.
 #pragma once
 
@@ -16,8 +17,12 @@
 #include "core/arena.h"
 #include "core/config.h"
 #include "core/phase_timer.h"
+#include "model/attention_block.h"
+#include "model/experts.h"
 #include "model/layout.h"
+#include "model/lm_head.h"
 #include "model/mlp.h"
+#include "model/moe_layer.h"
 #include "parallel/expert_parallel.h"
 #include "parallel/topology.h"
 
@@ -43,6 +48,15 @@ struct LossScales {
   double objective(const ForwardStats& s) const {
     return ce_scale * s.ce_sum + lb_scale * s.lb_loss + z_scale * s.z_loss;
   }
+};
+
+// What block (decoder layer) l saved in the last forward: its attention block and, by the layer's
+// kind, its dense MLP block or its MoE block. attn.x_in_ND is the block's input.
+template <typename T>
+struct BlockSaved {
+  AttentionSaved<T> attn;
+  MlpBlockSaved<T> mlp;  // dense layers
+  MoeLayerSaved<T> moe;  // MoE layers
 };
 
 template <typename T>
@@ -87,17 +101,46 @@ class Model {
   // Accumulates (+=) the gradient of scales.objective(stats) into grads().
   void backward(const LossScales& scales);
 
+  // The block calls forward() and backward() are made of, for callers that run part of the model
+  // (a pipeline stage: the embedding, a contiguous range of blocks, the LM head). x_ND and dx_ND
+  // are the residual stream [N, D] and its gradient, N = batch * seq. Under expert parallelism
+  // the MoE blocks are collectives over the EP group.
+  // x_ND = embed_tokens[inputs], inputs [N] (kept for embed_backward).
+  void embed_forward(const int32_t* inputs, int64_t n, T* x_ND);
+  // Blocks [first, last) in order, x_ND in place, each saving its activations. Adds each MoE
+  // block's router losses (sums over the blocks: forward() divides them by num_moe_layers()),
+  // routes, dropped routes and counts (one entry per MoE block, in order) to stats.
+  void forward_blocks(int64_t first, int64_t last, int64_t batch, int64_t seq, uint64_t routing_seed, T* x_ND,
+                      ForwardStats& stats);
+  // Final norm, LM head, cross-entropy on x_ND; sets stats.ce_sum and stats.num_targets.
+  void head_forward(const T* x_ND, const int32_t* targets, int64_t n, ForwardStats& stats);
+  // dx_ND (overwritten) = gradient of scales.ce_scale * ce_sum at the head's input; dW += ...
+  void head_backward(const LossScales& scales, T* dx_ND);
+  // Blocks last-1 down to first, dx_ND in place (the gradient at block last-1's output in, at
+  // block first's input out); lb/z gradients use scales / num_moe_layers(). dW += ...
+  void backward_blocks(int64_t first, int64_t last, const LossScales& scales, T* dx_ND);
+  // Embedding gradient (+=) from dx_ND at the first block's input.
+  void embed_backward(const T* dx_ND);
+  // Runs block l's forward again from its saved input (block_saved(l).attn.x_in_ND, with the
+  // same shape, routing seed and the current expert bias), overwriting its saved activations with
+  // bitwise the same values; x_out_ND (optional) receives its output. Stats are not re-counted.
+  void recompute_block(int64_t l, T* x_out_ND = nullptr);
+  const BlockSaved<T>& block_saved(int64_t l) const { return saved_.at(l); }
+  const LmHeadSaved<T>& head_saved() const { return head_; }
+
   // Per-phase wall time of forward/backward (off unless enabled).
   PhaseTimer& timer() { return timer_; }
 
   // Logits [N, V] of the last forward.
-  const std::vector<T>& logits() const { return logits_NV_; }
+  const std::vector<T>& logits() const { return head_.logits_NV; }
 
   // bias_e += rate * sign(mean_count - count_e) per MoE layer, from counts summed over a step.
   void update_expert_bias(const std::vector<std::vector<int64_t>>& counts, double rate);
 
  private:
-  struct LayerState;
+  MoeLayerStats forward_block(int64_t l, int64_t batch, int64_t seq, uint64_t layer_seed, T* x_ND);
+  void check_blocks(const char* op, int64_t first, int64_t last) const;
+
   ModelConfig mcfg_;
   MoeConfig ecfg_;
   std::optional<ExpertParallel> ep_;
@@ -108,11 +151,17 @@ class Model {
   std::vector<T> params_, grads_;
   std::vector<float> expert_bias_;
   PhaseTimer timer_;
+  // Block settings, resolved once.
+  AttentionConfig attn_cfg_;
+  MoeLayerConfig moe_cfg_;
+  std::unique_ptr<Experts<T>> experts_;  // LocalExperts, or EpExperts under expert parallelism
+  std::vector<LayerParams> layers_;
+  int64_t embed_ = 0, final_norm_ = 0, lm_head_ = 0;  // flat offsets
   // Saved activations of the last forward.
   int64_t batch_ = 0, seq_ = 0;
-  std::vector<int32_t> inputs_, targets_;
-  std::vector<std::unique_ptr<LayerState>> layers_;
-  std::vector<T> final_in_ND_, final_norm_ND_, final_rstd_N_, logits_NV_, lse_N_, loss_N_;
+  std::vector<int32_t> inputs_;
+  std::vector<BlockSaved<T>> saved_;
+  LmHeadSaved<T> head_;
 };
 
 }  // namespace moe

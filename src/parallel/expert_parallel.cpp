@@ -8,7 +8,6 @@
 #include <climits>
 
 #include "core/error.h"
-#include "cpu/experts.h"
 
 namespace moe {
 
@@ -106,42 +105,6 @@ void ep_combine(const ExpertParallel& ep, const EpHandle& h, const float* y_grou
     std::copy(src, src + d, y_send.data() + static_cast<int64_t>(h.grouped_to_recv[g]) * d);
   }
   ep.group->all_to_all_v(y_send.data(), send.data(), y_sorted, recv.data());
-}
-
-void ep_experts_forward(const ExpertParallel& ep, const float* x_sorted, const int32_t* counts_E,
-                        const float* w_gate_up, const float* w_down, int64_t d, int64_t inner,
-                        EpExpertsSaved& s, float* y_sorted, PhaseTimer* timer) {
-  if (timer) timer->lap(Phase::kDispatch);
-  s.handle = ep_exchange_counts(ep, counts_E);
-  const int64_t g = s.handle.num_recv_rows;
-  s.x_GD.resize(g * d);
-  ep_dispatch(ep, s.handle, x_sorted, d, s.x_GD.data());
-  s.gate_up_G2I.resize(g * 2 * inner);
-  s.h_GI.resize(g * inner);
-  std::vector<float> y_grouped(g * d);
-  if (timer) timer->lap(Phase::kExperts);
-  cpu::experts_forward(s.x_GD.data(), s.handle.local_offsets.data(), w_gate_up, w_down, ep.local_experts(), d,
-                       inner, s.gate_up_G2I.data(), s.h_GI.data(), y_grouped.data());
-  if (timer) timer->lap(Phase::kCombine);
-  ep_combine(ep, s.handle, y_grouped.data(), d, y_sorted);
-}
-
-void ep_experts_backward(const ExpertParallel& ep, const EpExpertsSaved& s, const float* w_gate_up,
-                         const float* w_down, const float* dy_sorted, int64_t d, int64_t inner,
-                         float* dx_sorted, float* dw_gate_up, float* dw_down, PhaseTimer* timer) {
-  const int64_t g = s.handle.num_recv_rows;
-  MOE_CHECK(static_cast<int64_t>(s.x_GD.size()) == g * d, "ep_experts_backward: saved inputs hold ",
-            s.x_GD.size(), " values, expected ", g * d, " (forward not run?)");
-  // Backward of combine is a dispatch (gradients travel to the experts), of dispatch a combine.
-  std::vector<float> dy_grouped(g * d), dx_grouped(g * d), scratch(g * 3 * inner);
-  if (timer) timer->lap(Phase::kCombine);
-  ep_dispatch(ep, s.handle, dy_sorted, d, dy_grouped.data());
-  if (timer) timer->lap(Phase::kExperts);
-  cpu::experts_backward(s.x_GD.data(), s.handle.local_offsets.data(), w_gate_up, w_down, s.gate_up_G2I.data(),
-                        s.h_GI.data(), dy_grouped.data(), ep.local_experts(), d, inner, dx_grouped.data(),
-                        dw_gate_up, dw_down, scratch.data());
-  if (timer) timer->lap(Phase::kDispatch);
-  ep_combine(ep, s.handle, dx_grouped.data(), d, dx_sorted);
 }
 
 }  // namespace moe

@@ -3,12 +3,12 @@
 // to their experts' ranks and back (dropless): rows sorted by global expert leave as contiguous
 // per-peer blocks, arrive peer-major and are regrouped local-expert-major (peer-minor) for the
 // grouped experts; combine is the exact inverse. Backward of dispatch is combine and vice versa.
+// The experts that run between dispatch and combine are model code (model/ep_experts.h).
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
-#include "core/phase_timer.h"
 #include "core/moe_types.h"
 #include "parallel/comm.h"
 
@@ -59,28 +59,5 @@ void ep_dispatch(const ExpertParallel& ep, const EpHandle& h, const float* x_sor
 // Collective, the inverse of ep_dispatch: y_grouped [num_recv_rows, d] -> y_sorted [num_rows, d]
 // back in the sender's order.
 void ep_combine(const ExpertParallel& ep, const EpHandle& h, const float* y_grouped, int64_t d, float* y_sorted);
-
-// What the expert-parallel experts save for backward: the exchange and, for the G received rows
-// in grouped layout, the expert inputs, the fused gate/up outputs and the SwiGLU outputs.
-struct EpExpertsSaved {
-  EpHandle handle;
-  std::vector<float> x_GD, gate_up_G2I, h_GI;
-};
-
-// Collective drop-in for cpu::experts_forward on this rank's rows sorted by global expert:
-// x_sorted [R, D] with counts_E [E] rows per global expert (R = their sum) -> y_sorted [R, D],
-// each row computed by its expert on the expert's rank. w_gate_up [L, 2I, D] and w_down [L, D, I]
-// are this rank's local experts (L = E/ep). timer (optional) gets the exchanges as dispatch and
-// combine laps and the expert GEMMs as an experts lap (backward: the same phases).
-void ep_experts_forward(const ExpertParallel& ep, const float* x_sorted, const int32_t* counts_E,
-                        const float* w_gate_up, const float* w_down, int64_t d, int64_t inner,
-                        EpExpertsSaved& saved, float* y_sorted, PhaseTimer* timer = nullptr);
-
-// Collective drop-in for cpu::experts_backward: dy_sorted [R, D] -> dx_sorted [R, D]
-// (overwritten); the local experts' weight gradients dw_gate_up [L, 2I, D] and dw_down
-// [L, D, I] accumulate (+=) over the rows of every rank of the group.
-void ep_experts_backward(const ExpertParallel& ep, const EpExpertsSaved& saved, const float* w_gate_up,
-                         const float* w_down, const float* dy_sorted, int64_t d, int64_t inner,
-                         float* dx_sorted, float* dw_gate_up, float* dw_down, PhaseTimer* timer = nullptr);
 
 }  // namespace moe

@@ -20,6 +20,7 @@
 #include "core/rng.h"
 #include "cpu/dispatch.h"
 #include "cpu/experts.h"
+#include "model/ep_experts.h"
 #include "model/layout.h"
 #include "model/model.h"
 #include "parallel/expert_parallel.h"

@@ -1,0 +1,101 @@
+// Attention block forward/backward: the CPU ops in the order of the math (see the header).
+// Backward: o_proj, attention, RoPE, QK-norm and the q/k/v projections into d(norm input), then
+// attn_norm's backward added to the residual gradient.
+#include "model/attention_block.h"
+
+#include "cpu/attention.h"
+#include "cpu/linear.h"
+#include "cpu/rmsnorm.h"
+#include "cpu/rope.h"
+
+namespace moe {
+
+AttentionConfig attention_config(const ModelConfig& m) {
+  AttentionConfig c;
+  c.d_model = m.d_model;
+  c.n_heads = m.n_heads;
+  c.n_kv_heads = m.n_kv_heads;
+  c.head_dim = m.head_dim();
+  c.qk_norm = m.qk_norm;
+  c.norm_eps = m.norm_eps;
+  c.rope_theta = m.rope_theta;
+  return c;
+}
+
+template <typename T>
+void attention_block_forward(const AttentionConfig& c, const AttentionTensors<const T*>& w, int64_t batch,
+                             int64_t seq, T* x, AttentionSaved<T>& s, PhaseTimer* timer) {
+  const int64_t n = batch * seq, d = c.d_model, hd = c.head_dim, hq = c.n_heads, hkv = c.n_kv_heads;
+  const int64_t q = hq * hd, kv = hkv * hd;
+  if (timer) timer->lap(Phase::kAttention);
+  s.batch = batch;
+  s.seq = seq;
+  s.x_in_ND.assign(x, x + n * d);
+  s.norm_ND.resize(n * d);
+  s.rstd_N.resize(n);
+  cpu::rmsnorm_forward(x, w.attn_norm, s.norm_ND.data(), s.rstd_N.data(), n, d, c.norm_eps);
+  s.q_raw_NQ.resize(n * q);
+  s.k_raw_NC.resize(n * kv);
+  s.v_NC.resize(n * kv);
+  cpu::linear_forward(s.norm_ND.data(), w.q_proj, s.q_raw_NQ.data(), n, d, q);
+  cpu::linear_forward(s.norm_ND.data(), w.k_proj, s.k_raw_NC.data(), n, d, kv);
+  cpu::linear_forward(s.norm_ND.data(), w.v_proj, s.v_NC.data(), n, d, kv);
+  if (c.qk_norm) {
+    s.q_NQ.resize(n * q);
+    s.k_NC.resize(n * kv);
+    s.q_rstd_N.resize(n);
+    s.k_rstd_N.resize(n);
+    cpu::rmsnorm_forward(s.q_raw_NQ.data(), w.q_norm, s.q_NQ.data(), s.q_rstd_N.data(), n, q, c.norm_eps);
+    cpu::rmsnorm_forward(s.k_raw_NC.data(), w.k_norm, s.k_NC.data(), s.k_rstd_N.data(), n, kv, c.norm_eps);
+  } else {
+    s.q_NQ = s.q_raw_NQ;
+    s.k_NC = s.k_raw_NC;
+  }
+  cpu::rope_forward(s.q_NQ.data(), batch, seq, hq, hd, c.rope_theta);
+  cpu::rope_forward(s.k_NC.data(), batch, seq, hkv, hd, c.rope_theta);
+  s.attn_NQ.resize(n * q);
+  s.lse_BHS.resize(batch * hq * seq);
+  cpu::attention_forward(s.q_NQ.data(), s.k_NC.data(), s.v_NC.data(), s.attn_NQ.data(), s.lse_BHS.data(), batch,
+                         seq, hq, hkv, hd);
+  cpu::linear_forward(s.attn_NQ.data(), w.o_proj, x, n, q, d, /*accumulate=*/true);
+}
+
+template <typename T>
+void attention_block_backward(const AttentionConfig& c, const AttentionTensors<const T*>& w,
+                              const AttentionSaved<T>& s, T* dx, const AttentionTensors<T*>& dw, PhaseTimer* timer) {
+  const int64_t batch = s.batch, seq = s.seq, n = batch * seq, d = c.d_model, hd = c.head_dim;
+  const int64_t hq = c.n_heads, hkv = c.n_kv_heads, q = hq * hd, kv = hkv * hd;
+  if (timer) timer->lap(Phase::kAttention);
+  std::vector<T> dattn(n * q), dq(n * q), dk(n * kv), dv(n * kv), dq_raw, dk_raw, dnorm(n * d), dtmp(n * d);
+  cpu::linear_backward(s.attn_NQ.data(), w.o_proj, dx, dattn.data(), dw.o_proj, n, q, d);
+  cpu::attention_backward(s.q_NQ.data(), s.k_NC.data(), s.v_NC.data(), s.attn_NQ.data(), s.lse_BHS.data(),
+                          dattn.data(), dq.data(), dk.data(), dv.data(), batch, seq, hq, hkv, hd);
+  cpu::rope_backward(dq.data(), batch, seq, hq, hd, c.rope_theta);
+  cpu::rope_backward(dk.data(), batch, seq, hkv, hd, c.rope_theta);
+  const T* gq = dq.data();
+  const T* gk = dk.data();
+  if (c.qk_norm) {
+    dq_raw.resize(n * q);
+    dk_raw.resize(n * kv);
+    cpu::rmsnorm_backward(s.q_raw_NQ.data(), w.q_norm, s.q_rstd_N.data(), dq.data(), dq_raw.data(), dw.q_norm, n, q);
+    cpu::rmsnorm_backward(s.k_raw_NC.data(), w.k_norm, s.k_rstd_N.data(), dk.data(), dk_raw.data(), dw.k_norm, n, kv);
+    gq = dq_raw.data();
+    gk = dk_raw.data();
+  }
+  cpu::linear_backward(s.norm_ND.data(), w.q_proj, gq, dnorm.data(), dw.q_proj, n, d, q);
+  cpu::linear_backward(s.norm_ND.data(), w.k_proj, gk, dnorm.data(), dw.k_proj, n, d, kv, /*accumulate_dx=*/true);
+  cpu::linear_backward(s.norm_ND.data(), w.v_proj, dv.data(), dnorm.data(), dw.v_proj, n, d, kv, /*accumulate_dx=*/true);
+  cpu::rmsnorm_backward(s.x_in_ND.data(), w.attn_norm, s.rstd_N.data(), dnorm.data(), dtmp.data(), dw.attn_norm, n, d);
+  for (int64_t i = 0; i < n * d; ++i) dx[i] += dtmp[i];
+}
+
+#define MOE_INSTANTIATE_ATTENTION_BLOCK(T)                                                                                  \
+  template void attention_block_forward<T>(const AttentionConfig&, const AttentionTensors<const T*>&, int64_t,  \
+                                           int64_t, T*, AttentionSaved<T>&, PhaseTimer*);                       \
+  template void attention_block_backward<T>(const AttentionConfig&, const AttentionTensors<const T*>&,          \
+                                            const AttentionSaved<T>&, T*, const AttentionTensors<T*>&, PhaseTimer*);
+MOE_INSTANTIATE_ATTENTION_BLOCK(float)
+MOE_INSTANTIATE_ATTENTION_BLOCK(double)
+#undef MOE_INSTANTIATE_ATTENTION_BLOCK
+
+}  // namespace moe

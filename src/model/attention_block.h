@@ -1,0 +1,61 @@
+// Attention block of a pre-norm decoder layer on the CPU ops: x += o_proj(Attn(q, k, v)) with
+// h = RMSNorm(x), q = RoPE(QKNorm(q_proj h)), k = RoPE(QKNorm(k_proj h)), v = v_proj h. QK-norm
+// (optional) is an RMSNorm over the full projection width (OLMoE), before RoPE; attention is
+// causal with grouped-query heads (cpu/attention.h). Activations are row-major [N, width], token
+// t = b*S + s; linear weights [out, in]. The residual add is the o_proj GEMM's accumulate.
+// Legend: B batch, S sequence, N = B*S tokens, D model width, H query heads, Q = H*head_dim,
+// C = n_kv_heads*head_dim (kv width).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/config.h"
+#include "core/phase_timer.h"
+#include "model/layout.h"
+
+namespace moe {
+
+struct AttentionConfig {
+  int64_t d_model = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  bool qk_norm = true;
+  double norm_eps = 1e-5, rope_theta = 10000.0;
+};
+AttentionConfig attention_config(const ModelConfig& m);
+
+// The block's tensors in a flat buffer: P = const T* (weights) or T* (gradients). q_norm, k_norm
+// are null without QK-norm.
+template <typename P>
+struct AttentionTensors {
+  P attn_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm;  // [D], [Q,D], [C,D], [C,D], [D,Q], [Q], [C]
+};
+template <typename T>
+AttentionTensors<T*> attention_tensors(T* base, const LayerParams& p) {
+  return {tensor_at(base, p.attn_norm), tensor_at(base, p.q_proj), tensor_at(base, p.k_proj),
+          tensor_at(base, p.v_proj),    tensor_at(base, p.o_proj), tensor_at(base, p.q_norm),
+          tensor_at(base, p.k_norm)};
+}
+
+template <typename T>
+struct AttentionSaved {
+  int64_t batch = 0, seq = 0;
+  std::vector<T> x_in_ND;                                  // block input (the residual stream)
+  std::vector<T> norm_ND, rstd_N;                          // attn_norm output and its rstd
+  std::vector<T> q_raw_NQ, k_raw_NC, q_rstd_N, k_rstd_N;   // projections before QK-norm, the norms' rstd
+  std::vector<T> q_NQ, k_NC, v_NC;                         // attention inputs (after QK-norm and RoPE)
+  std::vector<T> attn_NQ, lse_BHS;                         // attention output and row log-sum-exp
+};
+
+// x_ND [N, D] in place: x += branch. Saves what backward needs, x_in_ND included.
+template <typename T>
+void attention_block_forward(const AttentionConfig& c, const AttentionTensors<const T*>& w, int64_t batch,
+                             int64_t seq, T* x_ND, AttentionSaved<T>& saved, PhaseTimer* timer = nullptr);
+
+// dx_ND [N, D] in place: the gradient at the block's output in, at its input out (dx += the
+// branch's backward). Parameter gradients dw accumulate (+=).
+template <typename T>
+void attention_block_backward(const AttentionConfig& c, const AttentionTensors<const T*>& w,
+                              const AttentionSaved<T>& saved, T* dx_ND, const AttentionTensors<T*>& dw,
+                              PhaseTimer* timer = nullptr);
+
+}  // namespace moe

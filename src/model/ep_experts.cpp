@@ -1,0 +1,66 @@
+// Expert-parallel experts: exchange counts, dispatch rows, cpu::experts_* on the local experts,
+// combine rows; backward dispatches the row gradients and combines the input gradients.
+#include "model/ep_experts.h"
+
+#include <vector>
+
+#include "core/error.h"
+#include "cpu/experts.h"
+
+namespace moe {
+
+void ep_experts_forward(const ExpertParallel& ep, const float* x_sorted, const int32_t* counts_E,
+                        const float* w_gate_up, const float* w_down, int64_t d, int64_t inner,
+                        EpExpertsSaved& s, float* y_sorted, PhaseTimer* timer) {
+  if (timer) timer->lap(Phase::kDispatch);
+  s.handle = ep_exchange_counts(ep, counts_E);
+  s.offsets_L1 = s.handle.local_offsets;
+  const int64_t g = s.handle.num_recv_rows;
+  s.x_GD.resize(g * d);
+  ep_dispatch(ep, s.handle, x_sorted, d, s.x_GD.data());
+  s.gate_up_G2I.resize(g * 2 * inner);
+  s.h_GI.resize(g * inner);
+  std::vector<float> y_grouped(g * d);
+  if (timer) timer->lap(Phase::kExperts);
+  cpu::experts_forward(s.x_GD.data(), s.offsets_L1.data(), w_gate_up, w_down, ep.local_experts(), d, inner,
+                       s.gate_up_G2I.data(), s.h_GI.data(), y_grouped.data());
+  if (timer) timer->lap(Phase::kCombine);
+  ep_combine(ep, s.handle, y_grouped.data(), d, y_sorted);
+}
+
+void ep_experts_backward(const ExpertParallel& ep, const EpExpertsSaved& s, const float* w_gate_up,
+                         const float* w_down, const float* dy_sorted, int64_t d, int64_t inner,
+                         float* dx_sorted, float* dw_gate_up, float* dw_down, PhaseTimer* timer) {
+  const int64_t g = s.handle.num_recv_rows;
+  MOE_CHECK(static_cast<int64_t>(s.x_GD.size()) == g * d, "ep_experts_backward: saved inputs hold ",
+            s.x_GD.size(), " values, expected ", g * d, " (forward not run?)");
+  // Backward of combine is a dispatch (gradients travel to the experts), of dispatch a combine.
+  std::vector<float> dy_grouped(g * d), dx_grouped(g * d), scratch(g * 3 * inner);
+  if (timer) timer->lap(Phase::kCombine);
+  ep_dispatch(ep, s.handle, dy_sorted, d, dy_grouped.data());
+  if (timer) timer->lap(Phase::kExperts);
+  cpu::experts_backward(s.x_GD.data(), s.offsets_L1.data(), w_gate_up, w_down, s.gate_up_G2I.data(), s.h_GI.data(),
+                        dy_grouped.data(), ep.local_experts(), d, inner, dx_grouped.data(), dw_gate_up, dw_down,
+                        scratch.data());
+  if (timer) timer->lap(Phase::kDispatch);
+  ep_combine(ep, s.handle, dx_grouped.data(), d, dx_sorted);
+}
+
+void EpExperts::forward(const float* x_sorted_RD, const int32_t* offsets_E1, const float* w_gate_up_L2ID,
+                        const float* w_down_LDI, ExpertsSaved<float>& saved, float* y_sorted_RD,
+                        PhaseTimer* timer) const {
+  // Rows per global expert: the dispatch map's offsets are dropless here, so these are the routed counts.
+  std::vector<int32_t> counts_E(ep_.num_experts);
+  for (int64_t e = 0; e < ep_.num_experts; ++e) counts_E[e] = offsets_E1[e + 1] - offsets_E1[e];
+  ep_experts_forward(ep_, x_sorted_RD, counts_E.data(), w_gate_up_L2ID, w_down_LDI, d_, inner_, saved, y_sorted_RD,
+                     timer);
+}
+
+void EpExperts::backward(const ExpertsSaved<float>& saved, const float* w_gate_up_L2ID, const float* w_down_LDI,
+                         const float* dy_sorted_RD, float* dx_sorted_RD, float* dw_gate_up_L2ID, float* dw_down_LDI,
+                         PhaseTimer* timer) const {
+  ep_experts_backward(ep_, saved, w_gate_up_L2ID, w_down_LDI, dy_sorted_RD, d_, inner_, dx_sorted_RD,
+                      dw_gate_up_L2ID, dw_down_LDI, timer);
+}
+
+}  // namespace moe

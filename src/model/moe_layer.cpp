@@ -1,0 +1,127 @@
+// MoE block forward/backward. Forward order: mlp_norm, router, dispatch map (+ capacity), permute,
+// experts, combine into the branch, shared expert added to the branch, branch added to x.
+// Backward: shared expert, combine, experts, permute and router gradients summed into d(norm
+// output) in that order, then mlp_norm's backward added to the residual gradient.
+#include "model/moe_layer.h"
+
+#include "cpu/capacity.h"
+#include "cpu/dispatch.h"
+#include "cpu/rmsnorm.h"
+
+namespace moe {
+
+MoeLayerConfig moe_layer_config(const ModelConfig& m, const MoeConfig& e) {
+  MoeLayerConfig c;
+  c.router.d_model = m.d_model;
+  c.router.num_experts = e.num_experts;
+  c.router.top_k = e.top_k;
+  c.router.score = parse_score_func(e.router);
+  c.router.norm_topk = e.norm_topk_prob;
+  c.router.mode = parse_routing_mode(e.routing);
+  c.expert_hidden = e.expert_hidden;
+  c.shared_hidden = e.shared_experts * e.expert_hidden;
+  c.capacity_factor = e.capacity_factor;
+  c.norm_eps = m.norm_eps;
+  return c;
+}
+
+template <typename T>
+MoeLayerStats moe_layer_forward(const MoeLayerConfig& c, const MoeTensors<const T*>& w, const Experts<T>& experts,
+                                const float* expert_bias_E, int64_t n, uint64_t routing_seed, T* x,
+                                MoeLayerSaved<T>& s, PhaseTimer* timer) {
+  const int64_t d = c.router.d_model, e = c.router.num_experts, k = c.router.top_k, rows = n * k;
+  MoeLayerStats stats;
+  if (timer) timer->lap(Phase::kRouter);
+  s.x_in_ND.assign(x, x + n * d);
+  s.norm_ND.resize(n * d);
+  s.rstd_N.resize(n);
+  cpu::rmsnorm_forward(x, w.mlp_norm, s.norm_ND.data(), s.rstd_N.data(), n, d, c.norm_eps);
+
+  // Router.
+  s.router = c.router;
+  s.router.num_tokens = n;
+  s.router.seed = routing_seed;
+  DispatchHandle& h = s.dispatch;
+  s.logits_NE.resize(n * e);
+  s.scores_NE.resize(n * e);
+  s.topk_idx_NK.resize(n * k);
+  s.topk_w_NK.resize(n * k);
+  h.counts_E.resize(e);
+  const cpu::RouterStats rs =
+      cpu::router_forward(s.router, s.norm_ND.data(), w.router, expert_bias_E, s.logits_NE.data(), s.scores_NE.data(),
+                          s.topk_idx_NK.data(), s.topk_w_NK.data(), h.counts_E.data());
+  stats.lb_loss = rs.lb_loss;
+  stats.z_loss = rs.z_loss;
+
+  // Dispatch handle.
+  if (timer) timer->lap(Phase::kDispatch);
+  h.offsets_E1.resize(e + 1);
+  h.sorted_route_R.resize(rows);
+  h.route_to_row_R.resize(rows);
+  cpu::build_dispatch_map(s.topk_idx_NK.data(), n, k, e, h.counts_E.data(), h.offsets_E1.data(),
+                          h.sorted_route_R.data(), h.route_to_row_R.data());
+  stats.counts_E = h.counts_E;
+  stats.num_routes = rows;
+  h.num_rows = rows;
+  if (c.capacity_factor > 0) {
+    h.kept_E.resize(e);
+    const int64_t cap = cpu::expert_capacity(c.capacity_factor, n, k, e);
+    stats.num_dropped = cpu::apply_capacity(cap, n, k, e, h.offsets_E1.data(), h.sorted_route_R.data(),
+                                            h.route_to_row_R.data(), h.kept_E.data());
+    h.num_rows = h.offsets_E1[e];
+  }
+
+  // Experts on the sorted rows, then combine into the branch.
+  const int64_t kept = h.num_rows;
+  std::vector<T> x_sorted(kept * d), branch(n * d);
+  cpu::permute_forward(s.norm_ND.data(), h.sorted_route_R.data(), kept, k, d, x_sorted.data());
+  s.y_sorted_RD.resize(kept * d);
+  experts.forward(x_sorted.data(), h.offsets_E1.data(), w.experts_gate_up, w.experts_down, s.experts,
+                  s.y_sorted_RD.data(), timer);
+  if (timer) timer->lap(Phase::kCombine);
+  cpu::unpermute_forward(s.y_sorted_RD.data(), h.route_to_row_R.data(), s.topk_w_NK.data(), n, k, d, branch.data());
+  if (c.shared_hidden > 0) {
+    if (timer) timer->lap(Phase::kMlp);
+    mlp_forward(s.norm_ND.data(), w.mlp_gate, w.mlp_up, w.mlp_down, n, d, c.shared_hidden, s.shared, branch.data(),
+                /*accumulate=*/true);
+  }
+  for (int64_t i = 0; i < n * d; ++i) x[i] += branch[i];
+  return stats;
+}
+
+template <typename T>
+void moe_layer_backward(const MoeLayerConfig& c, const MoeTensors<const T*>& w, const Experts<T>& experts,
+                        const MoeLayerSaved<T>& s, T dlb, T dz, T* dx, const MoeTensors<T*>& dw, PhaseTimer* timer) {
+  const DispatchHandle& h = s.dispatch;
+  const int64_t n = s.router.num_tokens, d = c.router.d_model, k = c.router.top_k, kept = h.num_rows;
+  std::vector<T> dnorm(n * d), dtmp(n * d);  // dnorm accumulates from zero
+  if (c.shared_hidden > 0) {
+    if (timer) timer->lap(Phase::kMlp);
+    mlp_backward(s.norm_ND.data(), w.mlp_gate, w.mlp_up, w.mlp_down, s.shared, dx, n, d, c.shared_hidden,
+                 dnorm.data(), dw.mlp_gate, dw.mlp_up, dw.mlp_down);
+  }
+  if (timer) timer->lap(Phase::kCombine);
+  std::vector<T> dy_sorted(kept * d), dtopk_w(n * k), dx_sorted(kept * d);
+  cpu::unpermute_backward(dx, s.y_sorted_RD.data(), h.route_to_row_R.data(), s.topk_w_NK.data(), n, k, d, kept,
+                          dy_sorted.data(), dtopk_w.data());
+  experts.backward(s.experts, w.experts_gate_up, w.experts_down, dy_sorted.data(), dx_sorted.data(),
+                   dw.experts_gate_up, dw.experts_down, timer);
+  if (timer) timer->lap(Phase::kDispatch);
+  cpu::permute_backward(dx_sorted.data(), h.sorted_route_R.data(), kept, k, d, dnorm.data());
+  if (timer) timer->lap(Phase::kRouter);
+  cpu::router_backward(s.router, s.norm_ND.data(), w.router, s.logits_NE.data(), s.scores_NE.data(),
+                       s.topk_idx_NK.data(), h.counts_E.data(), dtopk_w.data(), dlb, dz, dnorm.data(), dw.router);
+  cpu::rmsnorm_backward(s.x_in_ND.data(), w.mlp_norm, s.rstd_N.data(), dnorm.data(), dtmp.data(), dw.mlp_norm, n, d);
+  for (int64_t i = 0; i < n * d; ++i) dx[i] += dtmp[i];
+}
+
+#define MOE_INSTANTIATE_MOE_LAYER(T)                                                                                          \
+  template MoeLayerStats moe_layer_forward<T>(const MoeLayerConfig&, const MoeTensors<const T*>&, const Experts<T>&, \
+                                              const float*, int64_t, uint64_t, T*, MoeLayerSaved<T>&, PhaseTimer*); \
+  template void moe_layer_backward<T>(const MoeLayerConfig&, const MoeTensors<const T*>&, const Experts<T>&,       \
+                                      const MoeLayerSaved<T>&, T, T, T*, const MoeTensors<T*>&, PhaseTimer*);
+MOE_INSTANTIATE_MOE_LAYER(float)
+MOE_INSTANTIATE_MOE_LAYER(double)
+#undef MOE_INSTANTIATE_MOE_LAYER
+
+}  // namespace moe
