@@ -34,8 +34,9 @@ std::string fmt_rate(double tokens_per_s) {
 
 }  // namespace
 
-RunLog::RunLog(const Config& cfg, std::ostream& out, MetricsWriter* metrics, bool tty, int64_t start_step)
-    : cfg_(cfg), out_(out), metrics_(metrics), tty_(tty), start_(start_step), t_start_(Clock::now()) {}
+RunLog::RunLog(const Config& cfg, int64_t tokens_per_step, std::ostream& out, MetricsWriter* metrics, bool tty,
+               int64_t start_step)
+    : cfg_(cfg), tokens_per_step_(tokens_per_step), out_(out), metrics_(metrics), tty_(tty), start_(start_step), t_start_(Clock::now()) {}
 
 void RunLog::eval(int64_t step, double loss) {
   if (metrics_) metrics_->write({{"step", step}, {"eval_loss", loss}});
@@ -77,7 +78,7 @@ void RunLog::step(const StepStats& s, double lr, double step_s, const Step& step
   }
   const double n = double(n_);
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start_).count();
-  const double tps = double(cfg_.train.global_batch * cfg_.train.seq_len) * n / s_;
+  const double tps = double(tokens_per_step_) * n / s_;
   const double eta = elapsed / double(done - start_) * double(cfg_.train.steps - done);
   nlohmann::json rec = {{"step", done},
                         {"loss", loss_ / n},

@@ -20,8 +20,10 @@ class RunLog {
  public:
   using Clock = std::chrono::steady_clock;
 
-  // metrics (may be null: ranks other than 0); tty: refresh a live line between records.
-  RunLog(const Config& cfg, std::ostream& out, MetricsWriter* metrics, bool tty, int64_t start_step);
+  // metrics (may be null: ranks other than 0); tty: refresh a live line between records;
+  // tokens_per_step: the run plan's, for tokens/s.
+  RunLog(const Config& cfg, int64_t tokens_per_step, std::ostream& out, MetricsWriter* metrics, bool tty,
+         int64_t start_step);
 
   // The clock of elapsed time, ETA and wall time starts here (after the initial eval).
   void start_clock() { t_start_ = Clock::now(); }
@@ -38,6 +40,7 @@ class RunLog {
  private:
   const char* clear() const { return tty_ ? "\r\033[K" : ""; }
   const Config& cfg_;
+  int64_t tokens_per_step_;
   std::ostream& out_;
   MetricsWriter* metrics_;
   bool tty_;

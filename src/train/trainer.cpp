@@ -186,7 +186,7 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
 
   // Open MPI hands ranks a pty even when mpirun's output goes to a file: no live line there.
   const bool tty = isatty(fileno(stdout)) && &out == &std::cout && world.size() == 1;
-  RunLog log(cfg, out, metrics ? &*metrics : nullptr, tty, start);
+  RunLog log(cfg, plan.tokens_per_step, out, metrics ? &*metrics : nullptr, tty, start);
   if (eval && start == 0) {
     summary.initial_eval_loss = evaluate(*step, *eval, cfg, *topo.dp_comm);
     log.eval(0, summary.initial_eval_loss);
