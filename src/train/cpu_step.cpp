@@ -83,6 +83,7 @@ class CpuStep final : public Step {
   }
   nlohmann::json bench_details() override {
     return {{"machine", {{"cpu", cpu_model()}, {"hardware_threads", std::thread::hardware_concurrency()}}},
+            {"cuda_graph", false},
             {"mem_peak_gib", peak_rss_gib()},
             {"mem_peak_source", "peak resident set size of the process (getrusage ru_maxrss)"}};
   }

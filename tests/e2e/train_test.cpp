@@ -206,6 +206,31 @@ TEST(Cli, DryRunPrintsCountsAndConfig) {
   EXPECT_NE(w.output.find("ZeRO-1"), std::string::npos) << w.output;
 }
 
+// One bench for both backends: on the CPU its record carries the settings that change the figures,
+// the phases of the one phase list and the step's figures.
+TEST(Cli, BenchOnCpuRecordsSettingsAndPhases) {
+  const TempDir tmp("bench");
+  const std::string json = (tmp.root() / "bench.json").string();
+  const CmdResult r = run_cli("bench --warmup 1 --steps 2 --json " + json + " --train.steps=3");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("tokens/s "), std::string::npos) << r.output;
+  std::ifstream f(json);
+  const nlohmann::json rec = nlohmann::json::parse(f);
+  EXPECT_EQ(rec.at("device"), "cpu");
+  for (const char* key : {"device", "precision", "recompute", "routing", "capacity_factor", "ep_backend", "dp", "ep",
+                          "pp", "zero", "overlap_grad_reduce"})
+    EXPECT_TRUE(rec.at("settings").contains(key)) << key;
+  EXPECT_EQ(rec.at("cuda_graph"), false);
+  EXPECT_EQ(rec.at("timed_steps"), 2);
+  EXPECT_GT(rec.at("tokens_per_s").get<double>(), 0.0);
+  EXPECT_GT(rec.at("phase_ms").at("attention").get<double>(), 0.0);
+  EXPECT_GT(rec.at("phase_ms").at("optimizer").get<double>(), 0.0);
+  EXPECT_TRUE(rec.at("loss_finite").get<bool>());
+  const CmdResult bad = run_cli("bench --steps 1 --out= --train.recompute=full");
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_NE(bad.output.find("train.recompute = \"full\""), std::string::npos) << bad.output;
+}
+
 TEST(Cli, BadKeySuggestsNearest) {
   const CmdResult r = run_cli("train --dry-run --moe.topk=3");
   EXPECT_EQ(r.status, 1);
