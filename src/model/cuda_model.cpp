@@ -47,7 +47,7 @@ struct CudaModel::LayerState : LayerParams {
       x_sorted, gate_up, h, y_sorted;
   // Expert parallelism: the last forward's exchange plan; regroup / ungroup maps [G] and local
   // expert offsets [L+1] on the device; received rows regrouped by local expert [G, D] (saved).
-  cuda::EpExchangePlan plan;
+  cuda::EpHandle plan;
   DeviceBuffer regroup, ungroup, local_offsets, x_recv;
 };
 
@@ -749,8 +749,8 @@ void CudaModel::ep_forward_layer(int64_t moe_index, const int32_t* counts, const
   I.ep_host_counts.resize(size_t(2 * e));
   cuda::copy_d2h(I.ep_host_counts.data(), counts, size_t(e) * sizeof(int32_t), st);
   cuda::copy_d2h(I.ep_host_counts.data() + e, recv_counts, size_t(e) * sizeof(int32_t), st);
-  s.plan = cuda::make_ep_exchange_plan(ep, int(ep_rank_), L, I.ep_host_counts.data(), I.ep_host_counts.data() + e);
-  const cuda::EpExchangePlan& plan = s.plan;
+  s.plan = cuda::make_ep_handle(ep, int(ep_rank_), L, I.ep_host_counts.data(), I.ep_host_counts.data() + e);
+  const cuda::EpHandle& plan = s.plan;
   const int64_t G = plan.total_recv;
   // Everything forward and backward of this layer needs for G rows, grown (with 1/8 headroom)
   // right after the stream was synchronised by the count read, so no pending work uses a buffer.
@@ -775,7 +775,7 @@ void CudaModel::ep_forward_layer(int64_t moe_index, const int32_t* counts, const
 
   uint16_t* pm = I.ep_pm.as<uint16_t>();
   uint16_t* xr = s.x_recv.as<uint16_t>();
-  cuda::ep_exchange_rows(*ep_comm_, plan, true, xs, pm, d, st);
+  cuda::ep_dispatch_rows(*ep_comm_, plan, xs, pm, d, st);
   cuda::ep_gather_rows(pm, s.regroup.as<int32_t>(), G, G, d, xr, st);
   count_ep_traffic(plan, d, 2);
   if (timer_) timer_->mark(cuda::Phase::kExperts);
@@ -790,7 +790,7 @@ void CudaModel::ep_forward_layer(int64_t moe_index, const int32_t* counts, const
   }
   if (timer_) timer_->mark(cuda::Phase::kCombine);
   cuda::ep_gather_rows(yr, s.ungroup.as<int32_t>(), G, G, d, pm, st);
-  cuda::ep_exchange_rows(*ep_comm_, plan, false, pm, ys, d, st);
+  cuda::ep_combine_rows(*ep_comm_, plan, pm, ys, d, st);
 }
 
 // Expert parallelism, one MoE layer's backward: dys [T*k, D] (the unpermute gradient, sorted
@@ -805,12 +805,12 @@ void CudaModel::ep_backward_layer(int64_t moe_index, const uint16_t* dys, uint16
   const int64_t d = mcfg_.d_model, inner = ecfg_.expert_hidden, L = slice_.count;
   const uint16_t* P = params_bf16();
   float* Gr = grads();
-  const cuda::EpExchangePlan& plan = s.plan;
+  const cuda::EpHandle& plan = s.plan;
   const int64_t G = plan.total_recv;
   if (timer_) timer_->mark(cuda::Phase::kDispatch);
   uint16_t* pm = I.ep_pm.as<uint16_t>();
   uint16_t* work = I.ep_work.as<uint16_t>();
-  cuda::ep_exchange_rows(*ep_comm_, plan, true, dys, pm, d, st);
+  cuda::ep_dispatch_rows(*ep_comm_, plan, dys, pm, d, st);
   cuda::ep_gather_rows(pm, s.regroup.as<int32_t>(), G, G, d, work, st);  // dy rows by local expert
   count_ep_traffic(plan, d, 2);
   if (timer_) timer_->mark(cuda::Phase::kExperts);
@@ -827,11 +827,11 @@ void CudaModel::ep_backward_layer(int64_t moe_index, const uint16_t* dys, uint16
   }
   if (timer_) timer_->mark(cuda::Phase::kCombine);
   cuda::ep_gather_rows(work, s.ungroup.as<int32_t>(), G, G, d, pm, st);
-  cuda::ep_exchange_rows(*ep_comm_, plan, false, pm, dxs, d, st);
+  cuda::ep_combine_rows(*ep_comm_, plan, pm, dxs, d, st);
 }
 
 // Two row exchanges of `plan` (dispatch and combine): rows to and from the other ranks.
-void CudaModel::count_ep_traffic(const cuda::EpExchangePlan& plan, int64_t d, int64_t elem_bytes) {
+void CudaModel::count_ep_traffic(const cuda::EpHandle& plan, int64_t d, int64_t elem_bytes) {
   EpTraffic& t = impl_->traffic;
   int64_t out = 0, in = 0;
   for (int p = 0; p < plan.ep; ++p) {

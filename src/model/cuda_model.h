@@ -35,7 +35,7 @@ namespace moe {
 namespace cuda {
 class EventTimer;
 class NcclComm;
-struct EpExchangePlan;
+struct EpHandle;
 struct StepStatsRecord;
 }  // namespace cuda
 
@@ -155,7 +155,7 @@ class CudaModel {
   struct LayerState;
   void ep_forward_layer(int64_t moe_index, const int32_t* counts, const uint16_t* xs, uint16_t* ys);
   void ep_backward_layer(int64_t moe_index, const uint16_t* dys, uint16_t* dxs);
-  void count_ep_traffic(const cuda::EpExchangePlan& plan, int64_t d, int64_t elem_bytes);
+  void count_ep_traffic(const cuda::EpHandle& plan, int64_t d, int64_t elem_bytes);
   ModelConfig mcfg_;
   MoeConfig ecfg_;
   cuda::NcclComm* ep_comm_ = nullptr;
