@@ -6,6 +6,11 @@
 // recomputes each chunk's logits (one extra N x V x D GEMM) and fuses the softmax gradient.
 // Dropless routing only (capacity_factor = 0). No CUDA headers; defined only in CUDA builds
 // (MOECORE_HAS_CUDA), so CPU-only code must not reference it.
+// The forward is a list of block calls (llm.c's gpt2_forward): embedding, then per layer an
+// attention block (cuda_attention_block.h) and a dense MLP block (cuda_mlp_block.h) or a MoE layer
+// (cuda_moe_layer.h: router -> dispatch handle -> experts -> combine, + shared expert), then the
+// LM head (cuda_lm_head.h); backward the reverse. Each block keeps its saved activations and can
+// be re-run from its saved input; a range of layers runs alone (forward_blocks, backward_blocks).
 // Sync-free: forward_device/backward only enqueue work on stream(). Every buffer is sized by
 // reserve(batch, seq) (or the first forward of a shape) and never grows while the stream is being
 // captured, so a whole step is capturable in a CUDA graph. Statistics (CE sum, lb/z sums, expert
@@ -13,10 +18,13 @@
 // Expert parallelism (optional CudaExpertParallel: the ep group's NCCL communicator): the layout
 // holds experts [ep_rank L, (ep_rank + 1) L) of every MoE layer (L = E / ep, the CPU model's
 // ExpertSlice and placements); each MoE layer sends its routed rows to the experts' ranks and back
-// (dropless all-to-all; docs/parallel.md). That path reads the expert counts on the host, so it
-// syncs the stream once per MoE layer per forward and cannot be captured in a CUDA graph; forward
-// and backward are then collectives over the ep group.
-// Legend: B batch, S sequence, N = B*S, D width, V vocabulary, E experts, M MoE layers.
+// (dropless all-to-all; docs/parallel.md; CudaEpExperts of cuda_experts.h). That path reads the
+// expert counts on the host, so it syncs the stream once per MoE layer per forward and cannot be
+// captured in a CUDA graph; forward and backward are then collectives over the ep group.
+// Legend: B batch, S sequence, N = B*S tokens, D model width, H query heads, Q = H*head_dim,
+// C = n_kv_heads*head_dim (kv width), V vocabulary, E experts, K top_k, R routed rows (N*K),
+// I expert hidden, F dense/shared MLP hidden, L local experts, G rows received by this rank's
+// experts, M MoE layers.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +35,7 @@
 #include "core/arena.h"
 #include "core/config.h"
 #include "cuda/device.h"
+#include "model/cuda_experts.h"
 #include "model/model.h"
 #include "parallel/topology.h"
 
@@ -35,7 +44,6 @@ namespace moe {
 namespace cuda {
 class EventTimer;
 class NcclComm;
-struct EpExchangePlan;
 struct StepStatsRecord;
 }  // namespace cuda
 
@@ -43,15 +51,6 @@ struct StepStatsRecord;
 // made on the model's device; it must outlive the model. E must be divisible by the group size.
 struct CudaExpertParallel {
   cuda::NcclComm* comm = nullptr;
-};
-
-// Rows and bytes the all-to-all exchanges moved since reset_ep_traffic() (forward and backward,
-// dispatch and combine). "Remote" leaves out the block a rank keeps for itself.
-struct EpTraffic {
-  int64_t exchanges = 0;          // row exchanges (4 per MoE layer per forward + backward)
-  int64_t rows_sent = 0;          // rows sent to other ranks
-  int64_t bytes_sent = 0;         // BF16 row bytes sent to other ranks
-  int64_t bytes_received = 0;     // BF16 row bytes received from other ranks
 };
 
 class CudaModel {
@@ -122,10 +121,40 @@ class CudaModel {
   // forward into grads(), with the three FP32 factors read on the device from
   // loss_scales_device() (write them there before the step; a graph replays with new values).
   void backward();
-  // Writes scales into loss_scales_device() (ce_scale, lb_scale / M, z_scale / M: the gradient of
-  // scales.objective(stats of the last forward)), then backward(). Not for capture.
+  // set_loss_scales(scales), then backward(). Not for capture.
   void backward(const LossScales& scales);
+  // Writes scales into loss_scales_device() (ce_scale, lb_scale / M, z_scale / M: the gradient of
+  // scales.objective(stats of the last forward)), ordered on stream(). Not for capture.
+  void set_loss_scales(const LossScales& scales);
   float* loss_scales_device();  // device FP32 [3]: CE gradient scale, per-layer lb and z factors
+
+  // forward_device and backward() in pieces (pipeline stages, activation recomputation), each
+  // enqueuing on stream() what the whole call would at that point, phase marks and grads-ready
+  // hook calls included:
+  //   forward_device = begin_forward, embedding_forward, forward_blocks(0, n_layers),
+  //                    lm_head_forward, end_forward;
+  //   backward()     = lm_head_backward, backward_blocks(0, n_layers), embedding_backward (and the
+  //                    phase timer closed).
+  // begin_forward: host only (checks, reserve(batch, seq), the ids, the routing seed and the host
+  // statistics counters; ids as in forward_device). Layer l's blocks read their saved input (the
+  // BF16 copy of the residual, written by the block before) and residual_device(): re-running
+  // forward_blocks(first, last) after residual_device() was restored to its value at `first`
+  // rewrites the saved activations of layers [first, last) and the residual bitwise as before.
+  // end_forward: the router statistics into the record (MoE layers), closes the phase timer.
+  void begin_forward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                     uint64_t routing_seed = 0);
+  void embedding_forward();
+  void forward_blocks(int64_t first, int64_t last);  // layers [first, last), in order
+  void lm_head_forward();
+  void end_forward();
+  void lm_head_backward();
+  void backward_blocks(int64_t first, int64_t last);  // layers last - 1 down to first
+  void embedding_backward();
+  // The FP32 residual stream [N, D] of the current forward (between forward_blocks calls: the
+  // input of the next layer) and its gradient [N, D] (between backward_blocks calls: the gradient
+  // at the output of the next layer down).
+  float* residual_device();
+  float* residual_grad_device();
 
   // Enqueues zeroing of the statistics record (stats_record(), stats_bytes() bytes: a
   // cuda::StepStatsRecord followed by int64 counts [M, E]).
@@ -152,10 +181,7 @@ class CudaModel {
 
  private:
   struct Impl;
-  struct LayerState;
-  void ep_forward_layer(int64_t moe_index, const int32_t* counts, const uint16_t* xs, uint16_t* ys);
-  void ep_backward_layer(int64_t moe_index, const uint16_t* dys, uint16_t* dxs);
-  void count_ep_traffic(const cuda::EpExchangePlan& plan, int64_t d, int64_t elem_bytes);
+  void check_forward(const char* op) const;  // a forward was begun
   ModelConfig mcfg_;
   MoeConfig ecfg_;
   cuda::NcclComm* ep_comm_ = nullptr;

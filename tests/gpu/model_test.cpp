@@ -1,11 +1,17 @@
 // CudaModel against Model<float> on the same (BF16-representable) weights: forward loss, lb/z
 // losses and expert counts, every parameter gradient tensor normwise after one backward, then
 // five AdamW steps (cuda::adamw_step vs AdamW) on the same batches with losses compared per step.
-// GPU numbers use BF16 activations, so tolerances are BF16-sized (see each check).
+// GPU numbers use BF16 activations, so tolerances are BF16-sized (see each check). And CudaModel
+// against itself in pieces: layer ranges run alone, and a range re-run from its saved inputs,
+// give bitwise the statistics and gradients of the whole forward and backward.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <memory>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "core/dtype.h"
 #include "cuda/ops/optim.h"
@@ -238,6 +244,147 @@ TEST(CudaModel, AdamWStepsTrackCpuModel) {
   std::printf("parameter updates after 5 steps: normwise err %.3e\n", err);
   EXPECT_LE(err, 0.5);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The model in pieces (begin_forward, embedding_forward, forward_blocks, lm_head_forward,
+// end_forward; lm_head_backward, backward_blocks, embedding_backward) against forward_device +
+// backward(): the same kernels in the same order, so bitwise the same statistics record, gradients
+// and grads-ready offsets.
+
+struct PiecesResult {
+  std::vector<uint8_t> record;  // the statistics record (CE, lb, z sums, bad counters, counts)
+  std::vector<float> grads;
+  std::vector<int64_t> hook;    // grads-ready offsets, in call order
+
+  bool operator==(const PiecesResult& o) const {
+    return record == o.record && hook == o.hook && grads.size() == o.grads.size() &&
+           std::memcmp(grads.data(), o.grads.data(), grads.size() * sizeof(float)) == 0;
+  }
+};
+
+class CudaModelPieces : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    MOE_SKIP_WITHOUT_GPU();
+    mc_ = gpu_model_config();  // 3 layers: dense, MoE, MoE; one shared expert; QK-norm
+    ec_ = gpu_moe_config();
+    ec_.routing = GetParam();
+    cpu_ = std::make_unique<Model<float>>(mc_, ec_);
+    init_bf16_weights(*cpu_);
+    gpu_ = std::make_unique<CudaModel>(mc_, ec_);
+    gpu_->load_params(cpu_->params());
+    std::vector<int32_t> inputs, targets;
+    make_batch(77, mc_.vocab_size, inputs, targets);
+    int64_t counted = 0;
+    for (int32_t t : targets) counted += t >= 0 ? 1 : 0;
+    scales_ = LossScales{1.0 / double(counted), ec_.lb_loss_weight, ec_.z_loss_weight};
+    ids_ = std::make_unique<GuardedBuffer<int32_t>>(inputs);
+    targets_ = std::make_unique<GuardedBuffer<int32_t>>(targets);
+    saved_residual_ = std::make_unique<GuardedBuffer<float>>(kBatch * kSeq * mc_.d_model);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    gpu_->set_grads_ready_hook([this](int64_t ready_from) { hook_.push_back(ready_from); });
+  }
+
+  void start() {
+    gpu_->zero_grads();
+    gpu_->reset_stats();
+    gpu_->set_loss_scales(scales_);
+    hook_.clear();
+  }
+  void begin() { gpu_->begin_forward(ids_->data(), targets_->data(), kBatch, kSeq, kRoutingSeed); }
+  PiecesResult finish() {
+    PiecesResult r;
+    r.grads = gpu_->download_grads();  // waits for the stream
+    r.record.resize(gpu_->stats_bytes());
+    MOE_CUDA_CHECK(cudaMemcpy(r.record.data(), gpu_->stats_record(), r.record.size(), cudaMemcpyDeviceToHost));
+    r.hook = hook_;
+    return r;
+  }
+  PiecesResult whole() {
+    start();
+    gpu_->forward_device(ids_->data(), targets_->data(), kBatch, kSeq, kRoutingSeed);
+    gpu_->backward();
+    return finish();
+  }
+  // Copies of the FP32 residual stream to and from the test's buffer, on the model's stream.
+  void save_residual() {
+    MOE_CUDA_CHECK(cudaMemcpyAsync(saved_residual_->data(), gpu_->residual_device(), saved_residual_->bytes(),
+                                   cudaMemcpyDeviceToDevice, gpu_->stream()));
+  }
+  void restore_residual() {
+    MOE_CUDA_CHECK(cudaMemcpyAsync(gpu_->residual_device(), saved_residual_->data(), saved_residual_->bytes(),
+                                   cudaMemcpyDeviceToDevice, gpu_->stream()));
+  }
+  void head_and_backward(int64_t k) {
+    const int64_t n = mc_.n_layers;
+    gpu_->lm_head_forward();
+    gpu_->end_forward();
+    gpu_->lm_head_backward();
+    gpu_->backward_blocks(k, n);
+    gpu_->backward_blocks(0, k);
+    gpu_->embedding_backward();
+  }
+
+  static constexpr uint64_t kRoutingSeed = 9;
+  ModelConfig mc_;
+  MoeConfig ec_;
+  LossScales scales_;
+  std::unique_ptr<Model<float>> cpu_;
+  std::unique_ptr<CudaModel> gpu_;
+  std::unique_ptr<GuardedBuffer<int32_t>> ids_, targets_;
+  std::unique_ptr<GuardedBuffer<float>> saved_residual_;
+  std::vector<int64_t> hook_;
+};
+
+TEST_P(CudaModelPieces, LayerRangesMatchTheWholeModelBitwise) {
+  const PiecesResult ref = whole();
+  ASSERT_EQ(ref.hook.size(), size_t(mc_.n_layers + 2));
+  EXPECT_EQ(ref.hook.back(), 0);
+  EXPECT_TRUE(whole() == ref) << "two whole runs differ: the bitwise comparisons below would mean nothing";
+  for (int64_t k = 0; k <= mc_.n_layers; ++k) {
+    start();
+    begin();
+    gpu_->embedding_forward();
+    gpu_->forward_blocks(0, k);
+    gpu_->forward_blocks(k, mc_.n_layers);
+    head_and_backward(k);
+    EXPECT_TRUE(finish() == ref) << "layers [0, " << k << ") then [" << k << ", " << mc_.n_layers
+                                 << ") differ from the whole model";
+  }
+}
+
+TEST_P(CudaModelPieces, RerunFromSavedInputsMatchesTheWholeModelBitwise) {
+  const PiecesResult ref = whole();
+  const int64_t n = mc_.n_layers;
+  for (int64_t k = 0; k < n; ++k) {
+    // Re-run without restoring the residual: layers [k, n) then see another input, so the results
+    // must differ (the re-run really rewrites what backward reads).
+    start();
+    begin();
+    gpu_->embedding_forward();
+    gpu_->forward_blocks(0, n);
+    gpu_->forward_blocks(k, n);
+    head_and_backward(0);
+    EXPECT_FALSE(finish() == ref) << "re-running layers [" << k << ", " << n << ") on a moved residual changed nothing";
+
+    // Re-run from the saved inputs: layer k's saved BF16 input and the residual restored to its
+    // value at k rebuild every saved activation of layers [k, n) bitwise.
+    start();
+    begin();
+    gpu_->embedding_forward();
+    gpu_->forward_blocks(0, k);
+    save_residual();
+    gpu_->forward_blocks(k, n);
+    restore_residual();
+    gpu_->forward_blocks(k, n);
+    head_and_backward(k);
+    EXPECT_TRUE(finish() == ref) << "layers [" << k << ", " << n << ") re-run from their saved inputs differ";
+  }
+  saved_residual_->expect_guards_intact("saved residual");
+}
+
+INSTANTIATE_TEST_SUITE_P(Routing, CudaModelPieces, ::testing::Values("learned", "random"),
+                         [](const auto& info) { return std::string(info.param); });
 
 }  // namespace
 }  // namespace moe::testing

@@ -1,7 +1,7 @@
-// Expert-parallel exchange of ep_exchange.h: the host plan (block sizes and offsets per peer, the
+// Expert-parallel exchange of ep_exchange.h: the host handle (block sizes and offsets per peer, the
 // regroup permutation and its inverse), the gather launcher (16-byte path when d % 8 == 0 and both
-// buffers are 16-byte aligned), and the row exchange as one NcclComm::all_to_all_v of BF16 values
-// (counts = rows x d).
+// buffers are 16-byte aligned), and dispatch / combine, each one NcclComm::all_to_all_v of BF16
+// values (counts = rows x d).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -16,13 +16,13 @@
 
 namespace moe::cuda {
 
-EpExchangePlan make_ep_exchange_plan(int ep, int rank, int64_t local_experts, const int32_t* send_counts,
-                                     const int32_t* recv_counts) {
-  const char* op = "make_ep_exchange_plan";
+EpHandle make_ep_handle(int ep, int rank, int64_t local_experts, const int32_t* send_counts,
+                        const int32_t* recv_counts) {
+  const char* op = "make_ep_handle";
   MOE_CHECK(ep >= 1 && rank >= 0 && rank < ep, op, ": rank ", rank, " is not in a group of ", ep);
   MOE_CHECK(local_experts >= 1, op, ": local_experts must be >= 1, got ", local_experts);
   MOE_CHECK(send_counts && recv_counts, op, ": null count array");
-  EpExchangePlan p;
+  EpHandle p;
   p.ep = ep;
   p.rank = rank;
   p.local_experts = local_experts;
@@ -87,18 +87,34 @@ void ep_gather_rows(const uint16_t* src, const int32_t* idx, int64_t rows, int64
   check_launch("ep_gather_rows_kernel");
 }
 
-void ep_exchange_rows(NcclComm& comm, const EpExchangePlan& plan, bool forward, const uint16_t* send,
-                      uint16_t* recv, int64_t d, Stream stream) {
-  MOE_CHECK(comm.size() == plan.ep && comm.rank() == plan.rank, "cuda::ep_exchange_rows: the plan is for rank ",
-            plan.rank, " of ", plan.ep, " but the communicator is rank ", comm.rank(), " of ", comm.size());
-  std::vector<int64_t> sc(size_t(plan.ep)), so(size_t(plan.ep)), rc(size_t(plan.ep)), ro(size_t(plan.ep));
-  for (int q = 0; q < plan.ep; ++q) {
-    sc[q] = (forward ? plan.send_rows[q] : plan.recv_rows[q]) * d;
-    so[q] = (forward ? plan.send_offsets[q] : plan.recv_offsets[q]) * d;
-    rc[q] = (forward ? plan.recv_rows[q] : plan.send_rows[q]) * d;
-    ro[q] = (forward ? plan.recv_offsets[q] : plan.send_offsets[q]) * d;
+namespace {
+
+// One all_to_all_v of the handle's row blocks: dispatch sends the send blocks and receives the
+// receive blocks; combine the other way round.
+void exchange_rows(const char* op, NcclComm& comm, const EpHandle& handle, bool dispatch, const uint16_t* send,
+                   uint16_t* recv, int64_t d, Stream stream) {
+  MOE_CHECK(comm.size() == handle.ep && comm.rank() == handle.rank, op, ": the handle is for rank ", handle.rank,
+            " of ", handle.ep, " but the communicator is rank ", comm.rank(), " of ", comm.size());
+  std::vector<int64_t> sc(size_t(handle.ep)), so(size_t(handle.ep)), rc(size_t(handle.ep)), ro(size_t(handle.ep));
+  for (int q = 0; q < handle.ep; ++q) {
+    sc[q] = (dispatch ? handle.send_rows[q] : handle.recv_rows[q]) * d;
+    so[q] = (dispatch ? handle.send_offsets[q] : handle.recv_offsets[q]) * d;
+    rc[q] = (dispatch ? handle.recv_rows[q] : handle.send_rows[q]) * d;
+    ro[q] = (dispatch ? handle.recv_offsets[q] : handle.send_offsets[q]) * d;
   }
   comm.all_to_all_v(send, sc.data(), so.data(), recv, rc.data(), ro.data(), NcclDType::kBF16, stream);
+}
+
+}  // namespace
+
+void ep_dispatch_rows(NcclComm& comm, const EpHandle& handle, const uint16_t* send, uint16_t* recv, int64_t d,
+                      Stream stream) {
+  exchange_rows("cuda::ep_dispatch_rows", comm, handle, true, send, recv, d, stream);
+}
+
+void ep_combine_rows(NcclComm& comm, const EpHandle& handle, const uint16_t* send, uint16_t* recv, int64_t d,
+                     Stream stream) {
+  exchange_rows("cuda::ep_combine_rows", comm, handle, false, send, recv, d, stream);
 }
 
 void sum_of_squares(const double* values, int64_t n, double* out, Stream stream) {

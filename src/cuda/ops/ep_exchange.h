@@ -1,9 +1,10 @@
-// The GPU side of expert parallelism over NCCL (the all-to-all path, dropless): the host plan of
-// one MoE layer's exchange built from the per-expert counts (which the host reads: this path is
-// not sync-free and not capturable), the row gather that regroups received rows, and the row
-// exchange itself. Legend: ep ranks in the group, L = E / ep local experts per rank, rows of d
-// BF16 values. Sent rows are sorted by global expert (the dispatch map), so the rows for peer p
-// (experts [p L, (p+1) L)) are one block; received rows arrive peer-major and are regrouped
+// The GPU side of expert parallelism over NCCL (the all-to-all path, dropless): the handle of one
+// MoE layer's exchange (the CPU's moe::EpHandle, parallel/expert_parallel.h), built on the host
+// from the per-expert counts (which the host reads: this path is not sync-free and not
+// capturable), the row gather that regroups received rows, and the row dispatch and combine.
+// Legend: ep ranks in the group, L = E / ep local experts per rank, rows of d BF16 values. Sent
+// rows are sorted by global expert (the dispatch map), so the rows for peer p (experts
+// [p L, (p+1) L)) are one block; received rows arrive peer-major and are regrouped
 // local-expert-major, peer-minor (expert j: peer 0's rows for j, then peer 1's, ...), the order of
 // the CPU exchange (parallel/expert_parallel.h). No CUDA headers.
 #pragma once
@@ -17,7 +18,8 @@ namespace moe::cuda {
 
 class NcclComm;
 
-struct EpExchangePlan {
+// Routing metadata of one exchange: the forward dispatch and combine and their backward reuse it.
+struct EpHandle {
   int ep = 1, rank = 0;
   int64_t local_experts = 0;
   // Rows this rank sends to / receives from each peer, and where each block starts (rows).
@@ -33,20 +35,24 @@ struct EpExchangePlan {
 // send_counts [ep * L]: this rank's routes to every global expert (the router's counts);
 // recv_counts [ep * L]: entry p * L + j = routes of peer p to local expert j (the exchanged
 // counts). Checks sizes, signs and int32 row indices.
-EpExchangePlan make_ep_exchange_plan(int ep, int rank, int64_t local_experts, const int32_t* send_counts,
-                                     const int32_t* recv_counts);
+EpHandle make_ep_handle(int ep, int rank, int64_t local_experts, const int32_t* send_counts,
+                        const int32_t* recv_counts);
 
 // dst[i] = src[idx[i]] (d BF16 values per row) for i < rows; idx is device int32 [rows]; an index
 // outside [0, src_rows) zeroes the row. Enqueued on `stream`.
 void ep_gather_rows(const uint16_t* src, const int32_t* idx, int64_t rows, int64_t src_rows, int64_t d,
                     uint16_t* dst, Stream stream);
 
-// Dispatch (forward = true): rows [total_send, d] of this rank, peer blocks at send_offsets, to
-// `recv` [total_recv, d] peer-major. Combine (forward = false): the inverse, `send` [total_recv, d]
-// peer-major back to `recv` [total_send, d] at send_offsets. One grouped NCCL exchange on
-// `stream` over `comm` (the ep group, size ep).
-void ep_exchange_rows(NcclComm& comm, const EpExchangePlan& plan, bool forward, const uint16_t* send,
-                      uint16_t* recv, int64_t d, Stream stream);
+// Dispatch: rows [total_send, d] of this rank, peer blocks at send_offsets, to `recv`
+// [total_recv, d] peer-major. One grouped NCCL exchange on `stream` over `comm` (the ep group,
+// size ep). The backward of a combine is a dispatch of the gradient rows.
+void ep_dispatch_rows(NcclComm& comm, const EpHandle& handle, const uint16_t* send, uint16_t* recv, int64_t d,
+                      Stream stream);
+
+// Combine, the inverse of ep_dispatch_rows: `send` [total_recv, d] peer-major back to `recv`
+// [total_send, d] at send_offsets. The backward of a dispatch is a combine.
+void ep_combine_rows(NcclComm& comm, const EpHandle& handle, const uint16_t* send, uint16_t* recv, int64_t d,
+                     Stream stream);
 
 // Grad norm pieces under expert parallelism (one thread, fixed order, so every rank gets the same
 // bits from the same inputs): out[0] = sum_i values[i]^2 (values: norms of gradient ranges), and

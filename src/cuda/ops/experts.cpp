@@ -1,0 +1,108 @@
+// Grouped experts of experts.h as a fixed sequence of grouped GEMM and SwiGLU entry points (the
+// sequence the CUDA model ran inline before): forward gate_up GEMM, SwiGLU, down GEMM; backward
+// down dgrad and wgrad, SwiGLU backward, gate_up dgrad and wgrad. Host code only.
+#include "cuda/ops/experts.h"
+
+#include <cstdint>
+#include <initializer_list>
+
+#include "core/error.h"
+#include "cuda/ops/swiglu.h"
+
+namespace moe::cuda {
+namespace {
+
+struct Span {
+  const char* name;
+  const void* ptr;
+  size_t bytes;
+};
+
+bool overlap(const Span& a, const Span& b) {
+  const auto a0 = reinterpret_cast<uintptr_t>(a.ptr), b0 = reinterpret_cast<uintptr_t>(b.ptr);
+  return a0 < b0 + b.bytes && b0 < a0 + a.bytes;
+}
+
+void check_sizes(const char* op, int64_t max_rows, int64_t num_experts, int64_t d, int64_t inner) {
+  MOE_CHECK(max_rows >= 0, op, ": max_rows must be >= 0, got ", max_rows);
+  MOE_CHECK(num_experts >= 1 && num_experts <= kGroupedGemmMaxExperts, op, ": num_experts must be in [1, ",
+            kGroupedGemmMaxExperts, "], got ", num_experts);
+  MOE_CHECK(d > 0 && d % 8 == 0 && inner > 0 && inner % 8 == 0, op,
+            ": d and inner must be positive multiples of 8 (grouped GEMM rows move in 16-byte chunks), got d=", d,
+            " inner=", inner);
+}
+
+void check_ptrs(const char* op, std::initializer_list<Span> spans) {
+  for (const Span& s : spans) {
+    MOE_CHECK(s.ptr != nullptr, op, ": argument '", s.name, "' is a null device pointer");
+    MOE_CHECK(reinterpret_cast<uintptr_t>(s.ptr) % 16 == 0, op, ": argument '", s.name,
+              "' must be 16-byte aligned, got address ", s.ptr);
+  }
+}
+
+}  // namespace
+
+void experts_forward(const uint16_t* x_sorted, const int32_t* expert_offsets, const uint16_t* w_gate_up,
+                     const uint16_t* w_down, int64_t max_rows, int64_t num_experts, int64_t d, int64_t inner,
+                     uint16_t* gate_up, uint16_t* h, uint16_t* y, Stream stream, GroupedGemmBackend backend) {
+  const char* op = "cuda::experts_forward";
+  check_sizes(op, max_rows, num_experts, d, inner);
+  if (max_rows == 0) return;
+  check_ptrs(op, {{"x_sorted", x_sorted, 0}, {"w_gate_up", w_gate_up, 0}, {"w_down", w_down, 0},
+                  {"gate_up", gate_up, 0}, {"h", h, 0}, {"y", y, 0}});
+  MOE_CHECK(expert_offsets != nullptr, op, ": argument 'expert_offsets' is a null device pointer");
+  grouped_gemm_forward(x_sorted, w_gate_up, expert_offsets, gate_up, max_rows, num_experts, 2 * inner, d, stream,
+                       backend);
+  swiglu_forward(gate_up, h, max_rows, inner, stream);
+  grouped_gemm_forward(h, w_down, expert_offsets, y, max_rows, num_experts, d, inner, stream, backend);
+}
+
+size_t experts_backward_workspace_bytes(int64_t max_rows, int64_t inner) {
+  MOE_CHECK(max_rows >= 0 && inner >= 0, "cuda::experts_backward_workspace_bytes: max_rows and inner must be >= 0, "
+            "got ", max_rows, " and ", inner);
+  return static_cast<size_t>(max_rows) * static_cast<size_t>(3 * inner) * sizeof(uint16_t);
+}
+
+void experts_backward(const uint16_t* x_sorted, const int32_t* expert_offsets, const uint16_t* w_gate_up,
+                      const uint16_t* w_down, const uint16_t* gate_up, const uint16_t* h, const uint16_t* dy,
+                      int64_t max_rows, int64_t num_experts, int64_t d, int64_t inner, uint16_t* dx_sorted,
+                      float* dw_gate_up, float* dw_down, void* workspace, size_t workspace_bytes, Stream stream,
+                      GroupedGemmBackend backend) {
+  const char* op = "cuda::experts_backward";
+  check_sizes(op, max_rows, num_experts, d, inner);
+  if (max_rows == 0) return;
+  const size_t need = experts_backward_workspace_bytes(max_rows, inner);
+  MOE_CHECK(workspace_bytes >= need, op, ": workspace of ", workspace_bytes, " bytes, ", need,
+            " needed: size it with experts_backward_workspace_bytes(max_rows, inner)");
+  check_ptrs(op, {{"x_sorted", x_sorted, 0}, {"w_gate_up", w_gate_up, 0}, {"w_down", w_down, 0},
+                  {"gate_up", gate_up, 0}, {"h", h, 0}, {"dy", dy, 0}, {"dx_sorted", dx_sorted, 0},
+                  {"workspace", workspace, 0}});
+  MOE_CHECK(expert_offsets != nullptr, op, ": argument 'expert_offsets' is a null device pointer");
+  const size_t rows = static_cast<size_t>(max_rows), bf16 = sizeof(uint16_t);
+  const Span dx{"dx_sorted", dx_sorted, rows * d * bf16};
+  if (dx_sorted != dy) {
+    const Span dys{"dy", dy, rows * d * bf16};
+    MOE_CHECK(!overlap(dx, dys), op,
+              ": dx_sorted overlaps dy without being equal to it (in place means dx_sorted == dy)");
+  }
+  for (const Span& s : {Span{"x_sorted", x_sorted, rows * d * bf16}, Span{"gate_up", gate_up, rows * 2 * inner * bf16},
+                        Span{"h", h, rows * inner * bf16}, Span{"workspace", workspace, need}}) {
+    MOE_CHECK(!overlap(dx, s), op, ": dx_sorted overlaps '", s.name, "', which the backward still reads");
+  }
+  uint16_t* dgate_up = static_cast<uint16_t*>(workspace);   // [R, 2I]
+  uint16_t* dh = dgate_up + rows * 2 * static_cast<size_t>(inner);  // [R, I]
+  grouped_gemm_dgrad(dy, w_down, expert_offsets, dh, max_rows, num_experts, d, inner, stream, backend);
+  if (dw_down != nullptr) {
+    grouped_gemm_wgrad(dy, h, expert_offsets, dw_down, max_rows, num_experts, d, inner, true, stream, backend);
+  }
+  swiglu_backward(gate_up, dh, dgate_up, max_rows, inner, stream);
+  // dx is written only now: every read of dy (which it may be) is enqueued above.
+  grouped_gemm_dgrad(dgate_up, w_gate_up, expert_offsets, dx_sorted, max_rows, num_experts, 2 * inner, d, stream,
+                     backend);
+  if (dw_gate_up != nullptr) {
+    grouped_gemm_wgrad(dgate_up, x_sorted, expert_offsets, dw_gate_up, max_rows, num_experts, 2 * inner, d, true,
+                       stream, backend);
+  }
+}
+
+}  // namespace moe::cuda

@@ -1,0 +1,56 @@
+// The grouped SwiGLU experts of a MoE layer on the GPU, same contract as cpu/experts.h: rows sorted
+// by expert, expert e owning rows [expert_offsets[e], expert_offsets[e+1]) (M-grouped contiguous);
+// forward gate_up = x_e @ w_gate_up[e]^T (gate columns first), h = silu(gate) * up,
+// y = h @ w_down[e]^T; backward the reverse (dgrad and wgrad of down, SwiGLU backward, dgrad and
+// wgrad of gate_up). Built from grouped_gemm.h and swiglu.h only, on the caller's stream.
+//
+// Shapes (R = max_rows, the static row bound; E experts; D width; I expert hidden):
+//   x_sorted [R, D], y [R, D], dy [R, D], dx_sorted [R, D]      BF16 (uint16_t bit patterns)
+//   w_gate_up [E, 2I, D], w_down [E, D, I]                      BF16
+//   gate_up [R, 2I], h [R, I]                                   BF16, saved by forward for backward
+//   dw_gate_up [E, 2I, D], dw_down [E, D, I]                    FP32, accumulated (+=)
+// On the device: every array above and expert_offsets (int32 [E+1], e.g. from the GPU dispatch
+// map); the host never reads a device value, launch sizes come from (R, E, D, I) alone, so both
+// calls are graph-capturable and a captured graph follows whatever the offsets hold at replay.
+// The caller owns every buffer, including the backward's workspace
+// (experts_backward_workspace_bytes(R, I) bytes: dgate_up [R, 2I] then dh [R, I], BF16, which
+// hold this call's values on return, like the CPU op's scratch). No allocation, no sync.
+// Valid offsets are 0 = offsets[0] <= ... <= offsets[E] <= R (the grouped GEMMs clamp others).
+// Rows past offsets[E] (a dropped tail) never change a result: y, gate_up and dx are not written
+// there; h and the workspace are (SwiGLU runs over all R rows). FP32 accumulation, one BF16
+// rounding per stored tensor (gate_up, h, y; dh, dgate_up, dx). Deterministic (no atomics).
+// R == 0: nothing is enqueued. Checks (moe::Error): E in [1, 4096], D and I positive multiples of
+// 8, non-null 16-byte aligned pointers when R > 0, the workspace size, and dx_sorted either equal
+// to dy (in place: dy is read in full before dx is written) or overlapping none of the inputs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/device.h"
+#include "cuda/ops/grouped_gemm.h"
+
+namespace moe::cuda {
+
+void experts_forward(const uint16_t* x_sorted /*[R,D]*/, const int32_t* expert_offsets /*[E+1]*/,
+                     const uint16_t* w_gate_up /*[E,2I,D]*/, const uint16_t* w_down /*[E,D,I]*/,
+                     int64_t max_rows, int64_t num_experts, int64_t d, int64_t inner,
+                     uint16_t* gate_up /*[R,2I], saved*/, uint16_t* h /*[R,I], saved*/,
+                     uint16_t* y /*[R,D]*/, Stream stream,
+                     GroupedGemmBackend backend = GroupedGemmBackend::kAuto);
+
+// Bytes of the backward's workspace: max_rows * 3 * inner BF16 values.
+size_t experts_backward_workspace_bytes(int64_t max_rows, int64_t inner);
+
+// dx_sorted (overwritten on the grouped rows) and dw_gate_up, dw_down (+=; either may be null to
+// skip it) from dy and the forward's x_sorted, gate_up and h.
+void experts_backward(const uint16_t* x_sorted /*[R,D]*/, const int32_t* expert_offsets /*[E+1]*/,
+                      const uint16_t* w_gate_up /*[E,2I,D]*/, const uint16_t* w_down /*[E,D,I]*/,
+                      const uint16_t* gate_up /*[R,2I]*/, const uint16_t* h /*[R,I]*/,
+                      const uint16_t* dy /*[R,D]*/, int64_t max_rows, int64_t num_experts, int64_t d,
+                      int64_t inner, uint16_t* dx_sorted /*[R,D], may be dy*/,
+                      float* dw_gate_up /*[E,2I,D] +=*/, float* dw_down /*[E,D,I] +=*/, void* workspace,
+                      size_t workspace_bytes, Stream stream,
+                      GroupedGemmBackend backend = GroupedGemmBackend::kAuto);
+
+}  // namespace moe::cuda

@@ -1,0 +1,146 @@
+// CudaAttentionBlock: RMSNorm, Q/K/V projections (cuBLASLt, weights [out, in]), optional QK-norm,
+// RoPE, causal GQA attention, output projection and the residual add, then the same in reverse.
+// The Q/K/V weight gradients accumulate after the three data gradients into dbranch.
+// Legend: N = B*S tokens, D model width, Q = H*head_dim, C = n_kv_heads*head_dim. BF16 unless noted.
+#ifdef MOECORE_HAS_CUDA
+
+#include "model/cuda_attention_block.h"
+
+#include "cuda/ops/attention.h"
+#include "cuda/ops/gemm.h"
+#include "cuda/ops/rmsnorm.h"
+#include "cuda/ops/rope.h"
+
+namespace moe {
+
+CudaAttentionBlock::CudaAttentionBlock(const ModelConfig& m, const LayerParams& p)
+    : p_(p),
+      d_(m.d_model),
+      hq_(m.n_heads),
+      hkv_(m.n_kv_heads),
+      hd_(m.head_dim()),
+      q_(m.n_heads * m.head_dim()),
+      kv_(m.n_kv_heads * m.head_dim()),
+      qk_norm_(m.qk_norm),
+      norm_eps_(m.norm_eps),
+      rope_theta_(m.rope_theta) {}
+
+void CudaAttentionBlock::reserve(int64_t batch, int64_t seq, CudaBufferGrower& g) {
+  const int64_t n = batch * seq, d = d_, q = q_, kv = kv_;
+  CudaAttentionSaved& s = saved_;
+  g.grow<uint16_t>(s.x_ND, n * d, "x_in");
+  g.grow<uint16_t>(s.norm_ND, n * d, "norm1");
+  g.grow<float>(s.rstd_N, n, "rstd1");
+  g.grow<uint16_t>(s.q_NQ, n * q, "q");
+  g.grow<uint16_t>(s.k_NC, n * kv, "k");
+  g.grow<uint16_t>(s.v_NC, n * kv, "v");
+  if (qk_norm_) {
+    g.grow<uint16_t>(s.q_raw_NQ, n * q, "q_raw");
+    g.grow<uint16_t>(s.k_raw_NC, n * kv, "k_raw");
+    g.grow<float>(s.q_rstd_N, n, "q_rstd");
+    g.grow<float>(s.k_rstd_N, n, "k_rstd");
+  }
+  g.grow<uint16_t>(s.attn_NQ, n * q, "attn");
+  g.grow<float>(s.lse_BHS, batch * hq_ * seq, "lse");
+}
+
+void CudaAttentionBlock::reserve_scratch(const ModelConfig& m, int64_t batch, int64_t seq, CudaAttentionScratch& s,
+                                         CudaBufferGrower& g) {
+  const int64_t n = batch * seq, hd = m.head_dim(), q = m.n_heads * hd, kv = m.n_kv_heads * hd;
+  g.grow_bytes(s.ws_attn, cuda::attention_backward_workspace_bytes(batch, seq, m.n_heads), "attention workspace");
+  g.grow<uint16_t>(s.dq_NQ, n * q, "dq");
+  g.grow<uint16_t>(s.dk_NC, n * kv, "dk");
+  g.grow<uint16_t>(s.dv_NC, n * kv, "dv");
+  g.grow<uint16_t>(s.dattn_NQ, n * q, "dattn");
+  if (m.qk_norm) {
+    g.grow<uint16_t>(s.dq_raw_NQ, n * q, "dq_raw");
+    g.grow<uint16_t>(s.dk_raw_NC, n * kv, "dk_raw");
+  }
+}
+
+void CudaAttentionBlock::forward(const CudaBlockContext& c, CudaResidual& res, uint16_t* out_ND) {
+  const cuda::Stream st = c.stream;
+  cuda::GemmHandle& G = *c.gemm;
+  const uint16_t* P = c.params;
+  const int64_t batch = c.batch, seq = c.seq, n = c.tokens();
+  const int64_t d = d_, hq = hq_, hkv = hkv_, hd = hd_, q = q_, kv = kv_;
+  CudaAttentionSaved& s = saved_;
+  const uint16_t* x = s.x_ND.as<uint16_t>();
+  c.mark(cuda::Phase::kAttention);
+  uint16_t* norm = s.norm_ND.as<uint16_t>();
+  cuda::rmsnorm_forward(x, P + p_.attn_norm, norm, s.rstd_N.as<float>(), n, d, norm_eps_, st);
+  uint16_t* qb = s.q_NQ.as<uint16_t>();
+  uint16_t* kb = s.k_NC.as<uint16_t>();
+  uint16_t* vb = s.v_NC.as<uint16_t>();
+  if (qk_norm_) {
+    uint16_t* q_raw = s.q_raw_NQ.as<uint16_t>();
+    uint16_t* k_raw = s.k_raw_NC.as<uint16_t>();
+    cuda::gemm(G, false, true, n, q, d, 1.f, norm, d, P + p_.q_proj, d, 0.f, q_raw, q, st);
+    cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.k_proj, d, 0.f, k_raw, kv, st);
+    cuda::rmsnorm_forward(q_raw, P + p_.q_norm, qb, s.q_rstd_N.as<float>(), n, q, norm_eps_, st);
+    cuda::rmsnorm_forward(k_raw, P + p_.k_norm, kb, s.k_rstd_N.as<float>(), n, kv, norm_eps_, st);
+  } else {
+    cuda::gemm(G, false, true, n, q, d, 1.f, norm, d, P + p_.q_proj, d, 0.f, qb, q, st);
+    cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.k_proj, d, 0.f, kb, kv, st);
+  }
+  cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.v_proj, d, 0.f, vb, kv, st);
+  cuda::rope_forward(qb, batch, seq, hq, hd, rope_theta_, st);
+  cuda::rope_forward(kb, batch, seq, hkv, hd, rope_theta_, st);
+  uint16_t* attn = s.attn_NQ.as<uint16_t>();
+  cuda::attention_forward(qb, kb, vb, attn, s.lse_BHS.as<float>(), batch, seq, hq, hkv, hd, st);
+  uint16_t* branch = res.branch();
+  cuda::gemm(G, false, true, n, d, q, 1.f, attn, q, P + p_.o_proj, q, 0.f, branch, d, st);
+  cuda::residual_add(res.x32(), branch, out_ND, n * d, st);
+}
+
+void CudaAttentionBlock::backward(const CudaBlockContext& c, CudaResidual& res, CudaAttentionScratch& w) {
+  const cuda::Stream st = c.stream;
+  cuda::GemmHandle& G = *c.gemm;
+  const uint16_t* P = c.params;
+  float* Gr = c.grads;
+  const int64_t batch = c.batch, seq = c.seq, n = c.tokens();
+  const int64_t d = d_, hq = hq_, hkv = hkv_, hd = hd_, q = q_, kv = kv_;
+  const CudaAttentionSaved& s = saved_;
+  const uint16_t* dx = res.dx();
+  uint16_t* dbranch = res.dbranch();
+  uint16_t* dq = w.dq_NQ.as<uint16_t>();
+  uint16_t* dk = w.dk_NC.as<uint16_t>();
+  uint16_t* dv = w.dv_NC.as<uint16_t>();
+  uint16_t* dattn = w.dattn_NQ.as<uint16_t>();
+  c.mark(cuda::Phase::kAttention);
+  const uint16_t* attn = s.attn_NQ.as<uint16_t>();
+  const uint16_t* norm = s.norm_ND.as<uint16_t>();
+  cuda::gemm(G, false, false, n, q, d, 1.f, dx, d, P + p_.o_proj, q, 0.f, dattn, q, st);
+  cuda::gemm(G, true, false, d, q, n, 1.f, dx, d, attn, q, 1.f, Gr + p_.o_proj, q, st);
+  cuda::attention_backward(s.q_NQ.as<uint16_t>(), s.k_NC.as<uint16_t>(), s.v_NC.as<uint16_t>(), attn,
+                           s.lse_BHS.as<float>(), dattn, dq, dk, dv, batch, seq, hq, hkv, hd, w.ws_attn.data(),
+                           w.ws_attn.bytes(), st);
+  cuda::rope_backward(dq, batch, seq, hq, hd, rope_theta_, st);
+  cuda::rope_backward(dk, batch, seq, hkv, hd, rope_theta_, st);
+  const uint16_t* gq = dq;
+  const uint16_t* gk = dk;
+  if (qk_norm_) {
+    uint16_t* dq_raw = w.dq_raw_NQ.as<uint16_t>();
+    uint16_t* dk_raw = w.dk_raw_NC.as<uint16_t>();
+    cuda::rmsnorm_backward(s.q_raw_NQ.as<uint16_t>(), P + p_.q_norm, s.q_rstd_N.as<float>(), dq, dq_raw,
+                           Gr + p_.q_norm, n, q, res.ws_rms.data(), res.ws_rms.bytes(), st);
+    cuda::rmsnorm_backward(s.k_raw_NC.as<uint16_t>(), P + p_.k_norm, s.k_rstd_N.as<float>(), dk, dk_raw,
+                           Gr + p_.k_norm, n, kv, res.ws_rms.data(), res.ws_rms.bytes(), st);
+    gq = dq_raw;
+    gk = dk_raw;
+  }
+  cuda::gemm(G, false, false, n, d, q, 1.f, gq, q, P + p_.q_proj, d, 0.f, dbranch, d, st);
+  cuda::gemm(G, false, false, n, d, kv, 1.f, gk, kv, P + p_.k_proj, d, 1.f, dbranch, d, st);
+  cuda::gemm(G, false, false, n, d, kv, 1.f, dv, kv, P + p_.v_proj, d, 1.f, dbranch, d, st);
+  cuda::gemm(G, true, false, q, d, n, 1.f, gq, q, norm, d, 1.f, Gr + p_.q_proj, d, st);
+  cuda::gemm(G, true, false, kv, d, n, 1.f, gk, kv, norm, d, 1.f, Gr + p_.k_proj, d, st);
+  cuda::gemm(G, true, false, kv, d, n, 1.f, dv, kv, norm, d, 1.f, Gr + p_.v_proj, d, st);
+  uint16_t* dtmp = res.dtmp();
+  cuda::rmsnorm_backward(s.x_ND.as<uint16_t>(), P + p_.attn_norm, s.rstd_N.as<float>(), dbranch, dtmp,
+                         Gr + p_.attn_norm, n, d, res.ws_rms.data(), res.ws_rms.bytes(), st);
+  cuda::residual_add(res.dx32(), dtmp, res.dx(), n * d, st);
+}
+
+}  // namespace moe
+
+#endif  // MOECORE_HAS_CUDA

@@ -1,0 +1,62 @@
+// The attention block of the CUDA model (Model<float>'s attention branch, pre-norm):
+// x += o_proj(attention(rope(qk_norm(q_proj(n))), rope(qk_norm(k_proj(n))), v_proj(n))), n = rmsnorm(x);
+// QK-norm over the full projection width before RoPE, causal grouped-query attention.
+// Tensors [B, S, heads, head_dim] row-major (= [N, Q] and [N, C]); lse [B, H, S] FP32.
+// CUDA builds only (MOECORE_HAS_CUDA); no CUDA headers.
+// Legend: B batch, S sequence, N = B*S tokens, D model width, H query heads, Q = H*head_dim,
+// C = n_kv_heads*head_dim (kv width). BF16 unless noted.
+#pragma once
+
+#include <cstdint>
+
+#include "core/config.h"
+#include "cuda/ops/memory.h"
+#include "model/cuda_block.h"
+#include "model/layout.h"
+
+namespace moe {
+
+// What one attention block saves for backward (one per layer).
+struct CudaAttentionSaved {
+  cuda::DeviceBuffer x_ND;                  // input: BF16 copy of the residual stream
+  cuda::DeviceBuffer norm_ND, rstd_N;       // attn_norm output, its rstd (FP32)
+  cuda::DeviceBuffer q_raw_NQ, k_raw_NC;    // projections before QK-norm (qk_norm only)
+  cuda::DeviceBuffer q_rstd_N, k_rstd_N;    // QK-norm rstd (FP32, qk_norm only)
+  cuda::DeviceBuffer q_NQ, k_NC, v_NC;      // attention inputs (after QK-norm and RoPE)
+  cuda::DeviceBuffer attn_NQ, lse_BHS;      // attention output, its log-sum-exp (FP32)
+};
+
+// Backward scratch every attention block uses (one per model).
+struct CudaAttentionScratch {
+  cuda::DeviceBuffer dattn_NQ, dq_NQ, dk_NC, dv_NC, dq_raw_NQ, dk_raw_NC;
+  cuda::DeviceBuffer ws_attn;  // attention_backward workspace
+};
+
+class CudaAttentionBlock {
+ public:
+  CudaAttentionBlock(const ModelConfig& m, const LayerParams& p);
+
+  // Saved activations for batch x seq tokens; scratch: the shared backward buffers.
+  void reserve(int64_t batch, int64_t seq, CudaBufferGrower& g);
+  static void reserve_scratch(const ModelConfig& m, int64_t batch, int64_t seq, CudaAttentionScratch& s,
+                              CudaBufferGrower& g);
+
+  // Saved input x_ND: the block before writes it (embedding, or the previous layer's MLP / MoE).
+  uint16_t* input() const { return saved_.x_ND.as<uint16_t>(); }
+
+  // res.x32 += the branch of the saved input; out_ND = BF16 copy of the new residual (the next
+  // block's saved input). Re-running it from the same saved input and res.x32 gives the same bits.
+  void forward(const CudaBlockContext& c, CudaResidual& res, uint16_t* out_ND);
+  // From res.dx (dL/dx of the output residual): parameter gradients +=, res.dx32 += dL/d(input)
+  // through the branch, res.dx refreshed.
+  void backward(const CudaBlockContext& c, CudaResidual& res, CudaAttentionScratch& s);
+
+ private:
+  LayerParams p_;
+  int64_t d_, hq_, hkv_, hd_, q_, kv_;
+  bool qk_norm_;
+  double norm_eps_, rope_theta_;
+  CudaAttentionSaved saved_;
+};
+
+}  // namespace moe

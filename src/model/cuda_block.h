@@ -1,0 +1,87 @@
+// What the CUDA model's blocks share: the call context (stream, GEMM handle, flat BF16 parameters
+// and FP32 gradients at ParamLayout offsets, phase timer, the forward's shape), the buffer grower
+// that sizes every device buffer outside graph capture, and the residual stream between blocks
+// with the [N, D] scratch every block uses. CUDA builds only (MOECORE_HAS_CUDA); no CUDA headers.
+// Legend: B batch, S sequence, N = B*S tokens, D model width. BF16 unless a name ends in 32.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "core/error.h"
+#include "cuda/device.h"
+#include "cuda/event_timer.h"
+#include "cuda/ops/memory.h"
+
+namespace moe {
+
+namespace cuda {
+class GemmHandle;
+}
+
+// One forward's or backward's view of the model, passed to every block call.
+struct CudaBlockContext {
+  cuda::Stream stream = nullptr;
+  cuda::GemmHandle* gemm = nullptr;
+  const uint16_t* params = nullptr;   // BF16 copy of the flat parameters (P + offset)
+  float* grads = nullptr;             // FP32 flat gradients, accumulated (+=)
+  cuda::EventTimer* timer = nullptr;  // phase marks while set (eager profiling only)
+  int64_t batch = 0, seq = 0;
+
+  int64_t tokens() const { return batch * seq; }
+  void mark(cuda::Phase p) const {
+    if (timer != nullptr) timer->mark(p);
+  }
+};
+
+// Grows device buffers: to at least n elements of T (one at least), never shrinking. Growing while
+// the stream is captured would free memory a graph node may point at, so it throws instead.
+// generation() counts reallocations (a captured graph is stale once it changes).
+class CudaBufferGrower {
+ public:
+  explicit CudaBufferGrower(cuda::Stream stream = nullptr) : stream_(stream) {}
+  void set_stream(cuda::Stream stream) { stream_ = stream; }
+  int64_t generation() const { return generation_; }
+
+  template <typename T>
+  void grow(cuda::DeviceBuffer& b, int64_t n, const char* what) {
+    const size_t bytes = static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T);
+    if (bytes <= b.bytes()) return;
+    MOE_CHECK(!cuda::stream_is_capturing(stream_), "CudaModel: buffer '", what, "' would grow from ", b.bytes(),
+              " to ", bytes, " bytes during graph capture; call reserve(batch, seq) with the step's shape "
+              "before capturing");
+    b.reserve(bytes);
+    ++generation_;
+  }
+  void grow_bytes(cuda::DeviceBuffer& b, size_t bytes, const char* what) {
+    grow<uint8_t>(b, static_cast<int64_t>(std::max<size_t>(bytes, 16)), what);
+  }
+
+ private:
+  cuda::Stream stream_ = nullptr;
+  int64_t generation_ = 0;
+};
+
+// The residual stream and the scratch all blocks share (one of each per model). A block reads its
+// input as the BF16 copy in its own saved activations, adds its branch into x32_ND and writes the
+// BF16 copy of the sum into the next block's saved input; backward adds its input gradient into
+// dx32_ND and refreshes dx_ND, the BF16 copy the next block's backward reads.
+struct CudaResidual {
+  cuda::DeviceBuffer x32_ND;      // FP32 residual stream
+  cuda::DeviceBuffer branch_ND;   // a block's branch output, before the residual add
+  cuda::DeviceBuffer dx32_ND;     // FP32 gradient of the residual stream
+  cuda::DeviceBuffer dx_ND;       // its BF16 copy
+  cuda::DeviceBuffer dbranch_ND;  // gradient at a block's normed input
+  cuda::DeviceBuffer dtmp_ND;     // gradient at a block's input through its norm
+  cuda::DeviceBuffer ws_rms;      // rmsnorm_backward workspace (rows N, widest of D, Q, C)
+
+  float* x32() const { return x32_ND.as<float>(); }
+  uint16_t* branch() const { return branch_ND.as<uint16_t>(); }
+  float* dx32() const { return dx32_ND.as<float>(); }
+  uint16_t* dx() const { return dx_ND.as<uint16_t>(); }
+  uint16_t* dbranch() const { return dbranch_ND.as<uint16_t>(); }
+  uint16_t* dtmp() const { return dtmp_ND.as<uint16_t>(); }
+};
+
+}  // namespace moe

@@ -1,0 +1,198 @@
+// CudaLocalExperts and CudaEpExperts of cuda_experts.h. Local: one cuda::experts_forward /
+// _backward per MoE layer on the dispatched rows and the device offsets. Expert-parallel: counts
+// all-to-all and host read, cuda::make_ep_handle, dispatch, regroup gather, cuda::experts_* on the
+// local experts with the handle's local offsets, ungroup gather, combine (docs/parallel.md).
+// Legend: D model width, E experts, I expert hidden, R routed rows, L local experts, G received rows.
+#ifdef MOECORE_HAS_CUDA
+
+#include "model/cuda_experts.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "cuda/ops/experts.h"
+#include "cuda/ops/nccl.h"
+
+namespace moe {
+
+CudaLocalExperts::CudaLocalExperts(const MoeConfig& e, int64_t d, int64_t num_moe_layers)
+    : d_(d), e_(e.num_experts), inner_(e.expert_hidden), saved_(static_cast<size_t>(num_moe_layers)) {}
+
+void CudaLocalExperts::reserve(int64_t rows, CudaBufferGrower& g) {
+  if (saved_.empty()) return;
+  for (CudaExpertsSaved& s : saved_) {
+    g.grow<uint16_t>(s.gate_up_R2I, rows * 2 * inner_, "expert gate_up");
+    g.grow<uint16_t>(s.h_RI, rows * inner_, "expert h");
+  }
+  g.grow_bytes(ws_, cuda::experts_backward_workspace_bytes(rows, inner_), "expert dgate_up and dh");
+}
+
+void CudaLocalExperts::forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
+                               const int32_t* /*counts_E*/, const int32_t* offsets_E1, const uint16_t* x_sorted_RD,
+                               int64_t rows, uint16_t* y_sorted_RD) {
+  CudaExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
+  const uint16_t* P = c.params;
+  c.mark(cuda::Phase::kExperts);
+  cuda::experts_forward(x_sorted_RD, offsets_E1, P + p.experts_gate_up, P + p.experts_down, rows, e_, d_, inner_,
+                        s.gate_up_R2I.as<uint16_t>(), s.h_RI.as<uint16_t>(), y_sorted_RD, c.stream);
+}
+
+void CudaLocalExperts::backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
+                                const int32_t* offsets_E1, const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD,
+                                int64_t rows, uint16_t* dx_sorted_RD) {
+  const CudaExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
+  const uint16_t* P = c.params;
+  float* Gr = c.grads;
+  c.mark(cuda::Phase::kExperts);
+  cuda::experts_backward(x_sorted_RD, offsets_E1, P + p.experts_gate_up, P + p.experts_down,
+                         s.gate_up_R2I.as<uint16_t>(), s.h_RI.as<uint16_t>(), dy_sorted_RD, rows, e_, d_, inner_,
+                         dx_sorted_RD, Gr + p.experts_gate_up, Gr + p.experts_down, ws_.data(), ws_.bytes(),
+                         c.stream);
+}
+
+CudaEpExperts::CudaEpExperts(const MoeConfig& e, int64_t d, int64_t num_moe_layers, cuda::NcclComm& comm,
+                             int64_t local_experts, CudaBufferGrower& grower)
+    : d_(d),
+      e_(e.num_experts),
+      inner_(e.expert_hidden),
+      local_(local_experts),
+      comm_(comm),
+      grower_(grower),
+      saved_(static_cast<size_t>(num_moe_layers)) {}
+
+void CudaEpExperts::reserve(int64_t rows, CudaBufferGrower& g) {
+  if (saved_.empty()) return;
+  const int64_t d = d_, inner = inner_;
+  for (CudaEpExpertsSaved& s : saved_) {
+    g.grow<uint16_t>(s.experts.gate_up_R2I, rows * 2 * inner, "expert gate_up");
+    g.grow<uint16_t>(s.experts.h_RI, rows * inner, "expert h");
+    g.grow<uint16_t>(s.x_GD, rows * d, "received expert rows");
+    g.grow<int32_t>(s.regroup_G, rows, "regroup map");
+    g.grow<int32_t>(s.ungroup_G, rows, "ungroup map");
+    g.grow<int32_t>(s.local_offsets_L1, local_ + 1, "local expert offsets");
+  }
+  g.grow<int32_t>(recv_counts_E, e_, "received expert counts");
+  g.grow<uint16_t>(pm_GD, rows * d, "exchanged rows");
+  g.grow<uint16_t>(work_GD, rows * d, "expert work rows");
+  g.grow_bytes(ws_, cuda::experts_backward_workspace_bytes(rows, inner), "expert dgate_up and dh");
+}
+
+// One MoE layer's forward after the dispatch permute: x_sorted_RD [R, D] rows sorted by global
+// expert; y_sorted_RD [R, D] receives the expert outputs in the same order.
+void CudaEpExperts::forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
+                            const int32_t* counts_E, const int32_t* /*offsets_E1*/, const uint16_t* x_sorted_RD,
+                            int64_t /*rows*/, uint16_t* y_sorted_RD) {
+  CudaEpExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
+  const cuda::Stream st = c.stream;
+  const int64_t d = d_, e = e_, inner = inner_, L = local_;
+  const int ep = comm_.size();
+  const uint16_t* P = c.params;
+  MOE_CHECK(!cuda::stream_is_capturing(st), "CudaModel: the expert-parallel forward reads expert counts on the "
+            "host and cannot be captured in a CUDA graph");
+  c.mark(cuda::Phase::kDispatch);
+  // Counts: L per peer out of the router's [E] (peer p's experts are [p L, (p+1) L)), received
+  // [ep * L] (peer-major); both read on the host.
+  std::vector<int64_t> cnt(size_t(ep), L);
+  std::vector<int64_t> off(size_t(ep), 0);
+  for (int q = 0; q < ep; ++q) off[q] = q * L;
+  int32_t* recv_counts = recv_counts_E.as<int32_t>();
+  comm_.all_to_all_v(counts_E, cnt.data(), off.data(), recv_counts, cnt.data(), off.data(), cuda::NcclDType::kI32,
+                     st);
+  host_counts_.resize(size_t(2 * e));
+  cuda::copy_d2h(host_counts_.data(), counts_E, size_t(e) * sizeof(int32_t), st);
+  cuda::copy_d2h(host_counts_.data() + e, recv_counts, size_t(e) * sizeof(int32_t), st);
+  s.handle = cuda::make_ep_handle(ep, comm_.rank(), L, host_counts_.data(), host_counts_.data() + e);
+  const cuda::EpHandle& h = s.handle;
+  const int64_t G = h.total_recv;
+  // Everything forward and backward of this layer needs for G rows, grown (with 1/8 headroom)
+  // right after the stream was synchronised by the count read, so no pending work uses a buffer.
+  const int64_t cap = G + G / 8;
+  auto fits = [&](cuda::DeviceBuffer& b, int64_t elems, size_t es) {
+    return b.bytes() >= size_t(std::max<int64_t>(G, 1) * elems) * es;
+  };
+  CudaBufferGrower& g = grower_;
+  if (!fits(s.x_GD, d, 2)) g.grow<uint16_t>(s.x_GD, cap * d, "received expert rows");
+  if (!fits(s.experts.gate_up_R2I, 2 * inner, 2)) {
+    g.grow<uint16_t>(s.experts.gate_up_R2I, cap * 2 * inner, "expert gate_up");
+  }
+  if (!fits(s.experts.h_RI, inner, 2)) g.grow<uint16_t>(s.experts.h_RI, cap * inner, "expert h");
+  if (!fits(s.regroup_G, 1, 4)) g.grow<int32_t>(s.regroup_G, cap, "regroup map");
+  if (!fits(s.ungroup_G, 1, 4)) g.grow<int32_t>(s.ungroup_G, cap, "ungroup map");
+  if (!fits(pm_GD, d, 2)) g.grow<uint16_t>(pm_GD, cap * d, "exchanged rows");
+  if (!fits(work_GD, d, 2)) g.grow<uint16_t>(work_GD, cap * d, "expert work rows");
+  if (ws_.bytes() < cuda::experts_backward_workspace_bytes(std::max<int64_t>(G, 1), inner)) {
+    // Scratch only (nothing to keep, nothing pending): freed before the larger one is allocated,
+    // so the growth never holds both.
+    ws_ = cuda::DeviceBuffer();
+    g.grow_bytes(ws_, cuda::experts_backward_workspace_bytes(cap, inner), "expert dgate_up and dh");
+  }
+  g.grow<int32_t>(s.local_offsets_L1, L + 1, "local expert offsets");
+  if (G > 0) {
+    cuda::copy_h2d(s.regroup_G.data(), h.regroup.data(), size_t(G) * sizeof(int32_t), st);
+    cuda::copy_h2d(s.ungroup_G.data(), h.ungroup.data(), size_t(G) * sizeof(int32_t), st);
+  }
+  cuda::copy_h2d(s.local_offsets_L1.data(), h.local_offsets.data(), size_t(L + 1) * sizeof(int32_t), st);
+  cuda::stream_sync(st);  // the host handle's vectors may change at the next forward of this layer
+
+  uint16_t* pm = pm_GD.as<uint16_t>();
+  uint16_t* xr = s.x_GD.as<uint16_t>();
+  cuda::ep_dispatch_rows(comm_, h, x_sorted_RD, pm, d, st);
+  cuda::ep_gather_rows(pm, s.regroup_G.as<int32_t>(), G, G, d, xr, st);
+  count_traffic(h, 2);
+  c.mark(cuda::Phase::kExperts);
+  uint16_t* yr = work_GD.as<uint16_t>();
+  // G == 0 (no rows for this rank's experts) enqueues nothing.
+  cuda::experts_forward(xr, s.local_offsets_L1.as<int32_t>(), P + p.experts_gate_up, P + p.experts_down, G, L, d,
+                        inner, s.experts.gate_up_R2I.as<uint16_t>(), s.experts.h_RI.as<uint16_t>(), yr, st);
+  c.mark(cuda::Phase::kCombine);
+  cuda::ep_gather_rows(yr, s.ungroup_G.as<int32_t>(), G, G, d, pm, st);
+  cuda::ep_combine_rows(comm_, h, pm, y_sorted_RD, d, st);
+}
+
+// One MoE layer's backward: dy_sorted_RD [R, D] (the unpermute gradient, sorted rows) to the
+// experts' ranks, local expert dgrad and wgrad there, dx_sorted_RD [R, D] back.
+void CudaEpExperts::backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
+                             const int32_t* /*offsets_E1*/, const uint16_t* /*x_sorted_RD*/,
+                             const uint16_t* dy_sorted_RD, int64_t /*rows*/, uint16_t* dx_sorted_RD) {
+  const CudaEpExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
+  const cuda::Stream st = c.stream;
+  const int64_t d = d_, inner = inner_, L = local_;
+  const uint16_t* P = c.params;
+  float* Gr = c.grads;
+  const cuda::EpHandle& h = s.handle;
+  const int64_t G = h.total_recv;
+  c.mark(cuda::Phase::kDispatch);
+  uint16_t* pm = pm_GD.as<uint16_t>();
+  uint16_t* work = work_GD.as<uint16_t>();
+  cuda::ep_dispatch_rows(comm_, h, dy_sorted_RD, pm, d, st);
+  cuda::ep_gather_rows(pm, s.regroup_G.as<int32_t>(), G, G, d, work, st);  // dy rows by local expert
+  count_traffic(h, 2);
+  c.mark(cuda::Phase::kExperts);
+  // dx rows by local expert overwrite the dy rows in place (the op reads dy in full first).
+  cuda::experts_backward(s.x_GD.as<uint16_t>(), s.local_offsets_L1.as<int32_t>(), P + p.experts_gate_up,
+                         P + p.experts_down, s.experts.gate_up_R2I.as<uint16_t>(), s.experts.h_RI.as<uint16_t>(), work,
+                         G, L, d, inner, work, Gr + p.experts_gate_up, Gr + p.experts_down, ws_.data(), ws_.bytes(),
+                         st);
+  c.mark(cuda::Phase::kCombine);
+  cuda::ep_gather_rows(work, s.ungroup_G.as<int32_t>(), G, G, d, pm, st);
+  cuda::ep_combine_rows(comm_, h, pm, dx_sorted_RD, d, st);
+}
+
+void CudaEpExperts::count_traffic(const cuda::EpHandle& h, int64_t elem_bytes) {
+  EpTraffic& t = traffic_;
+  int64_t out = 0, in = 0;
+  for (int q = 0; q < h.ep; ++q) {
+    if (q == h.rank) continue;
+    out += h.send_rows[q];
+    in += h.recv_rows[q];
+  }
+  // Dispatch sends `out` rows and receives `in`; combine returns them the other way.
+  t.exchanges += 2;
+  t.rows_sent += out + in;
+  t.bytes_sent += (out + in) * d_ * elem_bytes;
+  t.bytes_received += (in + out) * d_ * elem_bytes;
+}
+
+}  // namespace moe
+
+#endif  // MOECORE_HAS_CUDA

@@ -1,0 +1,130 @@
+// The routed experts of the CUDA model's MoE layers behind one interface, in two implementations:
+// local (every expert on this GPU: cuda::experts_forward / _backward on the dispatched rows) and
+// expert-parallel (the experts split over an NCCL ep group: counts and rows exchanged by
+// all-to-all, cuda::experts_* on this rank's L local experts, rows back; the CPU's
+// ep_experts_forward / _backward). Both take this rank's rows sorted by global expert and return
+// each row's expert output in the same order; each keeps its own saved rows per MoE layer.
+// CUDA builds only (MOECORE_HAS_CUDA); no CUDA headers.
+// Legend: D model width, E experts, I expert hidden, R routed rows (N*K), L local experts,
+// G rows received by this rank's experts. BF16 unless noted.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/config.h"
+#include "cuda/ops/ep_exchange.h"
+#include "cuda/ops/memory.h"
+#include "model/cuda_block.h"
+#include "model/layout.h"
+
+namespace moe {
+
+namespace cuda {
+class NcclComm;
+}
+
+// Rows and bytes the all-to-all exchanges moved since reset_ep_traffic() (forward and backward,
+// dispatch and combine). "Remote" leaves out the block a rank keeps for itself.
+struct EpTraffic {
+  int64_t exchanges = 0;          // row exchanges (4 per MoE layer per forward + backward)
+  int64_t rows_sent = 0;          // rows sent to other ranks
+  int64_t bytes_sent = 0;         // BF16 row bytes sent to other ranks
+  int64_t bytes_received = 0;     // BF16 row bytes received from other ranks
+};
+
+class CudaExperts {
+ public:
+  virtual ~CudaExperts() = default;
+
+  // Saved rows of every MoE layer and the scratch for `rows` (R = N*K) routed rows per layer.
+  virtual void reserve(int64_t rows, CudaBufferGrower& g) = 0;
+
+  // MoE layer `moe_index` (weights at p.experts_gate_up [E or L, 2I, D], p.experts_down
+  // [E or L, D, I]): x_sorted_RD [R, D] sorted by global expert, expert e's rows at
+  // [offsets_E1[e], offsets_E1[e+1]), counts_E [E] its row counts (both int32 on the device)
+  // -> y_sorted_RD [R, D] (overwritten). Saves what backward needs for this layer.
+  virtual void forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* counts_E,
+                       const int32_t* offsets_E1, const uint16_t* x_sorted_RD, int64_t rows,
+                       uint16_t* y_sorted_RD) = 0;
+  // dy_sorted_RD [R, D] -> dx_sorted_RD [R, D] (overwritten); the experts' weight gradients +=.
+  // x_sorted_RD and offsets_E1 are the forward's.
+  virtual void backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
+                        const int32_t* offsets_E1, const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD,
+                        int64_t rows, uint16_t* dx_sorted_RD) = 0;
+
+  virtual EpTraffic traffic() const { return {}; }
+  virtual void reset_traffic() {}
+};
+
+// What the experts of one MoE layer save for backward: the fused gate/up and SwiGLU outputs of
+// their rows (R rows locally; under expert parallelism G rows, grown to the received count).
+struct CudaExpertsSaved {
+  cuda::DeviceBuffer gate_up_R2I, h_RI;
+};
+
+// Every expert on this GPU: cuda::experts_* on the dispatched rows, sync-free and capturable.
+class CudaLocalExperts final : public CudaExperts {
+ public:
+  CudaLocalExperts(const MoeConfig& e, int64_t d, int64_t num_moe_layers);
+  void reserve(int64_t rows, CudaBufferGrower& g) override;
+  void forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* counts_E,
+               const int32_t* offsets_E1, const uint16_t* x_sorted_RD, int64_t rows,
+               uint16_t* y_sorted_RD) override;
+  void backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* offsets_E1,
+                const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD, int64_t rows,
+                uint16_t* dx_sorted_RD) override;
+
+ private:
+  int64_t d_, e_, inner_;
+  std::vector<CudaExpertsSaved> saved_;  // [M]
+  cuda::DeviceBuffer ws_;                // experts_backward workspace (shared by the layers)
+};
+
+// What the expert-parallel experts save per MoE layer: the exchange handle, the received rows
+// regrouped by local expert and their gate/up and SwiGLU outputs, the regroup / ungroup maps [G]
+// and the local expert offsets [L + 1] on the device.
+struct CudaEpExpertsSaved {
+  cuda::EpHandle handle;
+  CudaExpertsSaved experts;
+  cuda::DeviceBuffer x_GD, regroup_G, ungroup_G, local_offsets_L1;
+};
+
+// The experts split over the ep group of `comm` (L = E / ep per rank, this rank's at [rank L,
+// (rank + 1) L)). Per MoE layer and forward: counts by all-to-all, read on the host (one stream
+// sync: not sync-free, refused under graph capture), the handle, rows out (dispatch), regroup,
+// cuda::experts_* on the L local experts, ungroup, rows back (combine); backward the same with the
+// gradient rows and the forward's handle. Forward and backward are collectives over the group.
+// Buffers for G received rows grow (1/8 headroom) right after the count read, while the stream is
+// idle, through `grower` (which must outlive this object).
+class CudaEpExperts final : public CudaExperts {
+ public:
+  CudaEpExperts(const MoeConfig& e, int64_t d, int64_t num_moe_layers, cuda::NcclComm& comm,
+                int64_t local_experts, CudaBufferGrower& grower);
+  void reserve(int64_t rows, CudaBufferGrower& g) override;
+  void forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* counts_E,
+               const int32_t* offsets_E1, const uint16_t* x_sorted_RD, int64_t rows,
+               uint16_t* y_sorted_RD) override;
+  void backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* offsets_E1,
+                const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD, int64_t rows,
+                uint16_t* dx_sorted_RD) override;
+  EpTraffic traffic() const override { return traffic_; }
+  void reset_traffic() override { traffic_ = {}; }
+
+ private:
+  // Two row exchanges of `h` (dispatch and combine): rows to and from the other ranks.
+  void count_traffic(const cuda::EpHandle& h, int64_t elem_bytes);
+
+  int64_t d_, e_, inner_, local_;
+  cuda::NcclComm& comm_;
+  CudaBufferGrower& grower_;
+  std::vector<CudaEpExpertsSaved> saved_;  // [M]
+  // Received counts [ep * L] (int32), peer-major exchanged rows and expert-side work rows (each
+  // [G, D]), the backward workspace; host copies of the counts; traffic counters.
+  cuda::DeviceBuffer recv_counts_E, pm_GD, work_GD, ws_;
+  std::vector<int32_t> host_counts_;
+  EpTraffic traffic_;
+};
+
+}  // namespace moe

@@ -1,0 +1,96 @@
+// SwiGLU MLP on cuBLASLt GEMMs and the SwiGLU kernels (forward: gate, up, SwiGLU, down; backward:
+// down data and weight gradients, SwiGLU backward, gate and up weight gradients, then the two data
+// gradients into dx), and the dense MLP block around it: RMSNorm, MLP, residual add.
+// Legend: N = B*S tokens, D model width, F MLP hidden. BF16 unless noted.
+#ifdef MOECORE_HAS_CUDA
+
+#include "model/cuda_mlp_block.h"
+
+#include "cuda/ops/gemm.h"
+#include "cuda/ops/rmsnorm.h"
+#include "cuda/ops/swiglu.h"
+
+namespace moe {
+
+void CudaMlpSaved::reserve(int64_t n, int64_t f, CudaBufferGrower& g) {
+  g.grow<uint16_t>(gate_up_N2F, n * 2 * f, "mlp_gate_up");
+  g.grow<uint16_t>(h_NF, n * f, "mlp_h");
+}
+
+void CudaMlpScratch::reserve(int64_t n, int64_t f, CudaBufferGrower& g) {
+  g.grow<uint16_t>(dh_NF, n * f, "mlp_dh");
+  g.grow<uint16_t>(dgate_up_N2F, n * 2 * f, "mlp_dgu");
+}
+
+void mlp_forward_gpu(cuda::GemmHandle& g, const uint16_t* x, const uint16_t* wg, const uint16_t* wu,
+                     const uint16_t* wd, int64_t n, int64_t d, int64_t f, CudaMlpSaved& saved, uint16_t* out,
+                     bool accumulate, cuda::Stream st) {
+  uint16_t* gu = saved.gate_up_N2F.as<uint16_t>();
+  uint16_t* h = saved.h_NF.as<uint16_t>();
+  cuda::gemm(g, false, true, n, f, d, 1.f, x, d, wg, d, 0.f, gu, 2 * f, st);
+  cuda::gemm(g, false, true, n, f, d, 1.f, x, d, wu, d, 0.f, gu + f, 2 * f, st);
+  cuda::swiglu_forward(gu, h, n, f, st);
+  cuda::gemm(g, false, true, n, d, f, 1.f, h, f, wd, f, accumulate ? 1.f : 0.f, out, d, st);
+}
+
+void mlp_backward_gpu(cuda::GemmHandle& g, const uint16_t* x, const uint16_t* wg, const uint16_t* wu,
+                      const uint16_t* wd, const CudaMlpSaved& saved, const uint16_t* dout, int64_t n, int64_t d,
+                      int64_t f, CudaMlpScratch& scratch, uint16_t* dx, bool accumulate_dx, float* dwg, float* dwu,
+                      float* dwd, cuda::Stream st) {
+  const uint16_t* gu = saved.gate_up_N2F.as<uint16_t>();
+  const uint16_t* h = saved.h_NF.as<uint16_t>();
+  uint16_t* dh = scratch.dh_NF.as<uint16_t>();
+  uint16_t* dgu = scratch.dgate_up_N2F.as<uint16_t>();
+  cuda::gemm(g, false, false, n, f, d, 1.f, dout, d, wd, f, 0.f, dh, f, st);
+  cuda::gemm(g, true, false, d, f, n, 1.f, dout, d, h, f, 1.f, dwd, f, st);
+  cuda::swiglu_backward(gu, dh, dgu, n, f, st);
+  cuda::gemm(g, true, false, f, d, n, 1.f, dgu, 2 * f, x, d, 1.f, dwg, d, st);
+  cuda::gemm(g, true, false, f, d, n, 1.f, dgu + f, 2 * f, x, d, 1.f, dwu, d, st);
+  cuda::gemm(g, false, false, n, d, f, 1.f, dgu, 2 * f, wg, d, accumulate_dx ? 1.f : 0.f, dx, d, st);
+  cuda::gemm(g, false, false, n, d, f, 1.f, dgu + f, 2 * f, wu, d, 1.f, dx, d, st);
+}
+
+CudaMlpBlock::CudaMlpBlock(const ModelConfig& m, const LayerParams& p)
+    : p_(p), d_(m.d_model), norm_eps_(m.norm_eps) {}
+
+void CudaMlpBlock::reserve(int64_t batch, int64_t seq, CudaBufferGrower& g) {
+  const int64_t n = batch * seq, d = d_;
+  g.grow<uint16_t>(saved_.x_ND, n * d, "x_mid");
+  g.grow<uint16_t>(saved_.norm_ND, n * d, "norm2");
+  g.grow<float>(saved_.rstd_N, n, "rstd2");
+  saved_.mlp.reserve(n, p_.mlp_hidden, g);
+}
+
+void CudaMlpBlock::forward(const CudaBlockContext& c, CudaResidual& res, uint16_t* out_ND) {
+  const cuda::Stream st = c.stream;
+  const uint16_t* P = c.params;
+  const int64_t n = c.tokens(), d = d_;
+  c.mark(cuda::Phase::kMlp);
+  uint16_t* norm = saved_.norm_ND.as<uint16_t>();
+  cuda::rmsnorm_forward(saved_.x_ND.as<uint16_t>(), P + p_.mlp_norm, norm, saved_.rstd_N.as<float>(), n, d,
+                        norm_eps_, st);
+  uint16_t* branch = res.branch();
+  mlp_forward_gpu(*c.gemm, norm, P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down, n, d, p_.mlp_hidden, saved_.mlp,
+                  branch, false, st);
+  cuda::residual_add(res.x32(), branch, out_ND, n * d, st);
+}
+
+void CudaMlpBlock::backward(const CudaBlockContext& c, CudaResidual& res, CudaMlpScratch& s) {
+  const cuda::Stream st = c.stream;
+  const uint16_t* P = c.params;
+  float* Gr = c.grads;
+  const int64_t n = c.tokens(), d = d_;
+  uint16_t* dbranch = res.dbranch();
+  c.mark(cuda::Phase::kMlp);
+  mlp_backward_gpu(*c.gemm, saved_.norm_ND.as<uint16_t>(), P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down,
+                   saved_.mlp, res.dx(), n, d, p_.mlp_hidden, s, dbranch, false, Gr + p_.mlp_gate, Gr + p_.mlp_up,
+                   Gr + p_.mlp_down, st);
+  uint16_t* dtmp = res.dtmp();
+  cuda::rmsnorm_backward(saved_.x_ND.as<uint16_t>(), P + p_.mlp_norm, saved_.rstd_N.as<float>(), dbranch, dtmp,
+                         Gr + p_.mlp_norm, n, d, res.ws_rms.data(), res.ws_rms.bytes(), st);
+  cuda::residual_add(res.dx32(), dtmp, res.dx(), n * d, st);
+}
+
+}  // namespace moe
+
+#endif  // MOECORE_HAS_CUDA

@@ -1,0 +1,92 @@
+// The MoE layer of the CUDA model (Model<float>'s MoE branch, pre-norm): x += combine(experts(
+// dispatch(router(n)))) + shared(n), n = rmsnorm(x). Router: FP32 gate logits, scores, top-k,
+// weights, counts and lb/z losses; dispatch: the counting sort's handle (expert offsets, sorted
+// routes, route rows) and the permute into rows sorted by expert; experts: a CudaExperts
+// (local or expert-parallel); combine: the weighted unpermute; the optional shared expert adds
+// its SwiGLU MLP. Dropless: R = N*K rows. CUDA builds only (MOECORE_HAS_CUDA); no CUDA headers.
+// Legend: B batch, S sequence, N = B*S tokens, D model width, E experts, K top_k, R routed rows
+// (N*K), F shared MLP hidden, M MoE layers. BF16 unless noted.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "core/config.h"
+#include "core/moe_types.h"
+#include "cuda/ops/memory.h"
+#include "cuda/ops/moe_routing.h"
+#include "model/cuda_block.h"
+#include "model/cuda_experts.h"
+#include "model/cuda_mlp_block.h"
+#include "model/layout.h"
+
+namespace moe {
+
+// The dispatch map of one forward: combine and the backward of both reuse it.
+struct CudaDispatchHandle {
+  cuda::DeviceBuffer offsets_E1;      // int32 [E + 1]: expert e owns rows [offsets[e], offsets[e+1])
+  cuda::DeviceBuffer sorted_route_R;  // int32: route id of each row
+  cuda::DeviceBuffer route_to_row_R;  // int32: row of each route
+};
+
+// What one MoE layer saves for backward (one per MoE layer; the experts keep their own rows).
+struct CudaMoeSaved {
+  cuda::DeviceBuffer x_ND;             // input: BF16 copy of the residual stream
+  cuda::DeviceBuffer norm_ND, rstd_N;  // mlp_norm output, its rstd (FP32)
+  cuda::RouterParams rp;               // the forward's router call (shape, modes, seed)
+  cuda::DeviceBuffer logits_NE, scores_NE;     // FP32
+  cuda::DeviceBuffer topk_idx_NK, topk_w_NK;   // int32, FP32
+  CudaDispatchHandle dispatch;
+  cuda::DeviceBuffer x_sorted_RD, y_sorted_RD;  // experts' inputs and outputs, sorted by expert
+  CudaMlpSaved shared;                          // shared expert
+};
+
+// What every MoE layer shares (one per model): the per-forward router outputs of all layers, which
+// the step statistics read after the forward, the backward scratch, and the experts.
+struct CudaMoeShared {
+  cuda::DeviceBuffer expert_bias_ME;  // FP32 [M, E], selection only
+  cuda::DeviceBuffer losses_M2;       // FP32 [M, 2]: lb, z (written per forward)
+  cuda::DeviceBuffer counts_ME;       // int32 [M, E]: routes per expert (written per forward)
+  cuda::DeviceBuffer dy_sorted_RD, dx_sorted_RD, dtopk_w_NK /*f32*/, dlogits32_NE /*f32*/, dlogits16_NE;
+  cuda::DeviceBuffer ws_router, ws_dispatch;
+  std::unique_ptr<CudaExperts> experts;
+};
+
+// Router settings, resolved from the config strings once (core/moe_types.h).
+struct CudaRouterChoice {
+  ScoreFunc score = ScoreFunc::kSoftmax;
+  RoutingMode mode = RoutingMode::kLearned;
+  bool norm_topk = false;
+};
+
+class CudaMoeLayer {
+ public:
+  // layer: index among all layers (for the routing seed); p.moe_index: among MoE layers.
+  CudaMoeLayer(const ModelConfig& m, const MoeConfig& e, const CudaRouterChoice& router, const LayerParams& p,
+               int64_t layer);
+
+  void reserve(int64_t batch, int64_t seq, CudaBufferGrower& g);
+  // The shared buffers but the experts (sized by the caller: experts->reserve(N*K)).
+  static void reserve_shared(const MoeConfig& e, int64_t d, int64_t batch, int64_t seq, CudaMoeShared& s,
+                             CudaBufferGrower& g);
+  // Saved input: written by the attention block before it.
+  uint16_t* input() const { return saved_.x_ND.as<uint16_t>(); }
+  int64_t shared_hidden() const { return p_.shared ? p_.mlp_hidden : 0; }
+
+  // As CudaAttentionBlock::forward; routing_seed is the forward's (mixed with the layer index).
+  // Writes this layer's row of shared.counts_ME and shared.losses_M2.
+  void forward(const CudaBlockContext& c, CudaResidual& res, CudaMoeShared& shared, uint64_t routing_seed,
+               uint16_t* out_ND);
+  // As CudaAttentionBlock::backward; dlb, dz: device FP32 scalars (the per-layer lb and z factors).
+  void backward(const CudaBlockContext& c, CudaResidual& res, CudaMoeShared& shared, CudaMlpScratch& mlp,
+                const float* dlb, const float* dz);
+
+ private:
+  LayerParams p_;
+  int64_t layer_, d_, e_, k_;
+  double norm_eps_;
+  CudaRouterChoice router_;
+  CudaMoeSaved saved_;
+};
+
+}  // namespace moe
