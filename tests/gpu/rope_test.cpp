@@ -60,8 +60,7 @@ INSTANTIATE_TEST_SUITE_P(
                         static_cast<int64_t>(p.theta), p.misalign ? "_misaligned" : "");
     });
 
-// Forward then backward is the identity up to two BF16 roundings. A rounding of the forward
-// output is relative to the pair's norm, not to the element's own size, hence a floor only.
+// Forward then backward is the identity up to two BF16 roundings (kBF16x2Pairs).
 TEST(Rope, BackwardUndoesForward) {
   MOE_SKIP_WITHOUT_GPU();
   const int64_t b = 2, s = 300, h = 4, hd = 64;
@@ -71,8 +70,7 @@ TEST(Rope, BackwardUndoesForward) {
   cuda::rope_forward(d_x.data(), b, s, h, hd, 1e4, stream.get());
   cuda::rope_backward(d_x.data(), b, s, h, hd, 1e4, stream.get());
   stream.sync();
-  const Tolerance two_roundings{"bf16x2-pairs", 0.0, 0x1p-6, 0x1p-7, false};
-  expect_parity("rope.roundtrip", bf16_to_f32(d_x.download()), bf16_to_f32(x), two_roundings);
+  expect_parity("rope.roundtrip", bf16_to_f32(d_x.download()), bf16_to_f32(x), kBF16x2Pairs);
 }
 
 TEST(Rope, RejectsOddHeadDim) {
