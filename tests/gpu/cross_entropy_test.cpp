@@ -107,11 +107,11 @@ struct CeBuffers {
 };
 
 const std::vector<CeShape> kShapes = {
-    {0, 257, 1e-4, true, 0},       {1, 1, 0.0, true, 0},           {33, 1, 1e-4, true, 0},
-    {33, 257, 0.0, true, 0},       {4096, 257, 1e-4, true, 2},     {33, 257, 1e-4, false, 2},
-    {1, 50304, 1e-4, true, 0},     {33, 50304, 0.0, true, 6},      {4096, 50304, 1e-4, true, 0},
-    {33, 50304, 1e-4, false, 0},   {33, 50304, 0.0, false, 2},     {1, 100352, 0.0, true, 0},
-    {33, 100352, 1e-4, true, 0},   {33, 100355, 1e-4, true, 2},    {2, 262144, 1e-4, true, 0}};
+    {0, 257, 1e-4, true, 0},     {1, 1, 0.0, true, 0},         {33, 1, 1e-4, true, 0},
+    {33, 257, 0.0, true, 0},     {4096, 257, 1e-4, true, 2},   {33, 257, 1e-4, false, 2},
+    {1, 50304, 1e-4, true, 0},   {33, 50304, 0.0, true, 6},    {4096, 50304, 1e-4, true, 0},
+    {33, 50304, 1e-4, false, 0}, {33, 50304, 0.0, false, 2},   {1, 100352, 0.0, true, 0},
+    {33, 100352, 1e-4, true, 0}, {33, 100355, 1e-4, true, 2},  {2, 262144, 1e-4, true, 0}};
 
 std::string shape_name(const CeShape& p) {
   return param_name("n", p.n, "_v", p.vocab, p.z_weight > 0.0 ? "_z" : "", p.in_place ? "_inplace" : "_outofplace",

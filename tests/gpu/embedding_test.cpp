@@ -15,8 +15,8 @@ struct EmbShape {
   size_t misalign;  // bytes added to the BF16 device pointers
 };
 
-const std::vector<EmbShape> kShapes = {{0, 7, 64, 0},       {1, 1, 1, 0},         {5, 7, 257, 0},
-                                       {64, 1000, 2048, 0}, {300, 50, 4099, 0},   {16384, 50304, 512, 0},
+const std::vector<EmbShape> kShapes = {{0, 7, 64, 0},         {1, 1, 1, 0},           {5, 7, 257, 0},
+                                       {64, 1000, 2048, 0},   {300, 50, 4099, 0},     {16384, 50304, 512, 0},
                                        {16384, 1000, 2048, 0}, {100, 300, 2048, 2}};
 
 std::string shape_name(const EmbShape& p) {

@@ -15,9 +15,9 @@ struct RmsShape {
   size_t misalign;  // bytes added to the BF16 device pointers
 };
 
-const std::vector<RmsShape> kShapes = {{0, 64, 0},   {1, 1, 0},    {1, 257, 0},   {3, 4099, 0},
-                                       {33, 8, 0},   {5, 2048, 0}, {16384, 2048, 0}, {70, 128, 0},
-                                       {257, 259, 0}, {40, 2048, 2}};
+const std::vector<RmsShape> kShapes = {{0, 64, 0},    {1, 1, 0},       {1, 257, 0},  {3, 4099, 0},
+                                       {33, 8, 0},    {5, 2048, 0},    {70, 128, 0}, {257, 259, 0},
+                                       {40, 2048, 2}, {16384, 2048, 0}};
 
 std::string shape_name(const RmsShape& s) {
   return param_name("n", s.n, "_d", s.d, s.misalign ? "_misaligned" : "");

@@ -11,8 +11,8 @@ struct SwigluShape {
   size_t misalign;  // bytes added to every device pointer (2: forces the scalar path)
 };
 
-const std::vector<SwigluShape> kShapes = {{0, 128, 0},  {1, 1, 0},       {1, 8, 0},       {3, 257, 0},
-                                          {7, 4099, 0}, {64, 2048, 0},   {16384, 1024, 0}, {33, 1024, 2}};
+const std::vector<SwigluShape> kShapes = {{0, 128, 0},   {1, 1, 0},      {1, 8, 0},       {3, 257, 0},
+                                          {7, 4099, 0},  {64, 2048, 0},  {16384, 1024, 0}, {33, 1024, 2}};
 
 std::string shape_name(const SwigluShape& s) {
   return param_name("n", s.n, "_inner", s.inner, s.misalign ? "_misaligned" : "");
