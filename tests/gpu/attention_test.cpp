@@ -1,6 +1,7 @@
 // cuda::attention_forward / attention_backward on both backends (own kernels, cuDNN SDPA) against
 // cpu::attention_* in float on the same BF16 inputs (the backward also gets the reference's out,
-// rounded to BF16, and its lse), under the attention row below; lse under the FP32-reduction row.
+// rounded to BF16, and its lse), under the attention row (kAttentionBF16, support/parity.h); lse
+// under the FP32-reduction row.
 // The backends against each other; one captured graph of cross-entropy plus attention forward and
 // backward replays bitwise equal to an eager run; cuDNN refuses to build a plan under capture.
 // cuDNN cases skip, saying so, in builds without cuDNN.
@@ -21,21 +22,8 @@ namespace {
 
 using cuda::AttentionBackend;
 
-// BF16 outputs of attention. The kernels round the probabilities P (forward, and dV in the
-// backward) and dS (dQ, dK) to BF16 before their tensor-core products, as FlashAttention does
-// (cuDNN's SDPA too); the FP32 reference does not. Each such rounding is an independent relative
-// error of at most 2^-9 per term, so a sum over keys (or queries) carries a random-walk error of
-// about 2^-9 / sqrt(3) of the root-sum-square of its terms, about the size of the result itself on
-// these random inputs; the output's own rounding adds up to 2^-9 more. Hence 2 BF16 ulps
-// (2^-6) per element, a floor of 2^-8 of the tensor's largest value for results that cancel
-// (some 15 standard deviations of the rounding noise above it), and 2^-7 normwise (about 3x the
-// expected error). An emulation of these roundings in double on the test's shapes (seq
-// 7 to 4096, hd 64 and 128) gave norm errors 1.5e-3 to 2.4e-3 and worst elements at 0.45 of the bound.
-inline constexpr Tolerance kAttentionBF16{"bf16-attention", 0x1p-6, 0x1p-8, 0x1p-7, false};
-// One backend against the other: each is within the row above of the reference, so (triangle
-// inequality) they agree within twice it; the same for lse against the FP32-reduction row.
-inline constexpr Tolerance kAttentionBF16Pair{"bf16-attention x2", 0x1p-5, 0x1p-7, 0x1p-6, false};
-inline constexpr Tolerance kFP32ReductionPair{"fp32-reduction x2", 6e-5, 6e-5, 2e-5, false};
+// Rows: kAttentionBF16 (against the reference), kAttentionBF16Pair and kFP32ReductionPair (one
+// backend against the other), in support/parity.h with their reasoning.
 
 #define MOE_SKIP_WITHOUT_BACKEND(backend)                                                                   \
   do {                                                                                                      \

@@ -7,8 +7,7 @@
 
 #include "cpu/cross_entropy.h"
 #include "cuda/ops/cross_entropy.h"
-#include "gpu/gpu_test_util.h"
-#include "support/parity.h"
+#include "gpu/op_case_gpu.h"
 
 namespace moe::testing {
 namespace {
@@ -107,68 +106,75 @@ struct CeBuffers {
   bool in_place_;
 };
 
-class CrossEntropyParity : public ::testing::TestWithParam<CeShape> {};
+const std::vector<CeShape> kShapes = {
+    {0, 257, 1e-4, true, 0},     {1, 1, 0.0, true, 0},         {33, 1, 1e-4, true, 0},
+    {33, 257, 0.0, true, 0},     {4096, 257, 1e-4, true, 2},   {33, 257, 1e-4, false, 2},
+    {1, 50304, 1e-4, true, 0},   {33, 50304, 0.0, true, 6},    {4096, 50304, 1e-4, true, 0},
+    {33, 50304, 1e-4, false, 0}, {33, 50304, 0.0, false, 2},   {1, 100352, 0.0, true, 0},
+    {33, 100352, 1e-4, true, 0}, {33, 100355, 1e-4, true, 2},  {2, 262144, 1e-4, true, 0}};
 
-TEST_P(CrossEntropyParity, ForwardBackward) {
-  MOE_SKIP_WITHOUT_GPU();
-  const auto [n, vocab, z_weight, in_place, misalign] = GetParam();
-  const auto logits = make_logits(n, vocab, 101 + static_cast<uint64_t>(vocab));
-  const auto targets = make_targets(n, vocab, 102);
-  const double loss_sum0 = 0.75;
-  CeBuffers b(logits, targets, n, vocab, in_place, misalign, kGradScale, loss_sum0);
-  TestStream stream;
-  b.run(n, vocab, z_weight, stream.get());
-  stream.sync();
-  const auto dlogits = b.download_dlogits();
-  const auto loss = b.d_loss.download();
-  const auto lse = b.d_lse.download();
-  const double loss_sum = b.d_loss_sum.download()[0];
-
-  const CeReference ref = cpu_reference(logits, targets, n, vocab, z_weight, kGradScale);
-  expect_parity("cross_entropy.loss", loss, ref.loss, kFP32Reduction);
-  expect_parity("cross_entropy.lse", lse, ref.lse, kFP32Reduction);
-  expect_parity("cross_entropy.dlogits", bf16_to_f32(dlogits), ref.dlogits, kBF16Elementwise);
-  // Each per-token loss is within FP32 roundoff of the reference; so is their sum, plus the
-  // accumulator's start value.
-  EXPECT_NEAR(loss_sum - loss_sum0, ref.loss_sum, 3e-5 * ref.abs_loss_sum + 1e-12) << "loss_sum";
-  EXPECT_EQ(b.d_bad.download()[0], 0u);
-  for (int64_t i = 0; i < n; ++i) {
-    if (targets[i] < 0) {
-      ASSERT_EQ(loss[i], 0.0f) << "ignored row " << i << " must have loss 0";
-    }
-  }
-  if (!in_place) {
-    EXPECT_TRUE(bitwise_equal(b.d_logits.download(), logits)) << "logits changed out of place";
-  }
-  b.expect_guards_intact();
-
-  // Same inputs, same accumulator start: bitwise the same outputs and sum.
-  if (in_place) b.d_logits.upload(logits);
-  b.d_loss_sum.upload({loss_sum0});
-  b.run(n, vocab, z_weight, stream.get());
-  stream.sync();
-  EXPECT_TRUE(bitwise_equal(b.download_dlogits(), dlogits)) << "dlogits differ between two identical runs";
-  const auto loss2 = b.d_loss.download(), lse2 = b.d_lse.download();
-  EXPECT_EQ(std::memcmp(loss2.data(), loss.data(), loss.size() * sizeof(float)), 0) << "loss differs between runs";
-  EXPECT_EQ(std::memcmp(lse2.data(), lse.data(), lse.size() * sizeof(float)), 0) << "lse differs between runs";
-  const double loss_sum2 = b.d_loss_sum.download()[0];
-  EXPECT_EQ(std::memcmp(&loss_sum2, &loss_sum, sizeof(double)), 0) << "loss_sum differs between runs";
+std::string shape_name(const CeShape& p) {
+  return param_name("n", p.n, "_v", p.vocab, p.z_weight > 0.0 ? "_z" : "", p.in_place ? "_inplace" : "_outofplace",
+                    p.misalign ? "_misaligned" : "");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, CrossEntropyParity,
-    ::testing::Values(CeShape{1, 1, 0.0, true, 0}, CeShape{33, 1, 1e-4, true, 0}, CeShape{33, 257, 0.0, true, 0},
-                      CeShape{4096, 257, 1e-4, true, 2}, CeShape{33, 257, 1e-4, false, 2},
-                      CeShape{1, 50304, 1e-4, true, 0}, CeShape{33, 50304, 0.0, true, 6},
-                      CeShape{4096, 50304, 1e-4, true, 0}, CeShape{33, 50304, 1e-4, false, 0},
-                      CeShape{33, 50304, 0.0, false, 2}, CeShape{1, 100352, 0.0, true, 0},
-                      CeShape{33, 100352, 1e-4, true, 0}, CeShape{33, 100355, 1e-4, true, 2},
-                      CeShape{2, 262144, 1e-4, true, 0}),
-    [](const auto& info) {
-      const auto& p = info.param;
-      return param_name("n", p.n, "_v", p.vocab, p.z_weight > 0.0 ? "_z" : "", p.in_place ? "_inplace" : "_outofplace",
-                        p.misalign ? "_misaligned" : "");
-    });
+constexpr double kLossSum0 = 0.75;  // loss_sum accumulates onto this
+
+// In place, "dlogits" starts as the logits; out of place, "logits" is an input left unchanged.
+// A second run from the same start (loss_sum reset) must repeat every output and the sum bitwise.
+OpCase<CeShape> cross_entropy_case() {
+  OpCase<CeShape> c{"cross_entropy", kShapes, shape_name};
+  c.setup = [](const CeShape& p, CaseIo& io) {
+    const auto logits = make_logits(p.n, p.vocab, 101 + static_cast<uint64_t>(p.vocab));
+    if (p.in_place) {
+      io.in_place("dlogits", logits, kBF16Elementwise, p.misalign);
+    } else {
+      io.input("logits", logits);
+      io.output<uint16_t>("dlogits", p.n * p.vocab, kBF16Elementwise, p.misalign);
+    }
+    io.input("targets", make_targets(p.n, p.vocab, 102));
+    io.output<float>("loss", p.n, kFP32Reduction);
+    io.output<float>("lse", p.n, kFP32Reduction);
+    io.input("grad_scale", std::vector<float>{kGradScale});
+    io.accumulate("loss_sum", std::vector<double>{kLossSum0}, std::nullopt);  // checked below
+    io.accumulate("num_bad_targets", std::vector<uint32_t>{0}, kExact);
+  };
+  c.reference = [](const CeShape& p, RefTensors<float>& t) {
+    std::vector<float> start;  // in place: the logits that the reference's dlogits overwrite
+    if (p.in_place) start = t.start("dlogits");
+    const float* x = p.in_place ? start.data() : t.in("logits");
+    const int32_t* targets = t.in<int32_t>("targets");
+    cpu::cross_entropy_forward(x, targets, t.out("loss"), t.out("lse"), p.n, p.vocab, p.z_weight);
+    cpu::cross_entropy_backward(x, targets, t.in("lse"), t.out("dlogits"), p.n, p.vocab, p.z_weight, kGradScale);
+  };
+  c.device = [](const CeShape& p, DeviceTensors& t, cuda::Stream stream) {
+    uint16_t* dlogits = t.bf16("dlogits");
+    cuda::cross_entropy_forward_backward(p.in_place ? dlogits : t.bf16("logits"), dlogits, t.i32("targets"),
+                                         t.f32("loss"), t.f32("lse"), p.n, p.vocab, p.z_weight, t.f32("grad_scale"),
+                                         t.f64("loss_sum"), t.u32("num_bad_targets"), stream);
+  };
+  c.check = [](const CeShape& p, const CaseResults<float>& r) {
+    // Each per-token loss is within FP32 roundoff of the reference; so is their sum, plus the
+    // accumulator's start value.
+    double sum = 0.0, abs_sum = 0.0;
+    for (const float l : r.reference("loss")) {
+      sum += l;
+      abs_sum += std::fabs(l);
+    }
+    EXPECT_NEAR(r.device<double>("loss_sum")[0] - kLossSum0, sum, 3e-5 * abs_sum + 1e-12) << "loss_sum";
+    const auto targets = r.start<int32_t>("targets");
+    const auto loss = r.device<float>("loss");
+    for (int64_t i = 0; i < p.n; ++i) {
+      if (targets[i] < 0) {
+        ASSERT_EQ(loss[i], 0.0f) << "ignored row " << i << " must have loss 0";
+      }
+    }
+  };
+  c.deterministic = true;
+  return c;
+}
+
+MOE_GPU_OP_CASE_TESTS(CrossEntropyParity, ForwardBackward, cross_entropy_case);
 
 // Targets >= vocab: counted (the counter accumulates, never reset), loss 0, zero gradient row,
 // lse still written; the other rows are unaffected.

@@ -5,18 +5,23 @@
 
 #include "cpu/embedding.h"
 #include "cuda/ops/embedding.h"
-#include "gpu/gpu_test_util.h"
-#include "support/parity.h"
+#include "gpu/op_case_gpu.h"
 
 namespace moe::testing {
 namespace {
 
 struct EmbShape {
   int64_t n, vocab, d;
-  size_t misalign;
+  size_t misalign;  // bytes added to the BF16 device pointers
 };
 
-class EmbeddingParity : public ::testing::TestWithParam<EmbShape> {};
+const std::vector<EmbShape> kShapes = {{0, 7, 64, 0},         {1, 1, 1, 0},           {5, 7, 257, 0},
+                                       {64, 1000, 2048, 0},   {300, 50, 4099, 0},     {16384, 50304, 512, 0},
+                                       {16384, 1000, 2048, 0}, {100, 300, 2048, 2}};
+
+std::string shape_name(const EmbShape& p) {
+  return param_name("n", p.n, "_v", p.vocab, "_d", p.d, p.misalign ? "_misaligned" : "");
+}
 
 // Half the positions take one frequent id (a long segment), the rest are uniform.
 std::vector<int32_t> skewed_ids(int64_t n, int64_t vocab, uint64_t seed) {
@@ -30,60 +35,46 @@ std::vector<int32_t> skewed_ids(int64_t n, int64_t vocab, uint64_t seed) {
 
 uint32_t read_counter(const GuardedBuffer<uint32_t>& c) { return c.download()[0]; }
 
-TEST_P(EmbeddingParity, Forward) {
-  MOE_SKIP_WITHOUT_GPU();
-  const auto [n, vocab, d, misalign] = GetParam();
-  const auto ids = skewed_ids(n, vocab, 51);
-  const auto w = random_bf16(vocab * d, 52);
-  GuardedBuffer<int32_t> d_ids(ids);
-  GuardedBuffer<uint16_t> d_w(w, misalign), d_out(n * d, misalign);
-  GuardedBuffer<uint32_t> d_bad(std::vector<uint32_t>{0});
-  TestStream stream;
-  cuda::embedding_forward(d_ids.data(), d_w.data(), d_out.data(), n, vocab, d, d_bad.data(), stream.get());
-  stream.sync();
-
-  std::vector<float> ref(static_cast<size_t>(n * d));
-  cpu::embedding_forward(ids.data(), bf16_to_f32(w).data(), ref.data(), n, vocab, d);
-  expect_parity("embedding.out", bf16_to_f32(d_out.download()), ref, kExact);
-  EXPECT_EQ(read_counter(d_bad), 0u);
-  d_w.expect_guards_intact("w");
-  d_out.expect_guards_intact("out");
+// Valid ids only: the bad-id counter must stay 0 (the reference leaves it at its start).
+OpCase<EmbShape> embedding_forward_case() {
+  OpCase<EmbShape> c{"embedding", kShapes, shape_name};
+  c.setup = [](const EmbShape& p, CaseIo& io) {
+    io.input("ids", skewed_ids(p.n, p.vocab, 51));
+    io.input("w", random_bf16(p.vocab * p.d, 52), p.misalign);
+    io.output<uint16_t>("out", p.n * p.d, kExact, p.misalign);
+    io.accumulate("num_bad_ids", std::vector<uint32_t>{0}, kExact);
+  };
+  c.reference = [](const EmbShape& p, RefTensors<float>& t) {
+    cpu::embedding_forward(t.in<int32_t>("ids"), t.in("w"), t.out("out"), p.n, p.vocab, p.d);
+  };
+  c.device = [](const EmbShape& p, DeviceTensors& t, cuda::Stream stream) {
+    cuda::embedding_forward(t.i32("ids"), t.bf16("w"), t.bf16("out"), p.n, p.vocab, p.d, t.u32("num_bad_ids"),
+                            stream);
+  };
+  return c;
 }
 
-TEST_P(EmbeddingParity, Backward) {
-  MOE_SKIP_WITHOUT_GPU();
-  const auto [n, vocab, d, misalign] = GetParam();
-  const auto ids = skewed_ids(n, vocab, 61);
-  const auto dout = random_bf16(n * d, 62);
-  const auto dw0 = random_f32(vocab * d, 63);
-  GuardedBuffer<int32_t> d_ids(ids);
-  GuardedBuffer<uint16_t> d_dout(dout, misalign);
-  GuardedBuffer<float> d_dw(dw0);
-  GuardedBuffer<uint32_t> d_bad(std::vector<uint32_t>{0});
-  const size_t ws_bytes = cuda::embedding_backward_workspace_bytes(n, vocab);
-  GuardedBuffer<uint8_t> d_ws(static_cast<int64_t>(ws_bytes));
-  TestStream stream;
-  cuda::embedding_backward(d_ids.data(), d_dout.data(), d_dw.data(), n, vocab, d, d_bad.data(), d_ws.data(), ws_bytes,
-                           stream.get());
-  stream.sync();
-
-  std::vector<float> ref = dw0;
-  cpu::embedding_backward(ids.data(), bf16_to_f32(dout).data(), ref.data(), n, vocab, d);
-  expect_parity("embedding.dw", d_dw.download(), ref, kExact);
-  EXPECT_EQ(read_counter(d_bad), 0u);
-  d_dout.expect_guards_intact("dout");
-  d_dw.expect_guards_intact("dw");
-  d_ws.expect_guards_intact("workspace");
+OpCase<EmbShape> embedding_backward_case() {
+  OpCase<EmbShape> c{"embedding", kShapes, shape_name};
+  c.setup = [](const EmbShape& p, CaseIo& io) {
+    io.input("ids", skewed_ids(p.n, p.vocab, 61));
+    io.input("dout", random_bf16(p.n * p.d, 62), p.misalign);
+    io.accumulate("dw", random_f32(p.vocab * p.d, 63), kExact);
+    io.accumulate("num_bad_ids", std::vector<uint32_t>{0}, kExact);
+    io.workspace("workspace", cuda::embedding_backward_workspace_bytes(p.n, p.vocab));
+  };
+  c.reference = [](const EmbShape& p, RefTensors<float>& t) {
+    cpu::embedding_backward(t.in<int32_t>("ids"), t.in("dout"), t.out("dw"), p.n, p.vocab, p.d);
+  };
+  c.device = [](const EmbShape& p, DeviceTensors& t, cuda::Stream stream) {
+    cuda::embedding_backward(t.i32("ids"), t.bf16("dout"), t.f32("dw"), p.n, p.vocab, p.d, t.u32("num_bad_ids"),
+                             t.workspace("workspace"), t.workspace_bytes("workspace"), stream);
+  };
+  return c;
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, EmbeddingParity,
-                         ::testing::Values(EmbShape{1, 1, 1, 0}, EmbShape{5, 7, 257, 0}, EmbShape{64, 1000, 2048, 0},
-                                           EmbShape{300, 50, 4099, 0}, EmbShape{16384, 50304, 512, 0},
-                                           EmbShape{16384, 1000, 2048, 0}, EmbShape{100, 300, 2048, 2}),
-                         [](const auto& info) {
-                           const auto& p = info.param;
-                           return param_name("n", p.n, "_v", p.vocab, "_d", p.d, p.misalign ? "_misaligned" : "");
-                         });
+MOE_GPU_OP_CASE_TESTS(EmbeddingParity, Forward, embedding_forward_case);
+MOE_GPU_OP_CASE_TESTS(EmbeddingParity, Backward, embedding_backward_case);
 
 // Bad ids: -1, vocab, INT32_MIN, INT32_MAX. Forward writes zero rows and counts; backward skips
 // them and counts; the counter accumulates across calls.

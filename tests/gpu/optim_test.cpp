@@ -16,11 +16,6 @@
 namespace moe::testing {
 namespace {
 
-// FP32 results of the same formula whose inputs may differ in the last bit (the clip factor is
-// computed from norms summed in different orders): 1e-6 relative, a floor of 1e-7 of the tensor's
-// scale for moments that cancel to near zero.
-constexpr Tolerance kFP32Update{"fp32-update", 1e-6, 1e-7, 1e-7, false};
-
 constexpr float kPaddingParam = 7.0f;  // parameter padding starts here and must stay
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {

@@ -1,10 +1,9 @@
 // cuda::rmsnorm_forward / rmsnorm_backward against cpu::rmsnorm_* in float on the same BF16
-// inputs: y and dx under the BF16 row, rstd and dw under the FP32-reduction row; dw twice from
-// the same start must agree bitwise (the reduction order is fixed).
+// inputs: y and dx under the BF16 row, rstd and dw under the FP32-reduction row; the backward
+// twice from the same start must agree bitwise (dw's reduction order is fixed).
 #include "cpu/rmsnorm.h"
 #include "cuda/ops/rmsnorm.h"
-#include "gpu/gpu_test_util.h"
-#include "support/parity.h"
+#include "gpu/op_case_gpu.h"
 
 namespace moe::testing {
 namespace {
@@ -13,10 +12,16 @@ constexpr double kEps = 1e-5;
 
 struct RmsShape {
   int64_t n, d;
-  size_t misalign;
+  size_t misalign;  // bytes added to the BF16 device pointers
 };
 
-class RmsnormParity : public ::testing::TestWithParam<RmsShape> {};
+const std::vector<RmsShape> kShapes = {{0, 64, 0},    {1, 1, 0},       {1, 257, 0},  {3, 4099, 0},
+                                       {33, 8, 0},    {5, 2048, 0},    {70, 128, 0}, {257, 259, 0},
+                                       {40, 2048, 2}, {16384, 2048, 0}};
+
+std::string shape_name(const RmsShape& s) {
+  return param_name("n", s.n, "_d", s.d, s.misalign ? "_misaligned" : "");
+}
 
 // Rows of different scales (2^-3 .. 2^3), so rstd varies over two decades.
 std::vector<uint16_t> scaled_rows(int64_t n, int64_t d, uint64_t seed) {
@@ -28,77 +33,51 @@ std::vector<uint16_t> scaled_rows(int64_t n, int64_t d, uint64_t seed) {
   return x;
 }
 
-TEST_P(RmsnormParity, Forward) {
-  MOE_SKIP_WITHOUT_GPU();
-  const auto [n, d, misalign] = GetParam();
-  const auto x = scaled_rows(n, d, 21);
-  const auto w = random_bf16(d, 22, 0.2f, 1.0f);
-  GuardedBuffer<uint16_t> d_x(x, misalign), d_w(w, misalign), d_y(n * d, misalign);
-  GuardedBuffer<float> d_rstd(n);
-  TestStream stream;
-  cuda::rmsnorm_forward(d_x.data(), d_w.data(), d_y.data(), d_rstd.data(), n, d, kEps, stream.get());
-  stream.sync();
-
-  std::vector<float> y_ref(static_cast<size_t>(n * d)), rstd_ref(static_cast<size_t>(n));
-  cpu::rmsnorm_forward(bf16_to_f32(x).data(), bf16_to_f32(w).data(), y_ref.data(), rstd_ref.data(), n, d, kEps);
-  expect_parity("rmsnorm.y", bf16_to_f32(d_y.download()), y_ref, kBF16Elementwise);
-  expect_parity("rmsnorm.rstd", d_rstd.download(), rstd_ref, kFP32Reduction);
-  d_x.expect_guards_intact("x");
-  d_w.expect_guards_intact("w");
-  d_y.expect_guards_intact("y");
-  d_rstd.expect_guards_intact("rstd");
+OpCase<RmsShape> rmsnorm_forward_case() {
+  OpCase<RmsShape> c{"rmsnorm", kShapes, shape_name};
+  c.setup = [](const RmsShape& s, CaseIo& io) {
+    io.input("x", scaled_rows(s.n, s.d, 21), s.misalign);
+    io.input("w", random_bf16(s.d, 22, 0.2f, 1.0f), s.misalign);
+    io.output<uint16_t>("y", s.n * s.d, kBF16Elementwise, s.misalign);
+    io.output<float>("rstd", s.n, kFP32Reduction);
+  };
+  c.reference = [](const RmsShape& s, RefTensors<float>& t) {
+    cpu::rmsnorm_forward(t.in("x"), t.in("w"), t.out("y"), t.out("rstd"), s.n, s.d, kEps);
+  };
+  c.device = [](const RmsShape& s, DeviceTensors& t, cuda::Stream stream) {
+    cuda::rmsnorm_forward(t.bf16("x"), t.bf16("w"), t.bf16("y"), t.f32("rstd"), s.n, s.d, kEps, stream);
+  };
+  return c;
 }
 
-TEST_P(RmsnormParity, Backward) {
-  MOE_SKIP_WITHOUT_GPU();
-  const auto [n, d, misalign] = GetParam();
-  const auto x = scaled_rows(n, d, 31);
-  const auto w = random_bf16(d, 32, 0.2f, 1.0f);
-  const auto dy = random_bf16(n * d, 33);
-  const auto dw0 = random_f32(d, 34);  // dw accumulates onto this
-  const auto xf = bf16_to_f32(x), wf = bf16_to_f32(w), dyf = bf16_to_f32(dy);
-  std::vector<float> y_ref(static_cast<size_t>(n * d)), rstd(static_cast<size_t>(n));
-  cpu::rmsnorm_forward(xf.data(), wf.data(), y_ref.data(), rstd.data(), n, d, kEps);
-
-  GuardedBuffer<uint16_t> d_x(x, misalign), d_w(w, misalign), d_dy(dy, misalign), d_dx(n * d, misalign);
-  GuardedBuffer<float> d_rstd(rstd), d_dw(dw0);
-  const size_t ws_bytes = cuda::rmsnorm_backward_workspace_bytes(n, d);
-  GuardedBuffer<uint8_t> d_ws(static_cast<int64_t>(ws_bytes));
-  TestStream stream;
-  cuda::rmsnorm_backward(d_x.data(), d_w.data(), d_rstd.data(), d_dy.data(), d_dx.data(), d_dw.data(), n, d,
-                         d_ws.data(), ws_bytes, stream.get());
-  stream.sync();
-  const auto dx_gpu = d_dx.download();
-  const auto dw_gpu = d_dw.download();
-
-  std::vector<float> dx_ref(static_cast<size_t>(n * d)), dw_ref = dw0;
-  cpu::rmsnorm_backward(xf.data(), wf.data(), rstd.data(), dyf.data(), dx_ref.data(), dw_ref.data(), n, d);
-  expect_parity("rmsnorm.dx", bf16_to_f32(dx_gpu), dx_ref, kBF16Elementwise);
-  expect_parity("rmsnorm.dw", dw_gpu, dw_ref, kFP32Reduction);
-  for (auto* b : {&d_x, &d_w, &d_dy, &d_dx}) b->expect_guards_intact("rmsnorm backward bf16 buffer");
-  d_rstd.expect_guards_intact("rstd");
-  d_dw.expect_guards_intact("dw");
-  d_ws.expect_guards_intact("workspace");
-
-  // Same inputs, same start: bitwise the same dx and dw.
-  d_dw.upload(dw0);
-  cuda::rmsnorm_backward(d_x.data(), d_w.data(), d_rstd.data(), d_dy.data(), d_dx.data(), d_dw.data(), n, d,
-                         d_ws.data(), ws_bytes, stream.get());
-  stream.sync();
-  EXPECT_TRUE(bitwise_equal(d_dx.download(), dx_gpu)) << "dx differs between two identical runs";
-  const auto dw_again = d_dw.download();
-  EXPECT_EQ(std::memcmp(dw_again.data(), dw_gpu.data(), dw_gpu.size() * sizeof(float)), 0)
-      << "dw differs between two identical runs";
+// Both sides get the reference forward's rstd; dw accumulates onto random values.
+OpCase<RmsShape> rmsnorm_backward_case() {
+  OpCase<RmsShape> c{"rmsnorm", kShapes, shape_name};
+  c.setup = [](const RmsShape& s, CaseIo& io) {
+    const auto x = scaled_rows(s.n, s.d, 31), w = random_bf16(s.d, 32, 0.2f, 1.0f);
+    std::vector<float> y(static_cast<size_t>(s.n * s.d)), rstd(static_cast<size_t>(s.n));
+    cpu::rmsnorm_forward(bf16_to_f32(x).data(), bf16_to_f32(w).data(), y.data(), rstd.data(), s.n, s.d, kEps);
+    io.input("x", x, s.misalign);
+    io.input("w", w, s.misalign);
+    io.input("rstd", rstd);
+    io.input("dy", random_bf16(s.n * s.d, 33), s.misalign);
+    io.output<uint16_t>("dx", s.n * s.d, kBF16Elementwise, s.misalign);
+    io.accumulate("dw", random_f32(s.d, 34), kFP32Reduction);
+    io.workspace("workspace", cuda::rmsnorm_backward_workspace_bytes(s.n, s.d));
+  };
+  c.reference = [](const RmsShape& s, RefTensors<float>& t) {
+    cpu::rmsnorm_backward(t.in("x"), t.in("w"), t.in("rstd"), t.in("dy"), t.out("dx"), t.out("dw"), s.n, s.d);
+  };
+  c.device = [](const RmsShape& s, DeviceTensors& t, cuda::Stream stream) {
+    cuda::rmsnorm_backward(t.bf16("x"), t.bf16("w"), t.f32("rstd"), t.bf16("dy"), t.bf16("dx"), t.f32("dw"), s.n, s.d,
+                           t.workspace("workspace"), t.workspace_bytes("workspace"), stream);
+  };
+  c.deterministic = true;
+  return c;
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, RmsnormParity,
-                         ::testing::Values(RmsShape{1, 1, 0}, RmsShape{1, 257, 0}, RmsShape{3, 4099, 0},
-                                           RmsShape{33, 8, 0}, RmsShape{5, 2048, 0}, RmsShape{16384, 2048, 0},
-                                           RmsShape{70, 128, 0}, RmsShape{40, 2048, 2}),
-                         [](const auto& info) {
-                           return param_name("n", info.param.n, "_d", info.param.d,
-                                             info.param.misalign ? "_misaligned" : "");
-                         });
+MOE_GPU_OP_CASE_TESTS(RmsnormParity, Forward, rmsnorm_forward_case);
+MOE_GPU_OP_CASE_TESTS(RmsnormParity, Backward, rmsnorm_backward_case);
 
 TEST(Rmsnorm, WorkspaceTooSmallIsRejected) {
   MOE_SKIP_WITHOUT_GPU();

@@ -3,8 +3,7 @@
 // BF16 row applies). Covers scalar-path widths (head_dim/2 not a multiple of 8) and a long sequence.
 #include "cpu/rope.h"
 #include "cuda/ops/rope.h"
-#include "gpu/gpu_test_util.h"
-#include "support/parity.h"
+#include "gpu/op_case_gpu.h"
 
 namespace moe::testing {
 namespace {
@@ -15,53 +14,42 @@ struct RopeShape {
   size_t misalign;
 };
 
-class RopeParity : public ::testing::TestWithParam<RopeShape> {};
+const std::vector<RopeShape> kShapes = {
+    {0, 3, 2, 64, 1e4, 0},      {1, 1, 1, 2, 1e4, 0},       {2, 17, 3, 6, 1e4, 0},
+    {1, 5, 2, 130, 1e4, 0},     {2, 33, 4, 64, 1e4, 0},     {3, 7, 2, 256, 5e5, 0},
+    {1, 4096, 16, 128, 1e4, 0}, {1, 16384, 2, 128, 5e5, 0}, {2, 9, 3, 128, 1e4, 2}};
 
-void run_rope_case(const RopeShape& p, bool backward) {
-  const int64_t n = p.batch * p.seq * p.heads * p.head_dim;
-  const auto x = random_bf16(n, backward ? 42 : 41);
-  GuardedBuffer<uint16_t> d_x(x, p.misalign);
-  TestStream stream;
-  if (backward) {
-    cuda::rope_backward(d_x.data(), p.batch, p.seq, p.heads, p.head_dim, p.theta, stream.get());
-  } else {
-    cuda::rope_forward(d_x.data(), p.batch, p.seq, p.heads, p.head_dim, p.theta, stream.get());
-  }
-  stream.sync();
-  auto ref = bf16_to_f32(x);
-  if (backward) {
-    cpu::rope_backward(ref.data(), p.batch, p.seq, p.heads, p.head_dim, p.theta);
-  } else {
-    cpu::rope_forward(ref.data(), p.batch, p.seq, p.heads, p.head_dim, p.theta);
-  }
-  expect_parity(backward ? "rope.dx" : "rope.y", bf16_to_f32(d_x.download()), ref, kBF16Elementwise);
-  d_x.expect_guards_intact("x");
+std::string shape_name(const RopeShape& p) {
+  return param_name("b", p.batch, "_s", p.seq, "_h", p.heads, "_hd", p.head_dim, "_theta",
+                    static_cast<int64_t>(p.theta), p.misalign ? "_misaligned" : "");
 }
 
-TEST_P(RopeParity, Forward) {
-  MOE_SKIP_WITHOUT_GPU();
-  run_rope_case(GetParam(), false);
+// x rotated in place: the forward's result is y, the backward's dx.
+OpCase<RopeShape> rope_case(bool backward) {
+  OpCase<RopeShape> c{"rope", kShapes, shape_name};
+  const char* name = backward ? "dx" : "y";
+  const auto cpu_op = backward ? cpu::rope_backward<float> : cpu::rope_forward<float>;
+  const auto cuda_op = backward ? cuda::rope_backward : cuda::rope_forward;
+  c.setup = [=](const RopeShape& p, CaseIo& io) {
+    const int64_t n = p.batch * p.seq * p.heads * p.head_dim;
+    io.in_place(name, random_bf16(n, backward ? 42 : 41), kBF16Elementwise, p.misalign);
+  };
+  c.reference = [=](const RopeShape& p, RefTensors<float>& t) {
+    cpu_op(t.out(name), p.batch, p.seq, p.heads, p.head_dim, p.theta);
+  };
+  c.device = [=](const RopeShape& p, DeviceTensors& t, cuda::Stream stream) {
+    cuda_op(t.bf16(name), p.batch, p.seq, p.heads, p.head_dim, p.theta, stream);
+  };
+  return c;
 }
 
-TEST_P(RopeParity, Backward) {
-  MOE_SKIP_WITHOUT_GPU();
-  run_rope_case(GetParam(), true);
-}
+OpCase<RopeShape> rope_forward_case() { return rope_case(false); }
+OpCase<RopeShape> rope_backward_case() { return rope_case(true); }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, RopeParity,
-    ::testing::Values(RopeShape{1, 1, 1, 2, 1e4, 0}, RopeShape{2, 17, 3, 6, 1e4, 0}, RopeShape{1, 5, 2, 130, 1e4, 0},
-                      RopeShape{2, 33, 4, 64, 1e4, 0}, RopeShape{3, 7, 2, 256, 5e5, 0},
-                      RopeShape{1, 4096, 16, 128, 1e4, 0}, RopeShape{1, 16384, 2, 128, 5e5, 0},
-                      RopeShape{2, 9, 3, 128, 1e4, 2}),
-    [](const auto& info) {
-      const auto& p = info.param;
-      return param_name("b", p.batch, "_s", p.seq, "_h", p.heads, "_hd", p.head_dim, "_theta",
-                        static_cast<int64_t>(p.theta), p.misalign ? "_misaligned" : "");
-    });
+MOE_GPU_OP_CASE_TESTS(RopeParity, Forward, rope_forward_case);
+MOE_GPU_OP_CASE_TESTS(RopeParity, Backward, rope_backward_case);
 
-// Forward then backward is the identity up to two BF16 roundings. A rounding of the forward
-// output is relative to the pair's norm, not to the element's own size, hence a floor only.
+// Forward then backward is the identity up to two BF16 roundings (kBF16x2Pairs).
 TEST(Rope, BackwardUndoesForward) {
   MOE_SKIP_WITHOUT_GPU();
   const int64_t b = 2, s = 300, h = 4, hd = 64;
@@ -71,8 +59,7 @@ TEST(Rope, BackwardUndoesForward) {
   cuda::rope_forward(d_x.data(), b, s, h, hd, 1e4, stream.get());
   cuda::rope_backward(d_x.data(), b, s, h, hd, 1e4, stream.get());
   stream.sync();
-  const Tolerance two_roundings{"bf16x2-pairs", 0.0, 0x1p-6, 0x1p-7, false};
-  expect_parity("rope.roundtrip", bf16_to_f32(d_x.download()), bf16_to_f32(x), two_roundings);
+  expect_parity("rope.roundtrip", bf16_to_f32(d_x.download()), bf16_to_f32(x), kBF16x2Pairs);
 }
 
 TEST(Rope, RejectsOddHeadDim) {

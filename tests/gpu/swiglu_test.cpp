@@ -1,8 +1,7 @@
 // cuda::swiglu_forward / swiglu_backward against cpu::swiglu_* in float on the same BF16 inputs.
 #include "cpu/swiglu.h"
 #include "cuda/ops/swiglu.h"
-#include "gpu/gpu_test_util.h"
-#include "support/parity.h"
+#include "gpu/op_case_gpu.h"
 
 namespace moe::testing {
 namespace {
@@ -12,7 +11,12 @@ struct SwigluShape {
   size_t misalign;  // bytes added to every device pointer (2: forces the scalar path)
 };
 
-class SwigluParity : public ::testing::TestWithParam<SwigluShape> {};
+const std::vector<SwigluShape> kShapes = {{0, 128, 0},   {1, 1, 0},      {1, 8, 0},       {3, 257, 0},
+                                          {7, 4099, 0},  {64, 2048, 0},  {16384, 1024, 0}, {33, 1024, 2}};
+
+std::string shape_name(const SwigluShape& s) {
+  return param_name("n", s.n, "_inner", s.inner, s.misalign ? "_misaligned" : "");
+}
 
 // Gate values N(0, 2) plus a few far in the tails, where sigmoid saturates.
 std::vector<uint16_t> gate_up_input(int64_t n, int64_t inner, uint64_t seed) {
@@ -21,49 +25,39 @@ std::vector<uint16_t> gate_up_input(int64_t n, int64_t inner, uint64_t seed) {
   return gu;
 }
 
-TEST_P(SwigluParity, Forward) {
-  MOE_SKIP_WITHOUT_GPU();
-  const auto [n, inner, misalign] = GetParam();
-  const auto gu = gate_up_input(n, inner, 11);
-  GuardedBuffer<uint16_t> d_gu(gu, misalign), d_h(n * inner, misalign);
-  TestStream stream;
-  cuda::swiglu_forward(d_gu.data(), d_h.data(), n, inner, stream.get());
-  stream.sync();
-
-  std::vector<float> ref(static_cast<size_t>(n * inner));
-  cpu::swiglu_forward(bf16_to_f32(gu).data(), ref.data(), n, inner);
-  expect_parity("swiglu.h", bf16_to_f32(d_h.download()), ref, kBF16Elementwise);
-  EXPECT_TRUE(bitwise_equal(d_gu.download(), gu)) << "gate_up was modified";
-  d_gu.expect_guards_intact("gate_up");
-  d_h.expect_guards_intact("h");
+OpCase<SwigluShape> swiglu_forward_case() {
+  OpCase<SwigluShape> c{"swiglu", kShapes, shape_name};
+  c.setup = [](const SwigluShape& s, CaseIo& io) {
+    io.input("gate_up", gate_up_input(s.n, s.inner, 11), s.misalign);
+    io.output<uint16_t>("h", s.n * s.inner, kBF16Elementwise, s.misalign);
+  };
+  c.reference = [](const SwigluShape& s, RefTensors<float>& t) {
+    cpu::swiglu_forward(t.in("gate_up"), t.out("h"), s.n, s.inner);
+  };
+  c.device = [](const SwigluShape& s, DeviceTensors& t, cuda::Stream stream) {
+    cuda::swiglu_forward(t.bf16("gate_up"), t.bf16("h"), s.n, s.inner, stream);
+  };
+  return c;
 }
 
-TEST_P(SwigluParity, Backward) {
-  MOE_SKIP_WITHOUT_GPU();
-  const auto [n, inner, misalign] = GetParam();
-  const auto gu = gate_up_input(n, inner, 12);
-  const auto dh = random_bf16(n * inner, 13);
-  GuardedBuffer<uint16_t> d_gu(gu, misalign), d_dh(dh, misalign), d_dgu(n * 2 * inner, misalign);
-  TestStream stream;
-  cuda::swiglu_backward(d_gu.data(), d_dh.data(), d_dgu.data(), n, inner, stream.get());
-  stream.sync();
-
-  std::vector<float> ref(static_cast<size_t>(n * 2 * inner));
-  cpu::swiglu_backward(bf16_to_f32(gu).data(), bf16_to_f32(dh).data(), ref.data(), n, inner);
-  expect_parity("swiglu.dgate_up", bf16_to_f32(d_dgu.download()), ref, kBF16Elementwise);
-  d_gu.expect_guards_intact("gate_up");
-  d_dh.expect_guards_intact("dh");
-  d_dgu.expect_guards_intact("dgate_up");
+OpCase<SwigluShape> swiglu_backward_case() {
+  OpCase<SwigluShape> c{"swiglu", kShapes, shape_name};
+  c.setup = [](const SwigluShape& s, CaseIo& io) {
+    io.input("gate_up", gate_up_input(s.n, s.inner, 12), s.misalign);
+    io.input("dh", random_bf16(s.n * s.inner, 13), s.misalign);
+    io.output<uint16_t>("dgate_up", s.n * 2 * s.inner, kBF16Elementwise, s.misalign);
+  };
+  c.reference = [](const SwigluShape& s, RefTensors<float>& t) {
+    cpu::swiglu_backward(t.in("gate_up"), t.in("dh"), t.out("dgate_up"), s.n, s.inner);
+  };
+  c.device = [](const SwigluShape& s, DeviceTensors& t, cuda::Stream stream) {
+    cuda::swiglu_backward(t.bf16("gate_up"), t.bf16("dh"), t.bf16("dgate_up"), s.n, s.inner, stream);
+  };
+  return c;
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, SwigluParity,
-                         ::testing::Values(SwigluShape{1, 1, 0}, SwigluShape{1, 8, 0}, SwigluShape{3, 257, 0},
-                                           SwigluShape{7, 4099, 0}, SwigluShape{64, 2048, 0},
-                                           SwigluShape{16384, 1024, 0}, SwigluShape{33, 1024, 2}),
-                         [](const auto& info) {
-                           return param_name("n", info.param.n, "_inner", info.param.inner,
-                                             info.param.misalign ? "_misaligned" : "");
-                         });
+MOE_GPU_OP_CASE_TESTS(SwigluParity, Forward, swiglu_forward_case);
+MOE_GPU_OP_CASE_TESTS(SwigluParity, Backward, swiglu_backward_case);
 
 TEST(Swiglu, ZeroRowsIsANoOp) {
   MOE_SKIP_WITHOUT_GPU();

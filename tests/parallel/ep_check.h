@@ -5,8 +5,8 @@
 // - model: Model<float> with an EP context on this rank's sequences against a 1-rank
 //   Model<float> of the same seed run on every rank's sequences in turn (gradients accumulate),
 //   so every loss term, including the per-micro-batch load-balancing loss, is the same function.
-// Tolerance: 1e-5 relative (elementwise with a floor of 1e-5 of the tensor's largest value, and
-// normwise); counts and routing exactly.
+// Tolerance: kEpTol (support/parity.h), 1e-5 relative (elementwise with a floor of 1e-5 of the
+// tensor's largest value, and normwise); counts and routing exactly.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -27,8 +27,6 @@
 #include "support/parity.h"
 
 namespace moe::testing {
-
-inline constexpr Tolerance kEpTol{"ep-fp32-1e-5", 1e-5, 1e-5, 1e-5, false};
 
 inline std::string rank_tag(const Comm& world) { return "[rank " + std::to_string(world.rank()) + "] "; }
 
