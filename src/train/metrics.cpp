@@ -2,6 +2,7 @@
 #include "train/metrics.h"
 
 #include <algorithm>
+#include <filesystem>
 
 #include "core/error.h"
 
@@ -22,8 +23,35 @@ double load_imbalance(const std::vector<std::vector<int64_t>>& counts_per_layer)
   return acc / double(counts_per_layer.size());
 }
 
-MetricsWriter::MetricsWriter(const std::string& path, bool append)
-    : out_(path, append ? std::ios::app : std::ios::trunc), path_(path) {
+namespace {
+
+// The lines of `path` whose record's "step" is <= keep (records without a step, e.g. eval lines
+// carry one too, and unparsable lines such as a torn last line are dropped).
+std::string kept_records(const std::string& path, int64_t keep) {
+  std::ifstream in(path);
+  std::string line, out;
+  while (std::getline(in, line)) {
+    const nlohmann::json rec = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!rec.is_object() || !rec.contains("step") || !rec["step"].is_number_integer()) continue;
+    if (rec["step"].get<int64_t>() <= keep) out += line + "\n";
+  }
+  return out;
+}
+
+}  // namespace
+
+MetricsWriter::MetricsWriter(const std::string& path, int64_t keep_through_step) : path_(path) {
+  namespace fs = std::filesystem;
+  if (keep_through_step > 0 && fs::exists(path)) {
+    const std::string tmp = path + ".tmp";
+    {
+      std::ofstream f(tmp, std::ios::trunc);
+      f << kept_records(path, keep_through_step);
+      MOE_CHECK(f.good(), "cannot rewrite metrics file '", path, "' (disk full or read-only?)");
+    }
+    fs::rename(tmp, path);
+  }
+  out_.open(path, keep_through_step > 0 ? std::ios::app : std::ios::trunc);
   MOE_CHECK(out_.good(), "cannot open metrics file '", path, "' for writing");
 }
 

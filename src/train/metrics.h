@@ -1,5 +1,6 @@
 // Per-step metrics: one JSON object per logged step appended to <run.dir>/metrics.jsonl
-// (flushed each line), and load statistics over per-expert token counts.
+// (flushed each line; a resumed run keeps the records up to its step), and load statistics over
+// per-expert token counts.
 #pragma once
 
 #include <cstdint>
@@ -16,7 +17,11 @@ double load_imbalance(const std::vector<std::vector<int64_t>>& counts_per_layer)
 
 class MetricsWriter {
  public:
-  explicit MetricsWriter(const std::string& path, bool append);
+  // keep_through_step <= 0: a new file. Otherwise (a resumed run) the records of steps up to
+  // keep_through_step are kept and later ones (written after the checkpoint the run resumed
+  // from, a part of the run that is trained again) are dropped, through a temporary file and a
+  // rename; new records are appended.
+  MetricsWriter(const std::string& path, int64_t keep_through_step);
   void write(const nlohmann::json& record);
 
  private:

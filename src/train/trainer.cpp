@@ -20,6 +20,7 @@
 #include <optional>
 #include <ostream>
 
+#include "checkpoint/checkpoint.h"
 #include "core/config_io.h"
 #include "core/error.h"
 #include "data/dataset.h"
@@ -141,6 +142,41 @@ void print_header(const Config& cfg, const RunPlan& plan, const Comm& world, std
         << std::flush;
 }
 
+// A run directory is never replaced by accident: without checkpoint.resume, a checkpoint
+// directory that already holds steps is refused with the commands that continue or start over.
+void check_fresh_or_resumed(const Config& cfg) {
+  if (cfg.checkpoint.resume != "none") return;
+  const std::string dir = checkpoint_dir(cfg);
+  const std::vector<int64_t> steps = fs::exists(dir) ? list_steps(dir) : std::vector<int64_t>{};
+  MOE_CHECK(steps.empty(), "the run directory '", cfg.run.dir, "' already holds checkpoints up to step ",
+            steps.empty() ? 0 : steps.back(), " (", dir, "): continue that run with --checkpoint.resume=auto, or ",
+            "start a new one with a fresh --run.dir (or remove '", cfg.run.dir, "' first)");
+}
+
+// Writes `text` to `path` through a temporary file in the same directory and a rename, so that
+// the file is either the old one or the whole new one.
+void write_file_replacing(const std::string& path, const std::string& text) {
+  const fs::path p(path);
+  if (p.has_parent_path()) fs::create_directories(p.parent_path());
+  const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    f << text;
+    f.flush();
+    if (!f.good()) {
+      std::error_code ec;
+      fs::remove(tmp, ec);
+      MOE_FAIL("cannot write '", path, "' (disk full or read-only?)");
+    }
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) {
+    fs::remove(tmp, ec);
+    MOE_FAIL("cannot replace '", path, "': ", ec.message());
+  }
+}
+
 int64_t count_targets(const std::vector<Batch>& micro) {
   int64_t n = 0;
   for (const Batch& b : micro)
@@ -160,12 +196,7 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
   std::ostream null_out(nullptr);  // ranks other than 0 print nothing
   std::ostream& out = lead ? console : null_out;
   const FaultInjection fault = FaultInjection::from_env();
-  if (lead) {
-    fs::create_directories(cfg.run.dir);
-    std::ofstream f(fs::path(cfg.run.dir) / "config.toml");
-    f << config_to_toml(cfg);
-    MOE_CHECK(f.good(), "cannot write ", (fs::path(cfg.run.dir) / "config.toml").string());
-  }
+  check_fresh_or_resumed(cfg);
   check_host_memory(plan);  // before anything large is allocated
   DataSources data = open_data(cfg);
   DataLoader loader(*data.train, plan.seq_len, plan.global_batch, plan.micro_batch, cfg.train.seed, topo.dp_rank,
@@ -178,16 +209,28 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
   summary.run_dir = cfg.run.dir;
   summary.start_step = resume_run(cfg, state, loader, out);
   const int64_t start = summary.start_step;
-  MOE_CHECK(start <= cfg.train.steps, "checkpoint step ", start, " is beyond train.steps = ", cfg.train.steps);
+  MOE_CHECK(start <= cfg.train.steps, "checkpoint step ", start, " is beyond train.steps = ", cfg.train.steps,
+            "; raise train.steps to at least ", start, " to continue this run");
+  if (start == cfg.train.steps) {  // a finished run: nothing to train, nothing rewritten
+    out << "already at step " << start << " of " << cfg.train.steps << ": nothing to train (raise train.steps to "
+        << "continue this run)\n";
+    summary.steps_done = start;
+    return summary;
+  }
+  // The run has started: its resolved config, and metrics.jsonl kept up to the resumed step.
   std::optional<MetricsWriter> metrics;  // rank 0 writes metrics.jsonl
-  if (lead) metrics.emplace((fs::path(cfg.run.dir) / "metrics.jsonl").string(), /*append=*/start > 0);
+  if (lead) {
+    write_file_replacing((fs::path(cfg.run.dir) / "config.toml").string(), config_to_toml(cfg));
+    metrics.emplace((fs::path(cfg.run.dir) / "metrics.jsonl").string(), /*keep_through_step=*/start);
+  }
   print_header(cfg, plan, world, out);
   const std::unique_ptr<Step> step = make_step(cfg, plan, topo, &state, out);
 
   // Open MPI hands ranks a pty even when mpirun's output goes to a file: no live line there.
   const bool tty = isatty(fileno(stdout)) && &out == &std::cout && world.size() == 1;
   RunLog log(cfg, plan.tokens_per_step, out, metrics ? &*metrics : nullptr, tty, start);
-  if (eval && start == 0) {
+  const int64_t eval_every = cfg.train.eval_interval;  // 0: no evaluation at all
+  if (eval && eval_every > 0 && start == 0) {
     summary.initial_eval_loss = evaluate(*step, *eval, cfg, *topo.dp_comm);
     log.eval(0, summary.initial_eval_loss);
   }
@@ -225,7 +268,7 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
 
     const int64_t done = s + 1;
     const bool last = done == cfg.train.steps;
-    const bool do_eval = eval && ((cfg.train.eval_interval > 0 && done % cfg.train.eval_interval == 0) || last);
+    const bool do_eval = eval && eval_every > 0 && (done % eval_every == 0 || last);
     const bool do_ckpt = (cfg.checkpoint.interval > 0 && done % cfg.checkpoint.interval == 0) || last;
     if (do_eval || do_ckpt) collect_all();
     if (do_eval) {

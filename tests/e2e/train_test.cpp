@@ -122,7 +122,7 @@ TEST(Train, DefaultRunLossFalls) {
   Config c;
   c.run.dir = (root / "run").string();
   c.train.steps = 40;
-  c.train.eval_interval = 0;
+  c.train.eval_interval = 40;  // at step 0 and at the end
   c.optim.warmup_steps = 10;
   c.log.interval = 20;
   std::ostringstream log;

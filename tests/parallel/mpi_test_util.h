@@ -60,6 +60,7 @@ class SharedDir {
 inline Config small_parallel_config(const std::filesystem::path& run_dir, int64_t steps = 20) {
   Config c = small_train_config(run_dir, /*n_layers=*/2, /*global_batch=*/8, steps);
   c.train.eval_batches = 2;
+  c.train.eval_interval = steps;  // at step 0 and at the end
   c.train.device = "cpu";
   c.parallel.timeout_s = 120;
   validate_config(c);
