@@ -130,6 +130,7 @@ int cmd_train(std::vector<std::string> args) {
     return 0;
   }
   const TrainSummary s = train(cfg, std::cout, *world);
+  if (s.stopped_by != 0) return 128 + s.stopped_by;  // train() said where it stopped and how to continue
   if (world->rank() != 0 || s.steps_done == s.start_step) return 0;  // nothing trained: train() said why
   std::printf("done: steps %lld-%lld, loss %.4f -> %.4f", (long long)s.start_step + 1, (long long)s.steps_done,
               s.first_loss, s.last_loss);

@@ -23,6 +23,7 @@
 #include "checkpoint/checkpoint.h"
 #include "core/config_io.h"
 #include "core/error.h"
+#include "core/signals.h"
 #include "data/dataset.h"
 #include "data/embedded.h"
 #include "data/token_file.h"
@@ -177,6 +178,14 @@ void write_file_replacing(const std::string& path, const std::string& text) {
   }
 }
 
+// The signal of a stop request on any rank (every rank agrees: a collective when the job has
+// several ranks), or 0.
+int stop_request(Comm& world) {
+  int64_t signo = StopSignals::requested();
+  if (world.size() > 1) world.all_reduce(&signo, 1, ReduceOp::kMax);
+  return int(signo);
+}
+
 int64_t count_targets(const std::vector<Batch>& micro) {
   int64_t n = 0;
   for (const Batch& b : micro)
@@ -257,7 +266,11 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
     while (step->pending() > 0) collect_one();
   };
 
+  const StopSignals signals;
+  int64_t saved_step = start;  // the step of the newest checkpoint of this run
+  summary.steps_done = start;
   for (int64_t s = start; s < cfg.train.steps; ++s) {
+    if ((summary.stopped_by = stop_request(world)) != 0) break;
     fault.maybe_exit(world.rank(), s + 1);
     submitted.push_back(Clock::now());
     const std::vector<Batch> micro = loader.next();
@@ -278,10 +291,26 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
     if (do_ckpt) {
       step->sync_host_state(/*all_ranks=*/!writes_replicated_checkpoint(plan));
       summary.last_checkpoint = save_run_checkpoint(cfg, plan, topo, state, done, loader.position());
+      saved_step = done;
       log.saved(summary.last_checkpoint, last);
     }
   }
   collect_all();
+  if (summary.stopped_by != 0) {  // stopped early: the last step completed is saved, and the way back said
+    const int64_t done = summary.steps_done;
+    if (done > saved_step) {
+      step->sync_host_state(/*all_ranks=*/!writes_replicated_checkpoint(plan));
+      summary.last_checkpoint = save_run_checkpoint(cfg, plan, topo, state, done, loader.position());
+    }
+    out << "stopped by " << StopSignals::name(summary.stopped_by) << " after step " << done << " of "
+        << cfg.train.steps;
+    if (done > start || !summary.last_checkpoint.empty())
+      out << "; checkpoint " << (summary.last_checkpoint.empty() ? checkpoint_dir(cfg) : summary.last_checkpoint)
+          << "; continue with the same command and --checkpoint.resume=auto\n";
+    else
+      out << "; nothing new to save\n";
+    out << std::flush;
+  }
   summary.wall_s = std::chrono::duration<double>(Clock::now() - log.start_time()).count();
   return summary;
 }

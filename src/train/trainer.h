@@ -20,11 +20,14 @@ struct TrainSummary {
   double wall_s = 0;
   std::string run_dir, last_checkpoint;
   std::vector<double> losses;  // loss of every step run (global over ranks), in order
+  int stopped_by = 0;          // the signal (SIGINT, SIGTERM) that stopped the run early, or 0
 };
 
 class Comm;
 
-// Runs cfg (already validated) over world_comm(). Console lines go to `out`.
+// Runs cfg (already validated) over world_comm(). Console lines go to `out`. A SIGINT or SIGTERM
+// stops the run after the current step on every rank, with a checkpoint of that step (a second
+// signal ends the process at once): the summary says which signal.
 TrainSummary train(const Config& cfg, std::ostream& out);
 // The same over the ranks of `world` (every rank calls it; rank 0 prints and writes the run's
 // files; parallel.* is checked against world.size()). Sets world's timeout to parallel.timeout_s.
