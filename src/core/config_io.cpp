@@ -703,6 +703,12 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
     std::ostringstream text;
     text << in.rdbuf();
     c = parse_config_toml(text.str(), path);
+    // Data paths written in a config file are relative to that file (overrides typed on the
+    // command line stay relative to the working directory).
+    const std::filesystem::path base = std::filesystem::absolute(path).parent_path();
+    for (std::vector<std::string>* list : {&c.data.paths, &c.data.eval_paths})
+      for (std::string& p : *list)
+        if (!p.empty() && std::filesystem::path(p).is_relative()) p = (base / p).lexically_normal().string();
   }
   for (const auto& o : overrides) apply_override(c, o);
   validate_config(c);

@@ -54,7 +54,8 @@ Config parse_config_toml(std::string_view text, const std::string& source_name);
 // "[0, 1]" or comma-separated "0,1" (an empty value is an empty list).
 void apply_override(Config& c, const std::string& arg);
 
-// Defaults (empty path) or the file at `path`, then `overrides` in order, then validate_config.
+// Defaults (empty path) or the file at `path` (its relative data.paths and data.eval_paths taken
+// relative to the file's directory), then `overrides` in order, then validate_config.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides);
 
 // Throws moe::Error listing every rule the config breaks, each naming its key(s) and values.

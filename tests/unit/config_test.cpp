@@ -75,6 +75,24 @@ TEST(ConfigLoad, FileThenOverridesInOrderThenValidation) {
   EXPECT_CONTAINS(error_of([&] { load_config(path, {"--moe.top_k=9"}); }), "moe.top_k");
 }
 
+// Data paths in a config file are relative to the file; those of overrides and absolute ones stay.
+TEST(ConfigLoad, DataPathsRelativeToTheConfigFile) {
+  const TempDir tmp("cfg_paths");
+  const std::filesystem::path dir = tmp.root() / "configs";
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream f(dir / "run.toml");
+    f << "[data]\nsource = \"tokens\"\npaths = [\"../data/a.bin\", \"/abs/b.bin\"]\neval_paths = [\"e.bin\"]\n";
+  }
+  const Config c = load_config((dir / "run.toml").string(), {});
+  ASSERT_EQ(c.data.paths.size(), 2u);
+  EXPECT_EQ(c.data.paths[0], (tmp.root() / "data" / "a.bin").lexically_normal().string());
+  EXPECT_EQ(c.data.paths[1], "/abs/b.bin");
+  EXPECT_EQ(c.data.eval_paths.at(0), (dir / "e.bin").lexically_normal().string());
+  const Config o = load_config((dir / "run.toml").string(), {"--data.paths=x.bin"});
+  EXPECT_EQ(o.data.paths.at(0), "x.bin");  // typed on the command line: the working directory's
+}
+
 TEST(ConfigLoad, MissingFileNamesThePath) {
   const std::string msg = error_of([] { load_config("/nonexistent/dir/run.toml", {}); });
   EXPECT_CONTAINS(msg, "/nonexistent/dir/run.toml");
