@@ -3,7 +3,12 @@
 // the byte-level tokenizer. Files live in a per-test temporary directory removed afterwards.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
@@ -11,6 +16,7 @@
 #include <regex>
 #include <set>
 #include <string>
+#include <thread>
 #include <unistd.h>
 #include <vector>
 
@@ -266,6 +272,71 @@ TEST_F(DataFiles, MissingFileEmptyListAndBadDtype) {
   expect_contains(error_of([&] { TokenSource::open({p}, "uint16", 0); }), {"vocab_size", "got 0"});
   expect_contains(error_of([&] { TokenSource::open({dir_.string()}, "uint16", 256); }),
                   {"not a regular file", dir_.string()});
+}
+
+// An llm.c file: 256 int32 header words (magic, version, count, zeros), then `payload`.
+Bytes llmc_file(int32_t magic, int32_t version, int32_t count, const Bytes& payload) {
+  Bytes b;
+  put_le(b, static_cast<uint32_t>(magic), 4);
+  put_le(b, static_cast<uint32_t>(version), 4);
+  put_le(b, static_cast<uint32_t>(count), 4);
+  b.resize(1024, 0);
+  b.insert(b.end(), payload.begin(), payload.end());
+  return b;
+}
+
+// Read as headerless tokens, a shard's header would pass as 512 (or 256) ids, most of them 0:
+// it is refused with what the file is and how to strip the header, whatever token_dtype says.
+TEST_F(DataFiles, LlmcShardsAreRefused) {
+  const std::string gpt2 = write("gpt2.bin", llmc_file(20240520, 1, 5, le_array({50256, 11, 12, 13, 50256}, 2)));
+  for (const char* dtype : {"uint16", "uint32"})
+    expect_contains(error_of([&] { TokenSource::open({gpt2}, dtype, 50304); }),
+                    {"'" + gpt2 + "' is an llm.c token shard", "GPT-2", "magic 20240520, version 1",
+                     "header count 5, 1034 bytes", "tail -c +1025 '" + gpt2 + "'", "token_dtype = \"uint16\"",
+                     "np.fromfile('" + gpt2 + "', dtype=np.uint16, offset=1024)"});
+  const std::string llama = write("llama.bin", llmc_file(20240801, 7, 3, le_array({128000, 9, 128001}, 4)));
+  expect_contains(error_of([&] { TokenSource::open({llama}, "uint32", 128256); }),
+                  {"llm.c token shard", "Llama 3", "magic 20240801, version 7", "header count 3, 1036 bytes",
+                   "token_dtype = \"uint32\"", "dtype=np.uint32"});
+  // A shard cut short, or of another version: still refused, saying what does not agree.
+  const std::string cut = write("cut.bin", llmc_file(20240520, 1, 10, le_array({1, 2, 3}, 2)));
+  expect_contains(error_of([&] { TokenSource::open({cut}, "uint16", 256); }),
+                  {"llm.c token shard", "1024 + 10 x 2 = 1044 expected: truncated?"});
+  const std::string v2 = write("v2.bin", llmc_file(20240520, 2, 1, le_array({1}, 2)));
+  expect_contains(error_of([&] { TokenSource::open({v2}, "uint16", 256); }), {"version 2 (llm.c writes 1)"});
+  const std::string hella = write("hellaswag_val.bin", llmc_file(20240522, 1, 2, le_array({65535, 40, 0}, 2)));
+  expect_contains(error_of([&] { TokenSource::open({hella}, "uint16", 65536); }),
+                  {"'" + hella + "' is an llm.c multiple-choice eval file", "not a token stream"});
+  // The same tokens without the header, and a headerless file that starts with other ids, are read.
+  const std::string plain = write("plain.bin", le_array({50256, 11, 12, 13, 50256}, 2));
+  EXPECT_EQ(read_all(TokenSource::open({plain}, "uint16", 50304)), (std::vector<int32_t>{50256, 11, 12, 13, 50256}));
+  const std::string near = write("near.bin", le_array({55432, 309, 1, 0}, 2));  // magic's low half, not its high
+  EXPECT_EQ(TokenSource::open({near}, "uint16", 65536).num_tokens(), 4);
+}
+
+// A FIFO given as a token file is refused at once, naming it; opening it for reading without
+// O_NONBLOCK would wait for a writer. A helper opens the write end after 3 s, so a reader that
+// does wait returns late (and the test fails) instead of hanging.
+TEST_F(DataFiles, FifoAndDirectoryAreRefusedAtOnce) {
+  const std::string fifo = (dir_ / "pipe.bin").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  std::atomic<bool> returned{false};
+  std::thread unblock([&] {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    while (!returned && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);  // fails with ENXIO if no reader waits
+    if (fd >= 0) ::close(fd);
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string msg = error_of([&] { TokenSource::open({fifo}, "uint16", 256); });
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  returned = true;
+  unblock.join();
+  expect_contains(msg, {"token file '" + fifo + "' is a FIFO (named pipe), not a regular file"});
+  EXPECT_LT(waited, 2.0) << "opening the FIFO waited for a writer";
+  expect_contains(error_of([&] { TokenSource::open({dir_.string()}, "uint16", 256); }),
+                  {"token file '" + dir_.string() + "' is a directory, not a regular file"});
 }
 
 // ------------------------------------------------------------------------------ ordering
