@@ -12,6 +12,10 @@ namespace moe {
 
 constexpr int64_t kEmbeddedVocabSize = 256;
 constexpr uint32_t kEmbeddedEosId = 0;
+// Tokens of each split used for a run (data/sources.h): a fixed prefix of the split's stream, the
+// same whatever train.steps is, so a shorter, longer or resumed run sees the same data at every step.
+constexpr int64_t kEmbeddedTrainTokens = int64_t{1} << 22;
+constexpr int64_t kEmbeddedEvalTokens = int64_t{1} << 20;
 
 // Text of document `index` of split "train" or "eval" (no EOS).
 std::string embedded_document(const std::string& split, int64_t index, uint64_t seed = 0);
