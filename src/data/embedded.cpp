@@ -5,8 +5,14 @@
 // codes defined then recalled, a packed list repeated, sums of the operands just read).
 #include "data/embedded.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <iterator>
 #include <memory>
 
@@ -356,20 +362,50 @@ std::vector<uint32_t> embedded_corpus(const std::string& split, int64_t num_toke
   return out;
 }
 
+namespace {
+
+std::string errno_text() { return std::strerror(errno); }
+
+// Creates `output`.tmp.<pid>.<n> in the output's directory with O_EXCL (never an existing file);
+// mode 0666 less the umask, as a plain fopen would give the output.
+int create_temporary(const std::string& output, std::string* tmp) {
+  for (int n = 0;; ++n) {
+    *tmp = output + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(n);
+    const int fd = ::open(tmp->c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd >= 0) return fd;
+    MOE_CHECK(errno == EEXIST && n < 1000, "tokenize: cannot create the temporary file '", *tmp, "' beside '",
+              output, "': ", errno_text());
+  }
+}
+
+}  // namespace
+
 void tokenize_text_files(const std::vector<std::string>& inputs, const std::string& output,
                          const std::string& token_dtype, int64_t eos_id) {
   MOE_CHECK(!inputs.empty(), "tokenize: no input text files given");
+  MOE_CHECK(!output.empty(), "tokenize: no output file given");
   const int64_t width = token_dtype_size(token_dtype);
   const int64_t max_id = width == 2 ? 0xFFFF : 0x7FFFFFFF;
   MOE_CHECK(eos_id >= 0 && eos_id <= max_id, "eos_id must be in [0, ", max_id, "] for token_dtype ",
             token_dtype, ", got ", eos_id);
 
-  const std::string tmp = output + ".tmp";
-  auto close_file = [](std::FILE* f) {
-    if (f) std::fclose(f);
-  };
-  std::unique_ptr<std::FILE, decltype(close_file)> out(std::fopen(tmp.c_str(), "wb"), close_file);
-  MOE_CHECK(out, "tokenize: cannot create '", tmp, "'");
+  // The output may exist (it is replaced when the new one is complete) but must be a regular file
+  // and none of the inputs, by identity (device, inode): a link or another spelling counts.
+  struct stat out_st {};
+  const bool out_exists = ::stat(output.c_str(), &out_st) == 0;
+  MOE_CHECK(!out_exists || S_ISREG(out_st.st_mode), "tokenize: output '", output, "' exists and is not a regular ",
+            "file", S_ISDIR(out_st.st_mode) ? " (a directory)" : "", "; name the file to write");
+  for (const std::string& path : inputs) {
+    struct stat st {};
+    MOE_CHECK(::stat(path.c_str(), &st) == 0, "tokenize: cannot open input text file '", path, "': ", errno_text());
+    MOE_CHECK(!S_ISDIR(st.st_mode), "tokenize: input '", path, "' is a directory; list the text files in it");
+    MOE_CHECK(!(out_exists && st.st_dev == out_st.st_dev && st.st_ino == out_st.st_ino), "tokenize: output '", output,
+              "' is the input '", path, "' (the same file); writing it would replace the text with its tokens: "
+              "choose another --out");
+  }
+
+  std::string tmp;
+  const int fd = create_temporary(output, &tmp);
   struct RemoveOnError {
     const std::string& path;
     bool done = false;
@@ -377,6 +413,12 @@ void tokenize_text_files(const std::vector<std::string>& inputs, const std::stri
       if (!done) std::remove(path.c_str());
     }
   } cleanup{tmp};
+  auto close_file = [](std::FILE* f) {
+    if (f) std::fclose(f);
+  };
+  std::unique_ptr<std::FILE, decltype(close_file)> out(::fdopen(fd, "wb"), close_file);
+  if (!out) ::close(fd);
+  MOE_CHECK(out, "tokenize: cannot write '", tmp, "': ", errno_text());
 
   constexpr size_t kChunk = size_t{1} << 20;
   std::vector<uint8_t> bytes(kChunk);
@@ -386,7 +428,7 @@ void tokenize_text_files(const std::vector<std::string>& inputs, const std::stri
   };
   for (const std::string& path : inputs) {
     std::unique_ptr<std::FILE, decltype(close_file)> in(std::fopen(path.c_str(), "rb"), close_file);
-    MOE_CHECK(in, "tokenize: cannot open input text file '", path, "'");
+    MOE_CHECK(in, "tokenize: cannot open input text file '", path, "': ", errno_text());
     int64_t offset = 0;
     for (;;) {
       const size_t got = std::fread(bytes.data(), 1, kChunk, in.get());
@@ -399,17 +441,20 @@ void tokenize_text_files(const std::vector<std::string>& inputs, const std::stri
         encode(bytes[i], encoded.data() + i * width);
       }
       MOE_CHECK(std::fwrite(encoded.data(), static_cast<size_t>(width), got, out.get()) == got,
-                "tokenize: write error on '", tmp, "'");
+                "tokenize: write error on '", tmp, "': ", errno_text());
       offset += static_cast<int64_t>(got);
       if (got < kChunk) break;
     }
     encode(static_cast<uint32_t>(eos_id), encoded.data());
     MOE_CHECK(std::fwrite(encoded.data(), static_cast<size_t>(width), 1, out.get()) == 1,
-              "tokenize: write error on '", tmp, "'");
+              "tokenize: write error on '", tmp, "': ", errno_text());
   }
-  MOE_CHECK(std::fclose(out.release()) == 0, "tokenize: cannot finish writing '", tmp, "'");
-  MOE_CHECK(std::rename(tmp.c_str(), output.c_str()) == 0, "tokenize: cannot rename '", tmp,
-            "' to '", output, "'");
+  // Complete on disk before it takes the output's name.
+  MOE_CHECK(std::fflush(out.get()) == 0 && ::fsync(::fileno(out.get())) == 0, "tokenize: cannot finish writing '",
+            tmp, "': ", errno_text());
+  MOE_CHECK(std::fclose(out.release()) == 0, "tokenize: cannot finish writing '", tmp, "': ", errno_text());
+  MOE_CHECK(std::rename(tmp.c_str(), output.c_str()) == 0, "tokenize: cannot rename '", tmp, "' to '", output, "': ",
+            errno_text());
   cleanup.done = true;
 }
 

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <sstream>
 #include <type_traits>
 
 #include "core/error.h"
@@ -71,8 +72,19 @@ struct TokenSource::State {
 
 namespace {
 
+const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return "not a regular file";
+}
+
+// O_NONBLOCK: opening a FIFO for reading returns at once instead of waiting for a writer, so it
+// is refused below rather than blocking the run. It does not change how a regular file is read.
 std::unique_ptr<Mapping> map_file(const std::string& path, int64_t* size_out) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   MOE_CHECK(fd >= 0, "cannot open token file '", path, "': ", std::strerror(errno),
             " (check [data] paths)");
   struct stat st {};
@@ -83,7 +95,8 @@ std::unique_ptr<Mapping> map_file(const std::string& path, int64_t* size_out) {
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
-    MOE_FAIL("token file '", path, "' is not a regular file (a directory?); list the files themselves");
+    MOE_FAIL("token file '", path, "' is ", file_kind(st.st_mode),
+             ", not a regular file; list the token files themselves in [data] paths");
   }
   auto m = std::make_unique<Mapping>();
   *size_out = static_cast<int64_t>(st.st_size);
@@ -240,6 +253,46 @@ constexpr int64_t kNpyMagicLen = 6;
 
 bool has_npy_magic(const uint8_t* p, int64_t size) {
   return size >= kNpyMagicLen && std::memcmp(p, kNpyMagic, kNpyMagicLen) == 0;
+}
+
+// llm.c files (its dev/data/data_common.py): 256 little-endian int32 header words (magic,
+// version, count, then zeros), then the payload. Read as a headerless array, the 1024 header
+// bytes would become 512 or 256 tokens, so a file starting with one of these magics is refused.
+struct LlmcFormat {
+  int32_t magic, version;
+  const char* dtype;  // nullptr: not a token stream
+  int64_t width;
+  const char* what;
+};
+constexpr LlmcFormat kLlmcFormats[] = {
+    {20240520, 1, "uint16", 2, "an llm.c token shard (GPT-2 format: uint16 tokens after a 1024-byte header)"},
+    {20240801, 7, "uint32", 4, "an llm.c token shard (Llama 3 format: uint32 tokens after a 1024-byte header)"},
+    {20240522, 1, nullptr, 2, "an llm.c multiple-choice eval file (HellaSwag/MMLU examples), not a token stream"},
+};
+constexpr int64_t kLlmcHeaderBytes = 256 * 4;
+
+void refuse_llmc(const uint8_t* p, int64_t size, const std::string& path) {
+  if (size < 4) return;
+  const int32_t magic = load_le<int32_t>(p);
+  for (const LlmcFormat& f : kLlmcFormats) {
+    if (magic != f.magic) continue;
+    const int64_t version = size >= 8 ? load_le<int32_t>(p + 4) : -1;
+    const int64_t count = size >= 12 ? load_le<int32_t>(p + 8) : -1;
+    std::ostringstream found;
+    found << "magic " << f.magic << ", version " << version;
+    if (version != f.version) found << " (llm.c writes " << f.version << ")";
+    found << ", header count " << count << ", " << size << " bytes";
+    if (f.dtype && size != kLlmcHeaderBytes + count * f.width)
+      found << " (1024 + " << count << " x " << f.width << " = " << kLlmcHeaderBytes + count * f.width
+            << " expected: truncated?)";
+    if (!f.dtype)
+      MOE_FAIL("token file '", path, "' is ", f.what, " (", found.str(), "); list token files in [data] paths");
+    MOE_FAIL("token file '", path, "' is ", f.what, " (", found.str(),
+             "); moecore reads headerless token arrays and .npy files and would read the header as tokens. "
+             "Strip the header and list the new file in [data] paths: tail -c +1025 '", path, "' > '", path, ".",
+             f.dtype, "' with [data] token_dtype = \"", f.dtype, "\", or in Python np.save('", path,
+             ".npy', np.fromfile('", path, "', dtype=np.", f.dtype, ", offset=1024))");
+  }
 }
 
 std::string shape_text(const std::vector<int64_t>& s) {
@@ -410,6 +463,7 @@ TokenSource TokenSource::open(const std::vector<std::string>& paths, const std::
     if (has_npy_magic(bytes, size)) {
       parse_npy(bytes, size, seg);
     } else {
+      refuse_llmc(bytes, size, path);
       MOE_CHECK(size % raw_size == 0, "truncated token file '", path, "': ", size,
                 " bytes is not a multiple of ", raw_size, " (", token_dtype,
                 "); the last whole token ends at byte offset ", size - size % raw_size,

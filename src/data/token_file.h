@@ -16,8 +16,10 @@ class TokenSource {
  public:
   // Maps `paths` (at least one) in order. token_dtype ("uint16" | "uint32") applies to the
   // headerless files; .npy files carry their own dtype. Throws moe::Error naming the file and
-  // byte offset for a missing file, a size that is not a whole number of tokens, or a
-  // malformed .npy. vocab_size must be in [1, 2^31].
+  // byte offset for a missing file, one that is not a regular file (a directory or FIFO, refused
+  // without waiting on it), a size that is not a whole number of tokens, a malformed .npy, or an
+  // llm.c file (its int32 magic 20240520, 20240801 or 20240522 first: a 1024-byte header that
+  // would be read as tokens; the message says how to strip it). vocab_size must be in [1, 2^31].
   static TokenSource open(const std::vector<std::string>& paths, const std::string& token_dtype,
                           int64_t vocab_size);
   // Tokens held in memory; `name` stands for the file name in error messages.

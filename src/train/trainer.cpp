@@ -25,7 +25,7 @@
 #include "core/error.h"
 #include "core/signals.h"
 #include "data/dataset.h"
-#include "data/embedded.h"
+#include "data/sources.h"
 #include "data/token_file.h"
 #include "optim/adamw.h"
 #include "parallel/comm.h"
@@ -45,30 +45,6 @@ namespace fs = std::filesystem;
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-struct DataSources {
-  std::optional<TokenSource> train, eval;
-};
-
-DataSources open_data(const Config& cfg) {
-  DataSources d;
-  const int64_t inst = cfg.train.seq_len + 1;
-  if (cfg.data.source == "embedded") {
-    MOE_CHECK(cfg.model.vocab_size >= 256, "data.source = \"embedded\" is a byte-level corpus: model.vocab_size must be >= 256, got ",
-              cfg.model.vocab_size);
-    const int64_t need = (cfg.train.steps + 1) * cfg.train.global_batch * inst;
-    d.train = TokenSource::from_memory(embedded_corpus("train", need, cfg.train.seed), "embedded:train",
-                                       cfg.model.vocab_size);
-    const int64_t eval_need = std::max<int64_t>(1, cfg.train.eval_batches) * cfg.train.micro_batch * inst;
-    d.eval = TokenSource::from_memory(embedded_corpus("eval", eval_need, cfg.train.seed), "embedded:eval",
-                                      cfg.model.vocab_size);
-  } else {
-    d.train = TokenSource::open(cfg.data.paths, cfg.data.token_dtype, cfg.model.vocab_size);
-    if (!cfg.data.eval_paths.empty())
-      d.eval = TokenSource::open(cfg.data.eval_paths, cfg.data.token_dtype, cfg.model.vocab_size);
-  }
-  return d;
-}
 
 // Eval batches are dealt round-robin over the ranks of `comm` (batch i to rank i % W); sums are
 // all-reduced. When forward is a collective (expert parallelism), every rank runs the same number
@@ -207,7 +183,7 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
   const FaultInjection fault = FaultInjection::from_env();
   check_fresh_or_resumed(cfg);
   check_host_memory(plan);  // before anything large is allocated
-  DataSources data = open_data(cfg);
+  DataSources data = open_data(cfg, out);  // checks every source, one line each on rank 0
   DataLoader loader(*data.train, plan.seq_len, plan.global_batch, plan.micro_batch, cfg.train.seed, topo.dp_rank,
                     plan.sizes.dp);
   std::optional<DataLoader> eval;

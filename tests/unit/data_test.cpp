@@ -3,7 +3,12 @@
 // the byte-level tokenizer. Files live in a per-test temporary directory removed afterwards.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
@@ -11,6 +16,7 @@
 #include <regex>
 #include <set>
 #include <string>
+#include <thread>
 #include <unistd.h>
 #include <vector>
 
@@ -78,6 +84,12 @@ class DataFiles : public ::testing::Test {
   }
   std::string write_text(const std::string& name, const std::string& text) {
     return write(name, Bytes(text.begin(), text.end()));
+  }
+  // Names of the entries of the test's directory.
+  std::set<std::string> listing() const {
+    std::set<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir_)) names.insert(e.path().filename().string());
+    return names;
   }
 
   fs::path dir_;
@@ -266,6 +278,71 @@ TEST_F(DataFiles, MissingFileEmptyListAndBadDtype) {
   expect_contains(error_of([&] { TokenSource::open({p}, "uint16", 0); }), {"vocab_size", "got 0"});
   expect_contains(error_of([&] { TokenSource::open({dir_.string()}, "uint16", 256); }),
                   {"not a regular file", dir_.string()});
+}
+
+// An llm.c file: 256 int32 header words (magic, version, count, zeros), then `payload`.
+Bytes llmc_file(int32_t magic, int32_t version, int32_t count, const Bytes& payload) {
+  Bytes b;
+  put_le(b, static_cast<uint32_t>(magic), 4);
+  put_le(b, static_cast<uint32_t>(version), 4);
+  put_le(b, static_cast<uint32_t>(count), 4);
+  b.resize(1024, 0);
+  b.insert(b.end(), payload.begin(), payload.end());
+  return b;
+}
+
+// Read as headerless tokens, a shard's header would pass as 512 (or 256) ids, most of them 0:
+// it is refused with what the file is and how to strip the header, whatever token_dtype says.
+TEST_F(DataFiles, LlmcShardsAreRefused) {
+  const std::string gpt2 = write("gpt2.bin", llmc_file(20240520, 1, 5, le_array({50256, 11, 12, 13, 50256}, 2)));
+  for (const char* dtype : {"uint16", "uint32"})
+    expect_contains(error_of([&] { TokenSource::open({gpt2}, dtype, 50304); }),
+                    {"'" + gpt2 + "' is an llm.c token shard", "GPT-2", "magic 20240520, version 1",
+                     "header count 5, 1034 bytes", "tail -c +1025 '" + gpt2 + "'", "token_dtype = \"uint16\"",
+                     "np.fromfile('" + gpt2 + "', dtype=np.uint16, offset=1024)"});
+  const std::string llama = write("llama.bin", llmc_file(20240801, 7, 3, le_array({128000, 9, 128001}, 4)));
+  expect_contains(error_of([&] { TokenSource::open({llama}, "uint32", 128256); }),
+                  {"llm.c token shard", "Llama 3", "magic 20240801, version 7", "header count 3, 1036 bytes",
+                   "token_dtype = \"uint32\"", "dtype=np.uint32"});
+  // A shard cut short, or of another version: still refused, saying what does not agree.
+  const std::string cut = write("cut.bin", llmc_file(20240520, 1, 10, le_array({1, 2, 3}, 2)));
+  expect_contains(error_of([&] { TokenSource::open({cut}, "uint16", 256); }),
+                  {"llm.c token shard", "1024 + 10 x 2 = 1044 expected: truncated?"});
+  const std::string v2 = write("v2.bin", llmc_file(20240520, 2, 1, le_array({1}, 2)));
+  expect_contains(error_of([&] { TokenSource::open({v2}, "uint16", 256); }), {"version 2 (llm.c writes 1)"});
+  const std::string hella = write("hellaswag_val.bin", llmc_file(20240522, 1, 2, le_array({65535, 40, 0}, 2)));
+  expect_contains(error_of([&] { TokenSource::open({hella}, "uint16", 65536); }),
+                  {"'" + hella + "' is an llm.c multiple-choice eval file", "not a token stream"});
+  // The same tokens without the header, and a headerless file that starts with other ids, are read.
+  const std::string plain = write("plain.bin", le_array({50256, 11, 12, 13, 50256}, 2));
+  EXPECT_EQ(read_all(TokenSource::open({plain}, "uint16", 50304)), (std::vector<int32_t>{50256, 11, 12, 13, 50256}));
+  const std::string near = write("near.bin", le_array({55432, 309, 1, 0}, 2));  // magic's low half, not its high
+  EXPECT_EQ(TokenSource::open({near}, "uint16", 65536).num_tokens(), 4);
+}
+
+// A FIFO given as a token file is refused at once, naming it; opening it for reading without
+// O_NONBLOCK would wait for a writer. A helper opens the write end after 3 s, so a reader that
+// does wait returns late (and the test fails) instead of hanging.
+TEST_F(DataFiles, FifoAndDirectoryAreRefusedAtOnce) {
+  const std::string fifo = (dir_ / "pipe.bin").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  std::atomic<bool> returned{false};
+  std::thread unblock([&] {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    while (!returned && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);  // fails with ENXIO if no reader waits
+    if (fd >= 0) ::close(fd);
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string msg = error_of([&] { TokenSource::open({fifo}, "uint16", 256); });
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  returned = true;
+  unblock.join();
+  expect_contains(msg, {"token file '" + fifo + "' is a FIFO (named pipe), not a regular file"});
+  EXPECT_LT(waited, 2.0) << "opening the FIFO waited for a writer";
+  expect_contains(error_of([&] { TokenSource::open({dir_.string()}, "uint16", 256); }),
+                  {"token file '" + dir_.string() + "' is a directory, not a regular file"});
 }
 
 // ------------------------------------------------------------------------------ ordering
@@ -532,7 +609,7 @@ TEST_F(DataFiles, TokenizerRoundTrip) {
   const std::string a = write_text("a.txt", t1), b = write_text("b.txt", t2), empty = write_text("e.txt", "");
   const std::string out16 = (dir_ / "out16.bin").string();
   tokenize_text_files({a, empty, b}, out16, "uint16", 0);
-  EXPECT_FALSE(fs::exists(out16 + ".tmp"));
+  EXPECT_EQ(listing(), (std::set<std::string>{"a.txt", "b.txt", "e.txt", "out16.bin"}));  // no temporary left
   EXPECT_EQ(static_cast<int64_t>(fs::file_size(out16)), 2 * static_cast<int64_t>(t1.size() + t2.size() + 3));
   std::vector<int32_t> want;
   for (const std::string& t : {t1, std::string(), t2}) {
@@ -554,16 +631,88 @@ TEST_F(DataFiles, TokenizerRoundTrip) {
 TEST_F(DataFiles, TokenizerRefusesEosBytesAndBadArguments) {
   const std::string p = write_text("eos.txt", std::string("abc\ndef", 7));
   const std::string out = (dir_ / "out.bin").string();
+  const std::set<std::string> before = listing();
   expect_contains(error_of([&] { tokenize_text_files({p}, out, "uint16", '\n'); }),
                   {p, "byte 10", "byte offset 3"});
-  EXPECT_FALSE(fs::exists(out));
-  EXPECT_FALSE(fs::exists(out + ".tmp"));
+  EXPECT_EQ(listing(), before);  // neither the output nor the temporary
   const std::string missing = (dir_ / "missing.txt").string();
   expect_contains(error_of([&] { tokenize_text_files({missing}, out, "uint16", 0); }), {missing});
-  EXPECT_FALSE(fs::exists(out + ".tmp"));
+  EXPECT_EQ(listing(), before);
   expect_contains(error_of([&] { tokenize_text_files({p}, out, "uint16", 70000); }), {"eos_id", "70000"});
   expect_contains(error_of([&] { tokenize_text_files({}, out, "uint16", 0); }), {"no input"});
   expect_contains(error_of([&] { tokenize_text_files({p}, out, "u8", 0); }), {"\"u8\""});
+  expect_contains(error_of([&] { tokenize_text_files({p}, "", "uint16", 0); }), {"no output"});
+  expect_contains(error_of([&] { tokenize_text_files({dir_.string()}, out, "uint16", 0); }),
+                  {"input '" + dir_.string() + "' is a directory"});
+  expect_contains(error_of([&] { tokenize_text_files({p}, dir_.string(), "uint16", 0); }),
+                  {"output '" + dir_.string() + "' exists and is not a regular file (a directory)"});
+  expect_contains(error_of([&] { tokenize_text_files({p}, (dir_ / "no_dir" / "out.bin").string(), "uint16", 0); }),
+                  {"cannot create the temporary file", "no_dir", "No such file or directory"});
+  EXPECT_EQ(listing(), before);
+}
+
+// An output that is one of the inputs (by name, another spelling, a hard link or a symlink) is
+// refused naming both, and the input is left as it was; the old code replaced it with its tokens.
+TEST_F(DataFiles, TokenizerRefusesAnOutputThatIsAnInput) {
+  const std::string text = "some text\n";
+  const std::string a = write_text("a.txt", text), b = write_text("b.txt", "other\n");
+  const std::string respelled = (dir_ / "." / "a.txt").string();
+  const std::string hard = (dir_ / "hard.txt").string(), soft = (dir_ / "soft.txt").string();
+  fs::create_hard_link(a, hard);
+  fs::create_symlink(a, soft);
+  const std::set<std::string> before = listing();
+  for (const std::string& out : {a, respelled, hard, soft}) {
+    expect_contains(error_of([&] { tokenize_text_files({b, a}, out, "uint16", 0); }),
+                    {"output '" + out + "' is the input '" + a + "'", "choose another --out"});
+    EXPECT_EQ(listing(), before) << out;
+  }
+  std::ifstream f(a, std::ios::binary);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(f), {}), text);
+  // A distinct existing output is replaced.
+  const std::string out = write_text("out.bin", "old");
+  tokenize_text_files({a}, out, "uint16", 0);
+  EXPECT_EQ(static_cast<int64_t>(fs::file_size(out)), 2 * static_cast<int64_t>(text.size() + 1));
+}
+
+// The tokens go to a new temporary file in the output's directory while the output keeps its old
+// content (observed mid-write through an input FIFO the test feeds), then take the output's name.
+// An error leaves the old output as it was; a file already named <output>.tmp is never touched.
+TEST_F(DataFiles, TokenizerWritesATemporaryBesideTheOutputThenRenames) {
+  const std::string out = write_text("out.bin", "old output");
+  const std::string user_tmp = write_text("out.bin.tmp", "a file of the user's");
+  const std::string fifo = (dir_ / "input.fifo").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  std::string error;
+  std::thread worker([&] {
+    try {
+      tokenize_text_files({fifo}, out, "uint16", 0);
+    } catch (const moe::Error& e) {
+      error = e.what();
+    }
+  });
+  {
+    std::ofstream feed(fifo, std::ios::binary);  // opens once the tokenizer reads the FIFO
+    feed << "ab" << std::flush;
+    std::set<std::string> temporaries;
+    for (const std::string& name : listing())
+      if (name.rfind("out.bin.tmp.", 0) == 0) temporaries.insert(name);
+    EXPECT_EQ(temporaries.size(), 1u) << "expected one new temporary beside the output";
+    std::ifstream old(out, std::ios::binary);
+    EXPECT_EQ(std::string(std::istreambuf_iterator<char>(old), {}), "old output");
+  }  // closing the FIFO ends the input
+  worker.join();
+  EXPECT_EQ(error, "");
+  EXPECT_EQ(read_all(TokenSource::open({out}, "uint16", 256)), (std::vector<int32_t>{'a', 'b', 0}));
+  EXPECT_EQ(listing(), (std::set<std::string>{"input.fifo", "out.bin", "out.bin.tmp"}));
+  std::ifstream kept(user_tmp, std::ios::binary);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(kept), {}), "a file of the user's");
+
+  // An error in the second input: the output keeps its last complete content, no temporary stays.
+  const std::string good = write_text("good.txt", "xyz"), bad = write_text("bad.txt", std::string("q\0", 2));
+  const std::set<std::string> before = listing();
+  expect_contains(error_of([&] { tokenize_text_files({good, bad}, out, "uint16", 0); }), {bad, "byte offset 1"});
+  EXPECT_EQ(listing(), before);
+  EXPECT_EQ(read_all(TokenSource::open({out}, "uint16", 256)), (std::vector<int32_t>{'a', 'b', 0}));
 }
 
 }  // namespace

@@ -1,0 +1,39 @@
+// The run's token sources, opened and checked before step 1. data.source = "embedded": a fixed
+// prefix of each split of the generated corpus (kEmbeddedTrainTokens / kEmbeddedEvalTokens, or one
+// batch if that is larger), the same whatever train.steps is; "tokens": data.paths and
+// data.eval_paths. Every source gets a full pass over its ids and a size check, and one summary
+// line: files, tokens, instances of seq_len + 1, and the epochs (or eval batches) the run covers.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <string>
+
+#include "core/config.h"
+#include "data/token_file.h"
+
+namespace moe {
+
+struct DataSources {
+  std::optional<TokenSource> train, eval;  // no eval for "tokens" without data.eval_paths
+};
+
+// Opens and validates data.source's train and eval sources, writing one summary line per source to
+// `out` (the trainer passes rank 0's console). Throws moe::Error, naming the file and what to do,
+// for a file TokenSource::open refuses, an id outside [0, model.vocab_size), a headerless uint16
+// file that holds uint32 data, too few tokens for one global batch (train) or one eval batch of
+// train.micro_batch sequences (eval), or data.paths set while data.source = "embedded".
+DataSources open_data(const Config& cfg, std::ostream& out);
+
+// Tokens of embedded split "train" | "eval" that a run of `cfg` uses: the split's fixed size, or one
+// global batch (train) / train.eval_batches eval batches (eval) of seq_len + 1 tokens if larger.
+// Never depends on train.steps.
+int64_t embedded_num_tokens(const Config& cfg, const std::string& split);
+
+// The full pass over a source, in chunks: every id is read (TokenSource::read checks the
+// vocabulary), and a headerless uint16 file of at least 256 tokens whose odd-position tokens are all
+// 0 while some even-position token is not (little-endian uint32 data read as uint16) is refused.
+void validate_tokens(const TokenSource& source);
+
+}  // namespace moe
