@@ -19,6 +19,7 @@
 #include <iostream>
 #include <optional>
 #include <ostream>
+#include <sstream>
 
 #include "checkpoint/checkpoint.h"
 #include "core/config_io.h"
@@ -183,7 +184,8 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
   const FaultInjection fault = FaultInjection::from_env();
   check_fresh_or_resumed(cfg);
   check_host_memory(plan);  // before anything large is allocated
-  DataSources data = open_data(cfg, out);  // checks every source, one line each on rank 0
+  std::ostringstream data_lines;  // printed after the header
+  DataSources data = open_data(cfg, data_lines);  // checks every source before step 1, a line each
   DataLoader loader(*data.train, plan.seq_len, plan.global_batch, plan.micro_batch, cfg.train.seed, topo.dp_rank,
                     plan.sizes.dp);
   std::optional<DataLoader> eval;
@@ -209,6 +211,7 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
     metrics.emplace((fs::path(cfg.run.dir) / "metrics.jsonl").string(), /*keep_through_step=*/start);
   }
   print_header(cfg, plan, world, out);
+  out << data_lines.str() << std::flush;
   const std::unique_ptr<Step> step = make_step(cfg, plan, topo, &state, out);
 
   // Open MPI hands ranks a pty even when mpirun's output goes to a file: no live line there.
