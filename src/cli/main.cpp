@@ -13,6 +13,7 @@
 #include "checkpoint/hf.h"
 #include "core/config_io.h"
 #include "core/error.h"
+#include "core/signals.h"
 #include "data/embedded.h"
 #include "model/layout.h"
 #include "model/model.h"
@@ -253,6 +254,7 @@ int cmd_tokenize(std::vector<std::string> args) {
                  "Writes a headerless token file (ids = bytes, EOS after each file) for data.source = \"tokens\".\n";
     return help ? 0 : 2;
   }
+  const StopSignals signals;  // a signal ends the write cleanly, without a partial file
   tokenize_text_files(inputs, out, dtype, eos);
   std::cout << "wrote " << out << "\n";
   return 0;

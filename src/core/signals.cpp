@@ -18,8 +18,8 @@ void on_stop_signal(int signo) {
   int expected = 0;
   if (g_requested.compare_exchange_strong(expected, signo)) {
     static const char kLine[] =
-        "\nmoecore: stop requested: finishing the current step and saving a checkpoint (send the signal again "
-        "to stop at once)\n";
+        "\nmoecore: stop requested: finishing cleanly (training: the current step and its checkpoint); send the "
+        "signal again to stop at once\n";
     ssize_t unused = ::write(STDERR_FILENO, kLine, sizeof kLine - 1);
     (void)unused;
     return;

@@ -17,6 +17,7 @@
 #include <memory>
 
 #include "core/error.h"
+#include "core/signals.h"
 #include "data/dataset.h"
 #include "data/token_file.h"
 
@@ -431,6 +432,9 @@ void tokenize_text_files(const std::vector<std::string>& inputs, const std::stri
     MOE_CHECK(in, "tokenize: cannot open input text file '", path, "': ", errno_text());
     int64_t offset = 0;
     for (;;) {
+      // Ctrl-C / SIGTERM (while the command holds a StopSignals): stop here; the temporary goes.
+      MOE_CHECK(StopSignals::requested() == 0, "tokenize: stopped by ", StopSignals::name(StopSignals::requested()),
+                "; '", output, "' was not written");
       const size_t got = std::fread(bytes.data(), 1, kChunk, in.get());
       MOE_CHECK(!std::ferror(in.get()), "tokenize: read error in '", path, "' at byte offset ", offset);
       for (size_t i = 0; i < got; ++i) {

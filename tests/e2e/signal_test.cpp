@@ -4,10 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -114,6 +116,43 @@ TEST(Signals, SecondStopEndsAtOnceAndEarlierCheckpointsStayComplete) {
   if (fs::exists(ckpt))
     for (const int64_t s : list_steps(ckpt))
       EXPECT_TRUE(resolve_checkpoint(ckpt + "/" + step_dir_name(s)).has_value()) << s;
+}
+
+// tokenize stops at a signal without leaving its output or a temporary behind. The input is a FIFO,
+// so the signal arrives while the command is mid-file.
+TEST(Signals, TokenizeLeavesNoPartialFile) {
+  const TempDir tmp("signal_tok");
+  const fs::path fifo = tmp.root() / "in.txt", out = tmp.root() / "out.bin", log = tmp.root() / "log.txt";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    FILE* f = std::fopen(log.c_str(), "w");
+    dup2(fileno(f), STDOUT_FILENO);
+    dup2(fileno(f), STDERR_FILENO);
+    execl(MOECORE_BINARY, MOECORE_BINARY, "tokenize", "--out", out.c_str(), fifo.c_str(), (char*)nullptr);
+    _exit(127);
+  }
+  std::this_thread::sleep_for(500ms);  // tokenize checks its input before it opens it for reading
+  std::signal(SIGPIPE, SIG_IGN);       // the writes after tokenize stopped fail instead of killing the test
+  FILE* w = std::fopen(fifo.c_str(), "w");  // opens once tokenize opened its end
+  ASSERT_NE(w, nullptr);
+  const std::string chunk(1 << 16, 'a');
+  std::fwrite(chunk.data(), 1, chunk.size(), w);
+  std::fflush(w);
+  std::this_thread::sleep_for(200ms);
+  ASSERT_EQ(kill(pid, SIGINT), 0);
+  std::this_thread::sleep_for(100ms);
+  for (int i = 0; i < 64; ++i) std::fwrite(chunk.data(), 1, chunk.size(), w);  // past one read chunk
+  std::fclose(w);
+  std::signal(SIGPIPE, SIG_DFL);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  const std::string text = read_file(log);
+  ASSERT_TRUE(WIFEXITED(status)) << text;
+  EXPECT_EQ(WEXITSTATUS(status), 1) << text;
+  EXPECT_NE(text.find("stopped by SIGINT"), std::string::npos) << text;
+  for (const auto& e : fs::directory_iterator(tmp.root()))
+    EXPECT_TRUE(e.path() == fifo || e.path() == log) << "left behind: " << e.path();
 }
 
 }  // namespace
