@@ -635,6 +635,9 @@ TokenSource TokenSource::open(const std::vector<std::string>& paths, const std::
       seg.name = mp->bin;
       parse_megatron(static_cast<const uint8_t*>(idx->addr), idx_size, mp->idx, bin_size, seg);
     } else {
+      MOE_CHECK(path_exists(path) || errno != ENOENT, "cannot open token file '", path, "': ", std::strerror(ENOENT),
+                ", nor is it the prefix of a Megatron dataset (no '", path, ".bin' or '", path,
+                ".idx'); check [data] paths");
       int64_t size = 0;
       state->mappings.push_back(map_file(path, &size));
       bytes = static_cast<const uint8_t*>(state->mappings.back()->addr);

@@ -261,7 +261,8 @@ TEST_F(DataFiles, TokenIdOutsideVocabulary) {
 TEST_F(DataFiles, MissingFileEmptyListAndBadDtype) {
   const std::string missing = (dir_ / "nope.npy").string();
   expect_contains(error_of([&] { TokenSource::open({missing}, "uint16", 256); }),
-                  {"cannot open token file", missing, "No such file"});
+                  {"cannot open token file '" + missing + "': No such file",
+                   "nor is it the prefix of a Megatron dataset (no '" + missing + ".bin' or '" + missing + ".idx')"});
   expect_contains(error_of([&] { TokenSource::open({}, "uint16", 256); }), {"no token files"});
   const std::string p = write("a.npy", le_array({1}, 2));
   expect_contains(error_of([&] { TokenSource::open({p}, "int16", 256); }), {"token_dtype", "\"int16\""});
