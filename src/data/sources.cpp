@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <set>
+#include <map>
 #include <vector>
 
 #include "core/error.h"
@@ -19,15 +19,20 @@
 namespace moe {
 namespace {
 
-// "embedded:train (generated, seed 1234)", "1 file 'a.bin' (uint16)", "3 files (uint16, npy <u4)".
+// "embedded:train (generated, seed 1234)", "1 file 'a.bin' (raw uint16)",
+// "3 files (2 megatron int32, 1 npy <u4)": the format of every file, counted by format.
 std::string describe_files(const TokenSource& s, const Config& cfg) {
   if (cfg.data.source == "embedded")
     return s.file_name(0) + " (generated, seed " + std::to_string(cfg.train.seed) + ")";
-  std::set<std::string> formats;
-  for (int64_t i = 0; i < s.num_files(); ++i) formats.insert(s.file_format(i));
+  std::map<std::string, int64_t> formats;
+  for (int64_t i = 0; i < s.num_files(); ++i) ++formats[s.file_format(i)];
+  if (s.num_files() == 1) return "1 file '" + s.file_name(0) + "' (" + s.file_format(0) + ")";
   std::string fmt;
-  for (const std::string& f : formats) fmt += (fmt.empty() ? "" : ", ") + f;
-  if (s.num_files() == 1) return "1 file '" + s.file_name(0) + "' (" + fmt + ")";
+  for (const auto& [f, count] : formats) {
+    if (!fmt.empty()) fmt += ", ";
+    if (formats.size() > 1) fmt += std::to_string(count) + " ";
+    fmt += f;
+  }
   return std::to_string(s.num_files()) + " files (" + fmt + ")";
 }
 
@@ -65,7 +70,7 @@ void validate_tokens(const TokenSource& source) {
   int64_t start = 0;
   for (int64_t f = 0; f < source.num_files(); ++f) {
     const int64_t n = source.file_num_tokens(f);
-    const bool raw_u16 = source.file_format(f) == "uint16";
+    const bool raw_u16 = source.file_format(f) == "raw uint16";
     int32_t odd_bits = 0, even_bits = 0;
     for (int64_t local = 0; local < n; local += kChunk) {
       const int64_t take = std::min(kChunk, n - local);
@@ -134,11 +139,11 @@ DataSources open_data(const Config& cfg, std::ostream& out) {
       << " sequences per evaluation";
   if (eval_batches < cfg.train.eval_batches) out << " (train.eval_batches = " << cfg.train.eval_batches << ")";
   out << "; ids checked in " << format_double("%.2f", eval_s) << " s\n";
-  for (const std::string& e : cfg.data.eval_paths)
-    for (const std::string& t : cfg.data.paths)
-      if (same_file(e, t))
-        out << "data warning: eval file '" << e << "' is also the train file '" << t
-            << "': the eval loss is measured on training data\n";
+  for (int64_t e = 0; cfg.data.source == "tokens" && e < d.eval->num_files(); ++e)
+    for (int64_t t = 0; t < d.train->num_files(); ++t)
+      if (same_file(d.eval->file_name(e), d.train->file_name(t)))
+        out << "data warning: eval file '" << d.eval->file_name(e) << "' is also the train file '"
+            << d.train->file_name(t) << "': the eval loss is measured on training data\n";
   out << std::flush;
   return d;
 }

@@ -1,7 +1,8 @@
-// Token files: mmap, .npy header parsing (versions 1.0/2.0/3.0, 1-D little-endian integer
-// arrays) and id conversion to int32 with a vocabulary check. The check is a max/min
-// reduction over each copied run (vectorisable); only a failing run is scanned again to name
-// the first bad id. Assumes a little-endian host, like the files.
+// Token files: mmap; the formats users have (NumPy .npy 1.0/2.0/3.0 1-D little-endian integer
+// arrays, Megatron-Core indexed datasets .bin + .idx, llm.c token shards, headerless arrays) are
+// parsed and validated at open; ids are converted to int32 with a vocabulary check. The check is a
+// max/min reduction over each copied run (vectorisable); only a failing run is scanned again to
+// name the first bad id. Assumes a little-endian host, like the files.
 #include "data/token_file.h"
 
 #include <fcntl.h>
@@ -12,9 +13,11 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <type_traits>
 
@@ -25,11 +28,11 @@ static_assert(std::endian::native == std::endian::little, "token files are littl
 namespace moe {
 namespace {
 
-enum class Elem : uint8_t { kU8, kU16, kU32, kU64, kI16, kI32, kI64 };
+enum class Elem : uint8_t { kU8, kU16, kU32, kU64, kI8, kI16, kI32, kI64 };
 
 int64_t elem_size(Elem e) {
   switch (e) {
-    case Elem::kU8: return 1;
+    case Elem::kU8: case Elem::kI8: return 1;
     case Elem::kU16: case Elem::kI16: return 2;
     case Elem::kU32: case Elem::kI32: return 4;
     case Elem::kU64: case Elem::kI64: return 8;
@@ -51,7 +54,7 @@ struct Mapping {
 
 struct Segment {
   std::string name;
-  std::string format;        // "uint16", "uint32", "npy <u2", ...
+  std::string format;        // "raw uint16", "npy <u2", "megatron int32", "llm.c uint16", ...
   Elem elem = Elem::kU32;
   const uint8_t* data = nullptr;  // first token
   int64_t data_offset = 0;   // byte offset of the first token in the file
@@ -255,44 +258,207 @@ bool has_npy_magic(const uint8_t* p, int64_t size) {
   return size >= kNpyMagicLen && std::memcmp(p, kNpyMagic, kNpyMagicLen) == 0;
 }
 
-// llm.c files (its dev/data/data_common.py): 256 little-endian int32 header words (magic,
-// version, count, then zeros), then the payload. Read as a headerless array, the 1024 header
-// bytes would become 512 or 256 tokens, so a file starting with one of these magics is refused.
-struct LlmcFormat {
+// llm.c files (its dev/data/data_common.py, write_datafile): 256 little-endian int32 header words
+// (magic, version, token count, then zeros), then the tokens in the dtype the magic names. Its
+// multiple-choice eval files (HellaSwag, MMLU) have the same header but hold examples.
+struct LlmcShard {
   int32_t magic, version;
-  const char* dtype;  // nullptr: not a token stream
-  int64_t width;
-  const char* what;
+  Elem elem;
+  const char* dtype;
+  const char* tokenizer;
 };
-constexpr LlmcFormat kLlmcFormats[] = {
-    {20240520, 1, "uint16", 2, "an llm.c token shard (GPT-2 format: uint16 tokens after a 1024-byte header)"},
-    {20240801, 7, "uint32", 4, "an llm.c token shard (Llama 3 format: uint32 tokens after a 1024-byte header)"},
-    {20240522, 1, nullptr, 2, "an llm.c multiple-choice eval file (HellaSwag/MMLU examples), not a token stream"},
+constexpr LlmcShard kLlmcShards[] = {
+    {20240520, 1, Elem::kU16, "uint16", "GPT-2"},
+    {20240801, 7, Elem::kU32, "uint32", "Llama 3"},
 };
+constexpr int32_t kLlmcEvalMagic = 20240522;
 constexpr int64_t kLlmcHeaderBytes = 256 * 4;
 
-void refuse_llmc(const uint8_t* p, int64_t size, const std::string& path) {
-  if (size < 4) return;
+// Fills seg.{elem, format, data_offset, num_tokens} and returns true if the file starts with an
+// llm.c shard magic; throws for an llm.c eval file or a shard whose header does not fit the file.
+bool parse_llmc(const uint8_t* p, int64_t size, Segment& seg) {
+  if (size < 4) return false;
+  const std::string& path = seg.name;
   const int32_t magic = load_le<int32_t>(p);
-  for (const LlmcFormat& f : kLlmcFormats) {
+  MOE_CHECK(magic != kLlmcEvalMagic, "token file '", path, "' is an llm.c multiple-choice eval file (magic ",
+            kLlmcEvalMagic, " at byte offset 0: HellaSwag/MMLU examples), not a token stream; list token files "
+            "in [data] paths");
+  for (const LlmcShard& f : kLlmcShards) {
     if (magic != f.magic) continue;
-    const int64_t version = size >= 8 ? load_le<int32_t>(p + 4) : -1;
-    const int64_t count = size >= 12 ? load_le<int32_t>(p + 8) : -1;
-    std::ostringstream found;
-    found << "magic " << f.magic << ", version " << version;
-    if (version != f.version) found << " (llm.c writes " << f.version << ")";
-    found << ", header count " << count << ", " << size << " bytes";
-    if (f.dtype && size != kLlmcHeaderBytes + count * f.width)
-      found << " (1024 + " << count << " x " << f.width << " = " << kLlmcHeaderBytes + count * f.width
-            << " expected: truncated?)";
-    if (!f.dtype)
-      MOE_FAIL("token file '", path, "' is ", f.what, " (", found.str(), "); list token files in [data] paths");
-    MOE_FAIL("token file '", path, "' is ", f.what, " (", found.str(),
-             "); moecore reads headerless token arrays and .npy files and would read the header as tokens. "
-             "Strip the header and list the new file in [data] paths: tail -c +1025 '", path, "' > '", path, ".",
-             f.dtype, "' with [data] token_dtype = \"", f.dtype, "\", or in Python np.save('", path,
-             ".npy', np.fromfile('", path, "', dtype=np.", f.dtype, ", offset=1024))");
+    MOE_CHECK(size >= kLlmcHeaderBytes, "truncated llm.c token shard '", path, "': magic ", magic,
+              " at byte offset 0, but ", size, " bytes, less than the 1024-byte header");
+    const int32_t version = load_le<int32_t>(p + 4);
+    MOE_CHECK(version == f.version, "unsupported llm.c token shard '", path, "': version ", version,
+              " (byte offset 4) with magic ", magic, "; llm.c writes version ", f.version, " (", f.tokenizer, ", ",
+              f.dtype, " tokens)");
+    const int64_t count = load_le<int32_t>(p + 8);
+    MOE_CHECK(count >= 0, "malformed llm.c token shard '", path, "': token count ", count,
+              " (byte offset 8) is negative");
+    const int64_t width = elem_size(f.elem);
+    const int64_t expected = kLlmcHeaderBytes + count * width;
+    MOE_CHECK(size == expected, size < expected ? "truncated" : "malformed", " llm.c token shard '", path,
+              "': the header's token count ", count, " (byte offset 8) of ", f.dtype, " needs 1024 + ", count, " x ",
+              width, " = ", expected, " bytes, but the file has ", size,
+              size < expected ? " (an interrupted write or copy?)" : " (bytes after the last token)");
+    seg.elem = f.elem;
+    seg.format = std::string("llm.c ") + f.dtype;
+    seg.data_offset = kLlmcHeaderBytes;
+    seg.num_tokens = count;
+    return true;
   }
+  return false;
+}
+
+// Megatron-Core indexed dataset (megatron/core/datasets/indexed_dataset.py, _IndexWriter), a
+// PREFIX.bin of tokens and its PREFIX.idx: magic "MMIDIDX\0\0" (9 bytes), uint64 version 1, uint8
+// dtype code, uint64 sequence count N, uint64 document count D (34 bytes), then int32
+// sequence_lengths[N] (tokens), int64 sequence_pointers[N] (byte offsets into the .bin), int64
+// document_indices[D] (0, the first sequence of each next document, ..., N). The arrays start
+// unaligned at byte 34: every field is read with memcpy.
+constexpr char kMegatronMagic[] = "MMIDIDX\0\0";
+constexpr int64_t kMegatronMagicLen = 9;
+constexpr int64_t kMegatronHeaderBytes = 34;
+
+struct MegatronDtype {
+  uint8_t code;
+  const char* name;
+  bool integer;
+  Elem elem;
+};
+constexpr MegatronDtype kMegatronDtypes[] = {
+    {1, "uint8", true, Elem::kU8},    {2, "int8", true, Elem::kI8},       {3, "int16", true, Elem::kI16},
+    {4, "int32", true, Elem::kI32},   {5, "int64", true, Elem::kI64},     {6, "float64", false, Elem::kU8},
+    {7, "float32", false, Elem::kU8}, {8, "uint16", true, Elem::kU16},
+};
+constexpr const char* kMegatronIntegerCodes = "1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 8 uint16";
+
+bool has_megatron_magic(const uint8_t* p, int64_t size) {
+  return size >= kMegatronMagicLen && std::memcmp(p, kMegatronMagic, kMegatronMagicLen) == 0;
+}
+
+std::string escaped_bytes(const uint8_t* p, int64_t n) {
+  std::string out;
+  char buf[8];
+  for (int64_t i = 0; i < n; ++i) {
+    if (p[i] >= 32 && p[i] < 127 && p[i] != '\\' && p[i] != '"') {
+      out += static_cast<char>(p[i]);
+    } else {
+      std::snprintf(buf, sizeof buf, "\\x%02x", p[i]);
+      out += buf;
+    }
+  }
+  return out;
+}
+
+// Validates the .idx at p[0, size) against a .bin of bin_size bytes and fills seg (named by the
+// .bin) with the tokens: the sequences in index order, which must tile the .bin from byte 0.
+void parse_megatron(const uint8_t* p, int64_t size, const std::string& idx, int64_t bin_size, Segment& seg) {
+  const std::string& bin = seg.name;
+  MOE_CHECK(size >= kMegatronHeaderBytes, "truncated Megatron index '", idx, "': ", size,
+            " bytes, but the header (magic, version, dtype code, sequence and document counts) needs 34");
+  MOE_CHECK(has_megatron_magic(p, size), "bad magic in Megatron index '", idx,
+            "' (byte offset 0): expected \"MMIDIDX\\x00\\x00\", got \"", escaped_bytes(p, kMegatronMagicLen),
+            "\"; name the prefix of a Megatron-Core indexed dataset (PREFIX.bin + PREFIX.idx)");
+  const uint64_t version = load_le<uint64_t>(p + 9);
+  MOE_CHECK(version == 1, "unsupported Megatron index '", idx, "': version ", version,
+            " (byte offset 9); Megatron-Core writes version 1");
+  const uint8_t code = p[17];
+  const MegatronDtype* dtype = nullptr;
+  for (const MegatronDtype& d : kMegatronDtypes)
+    if (d.code == code) dtype = &d;
+  MOE_CHECK(dtype != nullptr, "unknown dtype code ", int(code), " (byte offset 17) in Megatron index '", idx,
+            "'; expected one of ", kMegatronIntegerCodes, " (6 float64 and 7 float32 are not token ids)");
+  MOE_CHECK(dtype->integer, "Megatron index '", idx, "' has dtype code ", int(code), " (", dtype->name,
+            ") at byte offset 17: token ids need an integer dtype, one of ", kMegatronIntegerCodes,
+            "; this dataset does not hold token ids");
+  const uint64_t num_sequences = load_le<uint64_t>(p + 18);
+  const uint64_t num_doc_indices = load_le<uint64_t>(p + 26);
+  // Counts below 2^58 keep 34 + 12 N + 8 D inside uint64; a real index is far smaller.
+  const bool representable = num_sequences < (uint64_t{1} << 58) && num_doc_indices < (uint64_t{1} << 58);
+  const uint64_t expected = representable ? kMegatronHeaderBytes + 12 * num_sequences + 8 * num_doc_indices : 0;
+  if (!representable || expected != static_cast<uint64_t>(size)) {
+    MOE_CHECK(!(representable && num_sequences > 0 && expected + num_sequences == static_cast<uint64_t>(size)),
+              "Megatron index '", idx, "' has ", num_sequences, " bytes after its document indices (from byte offset ",
+              expected, "): the sequence modes of a multimodal dataset, whose .bin holds more than token ids; "
+              "not read");
+    std::ostringstream need;
+    if (representable)
+      need << expected;
+    else
+      need << "more than 2^61";
+    MOE_FAIL("size mismatch in Megatron index '", idx, "': sequence count ", num_sequences,
+             " (byte offset 18) and document count ", num_doc_indices, " (byte offset 26) need 34 + 4 x ",
+             num_sequences, " + 8 x ", num_sequences, " + 8 x ", num_doc_indices, " = ", need.str(),
+             " bytes, but the file has ", size, " (truncated, or not written by Megatron-Core?)");
+  }
+  const int64_t n = static_cast<int64_t>(num_sequences), d = static_cast<int64_t>(num_doc_indices);
+  const int64_t lengths_at = kMegatronHeaderBytes, pointers_at = lengths_at + 4 * n, docs_at = pointers_at + 8 * n;
+  const int64_t width = elem_size(dtype->elem);
+
+  int64_t end = 0;  // byte where the sequences so far end in the .bin
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t len = load_le<int32_t>(p + lengths_at + 4 * i);
+    const int64_t ptr = load_le<int64_t>(p + pointers_at + 8 * i);
+    MOE_CHECK(len >= 0, "Megatron index '", idx, "': sequence_lengths[", i, "] = ", len, " (byte offset ",
+              lengths_at + 4 * i, ") is negative");
+    MOE_CHECK(ptr == end, "Megatron index '", idx, "': sequence_pointers[", i, "] = ", ptr, " (byte offset ",
+              pointers_at + 8 * i, "), but sequence ", i, " starts at byte ", end, " of '", bin, "' (",
+              i == 0 ? "the start of the file" : "where the previous sequence ends",
+              "); moecore reads the .bin as the sequences in index order, end to end, as Megatron-Core writes it");
+    end += len * width;
+    MOE_CHECK(end <= bin_size, "truncated Megatron data '", bin, "': ", bin_size, " bytes, but sequence ", i,
+              " of '", idx, "' (sequence_lengths[", i, "] = ", len, " ", dtype->name, " tokens at byte ", ptr,
+              ") ends at byte ", end);
+  }
+  MOE_CHECK(end == bin_size, "Megatron data '", bin, "' has ", bin_size, " bytes, but the ", n,
+            " sequence lengths of '", idx, "' sum to ", end / width, " ", dtype->name, " tokens = ", end,
+            " bytes: the .bin and .idx do not belong together");
+
+  MOE_CHECK(d >= 1, "Megatron index '", idx, "': document count 0 (byte offset 26); Megatron-Core writes the "
+            "document indices 0, ..., ", n, " (at least one entry)");
+  int64_t prev = 0;
+  for (int64_t k = 0; k < d; ++k) {
+    const int64_t at = docs_at + 8 * k;
+    const int64_t v = load_le<int64_t>(p + at);
+    MOE_CHECK(k > 0 || v == 0, "Megatron index '", idx, "': document_indices[0] = ", v, " (byte offset ", at,
+              "), expected 0");
+    MOE_CHECK(v >= prev && v <= n, "Megatron index '", idx, "': document_indices[", k, "] = ", v, " (byte offset ",
+              at, ") is outside [", prev, ", ", n, "]: the indices must rise from 0 to the sequence count ", n);
+    MOE_CHECK(k < d - 1 || v == n, "Megatron index '", idx, "': the last document index, document_indices[", k,
+              "] = ", v, " (byte offset ", at, "), is not the sequence count ", n);
+    prev = v;
+  }
+  seg.elem = dtype->elem;
+  seg.format = std::string("megatron ") + dtype->name;
+  seg.data_offset = 0;
+  seg.num_tokens = end / width;
+}
+
+bool ends_with(const std::string& s, const char* suffix) {
+  const size_t n = std::strlen(suffix);
+  return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
+}
+
+bool path_exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+// A Megatron dataset named by its prefix (no file of that name, PREFIX.bin or PREFIX.idx exists),
+// its .idx, or its .bin with the .idx beside it. A .bin without an .idx is a headerless file.
+struct MegatronPaths {
+  std::string bin, idx;
+};
+std::optional<MegatronPaths> megatron_paths(const std::string& path) {
+  const auto stem = [&] { return path.substr(0, path.size() - 4); };
+  if (ends_with(path, ".idx")) return MegatronPaths{stem() + ".bin", path};
+  if (ends_with(path, ".bin")) {
+    if (path_exists(stem() + ".idx")) return MegatronPaths{path, stem() + ".idx"};
+    return std::nullopt;
+  }
+  if (!path_exists(path) && (path_exists(path + ".bin") || path_exists(path + ".idx")))
+    return MegatronPaths{path + ".bin", path + ".idx"};
+  return std::nullopt;
 }
 
 std::string shape_text(const std::vector<int64_t>& s) {
@@ -415,6 +581,7 @@ auto dispatch_elem(Elem e, F&& f) {
     case Elem::kU16: return f(uint16_t{});
     case Elem::kU32: return f(uint32_t{});
     case Elem::kU64: return f(uint64_t{});
+    case Elem::kI8: return f(int8_t{});
     case Elem::kI16: return f(int16_t{});
     case Elem::kI32: return f(int32_t{});
     case Elem::kI64: return f(int64_t{});
@@ -455,23 +622,41 @@ TokenSource TokenSource::open(const std::vector<std::string>& paths, const std::
   auto state = std::make_shared<State>();
   state->vocab = vocab_size;
   for (const std::string& path : paths) {
-    int64_t size = 0;
-    state->mappings.push_back(map_file(path, &size));
-    const auto* bytes = static_cast<const uint8_t*>(state->mappings.back()->addr);
     Segment seg;
-    seg.name = path;
-    if (has_npy_magic(bytes, size)) {
-      parse_npy(bytes, size, seg);
+    const uint8_t* bytes = nullptr;
+    if (const std::optional<MegatronPaths> mp = megatron_paths(path)) {
+      for (const std::string* f : {&mp->idx, &mp->bin})
+        MOE_CHECK(path_exists(*f), "Megatron dataset '", path, "': '", *f, "' not found (", std::strerror(errno),
+                  "); a Megatron-Core indexed dataset is PREFIX.bin and PREFIX.idx side by side");
+      int64_t idx_size = 0, bin_size = 0;
+      const std::unique_ptr<Mapping> idx = map_file(mp->idx, &idx_size);
+      state->mappings.push_back(map_file(mp->bin, &bin_size));
+      bytes = static_cast<const uint8_t*>(state->mappings.back()->addr);
+      seg.name = mp->bin;
+      parse_megatron(static_cast<const uint8_t*>(idx->addr), idx_size, mp->idx, bin_size, seg);
     } else {
-      refuse_llmc(bytes, size, path);
-      MOE_CHECK(size % raw_size == 0, "truncated token file '", path, "': ", size,
-                " bytes is not a multiple of ", raw_size, " (", token_dtype,
-                "); the last whole token ends at byte offset ", size - size % raw_size,
-                " (wrong token_dtype, or an interrupted write?)");
-      seg.elem = raw_elem;
-      seg.format = token_dtype;
-      seg.data_offset = 0;
-      seg.num_tokens = size / raw_size;
+      MOE_CHECK(path_exists(path) || errno != ENOENT, "cannot open token file '", path, "': ", std::strerror(ENOENT),
+                ", nor is it the prefix of a Megatron dataset (no '", path, ".bin' or '", path,
+                ".idx'); check [data] paths");
+      int64_t size = 0;
+      state->mappings.push_back(map_file(path, &size));
+      bytes = static_cast<const uint8_t*>(state->mappings.back()->addr);
+      seg.name = path;
+      if (has_npy_magic(bytes, size)) {
+        parse_npy(bytes, size, seg);
+      } else if (!parse_llmc(bytes, size, seg)) {
+        MOE_CHECK(!has_megatron_magic(bytes, size), "token file '", path,
+                  "' is a Megatron index (magic \"MMIDIDX\\x00\\x00\"); name its dataset by the prefix of "
+                  "PREFIX.idx and PREFIX.bin (or name PREFIX.idx) in [data] paths");
+        MOE_CHECK(size % raw_size == 0, "truncated token file '", path, "': ", size,
+                  " bytes is not a multiple of ", raw_size, " (", token_dtype,
+                  "); the last whole token ends at byte offset ", size - size % raw_size,
+                  " (wrong token_dtype, or an interrupted write?)");
+        seg.elem = raw_elem;
+        seg.format = "raw " + token_dtype;
+        seg.data_offset = 0;
+        seg.num_tokens = size / raw_size;
+      }
     }
     seg.data = bytes ? bytes + seg.data_offset : nullptr;
     state->segments.push_back(std::move(seg));

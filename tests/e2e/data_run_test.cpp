@@ -1,6 +1,7 @@
 // The trainer and its data: a run of 6 steps resumed to 12 equals 12 straight steps bit for bit
 // (the embedded corpus does not depend on train.steps), every source is checked and described
-// before step 1, and `moecore tokenize` refuses to overwrite one of its inputs.
+// before step 1, a run on a Megatron dataset and an llm.c shard equals one on the same tokens in
+// headerless files, and `moecore tokenize` refuses to overwrite one of its inputs.
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
@@ -15,7 +16,9 @@
 #include <vector>
 
 #include "core/config.h"
+#include "data/embedded.h"
 #include "support/test_util.h"
+#include "support/token_formats.h"
 #include "train/trainer.h"
 
 namespace moe::testing {
@@ -80,6 +83,57 @@ TEST(DataRun, BadTokenFileFailsBeforeStepOne) {
   const std::string msg = error_of([&] { train(c, log); });
   EXPECT_NE(msg.find("token id 999 at token offset 1092 of '" + path + "'"), std::string::npos) << msg;
   EXPECT_TRUE(train_losses(tmp / "run").empty());
+}
+
+// The same tokens as a multi-document Megatron dataset named by its prefix (train) and an llm.c
+// shard (eval), or as headerless uint16 files: the same losses, step by step, and eval loss.
+TEST(DataRun, MegatronAndLlmcFilesTrainLikeRawFiles) {
+  const TempDir tmp("data_formats");
+  const std::vector<uint32_t> train_ids = embedded_corpus("train", 200 * 17, 7);
+  const std::vector<uint32_t> eval_ids = embedded_corpus("eval", 8 * 17, 7);
+  const std::vector<uint64_t> train_u64(train_ids.begin(), train_ids.end()), eval_u64(eval_ids.begin(), eval_ids.end());
+  // Documents end at EOS (0); each is stored as two sequences (the first 3 tokens, then the rest).
+  std::vector<std::vector<std::vector<uint64_t>>> docs(1);
+  for (uint64_t id : train_u64) {
+    if (docs.back().empty()) docs.back().push_back({});
+    if (docs.back().size() == 1 && docs.back()[0].size() == 3) docs.back().push_back({});
+    docs.back().back().push_back(id);
+    if (id == 0) docs.emplace_back();
+  }
+  if (docs.back().empty()) docs.pop_back();
+  ASSERT_GT(docs.size(), 2u);
+  const std::string prefix = write_megatron((tmp / "corpus_text_document").string(), docs, 8);
+  const std::string shard = (tmp / "eval_000000.bin").string();
+  write_bytes(shard, llmc_shard(eval_u64, false));
+  const std::string raw_train = (tmp / "train.tokens").string(), raw_eval = (tmp / "eval.tokens").string();
+  write_bytes(raw_train, le_array(train_u64, 2));
+  write_bytes(raw_eval, le_array(eval_u64, 2));
+
+  const auto run = [&](const std::string& name, const std::string& train_path, const std::string& eval_path,
+                       std::ostringstream& log) {
+    Config c = small_train_config(tmp / name, /*n_layers=*/2, /*global_batch=*/4, /*steps=*/6);
+    c.data.source = "tokens";
+    c.data.paths = {train_path};
+    c.data.eval_paths = {eval_path};
+    c.train.eval_batches = 2;
+    return train(c, log);
+  };
+  std::ostringstream formats_log, raw_log;
+  const TrainSummary formats = run("formats", prefix, shard, formats_log);
+  const TrainSummary raw = run("raw", raw_train, raw_eval, raw_log);
+  EXPECT_NE(formats_log.str().find("data train: 1 file '" + prefix + ".bin' (megatron uint16), 3400 tokens, 200 instances"),
+            std::string::npos)
+      << formats_log.str();
+  EXPECT_NE(formats_log.str().find("data eval: 1 file '" + shard + "' (llm.c uint16), 136 tokens"), std::string::npos)
+      << formats_log.str();
+  EXPECT_NE(raw_log.str().find("data train: 1 file '" + raw_train + "' (raw uint16), 3400 tokens"), std::string::npos)
+      << raw_log.str();
+  const std::vector<double> a = train_losses(tmp / "formats"), b = train_losses(tmp / "raw");
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(b.size(), 6u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
+  EXPECT_TRUE(std::isfinite(formats.final_eval_loss));
+  EXPECT_EQ(formats.final_eval_loss, raw.final_eval_loss);
 }
 
 struct CmdResult {

@@ -15,6 +15,7 @@
 #include "data/embedded.h"
 #include "data/sources.h"
 #include "support/test_util.h"
+#include "support/token_formats.h"
 
 namespace moe::testing {
 namespace {
@@ -97,7 +98,7 @@ TEST(OpenData, SummaryLinePerSource) {
   const std::string b = write_ids(tmp / "b.bin", ramp(50, 256), 2);
   std::ostringstream log;
   open_data(tokens_config({a, b}, 10), log);
-  EXPECT_HAS(log.str(), "data train: 2 files (uint16), 130 tokens, 7 instances of 17 tokens, 10 steps x 4 sequences = "
+  EXPECT_HAS(log.str(), "data train: 2 files (raw uint16), 130 tokens, 7 instances of 17 tokens, 10 steps x 4 sequences = "
                         "10 epochs of 1 batches; ids checked in ");
   EXPECT_HAS(log.str(), "data eval: none (data.eval_paths is empty)\n");
 
@@ -105,8 +106,8 @@ TEST(OpenData, SummaryLinePerSource) {
   c.data.eval_paths = {b};
   std::ostringstream two;
   open_data(c, two);
-  EXPECT_HAS(two.str(), "data train: 1 file '" + a + "' (uint16), 80 tokens, 4 instances");
-  EXPECT_HAS(two.str(), "data eval: 1 file '" + b + "' (uint16), 50 tokens, 2 instances of 17 tokens, 1 batches x 2 "
+  EXPECT_HAS(two.str(), "data train: 1 file '" + a + "' (raw uint16), 80 tokens, 4 instances");
+  EXPECT_HAS(two.str(), "data eval: 1 file '" + b + "' (raw uint16), 50 tokens, 2 instances of 17 tokens, 1 batches x 2 "
                         "sequences per evaluation (train.eval_batches = 4)");
   EXPECT_EQ(two.str().find("warning"), std::string::npos);
   c.data.eval_paths = {(tmp / "." / "a.bin").string()};  // the train file under another name
@@ -120,6 +121,45 @@ TEST(OpenData, SummaryLinePerSource) {
                         "tokens, 2032 steps x 4 sequences = 0.0329 epochs of 61680 batches");
   EXPECT_HAS(emb.str(), "data eval: embedded:eval (generated, seed 1234), 1048576 tokens, 61680 instances of 17 "
                         "tokens, 4 batches x 2 sequences per evaluation;");
+}
+
+// The summary line says each file's format (counted by format when they differ), and a bad file of
+// any format is refused before step 1; a Megatron prefix in both lists is the same file.
+TEST(OpenData, SummaryLineNamesEveryFormat) {
+  const TempDir tmp("sources_formats");
+  std::vector<uint64_t> ids;
+  for (uint32_t v : ramp(40, 256)) ids.push_back(v);
+  const std::string raw = write_ids(tmp / "raw.bin", ramp(40, 256), 2);
+  const std::string llmc = (tmp / "shard_000000.bin").string();
+  write_bytes(llmc, llmc_shard(ids, false));
+  const std::string empty = (tmp / "empty.tokens").string();
+  write_bytes(empty, Bytes(0));  // an empty headerless file: 0 tokens
+  const std::string mega = write_megatron((tmp / "corpus_text_document").string(), {{ids}, {ids}}, 4);
+  const std::string mega2 = write_megatron((tmp / "second_text_document").string(), {{ids}}, 4);
+  std::ostringstream log;
+  open_data(tokens_config({mega, raw, llmc, mega2, empty}), log);
+  EXPECT_HAS(log.str(), "data train: 5 files (1 llm.c uint16, 2 megatron int32, 2 raw uint16), 200 tokens, 11 "
+                        "instances of 17 tokens");
+  std::ostringstream one;
+  open_data(tokens_config({mega}), one);
+  EXPECT_HAS(one.str(), "data train: 1 file '" + mega + ".bin' (megatron int32), 80 tokens");
+  std::ostringstream same_kind;
+  open_data(tokens_config({mega, mega2}), same_kind);
+  EXPECT_HAS(same_kind.str(), "data train: 2 files (megatron int32), 120 tokens");
+
+  Config c = tokens_config({mega});
+  c.data.eval_paths = {mega + ".idx"};
+  std::ostringstream same;
+  open_data(c, same);
+  EXPECT_HAS(same.str(), "data warning: eval file '" + mega + ".bin' is also the train file '" + mega + ".bin'");
+
+  Bytes idx = megatron_idx({{ids}}, 7);
+  write_bytes((tmp / "float.idx").string(), idx);
+  write_bytes((tmp / "float.bin").string(), Bytes(160));
+  std::ostringstream none;
+  EXPECT_HAS(error_of([&] { open_data(tokens_config({raw, (tmp / "float").string()}), none); }),
+             "Megatron index '" + (tmp / "float.idx").string() + "' has dtype code 7 (float32)");
+  EXPECT_EQ(none.str(), "");
 }
 
 // A bad id the run would read late, or never (in the dropped remainder), fails before step 1.
@@ -173,7 +213,7 @@ TEST(OpenData, TooLittleDataAndIgnoredPaths) {
   const std::string three = write_ids(tmp / "three.bin", ramp(3 * 17 + 16, 256), 2);  // 3 instances
   std::ostringstream log;
   const std::string msg = error_of([&] { open_data(tokens_config({three}), log); });
-  EXPECT_HAS(msg, "not enough train data (1 file '" + three + "' (uint16)) for one global batch");
+  EXPECT_HAS(msg, "not enough train data (1 file '" + three + "' (raw uint16)) for one global batch");
   EXPECT_HAS(msg, "67 tokens make 3 instances of seq_len + 1 = 17 tokens, but train.global_batch is 4");
   EXPECT_HAS(msg, "need at least 4 x 17 = 68 tokens in data.paths");
   Config c = tokens_config({write_ids(tmp / "train.bin", ramp(200, 256), 2)});

@@ -1,4 +1,5 @@
-// Data pipeline: token files (headerless and .npy, concatenation, every bad-input error),
+// Data pipeline: token files (headerless, .npy, Megatron indexed datasets, llm.c shards, written
+// here byte by byte in those tools' layouts; concatenation, every bad-input error),
 // instance ordering and rank/micro-batch slicing, resume by position, the embedded corpus and
 // the byte-level tokenizer. Files live in a per-test temporary directory removed afterwards.
 #include <gtest/gtest.h>
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "support/test_util.h"
+#include "support/token_formats.h"
 #include "core/error.h"
 #include "data/dataset.h"
 #include "data/embedded.h"
@@ -30,20 +32,8 @@ namespace moe::testing {
 namespace {
 
 namespace fs = std::filesystem;
-using Bytes = std::vector<uint8_t>;
-
 void expect_contains(const std::string& msg, std::initializer_list<std::string> parts) {
   for (const std::string& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
-}
-
-void put_le(Bytes& b, uint64_t v, int width) {
-  for (int i = 0; i < width; ++i) b.push_back(static_cast<uint8_t>(v >> (8 * i)));
-}
-
-Bytes le_array(const std::vector<uint64_t>& values, int width) {
-  Bytes b;
-  for (uint64_t v : values) put_le(b, v, width);
-  return b;
 }
 
 // A .npy file written byte by byte: magic, version, header length, dict padded with spaces and
@@ -108,7 +98,7 @@ TEST_F(DataFiles, HeaderlessUint16ReadsBack) {
   const std::string p = write("a.npy", le_array(ids, 2));
   TokenSource s = TokenSource::open({p}, "uint16", 65536);
   EXPECT_EQ(s.num_tokens(), 8);
-  EXPECT_EQ(s.file_format(0), "uint16");
+  EXPECT_EQ(s.file_format(0), "raw uint16");
   EXPECT_EQ(read_all(s), std::vector<int32_t>(ids.begin(), ids.end()));
 }
 
@@ -271,7 +261,8 @@ TEST_F(DataFiles, TokenIdOutsideVocabulary) {
 TEST_F(DataFiles, MissingFileEmptyListAndBadDtype) {
   const std::string missing = (dir_ / "nope.npy").string();
   expect_contains(error_of([&] { TokenSource::open({missing}, "uint16", 256); }),
-                  {"cannot open token file", missing, "No such file"});
+                  {"cannot open token file '" + missing + "': No such file",
+                   "nor is it the prefix of a Megatron dataset (no '" + missing + ".bin' or '" + missing + ".idx')"});
   expect_contains(error_of([&] { TokenSource::open({}, "uint16", 256); }), {"no token files"});
   const std::string p = write("a.npy", le_array({1}, 2));
   expect_contains(error_of([&] { TokenSource::open({p}, "int16", 256); }), {"token_dtype", "\"int16\""});
@@ -280,44 +271,180 @@ TEST_F(DataFiles, MissingFileEmptyListAndBadDtype) {
                   {"not a regular file", dir_.string()});
 }
 
-// An llm.c file: 256 int32 header words (magic, version, count, zeros), then `payload`.
-Bytes llmc_file(int32_t magic, int32_t version, int32_t count, const Bytes& payload) {
-  Bytes b;
-  put_le(b, static_cast<uint32_t>(magic), 4);
-  put_le(b, static_cast<uint32_t>(version), 4);
-  put_le(b, static_cast<uint32_t>(count), 4);
-  b.resize(1024, 0);
-  b.insert(b.end(), payload.begin(), payload.end());
-  return b;
+std::vector<int32_t> as_int32(const std::vector<uint64_t>& ids) {
+  std::vector<int32_t> out;
+  for (uint64_t v : ids) out.push_back(static_cast<int32_t>(static_cast<int64_t>(v)));
+  return out;
 }
 
-// Read as headerless tokens, a shard's header would pass as 512 (or 256) ids, most of them 0:
-// it is refused with what the file is and how to strip the header, whatever token_dtype says.
-TEST_F(DataFiles, LlmcShardsAreRefused) {
-  const std::string gpt2 = write("gpt2.bin", llmc_file(20240520, 1, 5, le_array({50256, 11, 12, 13, 50256}, 2)));
-  for (const char* dtype : {"uint16", "uint32"})
-    expect_contains(error_of([&] { TokenSource::open({gpt2}, dtype, 50304); }),
-                    {"'" + gpt2 + "' is an llm.c token shard", "GPT-2", "magic 20240520, version 1",
-                     "header count 5, 1034 bytes", "tail -c +1025 '" + gpt2 + "'", "token_dtype = \"uint16\"",
-                     "np.fromfile('" + gpt2 + "', dtype=np.uint16, offset=1024)"});
-  const std::string llama = write("llama.bin", llmc_file(20240801, 7, 3, le_array({128000, 9, 128001}, 4)));
-  expect_contains(error_of([&] { TokenSource::open({llama}, "uint32", 128256); }),
-                  {"llm.c token shard", "Llama 3", "magic 20240801, version 7", "header count 3, 1036 bytes",
-                   "token_dtype = \"uint32\"", "dtype=np.uint32"});
-  // A shard cut short, or of another version: still refused, saying what does not agree.
+// llm.c shards are read after their 1024-byte header in the header's dtype, whatever token_dtype
+// says, and concatenate with the other formats.
+TEST_F(DataFiles, LlmcShardsOfEachDtypeAreRead) {
+  const std::vector<uint64_t> gpt2_ids = {50256, 11, 12, 13, 65535, 50256};
+  const std::vector<uint64_t> llama_ids = {128000, 9, 70000, 128001};
+  const std::string gpt2 = write("gpt2_000001.bin", llmc_shard(gpt2_ids, false));
+  const std::string llama = write("llama_000001.bin", llmc_shard(llama_ids, true));
+  for (const char* dtype : {"uint16", "uint32"}) {
+    const TokenSource a = TokenSource::open({gpt2}, dtype, 65536);
+    EXPECT_EQ(a.file_format(0), "llm.c uint16");
+    EXPECT_EQ(read_all(a), as_int32(gpt2_ids));
+    const TokenSource b = TokenSource::open({llama}, dtype, 128256);
+    EXPECT_EQ(b.file_format(0), "llm.c uint32");
+    EXPECT_EQ(read_all(b), as_int32(llama_ids));
+  }
+  const std::string raw = write("raw.bin", le_array({7, 8}, 2));
+  const std::string empty = write("empty.bin", llmc_shard({}, false));
+  const TokenSource all = TokenSource::open({gpt2, empty, raw, llama}, "uint16", 128256);
+  EXPECT_EQ(all.num_tokens(), 12);
+  EXPECT_EQ(read_all(all), (std::vector<int32_t>{50256, 11, 12, 13, 65535, 50256, 7, 8, 128000, 9, 70000, 128001}));
+  // A bad id is located in the shard after its header.
+  expect_contains(error_of([&] { read_all(TokenSource::open({llama}, "uint32", 100000)); }),
+                  {"token id 128000 at token offset 0 of '" + llama + "' (byte offset 1024"});
+}
+
+TEST_F(DataFiles, LlmcBadHeadersAreRefused) {
   const std::string cut = write("cut.bin", llmc_file(20240520, 1, 10, le_array({1, 2, 3}, 2)));
   expect_contains(error_of([&] { TokenSource::open({cut}, "uint16", 256); }),
-                  {"llm.c token shard", "1024 + 10 x 2 = 1044 expected: truncated?"});
+                  {"truncated llm.c token shard '" + cut + "'", "token count 10 (byte offset 8) of uint16",
+                   "1024 + 10 x 2 = 1044 bytes, but the file has 1030"});
+  const std::string longer = write("long.bin", llmc_file(20240801, 7, 1, le_array({1, 2}, 4)));
+  expect_contains(error_of([&] { TokenSource::open({longer}, "uint16", 256); }),
+                  {"malformed llm.c token shard '" + longer + "'", "1024 + 1 x 4 = 1028 bytes, but the file has 1032",
+                   "bytes after the last token"});
   const std::string v2 = write("v2.bin", llmc_file(20240520, 2, 1, le_array({1}, 2)));
-  expect_contains(error_of([&] { TokenSource::open({v2}, "uint16", 256); }), {"version 2 (llm.c writes 1)"});
+  expect_contains(error_of([&] { TokenSource::open({v2}, "uint16", 256); }),
+                  {"unsupported llm.c token shard '" + v2 + "': version 2 (byte offset 4) with magic 20240520",
+                   "llm.c writes version 1 (GPT-2, uint16 tokens)"});
+  const std::string v1 = write("v1.bin", llmc_file(20240801, 1, 1, le_array({1}, 4)));
+  expect_contains(error_of([&] { TokenSource::open({v1}, "uint16", 256); }),
+                  {"version 1 (byte offset 4) with magic 20240801", "llm.c writes version 7 (Llama 3, uint32 tokens)"});
+  Bytes head = llmc_file(20240520, 1, 0, {});
+  head.resize(100);
+  const std::string short_header = write("short.bin", head);
+  expect_contains(error_of([&] { TokenSource::open({short_header}, "uint16", 256); }),
+                  {"truncated llm.c token shard '" + short_header + "'", "100 bytes, less than the 1024-byte header"});
   const std::string hella = write("hellaswag_val.bin", llmc_file(20240522, 1, 2, le_array({65535, 40, 0}, 2)));
   expect_contains(error_of([&] { TokenSource::open({hella}, "uint16", 65536); }),
-                  {"'" + hella + "' is an llm.c multiple-choice eval file", "not a token stream"});
-  // The same tokens without the header, and a headerless file that starts with other ids, are read.
-  const std::string plain = write("plain.bin", le_array({50256, 11, 12, 13, 50256}, 2));
-  EXPECT_EQ(read_all(TokenSource::open({plain}, "uint16", 50304)), (std::vector<int32_t>{50256, 11, 12, 13, 50256}));
+                  {"'" + hella + "' is an llm.c multiple-choice eval file", "magic 20240522", "not a token stream"});
+  // A headerless file that starts with other ids is read as headerless.
   const std::string near = write("near.bin", le_array({55432, 309, 1, 0}, 2));  // magic's low half, not its high
-  EXPECT_EQ(TokenSource::open({near}, "uint16", 65536).num_tokens(), 4);
+  EXPECT_EQ(TokenSource::open({near}, "uint16", 65536).file_format(0), "raw uint16");
+}
+
+// Three documents (one of two sequences, one empty, one with an empty sequence) by prefix, by
+// .bin and by .idx, in every integer dtype; the tokens are the sequences in order.
+TEST_F(DataFiles, MegatronDatasetReadByPrefixBinOrIdx) {
+  const std::vector<std::vector<std::vector<uint64_t>>> docs = {
+      {{5, 6, 7, 0}, {8, 9, 0}}, {}, {{}, {1, 2, 3, 4, 0}}};
+  const std::vector<int32_t> want = {5, 6, 7, 0, 8, 9, 0, 1, 2, 3, 4, 0};
+  const std::vector<std::pair<int, std::string>> dtypes = {{1, "uint8"}, {2, "int8"},  {3, "int16"},
+                                                           {4, "int32"}, {5, "int64"}, {8, "uint16"}};
+  for (const auto& [code, name] : dtypes) {
+    const std::string prefix = write_megatron((dir_ / ("corpus_" + name + "_text_document")).string(), docs, code);
+    for (const std::string& path : {prefix, prefix + ".bin", prefix + ".idx"}) {
+      const TokenSource s = TokenSource::open({path}, "uint32", 256);
+      EXPECT_EQ(s.file_format(0), "megatron " + name) << path;
+      EXPECT_EQ(s.file_name(0), prefix + ".bin");
+      EXPECT_EQ(read_all(s), want) << path;
+    }
+  }
+  // Mixed with a headerless file and a wider dtype; a bad id is named in the .bin.
+  const std::string wide = write_megatron((dir_ / "wide").string(), {{{70000, 1}}, {{2, 3}}}, 4);
+  const std::string raw = write("raw.bin", le_array({10, 11, 12}, 2));  // no raw.idx: headerless
+  const TokenSource s = TokenSource::open({raw, wide, dir_.string() + "/corpus_uint16_text_document"}, "uint16", 70001);
+  EXPECT_EQ(s.file_format(0), "raw uint16");
+  EXPECT_EQ(s.num_tokens(), 3 + 4 + 12);
+  std::vector<int32_t> all = {10, 11, 12, 70000, 1, 2, 3};
+  all.insert(all.end(), want.begin(), want.end());
+  EXPECT_EQ(read_all(s), all);
+  expect_contains(error_of([&] { read_all(TokenSource::open({wide}, "uint16", 256)); }),
+                  {"token id 70000 at token offset 0 of '" + wide + ".bin' (byte offset 0"});
+  const std::string neg = write_megatron((dir_ / "neg").string(), {{{1, static_cast<uint64_t>(-3)}}}, 2);
+  expect_contains(error_of([&] { read_all(TokenSource::open({neg}, "uint16", 256)); }),
+                  {"token id -3 at token offset 1 of '" + neg + ".bin'"});
+  // An empty dataset: no sequences, one document index.
+  const std::string none = write_megatron((dir_ / "none").string(), {}, 8);
+  EXPECT_EQ(TokenSource::open({none}, "uint16", 256).num_tokens(), 0);
+}
+
+TEST_F(DataFiles, MegatronBadIndexOrDataIsRefused) {
+  const std::vector<std::vector<std::vector<uint64_t>>> docs = {{{5, 6, 7}, {8}}, {{9, 10}}};
+  const Bytes idx = megatron_idx(docs, 8), bin = megatron_bin(docs, 8);
+  // Writes PREFIX.idx and PREFIX.bin as given; returns the prefix.
+  const auto dataset = [&](const std::string& name, const Bytes& i, const Bytes& b) {
+    const std::string prefix = (dir_ / name).string();
+    write_bytes(prefix + ".idx", i);
+    write_bytes(prefix + ".bin", b);
+    return prefix;
+  };
+  const auto refused = [&](const std::string& prefix) {
+    return error_of([&] { TokenSource::open({prefix}, "uint16", 256); });
+  };
+  ASSERT_EQ(read_all(TokenSource::open({dataset("good", idx, bin)}, "uint16", 256)),
+            (std::vector<int32_t>{5, 6, 7, 8, 9, 10}));
+
+  Bytes magic = idx;
+  magic[7] = 'Y';
+  std::string p = dataset("magic", magic, bin);
+  expect_contains(refused(p), {"bad magic in Megatron index '" + p + ".idx' (byte offset 0)",
+                               "expected \"MMIDIDX\\x00\\x00\", got \"MMIDIDXY\\x00\""});
+  p = dataset("version", megatron_idx(docs, 8, 2), bin);
+  expect_contains(refused(p), {"unsupported Megatron index '" + p + ".idx': version 2 (byte offset 9)"});
+  for (const auto& [code, name] : std::vector<std::pair<int, std::string>>{{6, "float64"}, {7, "float32"}}) {
+    p = dataset("float" + name, megatron_idx(docs, code), megatron_bin(docs, code));
+    expect_contains(refused(p), {"Megatron index '" + p + ".idx' has dtype code " + std::to_string(code) + " (" +
+                                     name + ") at byte offset 17",
+                                 "token ids need an integer dtype"});
+  }
+  Bytes unknown = idx;
+  unknown[17] = 9;
+  p = dataset("unknown", unknown, bin);
+  expect_contains(refused(p), {"unknown dtype code 9 (byte offset 17) in Megatron index '" + p + ".idx'"});
+  p = dataset("short_header", Bytes(idx.begin(), idx.begin() + 20), bin);
+  expect_contains(refused(p), {"truncated Megatron index '" + p + ".idx': 20 bytes", "needs 34"});
+  p = dataset("cut_idx", Bytes(idx.begin(), idx.end() - 8), bin);
+  expect_contains(refused(p), {"size mismatch in Megatron index '" + p + ".idx'",
+                               "sequence count 3 (byte offset 18) and document count 3 (byte offset 26)",
+                               "= 94 bytes, but the file has 86"});
+  Bytes modes = idx;
+  modes.insert(modes.end(), {0, 0, 0});
+  p = dataset("multimodal", modes, bin);
+  expect_contains(refused(p), {"Megatron index '" + p + ".idx' has 3 bytes after its document indices",
+                               "multimodal"});
+  p = dataset("cut_bin", idx, Bytes(bin.begin(), bin.end() - 1));
+  expect_contains(refused(p), {"truncated Megatron data '" + p + ".bin': 11 bytes, but sequence 2 of '" + p + ".idx'",
+                               "sequence_lengths[2] = 2 uint16 tokens at byte 8) ends at byte 12"});
+  Bytes longer = bin;
+  longer.insert(longer.end(), {1, 0});
+  p = dataset("long_bin", idx, longer);
+  expect_contains(refused(p), {"Megatron data '" + p + ".bin' has 14 bytes", "sum to 6 uint16 tokens = 12 bytes"});
+  // Fields of the arrays: lengths at 34, pointers at 34 + 4N, document indices at 34 + 12N (N = 3).
+  const auto with_field = [&](int64_t at, uint64_t v, int width) {
+    Bytes b = idx;
+    for (int i = 0; i < width; ++i) b[at + i] = static_cast<uint8_t>(v >> (8 * i));
+    return b;
+  };
+  p = dataset("neg_len", with_field(34 + 4, static_cast<uint32_t>(-1), 4), bin);
+  expect_contains(refused(p), {"'" + p + ".idx': sequence_lengths[1] = -1 (byte offset 38) is negative"});
+  p = dataset("gap", with_field(46 + 16, 10, 8), bin);
+  expect_contains(refused(p), {"'" + p + ".idx': sequence_pointers[2] = 10 (byte offset 62), but sequence 2 starts "
+                               "at byte 8 of '" + p + ".bin'"});
+  p = dataset("doc0", with_field(70, 1, 8), bin);
+  expect_contains(refused(p), {"'" + p + ".idx': document_indices[0] = 1 (byte offset 70), expected 0"});
+  p = dataset("doc_down", with_field(78, 4, 8), bin);
+  expect_contains(refused(p), {"document_indices[1] = 4 (byte offset 78) is outside [0, 3]"});
+  p = dataset("doc_last", with_field(86, 2, 8), bin);
+  expect_contains(refused(p), {"the last document index, document_indices[2] = 2 (byte offset 86), is not the "
+                               "sequence count 3"});
+  // One half of the pair missing; an index under another name.
+  const std::string lone = (dir_ / "lone").string();
+  write_bytes(lone + ".idx", idx);
+  expect_contains(error_of([&] { TokenSource::open({lone}, "uint16", 256); }),
+                  {"Megatron dataset '" + lone + "': '" + lone + ".bin' not found"});
+  expect_contains(error_of([&] { TokenSource::open({lone + ".idx"}, "uint16", 256); }), {"'" + lone + ".bin' not found"});
+  const std::string renamed = write("index.data", idx);
+  expect_contains(error_of([&] { TokenSource::open({renamed}, "uint16", 256); }),
+                  {"token file '" + renamed + "' is a Megatron index"});
 }
 
 // A FIFO given as a token file is refused at once, naming it; opening it for reading without
