@@ -96,7 +96,7 @@ struct Reader {
   }
   const json& at(const json& obj, const std::string& field, const char* key) const {
     auto it = obj.find(key);
-    if (it == obj.end()) fail(field + "." + key, "missing");
+    if (it == obj.end()) fail(field.empty() ? std::string(key) : field + "." + key, "missing");
     return *it;
   }
   bool flag(const json& obj, const std::string& field, const char* key, bool fallback) const {
@@ -615,7 +615,7 @@ Tokenizer Tokenizer::from_json(std::string_view json_text, const std::string& na
   auto impl = std::make_unique<Impl>();
   impl->file = name;
   const Reader r{name};
-  impl->read_model(r, r.at(root, "tokenizer", "model"));
+  impl->read_model(r, r.at(root, "", "model"));
   impl->read_added_tokens(r, root.value("added_tokens", json()));
   impl->read_normalizer(r, root.value("normalizer", json()), "normalizer");
   bool seen_byte_level = false;
