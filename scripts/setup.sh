@@ -10,7 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(g++ cmake ninja-build ccache libopenblas-dev libtomlplusplus-dev
-          nlohmann-json3-dev libgtest-dev openmpi-bin libopenmpi-dev python3)
+          nlohmann-json3-dev libgtest-dev openmpi-bin libopenmpi-dev python3
+          pkg-config libpcre2-dev libicu-dev)
 
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -33,6 +34,28 @@ if ((${#missing[@]})); then
   apt_install "${missing[@]}"
 else
   echo "setup: all packages present"
+fi
+
+# ---- Python `tokenizers` (the tokenizer golden test and bench only) ---------------------------
+# A pinned wheel (abi3, so it fits Python 3.11 x86_64) installed with --target into .deps/py, which
+# git ignores; the system Python is left alone. Without it the golden test reports skipped.
+tok_version=0.22.1
+tok_dir=.deps/py
+tok_present() {
+  [ -f "$tok_dir/tokenizers-$tok_version.dist-info/METADATA" ]
+}
+if tok_present; then
+  echo "setup: Python tokenizers $tok_version present in $tok_dir"
+else
+  if ! python3 -m pip --version >/dev/null 2>&1; then
+    echo "setup: installing python3-pip (for the tokenizers wheel)"
+    apt_install python3-pip || echo "setup: WARNING: apt-get install python3-pip failed" >&2
+  fi
+  echo "setup: installing tokenizers==$tok_version into $tok_dir"
+  rm -rf "$tok_dir"/tokenizers "$tok_dir"/tokenizers-*.dist-info
+  python3 -m pip install --target "$tok_dir" --only-binary=:all: --no-deps --disable-pip-version-check \
+      --quiet "tokenizers==$tok_version" ||
+    echo "setup: WARNING: could not install tokenizers $tok_version: the tokenizer golden test will be skipped" >&2
 fi
 
 # ---- cuDNN frontend headers (CUDA builds only) -------------------------------------------------
