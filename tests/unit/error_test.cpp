@@ -1,11 +1,12 @@
 // Error messages: MOE_CHECK / MOE_FAIL give the message alone, with the site and expression only
-// under MOECORE_DEBUG=1 (or when there is no message).
+// under MOECORE_DEBUG=1 (or when there is no message); checked arithmetic names the quantity.
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 
+#include "core/checked_math.h"
 #include "core/error.h"
 #include "support/test_util.h"
 
@@ -59,6 +60,15 @@ TEST(Error, CheckWithoutMessageKeepsItsSite) {
   const std::string msg = error_of([] { MOE_CHECK(1 + 1 == 3); });
   EXPECT_NE(msg.find("check failed [error_test.cpp:"), std::string::npos) << msg;
   EXPECT_NE(msg.find("check: 1 + 1 == 3"), std::string::npos) << msg;
+}
+
+TEST(CheckedMath, OverflowNamesTheQuantity) {
+  EXPECT_EQ(checked_mul(int64_t(1) << 31, int64_t(1) << 31, "q"), int64_t(1) << 62);
+  EXPECT_EQ(checked_add(INT64_MAX - 1, 1, "q"), INT64_MAX);
+  const std::string mul = error_of([] { checked_mul(int64_t(1) << 40, int64_t(1) << 30, "tokens per step"); });
+  EXPECT_NE(mul.find("tokens per step overflows int64: 1099511627776 x 1073741824"), std::string::npos) << mul;
+  const std::string add = error_of([] { checked_add(INT64_MAX, 1, "offset"); });
+  EXPECT_NE(add.find("offset overflows int64"), std::string::npos) << add;
 }
 
 }  // namespace
