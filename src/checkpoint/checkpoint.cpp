@@ -719,4 +719,20 @@ Config checkpoint_config(const LoadedCheckpoint& ck) {
   return parse_config_toml(*text, file + " (its 'config')");
 }
 
+void check_resume_config(const LoadedCheckpoint& ck, const Config& run) {
+  const Config saved = checkpoint_config(ck);
+  std::vector<std::string> lines;
+  for (const ConfigDifference& d : config_differences(saved, run, {"model", "moe"})) {
+    if (d.key == "model.dense_hidden" && saved.model.dense_layers.empty() && run.model.dense_layers.empty()) continue;
+    lines.push_back(d.key + ": " + d.a + " in the checkpoint, " + d.b + " in this run");
+  }
+  if (lines.empty()) return;
+  std::string list;
+  for (const std::string& l : lines) list += "\n  " + l;
+  MOE_FAIL("cannot resume from '", ck.dir(), "': this run's model differs from the checkpoint's in ", lines.size(),
+           lines.size() == 1 ? " key:" : " keys:", list,
+           "\nset them to the checkpoint's values (`moecore inspect ", ck.dir(),
+           "` prints its config), or start fresh with checkpoint.resume = \"none\"");
+}
+
 }  // namespace moe

@@ -166,4 +166,9 @@ TrainState read_train_state(const LoadedCheckpoint& ck);
 // validated); refused naming the file when absent or not valid.
 Config checkpoint_config(const LoadedCheckpoint& ck);
 
+// Throws when `run` would not rebuild the checkpoint's model: every model.* and moe.* key
+// whose value differs is listed with both values, and the message says how to proceed.
+// model.dense_hidden is compared only where a dense layer uses it.
+void check_resume_config(const LoadedCheckpoint& ck, const Config& run);
+
 }  // namespace moe

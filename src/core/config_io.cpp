@@ -912,6 +912,17 @@ std::string config_to_toml(const Config& c) {
   return out;
 }
 
+std::vector<ConfigDifference> config_differences(const Config& a, const Config& b,
+                                                 const std::vector<std::string>& sections) {
+  std::vector<ConfigDifference> out;
+  for (const auto& k : config_keys()) {
+    if (std::find(sections.begin(), sections.end(), k.section()) == sections.end()) continue;
+    std::string va = format_value(field_of(k, a)), vb = format_value(field_of(k, b));
+    if (va != vb) out.push_back({k.name, std::move(va), std::move(vb)});
+  }
+  return out;
+}
+
 std::string config_help() {
   const Config defaults;
   size_t name_w = 0, type_w = 0, default_w = 0;

@@ -86,6 +86,15 @@ void validate_config(const Config& c);
 // gives back exactly `c` (floats in shortest round-trip form, always with '.' or an exponent).
 std::string config_to_toml(const Config& c);
 
+// A key whose value differs between two configs, with both values as TOML text.
+struct ConfigDifference {
+  std::string key, a, b;
+};
+// The keys of `sections` ("model", "moe", ...) whose values differ between `a` and `b`, in
+// table order.
+std::vector<ConfigDifference> config_differences(const Config& a, const Config& b,
+                                                 const std::vector<std::string>& sections);
+
 // All keys with type, default and description, grouped by section (for `moecore train --help`).
 std::string config_help();
 

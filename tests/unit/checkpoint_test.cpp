@@ -1,7 +1,7 @@
 // Checkpoint directory store: save/load round trip, `latest`, pruning, replacing a step,
 // stale temporary directories, manifest verification (corrupted byte, truncation, missing
-// manifest, a sliced shape outside int64), shape checks, typed train_state fields, FIFOs and
-// directories in place of files, a read-only
+// manifest, a sliced shape outside int64), shape checks, typed train_state fields, the resume
+// check against the stored config, FIFOs and directories in place of files, a read-only
 // checkpoint directory, staged file writes, and crash safety: a forked writer is SIGKILLed
 // mid-save repeatedly and every complete step left behind must still verify.
 #include "checkpoint/checkpoint.h"
@@ -435,6 +435,31 @@ TEST(Checkpoint, TrainStateFieldsAreTypedAndRangeChecked) {
   const uint64_t beyond = uint64_t(1) << 63;
   expect_error([&] { read_train_state(step_with(15, {{"data_position", beyond}})); },
                {"'data_position'", "got the integer 9223372036854775808"});
+}
+
+// The resume check compares every model.* and moe.* key of the stored config with the run's.
+TEST(Checkpoint, ResumeCheckListsEveryDifferingModelKey) {
+  TempDir dir;
+  Config saved;
+  saved.model.dense_layers = {};
+  const auto ck = LoadedCheckpoint::open(
+      save_checkpoint(dir.path(), 1, FakeState(1.0f).files({{"config", config_to_toml(saved)}}), 0));
+  Config run = saved;
+  run.train.steps = 1000;  // other sections may change
+  run.optim.lr = 1e-4;
+  run.model.dense_hidden = 7;  // unused without dense layers
+  EXPECT_NO_THROW(check_resume_config(ck, run));
+  run.model.n_layers = 2;
+  run.moe.capacity_factor = 1.5;
+  expect_error([&] { check_resume_config(ck, run); },
+               {"cannot resume from '" + dir.sub("step_1") + "'", "in 2 keys:",
+                "model.n_layers: 4 in the checkpoint, 2 in this run",
+                "moe.capacity_factor: 0.0 in the checkpoint, 1.5 in this run", "checkpoint.resume = \"none\""});
+  run = saved;
+  run.model.dense_layers = {0};
+  run.model.dense_hidden = 7;
+  expect_error([&] { check_resume_config(ck, run); },
+               {"model.dense_layers: [] in the checkpoint, [0] in this run", "model.dense_hidden: 512"});
 }
 
 // A sliced manifest whose shape does not fit int64 is refused, never listed wrapped.

@@ -433,6 +433,28 @@ TEST(ConfigOverride, QuoteAtOneEndOnlyIsRefused) {
   EXPECT_EQ(with({"--run.dir=it's"}).run.dir, "it's");
 }
 
+TEST(ConfigDifferences, NamesEveryKeyOfTheSectionsWithBothValues) {
+  Config a, b;
+  EXPECT_TRUE(config_differences(a, b, {"model", "moe"}).empty());
+  b.model.n_layers = 1;
+  b.model.qk_norm = false;
+  b.moe.router = "sigmoid";
+  b.model.dense_layers = {0, 1};
+  b.train.steps = 3;  // another section: not compared
+  const auto d = config_differences(a, b, {"model", "moe"});
+  ASSERT_EQ(d.size(), 4u);
+  EXPECT_EQ(d[0].key, "model.n_layers");
+  EXPECT_EQ(d[0].a, "4");
+  EXPECT_EQ(d[0].b, "1");
+  EXPECT_EQ(d[1].key, "model.qk_norm");
+  EXPECT_EQ(d[2].key, "model.dense_layers");
+  EXPECT_EQ(d[2].a, "[0]");
+  EXPECT_EQ(d[2].b, "[0, 1]");
+  EXPECT_EQ(d[3].key, "moe.router");
+  EXPECT_EQ(d[3].b, "\"sigmoid\"");
+  EXPECT_EQ(config_differences(a, b, {"train"}).size(), 1u);
+}
+
 TEST(ConfigValidate, ReportsEveryProblemAtOnce) {
   const std::string msg = error_of([] {
     validate_config(with({"moe.top_k=0", "log.interval=0", "optim.eps=0"}));
