@@ -61,14 +61,29 @@ void remove_stale_staging(const std::string& out_dir) {
 }  // namespace
 
 void check_olmoe_expressible(const Config& cfg) {
-  auto refuse = [](const std::string& what) {
-    MOE_FAIL("this model cannot be exported as OLMoE: ", what);
-  };
-  if (cfg.moe.shared_experts > 0) refuse("it has shared experts (moe.shared_experts = " + std::to_string(cfg.moe.shared_experts) + ")");
-  if (!cfg.model.dense_layers.empty()) refuse("it has dense MLP layers (model.dense_layers is not empty)");
-  if (cfg.moe.router != "softmax") refuse("its router uses " + cfg.moe.router + " scores (OLMoE: softmax)");
-  if (!cfg.model.qk_norm) refuse("it has no QK-norm (model.qk_norm = false)");
-  if (cfg.moe.routing != "learned") refuse("its routing is '" + cfg.moe.routing + "' (OLMoE: learned)");
+  std::vector<std::string> problems;
+  if (cfg.moe.shared_experts > 0)
+    problems.push_back("it has shared experts (moe.shared_experts = " + std::to_string(cfg.moe.shared_experts) +
+                       "; OLMoE has none): set moe.shared_experts = 0");
+  if (!cfg.model.dense_layers.empty()) {
+    std::string layers;
+    for (int64_t l : cfg.model.dense_layers) layers += (layers.empty() ? "" : ", ") + std::to_string(l);
+    problems.push_back("it has dense MLP layers (model.dense_layers = [" + layers +
+                       "]; OLMoE has an MoE layer in every block): set model.dense_layers = [] "
+                       "(on the command line: --model.dense_layers=)");
+  }
+  if (cfg.moe.router != "softmax")
+    problems.push_back("its router uses " + cfg.moe.router + " scores (OLMoE: softmax): set moe.router = \"softmax\"");
+  if (!cfg.model.qk_norm)
+    problems.push_back("it has no QK-norm (model.qk_norm = false; OLMoE normalises q and k): set model.qk_norm = true");
+  if (cfg.moe.routing != "learned")
+    problems.push_back("its routing is \"" + cfg.moe.routing +
+                       "\" (OLMoE: learned by the router): set moe.routing = \"learned\"");
+  if (problems.empty()) return;
+  std::string list;
+  for (const std::string& p : problems) list += "\n  - " + p;
+  MOE_FAIL("this model cannot be exported as OLMoE:", list,
+           "\nthese keys shape the trained weights, so train a model with them set and export that one");
 }
 
 nlohmann::json olmoe_config_json(const Config& cfg, const std::string& dtype) {
@@ -181,7 +196,7 @@ int export_hf(const std::string& checkpoint, const std::string& out_dir, const H
     ck.read_model(bias, {cfg.moe.num_experts}, b.data());
     for (float x : b)
       MOE_CHECK(x == 0.f, "this model cannot be exported as OLMoE: it uses an expert bias for routing (", bias,
-                " is non-zero; OLMoE's router has none)");
+                " is non-zero; OLMoE's router has none): train it with moe.bias_update_rate = 0");
   }
 
   // HF tensors as (name, shape, pointer into params).

@@ -192,6 +192,24 @@ TEST(HfInterop, RefusesMissingAndMismatchedTensors) {
 namespace moe::testing {
 namespace {
 
+// The refusal lists everything OLMoE cannot express at once, each with the key to train with
+// (before: only the first, as "model.dense_layers is not empty").
+TEST(HfInterop, RefusalNamesEveryKeyToSet) {
+  Config c;  // the embedded default: a dense layer 0
+  EXPECT_NE(error_of([&] { check_olmoe_expressible(c); }).find("set model.dense_layers = []"), std::string::npos);
+  c.moe.shared_experts = 2;
+  c.moe.router = "sigmoid";
+  c.model.qk_norm = false;
+  c.moe.routing = "uniform";
+  const std::string m = error_of([&] { check_olmoe_expressible(c); });
+  for (const char* part : {"cannot be exported as OLMoE:", "model.dense_layers = [0]", "set model.dense_layers = []",
+                           "set moe.shared_experts = 0", "set moe.router = \"softmax\"", "set model.qk_norm = true",
+                           "set moe.routing = \"learned\"", "train a model with them set"})
+    EXPECT_NE(m.find(part), std::string::npos) << part << "\nin: " << m;
+  c = olmoe_like("unused");
+  EXPECT_NO_THROW(check_olmoe_expressible(c));
+}
+
 // config.json and the index are read with typed checks that name the file and the field
 // (before: an array, a numeric model_type or a string rms_norm_eps ended in nlohmann's
 // "[json.exception.type_error.302] ...").
