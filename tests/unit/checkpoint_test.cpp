@@ -487,16 +487,23 @@ TEST(Checkpoint, SlicedShapeOutsideInt64IsRefused) {
 }
 
 // Unblocks a reader stuck opening the FIFO at `path` (by opening its write end) if the test is
-// still running after 10 s, so that a reader that blocks fails the test instead of hanging it.
+// still running after 10 s and remembers that it had to, so that a reader that blocks fails the
+// test instead of hanging it.
 class FifoWatchdog {
  public:
   explicit FifoWatchdog(std::string path)
       : thread_([this, path = std::move(path)] {
           std::unique_lock<std::mutex> lock(mu_);
           if (cv_.wait_for(lock, std::chrono::seconds(10), [this] { return done_; })) return;
+          fired_ = true;
           const int fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK);
           if (fd >= 0) ::close(fd);
         }) {}
+  // True once the watchdog had to unblock a reader.
+  bool fired() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return fired_;
+  }
   ~FifoWatchdog() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -509,7 +516,7 @@ class FifoWatchdog {
  private:
   std::mutex mu_;
   std::condition_variable cv_;
-  bool done_ = false;
+  bool done_ = false, fired_ = false;
   std::thread thread_;
 };
 
@@ -519,12 +526,13 @@ TEST(Checkpoint, FifoOrDirectoryInPlaceOfAFileIsRefused) {
   const std::string step = save_checkpoint(dir.path(), 1, FakeState(1.0f).files(json::object()), 0);
   fs::remove(step + "/model.safetensors");
   ASSERT_EQ(::mkfifo((step + "/model.safetensors").c_str(), 0644), 0);
-  const FifoWatchdog watchdog(step + "/model.safetensors");
+  FifoWatchdog watchdog(step + "/model.safetensors");
   expect_error([&] { LoadedCheckpoint::open(step); }, {step + "/model.safetensors", "not a regular file"});
   expect_error([&] { SafetensorsFile::open(step + "/model.safetensors"); },
                {step + "/model.safetensors", "is a FIFO: expected a regular file"});
   expect_error([&] { read_regular_file(step + "/model.safetensors"); },
                {step + "/model.safetensors", "is a FIFO: expected a regular file"});
+  EXPECT_FALSE(watchdog.fired()) << "a reader blocked opening the FIFO";
   expect_error([&] { read_regular_file(step); }, {step + "' is a directory: expected a regular file"});
   expect_error([&] { SafetensorsFile::open(step); }, {step + "' is a directory: expected a regular file"});
   fs::remove(step + "/manifest.json");
