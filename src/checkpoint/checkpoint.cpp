@@ -20,7 +20,11 @@
 #include <fstream>
 #include <sstream>
 
+#include "checkpoint/files.h"
+#include "checkpoint/json_fields.h"
 #include "checkpoint/sha256.h"
+#include "core/checked_math.h"
+#include "core/config_io.h"
 #include "core/error.h"
 #include "parallel/comm.h"
 
@@ -54,7 +58,7 @@ void fsync_path(const std::string& path, bool is_dir) {
 
 void write_text_synced(const std::string& path, const std::string& text) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  MOE_CHECK(fd >= 0, "cannot create '", path, "': ", std::strerror(errno));
+  MOE_CHECK(fd >= 0, "cannot create '", path, "': ", write_error_hint(errno));
   size_t done = 0;
   while (done < text.size()) {
     const ssize_t put = ::write(fd, text.data() + done, text.size() - done);
@@ -62,27 +66,16 @@ void write_text_synced(const std::string& path, const std::string& text) {
     if (put <= 0) {
       const int err = errno;
       ::close(fd);
-      MOE_FAIL("write to '", path, "' failed: ", std::strerror(err), " (is the disk full?)");
+      MOE_FAIL("write to '", path, "' failed: ", write_error_hint(put < 0 ? err : EIO));
     }
     done += size_t(put);
   }
   const int rc = ::fsync(fd);
   const int err = errno;
-  MOE_CHECK(::close(fd) == 0 && rc == 0, "fsync/close of '", path, "' failed: ", std::strerror(rc ? err : errno));
+  MOE_CHECK(::close(fd) == 0 && rc == 0, "fsync/close of '", path, "' failed: ", write_error_hint(rc ? err : errno));
 }
 
-std::string read_text(const std::string& path) {
-  std::error_code ec;
-  const auto size = fs::file_size(path, ec);
-  MOE_CHECK(!ec, "cannot read '", path, "': ", ec.message());
-  MOE_CHECK(int64_t(size) <= kMaxTextFileBytes, "'", path, "' is ", size, " bytes; expected a small text file");
-  std::ifstream in(path, std::ios::binary);
-  MOE_CHECK(in.good(), "cannot open '", path, "'");
-  std::ostringstream os;
-  os << in.rdbuf();
-  MOE_CHECK(!in.bad(), "read error in '", path, "'");
-  return os.str();
-}
+std::string read_text(const std::string& path) { return read_regular_file(path, kMaxTextFileBytes); }
 
 void rename_checked(const std::string& from, const std::string& to) {
   MOE_CHECK(::rename(from.c_str(), to.c_str()) == 0, "cannot rename '", from, "' to '", to, "': ",
@@ -130,6 +123,22 @@ void remove_stale(const std::string& ckpt_dir) {
   }
   MOE_CHECK(!ec, "cannot list checkpoint directory '", ckpt_dir, "': ", ec.message());
   for (const auto& p : stale) remove_all_checked(p);
+}
+
+// Creates CKPT_DIR if needed, removes what interrupted saves and prunes left there, and creates
+// the save's temporary directory; errors say whether the directory can be written at all.
+void open_for_writing(const std::string& ckpt_dir, const std::string& tmp_dir) {
+  std::error_code ec;
+  fs::create_directories(ckpt_dir, ec);
+  MOE_CHECK(!ec, "cannot create checkpoint directory '", ckpt_dir, "': ", ec.message(),
+            " (set checkpoint.dir to a writable directory)");
+  MOE_CHECK(is_directory(ckpt_dir), "checkpoint directory '", ckpt_dir, "' is not a directory");
+  remove_stale(ckpt_dir);
+  if (::mkdir(tmp_dir.c_str(), 0755) != 0) {
+    const int err = errno;
+    MOE_FAIL("cannot write into checkpoint directory '", ckpt_dir, "' (creating '", tmp_dir,
+             "'): ", std::strerror(err), " (make it writable, or set checkpoint.dir to a writable directory)");
+  }
 }
 
 // Moves the finished temporary directory to `final_dir`. An existing final_dir is swapped out
@@ -227,7 +236,7 @@ void check_tiling(const std::string& name, const Shape& shape, std::vector<std::
   for (const auto& [offset, numel] : slices) {
     MOE_CHECK(offset == next && numel > 0, where, ": the slices of tensor '", name, "' do not tile it: expected a ",
               "slice at flat offset ", next, ", got one at ", offset, " of ", numel, " elements");
-    next += numel;
+    next = checked_add(next, numel, where + ": the slices of tensor '" + name + "'");
   }
   MOE_CHECK(next == shape_numel(shape), where, ": the slices of tensor '", name, "' cover ", next, " of its ",
             shape_numel(shape), " elements (shape ", shape_str(shape), ")");
@@ -270,17 +279,15 @@ std::string save_checkpoint(const std::string& ckpt_dir, int64_t step, const Che
   else
     train_state["step"] = step;
 
-  std::error_code ec;
-  fs::create_directories(ckpt_dir, ec);
-  MOE_CHECK(!ec, "cannot create checkpoint directory '", ckpt_dir, "': ", ec.message());
-  remove_stale(ckpt_dir);
-
   const std::string name = step_dir_name(step);
   const std::string pid = std::to_string(::getpid());
   const std::string tmp_dir = join(ckpt_dir, kTmpPrefix + name + "-" + pid);
   const std::string final_dir = join(ckpt_dir, name);
-  fs::create_directory(tmp_dir, ec);
-  MOE_CHECK(!ec, "cannot create '", tmp_dir, "': ", ec.message());
+  try {
+    open_for_writing(ckpt_dir, tmp_dir);
+  } catch (const std::exception& e) {
+    MOE_FAIL("cannot save the checkpoint of step ", step, ": ", e.what());
+  }
 
   try {
     const std::map<std::string, std::string> meta = {{"step", std::to_string(step)}};
@@ -305,10 +312,11 @@ std::string save_checkpoint(const std::string& ckpt_dir, int64_t step, const Che
 
     publish_dir(tmp_dir, final_dir, join(ckpt_dir, kTmpPrefix + std::string("old-") + name + "-" + pid));
     fsync_path(ckpt_dir, true);
-  } catch (...) {
+  } catch (const std::exception& e) {
     std::error_code ignored;
     fs::remove_all(tmp_dir, ignored);
-    throw;
+    MOE_FAIL("cannot save the checkpoint of step ", step, ": ", e.what(), "; nothing was published, and the ",
+             "earlier checkpoints in '", ckpt_dir, "' are as they were");
   }
   point_latest_and_prune(ckpt_dir, step, keep_last);
   return final_dir;
@@ -328,13 +336,7 @@ std::string save_checkpoint_sliced(Comm& comm, const std::string& ckpt_dir, int6
     try {
       MOE_CHECK(mine.train_state.is_object() || mine.train_state.is_null(), "train_state must be a JSON object, got ",
                 mine.train_state.type_name());
-      std::error_code ec;
-      fs::create_directories(ckpt_dir, ec);
-      MOE_CHECK(!ec, "cannot create checkpoint directory '", ckpt_dir, "': ", ec.message());
-      remove_stale(ckpt_dir);
-      const std::string tmp = join(ckpt_dir, kTmpPrefix + name + "-" + std::to_string(head[1]));
-      fs::create_directory(tmp, ec);
-      MOE_CHECK(!ec, "cannot create '", tmp, "': ", ec.message());
+      open_for_writing(ckpt_dir, join(ckpt_dir, kTmpPrefix + name + "-" + std::to_string(head[1])));
     } catch (const std::exception& e) {
       head[0] = 1;
       error = e.what();
@@ -503,7 +505,8 @@ LoadedCheckpoint LoadedCheckpoint::open(const std::string& step_dir) {
               "'", manifest_path, "': entry for '", fname, "' must be {\"bytes\": n, \"sha256\": 64 hex}, got ",
               describe(entry));
     const std::string path = join(step_dir, fname);
-    MOE_CHECK(is_regular_file(path), "checkpoint file '", path, "' listed in the manifest is missing");
+    MOE_CHECK(is_regular_file(path), "checkpoint file '", path,
+              "' listed in the manifest is missing or not a regular file");
     std::error_code ec;
     const uint64_t actual_bytes = fs::file_size(path, ec);
     MOE_CHECK(!ec, "cannot stat '", path, "': ", ec.message());
@@ -549,8 +552,9 @@ LoadedCheckpoint LoadedCheckpoint::open(const std::string& step_dir) {
 
   // Sliced: "tensors": {"model"|"optim": {name: {"shape": [...], "slices": [{file, offset, numel}]}}}.
   const auto world = m.find("world_size");
-  MOE_CHECK(world != m.end() && world->is_number_unsigned() && world->get<uint64_t>() >= 1, "'", manifest_path,
-            "': a sliced checkpoint needs an integer 'world_size' >= 1");
+  MOE_CHECK(world != m.end() && world->is_number_unsigned() && world->get<uint64_t>() >= 1 &&
+                world->get<uint64_t>() <= uint64_t(kMaxRanks),
+            "'", manifest_path, "': a sliced checkpoint needs an integer 'world_size' in [1, ", kMaxRanks, "]");
   ck.world_size_ = int(world->get<uint64_t>());
   const auto tensors = m.find("tensors");
   MOE_CHECK(tensors != m.end() && tensors->is_object() && tensors->contains("model"), "'", manifest_path,
@@ -577,17 +581,23 @@ LoadedCheckpoint LoadedCheckpoint::open(const std::string& step_dir) {
       Global g;
       g.info.name = tname;
       g.info.dtype_name = "F32";
+      int64_t numel = 1;
       for (const json& d : t["shape"]) {
-        MOE_CHECK(d.is_number_unsigned(), "'", manifest_path, "': tensor '", tname, "' has a bad shape ",
-                  t["shape"].dump());
+        MOE_CHECK(d.is_number_unsigned() && d.get<uint64_t>() <= uint64_t(INT64_MAX), "'", manifest_path,
+                  "': tensor '", tname, "' has the dimension ", describe(d),
+                  " in its shape: expected integers in [0, 2^63 - 1]");
         g.info.shape.push_back(d.get<int64_t>());
+        numel = checked_mul(numel, g.info.shape.back(), "'" + manifest_path + "': the element count of tensor '" +
+                                                             tname + "'");
       }
       std::vector<std::pair<int64_t, int64_t>> tiles;
       for (const json& sl : t["slices"]) {
         MOE_CHECK(sl.is_object() && sl.contains("file") && sl["file"].is_string() && sl.contains("offset") &&
-                      sl["offset"].is_number_unsigned() && sl.contains("numel") && sl["numel"].is_number_unsigned(),
-                  "'", manifest_path, "': a slice of '", tname, "' must be {\"file\", \"offset\", \"numel\"}, got ",
-                  describe(sl));
+                      sl["offset"].is_number_unsigned() && sl["offset"].get<uint64_t>() <= uint64_t(numel) &&
+                      sl.contains("numel") && sl["numel"].is_number_unsigned() &&
+                      sl["numel"].get<uint64_t>() <= uint64_t(numel),
+                  "'", manifest_path, "': a slice of '", tname, "' must be {\"file\", \"offset\", \"numel\"} ",
+                  "within its ", numel, " elements, got ", describe(sl));
         Slice s;
         s.file = file_id(sl["file"].get<std::string>());
         s.offset = sl["offset"].get<int64_t>();
@@ -686,6 +696,43 @@ void LoadedCheckpoint::read_model_range(const std::string& name, const Shape& sh
 void LoadedCheckpoint::read_optim_range(const std::string& name, const Shape& shape, int64_t offset, int64_t numel,
                                         float* out) const {
   read_range(optim_index_, "optim", name, shape, offset, numel, out);
+}
+
+TrainState read_train_state(const LoadedCheckpoint& ck) {
+  const std::string file = join(ck.dir(), kTrainStateFile);
+  const json& st = ck.train_state();
+  TrainState t;
+  t.step = json_int_required(st, "step", file, 0, kMaxSteps);
+  MOE_CHECK(t.step == ck.step(), "'", file, "': 'step' is ", t.step, " but the manifest's step is ", ck.step(),
+            " (a train_state.json from another step?)");
+  t.data_position = json_int(st, "data_position", file, 0, kMaxSteps).value_or(t.step);
+  t.optimizer_steps = json_int(st, "optimizer_steps", file, 0, t.step).value_or(t.step);
+  t.config = json_string(st, "config", file);
+  return t;
+}
+
+Config checkpoint_config(const LoadedCheckpoint& ck) {
+  const std::string file = join(ck.dir(), kTrainStateFile);
+  const std::optional<std::string> text = read_train_state(ck).config;
+  MOE_CHECK(text.has_value(), "'", file, "' has no 'config' (the run's resolved config as TOML text), so the ",
+            "checkpoint's model is unknown");
+  return parse_config_toml(*text, file + " (its 'config')");
+}
+
+void check_resume_config(const LoadedCheckpoint& ck, const Config& run) {
+  const Config saved = checkpoint_config(ck);
+  std::vector<std::string> lines;
+  for (const ConfigDifference& d : config_differences(saved, run, {"model", "moe"})) {
+    if (d.key == "model.dense_hidden" && saved.model.dense_layers.empty() && run.model.dense_layers.empty()) continue;
+    lines.push_back(d.key + ": " + d.a + " in the checkpoint, " + d.b + " in this run");
+  }
+  if (lines.empty()) return;
+  std::string list;
+  for (const std::string& l : lines) list += "\n  " + l;
+  MOE_FAIL("cannot resume from '", ck.dir(), "': this run's model differs from the checkpoint's in ", lines.size(),
+           lines.size() == 1 ? " key:" : " keys:", list,
+           "\nset them to the checkpoint's values (`moecore inspect ", ck.dir(),
+           "` prints its config), or start fresh with checkpoint.resume = \"none\"");
 }
 
 }  // namespace moe

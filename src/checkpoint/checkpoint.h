@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "checkpoint/safetensors.h"
+#include "core/config.h"
 
 namespace moe {
 
@@ -148,5 +149,26 @@ class LoadedCheckpoint {
   Index model_index_, optim_index_;
   std::vector<std::string> model_order_, optim_order_;
 };
+
+// train_state.json of a step, checked field by field (errors name the file and the field):
+// step equals the manifest's step and is at most kMaxSteps (core/config_io.h); data_position
+// is in [0, kMaxSteps]; optimizer_steps is in [0, step] (skipped steps take none). Absent,
+// data_position and optimizer_steps default to step, as the first checkpoints wrote them.
+struct TrainState {
+  int64_t step = 0;
+  int64_t data_position = 0;    // global batches consumed
+  int64_t optimizer_steps = 0;  // AdamW steps taken
+  std::optional<std::string> config;  // the run's resolved config as TOML text
+};
+TrainState read_train_state(const LoadedCheckpoint& ck);
+
+// The model and run config stored in the checkpoint's train_state.json (parsed, not
+// validated); refused naming the file when absent or not valid.
+Config checkpoint_config(const LoadedCheckpoint& ck);
+
+// Throws when `run` would not rebuild the checkpoint's model: every model.* and moe.* key
+// whose value differs is listed with both values, and the message says how to proceed.
+// model.dense_hidden is compared only where a dense layer uses it.
+void check_resume_config(const LoadedCheckpoint& ck, const Config& run);
 
 }  // namespace moe

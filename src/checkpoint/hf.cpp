@@ -10,9 +10,12 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <regex>
 #include <set>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/files.h"
+#include "checkpoint/json_fields.h"
 #include "checkpoint/safetensors.h"
 #include "core/config_io.h"
 #include "core/dtype.h"
@@ -29,34 +32,58 @@ std::string expert_name(int64_t l, int64_t e, const char* proj) {
   return layer_prefix(l) + "mlp.experts." + std::to_string(e) + "." + proj + ".weight";
 }
 
+// The JSON object in file `p` (a regular file: a FIFO or directory is refused at once).
 nlohmann::json read_json(const fs::path& p) {
-  std::ifstream f(p);
-  MOE_CHECK(f.good(), "cannot open ", p.string());
-  try {
-    return nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    MOE_FAIL(p.string(), ": not valid JSON (", e.what(), ")");
-  }
+  const nlohmann::json j = parse_json_text(read_regular_file(p.string()), p.string());
+  require_json_object(j, p.string());
+  return j;
 }
 
-void write_text(const fs::path& p, const std::string& text) {
-  std::ofstream f(p);
-  f << text;
-  f.close();
-  MOE_CHECK(f.good(), "cannot write ", p.string());
+// A file name from the index's weight_map: a plain name in the model's directory.
+bool plain_file_name(const std::string& f) {
+  return !f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos;
+}
+
+// Removes what an interrupted export left in `out_dir`: staged files (files.h's
+// ".<name>.tmp-<pid>") of the names export writes.
+void remove_stale_staging(const std::string& out_dir) {
+  static const std::regex staged(R"(^\.(model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json|config\.json)\.tmp-\d+$)");
+  std::error_code ec;
+  std::vector<fs::path> stale;
+  for (const auto& e : fs::directory_iterator(out_dir, ec))
+    if (std::regex_match(e.path().filename().string(), staged)) stale.push_back(e.path());
+  for (const fs::path& p : stale) {
+    fs::remove(p, ec);
+    MOE_CHECK(!ec, "cannot remove the stale '", p.string(), "' of an interrupted export: ", ec.message());
+  }
 }
 
 }  // namespace
 
 void check_olmoe_expressible(const Config& cfg) {
-  auto refuse = [](const std::string& what) {
-    MOE_FAIL("this model cannot be exported as OLMoE: ", what);
-  };
-  if (cfg.moe.shared_experts > 0) refuse("it has shared experts (moe.shared_experts = " + std::to_string(cfg.moe.shared_experts) + ")");
-  if (!cfg.model.dense_layers.empty()) refuse("it has dense MLP layers (model.dense_layers is not empty)");
-  if (cfg.moe.router != "softmax") refuse("its router uses " + cfg.moe.router + " scores (OLMoE: softmax)");
-  if (!cfg.model.qk_norm) refuse("it has no QK-norm (model.qk_norm = false)");
-  if (cfg.moe.routing != "learned") refuse("its routing is '" + cfg.moe.routing + "' (OLMoE: learned)");
+  std::vector<std::string> problems;
+  if (cfg.moe.shared_experts > 0)
+    problems.push_back("it has shared experts (moe.shared_experts = " + std::to_string(cfg.moe.shared_experts) +
+                       "; OLMoE has none): set moe.shared_experts = 0");
+  if (!cfg.model.dense_layers.empty()) {
+    std::string layers;
+    for (int64_t l : cfg.model.dense_layers) layers += (layers.empty() ? "" : ", ") + std::to_string(l);
+    problems.push_back("it has dense MLP layers (model.dense_layers = [" + layers +
+                       "]; OLMoE has an MoE layer in every block): set model.dense_layers = [] "
+                       "(on the command line: --model.dense_layers=)");
+  }
+  if (cfg.moe.router != "softmax")
+    problems.push_back("its router uses " + cfg.moe.router + " scores (OLMoE: softmax): set moe.router = \"softmax\"");
+  if (!cfg.model.qk_norm)
+    problems.push_back("it has no QK-norm (model.qk_norm = false; OLMoE normalises q and k): set model.qk_norm = true");
+  if (cfg.moe.routing != "learned")
+    problems.push_back("its routing is \"" + cfg.moe.routing +
+                       "\" (OLMoE: learned by the router): set moe.routing = \"learned\"");
+  if (problems.empty()) return;
+  std::string list;
+  for (const std::string& p : problems) list += "\n  - " + p;
+  MOE_FAIL("this model cannot be exported as OLMoE:", list,
+           "\nthese keys shape the trained weights, so train a model with them set and export that one");
 }
 
 nlohmann::json olmoe_config_json(const Config& cfg, const std::string& dtype) {
@@ -97,56 +124,57 @@ nlohmann::json olmoe_config_json(const Config& cfg, const std::string& dtype) {
 }
 
 Config config_from_olmoe_json(const nlohmann::json& j, const std::string& source) {
-  auto need = [&](const char* key) -> const nlohmann::json& {
-    MOE_CHECK(j.contains(key) && !j[key].is_null(), source, ": missing required key '", key, "'");
-    return j[key];
-  };
-  auto get_int = [&](const char* key) {
-    const auto& v = need(key);
-    MOE_CHECK(v.is_number_integer(), source, ": '", key, "' must be an integer, got ", v.dump());
-    return v.get<int64_t>();
-  };
-  const std::string type = j.value("model_type", "");
-  MOE_CHECK(type == "olmoe", source, ": model_type must be \"olmoe\", got \"", type, "\"");
-  MOE_CHECK(j.value("hidden_act", "silu") == "silu", source, ": hidden_act must be \"silu\", got ", j["hidden_act"].dump());
-  MOE_CHECK(!j.value("attention_bias", false), source, ": attention_bias = true is not supported");
-  MOE_CHECK(!j.contains("clip_qkv") || j["clip_qkv"].is_null(), source, ": clip_qkv = ", j["clip_qkv"].dump(),
-            " is not supported (expected null)");
-  MOE_CHECK(!j.value("tie_word_embeddings", false), source,
-            ": tie_word_embeddings = true is not supported (moecore's embedding and LM head are separate)");
-  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null())
-    MOE_FAIL(source, ": rope_scaling = ", j["rope_scaling"].dump(), " is not supported (expected null)");
-  double theta = 10000.0;
-  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
-    const auto& rp = j["rope_parameters"];
-    const std::string rt = rp.value("rope_type", "default");
-    MOE_CHECK(rt == "default", source, ": rope_parameters.rope_type = \"", rt, "\" is not supported (expected \"default\")");
-    theta = rp.value("rope_theta", j.value("rope_theta", theta));
-  } else {
-    theta = j.value("rope_theta", theta);
+  require_json_object(j, source);
+  auto get_int = [&](const char* key) { return json_int_required(j, key, source, 1); };
+  const std::optional<std::string> type = json_string(j, "model_type", source);
+  MOE_CHECK(type == "olmoe", "'", source, "': 'model_type' must be \"olmoe\", got ",
+            type ? describe_json(*type) : std::string("nothing"));
+  const std::string act = json_string(j, "hidden_act", source).value_or("silu");
+  MOE_CHECK(act == "silu", "'", source, "': 'hidden_act' must be \"silu\", got ", describe_json(act));
+  MOE_CHECK(!json_bool(j, "attention_bias", source).value_or(false), "'", source,
+            "': attention_bias = true is not supported");
+  MOE_CHECK(!j.contains("clip_qkv") || j["clip_qkv"].is_null(), "'", source, "': 'clip_qkv' = ",
+            describe_json(j["clip_qkv"]), " is not supported (expected null)");
+  MOE_CHECK(!json_bool(j, "tie_word_embeddings", source).value_or(false), "'", source,
+            "': tie_word_embeddings = true is not supported (moecore's embedding and LM head are separate)");
+  MOE_CHECK(!j.contains("rope_scaling") || j["rope_scaling"].is_null(), "'", source, "': 'rope_scaling' = ",
+            describe_json(j["rope_scaling"]), " is not supported (expected null)");
+  double theta = json_number(j, "rope_theta", source).value_or(10000.0);
+  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
+    const nlohmann::json& rp = j["rope_parameters"];
+    const std::string where = source + "' field 'rope_parameters";
+    MOE_CHECK(rp.is_object(), "'", source, "': 'rope_parameters' must be an object, got ", describe_json(rp));
+    const std::string rt = json_string(rp, "rope_type", where).value_or("default");
+    MOE_CHECK(rt == "default", "'", source, "': rope_parameters.rope_type = \"", rt,
+              "\" is not supported (expected \"default\")");
+    theta = json_number(rp, "rope_theta", where).value_or(theta);
   }
   Config c;
   c.model.vocab_size = get_int("vocab_size");
   c.model.d_model = get_int("hidden_size");
   c.model.n_layers = get_int("num_hidden_layers");
   c.model.n_heads = get_int("num_attention_heads");
-  c.model.n_kv_heads = j.contains("num_key_value_heads") && !j["num_key_value_heads"].is_null()
-                           ? get_int("num_key_value_heads") : c.model.n_heads;
+  c.model.n_kv_heads = json_int(j, "num_key_value_heads", source, 1).value_or(c.model.n_heads);
   c.model.qk_norm = true;
   c.model.rope_theta = theta;
-  c.model.norm_eps = j.value("rms_norm_eps", 1e-5);
+  c.model.norm_eps = json_number(j, "rms_norm_eps", source).value_or(1e-5);
   c.model.dense_layers = {};
-  c.model.init_std = j.value("initializer_range", c.model.init_std);
+  c.model.init_std = json_number(j, "initializer_range", source).value_or(c.model.init_std);
   c.moe.num_experts = get_int("num_experts");
   c.moe.top_k = get_int("num_experts_per_tok");
   c.moe.expert_hidden = get_int("intermediate_size");
   c.moe.shared_experts = 0;
   c.moe.router = "softmax";
   c.moe.routing = "learned";
-  c.moe.norm_topk_prob = j.value("norm_topk_prob", false);
-  c.moe.lb_loss_weight = j.value("router_aux_loss_coef", c.moe.lb_loss_weight);
+  c.moe.norm_topk_prob = json_bool(j, "norm_topk_prob", source).value_or(false);
+  c.moe.lb_loss_weight = json_number(j, "router_aux_loss_coef", source).value_or(c.moe.lb_loss_weight);
+  // eos_token_id may also be a list in HF configs; only a single id carries over.
   if (j.contains("eos_token_id") && j["eos_token_id"].is_number_integer()) c.data.eos_id = j["eos_token_id"].get<int64_t>();
-  validate_config(c);
+  try {
+    validate_config(c);
+  } catch (const Error& e) {
+    MOE_FAIL("'", source, "' describes a model moecore cannot run: ", e.what());
+  }
   return c;
 }
 
@@ -155,8 +183,7 @@ int export_hf(const std::string& checkpoint, const std::string& out_dir, const H
   const auto step_dir = resolve_checkpoint(checkpoint);
   MOE_CHECK(step_dir.has_value(), "no complete checkpoint at '", checkpoint, "'");
   const LoadedCheckpoint ck = LoadedCheckpoint::open(*step_dir);
-  MOE_CHECK(ck.train_state().contains("config"), *step_dir, "/train_state.json has no \"config\"");
-  const Config cfg = parse_config_toml(ck.train_state()["config"].get<std::string>(), *step_dir + "/train_state.json");
+  const Config cfg = checkpoint_config(ck);
   check_olmoe_expressible(cfg);
 
   const ParamLayout layout = build_param_layout(cfg.model, cfg.moe);
@@ -169,7 +196,7 @@ int export_hf(const std::string& checkpoint, const std::string& out_dir, const H
     ck.read_model(bias, {cfg.moe.num_experts}, b.data());
     for (float x : b)
       MOE_CHECK(x == 0.f, "this model cannot be exported as OLMoE: it uses an expert bias for routing (", bias,
-                " is non-zero; OLMoE's router has none)");
+                " is non-zero; OLMoE's router has none): train it with moe.bias_update_rate = 0");
   }
 
   // HF tensors as (name, shape, pointer into params).
@@ -212,7 +239,12 @@ int export_hf(const std::string& checkpoint, const std::string& out_dir, const H
     shard_bytes += bytes;
     total_bytes += bytes;
   }
-  fs::create_directories(out_dir);
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  MOE_CHECK(!ec, "cannot create the output directory '", out_dir, "': ", ec.message());
+  remove_stale_staging(out_dir);
+  // Every file is staged under a temporary name and renamed; config.json, which makes the
+  // directory a model for HF readers, comes last.
   nlohmann::json weight_map = nlohmann::json::object();
   const int num = static_cast<int>(shards.size());
   for (int s = 0; s < num; ++s) {
@@ -224,11 +256,18 @@ int export_hf(const std::string& checkpoint, const std::string& out_dir, const H
                                                             : static_cast<const void*>(outs[i].data)});
       weight_map[outs[i].name] = fname;
     }
-    write_safetensors((fs::path(out_dir) / fname).string(), refs, {{"format", "pt"}});
+    const std::string path = (fs::path(out_dir) / fname).string(), tmp = staging_path(path);
+    try {
+      write_safetensors(tmp, refs, {{"format", "pt"}});
+    } catch (...) {
+      fs::remove(tmp, ec);
+      throw;
+    }
+    publish_file(tmp, path);
   }
   nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
-  write_text(fs::path(out_dir) / "model.safetensors.index.json", index.dump(2) + "\n");
-  write_text(fs::path(out_dir) / "config.json", olmoe_config_json(cfg, opt.dtype).dump(2) + "\n");
+  write_file_atomic((fs::path(out_dir) / "model.safetensors.index.json").string(), index.dump(2) + "\n");
+  write_file_atomic((fs::path(out_dir) / "config.json").string(), olmoe_config_json(cfg, opt.dtype).dump(2) + "\n");
   return num;
 }
 
@@ -239,14 +278,22 @@ std::string import_hf(const std::string& hf_dir, const std::string& out_checkpoi
   // name -> file
   std::map<std::string, std::string> where;
   std::map<std::string, std::unique_ptr<SafetensorsFile>> opened;
-  if (fs::exists(dir / "model.safetensors.index.json")) {
-    const nlohmann::json idx = read_json(dir / "model.safetensors.index.json");
-    MOE_CHECK(idx.contains("weight_map") && idx["weight_map"].is_object(),
-              (dir / "model.safetensors.index.json").string(), ": no \"weight_map\" object");
-    for (auto it = idx["weight_map"].begin(); it != idx["weight_map"].end(); ++it)
+  const std::string index_path = (dir / "model.safetensors.index.json").string();
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(index_path, ec))) {
+    const nlohmann::json idx = read_json(index_path);
+    const auto map = idx.find("weight_map");
+    MOE_CHECK(map != idx.end() && map->is_object(), "'", index_path,
+              "': 'weight_map' must be an object of tensor name -> file name, got ",
+              map == idx.end() ? std::string("nothing") : describe_json(*map));
+    for (auto it = map->begin(); it != map->end(); ++it) {
+      MOE_CHECK(it.value().is_string() && plain_file_name(it.value().get<std::string>()), "'", index_path,
+                "': weight_map['", it.key(), "'] must be the name of a file beside the index, got ",
+                describe_json(it.value()));
       where[it.key()] = it.value().get<std::string>();
+    }
   } else {
-    MOE_CHECK(fs::exists(dir / "model.safetensors"), hf_dir,
+    MOE_CHECK(fs::exists(fs::symlink_status(dir / "model.safetensors", ec)), hf_dir,
               ": neither model.safetensors.index.json nor model.safetensors exists");
     const SafetensorsFile f = SafetensorsFile::open((dir / "model.safetensors").string());
     for (const auto& t : f.tensors()) where[t.name] = "model.safetensors";
@@ -316,7 +363,7 @@ std::string import_hf(const std::string& hf_dir, const std::string& out_checkpoi
   files.train_state = {{"step", 0}, {"data_position", 0}, {"optimizer_steps", 0}, {"config", toml},
                        {"imported_from", fs::absolute(dir).string()}};
   const std::string step_dir = save_checkpoint(out_checkpoint_dir, 0, files, /*keep_last=*/0);
-  write_text(fs::path(out_checkpoint_dir) / "config.toml", toml);
+  write_file_atomic((fs::path(out_checkpoint_dir) / "config.toml").string(), toml);
   return step_dir;
 }
 

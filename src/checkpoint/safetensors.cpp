@@ -18,6 +18,7 @@
 #include <string_view>
 #include <unordered_set>
 
+#include "checkpoint/files.h"
 #include "core/error.h"
 
 namespace moe {
@@ -69,8 +70,7 @@ void write_all(int fd, const void* data, size_t n, const std::string& path) {
     const size_t chunk = std::min<size_t>(n, size_t(1) << 30);
     const ssize_t put = ::write(fd, p, chunk);
     if (put < 0 && errno == EINTR) continue;
-    MOE_CHECK(put > 0, "write to '", path, "' failed: ", std::strerror(errno),
-              " (is the disk full?)");
+    MOE_CHECK(put > 0, "write to '", path, "' failed: ", write_error_hint(put < 0 ? errno : EIO));
     p += put;
     n -= size_t(put);
   }
@@ -196,18 +196,18 @@ void write_safetensors(const std::string& path, const std::vector<TensorRef>& te
   for (int i = 0; i < 8; ++i) len_le[i] = uint8_t(uint64_t(text.size()) >> (8 * i));
 
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  MOE_CHECK(fd >= 0, "cannot create '", path, "': ", std::strerror(errno));
+  MOE_CHECK(fd >= 0, "cannot create '", path, "': ", write_error_hint(errno));
   try {
     write_all(fd, len_le, 8, path);
     write_all(fd, text.data(), text.size(), path);
     for (size_t i = 0; i < tensors.size(); ++i)
       if (sizes[i] > 0) write_all(fd, tensors[i].data, size_t(sizes[i]), path);
-    MOE_CHECK(::fsync(fd) == 0, "fsync of '", path, "' failed: ", std::strerror(errno));
+    MOE_CHECK(::fsync(fd) == 0, "fsync of '", path, "' failed: ", write_error_hint(errno));
   } catch (...) {
     ::close(fd);
     throw;
   }
-  MOE_CHECK(::close(fd) == 0, "close of '", path, "' failed: ", std::strerror(errno));
+  MOE_CHECK(::close(fd) == 0, "close of '", path, "' failed: ", write_error_hint(errno));
 }
 
 // ---- reading -----------------------------------------------------------------------------
@@ -263,13 +263,19 @@ std::optional<int64_t> as_index(const json& v) {
 
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
   const std::string where = "safetensors file '" + path + "'";
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO in place of the file must be refused, not waited on.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   MOE_CHECK(fd >= 0, "cannot open ", where, ": ", std::strerror(errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     const int err = errno;
     ::close(fd);
     MOE_FAIL("cannot stat ", where, ": ", std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    MOE_FAIL(where, " is ", S_ISDIR(st.st_mode) ? "a directory" : S_ISFIFO(st.st_mode) ? "a FIFO" : "not a regular file",
+             ": expected a regular file");
   }
   const int64_t file_size = st.st_size;
   if (file_size < 8) {

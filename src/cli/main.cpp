@@ -1,16 +1,22 @@
-// moecore command-line entry point: train (and --dry-run), inspect, tokenize.
-// Every error reaches the user as one "error: ..." line and exit status 1; in a multi-process
-// job as "[rank r] error: ..." followed by an abort of every rank (MPI_Abort; over TCP the rank
-// exits and its peers fail on the closed connections).
+// moecore command-line entry point: train (and --dry-run), bench, inspect, export-hf, import-hf,
+// logits, tokenize, version. Every command's arguments go through one parser (cli/args.h).
+// Every error reaches the user as one "error: ..." line and exit status 1 (a mistake in the
+// command line also prints the command's usage line); in a multi-process job as "[rank r]
+// error: ..." followed by an abort of every rank (MPI_Abort; over TCP the rank exits and its
+// peers fail on the closed connections). No command, or an unknown one, exits with status 2.
+#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/files.h"
 #include "checkpoint/hf.h"
+#include "cli/args.h"
 #include "core/config_io.h"
 #include "core/error.h"
 #include "core/signals.h"
@@ -19,13 +25,24 @@
 #include "model/model.h"
 #include "parallel/comm.h"
 #include "train/bench.h"
-#include "train/run_plan.h"
 #include "train/device.h"
 #include "train/model_state.h"
+#include "train/run_plan.h"
 #include "train/trainer.h"
+
+#ifndef MOECORE_VERSION
+#define MOECORE_VERSION "unknown"
+#endif
+#ifndef MOECORE_GIT_COMMIT
+#define MOECORE_GIT_COMMIT "unknown"
+#endif
 
 namespace moe {
 namespace {
+
+using cli::CommandSpec;
+using cli::ParsedArgs;
+using cli::UsageError;
 
 constexpr const char* kUsage =
     "usage: moecore <command> [options]\n"
@@ -44,42 +61,30 @@ constexpr const char* kUsage =
     "                                                  run one sequence, print its loss, write FP32 logits\n"
     "  tokenize --out FILE [--dtype uint16|uint32] [--eos ID] TEXT_FILE...\n"
     "                                                  byte-level tokenizer: one document per file\n"
+    "  version                                         print the version and the commit it was built from\n"
     "\n"
+    "Options take --name=value or --name value; CONFIG.toml may also be given as --config PATH.\n"
     "`moecore <command> --help` for details.\n";
 
-// The value after `flag` at args[i] (advancing i), with an error naming the flag when absent.
-const std::string& flag_value(const std::vector<std::string>& args, size_t& i) {
-  MOE_CHECK(i + 1 < args.size(), args[i], " needs a value");
-  return args[++i];
+std::string version_text() {
+  return std::string("moecore ") + MOECORE_VERSION + " (commit " + MOECORE_GIT_COMMIT + ")";
 }
 
-// `text` as an integer; anything else is refused naming `what`.
-int64_t parse_int(const std::string& what, const std::string& text) {
-  size_t used = 0;
-  int64_t out = 0;
-  try {
-    out = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
+template <typename... Parts>
+[[noreturn]] void usage_fail(const Parts&... parts) {
+  throw UsageError(detail::concat(parts...));
+}
+
+// CONFIG.toml as a positional or as --config PATH (not both); "" for the embedded default.
+std::string config_path(const ParsedArgs& a) {
+  const std::optional<std::string> flag = a.value("--config");
+  if (flag && !a.positionals.empty())
+    usage_fail("the config is given twice: '", a.positionals[0], "' and --config ", *flag, "; give one");
+  if (flag) {
+    if (flag->empty()) usage_fail("--config needs a path, got an empty value");
+    return *flag;
   }
-  MOE_CHECK(!text.empty() && used == text.size(), what, ": expected an integer, got '", text, "'");
-  return out;
-}
-
-// An integer flag value (see flag_value).
-int64_t flag_int(const std::vector<std::string>& args, size_t& i) {
-  const std::string flag = args[i];
-  return parse_int(flag, flag_value(args, i));
-}
-
-bool has_flag(std::vector<std::string>& args, const std::string& flag) {
-  for (auto it = args.begin(); it != args.end(); ++it) {
-    if (*it == flag) {
-      args.erase(it);
-      return true;
-    }
-  }
-  return false;
+  return a.positionals.empty() ? "" : a.positionals[0];
 }
 
 // The resolved config and the run plan of `world` ranks (rank 0's figures are every rank's:
@@ -96,36 +101,29 @@ void print_dry_run(const Config& cfg, int64_t world) {
   }
 }
 
-int cmd_train(std::vector<std::string> args) {
-  if (has_flag(args, "--help") || has_flag(args, "-h")) {
-    std::cout << "usage: moecore train [CONFIG.toml] [--dry-run [--world N]] [--section.key=value ...]\n\n"
-                 "Without CONFIG the embedded default (configs/tiny.toml) trains on the built-in corpus.\n"
-                 "Keys (type, default, meaning):\n"
-              << config_help();
-    return 0;
-  }
-  const bool dry = has_flag(args, "--dry-run");
-  std::string path;
-  std::vector<std::string> overrides;
-  int64_t dry_world = 0;  // --world N: the dry run's plan for N ranks without launching them
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    if (a == "--dry-run") continue;
-    if (a == "--world" || a.rfind("--world=", 0) == 0) {
-      dry_world = parse_int("--world", a == "--world" ? flag_value(args, i) : a.substr(8));
-      MOE_CHECK(dry && dry_world >= 1, "--world N goes with --dry-run and needs N >= 1, got ", dry_world);
-    } else if (a.rfind("--", 0) == 0) {
-      overrides.push_back(a);
-    } else if (path.empty()) {
-      path = a;
-    } else {
-      MOE_FAIL("unexpected argument '", a, "': give one CONFIG.toml and --section.key=value overrides");
-    }
-  }
+// ---------------------------------------------------------------- commands
+
+const CommandSpec kTrain{
+    "train",
+    {"CONFIG.toml"},
+    0,
+    true,
+    {{"--config", "PATH", "the run's config file (instead of the positional CONFIG.toml)"},
+     {"--dry-run", "", "print the resolved config and the run plan, then exit"},
+     {"--world", "N", "with --dry-run: the plan for N ranks, without launching them"}},
+    "Without CONFIG the embedded default (configs/tiny.toml) trains on the built-in corpus.\n"
+    "Overrides apply after the file, in order: --train.steps=50 or --train.steps 50.\n"};
+
+int cmd_train(const ParsedArgs& a) {
+  const std::string path = config_path(a);
+  const bool dry = a.has("--dry-run");
+  if (a.has("--world") && !dry)
+    usage_fail("--world N goes with --dry-run (a real run takes its world size from the launcher)");
+  const int64_t dry_world = a.int_or("--world", 0, 1, kMaxRanks);
   // Join the job first (MPI or TCP when a launcher started us), so that every later error is reported
   // with its rank and ends all ranks. A dry run joins only to learn the world size.
   Comm* world = dry && dry_world > 0 ? nullptr : &world_comm();
-  const Config cfg = load_config(path, overrides);
+  const Config cfg = load_config(path, a.overrides);
   if (dry) {
     if (world == nullptr || world->rank() == 0) print_dry_run(cfg, world ? world->size() : dry_world);
     return 0;
@@ -143,78 +141,74 @@ int cmd_train(std::vector<std::string> args) {
   return 0;
 }
 
-int cmd_bench(std::vector<std::string> args, const std::string& command) {
-  if (has_flag(args, "--help") || has_flag(args, "-h")) {
-    std::cout << "usage: moecore bench [CONFIG.toml] [--warmup N] [--steps N] [--out DIR | --json PATH]\n"
-                 "                     [--section.key=value ...]       (flags also as --flag=value)\n\n"
-                 "Runs warm training steps on random tokens and prints tokens/s, TFLOP/s (FLOPs per token from\n"
-                 "docs/architecture.md), MFU, step time by phase and peak memory; writes the same as JSON under\n"
-                 "DIR (default bench/results; --out= for none) or to PATH. train.device and train.precision pick\n"
-                 "the backend as for train: cuda runs one GPU (CUDA graph, device-side initialisation), cpu the\n"
-                 "reference. `mpirun -np N moecore bench ...` (cuda) runs data parallel over N GPUs (NCCL), each\n"
-                 "GPU with the one-GPU step's micro-batches (global batch x N), and reports figures per GPU and the\n"
-                 "gradient all-reduce. See docs/benchmarks.md for what each figure means.\n";
-    return 0;
-  }
+constexpr int64_t kMaxBenchSteps = 1000000;
+
+const CommandSpec kBench{
+    "bench",
+    {"CONFIG.toml"},
+    0,
+    true,
+    {{"--config", "PATH", "the config file (instead of the positional CONFIG.toml)"},
+     {"--warmup", "N", "untimed steps first (default 2)"},
+     {"--steps", "N", "timed steps (default 5)"},
+     {"--out", "DIR", "write the JSON record under DIR (default bench/results; --out= for none)"},
+     {"--json", "PATH", "write the JSON record to PATH instead"}},
+    "Runs warm training steps on random tokens and prints tokens/s, TFLOP/s (FLOPs per token from\n"
+    "docs/architecture.md), MFU, step time by phase and peak memory; writes the same as JSON under\n"
+    "DIR (default bench/results; --out= for none) or to PATH. train.device and train.precision pick\n"
+    "the backend as for train: cuda runs one GPU (CUDA graph, device-side initialisation), cpu the\n"
+    "reference. `mpirun -np N moecore bench ...` (cuda) runs data parallel over N GPUs (NCCL), each\n"
+    "GPU with the one-GPU step's micro-batches (global batch x N), and reports figures per GPU and the\n"
+    "gradient all-reduce. See docs/benchmarks.md for what each figure means.\n"};
+
+int cmd_bench(const ParsedArgs& a, const std::string& command) {
+  BenchOptions opt;
+  opt.command = command;
+  opt.warmup = a.int_or("--warmup", opt.warmup, 0, kMaxBenchSteps);
+  opt.steps = a.int_or("--steps", opt.steps, 1, kMaxBenchSteps);
+  opt.out_dir = a.value_or("--out", opt.out_dir);
+  opt.json_path = a.value_or("--json", opt.json_path);
+  const std::string path = config_path(a);
+  if (!path.empty()) opt.config_name = std::filesystem::path(path).stem().string();
   // Join the job first (MPI or TCP when a launcher started us), so that every later error is reported
   // with its rank and ends all ranks.
   Comm& world = world_comm();
-  BenchOptions opt;
-  opt.command = command;
-  std::string path;
-  std::vector<std::string> overrides;
-  // `--name VALUE` or `--name=VALUE`; true when args[i] is that flag (i advanced past a separate value).
-  auto flag = [&](const char* name, size_t& i, std::string& value) {
-    const std::string eq = std::string(name) + "=";
-    if (args[i] == name) {
-      value = flag_value(args, i);
-      return true;
-    }
-    if (args[i].rfind(eq, 0) == 0) {
-      value = args[i].substr(eq.size());
-      return true;
-    }
-    return false;
-  };
-  for (size_t i = 0; i < args.size(); ++i) {
-    std::string value;
-    if (flag("--warmup", i, value)) opt.warmup = parse_int("--warmup", value);
-    else if (flag("--steps", i, value)) opt.steps = parse_int("--steps", value);
-    else if (flag("--out", i, value)) opt.out_dir = value;
-    else if (flag("--json", i, value)) opt.json_path = value;
-    else if (args[i].rfind("--", 0) == 0) overrides.push_back(args[i]);
-    else if (path.empty()) path = args[i];
-    else MOE_FAIL("unexpected argument '", args[i], "'");
-  }
-  if (!path.empty()) opt.config_name = std::filesystem::path(path).stem().string();
-  const Config cfg = load_config(path, overrides);
+  const Config cfg = load_config(path, a.overrides);
   run_bench(cfg, opt, std::cout, world);
   return 0;
 }
 
-int cmd_inspect(std::vector<std::string> args) {
-  const bool help = has_flag(args, "--help") || has_flag(args, "-h");
-  if (help || args.empty()) {
-    std::cout << "usage: moecore inspect CHECKPOINT_DIR\n\n"
-                 "CHECKPOINT_DIR is a step_<N> directory or a checkpoint directory (its latest step is shown).\n";
-    return help ? 0 : 2;
-  }
-  MOE_CHECK(args.size() == 1, "inspect takes one CHECKPOINT_DIR, got ", args.size(), " arguments");
-  const auto dir = resolve_checkpoint(args[0]);
-  MOE_CHECK(dir.has_value(), "no complete checkpoint at '", args[0], "'");
-  const LoadedCheckpoint ck = LoadedCheckpoint::open(*dir);
-  std::cout << "checkpoint " << *dir << "\nstep " << ck.step() << "\n";
+// A checkpoint argument: a step_<N> directory or a checkpoint directory (its latest step).
+std::string step_dir_of(const std::string& arg) {
+  const auto dir = resolve_checkpoint(arg);
+  MOE_CHECK(dir.has_value(), "no complete checkpoint at '", arg,
+            "': expected a step_<N> directory or a checkpoint directory holding one");
+  return *dir;
+}
+
+const CommandSpec kInspect{"inspect",
+                           {"CHECKPOINT_DIR"},
+                           1,
+                           false,
+                           {},
+                           "CHECKPOINT_DIR is a step_<N> directory or a checkpoint directory (its latest step "
+                           "is shown).\n"};
+
+int cmd_inspect(const ParsedArgs& a) {
+  const std::string dir = step_dir_of(a.positionals[0]);
+  const LoadedCheckpoint ck = LoadedCheckpoint::open(dir);
+  const TrainState state = read_train_state(ck);
+  std::cout << "checkpoint " << dir << "\nstep " << ck.step() << "\n";
   const nlohmann::json& st = ck.train_state();
   for (auto it = st.begin(); it != st.end(); ++it)
-    if (it.key() != "config") std::cout << it.key() << " " << it.value().dump() << "\n";
-  if (st.contains("config")) std::cout << "\n[config]\n" << st["config"].get<std::string>() << "\n";
+    if (it.key() != "config") std::cout << it.key() << " " << it.value().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+  if (state.config) std::cout << "\n[config]\n" << *state.config << "\n";
   auto list = [](const char* file, const SafetensorsFile& f) {
     int64_t bytes = 0;
     for (const auto& t : f.tensors()) bytes += int64_t(t.end - t.begin);
     std::printf("%s: %zu tensors, %.2f MiB\n", file, f.tensors().size(), double(bytes) / (1 << 20));
     for (const auto& t : f.tensors())
-      std::printf("  %-60s %-5s %s\n", t.name.c_str(), t.dtype_name.c_str(),
-                  shape_str(t.shape).c_str());
+      std::printf("  %-60s %-5s %s\n", t.name.c_str(), t.dtype_name.c_str(), shape_str(t.shape).c_str());
   };
   if (!ck.sliced()) {
     list("model.safetensors", ck.model());
@@ -238,114 +232,150 @@ int cmd_inspect(std::vector<std::string> args) {
   return 0;
 }
 
-int cmd_tokenize(std::vector<std::string> args) {
-  std::string out, dtype = "uint16";
-  int64_t eos = 0;
-  std::vector<std::string> inputs;
-  const bool help = has_flag(args, "--help") || has_flag(args, "-h");
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--out") out = flag_value(args, i);
-    else if (args[i] == "--dtype") dtype = flag_value(args, i);
-    else if (args[i] == "--eos") eos = flag_int(args, i);
-    else inputs.push_back(args[i]);
-  }
-  if (help || out.empty() || inputs.empty()) {
-    std::cout << "usage: moecore tokenize --out FILE [--dtype uint16|uint32] [--eos ID] TEXT_FILE...\n\n"
-                 "Writes a headerless token file (ids = bytes, EOS after each file) for data.source = \"tokens\".\n";
-    return help ? 0 : 2;
-  }
+const CommandSpec kTokenize{
+    "tokenize",
+    {"TEXT_FILE..."},
+    1,
+    false,
+    {{"--out", "FILE", "the token file to write", true},
+     {"--dtype", "uint16|uint32", "token integer type (default uint16)"},
+     {"--eos", "ID", "end-of-document id written after each file (default 0)"}},
+    "Writes a headerless token file (ids = bytes, EOS after each file) for data.source = \"tokens\".\n"};
+
+int cmd_tokenize(const ParsedArgs& a) {
+  const std::string out = a.value_or("--out", "");
+  if (out.empty()) usage_fail("--out needs a file name, got an empty value");
+  const std::string dtype = a.value_or("--dtype", "uint16");
+  if (dtype != "uint16" && dtype != "uint32") usage_fail("--dtype: expected uint16 or uint32, got '", dtype, "'");
+  const int64_t eos = a.int_or("--eos", 0, 0, dtype == "uint16" ? 0xFFFF : 0x7FFFFFFF);
   const StopSignals signals;  // a signal ends the write cleanly, without a partial file
-  tokenize_text_files(inputs, out, dtype, eos);
+  tokenize_text_files(a.positionals, out, dtype, eos);
   std::cout << "wrote " << out << "\n";
   return 0;
 }
 
-int cmd_export_hf(std::vector<std::string> args) {
-  const bool help = has_flag(args, "--help") || has_flag(args, "-h");
+const CommandSpec kExportHf{
+    "export-hf",
+    {"CHECKPOINT_DIR", "OUT_DIR"},
+    2,
+    false,
+    {{"--dtype", "bf16|fp32", "weight type of the safetensors shards (default bf16)"},
+     {"--max-shard-bytes", "N", "largest shard in bytes (default 5000000000)"}},
+    "Writes config.json (OlmoeForCausalLM), model-*.safetensors shards with per-expert names and\n"
+    "model.safetensors.index.json, each under a temporary name and then renamed. Models OLMoE cannot\n"
+    "express (dense MLP layers, shared experts, a sigmoid router, no QK-norm, an expert bias) are\n"
+    "refused, naming the keys to train with instead (docs/hf.md).\n"};
+
+int cmd_export_hf(const ParsedArgs& a) {
   HfExportOptions opt;
-  std::vector<std::string> pos;
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--dtype") {
-      opt.dtype = flag_value(args, i);
-    } else if (args[i].rfind("--dtype=", 0) == 0) {
-      opt.dtype = args[i].substr(8);
-    } else if (args[i].rfind("--max-shard-bytes=", 0) == 0) {
-      opt.max_shard_bytes = parse_int("--max-shard-bytes", args[i].substr(18));
-    } else {
-      pos.push_back(args[i]);
-    }
-  }
-  if (help || pos.size() != 2) {
-    std::cout << "usage: moecore export-hf CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--max-shard-bytes=N]\n\n"
-                 "Writes config.json (OlmoeForCausalLM), model-*.safetensors shards with per-expert names and\n"
-                 "model.safetensors.index.json. Models OLMoE cannot express are refused.\n";
-    return help ? 0 : 2;
-  }
-  const int shards = export_hf(pos[0], pos[1], opt);
-  std::cout << "wrote " << pos[1] << " (" << shards << " shard" << (shards == 1 ? "" : "s") << ", " << opt.dtype << ")\n";
+  opt.dtype = a.value_or("--dtype", opt.dtype);
+  if (opt.dtype != "bf16" && opt.dtype != "fp32") usage_fail("--dtype: expected bf16 or fp32, got '", opt.dtype, "'");
+  opt.max_shard_bytes = a.int_or("--max-shard-bytes", opt.max_shard_bytes, 1);
+  const int shards = export_hf(a.positionals[0], a.positionals[1], opt);
+  std::cout << "wrote " << a.positionals[1] << " (" << shards << " shard" << (shards == 1 ? "" : "s") << ", "
+            << opt.dtype << ")\n";
   return 0;
 }
 
-int cmd_import_hf(std::vector<std::string> args) {
-  const bool help = has_flag(args, "--help") || has_flag(args, "-h");
-  if (help || args.size() != 2) {
-    std::cout << "usage: moecore import-hf HF_DIR OUT_CHECKPOINT_DIR\n\n"
-                 "Reads an OLMoE config.json and safetensors (single file or sharded; per-expert or fused experts;\n"
-                 "F32/BF16/F16) and writes OUT_CHECKPOINT_DIR/step_0 plus OUT_CHECKPOINT_DIR/config.toml.\n"
-                 "Continue training with: moecore train OUT_CHECKPOINT_DIR/config.toml --checkpoint.resume=OUT_CHECKPOINT_DIR\n";
-    return help ? 0 : 2;
-  }
-  const std::string step_dir = import_hf(args[0], args[1]);
-  std::cout << "wrote " << step_dir << " and " << args[1] << "/config.toml\n";
+const CommandSpec kImportHf{
+    "import-hf",
+    {"HF_DIR", "OUT_CHECKPOINT_DIR"},
+    2,
+    false,
+    {},
+    "Reads an OLMoE config.json and safetensors (single file or sharded; per-expert or fused experts;\n"
+    "F32/BF16/F16) and writes OUT_CHECKPOINT_DIR/step_0 plus OUT_CHECKPOINT_DIR/config.toml.\n"
+    "Continue training with: moecore train OUT_CHECKPOINT_DIR/config.toml --checkpoint.resume=OUT_CHECKPOINT_DIR\n"};
+
+int cmd_import_hf(const ParsedArgs& a) {
+  const std::string step_dir = import_hf(a.positionals[0], a.positionals[1]);
+  std::cout << "wrote " << step_dir << " and " << a.positionals[1] << "/config.toml\n";
   return 0;
 }
 
-int cmd_logits(std::vector<std::string> args) {
-  const bool help = has_flag(args, "--help") || has_flag(args, "-h");
-  std::string tokens_arg, out;
-  std::vector<std::string> pos;
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--tokens") tokens_arg = flag_value(args, i);
-    else if (args[i] == "--out") out = flag_value(args, i);
-    else pos.push_back(args[i]);
-  }
-  if (help || pos.size() != 1 || tokens_arg.empty()) {
-    std::cout << "usage: moecore logits CHECKPOINT_DIR --tokens ID,ID,... [--out FILE]\n\n"
-                 "Runs the checkpoint's model (FP32, CPU) on one sequence; prints the mean next-token loss and\n"
-                 "writes the logits [S, V] as little-endian float32 to FILE.\n";
-    return help ? 0 : 2;
-  }
-  const auto dir = resolve_checkpoint(pos[0]);
-  MOE_CHECK(dir.has_value(), "no complete checkpoint at '", pos[0], "'");
-  const LoadedCheckpoint ck = LoadedCheckpoint::open(*dir);
-  const Config cfg = parse_config_toml(ck.train_state().at("config").get<std::string>(), *dir + "/train_state.json");
-  Model<float> model(cfg.model, cfg.moe);
-  load_model_state(ck, model);
-  std::vector<int32_t> ids;
-  size_t start = 0;
-  while (start <= tokens_arg.size()) {
-    const size_t comma = tokens_arg.find(',', start);
-    const std::string tok = tokens_arg.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    if (!tok.empty()) ids.push_back(static_cast<int32_t>(parse_int("--tokens", tok)));
+const CommandSpec kLogits{
+    "logits",
+    {"CHECKPOINT_DIR"},
+    1,
+    false,
+    {{"--tokens", "ID,ID,...", "the sequence: token ids in [0, model.vocab_size)", true},
+     {"--out", "FILE", "write the logits [S, V] as little-endian float32"}},
+    "Runs the checkpoint's model (FP32, CPU) on one sequence; prints the mean next-token loss and\n"
+    "writes the logits [S, V] as little-endian float32 to FILE.\n"};
+
+// "1,2,3" -> ids; every item an integer (range-checked against the model later).
+std::vector<int64_t> parse_token_list(const std::string& text) {
+  std::vector<int64_t> ids;
+  size_t start = 0, item = 1;
+  while (true) {
+    const size_t comma = text.find(',', start);
+    std::string tok = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    while (!tok.empty() && tok.front() == ' ') tok.erase(tok.begin());
+    while (!tok.empty() && tok.back() == ' ') tok.pop_back();
+    if (tok.empty()) usage_fail("--tokens: item ", item, " of '", text, "' is empty; expected ID,ID,...");
+    ids.push_back(cli::parse_int("--tokens item " + std::to_string(item), tok));
     if (comma == std::string::npos) break;
     start = comma + 1;
+    ++item;
   }
-  MOE_CHECK(!ids.empty(), "--tokens: expected a comma-separated list of token ids");
+  return ids;
+}
+
+int cmd_logits(const ParsedArgs& a) {
+  const std::vector<int64_t> tokens = parse_token_list(*a.value("--tokens"));
+  const std::string out = a.value_or("--out", "");
+  const std::string dir = step_dir_of(a.positionals[0]);
+  const LoadedCheckpoint ck = LoadedCheckpoint::open(dir);
+  const Config cfg = checkpoint_config(ck);
+  validate_config(cfg);
+  std::vector<int32_t> ids;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= cfg.model.vocab_size)
+      usage_fail("--tokens: item ", i + 1, " is ", tokens[i], ", not a token id of this model: expected [0, ",
+                 cfg.model.vocab_size, ") (model.vocab_size = ", cfg.model.vocab_size, ")");
+    ids.push_back(static_cast<int32_t>(tokens[i]));
+  }
+  Model<float> model(cfg.model, cfg.moe);
+  load_model_state(ck, model);
   std::vector<int32_t> targets(ids.size(), -1);
   for (size_t i = 0; i + 1 < ids.size(); ++i) targets[i] = ids[i + 1];
   const ForwardStats s = model.forward(ids.data(), targets.data(), 1, static_cast<int64_t>(ids.size()));
   std::printf("tokens %zu loss %.8f\n", ids.size(), s.num_targets ? s.ce_sum / double(s.num_targets) : 0.0);
   if (!out.empty()) {
-    FILE* f = std::fopen(out.c_str(), "wb");
-    MOE_CHECK(f, "cannot write ", out);
     const auto& lg = model.logits();
-    const size_t n = std::fwrite(lg.data(), sizeof(float), lg.size(), f);
-    MOE_CHECK(std::fclose(f) == 0 && n == lg.size(), "writing ", out, " failed");
+    write_file_atomic(out, std::string_view(reinterpret_cast<const char*>(lg.data()), lg.size() * sizeof(float)));
   }
   return 0;
 }
 
-}  // namespace
+const CommandSpec kVersion{"version", {}, 0, false, {}, "Prints the version and the commit moecore was built from.\n"};
+
+int cmd_version(const ParsedArgs&) {
+  std::cout << version_text() << "\n";
+  return 0;
+}
+
+struct Command {
+  const CommandSpec* spec;
+  std::function<int(const ParsedArgs&)> run;
+};
+
+std::vector<Command> commands(const std::string& invocation) {
+  return {{&kTrain, cmd_train},
+          {&kBench, [invocation](const ParsedArgs& a) { return cmd_bench(a, invocation); }},
+          {&kInspect, cmd_inspect},
+          {&kExportHf, cmd_export_hf},
+          {&kImportHf, cmd_import_hf},
+          {&kLogits, cmd_logits},
+          {&kTokenize, cmd_tokenize},
+          {&kVersion, cmd_version}};
+}
+
+std::string help_of(const CommandSpec& spec) {
+  std::string s = cli::help_text(spec);
+  if (&spec == &kTrain) s += "\nKeys (type, default, meaning):\n" + config_help();
+  return s;
+}
 
 // Prints the error; in a job of several ranks prefixes the rank and aborts every rank, so that
 // no peer waits for this one in a collective.
@@ -358,31 +388,61 @@ int report_error(const char* what) {
   return 1;
 }
 
-}  // namespace moe
-
-int main(int argc, char** argv) {
-  std::vector<std::string> args(argv + 1, argv + argc);
-  if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
-    std::fputs(moe::kUsage, args.empty() ? stderr : stdout);
-    return args.empty() ? 2 : 0;
+int run_main(const std::vector<std::string>& argv) {
+  std::vector<std::string> args(argv.begin() + 1, argv.end());
+  if (args.empty()) {
+    std::fputs(kUsage, stderr);
+    return 2;
   }
-  const std::string cmd = args[0];
+  std::string invocation = "moecore";
+  for (const std::string& a : args) invocation += " " + a;
+  const std::vector<Command> table = commands(invocation);
+  auto find = [&](const std::string& name) -> const Command* {
+    for (const Command& c : table)
+      if (c.spec->name == name) return &c;
+    return nullptr;
+  };
+  if (args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    if (args.size() > 1 && find(args[1])) {
+      std::cout << help_of(*find(args[1])->spec);
+      return 0;
+    }
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
+  if (args[0] == "--version" || args[0] == "-V") {
+    std::cout << version_text() << "\n";
+    return 0;
+  }
+  const Command* cmd = find(args[0]);
+  if (!cmd) {
+    std::string best;
+    int best_d = INT_MAX;
+    for (const Command& c : table)
+      if (const int d = cli::edit_distance(args[0], c.spec->name); d < best_d) best_d = d, best = c.spec->name;
+    std::fprintf(stderr, "error: unknown command '%s'%s\n\n%s", args[0].c_str(),
+                 best_d <= 2 ? ("; did you mean '" + best + "'?").c_str() : "", kUsage);
+    return 2;
+  }
   args.erase(args.begin());
   try {
-    if (cmd == "train") return moe::cmd_train(args);
-    if (cmd == "inspect") return moe::cmd_inspect(args);
-    if (cmd == "bench") {
-      std::string command = "moecore";
-      for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
-      return moe::cmd_bench(args, command);
+    const ParsedArgs parsed = cli::parse_args(*cmd->spec, args);
+    if (parsed.help) {
+      std::cout << help_of(*cmd->spec);
+      return 0;
     }
-    if (cmd == "tokenize") return moe::cmd_tokenize(args);
-    if (cmd == "logits") return moe::cmd_logits(args);
-    if (cmd == "export-hf") return moe::cmd_export_hf(args);
-    if (cmd == "import-hf") return moe::cmd_import_hf(args);
-    std::fprintf(stderr, "error: unknown command '%s'\n\n%s", cmd.c_str(), moe::kUsage);
-    return 2;
+    return cmd->run(parsed);
+  } catch (const UsageError& e) {
+    if (world_comm_started() && world_comm().size() > 1) return report_error(e.what());
+    std::fprintf(stderr, "error: %s\n%s\n`moecore %s --help` for details.\n", e.what(),
+                 cli::usage_line(*cmd->spec).c_str(), cmd->spec->name.c_str());
+    return 1;
   } catch (const std::exception& e) {
-    return moe::report_error(e.what());
+    return report_error(e.what());
   }
 }
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) { return moe::run_main(std::vector<std::string>(argv, argv + argc)); }

@@ -464,8 +464,13 @@ std::optional<double> parse_float(std::string_view s) {
 // Parses `text` as the TOML value of `v = text`; throws toml::parse_error.
 toml::table parse_toml_value(std::string_view text) { return toml::parse("v = " + std::string(text)); }
 
-// A string value may be bare, 'literal' or "basic with \escapes"; returns nullopt on a bad quote.
+// A string value may be bare, 'literal' or "basic with \escapes"; returns nullopt on a bad quote,
+// including a quote at one end only (`--run.dir="abc` whose closing quote the shell ate).
 std::optional<std::string> unquote(std::string_view s) {
+  const auto is_quote = [](char c) { return c == '"' || c == '\''; };
+  if (!s.empty() && (is_quote(s.front()) || is_quote(s.back())) &&
+      (s.size() < 2 || s.front() != s.back()))
+    return std::nullopt;
   if (s.size() >= 2 && s.front() == '\'' && s.back() == '\'') return std::string(s.substr(1, s.size() - 2));
   if (s.size() >= 2 && s.front() == '"' && s.back() == '"') {
     try {
@@ -549,7 +554,9 @@ std::string assign_text(const ConfigKey& k, std::string_view text, Config& c) {
                         },
                         [&](std::string* p) -> std::string {
                           const auto v = unquote(text);
-                          if (!v) return bad + " (badly quoted)";
+                          if (!v)
+                            return bad + " (badly quoted: quote the whole value with \"...\" or '...', or "
+                                         "neither end)";
                           std::string err = check_choice(k, *v);
                           if (err.empty()) *p = *v;
                           return err;
@@ -569,6 +576,33 @@ struct Problems {
 };
 
 std::string num(double v) { return format_float(v); }
+
+// A bound as validate_config prints it: "16384 (2^14)" for a power of two, else the number.
+std::string bound_text(int64_t v) {
+  if (v > 0 && (v & (v - 1)) == 0) return std::to_string(v) + " (2^" + std::to_string(__builtin_ctzll(uint64_t(v))) + ")";
+  return std::to_string(v);
+}
+
+// Upper estimates, in double (no overflow), of what the model and batch keys ask for; every
+// term is at least the corresponding term of count_model / activation_elements (model/layout.h).
+double dense_hidden(const ModelConfig& m) {
+  return m.dense_layers.empty() ? 0.0 : double(std::max<int64_t>(m.dense_hidden, 0));
+}
+
+double estimated_params(const ModelConfig& m, const MoeConfig& e) {
+  const double d = double(m.d_model), experts = double(e.num_experts), hidden = double(e.expert_hidden);
+  const double per_layer = 4.0 * d * d + 4.0 * d + d * experts + 3.0 * d * hidden * (experts + double(e.shared_experts)) +
+                           3.0 * d * dense_hidden(m);
+  return 2.0 * double(m.vocab_size) * d + double(m.n_layers) * per_layer + d;
+}
+
+double estimated_activations_per_token(const ModelConfig& m, const MoeConfig& e) {
+  const double d = double(m.d_model), k = double(e.top_k), hidden = double(e.expert_hidden);
+  const double per_layer = 16.0 * d + 4.0 + 3.0 * dense_hidden(m) +
+                           2.0 * double(e.num_experts) + 2.0 * k + 2.0 * k * d + 3.0 * k * hidden +
+                           3.0 * double(e.shared_experts) * hidden;
+  return double(m.n_layers) * per_layer + 2.0 * double(m.vocab_size) + 3.0 * d + 2.0;
+}
 
 }  // namespace
 
@@ -728,13 +762,25 @@ void validate_config(const Config& c) {
     }
   }
 
+  // Upper bounds on sizes (config_io.h, kMax*): far beyond any machine, and low enough that the
+  // products derived from them (parameters, tokens, offsets) cannot leave int64.
+  int sizes_out_of_range = 0;
+  auto bounded = [&](const char* name, int64_t v, int64_t lo, int64_t hi, const char* why) {
+    sizes_out_of_range += v < lo || v > hi;
+    if (v < lo)
+      p.need(false, name, lo == 1 ? " must be > 0" : " must be >= 0", ", got ", v);
+    else
+      p.need(v <= hi, name, " must be <= ", bound_text(hi), ", got ", v, " (", why, ")");
+  };
   const ModelConfig& m = c.model;
-  for (auto [name, v] : {std::pair{"model.vocab_size", m.vocab_size},
-                         {"model.d_model", m.d_model},
-                         {"model.n_layers", m.n_layers},
-                         {"model.n_heads", m.n_heads},
-                         {"model.n_kv_heads", m.n_kv_heads}})
-    p.need(v > 0, name, " must be > 0, got ", v);
+  bounded("model.vocab_size", m.vocab_size, 1, kMaxVocabSize, "token ids are int32");
+  bounded("model.d_model", m.d_model, 1, kMaxWidth, "no machine holds a wider model");
+  bounded("model.n_layers", m.n_layers, 1, kMaxLayers, "no machine holds a deeper model");
+  bounded("model.n_heads", m.n_heads, 1, kMaxWidth, "at most one head per model.d_model channel pair");
+  bounded("model.n_kv_heads", m.n_kv_heads, 1, kMaxWidth, "at most model.n_heads");
+  if (!m.dense_layers.empty())
+    bounded("model.dense_hidden", m.dense_hidden, std::numeric_limits<int64_t>::min(), kMaxHidden,
+            "no machine holds a wider MLP");  // > 0: below
   if (m.d_model > 0 && m.n_heads > 0) {
     p.need(m.d_model % m.n_heads == 0, "model.d_model (", m.d_model, ") must be divisible by model.n_heads (",
            m.n_heads, "): ", m.d_model, " % ", m.n_heads, " = ", m.d_model % m.n_heads);
@@ -756,17 +802,16 @@ void validate_config(const Config& c) {
            " is not a layer index in [0, model.n_layers = ", m.n_layers, ")");
     p.need(seen.insert(l).second, "model.dense_layers lists layer ", l, " more than once");
   }
-  if (!m.dense_layers.empty())
-    p.need(m.dense_hidden > 0, "model.dense_hidden must be > 0 when model.dense_layers is not empty, got ",
-           m.dense_hidden);
+  if (!m.dense_layers.empty() && m.dense_hidden <= 0)
+    p.need(false, "model.dense_hidden must be > 0 when model.dense_layers is not empty, got ", m.dense_hidden);
 
   const MoeConfig& e = c.moe;
-  p.need(e.num_experts > 0, "moe.num_experts must be > 0, got ", e.num_experts);
+  bounded("moe.num_experts", e.num_experts, 1, kMaxExperts, "no machine holds more experts per layer");
   p.need(e.top_k > 0, "moe.top_k must be > 0, got ", e.top_k);
   p.need(e.top_k <= e.num_experts, "moe.top_k (", e.top_k, ") must be <= moe.num_experts (", e.num_experts,
          ")");
-  p.need(e.expert_hidden > 0, "moe.expert_hidden must be > 0, got ", e.expert_hidden);
-  p.need(e.shared_experts >= 0, "moe.shared_experts must be >= 0, got ", e.shared_experts);
+  bounded("moe.expert_hidden", e.expert_hidden, 1, kMaxHidden, "no machine holds wider experts");
+  bounded("moe.shared_experts", e.shared_experts, 0, kMaxSharedExperts, "no machine holds a wider shared MLP");
   p.need(e.lb_loss_weight >= 0, "moe.lb_loss_weight must be >= 0, got ", num(e.lb_loss_weight));
   p.need(e.z_loss_weight >= 0, "moe.z_loss_weight must be >= 0, got ", num(e.z_loss_weight));
   p.need(e.bias_update_rate >= 0, "moe.bias_update_rate must be >= 0, got ", num(e.bias_update_rate));
@@ -774,21 +819,42 @@ void validate_config(const Config& c) {
          "moe.capacity_factor must be 0 (dropless) or >= 1, got ", num(e.capacity_factor));
 
   const TrainConfig& t = c.train;
-  p.need(t.seq_len > 0, "train.seq_len must be > 0, got ", t.seq_len);
-  p.need(t.micro_batch > 0, "train.micro_batch must be > 0, got ", t.micro_batch);
-  p.need(t.global_batch > 0, "train.global_batch must be > 0, got ", t.global_batch);
+  bounded("train.seq_len", t.seq_len, 1, kMaxSeqLen, "no machine holds the activations of a longer sequence");
+  bounded("train.micro_batch", t.micro_batch, 1, kMaxMicroBatch, "no rank holds a larger micro-batch");
+  bounded("train.global_batch", t.global_batch, 1, kMaxGlobalBatch, "no job reads a larger batch per step");
   if (t.micro_batch > 0 && t.global_batch > 0)
     p.need(t.global_batch % t.micro_batch == 0, "train.global_batch (", t.global_batch,
            ") must be a multiple of train.micro_batch (", t.micro_batch, "): ", t.global_batch, " % ",
            t.micro_batch, " = ", t.global_batch % t.micro_batch);
-  p.need(t.steps >= 0, "train.steps must be >= 0, got ", t.steps);
+  bounded("train.steps", t.steps, 0, kMaxSteps, "no run takes that many optimizer steps");
   p.need(t.seed <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
          "train.seed must be <= 9223372036854775807 (it is written as a TOML integer), got ", t.seed);
   p.need(t.eval_interval >= 0, "train.eval_interval must be >= 0 (0: no evaluation), got ", t.eval_interval);
-  p.need(t.eval_batches >= 0, "train.eval_batches must be >= 0, got ", t.eval_batches);
+  bounded("train.eval_batches", t.eval_batches, 0, kMaxEvalBatches, "no evaluation reads that many micro-batches");
   if (t.eval_interval > 0 && t.eval_batches == 0)
     p.need(false, "train.eval_batches must be >= 1 when train.eval_interval (", t.eval_interval,
            ") > 0; set train.eval_interval = 0 to turn evaluation off");
+
+  // What the sizes multiply to, once each of them is in range: parameters of the model, tokens
+  // and activations of one micro-batch, tokens of one step.
+  if (sizes_out_of_range == 0 && e.top_k > 0 && e.top_k <= e.num_experts) {
+    const double params = estimated_params(m, e);
+    p.need(params <= double(kMaxParams), "the model has about ", num(params), " parameters, more than ",
+           bound_text(kMaxParams), " (no machine holds them): reduce model.n_layers, model.d_model, ",
+           "model.vocab_size, moe.num_experts or moe.expert_hidden");
+    const double micro_tokens = double(t.micro_batch) * double(t.seq_len);
+    p.need(micro_tokens <= double(kMaxTokensPerMicroBatch), "train.micro_batch x train.seq_len = ", t.micro_batch,
+           " x ", t.seq_len, " = ", num(micro_tokens), " tokens per micro-batch, more than ",
+           bound_text(kMaxTokensPerMicroBatch), ": reduce train.micro_batch or train.seq_len");
+    const double step_tokens = double(t.global_batch) * double(t.seq_len);
+    p.need(step_tokens <= double(kMaxTokensPerStep), "train.global_batch x train.seq_len = ", t.global_batch, " x ",
+           t.seq_len, " = ", num(step_tokens), " tokens per step, more than ", bound_text(kMaxTokensPerStep),
+           ": reduce train.global_batch or train.seq_len");
+    const double act = estimated_activations_per_token(m, e) * micro_tokens;
+    p.need(act <= double(kMaxActivationElements), "the activations of one micro-batch are about ", num(act),
+           " elements, more than ", bound_text(kMaxActivationElements),
+           " (no machine holds them): reduce train.micro_batch, train.seq_len or the model's sizes");
+  }
 
   const OptimConfig& o = c.optim;
   p.need(o.min_lr >= 0, "optim.min_lr must be >= 0, got ", num(o.min_lr));
@@ -812,9 +878,13 @@ void validate_config(const Config& c) {
 
   const ParallelConfig& q = c.parallel;
   p.need(q.dp >= 0, "parallel.dp must be >= 0 (0: world_size / pp), got ", q.dp);
+  p.need(q.dp <= kMaxRanks, "parallel.dp must be <= ", bound_text(kMaxRanks), ", got ", q.dp);
   p.need(q.ep >= 1, "parallel.ep must be >= 1, got ", q.ep);
+  p.need(q.ep <= kMaxRanks, "parallel.ep must be <= ", bound_text(kMaxRanks), ", got ", q.ep);
   p.need(q.pp == 1, "parallel.pp = ", q.pp, ": pipeline parallelism is not available yet; set parallel.pp = 1");
-  p.need(q.timeout_s > 0, "parallel.timeout_s must be > 0 seconds, got ", q.timeout_s);
+  p.need(q.timeout_s > 0, "parallel.timeout_s must be > 0 seconds, got ", num(q.timeout_s));
+  p.need(q.timeout_s <= kMaxTimeoutSeconds, "parallel.timeout_s must be <= ", num(kMaxTimeoutSeconds),
+         " seconds (a year), got ", num(q.timeout_s));
   if (q.dp > 0 && q.ep >= 1)
     p.need(q.dp % q.ep == 0, "parallel.ep (", q.ep, ") must divide parallel.dp (", q.dp, "): ", q.dp, " % ",
            q.ep, " = ", q.dp % q.ep);
@@ -844,6 +914,17 @@ std::string config_to_toml(const Config& c) {
       out += (out.empty() ? "[" : "\n[") + section + "]\n";
     }
     out += k.leaf() + " = " + format_value(field_of(k, c)) + "\n";
+  }
+  return out;
+}
+
+std::vector<ConfigDifference> config_differences(const Config& a, const Config& b,
+                                                 const std::vector<std::string>& sections) {
+  std::vector<ConfigDifference> out;
+  for (const auto& k : config_keys()) {
+    if (std::find(sections.begin(), sections.end(), k.section()) == sections.end()) continue;
+    std::string va = format_value(field_of(k, a)), vb = format_value(field_of(k, b));
+    if (va != vb) out.push_back({k.name, std::move(va), std::move(vb)});
   }
   return out;
 }

@@ -33,6 +33,28 @@ struct ConfigKey {
   std::string leaf() const { return name.substr(name.find('.') + 1); }
 };
 
+// Upper bounds validate_config puts on sizes, far beyond any machine and low enough that every
+// product derived from them (parameters, offsets, tokens, activations) stays far from int64
+// overflow. A config beyond them is refused naming the key and the bound.
+inline constexpr int64_t kMaxVocabSize = 2147483647;          // model.vocab_size: token ids are int32
+inline constexpr int64_t kMaxWidth = int64_t(1) << 16;         // model.d_model, n_heads, n_kv_heads
+inline constexpr int64_t kMaxLayers = int64_t(1) << 14;        // model.n_layers
+inline constexpr int64_t kMaxHidden = int64_t(1) << 20;        // model.dense_hidden, moe.expert_hidden
+inline constexpr int64_t kMaxExperts = int64_t(1) << 16;       // moe.num_experts
+inline constexpr int64_t kMaxSharedExperts = int64_t(1) << 10;  // moe.shared_experts
+inline constexpr int64_t kMaxSeqLen = int64_t(1) << 24;        // train.seq_len
+inline constexpr int64_t kMaxMicroBatch = int64_t(1) << 24;    // train.micro_batch
+inline constexpr int64_t kMaxGlobalBatch = int64_t(1) << 32;   // train.global_batch
+inline constexpr int64_t kMaxSteps = int64_t(1) << 40;         // train.steps (and a checkpoint's step)
+inline constexpr int64_t kMaxEvalBatches = int64_t(1) << 20;   // train.eval_batches
+inline constexpr int64_t kMaxRanks = int64_t(1) << 20;         // parallel.dp, parallel.ep
+inline constexpr double kMaxTimeoutSeconds = 31536000.0;       // parallel.timeout_s: a year
+// Bounds on what the keys multiply to (estimated from the keys, before any layout is built).
+inline constexpr int64_t kMaxParams = int64_t(1) << 48;
+inline constexpr int64_t kMaxTokensPerMicroBatch = int64_t(1) << 32;
+inline constexpr int64_t kMaxTokensPerStep = int64_t(1) << 48;
+inline constexpr int64_t kMaxActivationElements = int64_t(1) << 52;  // of one micro-batch
+
 // Every key, in section order (model, moe, train, optim, data, parallel, checkpoint, run, log).
 const std::vector<ConfigKey>& config_keys();
 // The key called `name` ("section.key"), or nullptr.
@@ -64,6 +86,15 @@ void validate_config(const Config& c);
 // Every key, grouped by [section], one `key = value` per line. parse_config_toml of the result
 // gives back exactly `c` (floats in shortest round-trip form, always with '.' or an exponent).
 std::string config_to_toml(const Config& c);
+
+// A key whose value differs between two configs, with both values as TOML text.
+struct ConfigDifference {
+  std::string key, a, b;
+};
+// The keys of `sections` ("model", "moe", ...) whose values differ between `a` and `b`, in
+// table order.
+std::vector<ConfigDifference> config_differences(const Config& a, const Config& b,
+                                                 const std::vector<std::string>& sections);
 
 // All keys with type, default and description, grouped by section (for `moecore train --help`).
 std::string config_help();

@@ -115,9 +115,10 @@ int64_t resume_run(const Config& cfg, HostState& s, DataLoader& loader, std::ost
             "'");
   if (!step_dir) return 0;
   LoadedCheckpoint ck = LoadedCheckpoint::open(*step_dir);
+  const TrainState st = read_train_state(ck);  // typed and range-checked
+  check_resume_config(ck, cfg);                // every model.* and moe.* key as the checkpoint's
   load_model_state(ck, s.model);
-  const nlohmann::json& st = ck.train_state();
-  const int64_t start = st.at("step").get<int64_t>();
+  const int64_t start = st.step;
   const ParamLayout& layout = s.model.layout();
   if (ck.has_optim()) {
     // Moments of any layout: the ranges this rank keeps (its ZeRO shards, or every tensor).
@@ -138,10 +139,10 @@ int64_t resume_run(const Config& cfg, HostState& s, DataLoader& loader, std::ost
              s.opt.exp_avg_sq().data() + e.offset);
       }
     }
-    s.opt.set_steps_taken(st.value("optimizer_steps", start));
+    s.opt.set_steps_taken(st.optimizer_steps);
     if (s.zero) s.zero->set_steps_taken(s.opt.steps_taken());
   }
-  loader.set_position(st.value("data_position", start));
+  loader.set_position(st.data_position);
   out << "resumed from " << *step_dir << " at step " << start << "\n";
   return start;
 }

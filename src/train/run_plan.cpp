@@ -6,8 +6,10 @@
 // BF16 rows and two int32 maps per MoE layer, two row buffers), plus a host mirror of 16 per parameter.
 #include "train/run_plan.h"
 
+#include <cmath>
 #include <cstdio>
 
+#include "core/checked_math.h"
 #include "core/error.h"
 
 namespace moe {
@@ -37,12 +39,15 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   p.seq_len = cfg.train.seq_len;
   p.micro_batch = cfg.train.micro_batch;
   p.global_batch = cfg.train.global_batch;
-  p.micro_steps = p.global_batch / (dp * p.micro_batch);
-  p.micro_batches = dp * p.micro_steps;
-  p.tokens_per_micro_batch = p.micro_batch * p.seq_len;
-  p.tokens_per_step = p.global_batch * p.seq_len;
+  p.micro_steps = p.global_batch / checked_mul(dp, p.micro_batch, "sequences per micro-step (dp x train.micro_batch)");
+  p.micro_batches = checked_mul(dp, p.micro_steps, "micro-batches per step (dp x micro-steps)");
+  p.tokens_per_micro_batch =
+      checked_mul(p.micro_batch, p.seq_len, "tokens per micro-batch (train.micro_batch x train.seq_len)");
+  p.tokens_per_step = checked_mul(p.global_batch, p.seq_len, "tokens per step (train.global_batch x train.seq_len)");
   p.counts = count_model(cfg.model, cfg.moe, p.seq_len);
   p.flops_per_step = p.counts.flops_per_token * double(p.tokens_per_step);
+  MOE_CHECK(std::isfinite(p.flops_per_step), "FLOPs per step (", p.counts.flops_per_token, " per token x ",
+            p.tokens_per_step, " tokens) are not finite: reduce the model or the batch");
 
   MemoryEstimate& m = p.memory;
   const ExpertSlice slice = ep > 1 ? ExpertSlice{0, cfg.moe.num_experts / ep} : ExpertSlice{};

@@ -1,5 +1,6 @@
 // HF OLMoE interop on CPU: export then import is bit-exact (FP32), config.json carries the
-// OLMoE fields, the fused transformers-5 layout imports, and bad inputs are refused by name.
+// OLMoE fields, the fused transformers-5 layout imports, and bad inputs are refused by name
+// (config.json and index fields of the wrong JSON type name the file and the field).
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -183,6 +184,94 @@ TEST(HfInterop, RefusesMissingAndMismatchedTensors) {
   EXPECT_NE(m.find("lm_head.weight"), std::string::npos) << m;
   EXPECT_NE(m.find("shape"), std::string::npos) << m;
   EXPECT_FALSE(fs::exists(root / "ck1" / "latest"));
+}
+
+}  // namespace
+}  // namespace moe::testing
+
+namespace moe::testing {
+namespace {
+
+// The refusal lists everything OLMoE cannot express at once, each with the key to train with
+// (before: only the first, as "model.dense_layers is not empty").
+TEST(HfInterop, RefusalNamesEveryKeyToSet) {
+  Config c;  // the embedded default: a dense layer 0
+  EXPECT_NE(error_of([&] { check_olmoe_expressible(c); }).find("set model.dense_layers = []"), std::string::npos);
+  c.moe.shared_experts = 2;
+  c.moe.router = "sigmoid";
+  c.model.qk_norm = false;
+  c.moe.routing = "uniform";
+  const std::string m = error_of([&] { check_olmoe_expressible(c); });
+  for (const char* part : {"cannot be exported as OLMoE:", "model.dense_layers = [0]", "set model.dense_layers = []",
+                           "set moe.shared_experts = 0", "set moe.router = \"softmax\"", "set model.qk_norm = true",
+                           "set moe.routing = \"learned\"", "train a model with them set"})
+    EXPECT_NE(m.find(part), std::string::npos) << part << "\nin: " << m;
+  c = olmoe_like("unused");
+  EXPECT_NO_THROW(check_olmoe_expressible(c));
+}
+
+// config.json and the index are read with typed checks that name the file and the field
+// (before: an array, a numeric model_type or a string rms_norm_eps ended in nlohmann's
+// "[json.exception.type_error.302] ...").
+TEST(HfInterop, ConfigJsonFieldsAreTyped) {
+  const nlohmann::json good = olmoe_config_json(olmoe_like("unused"), "fp32");
+  auto refused = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json j = good;
+    edit(j);
+    return error_of([&] { config_from_olmoe_json(j, "hf/config.json"); });
+  };
+  std::string m = error_of([] { config_from_olmoe_json(nlohmann::json::array({1, 2}), "hf/config.json"); });
+  EXPECT_NE(m.find("'hf/config.json' must hold a JSON object, got an array"), std::string::npos) << m;
+  m = refused([](nlohmann::json& j) { j["model_type"] = 5; });
+  EXPECT_NE(m.find("'hf/config.json': 'model_type' must be a string, got the integer 5"), std::string::npos) << m;
+  m = refused([](nlohmann::json& j) { j["hidden_act"] = 1.5; });
+  EXPECT_NE(m.find("'hidden_act' must be a string, got the number 1.5"), std::string::npos) << m;
+  m = refused([](nlohmann::json& j) { j["rms_norm_eps"] = "1e-5"; });
+  EXPECT_NE(m.find("'rms_norm_eps' must be a finite number, got the string \"1e-5\""), std::string::npos) << m;
+  m = refused([](nlohmann::json& j) { j["norm_topk_prob"] = "yes"; });
+  EXPECT_NE(m.find("'norm_topk_prob' must be true or false"), std::string::npos) << m;
+  m = refused([](nlohmann::json& j) { j["num_hidden_layers"] = "2"; });
+  EXPECT_NE(m.find("'num_hidden_layers' must be an integer"), std::string::npos) << m;
+  m = refused([](nlohmann::json& j) { j["num_hidden_layers"] = 1000000000; });
+  EXPECT_NE(m.find("'hf/config.json' describes a model moecore cannot run"), std::string::npos) << m;
+  EXPECT_NE(m.find("model.n_layers must be <= 16384"), std::string::npos) << m;
+  m = refused([](nlohmann::json& j) { j["rope_parameters"] = {{"rope_type", 3}}; });
+  EXPECT_NE(m.find("'rope_type' must be a string"), std::string::npos) << m;
+  m = refused([](nlohmann::json& j) { j["rope_parameters"] = "default"; });
+  EXPECT_NE(m.find("'rope_parameters' must be an object"), std::string::npos) << m;
+  // What real HF configs carry stays accepted: an integer rope_theta, a null bos, a list of eos ids.
+  nlohmann::json j = good;
+  j["rope_theta"] = 10000;
+  j.erase("rope_parameters");
+  j["bos_token_id"] = nullptr;
+  j["eos_token_id"] = {1, 2};
+  EXPECT_EQ(config_from_olmoe_json(j, "hf/config.json").model.rope_theta, 10000.0);
+}
+
+TEST(HfInterop, IndexWeightMapIsTyped) {
+  const TempDir tmp("index");
+  const fs::path root = tmp.root();
+  const Config c = olmoe_like("unused");
+  write_fused_hf(root / "hf", c, false, false);
+  const std::string index = (root / "hf" / "model.safetensors.index.json").string();
+  auto import_with_index = [&](const nlohmann::json& idx) {
+    std::ofstream(index) << idx.dump();
+    return error_of([&] { import_hf((root / "hf").string(), (root / "ck").string()); });
+  };
+  std::string m = import_with_index(nlohmann::json::array());
+  EXPECT_NE(m.find("'" + index + "' must hold a JSON object, got an array"), std::string::npos) << m;
+  m = import_with_index({{"weight_map", {1, 2}}});
+  EXPECT_NE(m.find("'weight_map' must be an object of tensor name -> file name, got an array"), std::string::npos) << m;
+  m = import_with_index({{"weight_map", {{"lm_head.weight", 7}}}});
+  EXPECT_NE(m.find("weight_map['lm_head.weight'] must be the name of a file beside the index, got the integer 7"),
+            std::string::npos)
+      << m;
+  m = import_with_index({{"weight_map", {{"lm_head.weight", "../model.safetensors"}}}});
+  EXPECT_NE(m.find("got the string \"../model.safetensors\""), std::string::npos) << m;
+  std::ofstream(index) << "{\"weight_map\": ";
+  m = error_of([&] { import_hf((root / "hf").string(), (root / "ck").string()); });
+  EXPECT_NE(m.find("'" + index + "' is not valid JSON"), std::string::npos) << m;
+  EXPECT_FALSE(fs::exists(root / "ck" / "latest"));
 }
 
 }  // namespace

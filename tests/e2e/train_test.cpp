@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "e2e/cli_util.h"
 #include "core/config.h"
 #include "core/config_io.h"
 #include "model/layout.h"
@@ -131,21 +132,6 @@ TEST(Train, DefaultRunLossFalls) {
   ASSERT_GT(s.initial_eval_loss, 0);
   EXPECT_LT(s.final_eval_loss, 0.7 * s.initial_eval_loss)
       << "initial " << s.initial_eval_loss << " final " << s.final_eval_loss;
-}
-
-struct CmdResult {
-  int status;
-  std::string output;
-};
-
-CmdResult run_cli(const std::string& args) {
-  const std::string cmd = std::string(MOECORE_BINARY) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  const int rc = pclose(p);
-  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, out};
 }
 
 // The GPU memory estimate of the run plan with expert parallelism: one GPU's share of the expert

@@ -1,28 +1,37 @@
 // Checkpoint directory store: save/load round trip, `latest`, pruning, replacing a step,
 // stale temporary directories, manifest verification (corrupted byte, truncation, missing
-// manifest), shape checks, and crash safety: a forked writer is SIGKILLed mid-save repeatedly
-// and every complete step left behind must still verify.
+// manifest, a sliced shape outside int64), shape checks, typed train_state fields, the resume
+// check against the stored config, FIFOs and directories in place of files, a read-only
+// checkpoint directory, staged file writes, and crash safety: a forked writer is SIGKILLed
+// mid-save repeatedly and every complete step left behind must still verify.
 #include "checkpoint/checkpoint.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <initializer_list>
+#include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "checkpoint/files.h"
 #include "checkpoint/safetensors.h"
+#include "core/config_io.h"
+#include "parallel/comm.h"
 #include "support/test_util.h"
 #include "core/error.h"
 
@@ -215,6 +224,7 @@ TEST(Checkpoint, StaleTemporariesAreRemovedOnTheNextSave) {
   fs::create_directories(ckpt + "/.tmp-step_9-4242");
   std::ofstream(ckpt + "/.tmp-step_9-4242/model.safetensors") << "partial";
   fs::create_directories(ckpt + "/.tmp-prune-step_1-4242");
+  fs::create_directories(ckpt + "/.tmp-old-step_3-4242");
   std::ofstream(ckpt + "/latest.tmp") << "step_9\n";
   EXPECT_TRUE(list_steps(ckpt).empty());  // none of these is a complete step
   save_checkpoint(ckpt, 12, FakeState(1.0f).files(json::object()), 0);
@@ -390,6 +400,212 @@ void verify_crash_step(const std::string& step_dir, int64_t step) {
   out.resize(kCrashOptimFloats / 2);
   c.read_optim("w.a.exp_avg_sq", {int64_t(out.size())}, out.data());
   EXPECT_EQ(out.back(), crash_value(step, 3, int64_t(out.size()) - 1));
+}
+
+// train_state.json is read with typed, range-checked fields whose errors name the file and the
+// field (before: a string step or a negative position ended in nlohmann's type_error).
+TEST(Checkpoint, TrainStateFieldsAreTypedAndRangeChecked) {
+  TempDir dir;
+  const FakeState state(1.0f);
+  auto step_with = [&](int64_t step, json ts) {
+    return LoadedCheckpoint::open(save_checkpoint(dir.sub("ck" + std::to_string(step)), step, state.files(ts), 0));
+  };
+  const TrainState good = read_train_state(step_with(5, {{"data_position", 7}, {"optimizer_steps", 4}, {"config", "x"}}));
+  EXPECT_EQ(good.step, 5);
+  EXPECT_EQ(good.data_position, 7);
+  EXPECT_EQ(good.optimizer_steps, 4);
+  EXPECT_EQ(good.config, "x");
+  const TrainState old = read_train_state(step_with(6, json::object()));  // the first checkpoints' fields
+  EXPECT_EQ(old.data_position, 6);
+  EXPECT_EQ(old.optimizer_steps, 6);
+  EXPECT_FALSE(old.config.has_value());
+
+  const auto ck = step_with(8, {{"data_position", "7"}});
+  expect_error([&] { read_train_state(ck); },
+               {dir.sub("ck8/step_8/train_state.json"), "'data_position' must be an integer in [0, 2^40]",
+                "got the string \"7\""});
+  expect_error([&] { read_train_state(step_with(9, {{"data_position", -1}})); }, {"'data_position'", "got the integer -1"});
+  expect_error([&] { read_train_state(step_with(10, {{"optimizer_steps", 11}})); },
+               {"'optimizer_steps' must be an integer in [0, 10]", "got the integer 11"});
+  expect_error([&] { read_train_state(step_with(11, {{"optimizer_steps", 1.5}})); }, {"got the number 1.5"});
+  expect_error([&] { read_train_state(step_with(12, {{"config", 3}})); }, {"'config' must be a string, got the integer 3"});
+  expect_error([&] { checkpoint_config(step_with(13, json::object())); }, {"has no 'config'"});
+  expect_error([&] { checkpoint_config(step_with(14, {{"config", "[model]\nn_layers = \"two\"\n"}})); },
+               {"train_state.json (its 'config')", "model.n_layers: expected an integer"});
+  const uint64_t beyond = uint64_t(1) << 63;
+  expect_error([&] { read_train_state(step_with(15, {{"data_position", beyond}})); },
+               {"'data_position'", "got the integer 9223372036854775808"});
+}
+
+// The resume check compares every model.* and moe.* key of the stored config with the run's.
+TEST(Checkpoint, ResumeCheckListsEveryDifferingModelKey) {
+  TempDir dir;
+  Config saved;
+  saved.model.dense_layers = {};
+  const auto ck = LoadedCheckpoint::open(
+      save_checkpoint(dir.path(), 1, FakeState(1.0f).files({{"config", config_to_toml(saved)}}), 0));
+  Config run = saved;
+  run.train.steps = 1000;  // other sections may change
+  run.optim.lr = 1e-4;
+  run.model.dense_hidden = 7;  // unused without dense layers
+  EXPECT_NO_THROW(check_resume_config(ck, run));
+  run.model.n_layers = 2;
+  run.moe.capacity_factor = 1.5;
+  expect_error([&] { check_resume_config(ck, run); },
+               {"cannot resume from '" + dir.sub("step_1") + "'", "in 2 keys:",
+                "model.n_layers: 4 in the checkpoint, 2 in this run",
+                "moe.capacity_factor: 0.0 in the checkpoint, 1.5 in this run", "checkpoint.resume = \"none\""});
+  run = saved;
+  run.model.dense_layers = {0};
+  run.model.dense_hidden = 7;
+  expect_error([&] { check_resume_config(ck, run); },
+               {"model.dense_layers: [] in the checkpoint, [0] in this run", "model.dense_hidden: 512"});
+}
+
+// A sliced manifest whose shape does not fit int64 is refused, never listed wrapped.
+TEST(Checkpoint, SlicedShapeOutsideInt64IsRefused) {
+  TempDir dir;
+  auto self = make_self_comm();
+  std::vector<float> w(6, 1.f);
+  SlicedCheckpointFiles files;
+  files.model.push_back({"w", {2, 3}, 0, 6, w.data()});
+  const std::string step = save_checkpoint_sliced(*self, dir.path(), 1, files, 0);
+  const std::string manifest_path = step + "/manifest.json";
+  const json manifest = json::parse(read_text(manifest_path));
+  auto with_shape = [&](const json& shape) {
+    json m = manifest;
+    m["tensors"]["model"]["w"]["shape"] = shape;
+    std::ofstream(manifest_path) << m.dump();
+  };
+  with_shape({uint64_t(1) << 63, 2});  // 2^64 + ... wraps to a small count in int64
+  expect_error([&] { LoadedCheckpoint::open(step); },
+               {manifest_path, "tensor 'w' has the dimension 9223372036854775808 in its shape"});
+  with_shape({int64_t(1) << 62, 4});  // each fits, the product does not
+  expect_error([&] { LoadedCheckpoint::open(step); }, {"the element count of tensor 'w' overflows int64"});
+  with_shape({2, 3});
+  EXPECT_EQ(LoadedCheckpoint::open(step).model_tensors()[0].shape, (Shape{2, 3}));
+}
+
+// Unblocks a reader stuck opening the FIFO at `path` (by opening its write end) if the test is
+// still running after 10 s and remembers that it had to, so that a reader that blocks fails the
+// test instead of hanging it.
+class FifoWatchdog {
+ public:
+  explicit FifoWatchdog(std::string path)
+      : thread_([this, path = std::move(path)] {
+          std::unique_lock<std::mutex> lock(mu_);
+          if (cv_.wait_for(lock, std::chrono::seconds(10), [this] { return done_; })) return;
+          fired_ = true;
+          const int fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK);
+          if (fd >= 0) ::close(fd);
+        }) {}
+  // True once the watchdog had to unblock a reader.
+  bool fired() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return fired_;
+  }
+  ~FifoWatchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false, fired_ = false;
+  std::thread thread_;
+};
+
+// Opening a FIFO or a directory where a checkpoint file belongs fails at once, naming the path.
+TEST(Checkpoint, FifoOrDirectoryInPlaceOfAFileIsRefused) {
+  TempDir dir;
+  const std::string step = save_checkpoint(dir.path(), 1, FakeState(1.0f).files(json::object()), 0);
+  fs::remove(step + "/model.safetensors");
+  ASSERT_EQ(::mkfifo((step + "/model.safetensors").c_str(), 0644), 0);
+  FifoWatchdog watchdog(step + "/model.safetensors");
+  expect_error([&] { LoadedCheckpoint::open(step); }, {step + "/model.safetensors", "not a regular file"});
+  expect_error([&] { SafetensorsFile::open(step + "/model.safetensors"); },
+               {step + "/model.safetensors", "is a FIFO: expected a regular file"});
+  expect_error([&] { read_regular_file(step + "/model.safetensors"); },
+               {step + "/model.safetensors", "is a FIFO: expected a regular file"});
+  EXPECT_FALSE(watchdog.fired()) << "a reader blocked opening the FIFO";
+  expect_error([&] { read_regular_file(step); }, {step + "' is a directory: expected a regular file"});
+  expect_error([&] { SafetensorsFile::open(step); }, {step + "' is a directory: expected a regular file"});
+  fs::remove(step + "/manifest.json");
+  ASSERT_EQ(::mkfifo((step + "/manifest.json").c_str(), 0644), 0);
+  expect_error([&] { LoadedCheckpoint::open(step); }, {step, "no manifest.json"});
+}
+
+// write_file_atomic replaces a file whole through a staged name, and a failed write leaves the
+// earlier file as it was.
+TEST(Files, AtomicWriteReplacesWholeOrNothing) {
+  TempDir dir;
+  const std::string path = dir.sub("out.bin");
+  write_file_atomic(path, "first");
+  EXPECT_EQ(read_regular_file(path), "first");
+  write_file_atomic(path, "second, longer");
+  EXPECT_EQ(read_regular_file(path), "second, longer");
+  EXPECT_EQ(staging_path(path), dir.sub(".out.bin.tmp-" + std::to_string(::getpid())));
+  fs::create_directory(staging_path(path));  // the staging name is taken: the write cannot start
+  expect_error([&] { write_file_atomic(path, "third"); }, {"cannot write '" + path + "'"});
+  EXPECT_EQ(read_regular_file(path), "second, longer");
+  fs::remove(staging_path(path));
+  expect_error([&] { write_file_atomic(dir.sub("missing/out.bin"), "x"); }, {dir.sub("missing/out.bin")});
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
+  EXPECT_EQ(names, std::vector<std::string>{"out.bin"});
+}
+
+// A checkpoint directory that cannot be written: the save fails naming it and what to do, and
+// the earlier checkpoints stay loadable. As root (who writes anywhere) the save runs in a child
+// that drops to an unprivileged user first.
+TEST(Checkpoint, ReadOnlyDirectoryFailsNamingItAndKeepsEarlierSteps) {
+  TempDir dir;
+  const std::string ckpt = dir.sub("ckpt");
+  const FakeState state(1.0f);
+  save_checkpoint(ckpt, 1, state.files(json::object()), 0);
+  ASSERT_EQ(::chmod(ckpt.c_str(), 0555), 0);
+  ASSERT_EQ(::chmod(dir.path().c_str(), 0755), 0);
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(fds[0]);
+    std::string msg = "no error";
+    if (::geteuid() == 0 && (::setgid(65534) != 0 || ::setuid(65534) != 0)) msg = "cannot drop root";
+    else {
+      try {
+        save_checkpoint(ckpt, 2, FakeState(2.0f).files(json::object()), 1);
+      } catch (const std::exception& e) {
+        msg = e.what();
+      }
+    }
+    const ssize_t put = ::write(fds[1], msg.data(), msg.size());
+    ::_exit(put == ssize_t(msg.size()) ? 0 : 1);
+  }
+  ::close(fds[1]);
+  std::string msg;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) msg.append(buf, size_t(n));
+  ::close(fds[0]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ::chmod(ckpt.c_str(), 0755);
+  if (msg == "cannot drop root") GTEST_SKIP() << "running as root and cannot switch to an unprivileged user";
+  EXPECT_NE(msg.find("cannot save the checkpoint of step 2"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("cannot write into checkpoint directory '" + ckpt + "'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("Permission denied"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("set checkpoint.dir to a writable directory"), std::string::npos) << msg;
+  EXPECT_EQ(list_steps(ckpt), std::vector<int64_t>{1});
+  EXPECT_EQ(*resolve_checkpoint(ckpt), ckpt + "/step_1");
+  state.expect_matches(LoadedCheckpoint::open(ckpt + "/step_1"));
 }
 
 // Each round forks a writer, waits until it reports one finished save (so slow machines and

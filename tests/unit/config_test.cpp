@@ -371,7 +371,43 @@ INSTANTIATE_TEST_SUITE_P(
         over("keep_last", {"checkpoint.keep_last=-1"}, {"checkpoint.keep_last must be >= 0"}),
         over("resume", {"checkpoint.resume="}, {"checkpoint.resume must be"}),
         over("run_dir", {"run.dir="}, {"run.dir must not be empty"}),
-        over("log_interval", {"log.interval=0"}, {"log.interval must be >= 1, got 0"})),
+        over("log_interval", {"log.interval=0"}, {"log.interval must be >= 1, got 0"}),
+        // Upper bounds: values no machine runs are refused naming the key and the bound.
+        over("vocab_max", {"model.vocab_size=2147483648"},
+             {"model.vocab_size must be <= 2147483647, got 2147483648 (token ids are int32)"}),
+        over("d_model_max", {"model.d_model=4294967296"}, {"model.d_model must be <= 65536 (2^16), got 4294967296"}),
+        over("n_layers_max", {"model.n_layers=1000000000"},
+             {"model.n_layers must be <= 16384 (2^14), got 1000000000"}),
+        over("n_heads_max", {"model.n_heads=131072"}, {"model.n_heads must be <= 65536 (2^16)"}),
+        over("n_kv_heads_max", {"model.n_kv_heads=131072"}, {"model.n_kv_heads must be <= 65536 (2^16)"}),
+        over("dense_hidden_max", {"model.dense_hidden=2097152"}, {"model.dense_hidden must be <= 1048576 (2^20)"}),
+        over("num_experts_max", {"moe.num_experts=131072"}, {"moe.num_experts must be <= 65536 (2^16)"}),
+        over("expert_hidden_max", {"moe.expert_hidden=2097152"}, {"moe.expert_hidden must be <= 1048576 (2^20)"}),
+        over("shared_experts_max", {"moe.shared_experts=2048"}, {"moe.shared_experts must be <= 1024 (2^10)"}),
+        over("seq_len_max", {"train.seq_len=576460752303423488"},
+             {"train.seq_len must be <= 16777216 (2^24), got 576460752303423488"}),
+        over("micro_batch_max", {"train.micro_batch=33554432", "train.global_batch=33554432"},
+             {"train.micro_batch must be <= 16777216 (2^24)"}),
+        over("global_batch_max", {"train.global_batch=1152921504606846976"},
+             {"train.global_batch must be <= 4294967296 (2^32), got 1152921504606846976"}),
+        over("steps_max", {"train.steps=4611686018427387904"},
+             {"train.steps must be <= 1099511627776 (2^40), got 4611686018427387904"}),
+        over("eval_batches_max", {"train.eval_batches=4611686018427387904"},
+             {"train.eval_batches must be <= 1048576 (2^20), got 4611686018427387904"}),
+        over("dp_max", {"parallel.dp=2097152"}, {"parallel.dp must be <= 1048576 (2^20)"}),
+        over("ep_max", {"parallel.ep=2097152"}, {"parallel.ep must be <= 1048576 (2^20)"}),
+        over("timeout_max", {"parallel.timeout_s=1e300"}, {"parallel.timeout_s must be <= 31536000.0 seconds"}),
+        // What the sizes multiply to.
+        over("params_max", {"model.d_model=65536", "model.n_layers=16384", "model.n_heads=64", "model.n_kv_heads=64"},
+             {"the model has about", "parameters, more than 281474976710656 (2^48)", "reduce model.n_layers"}),
+        over("micro_tokens_max", {"train.seq_len=16777216", "train.micro_batch=512", "train.global_batch=512"},
+             {"train.micro_batch x train.seq_len = 512 x 16777216", "tokens per micro-batch, more than 4294967296"}),
+        over("step_tokens_max", {"train.seq_len=16777216", "train.global_batch=4294967296"},
+             {"train.global_batch x train.seq_len = 4294967296 x 16777216", "tokens per step"}),
+        over("activations_max",
+             {"train.seq_len=16777216", "train.micro_batch=256", "train.global_batch=256", "moe.num_experts=4096",
+              "moe.top_k=4096", "moe.expert_hidden=1048576"},
+             {"the activations of one micro-batch are about", "reduce train.micro_batch"})),
     [](const ::testing::TestParamInfo<RuleCase>& info) { return info.param.name; });
 
 TEST(ConfigValidate, BoundaryValuesPass) {
@@ -387,6 +423,54 @@ TEST(ConfigValidate, BoundaryValuesPass) {
   EXPECT_NO_THROW(validate_config(with({"train.eval_interval=0", "train.eval_batches=0"})));
   EXPECT_NO_THROW(
       validate_config(with({"checkpoint.keep_last=0", "checkpoint.resume=auto", "log.interval=1"})));
+}
+
+TEST(ConfigValidate, LargestRealModelsPass) {
+  // olmoe-1b-7b-like and far larger: wide, deep, many experts, long sequences.
+  EXPECT_NO_THROW(validate_config(with({"model.d_model=16384", "model.n_layers=256", "model.n_heads=128",
+                                        "model.n_kv_heads=8", "model.vocab_size=1000000", "moe.num_experts=1024",
+                                        "moe.top_k=16", "moe.expert_hidden=4096", "train.seq_len=1048576",
+                                        "train.micro_batch=1", "train.global_batch=4096",
+                                        "train.steps=100000000"})));
+  EXPECT_NO_THROW(validate_config(with({"model.n_layers=16384", "model.dense_layers=", "train.steps=1099511627776"})));
+}
+
+TEST(ConfigOverride, QuoteAtOneEndOnlyIsRefused) {
+  for (const char* arg : {"--run.dir=\"abc", "--run.dir=abc\"", "--run.dir='abc", "--run.dir=\"", "--run.dir=\"abc'"}) {
+    const std::string msg = error_of([&] { with({arg}); });
+    EXPECT_CONTAINS(msg, "run.dir: expected a string");
+    EXPECT_CONTAINS(msg, "badly quoted");
+  }
+  for (const char* arg : {"--data.paths=\"a.bin,b.bin", "--data.paths=a.bin,b.bin'"}) {
+    const std::string msg = error_of([&] { with({arg}); });
+    EXPECT_CONTAINS(msg, "data.paths");
+    EXPECT_CONTAINS(msg, "badly quoted");
+  }
+  EXPECT_EQ(with({"--run.dir=\"a b\""}).run.dir, "a b");
+  EXPECT_EQ(with({"--run.dir='x\"y'"}).run.dir, "x\"y");
+  EXPECT_EQ(with({"--run.dir=it's"}).run.dir, "it's");
+}
+
+TEST(ConfigDifferences, NamesEveryKeyOfTheSectionsWithBothValues) {
+  Config a, b;
+  EXPECT_TRUE(config_differences(a, b, {"model", "moe"}).empty());
+  b.model.n_layers = 1;
+  b.model.qk_norm = false;
+  b.moe.router = "sigmoid";
+  b.model.dense_layers = {0, 1};
+  b.train.steps = 3;  // another section: not compared
+  const auto d = config_differences(a, b, {"model", "moe"});
+  ASSERT_EQ(d.size(), 4u);
+  EXPECT_EQ(d[0].key, "model.n_layers");
+  EXPECT_EQ(d[0].a, "4");
+  EXPECT_EQ(d[0].b, "1");
+  EXPECT_EQ(d[1].key, "model.qk_norm");
+  EXPECT_EQ(d[2].key, "model.dense_layers");
+  EXPECT_EQ(d[2].a, "[0]");
+  EXPECT_EQ(d[2].b, "[0, 1]");
+  EXPECT_EQ(d[3].key, "moe.router");
+  EXPECT_EQ(d[3].b, "\"sigmoid\"");
+  EXPECT_EQ(config_differences(a, b, {"train"}).size(), 1u);
 }
 
 TEST(ConfigValidate, ReportsEveryProblemAtOnce) {
