@@ -252,6 +252,10 @@ std::vector<TensorRef> slice_refs(const std::vector<TensorSlice>& slices) {
 
 std::string step_dir_name(int64_t step) { return "step_" + std::to_string(step); }
 
+void remove_stale_temporaries(const std::string& ckpt_dir) {
+  if (is_directory(ckpt_dir)) remove_stale(ckpt_dir);
+}
+
 std::vector<int64_t> list_steps(const std::string& ckpt_dir) {
   std::vector<int64_t> steps;
   if (!is_directory(ckpt_dir)) return steps;

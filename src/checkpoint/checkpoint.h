@@ -70,6 +70,10 @@ std::string save_checkpoint_sliced(Comm& comm, const std::string& ckpt_dir, int6
 // A missing CKPT_DIR gives an empty list.
 std::vector<int64_t> list_steps(const std::string& ckpt_dir);
 
+// Removes what interrupted saves and prunes left in CKPT_DIR (".tmp-*" entries, latest.tmp);
+// nothing when the directory does not exist. Every save does it too; a run does it at start.
+void remove_stale_temporaries(const std::string& ckpt_dir);
+
 // Resolves a resume target to a step directory. A directory holding manifest.json is itself
 // the answer; otherwise it is read as a CKPT_DIR: the step named by its `latest`, or without
 // `latest` its highest complete step. Nothing there (or no such path) -> nullopt. Throws when

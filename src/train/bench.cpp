@@ -17,6 +17,7 @@
 #include <optional>
 #include <ostream>
 
+#include "checkpoint/files.h"
 #include "core/error.h"
 #include "data/dataset.h"
 #include "optim/adamw.h"
@@ -126,9 +127,7 @@ std::string write_bench_record(const nlohmann::json& rec, const BenchOptions& op
     return "";
   }
   if (path.has_parent_path()) fs::create_directories(path.parent_path());
-  std::ofstream f(path);
-  f << rec.dump(2) << "\n";
-  MOE_CHECK(f.good(), "bench: cannot write the JSON record to ", path.string());
+  write_file_atomic(path.string(), rec.dump(2) + "\n");
   out << "wrote " << path.string() << "\n";
   return path.string();
 }

@@ -22,6 +22,7 @@
 #include <sstream>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/files.h"
 #include "core/config_io.h"
 #include "core/error.h"
 #include "core/signals.h"
@@ -131,30 +132,6 @@ void check_fresh_or_resumed(const Config& cfg) {
             "start a new one with a fresh --run.dir (or remove '", cfg.run.dir, "' first)");
 }
 
-// Writes `text` to `path` through a temporary file in the same directory and a rename, so that
-// the file is either the old one or the whole new one.
-void write_file_replacing(const std::string& path, const std::string& text) {
-  const fs::path p(path);
-  if (p.has_parent_path()) fs::create_directories(p.parent_path());
-  const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
-  {
-    std::ofstream f(tmp, std::ios::trunc);
-    f << text;
-    f.flush();
-    if (!f.good()) {
-      std::error_code ec;
-      fs::remove(tmp, ec);
-      MOE_FAIL("cannot write '", path, "' (disk full or read-only?)");
-    }
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) {
-    fs::remove(tmp, ec);
-    MOE_FAIL("cannot replace '", path, "': ", ec.message());
-  }
-}
-
 // The signal of a stop request on any rank (every rank agrees: a collective when the job has
 // several ranks), or 0.
 int stop_request(Comm& world) {
@@ -183,6 +160,7 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
   std::ostream& out = lead ? console : null_out;
   const FaultInjection fault = FaultInjection::from_env();
   check_fresh_or_resumed(cfg);
+  if (lead) remove_stale_temporaries(checkpoint_dir(cfg));  // of an interrupted save or prune
   check_host_memory(plan);  // before anything large is allocated
   std::ostringstream data_lines;  // printed after the header
   DataSources data = open_data(cfg, data_lines);  // checks every source before step 1, a line each
@@ -207,7 +185,8 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
   // The run has started: its resolved config, and metrics.jsonl kept up to the resumed step.
   std::optional<MetricsWriter> metrics;  // rank 0 writes metrics.jsonl
   if (lead) {
-    write_file_replacing((fs::path(cfg.run.dir) / "config.toml").string(), config_to_toml(cfg));
+    fs::create_directories(cfg.run.dir);
+    write_file_atomic((fs::path(cfg.run.dir) / "config.toml").string(), config_to_toml(cfg));
     metrics.emplace((fs::path(cfg.run.dir) / "metrics.jsonl").string(), /*keep_through_step=*/start);
   }
   print_header(cfg, plan, world, out);

@@ -68,6 +68,25 @@ TEST(RunSafety, FinishedRunSaysSoAndChangesNothing) {
   EXPECT_EQ(read_file(run / "metrics.jsonl"), metrics_before);
 }
 
+// What an interrupted save or prune leaves is removed when a run starts, even one that saves nothing.
+TEST(RunSafety, StaleTemporariesAreRemovedAtStart) {
+  const TempDir tmp("stale");
+  const fs::path run = tmp.root() / "run";
+  std::ostringstream log;
+  train(run_config(run, 2), log);
+  const fs::path ckpt = run / "checkpoints";
+  fs::create_directories(ckpt / ".tmp-step_4-99999");
+  fs::create_directories(ckpt / ".tmp-prune-step_2-99999");
+  std::ofstream(ckpt / "latest.tmp") << "step_4\n";
+  Config again = run_config(run, 2);
+  again.checkpoint.resume = "auto";
+  train(again, log);  // already at step 2: nothing saved
+  EXPECT_FALSE(fs::exists(ckpt / ".tmp-step_4-99999"));
+  EXPECT_FALSE(fs::exists(ckpt / ".tmp-prune-step_2-99999"));
+  EXPECT_FALSE(fs::exists(ckpt / "latest.tmp"));
+  EXPECT_TRUE(fs::exists(ckpt / "step_2"));
+}
+
 TEST(RunSafety, ResumeFromAnEarlierStepKeepsEachStepOnce) {
   const TempDir tmp("metrics_once");
   const fs::path run = tmp.root() / "run";
