@@ -20,6 +20,7 @@
 #include "core/config_io.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/signals.h"
 #include "model/layout.h"
 
 namespace moe {
@@ -248,6 +249,10 @@ int export_hf(const std::string& checkpoint, const std::string& out_dir, const H
   nlohmann::json weight_map = nlohmann::json::object();
   const int num = static_cast<int>(shards.size());
   for (int s = 0; s < num; ++s) {
+    // Ctrl-C / SIGTERM (under the command's StopSignals): stop between shards. The export is
+    // incomplete without its index and config.json, which are written last.
+    MOE_CHECK(StopSignals::requested() == 0, "export-hf: stopped by ", StopSignals::name(StopSignals::requested()),
+              " after ", s, " of ", num, " shards; '", out_dir, "' holds no index or config.json (run it again)");
     char fname[64];
     std::snprintf(fname, sizeof fname, "model-%05d-of-%05d.safetensors", s + 1, num);
     std::vector<TensorRef> refs;
@@ -362,6 +367,8 @@ std::string import_hf(const std::string& hf_dir, const std::string& out_checkpoi
   const std::string toml = config_to_toml(cfg);
   files.train_state = {{"step", 0}, {"data_position", 0}, {"optimizer_steps", 0}, {"config", toml},
                        {"imported_from", fs::absolute(dir).string()}};
+  MOE_CHECK(StopSignals::requested() == 0, "import-hf: stopped by ", StopSignals::name(StopSignals::requested()),
+            " before writing '", out_checkpoint_dir, "'; nothing was written");
   const std::string step_dir = save_checkpoint(out_checkpoint_dir, 0, files, /*keep_last=*/0);
   write_file_atomic((fs::path(out_checkpoint_dir) / "config.toml").string(), toml);
   return step_dir;

@@ -271,6 +271,7 @@ int cmd_export_hf(const ParsedArgs& a) {
   opt.dtype = a.value_or("--dtype", opt.dtype);
   if (opt.dtype != "bf16" && opt.dtype != "fp32") usage_fail("--dtype: expected bf16 or fp32, got '", opt.dtype, "'");
   opt.max_shard_bytes = a.int_or("--max-shard-bytes", opt.max_shard_bytes, 1);
+  const StopSignals signals;  // a signal stops between shards; nothing is left under a final name half-written
   const int shards = export_hf(a.positionals[0], a.positionals[1], opt);
   std::cout << "wrote " << a.positionals[1] << " (" << shards << " shard" << (shards == 1 ? "" : "s") << ", "
             << opt.dtype << ")\n";
@@ -288,6 +289,7 @@ const CommandSpec kImportHf{
     "Continue training with: moecore train OUT_CHECKPOINT_DIR/config.toml --checkpoint.resume=OUT_CHECKPOINT_DIR\n"};
 
 int cmd_import_hf(const ParsedArgs& a) {
+  const StopSignals signals;  // the import's checkpoint is published atomically (or not at all)
   const std::string step_dir = import_hf(a.positionals[0], a.positionals[1]);
   std::cout << "wrote " << step_dir << " and " << a.positionals[1] << "/config.toml\n";
   return 0;
