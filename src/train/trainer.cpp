@@ -147,6 +147,123 @@ int64_t count_targets(const std::vector<Batch>& micro) {
   return n;
 }
 
+// One run's loop once everything is set up: submit, collect and log, eval, checkpoints, and a
+// stop on a signal. Every rank runs it; `out` prints on rank 0 only.
+class TrainLoop {
+ public:
+  TrainLoop(const Config& cfg, const RunPlan& plan, const Topology& topo, HostState& state, DataLoader& loader,
+            const DataLoader* eval, Step& step, RunLog& log, TrainSummary& summary, std::ostream& out)
+      : cfg_(cfg), plan_(plan), topo_(topo), state_(state), loader_(loader), eval_(eval), step_(step), log_(log),
+        summary_(summary), out_(out), saved_step_(summary.start_step) {}
+
+  void run() {
+    const FaultInjection fault = FaultInjection::from_env();
+    const StopSignals signals;
+    const int64_t start = summary_.start_step;
+    summary_.steps_done = start;
+    if (eval_due(0)) evaluate_at(0);
+    log_.start_clock();
+    last_done_ = log_.start_time();
+    for (int64_t s = start; s < cfg_.train.steps; ++s) {
+      if ((summary_.stopped_by = stop_request(*topo_.world)) != 0) break;
+      fault.maybe_exit(topo_.rank, s + 1);
+      submit(s + 1);
+      const int64_t done = s + 1;
+      const bool last = done == cfg_.train.steps;
+      const bool ckpt = (cfg_.checkpoint.interval > 0 && done % cfg_.checkpoint.interval == 0) || last;
+      if (eval_due(done) || ckpt) collect_all();
+      if (eval_due(done)) evaluate_at(done);
+      if (ckpt) log_.saved(save(done), last);
+    }
+    collect_all();
+    if (summary_.stopped_by != 0) stop_early();
+    summary_.wall_s = std::chrono::duration<double>(Clock::now() - log_.start_time()).count();
+  }
+
+ private:
+  // Step `step` (1-based): its micro-batches, the global target count (host counts summed over
+  // dp: no device value is read inside a step), submit; the oldest step collected once
+  // in_flight() are submitted.
+  void submit(int64_t step) {
+    submitted_.push_back(Clock::now());
+    const std::vector<Batch> micro = loader_.next();
+    int64_t global_targets = count_targets(micro);
+    if (plan_.sizes.dp > 1) topo_.dp_comm->all_reduce(&global_targets, 1, ReduceOp::kSum);
+    step_.submit({step, &micro, global_targets, lr_at(cfg_.optim, step - 1, cfg_.train.steps)});
+    if (step_.pending() >= step_.in_flight()) collect_one();
+  }
+
+  // Step time: from the later of its submission and the previous step's collection to its collection.
+  void collect_one() {
+    const StepStats s = step_.collect();
+    const auto now = Clock::now();
+    const double step_s = std::chrono::duration<double>(now - std::max(submitted_.front(), last_done_)).count();
+    submitted_.pop_front();
+    last_done_ = now;
+    const double loss = s.loss();
+    if (s.skipped || !std::isfinite(loss)) log_.skipped(s.step, loss, s.grad_norm);
+    if (summary_.losses.empty()) summary_.first_loss = loss;
+    summary_.last_loss = loss;
+    summary_.steps_done = s.step;
+    summary_.losses.push_back(loss);
+    log_.step(s, lr_at(cfg_.optim, s.step - 1, cfg_.train.steps), step_s, step_);
+  }
+
+  void collect_all() {
+    while (step_.pending() > 0) collect_one();
+  }
+
+  // At step 0 of a fresh run, every eval_interval steps and at the end; never with interval 0.
+  bool eval_due(int64_t done) const {
+    const int64_t every = cfg_.train.eval_interval;
+    if (eval_ == nullptr || every <= 0) return false;
+    if (done == 0) return summary_.start_step == 0;
+    return done % every == 0 || done == cfg_.train.steps;
+  }
+
+  void evaluate_at(int64_t done) {
+    const double loss = evaluate(step_, *eval_, cfg_, *topo_.dp_comm);
+    (done == 0 ? summary_.initial_eval_loss : summary_.final_eval_loss) = loss;
+    log_.eval(done, loss);
+  }
+
+  // The checkpoint of step `done` (every submitted step collected).
+  std::string save(int64_t done) {
+    step_.sync_host_state(/*all_ranks=*/!writes_replicated_checkpoint(plan_));
+    summary_.last_checkpoint = save_run_checkpoint(cfg_, plan_, topo_, state_, done, loader_.position());
+    saved_step_ = done;
+    return summary_.last_checkpoint;
+  }
+
+  // Stopped by a signal: the last step completed is saved, and the way back is said.
+  void stop_early() {
+    const int64_t done = summary_.steps_done;
+    if (done > saved_step_) save(done);
+    out_ << "stopped by " << StopSignals::name(summary_.stopped_by) << " after step " << done << " of "
+         << cfg_.train.steps;
+    if (!summary_.last_checkpoint.empty())
+      out_ << "; checkpoint " << summary_.last_checkpoint << "; continue with the same command and "
+           << "--checkpoint.resume=auto\n";
+    else
+      out_ << "; nothing new to save\n";
+    out_ << std::flush;
+  }
+
+  const Config& cfg_;
+  const RunPlan& plan_;
+  const Topology& topo_;
+  HostState& state_;
+  DataLoader& loader_;
+  const DataLoader* eval_;
+  Step& step_;
+  RunLog& log_;
+  TrainSummary& summary_;
+  std::ostream& out_;
+  int64_t saved_step_;
+  std::deque<Clock::time_point> submitted_;  // submission time of each pending step
+  Clock::time_point last_done_;
+};
+
 }  // namespace
 
 TrainSummary train(const Config& cfg, std::ostream& out) { return train(cfg, out, world_comm()); }
@@ -158,7 +275,6 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
   const bool lead = world.rank() == 0;
   std::ostream null_out(nullptr);  // ranks other than 0 print nothing
   std::ostream& out = lead ? console : null_out;
-  const FaultInjection fault = FaultInjection::from_env();
   check_fresh_or_resumed(cfg);
   if (lead) remove_stale_temporaries(checkpoint_dir(cfg));  // of an interrupted save or prune
   check_host_memory(plan);  // before anything large is allocated
@@ -172,14 +288,13 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
   HostState state(cfg, plan, topo);
   TrainSummary summary;
   summary.run_dir = cfg.run.dir;
-  summary.start_step = resume_run(cfg, state, loader, out);
+  summary.start_step = summary.steps_done = resume_run(cfg, state, loader, out);
   const int64_t start = summary.start_step;
   MOE_CHECK(start <= cfg.train.steps, "checkpoint step ", start, " is beyond train.steps = ", cfg.train.steps,
             "; raise train.steps to at least ", start, " to continue this run");
   if (start == cfg.train.steps) {  // a finished run: nothing to train, nothing rewritten
     out << "already at step " << start << " of " << cfg.train.steps << ": nothing to train (raise train.steps to "
         << "continue this run)\n";
-    summary.steps_done = start;
     return summary;
   }
   // The run has started: its resolved config, and metrics.jsonl kept up to the resumed step.
@@ -192,84 +307,10 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
   print_header(cfg, plan, world, out);
   out << data_lines.str() << std::flush;
   const std::unique_ptr<Step> step = make_step(cfg, plan, topo, &state, out);
-
   // Open MPI hands ranks a pty even when mpirun's output goes to a file: no live line there.
   const bool tty = isatty(fileno(stdout)) && &out == &std::cout && world.size() == 1;
   RunLog log(cfg, plan.tokens_per_step, out, metrics ? &*metrics : nullptr, tty, start);
-  const int64_t eval_every = cfg.train.eval_interval;  // 0: no evaluation at all
-  if (eval && eval_every > 0 && start == 0) {
-    summary.initial_eval_loss = evaluate(*step, *eval, cfg, *topo.dp_comm);
-    log.eval(0, summary.initial_eval_loss);
-  }
-  log.start_clock();
-
-  // Step time: from the later of its submission and the previous step's collection to its collection.
-  std::deque<Clock::time_point> submitted;
-  Clock::time_point last_done = log.start_time();
-  auto collect_one = [&] {
-    const StepStats s = step->collect();
-    const auto now = Clock::now();
-    const double step_s = std::chrono::duration<double>(now - std::max(submitted.front(), last_done)).count();
-    submitted.pop_front();
-    last_done = now;
-    const double loss = s.loss();
-    if (s.skipped || !std::isfinite(loss)) log.skipped(s.step, loss, s.grad_norm);
-    if (summary.losses.empty()) summary.first_loss = loss;
-    summary.last_loss = loss;
-    summary.steps_done = s.step;
-    summary.losses.push_back(loss);
-    log.step(s, lr_at(cfg.optim, s.step - 1, cfg.train.steps), step_s, *step);
-  };
-  auto collect_all = [&] {
-    while (step->pending() > 0) collect_one();
-  };
-
-  const StopSignals signals;
-  int64_t saved_step = start;  // the step of the newest checkpoint of this run
-  summary.steps_done = start;
-  for (int64_t s = start; s < cfg.train.steps; ++s) {
-    if ((summary.stopped_by = stop_request(world)) != 0) break;
-    fault.maybe_exit(world.rank(), s + 1);
-    submitted.push_back(Clock::now());
-    const std::vector<Batch> micro = loader.next();
-    int64_t global_targets = count_targets(micro);  // host counts: no device value is read inside a step
-    if (plan.sizes.dp > 1) topo.dp_comm->all_reduce(&global_targets, 1, ReduceOp::kSum);
-    step->submit({s + 1, &micro, global_targets, lr_at(cfg.optim, s, cfg.train.steps)});
-    if (step->pending() >= step->in_flight()) collect_one();
-
-    const int64_t done = s + 1;
-    const bool last = done == cfg.train.steps;
-    const bool do_eval = eval && eval_every > 0 && (done % eval_every == 0 || last);
-    const bool do_ckpt = (cfg.checkpoint.interval > 0 && done % cfg.checkpoint.interval == 0) || last;
-    if (do_eval || do_ckpt) collect_all();
-    if (do_eval) {
-      summary.final_eval_loss = evaluate(*step, *eval, cfg, *topo.dp_comm);
-      log.eval(done, summary.final_eval_loss);
-    }
-    if (do_ckpt) {
-      step->sync_host_state(/*all_ranks=*/!writes_replicated_checkpoint(plan));
-      summary.last_checkpoint = save_run_checkpoint(cfg, plan, topo, state, done, loader.position());
-      saved_step = done;
-      log.saved(summary.last_checkpoint, last);
-    }
-  }
-  collect_all();
-  if (summary.stopped_by != 0) {  // stopped early: the last step completed is saved, and the way back said
-    const int64_t done = summary.steps_done;
-    if (done > saved_step) {
-      step->sync_host_state(/*all_ranks=*/!writes_replicated_checkpoint(plan));
-      summary.last_checkpoint = save_run_checkpoint(cfg, plan, topo, state, done, loader.position());
-    }
-    out << "stopped by " << StopSignals::name(summary.stopped_by) << " after step " << done << " of "
-        << cfg.train.steps;
-    if (done > start || !summary.last_checkpoint.empty())
-      out << "; checkpoint " << (summary.last_checkpoint.empty() ? checkpoint_dir(cfg) : summary.last_checkpoint)
-          << "; continue with the same command and --checkpoint.resume=auto\n";
-    else
-      out << "; nothing new to save\n";
-    out << std::flush;
-  }
-  summary.wall_s = std::chrono::duration<double>(Clock::now() - log.start_time()).count();
+  TrainLoop(cfg, plan, topo, state, loader, eval ? &*eval : nullptr, *step, log, summary, out).run();
   return summary;
 }
 
