@@ -42,7 +42,6 @@ class CpuStep final : public Step {
   CpuStep(const Config& cfg, const RunPlan& plan, const Topology& topo, HostState& state)
       : cfg_(cfg), plan_(plan), topo_(topo), s_(state) {}
 
-  const char* backend() const override { return "cpu"; }
   int64_t pending() const override { return int64_t(done_.size()); }
   int64_t in_flight() const override { return 1; }
   bool eval_is_collective() const override { return s_.model.expert_parallel() != nullptr; }

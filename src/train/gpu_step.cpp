@@ -84,7 +84,7 @@ GpuGroups make_gpu_groups(const Config& cfg, const RunPlan& plan, const Topology
 }
 
 // Refuses, before anything is allocated on the device, a plan whose estimate exceeds its free memory.
-void check_fits(const Config& cfg, const RunPlan& plan, const cuda::DeviceInfo& dev) {
+void check_fits(const RunPlan& plan, const cuda::DeviceInfo& dev) {
   const MemoryEstimate& m = plan.memory;
   MOE_CHECK(m.total() <= double(dev.free_bytes), "this run does not fit on one ", dev.name, ": it needs about ",
             gib(m.total()), " GiB per GPU (", m.local_params, " parameters x 18 B = ", gib(m.params + m.grads + m.moments),
@@ -99,7 +99,7 @@ class GpuStep final : public Step {
  public:
   GpuStep(const Config& cfg, const RunPlan& plan, const Topology& topo, HostState* state, std::ostream& out)
       : cfg_(cfg), plan_(plan), topo_(topo), state_(state), groups_(make_gpu_groups(cfg, plan, topo, out)),
-        dev_(cuda::device_info()), used_before_((check_fits(cfg, plan, dev_), cuda::device_used_bytes())) {
+        dev_(cuda::device_info()), used_before_((check_fits(plan, dev_), cuda::device_used_bytes())) {
     cuda::reset_device_peak_bytes();
     runner_ = std::make_unique<CudaStepRunner>(cfg, plan, groups_.dp.get(), groups_.ep.get(), groups_.ep_dp.get());
     CudaModel& model = runner_->model();
@@ -114,7 +114,6 @@ class GpuStep final : public Step {
     }
   }
 
-  const char* backend() const override { return "cuda"; }
   void submit(const StepInput& in) override {
     runner_->submit(in.step, *in.micro, in.global_targets, in.lr, cfg_.train.seed);
   }

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "checkpoint/files.h"
 #include "core/error.h"
 
 namespace moe {
@@ -42,15 +43,7 @@ std::string kept_records(const std::string& path, int64_t keep) {
 
 MetricsWriter::MetricsWriter(const std::string& path, int64_t keep_through_step) : path_(path) {
   namespace fs = std::filesystem;
-  if (keep_through_step > 0 && fs::exists(path)) {
-    const std::string tmp = path + ".tmp";
-    {
-      std::ofstream f(tmp, std::ios::trunc);
-      f << kept_records(path, keep_through_step);
-      MOE_CHECK(f.good(), "cannot rewrite metrics file '", path, "' (disk full or read-only?)");
-    }
-    fs::rename(tmp, path);
-  }
+  if (keep_through_step > 0 && fs::exists(path)) write_file_atomic(path, kept_records(path, keep_through_step));
   out_.open(path, keep_through_step > 0 ? std::ios::app : std::ios::trunc);
   MOE_CHECK(out_.good(), "cannot open metrics file '", path, "' for writing");
 }

@@ -62,8 +62,6 @@ struct DeviceFigures {
 class Step {
  public:
   virtual ~Step() = default;
-  // "cpu" | "cuda".
-  virtual const char* backend() const = 0;
   virtual void submit(const StepInput& in) = 0;
   // Statistics of the oldest submitted step not yet collected (waits for it).
   virtual StepStats collect() = 0;
