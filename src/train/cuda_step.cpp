@@ -22,6 +22,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/recompute.h"
 #include "cuda/event_timer.h"
 #include "cuda/ops/ep_exchange.h"
 #include "cuda/ops/memory.h"
@@ -153,6 +154,7 @@ struct CudaStepRunner::Impl {
       : cfg(c), dp(d), dp_size(d ? d->size() : 1), dp_rank(d ? d->rank() : 0),
         ep(e && e->size() > 1 ? e : nullptr), ep_dp(ep && edp && edp->size() > 1 ? edp : nullptr),
         ep_ctx(make_ctx(ep)), model(c.model, c.moe, ep ? &ep_ctx : nullptr), segments(model.layout()) {
+    model.set_recompute(parse_recompute(cfg.train.recompute));
     if (dp && ep == nullptr && cfg.parallel.overlap_grad_reduce) {
       comm_stream = cuda::stream_create();
       ready_events.resize(size_t(cfg.model.n_layers + 2));

@@ -28,8 +28,6 @@ int64_t range_numel(const std::vector<FlatRange>& ranges) {
 
 RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& device) {
   MOE_CHECK(device == "cpu" || device == "cuda", "run plan: device must be \"cpu\" or \"cuda\", got \"", device, "\"");
-  MOE_CHECK(cfg.train.recompute == "none", "train.recompute = \"", cfg.train.recompute,
-            "\": activation recomputation is not available yet; set train.recompute = \"none\"");
   RunPlan p;
   p.device = device;
   p.sizes = resolve_parallel(cfg, world_size);
