@@ -6,6 +6,8 @@
 
 #include "model/cuda_attention_block.h"
 
+#include <cstdint>
+
 #include "core/error.h"
 #include "cuda/ops/attention.h"
 #include "cuda/ops/gemm.h"
@@ -33,11 +35,12 @@ void CudaAttentionBlock::bind(Recompute mode, CudaAttentionSaved* pool) {
             recompute_name(mode), "' needs a pool");
   mode_ = mode;
   CudaAttentionSaved& own = saved_;
-  // selective: norm and projections pooled; full: everything but the input (and its FP32 copy).
+  // selective: norm and projections pooled; full: everything but the FP32 copy of the input (its
+  // BF16 copy is that copy rounded, as every residual add writes it: restore_residual redoes it).
   const bool sel = mode != Recompute::kNone, full = mode == Recompute::kFull;
   auto at = [&](cuda::DeviceBuffer CudaAttentionSaved::*f, bool pooled) { return pooled ? &(pool->*f) : &(own.*f); };
   Slots& s = slots_;
-  s.x = &own.x_ND;
+  s.x = at(&CudaAttentionSaved::x_ND, full);
   s.x32 = &own.x32_ND;
   s.norm = at(&CudaAttentionSaved::norm_ND, sel);
   s.rstd = at(&CudaAttentionSaved::rstd_N, full);
@@ -73,17 +76,29 @@ void CudaAttentionBlock::reserve(int64_t batch, int64_t seq, CudaBufferGrower& g
 }
 
 void CudaAttentionBlock::reserve_scratch(const ModelConfig& m, int64_t batch, int64_t seq, CudaAttentionScratch& s,
-                                         CudaBufferGrower& g) {
+                                         CudaBufferGrower& g, void* borrow, size_t borrow_bytes) {
   const int64_t n = batch * seq, hd = m.head_dim(), q = m.n_heads * hd, kv = m.n_kv_heads * hd;
-  g.grow_bytes(s.ws_attn, cuda::attention_backward_workspace_bytes(batch, seq, m.n_heads), "attention workspace");
-  g.grow<uint16_t>(s.dq_NQ, n * q, "dq");
-  g.grow<uint16_t>(s.dk_NC, n * kv, "dk");
-  g.grow<uint16_t>(s.dv_NC, n * kv, "dv");
-  g.grow<uint16_t>(s.dattn_NQ, n * q, "dattn");
-  if (m.qk_norm) {
-    g.grow<uint16_t>(s.dq_raw_NQ, n * q, "dq_raw");
-    g.grow<uint16_t>(s.dk_raw_NC, n * kv, "dk_raw");
-  }
+  constexpr size_t kAlign = 256;
+  auto up = [](size_t b) { return (b + kAlign - 1) / kAlign * kAlign; };
+  const size_t bq = up(size_t(n * q) * 2), bkv = up(size_t(n * kv) * 2);
+  const size_t ws = up(cuda::attention_backward_workspace_bytes(batch, seq, m.n_heads));
+  const size_t total = 2 * bq + 2 * bkv + (m.qk_norm ? bq + bkv : 0) + ws;
+  s.borrowed = borrow != nullptr && borrow_bytes >= total && reinterpret_cast<uintptr_t>(borrow) % kAlign == 0;
+  if (!s.borrowed) g.grow_bytes(s.own, total, "attention backward scratch");
+  char* p = static_cast<char*>(s.borrowed ? borrow : s.own.data());
+  auto take = [&](size_t b) {
+    char* at = p;
+    p += b;
+    return at;
+  };
+  s.dattn_NQ = reinterpret_cast<uint16_t*>(take(bq));
+  s.dq_NQ = reinterpret_cast<uint16_t*>(take(bq));
+  s.dk_NC = reinterpret_cast<uint16_t*>(take(bkv));
+  s.dv_NC = reinterpret_cast<uint16_t*>(take(bkv));
+  s.dq_raw_NQ = m.qk_norm ? reinterpret_cast<uint16_t*>(take(bq)) : nullptr;
+  s.dk_raw_NC = m.qk_norm ? reinterpret_cast<uint16_t*>(take(bkv)) : nullptr;
+  s.ws_attn = take(ws);
+  s.ws_attn_bytes = ws;
 }
 
 void CudaAttentionBlock::project(const CudaBlockContext& c) {
@@ -133,7 +148,9 @@ void CudaAttentionBlock::forward(const CudaBlockContext& c, CudaResidual& res, u
 
 void CudaAttentionBlock::restore_residual(const CudaBlockContext& c, CudaResidual& res) const {
   MOE_CHECK(mode_ == Recompute::kFull, "CudaAttentionBlock::restore_residual: only under full recompute");
-  cuda::copy_d2d(res.x32(), slots_.x32->data(), size_t(c.tokens() * d_) * sizeof(float), c.stream);
+  const int64_t nd = c.tokens() * d_;
+  cuda::copy_d2d(res.x32(), slots_.x32->data(), size_t(nd) * sizeof(float), c.stream);
+  cuda::cast_f32_to_bf16(slots_.x32->as<float>(), slots_.x->as<uint16_t>(), nd, c.stream);
 }
 
 void CudaAttentionBlock::recompute_projections(const CudaBlockContext& c) { project(c); }
@@ -148,25 +165,25 @@ void CudaAttentionBlock::backward(const CudaBlockContext& c, CudaResidual& res, 
   const Slots& s = slots_;
   const uint16_t* dx = res.dx();
   uint16_t* dbranch = res.dbranch();
-  uint16_t* dq = w.dq_NQ.as<uint16_t>();
-  uint16_t* dk = w.dk_NC.as<uint16_t>();
-  uint16_t* dv = w.dv_NC.as<uint16_t>();
-  uint16_t* dattn = w.dattn_NQ.as<uint16_t>();
+  uint16_t* dq = w.dq_NQ;
+  uint16_t* dk = w.dk_NC;
+  uint16_t* dv = w.dv_NC;
+  uint16_t* dattn = w.dattn_NQ;
   c.mark(cuda::Phase::kAttention);
   const uint16_t* attn = s.attn->as<uint16_t>();
   const uint16_t* norm = s.norm->as<uint16_t>();
   cuda::gemm(G, false, false, n, q, d, 1.f, dx, d, P + p_.o_proj, q, 0.f, dattn, q, st);
   cuda::gemm(G, true, false, d, q, n, 1.f, dx, d, attn, q, 1.f, Gr + p_.o_proj, q, st);
   cuda::attention_backward(s.q->as<uint16_t>(), s.k->as<uint16_t>(), s.v->as<uint16_t>(), attn,
-                           s.lse->as<float>(), dattn, dq, dk, dv, batch, seq, hq, hkv, hd, w.ws_attn.data(),
-                           w.ws_attn.bytes(), st);
+                           s.lse->as<float>(), dattn, dq, dk, dv, batch, seq, hq, hkv, hd, w.ws_attn,
+                           w.ws_attn_bytes, st);
   cuda::rope_backward(dq, batch, seq, hq, hd, rope_theta_, st);
   cuda::rope_backward(dk, batch, seq, hkv, hd, rope_theta_, st);
   const uint16_t* gq = dq;
   const uint16_t* gk = dk;
   if (qk_norm_) {
-    uint16_t* dq_raw = w.dq_raw_NQ.as<uint16_t>();
-    uint16_t* dk_raw = w.dk_raw_NC.as<uint16_t>();
+    uint16_t* dq_raw = w.dq_raw_NQ;
+    uint16_t* dk_raw = w.dk_raw_NC;
     cuda::rmsnorm_backward(s.q_raw->as<uint16_t>(), P + p_.q_norm, s.q_rstd->as<float>(), dq, dq_raw,
                            Gr + p_.q_norm, n, q, res.ws_rms.data(), res.ws_rms.bytes(), st);
     cuda::rmsnorm_backward(s.k_raw->as<uint16_t>(), P + p_.k_norm, s.k_rstd->as<float>(), dk, dk_raw,

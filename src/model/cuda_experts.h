@@ -60,8 +60,9 @@ class CudaExperts {
   virtual void forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* counts_E,
                        const int32_t* offsets_E1, const uint16_t* x_sorted_RD, int64_t rows,
                        uint16_t* y_sorted_RD) = 0;
-  // dy_sorted_RD [R, D] -> dx_sorted_RD [R, D] (overwritten); the experts' weight gradients +=.
-  // x_sorted_RD and offsets_E1 are the forward's.
+  // dy_sorted_RD [R, D] -> dx_sorted_RD [R, D] (overwritten; may be dy_sorted_RD itself: dy is
+  // read in full before dx is written); the experts' weight gradients +=. x_sorted_RD and
+  // offsets_E1 are the forward's.
   virtual void backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                         const int32_t* offsets_E1, const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD,
                         int64_t rows, uint16_t* dx_sorted_RD) = 0;

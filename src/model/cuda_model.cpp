@@ -321,7 +321,11 @@ void CudaModel::reserve(int64_t batch, int64_t seq) {
   // Backward.
   const int64_t widest = std::max({d, q, kv});
   g.grow_bytes(I.res.ws_rms, cuda::rmsnorm_backward_workspace_bytes(n, widest), "rmsnorm workspace");
-  CudaAttentionBlock::reserve_scratch(mcfg_, batch, seq, I.attention_scratch, g);
+  // The attention blocks' backward scratch borrows the MoE layers' backward rows (free between
+  // MoE backwards), sized above.
+  void* borrow = num_moe_layers_ > 0 ? I.moe.dy_sorted_RD.data() : nullptr;
+  const size_t borrow_bytes = num_moe_layers_ > 0 ? I.moe.dy_sorted_RD.bytes() : 0;
+  CudaAttentionBlock::reserve_scratch(mcfg_, batch, seq, I.attention_scratch, g, borrow, borrow_bytes);
   // cuDNN attention builds its plans (and their workspaces) for this shape now, outside any capture.
   cuda::attention_prepare(batch, seq, hq, hkv, hd, stream_);
   auto emb_ws = I.emb_ws_bytes.find(n);

@@ -75,7 +75,6 @@ void CudaMoeLayer::reserve_shared(const MoeConfig& e, int64_t d, int64_t batch, 
   g.grow_bytes(s.ws_dispatch, cuda::dispatch_map_workspace_bytes(n, k, ne), "dispatch workspace");
   g.grow<uint16_t>(s.dy_sorted_RD, rows * d, "dy_sorted");
   g.grow<float>(s.dtopk_w_NK, n * k, "dtopk_w");
-  g.grow<uint16_t>(s.dx_sorted_RD, rows * d, "dx_sorted");
   g.grow<float>(s.dlogits32_NE, n * ne, "router dlogits32");
   g.grow<uint16_t>(s.dlogits16_NE, n * ne, "router dlogits16");
 }
@@ -191,7 +190,7 @@ void CudaMoeLayer::backward(const CudaBlockContext& c, CudaResidual& res, CudaMo
                            s.topk_w_NK.as<float>(), n, k, d, dys, dtopk_w, st);
 
   // Experts, dispatch.
-  uint16_t* dxs = shared.dx_sorted_RD.as<uint16_t>();
+  uint16_t* dxs = dys;  // in place: the experts read dy in full before they write dx
   shared.experts->backward(c, m, p_, offsets, sl.x_sorted->as<uint16_t>(), dys, rows, dxs);
   c.mark(cuda::Phase::kDispatch);
   cuda::permute_backward(dxs, route_to_row, n, k, d, dbranch, st);

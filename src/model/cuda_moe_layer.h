@@ -50,7 +50,9 @@ struct CudaMoeShared {
   cuda::DeviceBuffer expert_bias_ME;  // FP32 [M, E], selection only
   cuda::DeviceBuffer losses_M2;       // FP32 [M, 2]: lb, z (written per forward)
   cuda::DeviceBuffer counts_ME;       // int32 [M, E]: routes per expert (written per forward)
-  cuda::DeviceBuffer dy_sorted_RD, dx_sorted_RD, dtopk_w_NK /*f32*/, dlogits32_NE /*f32*/, dlogits16_NE;
+  // dy_sorted_RD: the unpermute gradient rows, which the experts' backward overwrites with their
+  // input gradient rows in place; between MoE backwards the attention blocks borrow it as scratch.
+  cuda::DeviceBuffer dy_sorted_RD, dtopk_w_NK /*f32*/, dlogits32_NE /*f32*/, dlogits16_NE;
   cuda::DeviceBuffer ws_router, ws_dispatch;
   std::unique_ptr<CudaExperts> experts;
 };
