@@ -2,7 +2,7 @@
 // Memory per rank (bytes): cpu holds FP32 weights, gradients and moments (4 + 4 + 8 per local
 // parameter; ZeRO-1 keeps 8 per parameter of this rank's shard: dense / dp + experts / ep-dp)
 // and FP32 activations; cuda holds FP32 master, BF16 copy, FP32 gradients and moments (18 per
-// parameter), BF16 activations, and with ep > 1 the exchange buffers CudaModel adds (received
+// parameter; ZeRO-1 moments 8 per parameter of the shard, as on cpu), BF16 activations, and with ep > 1 the exchange buffers CudaModel adds (received
 // BF16 rows and two int32 maps per MoE layer, two row buffers), plus a host mirror of 16 per parameter.
 #include "train/run_plan.h"
 
@@ -33,7 +33,7 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   p.sizes = resolve_parallel(cfg, world_size);
   const int64_t dp = p.sizes.dp, ep = p.sizes.ep;
   p.ep_dp = dp / ep;
-  p.zero = device == "cpu" && dp > 1 && cfg.parallel.zero;  // GPU runs keep replicated moments
+  p.zero = dp > 1 && cfg.parallel.zero;
   p.seq_len = cfg.train.seq_len;
   p.micro_batch = cfg.train.micro_batch;
   p.global_batch = cfg.train.global_batch;
@@ -56,22 +56,18 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   const double rows = double(p.tokens_per_micro_batch) * double(cfg.moe.top_k);
   const double d = double(cfg.model.d_model);
   const double moe_layers = double(num_moe_layers(cfg.model));
+  // ZeRO-1: dense moments over dp, expert moments over ep-dp (either backend).
+  m.moments = p.zero ? 8.0 * (double(range_numel(flat_ranges(layout, false))) / double(dp) +
+                              double(range_numel(flat_ranges(layout, true))) / double(p.ep_dp))
+                     : 8.0 * n;
   if (device == "cpu") {
     m.params = 4.0 * n;
     m.grads = 4.0 * n;
-    if (p.zero) {
-      const double dense = double(range_numel(flat_ranges(layout, false)));
-      const double expert = double(range_numel(flat_ranges(layout, true)));
-      m.moments = 8.0 * (dense / double(dp) + expert / double(p.ep_dp));
-    } else {
-      m.moments = 8.0 * n;
-    }
     m.activations = 4.0 * act;
     if (ep > 1) m.exchange = 2.0 * rows * d * 4.0;  // the send and receive row blocks of one exchange
   } else {
-    m.params = 6.0 * n;  // FP32 master + BF16 copy
+    m.params = 6.0 * n;  // FP32 master + BF16 copy (whole on every rank, also under ZeRO-1)
     m.grads = 4.0 * n;
-    m.moments = 8.0 * n;
     m.activations = 2.0 * act;
     if (ep > 1) m.exchange = moe_layers * rows * (2.0 * d + 8.0) + 2.0 * rows * 2.0 * d;
     m.host_mirror = 16.0 * n;

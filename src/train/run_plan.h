@@ -33,7 +33,7 @@ struct RunPlan {
   std::string device;          // "cpu" | "cuda" (resolve_device)
   ParallelSizes sizes;         // world, dp, ep, pp
   int64_t ep_dp = 1;           // ranks holding the same experts: dp / ep
-  bool zero = false;           // ZeRO-1 moment shards (cpu, dp > 1, parallel.zero)
+  bool zero = false;           // ZeRO-1 moment shards (dp > 1, parallel.zero; cpu and cuda)
   int64_t seq_len = 0, micro_batch = 0, global_batch = 0;  // tokens, sequences per rank, sequences
   int64_t micro_steps = 0;     // micro-batches per rank per step: global_batch / (dp x micro_batch)
   int64_t micro_batches = 0;   // micro-batches of the global batch: dp x micro_steps
