@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -271,6 +272,8 @@ TEST(Recompute, SavedMemoryFallsAndTheRecomputedTensorsArePooled) {
       max = std::max(max, bytes);
     }
     const int64_t pool = after_forward[0] - blocks;
+    std::printf("recompute %s: saved_activation_bytes after forward %lld (blocks %lld, pool %lld)\n", tag.c_str(),
+                static_cast<long long>(after_forward[0]), static_cast<long long>(blocks), static_cast<long long>(pool));
     if (mode == Recompute::kNone) {
       none_bytes = after_forward[0];
       none_block_max = block_max_dense + block_max_moe;
