@@ -242,9 +242,15 @@ TEST(Cli, BenchOnCpuRecordsSettingsAndPhases) {
   EXPECT_GT(rec.at("phase_ms").at("attention").get<double>(), 0.0);
   EXPECT_GT(rec.at("phase_ms").at("optimizer").get<double>(), 0.0);
   EXPECT_TRUE(rec.at("loss_finite").get<bool>());
-  const CmdResult bad = run_cli("bench --steps 1 --out= --train.recompute=full");
+  // A recompute mode runs and is recorded; a setting the backend cannot honour is refused by name.
+  const std::string json2 = (tmp.root() / "bench-full.json").string();
+  const CmdResult full = run_cli("bench --warmup 0 --steps 1 --json " + json2 + " --train.recompute=full");
+  ASSERT_EQ(full.status, 0) << full.output;
+  std::ifstream f2(json2);
+  EXPECT_EQ(nlohmann::json::parse(f2).at("settings").at("recompute"), "full");
+  const CmdResult bad = run_cli("bench --steps 1 --out= --train.precision=bf16 --train.device=cpu");
   EXPECT_EQ(bad.status, 1);
-  EXPECT_NE(bad.output.find("train.recompute = \"full\""), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("train.precision = \"bf16\""), std::string::npos) << bad.output;
 }
 
 TEST(Cli, BadKeySuggestsNearest) {
