@@ -88,7 +88,7 @@ void check_fits(const RunPlan& plan, const cuda::DeviceInfo& dev) {
   const MemoryEstimate& m = plan.memory;
   MOE_CHECK(m.total() <= double(dev.free_bytes), "this run does not fit on one ", dev.name, ": it needs about ",
             gib(m.total()), " GiB per GPU (", m.local_params, " parameters x 18 B = ", gib(m.params + m.grads + m.moments),
-            " GiB of FP32 weights, BF16 copy, FP32 gradients and two AdamW moments, plus ~", gib(m.activations + m.exchange),
+            " GiB of FP32 weights, BF16 copy, FP32 gradients and two AdamW moments, plus ~", gib(m.activations() + m.exchange),
             " GiB of activations for a micro-batch of ", plan.tokens_per_micro_batch, " tokens) but the GPU has ",
             gib(double(dev.free_bytes)), " GiB free of ", gib(double(dev.total_bytes)),
             " GiB; use fewer layers or experts (configs/olmoe-8l.toml fits one H200), split the experts over GPUs "

@@ -154,7 +154,7 @@ TEST(RunPlan, GpuMemoryExpertParallelShareAndExchangeBuffers) {
   EXPECT_LT(two_state, 0.6 * one_state);  // experts are most of olmoe-1b-7b
   const double rows = double(c.train.micro_batch * c.train.seq_len * c.moe.top_k);
   const double d = double(c.model.d_model);
-  EXPECT_DOUBLE_EQ(two.memory.activations, one.memory.activations);
+  EXPECT_DOUBLE_EQ(two.memory.activations(), one.memory.activations());
   EXPECT_DOUBLE_EQ(two.memory.exchange - one.memory.exchange,
                    double(num_moe_layers(c.model)) * rows * (2 * d + 8) + 4 * rows * d);
 }
@@ -212,9 +212,9 @@ TEST(Cli, BenchOnCpuRecordsSettingsAndPhases) {
   EXPECT_GT(rec.at("phase_ms").at("attention").get<double>(), 0.0);
   EXPECT_GT(rec.at("phase_ms").at("optimizer").get<double>(), 0.0);
   EXPECT_TRUE(rec.at("loss_finite").get<bool>());
-  const CmdResult bad = run_cli("bench --steps 1 --out= --train.recompute=full");
+  const CmdResult bad = run_cli("bench --steps 1 --out= --train.recompute=some");
   EXPECT_EQ(bad.status, 1);
-  EXPECT_NE(bad.output.find("train.recompute = \"full\""), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("train.recompute"), std::string::npos) << bad.output;
 }
 
 TEST(Cli, BadKeySuggestsNearest) {
