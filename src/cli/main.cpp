@@ -4,6 +4,7 @@
 // command line also prints the command's usage line); in a multi-process job as "[rank r]
 // error: ..." followed by an abort of every rank (MPI_Abort; over TCP the rank exits and its
 // peers fail on the closed connections). No command, or an unknown one, exits with status 2.
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
@@ -162,7 +163,8 @@ const CommandSpec kPlan{
     "FP32 master, gradients, AdamW moments replicated or ZeRO-1-sharded, activations for each recompute\n"
     "mode side by side, exchange buffers, scratch), bytes per step of each collective, and a step time\n"
     "estimated from op rates measured on an H200 (src/train/ceilings.h). The layout comes from\n"
-    "--layout, else from the config's parallel keys (one GPU by default). When dp x micro_batch does\n"
+    "--layout, else from the config's parallel keys (parallel.dp = 0: dp = parallel.ep, one GPU by\n"
+    "default). When dp x micro_batch does\n"
     "not divide train.global_batch, the plan raises the global batch to the least multiple that it\n"
     "does and says so. Formulas, sources and accuracy: docs/planning.md.\n"};
 
@@ -191,7 +193,8 @@ int cmd_plan(const ParsedArgs& a) {
   if (a.has("--layout")) {
     layout = parse_layout(*a.value("--layout"), gpus);
   } else {
-    layout.dp = cfg.parallel.dp > 0 ? cfg.parallel.dp : 1;
+    // parallel.dp = 0 takes the world from the launcher: plan the smallest one parallel.ep allows.
+    layout.dp = cfg.parallel.dp > 0 ? cfg.parallel.dp : std::max<int64_t>(1, cfg.parallel.ep);
     layout.ep = cfg.parallel.ep;
     layout.pp = cfg.parallel.pp;
   }
