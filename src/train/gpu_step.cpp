@@ -92,7 +92,8 @@ void check_fits(const RunPlan& plan, const cuda::DeviceInfo& dev) {
             " GiB of activations for a micro-batch of ", plan.tokens_per_micro_batch, " tokens) but the GPU has ",
             gib(double(dev.free_bytes)), " GiB free of ", gib(double(dev.total_bytes)),
             " GiB; use fewer layers or experts (configs/olmoe-8l.toml fits one H200), split the experts over GPUs "
-            "(parallel.ep), or lower train.micro_batch / train.seq_len (see moecore train --dry-run)");
+            "(parallel.ep), recompute activations (train.recompute = \"selective\" or \"full\"), or lower "
+            "train.micro_batch / train.seq_len (moecore plan shows each choice's memory)");
 }
 
 class GpuStep final : public Step {
