@@ -79,6 +79,7 @@ struct ParallelConfig {
   bool zero = true;          // ZeRO-1: AdamW moments sharded over data-parallel ranks (dp > 1)
   double timeout_s = 300.0;  // a collective waiting longer fails the job
   bool overlap_grad_reduce = true;  // GPU data parallel: all-reduce each block's gradients during backward
+  std::string grad_reduce_dtype = "fp32";  // GPU data parallel: gradient sums in "fp32" | "bf16"
 };
 
 struct CheckpointConfig {

@@ -144,6 +144,10 @@ std::vector<ConfigKey> build_keys() {
             "seconds a collective may wait for the other ranks before the job fails"),
       entry("parallel.overlap_grad_reduce", &C::parallel, &P::overlap_grad_reduce,
             "GPU data parallel: all-reduce each block's gradients on a second stream while backward goes on"),
+      entry("parallel.grad_reduce_dtype", &C::parallel, &P::grad_reduce_dtype,
+            "GPU data parallel: type of the gradient sums over ranks (all-reduce and ZeRO-1 reduce-scatter); bf16 "
+            "halves the traffic and rounds every partial sum to BF16",
+            {"fp32", "bf16"}),
 
       entry("checkpoint.dir", &C::checkpoint, &K::dir, "checkpoint directory; empty: <run.dir>/checkpoints"),
       entry("checkpoint.interval", &C::checkpoint, &K::interval,

@@ -15,6 +15,7 @@ enum class Phase : int {
   kExperts,     // grouped GEMMs and SwiGLU of the routed experts
   kCombine,     // weighted unpermute and its backward; the expert-parallel exchange back
   kLmHead,      // final norm, LM head, cross-entropy
+  kRecompute,   // activation recomputation in backward (train.recompute: selective, full)
   kGradReduce,  // data parallel: all-reduce of the gradients and step statistics (GPU step)
   kOptimizer,   // grad norm, clipping, AdamW (GPU: BF16 refresh, expert-bias update)
   kCount
@@ -26,7 +27,7 @@ namespace detail {
 }  // namespace detail
 
 // "embedding", "attention", "mlp", "router", "dispatch", "experts", "combine", "lm_head",
-// "grad_reduce", "optimizer"; throws for a value outside [kEmbedding, kCount).
+// "recompute", "grad_reduce", "optimizer"; throws for a value outside [kEmbedding, kCount).
 constexpr const char* phase_name(Phase p) {
   switch (p) {
     case Phase::kEmbedding: return "embedding";
@@ -37,6 +38,7 @@ constexpr const char* phase_name(Phase p) {
     case Phase::kExperts: return "experts";
     case Phase::kCombine: return "combine";
     case Phase::kLmHead: return "lm_head";
+    case Phase::kRecompute: return "recompute";
     case Phase::kGradReduce: return "grad_reduce";
     case Phase::kOptimizer: return "optimizer";
     case Phase::kCount: break;

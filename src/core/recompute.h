@@ -16,6 +16,7 @@
 // of all layers share one set of buffers: only one layer's worth exists at a time.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace moe {
@@ -25,5 +26,11 @@ enum class Recompute { kNone, kSelective, kFull };
 // "none" | "selective" | "full"; throws naming train.recompute and the accepted values otherwise.
 Recompute parse_recompute(const std::string& mode);
 const char* recompute_name(Recompute mode);
+
+// Bytes the vectors hold (their capacity, not their size): what saved activations really occupy.
+template <typename... V>
+int64_t held_bytes(const V&... v) {
+  return (int64_t{0} + ... + static_cast<int64_t>(v.capacity() * sizeof(typename V::value_type)));
+}
 
 }  // namespace moe

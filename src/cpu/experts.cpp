@@ -1,4 +1,5 @@
-// Grouped experts as a loop of per-expert linear + SwiGLU calls. Backward per expert:
+// Grouped experts as a loop of per-expert linear + SwiGLU calls. Forward: the gate/up GEMM per
+// expert, then experts_down_forward (SwiGLU and down GEMM per expert). Backward per expert:
 // dh = dy_e @ w_down[e], dw_down[e] += dy_e^T @ h_e, dgate_up = swiglu'(dh),
 // dx_e = dgate_up @ w_gate_up[e], dw_gate_up[e] += dgate_up^T @ x_e.
 #include "cpu/experts.h"
@@ -31,10 +32,21 @@ void experts_forward(const T* x_sorted, const int32_t* expert_offsets, const T* 
     const int64_t row0 = expert_offsets[e];
     const int64_t n = expert_offsets[e + 1] - row0;
     if (n == 0) continue;
-    T* gu = gate_up + row0 * 2 * inner;
+    linear_forward(x_sorted + row0 * d, w_gate_up + e * 2 * inner * d, gate_up + row0 * 2 * inner, n, d, 2 * inner);
+  }
+  experts_down_forward(expert_offsets, gate_up, w_down, num_experts, d, inner, h, y);
+}
+
+template <typename T>
+void experts_down_forward(const int32_t* expert_offsets, const T* gate_up, const T* w_down, int64_t num_experts,
+                          int64_t d, int64_t inner, T* h, T* y) {
+  check_offsets("experts_down_forward", expert_offsets, num_experts, d, inner);
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t row0 = expert_offsets[e];
+    const int64_t n = expert_offsets[e + 1] - row0;
+    if (n == 0) continue;
     T* he = h + row0 * inner;
-    linear_forward(x_sorted + row0 * d, w_gate_up + e * 2 * inner * d, gu, n, d, 2 * inner);
-    swiglu_forward(gu, he, n, inner);
+    swiglu_forward(gate_up + row0 * 2 * inner, he, n, inner);
     linear_forward(he, w_down + e * d * inner, y + row0 * d, n, inner, d);
   }
 }
@@ -66,6 +78,10 @@ template void experts_forward<float>(const float*, const int32_t*, const float*,
                                      int64_t, int64_t, int64_t, float*, float*, float*);
 template void experts_forward<double>(const double*, const int32_t*, const double*, const double*,
                                       int64_t, int64_t, int64_t, double*, double*, double*);
+template void experts_down_forward<float>(const int32_t*, const float*, const float*, int64_t, int64_t, int64_t,
+                                          float*, float*);
+template void experts_down_forward<double>(const int32_t*, const double*, const double*, int64_t, int64_t,
+                                           int64_t, double*, double*);
 template void experts_backward<float>(const float*, const int32_t*, const float*, const float*,
                                       const float*, const float*, const float*, int64_t, int64_t,
                                       int64_t, float*, float*, float*, float*);

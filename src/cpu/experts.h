@@ -15,6 +15,13 @@ void experts_forward(const T* x_sorted /*[R,D]*/, const int32_t* expert_offsets 
                      int64_t num_experts, int64_t d, int64_t inner, T* gate_up /*[R,2I], saved*/,
                      T* h /*[R,I], saved*/, T* y /*[R,D]*/);
 
+// The part of experts_forward after the gate/up GEMMs, from a saved gate_up (activation
+// recomputation): h = silu(gate) * up and y = h @ w_down[e]^T, bitwise experts_forward's h and y.
+template <typename T>
+void experts_down_forward(const int32_t* expert_offsets /*[E+1]*/, const T* gate_up /*[R,2I]*/,
+                          const T* w_down /*[E,D,I]*/, int64_t num_experts, int64_t d, int64_t inner,
+                          T* h /*[R,I]*/, T* y /*[R,D]*/);
+
 // dx_sorted is overwritten on rows [0, R); dw_gate_up and dw_down accumulate (either may be
 // null to skip it). scratch holds dgate_up [R,2I] followed by dh [R,I].
 template <typename T>

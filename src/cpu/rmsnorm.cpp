@@ -24,6 +24,17 @@ void rmsnorm_forward(const T* x, const T* w, T* y, T* rstd, int64_t n, int64_t d
 }
 
 template <typename T>
+void rmsnorm_apply(const T* x, const T* w, const T* rstd, T* y, int64_t n, int64_t d) {
+  MOE_CHECK(n >= 0 && d > 0, "rmsnorm_apply: expected n >= 0 and d > 0, got n=", n, " d=", d);
+  for (int64_t i = 0; i < n; ++i) {
+    const T* xr = x + i * d;
+    T* yr = y + i * d;
+    const T r = rstd[i];
+    for (int64_t j = 0; j < d; ++j) yr[j] = xr[j] * r * w[j];  // rmsnorm_forward's expression
+  }
+}
+
+template <typename T>
 void rmsnorm_backward(const T* x, const T* w, const T* rstd, const T* dy, T* dx, T* dw, int64_t n,
                       int64_t d) {
   MOE_CHECK(n >= 0 && d > 0, "rmsnorm_backward: expected n >= 0 and d > 0, got n=", n, " d=", d);
@@ -46,6 +57,8 @@ void rmsnorm_backward(const T* x, const T* w, const T* rstd, const T* dy, T* dx,
 template void rmsnorm_forward<float>(const float*, const float*, float*, float*, int64_t, int64_t, double);
 template void rmsnorm_forward<double>(const double*, const double*, double*, double*, int64_t, int64_t,
                                       double);
+template void rmsnorm_apply<float>(const float*, const float*, const float*, float*, int64_t, int64_t);
+template void rmsnorm_apply<double>(const double*, const double*, const double*, double*, int64_t, int64_t);
 template void rmsnorm_backward<float>(const float*, const float*, const float*, const float*, float*,
                                       float*, int64_t, int64_t);
 template void rmsnorm_backward<double>(const double*, const double*, const double*, const double*,

@@ -12,6 +12,11 @@ template <typename T>
 void rmsnorm_forward(const T* x, const T* w, T* y, T* rstd /*[N], saved*/, int64_t n, int64_t d,
                      double eps);
 
+// y = x * rstd * w from a saved rstd (activation recomputation): bitwise rmsnorm_forward's y for
+// the rstd it wrote.
+template <typename T>
+void rmsnorm_apply(const T* x, const T* w, const T* rstd, T* y, int64_t n, int64_t d);
+
 // dx = rstd * (w * dy - x * rstd^2 * mean(dy * w * x)) (overwritten); dw += sum_rows dy * x * rstd.
 template <typename T>
 void rmsnorm_backward(const T* x, const T* w, const T* rstd, const T* dy, T* dx /*overwritten*/,

@@ -1,7 +1,7 @@
 // Plain records of the GPU optimizer step that the entry header (ops/optim.h) and the device
 // code (kernels/optim.cuh, kernels/step_stats.cuh) share: one tensor segment of the flat buffers
 // and the step's scalars in device memory. No CUDA headers: host code and kernels read the same
-// layout (ParamSegment 24 bytes, OptimStepScalars a 64-byte record, both 8-byte aligned).
+// layout (ParamSegment 32 bytes, OptimStepScalars a 64-byte record, both 8-byte aligned).
 #pragma once
 
 #include <cstdint>
@@ -9,13 +9,17 @@
 namespace moe::cuda {
 
 // One tensor of the flat buffers: elements [offset, offset + numel); decay = 1 applies weight decay.
+// Its AdamW moments sit at state_offset onwards of the moment buffers: state_offset = offset for
+// moments laid out like the parameters (replicated), elsewhere for a ZeRO-1 shard's compact
+// moments; -1 means "= offset" (ParamSegmentTable resolves it).
 struct ParamSegment {
   int64_t offset = 0;
   int64_t numel = 0;
   int32_t decay = 1;
   int32_t reserved = 0;
+  int64_t state_offset = -1;
 };
-static_assert(sizeof(ParamSegment) == 24, "ParamSegment is copied to the device as is");
+static_assert(sizeof(ParamSegment) == 32, "ParamSegment is copied to the device as is");
 
 // Scalars of the optimizer step, in device memory (allocate one, zero it, set `step` when resuming).
 // "in": written by the host before the step (cudaMemcpyAsync from pinned memory is captured as a

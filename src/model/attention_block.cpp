@@ -1,8 +1,10 @@
 // Attention block forward/backward: the CPU ops in the order of the math (see the header).
 // Backward: o_proj, attention, RoPE, QK-norm and the q/k/v projections into d(norm input), then
-// attn_norm's backward added to the residual gradient.
+// attn_norm's backward added to the residual gradient. Selective recomputation reruns the calls
+// up to the attention kernel with the saved rstd.
 #include "model/attention_block.h"
 
+#include "core/error.h"
 #include "cpu/attention.h"
 #include "cpu/linear.h"
 #include "cpu/rmsnorm.h"
@@ -89,11 +91,65 @@ void attention_block_backward(const AttentionConfig& c, const AttentionTensors<c
   for (int64_t i = 0; i < n * d; ++i) dx[i] += dtmp[i];
 }
 
+template <typename T>
+int64_t saved_bytes(const AttentionSaved<T>& s) {
+  return held_bytes(s.x_in_ND, s.norm_ND, s.rstd_N, s.q_raw_NQ, s.k_raw_NC, s.q_rstd_N, s.k_rstd_N, s.q_NQ, s.k_NC,
+                    s.v_NC, s.attn_NQ, s.lse_BHS);
+}
+
+template <typename T>
+void swap_recomputed(Recompute mode, AttentionSaved<T>& a, AttentionSaved<T>& b) {
+  if (mode == Recompute::kNone) return;
+  for (auto m : {&AttentionSaved<T>::norm_ND, &AttentionSaved<T>::q_raw_NQ, &AttentionSaved<T>::k_raw_NC,
+                 &AttentionSaved<T>::q_NQ, &AttentionSaved<T>::k_NC, &AttentionSaved<T>::v_NC})
+    (a.*m).swap(b.*m);
+  if (mode != Recompute::kFull) return;
+  for (auto m : {&AttentionSaved<T>::rstd_N, &AttentionSaved<T>::q_rstd_N, &AttentionSaved<T>::k_rstd_N,
+                 &AttentionSaved<T>::attn_NQ, &AttentionSaved<T>::lse_BHS})
+    (a.*m).swap(b.*m);
+}
+
+// The forward's calls between the input and the attention kernel, with the saved rstd in place of
+// the norms' own.
+template <typename T>
+void attention_block_recompute(const AttentionConfig& c, const AttentionTensors<const T*>& w, AttentionSaved<T>& s,
+                               PhaseTimer* timer) {
+  const int64_t batch = s.batch, seq = s.seq, n = batch * seq, d = c.d_model, hd = c.head_dim;
+  const int64_t hq = c.n_heads, hkv = c.n_kv_heads, q = hq * hd, kv = hkv * hd;
+  MOE_CHECK(n > 0 && static_cast<int64_t>(s.x_in_ND.size()) == n * d && static_cast<int64_t>(s.rstd_N.size()) == n,
+            "attention_block_recompute: no saved forward (input ", s.x_in_ND.size(), " values, rstd ", s.rstd_N.size(),
+            ", expected ", n * d, " and ", n, ")");
+  if (timer) timer->lap(Phase::kAttention);
+  s.norm_ND.resize(n * d);
+  cpu::rmsnorm_apply(s.x_in_ND.data(), w.attn_norm, s.rstd_N.data(), s.norm_ND.data(), n, d);
+  s.q_raw_NQ.resize(n * q);
+  s.k_raw_NC.resize(n * kv);
+  s.v_NC.resize(n * kv);
+  cpu::linear_forward(s.norm_ND.data(), w.q_proj, s.q_raw_NQ.data(), n, d, q);
+  cpu::linear_forward(s.norm_ND.data(), w.k_proj, s.k_raw_NC.data(), n, d, kv);
+  cpu::linear_forward(s.norm_ND.data(), w.v_proj, s.v_NC.data(), n, d, kv);
+  if (c.qk_norm) {
+    s.q_NQ.resize(n * q);
+    s.k_NC.resize(n * kv);
+    cpu::rmsnorm_apply(s.q_raw_NQ.data(), w.q_norm, s.q_rstd_N.data(), s.q_NQ.data(), n, q);
+    cpu::rmsnorm_apply(s.k_raw_NC.data(), w.k_norm, s.k_rstd_N.data(), s.k_NC.data(), n, kv);
+  } else {
+    s.q_NQ = s.q_raw_NQ;
+    s.k_NC = s.k_raw_NC;
+  }
+  cpu::rope_forward(s.q_NQ.data(), batch, seq, hq, hd, c.rope_theta);
+  cpu::rope_forward(s.k_NC.data(), batch, seq, hkv, hd, c.rope_theta);
+}
+
 #define MOE_INSTANTIATE_ATTENTION_BLOCK(T)                                                                                  \
   template void attention_block_forward<T>(const AttentionConfig&, const AttentionTensors<const T*>&, int64_t,  \
                                            int64_t, T*, AttentionSaved<T>&, PhaseTimer*);                       \
   template void attention_block_backward<T>(const AttentionConfig&, const AttentionTensors<const T*>&,          \
-                                            const AttentionSaved<T>&, T*, const AttentionTensors<T*>&, PhaseTimer*);
+                                            const AttentionSaved<T>&, T*, const AttentionTensors<T*>&, PhaseTimer*); \
+  template int64_t saved_bytes<T>(const AttentionSaved<T>&);                                                    \
+  template void swap_recomputed<T>(Recompute, AttentionSaved<T>&, AttentionSaved<T>&);                          \
+  template void attention_block_recompute<T>(const AttentionConfig&, const AttentionTensors<const T*>&,         \
+                                             AttentionSaved<T>&, PhaseTimer*);
 MOE_INSTANTIATE_ATTENTION_BLOCK(float)
 MOE_INSTANTIATE_ATTENTION_BLOCK(double)
 #undef MOE_INSTANTIATE_ATTENTION_BLOCK

@@ -12,6 +12,7 @@
 
 #include "core/config.h"
 #include "core/phase_timer.h"
+#include "core/recompute.h"
 #include "model/layout.h"
 
 namespace moe {
@@ -57,5 +58,24 @@ template <typename T>
 void attention_block_backward(const AttentionConfig& c, const AttentionTensors<const T*>& w,
                               const AttentionSaved<T>& saved, T* dx_ND, const AttentionTensors<T*>& dw,
                               PhaseTimer* timer = nullptr);
+
+// Bytes the saved tensors hold (core/recompute.h: held_bytes).
+template <typename T>
+int64_t saved_bytes(const AttentionSaved<T>& s);
+
+// Activation recomputation (core/recompute.h). Exchanges between a and b the tensors `mode` does
+// not keep: selective norm_ND, q_raw_NQ, k_raw_NC, q_NQ, k_NC, v_NC; full every tensor but
+// x_in_ND (and the shape). kNone exchanges nothing. The model swaps one pooled set of buffers in
+// before a block's forward or recompute and out after, so all blocks share that storage.
+template <typename T>
+void swap_recomputed(Recompute mode, AttentionSaved<T>& a, AttentionSaved<T>& b);
+
+// Selective recomputation: from what selective keeps (x_in_ND, rstd_N, q_rstd_N, k_rstd_N, attn_NQ,
+// lse_BHS) the forward's norm output (with the saved rstd), q/k/v projections, QK-norm (saved rstd)
+// and RoPE, bitwise its values; no attention kernel runs. (Full recomputation reruns
+// attention_block_forward on x_in_ND.)
+template <typename T>
+void attention_block_recompute(const AttentionConfig& c, const AttentionTensors<const T*>& w, AttentionSaved<T>& saved,
+                               PhaseTimer* timer = nullptr);
 
 }  // namespace moe

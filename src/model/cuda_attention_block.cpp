@@ -6,6 +6,9 @@
 
 #include "model/cuda_attention_block.h"
 
+#include <cstdint>
+
+#include "core/error.h"
 #include "cuda/ops/attention.h"
 #include "cuda/ops/gemm.h"
 #include "cuda/ops/rmsnorm.h"
@@ -23,62 +26,101 @@ CudaAttentionBlock::CudaAttentionBlock(const ModelConfig& m, const LayerParams& 
       kv_(m.n_kv_heads * m.head_dim()),
       qk_norm_(m.qk_norm),
       norm_eps_(m.norm_eps),
-      rope_theta_(m.rope_theta) {}
+      rope_theta_(m.rope_theta) {
+  bind(Recompute::kNone, nullptr);
+}
+
+void CudaAttentionBlock::bind(Recompute mode, CudaAttentionSaved* pool) {
+  MOE_CHECK(mode == Recompute::kNone || pool != nullptr, "CudaAttentionBlock::bind: recompute mode '",
+            recompute_name(mode), "' needs a pool");
+  mode_ = mode;
+  CudaAttentionSaved& own = saved_;
+  // selective: norm and projections pooled; full: everything but the FP32 copy of the input (its
+  // BF16 copy is that copy rounded, as every residual add writes it: restore_residual redoes it).
+  const bool sel = mode != Recompute::kNone, full = mode == Recompute::kFull;
+  auto at = [&](cuda::DeviceBuffer CudaAttentionSaved::*f, bool pooled) { return pooled ? &(pool->*f) : &(own.*f); };
+  Slots& s = slots_;
+  s.x = at(&CudaAttentionSaved::x_ND, full);
+  s.x32 = &own.x32_ND;
+  s.norm = at(&CudaAttentionSaved::norm_ND, sel);
+  s.rstd = at(&CudaAttentionSaved::rstd_N, full);
+  s.q_raw = at(&CudaAttentionSaved::q_raw_NQ, sel);
+  s.k_raw = at(&CudaAttentionSaved::k_raw_NC, sel);
+  s.q_rstd = at(&CudaAttentionSaved::q_rstd_N, full);
+  s.k_rstd = at(&CudaAttentionSaved::k_rstd_N, full);
+  s.q = at(&CudaAttentionSaved::q_NQ, sel);
+  s.k = at(&CudaAttentionSaved::k_NC, sel);
+  s.v = at(&CudaAttentionSaved::v_NC, sel);
+  s.attn = at(&CudaAttentionSaved::attn_NQ, full);
+  s.lse = at(&CudaAttentionSaved::lse_BHS, full);
+}
 
 void CudaAttentionBlock::reserve(int64_t batch, int64_t seq, CudaBufferGrower& g) {
   const int64_t n = batch * seq, d = d_, q = q_, kv = kv_;
-  CudaAttentionSaved& s = saved_;
-  g.grow<uint16_t>(s.x_ND, n * d, "x_in");
-  g.grow<uint16_t>(s.norm_ND, n * d, "norm1");
-  g.grow<float>(s.rstd_N, n, "rstd1");
-  g.grow<uint16_t>(s.q_NQ, n * q, "q");
-  g.grow<uint16_t>(s.k_NC, n * kv, "k");
-  g.grow<uint16_t>(s.v_NC, n * kv, "v");
+  const Slots& s = slots_;
+  g.grow<uint16_t>(*s.x, n * d, "x_in");
+  if (mode_ == Recompute::kFull) g.grow<float>(*s.x32, n * d, "x32_in");
+  g.grow<uint16_t>(*s.norm, n * d, "norm1");
+  g.grow<float>(*s.rstd, n, "rstd1");
+  g.grow<uint16_t>(*s.q, n * q, "q");
+  g.grow<uint16_t>(*s.k, n * kv, "k");
+  g.grow<uint16_t>(*s.v, n * kv, "v");
   if (qk_norm_) {
-    g.grow<uint16_t>(s.q_raw_NQ, n * q, "q_raw");
-    g.grow<uint16_t>(s.k_raw_NC, n * kv, "k_raw");
-    g.grow<float>(s.q_rstd_N, n, "q_rstd");
-    g.grow<float>(s.k_rstd_N, n, "k_rstd");
+    g.grow<uint16_t>(*s.q_raw, n * q, "q_raw");
+    g.grow<uint16_t>(*s.k_raw, n * kv, "k_raw");
+    g.grow<float>(*s.q_rstd, n, "q_rstd");
+    g.grow<float>(*s.k_rstd, n, "k_rstd");
   }
-  g.grow<uint16_t>(s.attn_NQ, n * q, "attn");
-  g.grow<float>(s.lse_BHS, batch * hq_ * seq, "lse");
+  g.grow<uint16_t>(*s.attn, n * q, "attn");
+  g.grow<float>(*s.lse, batch * hq_ * seq, "lse");
 }
 
 void CudaAttentionBlock::reserve_scratch(const ModelConfig& m, int64_t batch, int64_t seq, CudaAttentionScratch& s,
-                                         CudaBufferGrower& g) {
+                                         CudaBufferGrower& g, void* borrow, size_t borrow_bytes) {
   const int64_t n = batch * seq, hd = m.head_dim(), q = m.n_heads * hd, kv = m.n_kv_heads * hd;
-  g.grow_bytes(s.ws_attn, cuda::attention_backward_workspace_bytes(batch, seq, m.n_heads), "attention workspace");
-  g.grow<uint16_t>(s.dq_NQ, n * q, "dq");
-  g.grow<uint16_t>(s.dk_NC, n * kv, "dk");
-  g.grow<uint16_t>(s.dv_NC, n * kv, "dv");
-  g.grow<uint16_t>(s.dattn_NQ, n * q, "dattn");
-  if (m.qk_norm) {
-    g.grow<uint16_t>(s.dq_raw_NQ, n * q, "dq_raw");
-    g.grow<uint16_t>(s.dk_raw_NC, n * kv, "dk_raw");
-  }
+  constexpr size_t kAlign = 256;
+  auto up = [](size_t b) { return (b + kAlign - 1) / kAlign * kAlign; };
+  const size_t bq = up(size_t(n * q) * 2), bkv = up(size_t(n * kv) * 2);
+  const size_t ws = up(cuda::attention_backward_workspace_bytes(batch, seq, m.n_heads));
+  const size_t total = 2 * bq + 2 * bkv + (m.qk_norm ? bq + bkv : 0) + ws;
+  s.borrowed = borrow != nullptr && borrow_bytes >= total && reinterpret_cast<uintptr_t>(borrow) % kAlign == 0;
+  if (!s.borrowed) g.grow_bytes(s.own, total, "attention backward scratch");
+  char* p = static_cast<char*>(s.borrowed ? borrow : s.own.data());
+  auto take = [&](size_t b) {
+    char* at = p;
+    p += b;
+    return at;
+  };
+  s.dattn_NQ = reinterpret_cast<uint16_t*>(take(bq));
+  s.dq_NQ = reinterpret_cast<uint16_t*>(take(bq));
+  s.dk_NC = reinterpret_cast<uint16_t*>(take(bkv));
+  s.dv_NC = reinterpret_cast<uint16_t*>(take(bkv));
+  s.dq_raw_NQ = m.qk_norm ? reinterpret_cast<uint16_t*>(take(bq)) : nullptr;
+  s.dk_raw_NC = m.qk_norm ? reinterpret_cast<uint16_t*>(take(bkv)) : nullptr;
+  s.ws_attn = take(ws);
+  s.ws_attn_bytes = ws;
 }
 
-void CudaAttentionBlock::forward(const CudaBlockContext& c, CudaResidual& res, uint16_t* out_ND) {
+void CudaAttentionBlock::project(const CudaBlockContext& c) {
   const cuda::Stream st = c.stream;
   cuda::GemmHandle& G = *c.gemm;
   const uint16_t* P = c.params;
   const int64_t batch = c.batch, seq = c.seq, n = c.tokens();
   const int64_t d = d_, hq = hq_, hkv = hkv_, hd = hd_, q = q_, kv = kv_;
-  CudaAttentionSaved& s = saved_;
-  const uint16_t* x = s.x_ND.as<uint16_t>();
-  c.mark(cuda::Phase::kAttention);
-  uint16_t* norm = s.norm_ND.as<uint16_t>();
-  cuda::rmsnorm_forward(x, P + p_.attn_norm, norm, s.rstd_N.as<float>(), n, d, norm_eps_, st);
-  uint16_t* qb = s.q_NQ.as<uint16_t>();
-  uint16_t* kb = s.k_NC.as<uint16_t>();
-  uint16_t* vb = s.v_NC.as<uint16_t>();
+  const Slots& s = slots_;
+  const uint16_t* x = s.x->as<uint16_t>();
+  uint16_t* norm = s.norm->as<uint16_t>();
+  cuda::rmsnorm_forward(x, P + p_.attn_norm, norm, s.rstd->as<float>(), n, d, norm_eps_, st);
+  uint16_t* qb = s.q->as<uint16_t>();
+  uint16_t* kb = s.k->as<uint16_t>();
+  uint16_t* vb = s.v->as<uint16_t>();
   if (qk_norm_) {
-    uint16_t* q_raw = s.q_raw_NQ.as<uint16_t>();
-    uint16_t* k_raw = s.k_raw_NC.as<uint16_t>();
+    uint16_t* q_raw = s.q_raw->as<uint16_t>();
+    uint16_t* k_raw = s.k_raw->as<uint16_t>();
     cuda::gemm(G, false, true, n, q, d, 1.f, norm, d, P + p_.q_proj, d, 0.f, q_raw, q, st);
     cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.k_proj, d, 0.f, k_raw, kv, st);
-    cuda::rmsnorm_forward(q_raw, P + p_.q_norm, qb, s.q_rstd_N.as<float>(), n, q, norm_eps_, st);
-    cuda::rmsnorm_forward(k_raw, P + p_.k_norm, kb, s.k_rstd_N.as<float>(), n, kv, norm_eps_, st);
+    cuda::rmsnorm_forward(q_raw, P + p_.q_norm, qb, s.q_rstd->as<float>(), n, q, norm_eps_, st);
+    cuda::rmsnorm_forward(k_raw, P + p_.k_norm, kb, s.k_rstd->as<float>(), n, kv, norm_eps_, st);
   } else {
     cuda::gemm(G, false, true, n, q, d, 1.f, norm, d, P + p_.q_proj, d, 0.f, qb, q, st);
     cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.k_proj, d, 0.f, kb, kv, st);
@@ -86,12 +128,32 @@ void CudaAttentionBlock::forward(const CudaBlockContext& c, CudaResidual& res, u
   cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.v_proj, d, 0.f, vb, kv, st);
   cuda::rope_forward(qb, batch, seq, hq, hd, rope_theta_, st);
   cuda::rope_forward(kb, batch, seq, hkv, hd, rope_theta_, st);
-  uint16_t* attn = s.attn_NQ.as<uint16_t>();
-  cuda::attention_forward(qb, kb, vb, attn, s.lse_BHS.as<float>(), batch, seq, hq, hkv, hd, st);
+}
+
+void CudaAttentionBlock::forward(const CudaBlockContext& c, CudaResidual& res, uint16_t* out_ND, bool recomputing) {
+  const cuda::Stream st = c.stream;
+  const int64_t batch = c.batch, seq = c.seq, n = c.tokens();
+  const int64_t d = d_, hq = hq_, hkv = hkv_, hd = hd_, q = q_;
+  const Slots& s = slots_;
+  c.mark(cuda::Phase::kAttention);
+  if (mode_ == Recompute::kFull && !recomputing) cuda::copy_d2d(s.x32->data(), res.x32(), size_t(n * d) * sizeof(float), st);
+  project(c);
+  uint16_t* attn = s.attn->as<uint16_t>();
+  cuda::attention_forward(s.q->as<uint16_t>(), s.k->as<uint16_t>(), s.v->as<uint16_t>(), attn, s.lse->as<float>(),
+                          batch, seq, hq, hkv, hd, st);
   uint16_t* branch = res.branch();
-  cuda::gemm(G, false, true, n, d, q, 1.f, attn, q, P + p_.o_proj, q, 0.f, branch, d, st);
+  cuda::gemm(*c.gemm, false, true, n, d, q, 1.f, attn, q, c.params + p_.o_proj, q, 0.f, branch, d, st);
   cuda::residual_add(res.x32(), branch, out_ND, n * d, st);
 }
+
+void CudaAttentionBlock::restore_residual(const CudaBlockContext& c, CudaResidual& res) const {
+  MOE_CHECK(mode_ == Recompute::kFull, "CudaAttentionBlock::restore_residual: only under full recompute");
+  const int64_t nd = c.tokens() * d_;
+  cuda::copy_d2d(res.x32(), slots_.x32->data(), size_t(nd) * sizeof(float), c.stream);
+  cuda::cast_f32_to_bf16(slots_.x32->as<float>(), slots_.x->as<uint16_t>(), nd, c.stream);
+}
+
+void CudaAttentionBlock::recompute_projections(const CudaBlockContext& c) { project(c); }
 
 void CudaAttentionBlock::backward(const CudaBlockContext& c, CudaResidual& res, CudaAttentionScratch& w) {
   const cuda::Stream st = c.stream;
@@ -100,31 +162,31 @@ void CudaAttentionBlock::backward(const CudaBlockContext& c, CudaResidual& res, 
   float* Gr = c.grads;
   const int64_t batch = c.batch, seq = c.seq, n = c.tokens();
   const int64_t d = d_, hq = hq_, hkv = hkv_, hd = hd_, q = q_, kv = kv_;
-  const CudaAttentionSaved& s = saved_;
+  const Slots& s = slots_;
   const uint16_t* dx = res.dx();
   uint16_t* dbranch = res.dbranch();
-  uint16_t* dq = w.dq_NQ.as<uint16_t>();
-  uint16_t* dk = w.dk_NC.as<uint16_t>();
-  uint16_t* dv = w.dv_NC.as<uint16_t>();
-  uint16_t* dattn = w.dattn_NQ.as<uint16_t>();
+  uint16_t* dq = w.dq_NQ;
+  uint16_t* dk = w.dk_NC;
+  uint16_t* dv = w.dv_NC;
+  uint16_t* dattn = w.dattn_NQ;
   c.mark(cuda::Phase::kAttention);
-  const uint16_t* attn = s.attn_NQ.as<uint16_t>();
-  const uint16_t* norm = s.norm_ND.as<uint16_t>();
+  const uint16_t* attn = s.attn->as<uint16_t>();
+  const uint16_t* norm = s.norm->as<uint16_t>();
   cuda::gemm(G, false, false, n, q, d, 1.f, dx, d, P + p_.o_proj, q, 0.f, dattn, q, st);
   cuda::gemm(G, true, false, d, q, n, 1.f, dx, d, attn, q, 1.f, Gr + p_.o_proj, q, st);
-  cuda::attention_backward(s.q_NQ.as<uint16_t>(), s.k_NC.as<uint16_t>(), s.v_NC.as<uint16_t>(), attn,
-                           s.lse_BHS.as<float>(), dattn, dq, dk, dv, batch, seq, hq, hkv, hd, w.ws_attn.data(),
-                           w.ws_attn.bytes(), st);
+  cuda::attention_backward(s.q->as<uint16_t>(), s.k->as<uint16_t>(), s.v->as<uint16_t>(), attn,
+                           s.lse->as<float>(), dattn, dq, dk, dv, batch, seq, hq, hkv, hd, w.ws_attn,
+                           w.ws_attn_bytes, st);
   cuda::rope_backward(dq, batch, seq, hq, hd, rope_theta_, st);
   cuda::rope_backward(dk, batch, seq, hkv, hd, rope_theta_, st);
   const uint16_t* gq = dq;
   const uint16_t* gk = dk;
   if (qk_norm_) {
-    uint16_t* dq_raw = w.dq_raw_NQ.as<uint16_t>();
-    uint16_t* dk_raw = w.dk_raw_NC.as<uint16_t>();
-    cuda::rmsnorm_backward(s.q_raw_NQ.as<uint16_t>(), P + p_.q_norm, s.q_rstd_N.as<float>(), dq, dq_raw,
+    uint16_t* dq_raw = w.dq_raw_NQ;
+    uint16_t* dk_raw = w.dk_raw_NC;
+    cuda::rmsnorm_backward(s.q_raw->as<uint16_t>(), P + p_.q_norm, s.q_rstd->as<float>(), dq, dq_raw,
                            Gr + p_.q_norm, n, q, res.ws_rms.data(), res.ws_rms.bytes(), st);
-    cuda::rmsnorm_backward(s.k_raw_NC.as<uint16_t>(), P + p_.k_norm, s.k_rstd_N.as<float>(), dk, dk_raw,
+    cuda::rmsnorm_backward(s.k_raw->as<uint16_t>(), P + p_.k_norm, s.k_rstd->as<float>(), dk, dk_raw,
                            Gr + p_.k_norm, n, kv, res.ws_rms.data(), res.ws_rms.bytes(), st);
     gq = dq_raw;
     gk = dk_raw;
@@ -136,7 +198,7 @@ void CudaAttentionBlock::backward(const CudaBlockContext& c, CudaResidual& res, 
   cuda::gemm(G, true, false, kv, d, n, 1.f, gk, kv, norm, d, 1.f, Gr + p_.k_proj, d, st);
   cuda::gemm(G, true, false, kv, d, n, 1.f, dv, kv, norm, d, 1.f, Gr + p_.v_proj, d, st);
   uint16_t* dtmp = res.dtmp();
-  cuda::rmsnorm_backward(s.x_ND.as<uint16_t>(), P + p_.attn_norm, s.rstd_N.as<float>(), dbranch, dtmp,
+  cuda::rmsnorm_backward(s.x->as<uint16_t>(), P + p_.attn_norm, s.rstd->as<float>(), dbranch, dtmp,
                          Gr + p_.attn_norm, n, d, res.ws_rms.data(), res.ws_rms.bytes(), st);
   cuda::residual_add(res.dx32(), dtmp, res.dx(), n * d, st);
 }

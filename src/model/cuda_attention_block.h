@@ -10,15 +10,19 @@
 #include <cstdint>
 
 #include "core/config.h"
+#include "core/recompute.h"
 #include "cuda/ops/memory.h"
 #include "model/cuda_block.h"
 #include "model/layout.h"
 
 namespace moe {
 
-// What one attention block saves for backward (one per layer).
+// What one attention block saves for backward (one per layer). With recomputation some of these
+// live in one pool that every layer's block shares (bind(); core/recompute.h says which).
 struct CudaAttentionSaved {
   cuda::DeviceBuffer x_ND;                  // input: BF16 copy of the residual stream
+  cuda::DeviceBuffer x32_ND;                // full recompute: the FP32 residual stream at the input,
+                                            // the only tensor each layer keeps
   cuda::DeviceBuffer norm_ND, rstd_N;       // attn_norm output, its rstd (FP32)
   cuda::DeviceBuffer q_raw_NQ, k_raw_NC;    // projections before QK-norm (qk_norm only)
   cuda::DeviceBuffer q_rstd_N, k_rstd_N;    // QK-norm rstd (FP32, qk_norm only)
@@ -26,37 +30,66 @@ struct CudaAttentionSaved {
   cuda::DeviceBuffer attn_NQ, lse_BHS;      // attention output, its log-sum-exp (FP32)
 };
 
-// Backward scratch every attention block uses (one per model).
+// Backward scratch every attention block uses (one per model): dattn [N, Q], dq [N, Q], dk and dv
+// [N, C], with QK-norm dq_raw [N, Q] and dk_raw [N, C], and the attention backward's workspace,
+// carved from one region: a borrowed one when it is large enough (the MoE layers' backward row
+// buffer, which holds nothing between MoE backwards), else its own.
 struct CudaAttentionScratch {
-  cuda::DeviceBuffer dattn_NQ, dq_NQ, dk_NC, dv_NC, dq_raw_NQ, dk_raw_NC;
-  cuda::DeviceBuffer ws_attn;  // attention_backward workspace
+  cuda::DeviceBuffer own;
+  uint16_t *dattn_NQ = nullptr, *dq_NQ = nullptr, *dk_NC = nullptr, *dv_NC = nullptr;
+  uint16_t *dq_raw_NQ = nullptr, *dk_raw_NC = nullptr;
+  void* ws_attn = nullptr;
+  size_t ws_attn_bytes = 0;
+  bool borrowed = false;
 };
 
 class CudaAttentionBlock {
  public:
   CudaAttentionBlock(const ModelConfig& m, const LayerParams& p);
 
-  // Saved activations for batch x seq tokens; scratch: the shared backward buffers.
+  // Where the saved tensors live: all in this block (Recompute::kNone, the default), or the ones
+  // the mode recomputes in `pool` (one per model, shared by every layer; it must outlive the
+  // block). Call before reserve.
+  void bind(Recompute mode, CudaAttentionSaved* pool);
+  // Saved activations for batch x seq tokens; scratch: the shared backward buffers, in
+  // `borrow` (borrow_bytes, nothing live in it during an attention backward) when it fits, else
+  // in s.own. Call it after anything that could reallocate `borrow`.
   void reserve(int64_t batch, int64_t seq, CudaBufferGrower& g);
   static void reserve_scratch(const ModelConfig& m, int64_t batch, int64_t seq, CudaAttentionScratch& s,
-                              CudaBufferGrower& g);
+                              CudaBufferGrower& g, void* borrow = nullptr, size_t borrow_bytes = 0);
 
   // Saved input x_ND: the block before writes it (embedding, or the previous layer's MLP / MoE).
-  uint16_t* input() const { return saved_.x_ND.as<uint16_t>(); }
+  uint16_t* input() const { return slots_.x->as<uint16_t>(); }
 
   // res.x32 += the branch of the saved input; out_ND = BF16 copy of the new residual (the next
   // block's saved input). Re-running it from the same saved input and res.x32 gives the same bits.
-  void forward(const CudaBlockContext& c, CudaResidual& res, uint16_t* out_ND);
+  // Under full recompute it first keeps res.x32 (the layer's FP32 input) in x32_ND, except when
+  // `recomputing` (the re-run after restore_residual, whose input is that copy).
+  void forward(const CudaBlockContext& c, CudaResidual& res, uint16_t* out_ND, bool recomputing = false);
+  // Full recompute: res.x32 = the FP32 residual this block's forward started from, and the saved
+  // input (pooled under full recompute) its BF16 rounding again.
+  void restore_residual(const CudaBlockContext& c, CudaResidual& res) const;
+  // Selective recompute: the norm output and the q/k/v projections (QK-norm, RoPE) again from the
+  // saved input, bitwise as the forward wrote them.
+  void recompute_projections(const CudaBlockContext& c);
   // From res.dx (dL/dx of the output residual): parameter gradients +=, res.dx32 += dL/d(input)
   // through the branch, res.dx refreshed.
   void backward(const CudaBlockContext& c, CudaResidual& res, CudaAttentionScratch& s);
 
  private:
+  struct Slots {
+    cuda::DeviceBuffer *x, *x32, *norm, *rstd, *q_raw, *k_raw, *q_rstd, *k_rstd, *q, *k, *v, *attn, *lse;
+  };
+  // Norm, projections, QK-norm and RoPE: the part of forward selective recompute re-runs.
+  void project(const CudaBlockContext& c);
+
   LayerParams p_;
   int64_t d_, hq_, hkv_, hd_, q_, kv_;
   bool qk_norm_;
   double norm_eps_, rope_theta_;
+  Recompute mode_ = Recompute::kNone;
   CudaAttentionSaved saved_;
+  Slots slots_;
 };
 
 }  // namespace moe

@@ -43,6 +43,8 @@ class CudaBufferGrower {
   explicit CudaBufferGrower(cuda::Stream stream = nullptr) : stream_(stream) {}
   void set_stream(cuda::Stream stream) { stream_ = stream; }
   int64_t generation() const { return generation_; }
+  // Bytes of every buffer grown through this grower (as sized now).
+  int64_t bytes() const { return bytes_; }
 
   template <typename T>
   void grow(cuda::DeviceBuffer& b, int64_t n, const char* what) {
@@ -51,8 +53,14 @@ class CudaBufferGrower {
     MOE_CHECK(!cuda::stream_is_capturing(stream_), "CudaModel: buffer '", what, "' would grow from ", b.bytes(),
               " to ", bytes, " bytes during graph capture; call reserve(batch, seq) with the step's shape "
               "before capturing");
+    bytes_ += static_cast<int64_t>(bytes) - static_cast<int64_t>(b.bytes());
     b.reserve(bytes);
     ++generation_;
+  }
+  // Frees b (scratch with nothing pending on it), e.g. before growing it without holding both.
+  void release(cuda::DeviceBuffer& b) {
+    bytes_ -= static_cast<int64_t>(b.bytes());
+    b = cuda::DeviceBuffer();
   }
   void grow_bytes(cuda::DeviceBuffer& b, size_t bytes, const char* what) {
     grow<uint8_t>(b, static_cast<int64_t>(std::max<size_t>(bytes, 16)), what);
@@ -61,6 +69,7 @@ class CudaBufferGrower {
  private:
   cuda::Stream stream_ = nullptr;
   int64_t generation_ = 0;
+  int64_t bytes_ = 0;
 };
 
 // The residual stream and the scratch all blocks share (one of each per model). A block reads its

@@ -20,9 +20,9 @@ CudaLocalExperts::CudaLocalExperts(const MoeConfig& e, int64_t d, int64_t num_mo
 
 void CudaLocalExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   if (saved_.empty()) return;
-  for (CudaExpertsSaved& s : saved_) {
-    g.grow<uint16_t>(s.gate_up_R2I, rows * 2 * inner_, "expert gate_up");
-    g.grow<uint16_t>(s.h_RI, rows * inner_, "expert h");
+  for (int64_t m = 0; m < int64_t(saved_.size()); ++m) {
+    g.grow<uint16_t>(gate_up_rows(m), rows * 2 * inner_, "expert gate_up");
+    g.grow<uint16_t>(h_rows(m), rows * inner_, "expert h");
   }
   g.grow_bytes(ws_, cuda::experts_backward_workspace_bytes(rows, inner_), "expert dgate_up and dh");
 }
@@ -30,22 +30,26 @@ void CudaLocalExperts::reserve(int64_t rows, CudaBufferGrower& g) {
 void CudaLocalExperts::forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                                const int32_t* /*counts_E*/, const int32_t* offsets_E1, const uint16_t* x_sorted_RD,
                                int64_t rows, uint16_t* y_sorted_RD) {
-  CudaExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
   const uint16_t* P = c.params;
   c.mark(cuda::Phase::kExperts);
   cuda::experts_forward(x_sorted_RD, offsets_E1, P + p.experts_gate_up, P + p.experts_down, rows, e_, d_, inner_,
-                        s.gate_up_R2I.as<uint16_t>(), s.h_RI.as<uint16_t>(), y_sorted_RD, c.stream);
+                        gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), y_sorted_RD, c.stream);
+}
+
+void CudaLocalExperts::recompute(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
+                                 const int32_t* offsets_E1, int64_t rows, uint16_t* y_sorted_RD) {
+  cuda::experts_recompute(gate_up_rows(moe_index).as<uint16_t>(), offsets_E1, c.params + p.experts_down, rows, e_, d_,
+                          inner_, h_rows(moe_index).as<uint16_t>(), y_sorted_RD, c.stream);
 }
 
 void CudaLocalExperts::backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                                 const int32_t* offsets_E1, const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD,
                                 int64_t rows, uint16_t* dx_sorted_RD) {
-  const CudaExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
   const uint16_t* P = c.params;
   float* Gr = c.grads;
   c.mark(cuda::Phase::kExperts);
   cuda::experts_backward(x_sorted_RD, offsets_E1, P + p.experts_gate_up, P + p.experts_down,
-                         s.gate_up_R2I.as<uint16_t>(), s.h_RI.as<uint16_t>(), dy_sorted_RD, rows, e_, d_, inner_,
+                         gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), dy_sorted_RD, rows, e_, d_, inner_,
                          dx_sorted_RD, Gr + p.experts_gate_up, Gr + p.experts_down, ws_.data(), ws_.bytes(),
                          c.stream);
 }
@@ -63,9 +67,10 @@ CudaEpExperts::CudaEpExperts(const MoeConfig& e, int64_t d, int64_t num_moe_laye
 void CudaEpExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   if (saved_.empty()) return;
   const int64_t d = d_, inner = inner_;
-  for (CudaEpExpertsSaved& s : saved_) {
-    g.grow<uint16_t>(s.experts.gate_up_R2I, rows * 2 * inner, "expert gate_up");
-    g.grow<uint16_t>(s.experts.h_RI, rows * inner, "expert h");
+  for (int64_t m = 0; m < int64_t(saved_.size()); ++m) {
+    CudaEpExpertsSaved& s = saved_[size_t(m)];
+    g.grow<uint16_t>(gate_up_rows(m), rows * 2 * inner, "expert gate_up");
+    g.grow<uint16_t>(h_rows(m), rows * inner, "expert h");
     g.grow<uint16_t>(s.x_GD, rows * d, "received expert rows");
     g.grow<int32_t>(s.regroup_G, rows, "regroup map");
     g.grow<int32_t>(s.ungroup_G, rows, "ungroup map");
@@ -112,10 +117,8 @@ void CudaEpExperts::forward(const CudaBlockContext& c, int64_t moe_index, const 
   };
   CudaBufferGrower& g = grower_;
   if (!fits(s.x_GD, d, 2)) g.grow<uint16_t>(s.x_GD, cap * d, "received expert rows");
-  if (!fits(s.experts.gate_up_R2I, 2 * inner, 2)) {
-    g.grow<uint16_t>(s.experts.gate_up_R2I, cap * 2 * inner, "expert gate_up");
-  }
-  if (!fits(s.experts.h_RI, inner, 2)) g.grow<uint16_t>(s.experts.h_RI, cap * inner, "expert h");
+  if (!fits(gate_up_rows(moe_index), 2 * inner, 2)) g.grow<uint16_t>(gate_up_rows(moe_index), cap * 2 * inner, "expert gate_up");
+  if (!fits(h_rows(moe_index), inner, 2)) g.grow<uint16_t>(h_rows(moe_index), cap * inner, "expert h");
   if (!fits(s.regroup_G, 1, 4)) g.grow<int32_t>(s.regroup_G, cap, "regroup map");
   if (!fits(s.ungroup_G, 1, 4)) g.grow<int32_t>(s.ungroup_G, cap, "ungroup map");
   if (!fits(pm_GD, d, 2)) g.grow<uint16_t>(pm_GD, cap * d, "exchanged rows");
@@ -123,7 +126,7 @@ void CudaEpExperts::forward(const CudaBlockContext& c, int64_t moe_index, const 
   if (ws_.bytes() < cuda::experts_backward_workspace_bytes(std::max<int64_t>(G, 1), inner)) {
     // Scratch only (nothing to keep, nothing pending): freed before the larger one is allocated,
     // so the growth never holds both.
-    ws_ = cuda::DeviceBuffer();
+    g.release(ws_);
     g.grow_bytes(ws_, cuda::experts_backward_workspace_bytes(cap, inner), "expert dgate_up and dh");
   }
   g.grow<int32_t>(s.local_offsets_L1, L + 1, "local expert offsets");
@@ -143,7 +146,7 @@ void CudaEpExperts::forward(const CudaBlockContext& c, int64_t moe_index, const 
   uint16_t* yr = work_GD.as<uint16_t>();
   // G == 0 (no rows for this rank's experts) enqueues nothing.
   cuda::experts_forward(xr, s.local_offsets_L1.as<int32_t>(), P + p.experts_gate_up, P + p.experts_down, G, L, d,
-                        inner, s.experts.gate_up_R2I.as<uint16_t>(), s.experts.h_RI.as<uint16_t>(), yr, st);
+                        inner, gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), yr, st);
   c.mark(cuda::Phase::kCombine);
   cuda::ep_gather_rows(yr, s.ungroup_G.as<int32_t>(), G, G, d, pm, st);
   cuda::ep_combine_rows(comm_, h, pm, y_sorted_RD, d, st);
@@ -170,12 +173,21 @@ void CudaEpExperts::backward(const CudaBlockContext& c, int64_t moe_index, const
   c.mark(cuda::Phase::kExperts);
   // dx rows by local expert overwrite the dy rows in place (the op reads dy in full first).
   cuda::experts_backward(s.x_GD.as<uint16_t>(), s.local_offsets_L1.as<int32_t>(), P + p.experts_gate_up,
-                         P + p.experts_down, s.experts.gate_up_R2I.as<uint16_t>(), s.experts.h_RI.as<uint16_t>(), work,
+                         P + p.experts_down, gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), work,
                          G, L, d, inner, work, Gr + p.experts_gate_up, Gr + p.experts_down, ws_.data(), ws_.bytes(),
                          st);
   c.mark(cuda::Phase::kCombine);
   cuda::ep_gather_rows(work, s.ungroup_G.as<int32_t>(), G, G, d, pm, st);
   cuda::ep_combine_rows(comm_, h, pm, dx_sorted_RD, d, st);
+}
+
+// Selective recompute: h of this rank's received rows again from their saved gate/up output (the
+// outputs stay saved: recomputing them would need the exchange again).
+void CudaEpExperts::recompute(const CudaBlockContext& c, int64_t moe_index, const LayerParams& /*p*/,
+                              const int32_t* /*offsets_E1*/, int64_t /*rows*/, uint16_t* /*y_sorted_RD*/) {
+  const CudaEpExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
+  cuda::experts_recompute(gate_up_rows(moe_index).as<uint16_t>(), s.local_offsets_L1.as<int32_t>(), nullptr,
+                          s.handle.total_recv, local_, d_, inner_, h_rows(moe_index).as<uint16_t>(), nullptr, c.stream);
 }
 
 void CudaEpExperts::count_traffic(const cuda::EpHandle& h, int64_t elem_bytes) {

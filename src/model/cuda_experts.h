@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/recompute.h"
 #include "cuda/ops/ep_exchange.h"
 #include "cuda/ops/memory.h"
 #include "model/cuda_block.h"
@@ -38,6 +39,17 @@ class CudaExperts {
  public:
   virtual ~CudaExperts() = default;
 
+  // Recomputation (core/recompute.h): selective keeps each layer's gate/up output and pools h
+  // (one buffer for every MoE layer); full pools both. Call before reserve.
+  virtual void bind(Recompute mode) = 0;
+  // Whether recompute() also gives the experts' outputs again (local experts: yes; expert-parallel
+  // ones would need the exchange again, so the MoE layer keeps their outputs).
+  virtual bool recomputes_outputs() const = 0;
+  // Selective recompute of layer moe_index: h from the saved gate/up output and, when
+  // recomputes_outputs() and y_sorted_RD is not null, y_sorted_RD [R, D] again; bitwise as forward.
+  virtual void recompute(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
+                         const int32_t* offsets_E1, int64_t rows, uint16_t* y_sorted_RD) = 0;
+
   // Saved rows of every MoE layer and the scratch for `rows` (R = N*K) routed rows per layer.
   virtual void reserve(int64_t rows, CudaBufferGrower& g) = 0;
 
@@ -48,8 +60,9 @@ class CudaExperts {
   virtual void forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* counts_E,
                        const int32_t* offsets_E1, const uint16_t* x_sorted_RD, int64_t rows,
                        uint16_t* y_sorted_RD) = 0;
-  // dy_sorted_RD [R, D] -> dx_sorted_RD [R, D] (overwritten); the experts' weight gradients +=.
-  // x_sorted_RD and offsets_E1 are the forward's.
+  // dy_sorted_RD [R, D] -> dx_sorted_RD [R, D] (overwritten; may be dy_sorted_RD itself: dy is
+  // read in full before dx is written); the experts' weight gradients +=. x_sorted_RD and
+  // offsets_E1 are the forward's.
   virtual void backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                         const int32_t* offsets_E1, const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD,
                         int64_t rows, uint16_t* dx_sorted_RD) = 0;
@@ -68,6 +81,10 @@ struct CudaExpertsSaved {
 class CudaLocalExperts final : public CudaExperts {
  public:
   CudaLocalExperts(const MoeConfig& e, int64_t d, int64_t num_moe_layers);
+  void bind(Recompute mode) override { mode_ = mode; }
+  bool recomputes_outputs() const override { return true; }
+  void recompute(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* offsets_E1,
+                 int64_t rows, uint16_t* y_sorted_RD) override;
   void reserve(int64_t rows, CudaBufferGrower& g) override;
   void forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* counts_E,
                const int32_t* offsets_E1, const uint16_t* x_sorted_RD, int64_t rows,
@@ -77,8 +94,15 @@ class CudaLocalExperts final : public CudaExperts {
                 uint16_t* dx_sorted_RD) override;
 
  private:
+  cuda::DeviceBuffer& gate_up_rows(int64_t m) {
+    return mode_ == Recompute::kFull ? pool_.gate_up_R2I : saved_[size_t(m)].gate_up_R2I;
+  }
+  cuda::DeviceBuffer& h_rows(int64_t m) { return mode_ != Recompute::kNone ? pool_.h_RI : saved_[size_t(m)].h_RI; }
+
   int64_t d_, e_, inner_;
+  Recompute mode_ = Recompute::kNone;
   std::vector<CudaExpertsSaved> saved_;  // [M]
+  CudaExpertsSaved pool_;                // the recomputed rows of every layer
   cuda::DeviceBuffer ws_;                // experts_backward workspace (shared by the layers)
 };
 
@@ -102,6 +126,10 @@ class CudaEpExperts final : public CudaExperts {
  public:
   CudaEpExperts(const MoeConfig& e, int64_t d, int64_t num_moe_layers, cuda::NcclComm& comm,
                 int64_t local_experts, CudaBufferGrower& grower);
+  void bind(Recompute mode) override { mode_ = mode; }
+  bool recomputes_outputs() const override { return false; }
+  void recompute(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* offsets_E1,
+                 int64_t rows, uint16_t* y_sorted_RD) override;
   void reserve(int64_t rows, CudaBufferGrower& g) override;
   void forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* counts_E,
                const int32_t* offsets_E1, const uint16_t* x_sorted_RD, int64_t rows,
@@ -115,8 +143,14 @@ class CudaEpExperts final : public CudaExperts {
  private:
   // Two row exchanges of `h` (dispatch and combine): rows to and from the other ranks.
   void count_traffic(const cuda::EpHandle& h, int64_t elem_bytes);
+  cuda::DeviceBuffer& gate_up_rows(int64_t m) {
+    return mode_ == Recompute::kFull ? pool_.gate_up_R2I : saved_[size_t(m)].experts.gate_up_R2I;
+  }
+  cuda::DeviceBuffer& h_rows(int64_t m) { return mode_ != Recompute::kNone ? pool_.h_RI : saved_[size_t(m)].experts.h_RI; }
 
   int64_t d_, e_, inner_, local_;
+  Recompute mode_ = Recompute::kNone;
+  CudaExpertsSaved pool_;  // the recomputed rows of every layer
   cuda::NcclComm& comm_;
   CudaBufferGrower& grower_;
   std::vector<CudaEpExpertsSaved> saved_;  // [M]

@@ -6,16 +6,12 @@
 
 #include "model/cuda_mlp_block.h"
 
+#include "core/error.h"
 #include "cuda/ops/gemm.h"
 #include "cuda/ops/rmsnorm.h"
 #include "cuda/ops/swiglu.h"
 
 namespace moe {
-
-void CudaMlpSaved::reserve(int64_t n, int64_t f, CudaBufferGrower& g) {
-  g.grow<uint16_t>(gate_up_N2F, n * 2 * f, "mlp_gate_up");
-  g.grow<uint16_t>(h_NF, n * f, "mlp_h");
-}
 
 void CudaMlpScratch::reserve(int64_t n, int64_t f, CudaBufferGrower& g) {
   g.grow<uint16_t>(dh_NF, n * f, "mlp_dh");
@@ -23,22 +19,22 @@ void CudaMlpScratch::reserve(int64_t n, int64_t f, CudaBufferGrower& g) {
 }
 
 void mlp_forward_gpu(cuda::GemmHandle& g, const uint16_t* x, const uint16_t* wg, const uint16_t* wu,
-                     const uint16_t* wd, int64_t n, int64_t d, int64_t f, CudaMlpSaved& saved, uint16_t* out,
+                     const uint16_t* wd, int64_t n, int64_t d, int64_t f, uint16_t* gu, uint16_t* h, uint16_t* out,
                      bool accumulate, cuda::Stream st) {
-  uint16_t* gu = saved.gate_up_N2F.as<uint16_t>();
-  uint16_t* h = saved.h_NF.as<uint16_t>();
   cuda::gemm(g, false, true, n, f, d, 1.f, x, d, wg, d, 0.f, gu, 2 * f, st);
   cuda::gemm(g, false, true, n, f, d, 1.f, x, d, wu, d, 0.f, gu + f, 2 * f, st);
   cuda::swiglu_forward(gu, h, n, f, st);
   cuda::gemm(g, false, true, n, d, f, 1.f, h, f, wd, f, accumulate ? 1.f : 0.f, out, d, st);
 }
 
+void mlp_recompute_h_gpu(const uint16_t* gu, uint16_t* h, int64_t n, int64_t f, cuda::Stream st) {
+  cuda::swiglu_forward(gu, h, n, f, st);
+}
+
 void mlp_backward_gpu(cuda::GemmHandle& g, const uint16_t* x, const uint16_t* wg, const uint16_t* wu,
-                      const uint16_t* wd, const CudaMlpSaved& saved, const uint16_t* dout, int64_t n, int64_t d,
-                      int64_t f, CudaMlpScratch& scratch, uint16_t* dx, bool accumulate_dx, float* dwg, float* dwu,
-                      float* dwd, cuda::Stream st) {
-  const uint16_t* gu = saved.gate_up_N2F.as<uint16_t>();
-  const uint16_t* h = saved.h_NF.as<uint16_t>();
+                      const uint16_t* wd, const uint16_t* gu, const uint16_t* h, const uint16_t* dout, int64_t n,
+                      int64_t d, int64_t f, CudaMlpScratch& scratch, uint16_t* dx, bool accumulate_dx, float* dwg,
+                      float* dwu, float* dwd, cuda::Stream st) {
   uint16_t* dh = scratch.dh_NF.as<uint16_t>();
   uint16_t* dgu = scratch.dgate_up_N2F.as<uint16_t>();
   cuda::gemm(g, false, false, n, f, d, 1.f, dout, d, wd, f, 0.f, dh, f, st);
@@ -51,43 +47,67 @@ void mlp_backward_gpu(cuda::GemmHandle& g, const uint16_t* x, const uint16_t* wg
 }
 
 CudaMlpBlock::CudaMlpBlock(const ModelConfig& m, const LayerParams& p)
-    : p_(p), d_(m.d_model), norm_eps_(m.norm_eps) {}
+    : p_(p), d_(m.d_model), norm_eps_(m.norm_eps) {
+  bind(Recompute::kNone, nullptr);
+}
+
+void CudaMlpBlock::bind(Recompute mode, CudaMlpBlockSaved* pool) {
+  MOE_CHECK(mode == Recompute::kNone || pool != nullptr, "CudaMlpBlock::bind: recompute mode '",
+            recompute_name(mode), "' needs a pool");
+  const bool sel = mode != Recompute::kNone, full = mode == Recompute::kFull;
+  auto at = [&](cuda::DeviceBuffer CudaMlpBlockSaved::*f, bool pooled) { return pooled ? &(pool->*f) : &(saved_.*f); };
+  slots_.x = at(&CudaMlpBlockSaved::x_ND, full);
+  slots_.norm = at(&CudaMlpBlockSaved::norm_ND, sel);
+  slots_.rstd = at(&CudaMlpBlockSaved::rstd_N, full);
+  slots_.gate_up = at(&CudaMlpBlockSaved::gate_up_N2F, full);
+  slots_.h = at(&CudaMlpBlockSaved::h_NF, sel);
+}
 
 void CudaMlpBlock::reserve(int64_t batch, int64_t seq, CudaBufferGrower& g) {
-  const int64_t n = batch * seq, d = d_;
-  g.grow<uint16_t>(saved_.x_ND, n * d, "x_mid");
-  g.grow<uint16_t>(saved_.norm_ND, n * d, "norm2");
-  g.grow<float>(saved_.rstd_N, n, "rstd2");
-  saved_.mlp.reserve(n, p_.mlp_hidden, g);
+  const int64_t n = batch * seq, d = d_, f = p_.mlp_hidden;
+  g.grow<uint16_t>(*slots_.x, n * d, "x_mid");
+  g.grow<uint16_t>(*slots_.norm, n * d, "norm2");
+  g.grow<float>(*slots_.rstd, n, "rstd2");
+  g.grow<uint16_t>(*slots_.gate_up, n * 2 * f, "mlp_gate_up");
+  g.grow<uint16_t>(*slots_.h, n * f, "mlp_h");
 }
 
 void CudaMlpBlock::forward(const CudaBlockContext& c, CudaResidual& res, uint16_t* out_ND) {
   const cuda::Stream st = c.stream;
   const uint16_t* P = c.params;
   const int64_t n = c.tokens(), d = d_;
+  const Slots& s = slots_;
   c.mark(cuda::Phase::kMlp);
-  uint16_t* norm = saved_.norm_ND.as<uint16_t>();
-  cuda::rmsnorm_forward(saved_.x_ND.as<uint16_t>(), P + p_.mlp_norm, norm, saved_.rstd_N.as<float>(), n, d,
-                        norm_eps_, st);
+  uint16_t* norm = s.norm->as<uint16_t>();
+  cuda::rmsnorm_forward(s.x->as<uint16_t>(), P + p_.mlp_norm, norm, s.rstd->as<float>(), n, d, norm_eps_, st);
   uint16_t* branch = res.branch();
-  mlp_forward_gpu(*c.gemm, norm, P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down, n, d, p_.mlp_hidden, saved_.mlp,
-                  branch, false, st);
+  mlp_forward_gpu(*c.gemm, norm, P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down, n, d, p_.mlp_hidden,
+                  s.gate_up->as<uint16_t>(), s.h->as<uint16_t>(), branch, false, st);
   cuda::residual_add(res.x32(), branch, out_ND, n * d, st);
 }
 
-void CudaMlpBlock::backward(const CudaBlockContext& c, CudaResidual& res, CudaMlpScratch& s) {
+void CudaMlpBlock::recompute_selective(const CudaBlockContext& c) {
+  const Slots& s = slots_;
+  const int64_t n = c.tokens();
+  cuda::rmsnorm_forward(s.x->as<uint16_t>(), c.params + p_.mlp_norm, s.norm->as<uint16_t>(), s.rstd->as<float>(), n,
+                        d_, norm_eps_, c.stream);
+  mlp_recompute_h_gpu(s.gate_up->as<uint16_t>(), s.h->as<uint16_t>(), n, p_.mlp_hidden, c.stream);
+}
+
+void CudaMlpBlock::backward(const CudaBlockContext& c, CudaResidual& res, CudaMlpScratch& w) {
   const cuda::Stream st = c.stream;
   const uint16_t* P = c.params;
   float* Gr = c.grads;
   const int64_t n = c.tokens(), d = d_;
+  const Slots& s = slots_;
   uint16_t* dbranch = res.dbranch();
   c.mark(cuda::Phase::kMlp);
-  mlp_backward_gpu(*c.gemm, saved_.norm_ND.as<uint16_t>(), P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down,
-                   saved_.mlp, res.dx(), n, d, p_.mlp_hidden, s, dbranch, false, Gr + p_.mlp_gate, Gr + p_.mlp_up,
-                   Gr + p_.mlp_down, st);
+  mlp_backward_gpu(*c.gemm, s.norm->as<uint16_t>(), P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down,
+                   s.gate_up->as<uint16_t>(), s.h->as<uint16_t>(), res.dx(), n, d, p_.mlp_hidden, w, dbranch, false,
+                   Gr + p_.mlp_gate, Gr + p_.mlp_up, Gr + p_.mlp_down, st);
   uint16_t* dtmp = res.dtmp();
-  cuda::rmsnorm_backward(saved_.x_ND.as<uint16_t>(), P + p_.mlp_norm, saved_.rstd_N.as<float>(), dbranch, dtmp,
-                         Gr + p_.mlp_norm, n, d, res.ws_rms.data(), res.ws_rms.bytes(), st);
+  cuda::rmsnorm_backward(s.x->as<uint16_t>(), P + p_.mlp_norm, s.rstd->as<float>(), dbranch, dtmp, Gr + p_.mlp_norm,
+                         n, d, res.ws_rms.data(), res.ws_rms.bytes(), st);
   cuda::residual_add(res.dx32(), dtmp, res.dx(), n * d, st);
 }
 

@@ -79,6 +79,11 @@ struct CudaModel::Impl {
   CudaAttentionScratch attention_scratch;
   CudaMlpScratch mlp_scratch;
   CudaMoeShared moe;  // router outputs [M, ...], MoE scratch, the experts
+  // Recomputation: the recomputed tensors of every layer (one set per block kind).
+  CudaAttentionSaved attention_pool;
+  CudaMlpBlockSaved mlp_pool;
+  CudaMoeSaved moe_pool;
+  bool reserved = false;  // reserve ran (set_recompute is refused after)
   std::vector<Layer> layers;
   std::unique_ptr<CudaLmHead> head;
 };
@@ -203,6 +208,7 @@ float* CudaModel::loss_scales_device() { return impl_->scalars.as<float>(); }
 cuda::StepStatsRecord* CudaModel::stats_record() { return impl_->stats.as<cuda::StepStatsRecord>(); }
 size_t CudaModel::stats_bytes() const { return impl_->stats_bytes; }
 int64_t CudaModel::buffer_generation() const { return impl_->grower.generation(); }
+int64_t CudaModel::device_bytes() const { return impl_->grower.bytes(); }
 float* CudaModel::residual_device() { return impl_->res.x32(); }
 float* CudaModel::residual_grad_device() { return impl_->res.dx32(); }
 
@@ -264,10 +270,26 @@ void CudaModel::reset_stats() {
   cuda::device_memset(impl_->stats.data(), 0, impl_->stats_bytes, stream_);
 }
 
+void CudaModel::set_recompute(Recompute mode) {
+  Impl& I = *impl_;
+  if (mode == recompute_) return;
+  MOE_CHECK(!I.reserved, "CudaModel::set_recompute: the recompute mode is set before the first forward or reserve");
+  recompute_ = mode;
+  const bool pooled = mode != Recompute::kNone;
+  const bool local_experts = I.moe.experts != nullptr && I.moe.experts->recomputes_outputs();
+  for (Impl::Layer& layer : I.layers) {
+    layer.attention->bind(mode, pooled ? &I.attention_pool : nullptr);
+    if (layer.mlp) layer.mlp->bind(mode, pooled ? &I.mlp_pool : nullptr);
+    if (layer.moe) layer.moe->bind(mode, pooled ? &I.moe_pool : nullptr, local_experts);
+  }
+  if (I.moe.experts) I.moe.experts->bind(mode);
+}
+
 void CudaModel::reserve(int64_t batch, int64_t seq) {
   MOE_CHECK(batch > 0 && seq > 0, "CudaModel::reserve: batch and sequence must be positive, got batch=", batch,
             " seq=", seq);
   Impl& I = *impl_;
+  I.reserved = true;
   CudaBufferGrower& g = I.grower;
   const int64_t n = batch * seq, d = mcfg_.d_model, hd = mcfg_.head_dim();
   const int64_t hq = mcfg_.n_heads, hkv = mcfg_.n_kv_heads, q = hq * hd, kv = hkv * hd;
@@ -299,7 +321,11 @@ void CudaModel::reserve(int64_t batch, int64_t seq) {
   // Backward.
   const int64_t widest = std::max({d, q, kv});
   g.grow_bytes(I.res.ws_rms, cuda::rmsnorm_backward_workspace_bytes(n, widest), "rmsnorm workspace");
-  CudaAttentionBlock::reserve_scratch(mcfg_, batch, seq, I.attention_scratch, g);
+  // The attention blocks' backward scratch borrows the MoE layers' backward rows (free between
+  // MoE backwards), sized above.
+  void* borrow = num_moe_layers_ > 0 ? I.moe.dy_sorted_RD.data() : nullptr;
+  const size_t borrow_bytes = num_moe_layers_ > 0 ? I.moe.dy_sorted_RD.bytes() : 0;
+  CudaAttentionBlock::reserve_scratch(mcfg_, batch, seq, I.attention_scratch, g, borrow, borrow_bytes);
   // cuDNN attention builds its plans (and their workspaces) for this shape now, outside any capture.
   cuda::attention_prepare(batch, seq, hq, hkv, hd, stream_);
   auto emb_ws = I.emb_ws_bytes.find(n);
@@ -477,6 +503,31 @@ void CudaModel::backward_blocks(int64_t first, int64_t last) {
   const float* dz = I.scalars.as<float>() + 2;
   for (int64_t l = last - 1; l >= first; --l) {
     Impl::Layer& layer = I.layers[size_t(l)];
+    if (recompute_ != Recompute::kNone) {
+      // The layer's recomputed tensors, from what it kept (no phase marks inside: all of it is
+      // the recompute phase).
+      c.mark(cuda::Phase::kRecompute);
+      CudaBlockContext rc = c;
+      rc.timer = nullptr;
+      if (recompute_ == Recompute::kFull) {
+        // The whole forward again from the layer's FP32 input; the output (already in the next
+        // layer's saved input) goes to scratch, the routing decision is the saved one.
+        layer.attention->restore_residual(rc, I.res);
+        layer.attention->forward(rc, I.res, layer.mlp_input(), true);
+        if (layer.mlp) {
+          layer.mlp->forward(rc, I.res, I.res.dtmp());
+        } else {
+          layer.moe->forward(rc, I.res, I.moe, I.routing_seed, I.res.dtmp(), true);
+        }
+      } else {
+        layer.attention->recompute_projections(rc);
+        if (layer.mlp) {
+          layer.mlp->recompute_selective(rc);
+        } else {
+          layer.moe->recompute_selective(rc, I.moe);
+        }
+      }
+    }
     if (layer.mlp) {
       layer.mlp->backward(c, I.res, I.mlp_scratch);
     } else {

@@ -34,6 +34,7 @@
 
 #include "core/arena.h"
 #include "core/config.h"
+#include "core/recompute.h"
 #include "cuda/device.h"
 #include "model/cuda_experts.h"
 #include "model/model.h"
@@ -101,12 +102,23 @@ class CudaModel {
   std::vector<float> download_expert_bias();  // [M * E]
   void zero_grads();
 
+  // Activation recomputation (core/recompute.h): which saved tensors every layer keeps; the others
+  // live in one pool all layers share and backward_blocks recomputes them per layer before its
+  // backward (under the phase `recompute`). Gradients equal those of Recompute::kNone bitwise (the
+  // same kernels on the same inputs; routing is not decided again). Before the first forward or
+  // reserve (refused after). Default kNone.
+  void set_recompute(Recompute mode);
+  Recompute recompute() const { return recompute_; }
+
   // Sizes every activation, work buffer and workspace for batches of `batch` x `seq` tokens
   // (dropless expert rows: N * top_k). Allocates only what is missing; call it outside capture.
   void reserve(int64_t batch, int64_t seq);
   // Counts buffer reallocations (reserve or a forward of a larger shape). A captured graph holds
   // the addresses it saw: it is stale once this number changes.
   int64_t buffer_generation() const;
+  // Device bytes of the model's own buffers (parameters, gradients, activations, scratch; not the
+  // GEMM and cuDNN libraries' workspaces), as sized now.
+  int64_t device_bytes() const;
 
   // inputs/targets: host [B, S] token ids (targets < 0 do not count). Resets the statistics, copies
   // the ids into the model's own device buffers, then runs forward_device. Not for capture.
@@ -148,7 +160,8 @@ class CudaModel {
   void lm_head_forward();
   void end_forward();
   void lm_head_backward();
-  void backward_blocks(int64_t first, int64_t last);  // layers last - 1 down to first
+  // Layers last - 1 down to first; with recomputation each layer's recomputed tensors first.
+  void backward_blocks(int64_t first, int64_t last);
   void embedding_backward();
   // The FP32 residual stream [N, D] of the current forward (between forward_blocks calls: the
   // input of the next layer) and its gradient [N, D] (between backward_blocks calls: the gradient
@@ -193,6 +206,7 @@ class CudaModel {
   cuda::Stream stream_ = nullptr;
   cuda::EventTimer* timer_ = nullptr;
   GradsReadyHook grads_ready_;
+  Recompute recompute_ = Recompute::kNone;
   // Flat offsets where the gradients of the embedding [0], block l [l + 1] and the final norm and
   // LM head [n_layers + 1] begin (the layout holds them in this order).
   std::vector<int64_t> grads_ready_from_;

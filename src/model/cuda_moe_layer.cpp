@@ -7,6 +7,7 @@
 
 #include "model/cuda_moe_layer.h"
 
+#include "core/error.h"
 #include "cuda/ops/gemm.h"
 #include "cuda/ops/rmsnorm.h"
 
@@ -20,15 +21,38 @@ CudaMoeLayer::CudaMoeLayer(const ModelConfig& m, const MoeConfig& e, const CudaR
       e_(e.num_experts),
       k_(e.top_k),
       norm_eps_(m.norm_eps),
-      router_(router) {}
+      router_(router) {
+  bind(Recompute::kNone, nullptr, false);
+}
+
+void CudaMoeLayer::bind(Recompute mode, CudaMoeSaved* pool, bool experts_recompute_outputs) {
+  MOE_CHECK(mode == Recompute::kNone || pool != nullptr, "CudaMoeLayer::bind: recompute mode '",
+            recompute_name(mode), "' needs a pool");
+  mode_ = mode;
+  const bool sel = mode != Recompute::kNone, full = mode == Recompute::kFull;
+  pooled_y_ = full || (sel && experts_recompute_outputs);
+  auto at = [&](cuda::DeviceBuffer CudaMoeSaved::*f, bool pooled) { return pooled ? &(pool->*f) : &(saved_.*f); };
+  Slots& s = slots_;
+  s.x = at(&CudaMoeSaved::x_ND, full);
+  s.norm = at(&CudaMoeSaved::norm_ND, sel);
+  s.rstd = at(&CudaMoeSaved::rstd_N, full);
+  s.x_sorted = at(&CudaMoeSaved::x_sorted_RD, sel);
+  s.y_sorted = at(&CudaMoeSaved::y_sorted_RD, pooled_y_);
+  s.shared_gate_up = at(&CudaMoeSaved::shared_gate_up_N2F, full);
+  s.shared_h = at(&CudaMoeSaved::shared_h_NF, sel);
+}
 
 void CudaMoeLayer::reserve(int64_t batch, int64_t seq, CudaBufferGrower& g) {
   const int64_t n = batch * seq, d = d_, e = e_, k = k_, rows = n * k;
   CudaMoeSaved& s = saved_;
-  g.grow<uint16_t>(s.x_ND, n * d, "x_mid");
-  g.grow<uint16_t>(s.norm_ND, n * d, "norm2");
-  g.grow<float>(s.rstd_N, n, "rstd2");
-  if (p_.shared) s.shared.reserve(n, p_.mlp_hidden, g);
+  const Slots& sl = slots_;
+  g.grow<uint16_t>(*sl.x, n * d, "x_mid");
+  g.grow<uint16_t>(*sl.norm, n * d, "norm2");
+  g.grow<float>(*sl.rstd, n, "rstd2");
+  if (p_.shared) {
+    g.grow<uint16_t>(*sl.shared_gate_up, n * 2 * p_.mlp_hidden, "shared_gate_up");
+    g.grow<uint16_t>(*sl.shared_h, n * p_.mlp_hidden, "shared_h");
+  }
   g.grow<float>(s.logits_NE, n * e, "router logits");
   g.grow<float>(s.scores_NE, n * e, "router scores");
   g.grow<int32_t>(s.topk_idx_NK, n * k, "topk_idx");
@@ -36,8 +60,8 @@ void CudaMoeLayer::reserve(int64_t batch, int64_t seq, CudaBufferGrower& g) {
   g.grow<int32_t>(s.dispatch.offsets_E1, e + 1, "expert offsets");
   g.grow<int32_t>(s.dispatch.sorted_route_R, rows, "sorted_route");
   g.grow<int32_t>(s.dispatch.route_to_row_R, rows, "route_to_row");
-  g.grow<uint16_t>(s.x_sorted_RD, rows * d, "x_sorted");
-  g.grow<uint16_t>(s.y_sorted_RD, rows * d, "y_sorted");
+  g.grow<uint16_t>(*sl.x_sorted, rows * d, "x_sorted");
+  g.grow<uint16_t>(*sl.y_sorted, rows * d, "y_sorted");
 }
 
 void CudaMoeLayer::reserve_shared(const MoeConfig& e, int64_t d, int64_t batch, int64_t seq, CudaMoeShared& s,
@@ -51,23 +75,53 @@ void CudaMoeLayer::reserve_shared(const MoeConfig& e, int64_t d, int64_t batch, 
   g.grow_bytes(s.ws_dispatch, cuda::dispatch_map_workspace_bytes(n, k, ne), "dispatch workspace");
   g.grow<uint16_t>(s.dy_sorted_RD, rows * d, "dy_sorted");
   g.grow<float>(s.dtopk_w_NK, n * k, "dtopk_w");
-  g.grow<uint16_t>(s.dx_sorted_RD, rows * d, "dx_sorted");
   g.grow<float>(s.dlogits32_NE, n * ne, "router dlogits32");
   g.grow<uint16_t>(s.dlogits16_NE, n * ne, "router dlogits16");
 }
 
 void CudaMoeLayer::forward(const CudaBlockContext& c, CudaResidual& res, CudaMoeShared& shared,
-                           uint64_t routing_seed, uint16_t* out_ND) {
+                           uint64_t routing_seed, uint16_t* out_ND, bool reuse_routing) {
   const cuda::Stream st = c.stream;
   cuda::GemmHandle& G = *c.gemm;
   const uint16_t* P = c.params;
   const int64_t n = c.tokens(), d = d_, e = e_, k = k_, rows = n * k, m = p_.moe_index;
   CudaMoeSaved& s = saved_;
+  const Slots& sl = slots_;
   c.mark(cuda::Phase::kMlp);
-  uint16_t* norm = s.norm_ND.as<uint16_t>();
-  cuda::rmsnorm_forward(s.x_ND.as<uint16_t>(), P + p_.mlp_norm, norm, s.rstd_N.as<float>(), n, d, norm_eps_, st);
+  uint16_t* norm = sl.norm->as<uint16_t>();
+  cuda::rmsnorm_forward(sl.x->as<uint16_t>(), P + p_.mlp_norm, norm, sl.rstd->as<float>(), n, d, norm_eps_, st);
+  int32_t* counts = shared.counts_ME.as<int32_t>() + m * e;
+  int32_t* offsets = s.dispatch.offsets_E1.as<int32_t>();
+  int32_t* sorted_route = s.dispatch.sorted_route_R.as<int32_t>();
+  int32_t* route_to_row = s.dispatch.route_to_row_R.as<int32_t>();
+  float* topk_w = s.topk_w_NK.as<float>();
+  if (!reuse_routing) route(c, shared, routing_seed, norm);
 
-  // Router.
+  // The rows sorted by expert.
+  c.mark(cuda::Phase::kDispatch);
+  uint16_t* xs = sl.x_sorted->as<uint16_t>();
+  cuda::permute_forward(norm, sorted_route, n, k, d, xs, st);
+
+  // Experts, combine, shared expert.
+  uint16_t* ys = sl.y_sorted->as<uint16_t>();
+  shared.experts->forward(c, m, p_, counts, offsets, xs, rows, ys);
+  c.mark(cuda::Phase::kCombine);
+  uint16_t* branch = res.branch();
+  cuda::unpermute_forward(ys, route_to_row, topk_w, n, k, d, branch, st);
+  c.mark(cuda::Phase::kMlp);
+  if (p_.shared) {
+    mlp_forward_gpu(G, norm, P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down, n, d, p_.mlp_hidden,
+                    sl.shared_gate_up->as<uint16_t>(), sl.shared_h->as<uint16_t>(), branch, true, st);
+  }
+  cuda::residual_add(res.x32(), branch, out_ND, n * d, st);
+}
+
+void CudaMoeLayer::route(const CudaBlockContext& c, CudaMoeShared& shared, uint64_t routing_seed,
+                         const uint16_t* norm) {
+  const cuda::Stream st = c.stream;
+  const uint16_t* P = c.params;
+  const int64_t n = c.tokens(), d = d_, e = e_, k = k_, m = p_.moe_index;
+  CudaMoeSaved& s = saved_;
   c.mark(cuda::Phase::kRouter);
   s.rp.num_tokens = n;
   s.rp.num_experts = e;
@@ -77,36 +131,31 @@ void CudaMoeLayer::forward(const CudaBlockContext& c, CudaResidual& res, CudaMoe
   s.rp.mode = router_.mode;
   s.rp.seed = layer_routing_seed(routing_seed, static_cast<uint64_t>(layer_));
   float* logits = s.logits_NE.as<float>();
-  cuda::gemm(G, false, true, n, e, d, 1.f, norm, d, P + p_.router, d, 0.f, logits, e, st);
+  cuda::gemm(*c.gemm, false, true, n, e, d, 1.f, norm, d, P + p_.router, d, 0.f, logits, e, st);
   int32_t* counts = shared.counts_ME.as<int32_t>() + m * e;
   int32_t* topk_idx = s.topk_idx_NK.as<int32_t>();
-  float* topk_w = s.topk_w_NK.as<float>();
   cuda::router_forward(s.rp, logits, shared.expert_bias_ME.as<float>() + m * e, s.scores_NE.as<float>(), topk_idx,
-                       topk_w, counts, nullptr, shared.losses_M2.as<float>() + 2 * m, shared.ws_router.data(),
-                       shared.ws_router.bytes(), st);
-
-  // Dispatch: the handle, then the rows sorted by expert.
+                       s.topk_w_NK.as<float>(), counts, nullptr, shared.losses_M2.as<float>() + 2 * m,
+                       shared.ws_router.data(), shared.ws_router.bytes(), st);
+  // The dispatch map: expert offsets, the route of each sorted row, the row of each route.
   c.mark(cuda::Phase::kDispatch);
-  int32_t* offsets = s.dispatch.offsets_E1.as<int32_t>();
-  int32_t* sorted_route = s.dispatch.sorted_route_R.as<int32_t>();
-  int32_t* route_to_row = s.dispatch.route_to_row_R.as<int32_t>();
-  cuda::build_dispatch_map(topk_idx, n, k, e, 0, counts, offsets, sorted_route, route_to_row, nullptr,
+  cuda::build_dispatch_map(topk_idx, n, k, e, 0, counts, s.dispatch.offsets_E1.as<int32_t>(),
+                           s.dispatch.sorted_route_R.as<int32_t>(), s.dispatch.route_to_row_R.as<int32_t>(), nullptr,
                            shared.ws_dispatch.data(), shared.ws_dispatch.bytes(), st);
-  uint16_t* xs = s.x_sorted_RD.as<uint16_t>();
-  cuda::permute_forward(norm, sorted_route, n, k, d, xs, st);
+}
 
-  // Experts, combine, shared expert.
-  uint16_t* ys = s.y_sorted_RD.as<uint16_t>();
-  shared.experts->forward(c, m, p_, counts, offsets, xs, rows, ys);
-  c.mark(cuda::Phase::kCombine);
-  uint16_t* branch = res.branch();
-  cuda::unpermute_forward(ys, route_to_row, topk_w, n, k, d, branch, st);
-  c.mark(cuda::Phase::kMlp);
-  if (p_.shared) {
-    mlp_forward_gpu(G, norm, P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down, n, d, p_.mlp_hidden, s.shared, branch,
-                    true, st);
-  }
-  cuda::residual_add(res.x32(), branch, out_ND, n * d, st);
+void CudaMoeLayer::recompute_selective(const CudaBlockContext& c, CudaMoeShared& shared) {
+  MOE_CHECK(mode_ == Recompute::kSelective, "CudaMoeLayer::recompute_selective: only under selective recompute");
+  const cuda::Stream st = c.stream;
+  const int64_t n = c.tokens(), d = d_, k = k_, rows = n * k;
+  const CudaMoeSaved& s = saved_;
+  const Slots& sl = slots_;
+  uint16_t* norm = sl.norm->as<uint16_t>();
+  cuda::rmsnorm_forward(sl.x->as<uint16_t>(), c.params + p_.mlp_norm, norm, sl.rstd->as<float>(), n, d, norm_eps_, st);
+  cuda::permute_forward(norm, s.dispatch.sorted_route_R.as<int32_t>(), n, k, d, sl.x_sorted->as<uint16_t>(), st);
+  shared.experts->recompute(c, p_.moe_index, p_, s.dispatch.offsets_E1.as<int32_t>(), rows,
+                            pooled_y_ ? sl.y_sorted->as<uint16_t>() : nullptr);
+  if (p_.shared) mlp_recompute_h_gpu(sl.shared_gate_up->as<uint16_t>(), sl.shared_h->as<uint16_t>(), n, p_.mlp_hidden, st);
 }
 
 void CudaMoeLayer::backward(const CudaBlockContext& c, CudaResidual& res, CudaMoeShared& shared,
@@ -117,14 +166,16 @@ void CudaMoeLayer::backward(const CudaBlockContext& c, CudaResidual& res, CudaMo
   float* Gr = c.grads;
   const int64_t n = c.tokens(), d = d_, e = e_, k = k_, rows = n * k, m = p_.moe_index;
   const CudaMoeSaved& s = saved_;
-  const uint16_t* norm = s.norm_ND.as<uint16_t>();
+  const Slots& sl = slots_;
+  const uint16_t* norm = sl.norm->as<uint16_t>();
   const uint16_t* dx = res.dx();
   uint16_t* dbranch = res.dbranch();
   // dbranch = d(branch)/d(norm) applied to dx: the shared expert writes it, or it starts at 0.
   c.mark(cuda::Phase::kMlp);
   if (p_.shared) {
-    mlp_backward_gpu(G, norm, P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down, s.shared, dx, n, d, p_.mlp_hidden, mlp,
-                     dbranch, false, Gr + p_.mlp_gate, Gr + p_.mlp_up, Gr + p_.mlp_down, st);
+    mlp_backward_gpu(G, norm, P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down, sl.shared_gate_up->as<uint16_t>(),
+                     sl.shared_h->as<uint16_t>(), dx, n, d, p_.mlp_hidden, mlp, dbranch, false, Gr + p_.mlp_gate,
+                     Gr + p_.mlp_up, Gr + p_.mlp_down, st);
   } else {
     cuda::device_memset(dbranch, 0, n * d * sizeof(uint16_t), st);
   }
@@ -135,12 +186,12 @@ void CudaMoeLayer::backward(const CudaBlockContext& c, CudaResidual& res, CudaMo
   const int32_t* route_to_row = s.dispatch.route_to_row_R.as<int32_t>();
   uint16_t* dys = shared.dy_sorted_RD.as<uint16_t>();
   float* dtopk_w = shared.dtopk_w_NK.as<float>();
-  cuda::unpermute_backward(dx, s.y_sorted_RD.as<uint16_t>(), s.dispatch.sorted_route_R.as<int32_t>(), route_to_row,
+  cuda::unpermute_backward(dx, sl.y_sorted->as<uint16_t>(), s.dispatch.sorted_route_R.as<int32_t>(), route_to_row,
                            s.topk_w_NK.as<float>(), n, k, d, dys, dtopk_w, st);
 
   // Experts, dispatch.
-  uint16_t* dxs = shared.dx_sorted_RD.as<uint16_t>();
-  shared.experts->backward(c, m, p_, offsets, s.x_sorted_RD.as<uint16_t>(), dys, rows, dxs);
+  uint16_t* dxs = dys;  // in place: the experts read dy in full before they write dx
+  shared.experts->backward(c, m, p_, offsets, sl.x_sorted->as<uint16_t>(), dys, rows, dxs);
   c.mark(cuda::Phase::kDispatch);
   cuda::permute_backward(dxs, route_to_row, n, k, d, dbranch, st);
 
@@ -155,7 +206,7 @@ void CudaMoeLayer::backward(const CudaBlockContext& c, CudaResidual& res, CudaMo
   cuda::gemm(G, true, false, e, d, n, 1.f, dl16, e, norm, d, 1.f, Gr + p_.router, d, st);
   c.mark(cuda::Phase::kMlp);
   uint16_t* dtmp = res.dtmp();
-  cuda::rmsnorm_backward(s.x_ND.as<uint16_t>(), P + p_.mlp_norm, s.rstd_N.as<float>(), dbranch, dtmp,
+  cuda::rmsnorm_backward(sl.x->as<uint16_t>(), P + p_.mlp_norm, sl.rstd->as<float>(), dbranch, dtmp,
                          Gr + p_.mlp_norm, n, d, res.ws_rms.data(), res.ws_rms.bytes(), st);
   cuda::residual_add(res.dx32(), dtmp, res.dx(), n * d, st);
 }

@@ -13,6 +13,7 @@
 
 #include "core/config.h"
 #include "core/moe_types.h"
+#include "core/recompute.h"
 #include "cuda/ops/memory.h"
 #include "cuda/ops/moe_routing.h"
 #include "model/cuda_block.h"
@@ -30,6 +31,8 @@ struct CudaDispatchHandle {
 };
 
 // What one MoE layer saves for backward (one per MoE layer; the experts keep their own rows).
+// With recomputation some of it lives in one pool every MoE layer shares (bind()); the router's
+// outputs and the dispatch map (the routing decision) always stay per layer.
 struct CudaMoeSaved {
   cuda::DeviceBuffer x_ND;             // input: BF16 copy of the residual stream
   cuda::DeviceBuffer norm_ND, rstd_N;  // mlp_norm output, its rstd (FP32)
@@ -38,7 +41,7 @@ struct CudaMoeSaved {
   cuda::DeviceBuffer topk_idx_NK, topk_w_NK;   // int32, FP32
   CudaDispatchHandle dispatch;
   cuda::DeviceBuffer x_sorted_RD, y_sorted_RD;  // experts' inputs and outputs, sorted by expert
-  CudaMlpSaved shared;                          // shared expert
+  cuda::DeviceBuffer shared_gate_up_N2F, shared_h_NF;  // shared expert's MLP
 };
 
 // What every MoE layer shares (one per model): the per-forward router outputs of all layers, which
@@ -47,7 +50,9 @@ struct CudaMoeShared {
   cuda::DeviceBuffer expert_bias_ME;  // FP32 [M, E], selection only
   cuda::DeviceBuffer losses_M2;       // FP32 [M, 2]: lb, z (written per forward)
   cuda::DeviceBuffer counts_ME;       // int32 [M, E]: routes per expert (written per forward)
-  cuda::DeviceBuffer dy_sorted_RD, dx_sorted_RD, dtopk_w_NK /*f32*/, dlogits32_NE /*f32*/, dlogits16_NE;
+  // dy_sorted_RD: the unpermute gradient rows, which the experts' backward overwrites with their
+  // input gradient rows in place; between MoE backwards the attention blocks borrow it as scratch.
+  cuda::DeviceBuffer dy_sorted_RD, dtopk_w_NK /*f32*/, dlogits32_NE /*f32*/, dlogits16_NE;
   cuda::DeviceBuffer ws_router, ws_dispatch;
   std::unique_ptr<CudaExperts> experts;
 };
@@ -65,28 +70,46 @@ class CudaMoeLayer {
   CudaMoeLayer(const ModelConfig& m, const MoeConfig& e, const CudaRouterChoice& router, const LayerParams& p,
                int64_t layer);
 
+  // As CudaAttentionBlock::bind. selective pools the norm output, the dispatched rows, the expert
+  // outputs (when `experts_recompute_outputs`: local experts) and the shared expert's h; full also
+  // the input, rstd and the shared expert's gate/up output. The experts bind their own rows.
+  void bind(Recompute mode, CudaMoeSaved* pool, bool experts_recompute_outputs);
   void reserve(int64_t batch, int64_t seq, CudaBufferGrower& g);
   // The shared buffers but the experts (sized by the caller: experts->reserve(N*K)).
   static void reserve_shared(const MoeConfig& e, int64_t d, int64_t batch, int64_t seq, CudaMoeShared& s,
                              CudaBufferGrower& g);
   // Saved input: written by the attention block before it.
-  uint16_t* input() const { return saved_.x_ND.as<uint16_t>(); }
+  uint16_t* input() const { return slots_.x->as<uint16_t>(); }
   int64_t shared_hidden() const { return p_.shared ? p_.mlp_hidden : 0; }
 
   // As CudaAttentionBlock::forward; routing_seed is the forward's (mixed with the layer index).
-  // Writes this layer's row of shared.counts_ME and shared.losses_M2.
+  // Writes this layer's row of shared.counts_ME and shared.losses_M2. reuse_routing (full
+  // recompute): the router and the dispatch map are not run; the saved routing decision, counts
+  // and losses of this layer's last forward are used as they are.
   void forward(const CudaBlockContext& c, CudaResidual& res, CudaMoeShared& shared, uint64_t routing_seed,
-               uint16_t* out_ND);
+               uint16_t* out_ND, bool reuse_routing = false);
+  // Selective recompute: the norm output, the dispatched rows, the experts' h (and outputs) and
+  // the shared expert's h again, bitwise as the forward wrote them.
+  void recompute_selective(const CudaBlockContext& c, CudaMoeShared& shared);
   // As CudaAttentionBlock::backward; dlb, dz: device FP32 scalars (the per-layer lb and z factors).
   void backward(const CudaBlockContext& c, CudaResidual& res, CudaMoeShared& shared, CudaMlpScratch& mlp,
                 const float* dlb, const float* dz);
 
  private:
+  struct Slots {
+    cuda::DeviceBuffer *x, *norm, *rstd, *x_sorted, *y_sorted, *shared_gate_up, *shared_h;
+  };
+  // Gate GEMM, router (top-k, weights, counts, lb/z) and the dispatch map: the routing decision.
+  void route(const CudaBlockContext& c, CudaMoeShared& shared, uint64_t routing_seed, const uint16_t* norm_ND);
+
   LayerParams p_;
   int64_t layer_, d_, e_, k_;
   double norm_eps_;
   CudaRouterChoice router_;
+  Recompute mode_ = Recompute::kNone;
+  bool pooled_y_ = false;
   CudaMoeSaved saved_;
+  Slots slots_;
 };
 
 }  // namespace moe

@@ -1,5 +1,6 @@
 // Expert-parallel experts: exchange counts, dispatch rows, cpu::experts_* on the local experts,
-// combine rows; backward dispatches the row gradients and combines the input gradients.
+// combine rows; backward dispatches the row gradients and combines the input gradients; recompute
+// dispatches and combines again on the saved exchange.
 #include "model/ep_experts.h"
 
 #include <vector>
@@ -24,6 +25,30 @@ void ep_experts_forward(const ExpertParallel& ep, const float* x_sorted, const i
   if (timer) timer->lap(Phase::kExperts);
   cpu::experts_forward(s.x_GD.data(), s.offsets_L1.data(), w_gate_up, w_down, ep.local_experts(), d, inner,
                        s.gate_up_G2I.data(), s.h_GI.data(), y_grouped.data());
+  if (timer) timer->lap(Phase::kCombine);
+  ep_combine(ep, s.handle, y_grouped.data(), d, y_sorted);
+}
+
+void ep_experts_recompute(const ExpertParallel& ep, const float* x_sorted, const float* w_gate_up,
+                          const float* w_down, int64_t d, int64_t inner, bool gate_up_kept, EpExpertsSaved& s,
+                          float* y_sorted, PhaseTimer* timer) {
+  const int64_t g = s.handle.num_recv_rows;
+  if (timer) timer->lap(Phase::kDispatch);
+  s.x_GD.resize(g * d);
+  ep_dispatch(ep, s.handle, x_sorted, d, s.x_GD.data());
+  s.h_GI.resize(g * inner);
+  std::vector<float> y_grouped(g * d);
+  if (timer) timer->lap(Phase::kExperts);
+  if (gate_up_kept) {
+    MOE_CHECK(static_cast<int64_t>(s.gate_up_G2I.size()) == g * 2 * inner, "ep_experts_recompute: saved gate/up "
+              "outputs hold ", s.gate_up_G2I.size(), " values, expected ", g * 2 * inner, " (forward not run?)");
+    cpu::experts_down_forward(s.offsets_L1.data(), s.gate_up_G2I.data(), w_down, ep.local_experts(), d, inner,
+                              s.h_GI.data(), y_grouped.data());
+  } else {
+    s.gate_up_G2I.resize(g * 2 * inner);
+    cpu::experts_forward(s.x_GD.data(), s.offsets_L1.data(), w_gate_up, w_down, ep.local_experts(), d, inner,
+                         s.gate_up_G2I.data(), s.h_GI.data(), y_grouped.data());
+  }
   if (timer) timer->lap(Phase::kCombine);
   ep_combine(ep, s.handle, y_grouped.data(), d, y_sorted);
 }
@@ -54,6 +79,12 @@ void EpExperts::forward(const float* x_sorted_RD, const int32_t* offsets_E1, con
   for (int64_t e = 0; e < ep_.num_experts; ++e) counts_E[e] = offsets_E1[e + 1] - offsets_E1[e];
   ep_experts_forward(ep_, x_sorted_RD, counts_E.data(), w_gate_up_L2ID, w_down_LDI, d_, inner_, saved, y_sorted_RD,
                      timer);
+}
+
+void EpExperts::recompute(const float* x_sorted_RD, const float* w_gate_up_L2ID, const float* w_down_LDI,
+                          bool gate_up_kept, ExpertsSaved<float>& saved, float* y_sorted_RD, PhaseTimer* timer) const {
+  ep_experts_recompute(ep_, x_sorted_RD, w_gate_up_L2ID, w_down_LDI, d_, inner_, gate_up_kept, saved, y_sorted_RD,
+                       timer);
 }
 
 void EpExperts::backward(const ExpertsSaved<float>& saved, const float* w_gate_up_L2ID, const float* w_down_LDI,

@@ -28,6 +28,14 @@ void ep_experts_forward(const ExpertParallel& ep, const float* x_sorted, const i
                         const float* w_gate_up, const float* w_down, int64_t d, int64_t inner,
                         EpExpertsSaved& saved, float* y_sorted, PhaseTimer* timer = nullptr);
 
+// Activation recomputation (Experts::recompute): forward again on the same x_sorted [R, D] with the
+// saved exchange (saved.handle: no count exchange; the rows are dispatched again and the outputs
+// combined again, a collective over the group), rewriting saved.x_GD, saved.h_GI and, unless
+// gate_up_kept, saved.gate_up_G2I, and y_sorted [R, D]: bitwise ep_experts_forward's values.
+void ep_experts_recompute(const ExpertParallel& ep, const float* x_sorted, const float* w_gate_up,
+                          const float* w_down, int64_t d, int64_t inner, bool gate_up_kept, EpExpertsSaved& saved,
+                          float* y_sorted, PhaseTimer* timer = nullptr);
+
 // Collective drop-in for cpu::experts_backward: dy_sorted [R, D] -> dx_sorted [R, D]
 // (overwritten); the local experts' weight gradients dw_gate_up [L, 2I, D] and dw_down
 // [L, D, I] accumulate (+=) over the rows of every rank of the group.
@@ -44,6 +52,8 @@ class EpExperts final : public Experts<float> {
   void forward(const float* x_sorted_RD, const int32_t* offsets_E1, const float* w_gate_up_L2ID,
                const float* w_down_LDI, ExpertsSaved<float>& saved, float* y_sorted_RD,
                PhaseTimer* timer) const override;
+  void recompute(const float* x_sorted_RD, const float* w_gate_up_L2ID, const float* w_down_LDI, bool gate_up_kept,
+                 ExpertsSaved<float>& saved, float* y_sorted_RD, PhaseTimer* timer) const override;
   void backward(const ExpertsSaved<float>& saved, const float* w_gate_up_L2ID, const float* w_down_LDI,
                 const float* dy_sorted_RD, float* dx_sorted_RD, float* dw_gate_up_L2ID, float* dw_down_LDI,
                 PhaseTimer* timer) const override;

@@ -1,5 +1,6 @@
 // LocalExperts: the sorted rows are the grouped rows (G = R, L = E); forward keeps a copy of its
-// input rows and of the offsets for backward.
+// input rows and of the offsets for backward; recompute rebuilds the copy and the SwiGLU (and,
+// unless kept, gate/up) outputs on the saved offsets.
 #include "model/experts.h"
 
 #include "cpu/experts.h"
@@ -17,6 +18,23 @@ void LocalExperts<T>::forward(const T* x_sorted_RD, const int32_t* offsets_E1, c
   s.h_GI.resize(rows * inner_);
   cpu::experts_forward(s.x_GD.data(), s.offsets_L1.data(), w_gate_up_L2ID, w_down_LDI, num_experts_, d_, inner_,
                        s.gate_up_G2I.data(), s.h_GI.data(), y_sorted_RD);
+}
+
+template <typename T>
+void LocalExperts<T>::recompute(const T* x_sorted_RD, const T* w_gate_up_L2ID, const T* w_down_LDI,
+                                bool gate_up_kept, ExpertsSaved<T>& s, T* y_sorted_RD, PhaseTimer* timer) const {
+  const int64_t rows = s.offsets_L1[num_experts_];
+  s.x_GD.assign(x_sorted_RD, x_sorted_RD + rows * d_);
+  if (timer) timer->lap(Phase::kExperts);
+  s.h_GI.resize(rows * inner_);
+  if (gate_up_kept) {
+    cpu::experts_down_forward(s.offsets_L1.data(), s.gate_up_G2I.data(), w_down_LDI, num_experts_, d_, inner_,
+                              s.h_GI.data(), y_sorted_RD);
+  } else {
+    s.gate_up_G2I.resize(rows * 2 * inner_);
+    cpu::experts_forward(s.x_GD.data(), s.offsets_L1.data(), w_gate_up_L2ID, w_down_LDI, num_experts_, d_, inner_,
+                         s.gate_up_G2I.data(), s.h_GI.data(), y_sorted_RD);
+  }
 }
 
 template <typename T>

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/phase_timer.h"
+#include "core/recompute.h"
 #include "parallel/expert_parallel.h"
 
 namespace moe {
@@ -24,6 +25,15 @@ struct ExpertsSaved {
   EpHandle handle;  // expert-parallel only: the exchange (handle.local_offsets == offsets_L1)
 };
 
+// Bytes the saved tensors hold (core/recompute.h: held_bytes), the exchange's layout included.
+template <typename T>
+int64_t saved_bytes(const ExpertsSaved<T>& s) {
+  const EpHandle& h = s.handle;
+  return held_bytes(s.offsets_L1, s.x_GD, s.gate_up_G2I, s.h_GI) +
+         held_bytes(h.num_rows_per_rank, h.num_recv_rows_per_rank, h.num_recv_tokens_per_expert, h.local_offsets,
+                    h.grouped_to_recv);
+}
+
 template <typename T>
 class Experts {
  public:
@@ -34,6 +44,13 @@ class Experts {
   virtual void forward(const T* x_sorted_RD, const int32_t* offsets_E1, const T* w_gate_up_L2ID,
                        const T* w_down_LDI, ExpertsSaved<T>& saved, T* y_sorted_RD,
                        PhaseTimer* timer) const = 0;
+  // Activation recomputation (core/recompute.h): forward again on the same rows x_sorted_RD with the
+  // layout forward saved (saved.offsets_L1; under expert parallelism saved.handle, so no count
+  // exchange, but the rows travel again: a collective), rewriting saved.x_GD, saved.h_GI and, unless
+  // gate_up_kept (selective: saved.gate_up_G2I is kept), saved.gate_up_G2I, and y_sorted_RD [R, D]:
+  // bitwise forward's values.
+  virtual void recompute(const T* x_sorted_RD, const T* w_gate_up_L2ID, const T* w_down_LDI, bool gate_up_kept,
+                         ExpertsSaved<T>& saved, T* y_sorted_RD, PhaseTimer* timer) const = 0;
   // dy_sorted_RD [R, D] -> dx_sorted_RD [R, D] (overwritten); dw_gate_up and dw_down accumulate
   // (+=) over every row this rank's experts ran.
   virtual void backward(const ExpertsSaved<T>& saved, const T* w_gate_up_L2ID, const T* w_down_LDI,
@@ -49,6 +66,8 @@ class LocalExperts final : public Experts<T> {
       : num_experts_(num_experts), d_(d_model), inner_(expert_hidden) {}
   void forward(const T* x_sorted_RD, const int32_t* offsets_E1, const T* w_gate_up_L2ID, const T* w_down_LDI,
                ExpertsSaved<T>& saved, T* y_sorted_RD, PhaseTimer* timer) const override;
+  void recompute(const T* x_sorted_RD, const T* w_gate_up_L2ID, const T* w_down_LDI, bool gate_up_kept,
+                 ExpertsSaved<T>& saved, T* y_sorted_RD, PhaseTimer* timer) const override;
   void backward(const ExpertsSaved<T>& saved, const T* w_gate_up_L2ID, const T* w_down_LDI, const T* dy_sorted_RD,
                 T* dx_sorted_RD, T* dw_gate_up_L2ID, T* dw_down_LDI, PhaseTimer* timer) const override;
 

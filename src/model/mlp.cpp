@@ -1,7 +1,9 @@
 // SwiGLU MLP forward/backward on CPU GEMMs (strided writes into the fused [N, 2F] buffer), and
-// the dense block around it (mlp_norm, residual).
+// the dense block around it (mlp_norm, residual); recomputation reruns the same calls short of the
+// down projection.
 #include "model/mlp.h"
 
+#include "core/error.h"
 #include "cpu/linear.h"
 #include "cpu/rmsnorm.h"
 #include "cpu/swiglu.h"
@@ -9,14 +11,24 @@
 namespace moe {
 
 template <typename T>
+void mlp_recompute(const T* x, const T* wg, const T* wu, int64_t n, int64_t d, int64_t f, bool gate_up_kept,
+                   MlpSaved<T>& s) {
+  if (!gate_up_kept) {
+    s.gate_up_N2F.resize(n * 2 * f);
+    T* gu = s.gate_up_N2F.data();
+    cpu::gemm<T>(false, true, n, f, d, T(1), x, d, wg, d, T(0), gu, 2 * f);
+    cpu::gemm<T>(false, true, n, f, d, T(1), x, d, wu, d, T(0), gu + f, 2 * f);
+  }
+  MOE_CHECK(static_cast<int64_t>(s.gate_up_N2F.size()) == n * 2 * f, "mlp_recompute: the gate/up projection holds ",
+            s.gate_up_N2F.size(), " values, expected ", n * 2 * f, " (forward not run?)");
+  s.h_NF.resize(n * f);
+  cpu::swiglu_forward(s.gate_up_N2F.data(), s.h_NF.data(), n, f);
+}
+
+template <typename T>
 void mlp_forward(const T* x, const T* wg, const T* wu, const T* wd, int64_t n, int64_t d, int64_t f,
                  MlpSaved<T>& s, T* out, bool accumulate) {
-  s.gate_up_N2F.resize(n * 2 * f);
-  s.h_NF.resize(n * f);
-  T* gu = s.gate_up_N2F.data();
-  cpu::gemm<T>(false, true, n, f, d, T(1), x, d, wg, d, T(0), gu, 2 * f);
-  cpu::gemm<T>(false, true, n, f, d, T(1), x, d, wu, d, T(0), gu + f, 2 * f);
-  cpu::swiglu_forward(gu, s.h_NF.data(), n, f);
+  mlp_recompute(x, wg, wu, n, d, f, /*gate_up_kept=*/false, s);
   cpu::gemm<T>(false, true, n, d, f, T(1), s.h_NF.data(), f, wd, f, accumulate ? T(1) : T(0), out, d);
 }
 
@@ -56,6 +68,45 @@ void mlp_block_backward(const MlpTensors<const T*>& w, const MlpBlockSaved<T>& s
   cpu::rmsnorm_backward(s.x_in_ND.data(), w.mlp_norm, s.rstd_N.data(), dnorm.data(), dtmp.data(), dw.mlp_norm, n, d);
   for (int64_t i = 0; i < n * d; ++i) dx[i] += dtmp[i];
 }
+
+template <typename T>
+void swap_recomputed(Recompute mode, MlpBlockSaved<T>& a, MlpBlockSaved<T>& b) {
+  if (mode == Recompute::kNone) return;
+  a.norm_ND.swap(b.norm_ND);
+  a.mlp.h_NF.swap(b.mlp.h_NF);
+  if (mode != Recompute::kFull) return;
+  a.x_in_ND.swap(b.x_in_ND);
+  a.rstd_N.swap(b.rstd_N);
+  a.mlp.gate_up_N2F.swap(b.mlp.gate_up_N2F);
+}
+
+template <typename T>
+void mlp_block_recompute(const MlpTensors<const T*>& w, Recompute mode, int64_t d, int64_t f, double eps,
+                         MlpBlockSaved<T>& s, PhaseTimer* timer) {
+  const int64_t n = s.num_tokens;
+  MOE_CHECK(mode != Recompute::kNone, "mlp_block_recompute: mode none recomputes nothing");
+  MOE_CHECK(n > 0 && static_cast<int64_t>(s.x_in_ND.size()) == n * d, "mlp_block_recompute: the block input holds ",
+            s.x_in_ND.size(), " values, expected ", n * d, " (forward not run?)");
+  if (timer) timer->lap(Phase::kMlp);
+  s.norm_ND.resize(n * d);
+  if (mode == Recompute::kFull) {
+    s.rstd_N.resize(n);
+    cpu::rmsnorm_forward(s.x_in_ND.data(), w.mlp_norm, s.norm_ND.data(), s.rstd_N.data(), n, d, eps);
+  } else {
+    cpu::rmsnorm_apply(s.x_in_ND.data(), w.mlp_norm, s.rstd_N.data(), s.norm_ND.data(), n, d);
+  }
+  mlp_recompute(s.norm_ND.data(), w.mlp_gate, w.mlp_up, n, d, f, /*gate_up_kept=*/mode == Recompute::kSelective,
+                s.mlp);
+}
+
+#define MOE_INSTANTIATE_MLP_RECOMPUTE(T)                                                                           \
+  template void mlp_recompute<T>(const T*, const T*, const T*, int64_t, int64_t, int64_t, bool, MlpSaved<T>&); \
+  template void swap_recomputed<T>(Recompute, MlpBlockSaved<T>&, MlpBlockSaved<T>&);                           \
+  template void mlp_block_recompute<T>(const MlpTensors<const T*>&, Recompute, int64_t, int64_t, double,       \
+                                       MlpBlockSaved<T>&, PhaseTimer*);
+MOE_INSTANTIATE_MLP_RECOMPUTE(float)
+MOE_INSTANTIATE_MLP_RECOMPUTE(double)
+#undef MOE_INSTANTIATE_MLP_RECOMPUTE
 
 template void mlp_forward<float>(const float*, const float*, const float*, const float*, int64_t,
                                  int64_t, int64_t, MlpSaved<float>&, float*, bool);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/phase_timer.h"
+#include "core/recompute.h"
 #include "model/layout.h"
 
 namespace moe {
@@ -23,6 +24,13 @@ struct MlpSaved {
 template <typename T>
 void mlp_forward(const T* x_ND, const T* w_gate_FD, const T* w_up_FD, const T* w_down_DF, int64_t n,
                  int64_t d, int64_t f, MlpSaved<T>& saved, T* out_ND, bool accumulate);
+
+// What mlp_forward saves (gate/up projection, unless gate_up_kept: saved.gate_up_N2F is kept; the
+// SwiGLU output) with the same calls, bitwise its values; the down projection is not formed
+// (activation recomputation: backward does not read it).
+template <typename T>
+void mlp_recompute(const T* x_ND, const T* w_gate_FD, const T* w_up_FD, int64_t n, int64_t d, int64_t f,
+                   bool gate_up_kept, MlpSaved<T>& saved);
 
 // dx += ..., parameter gradients += ...
 template <typename T>
@@ -54,6 +62,30 @@ struct MlpBlockSaved {
 template <typename T>
 void mlp_block_forward(const MlpTensors<const T*>& w, int64_t n, int64_t d, int64_t f, double eps, T* x_ND,
                        MlpBlockSaved<T>& saved, PhaseTimer* timer = nullptr);
+
+// Bytes the saved tensors hold (core/recompute.h: held_bytes).
+template <typename T>
+int64_t saved_bytes(const MlpSaved<T>& s) {
+  return held_bytes(s.gate_up_N2F, s.h_NF);
+}
+template <typename T>
+int64_t saved_bytes(const MlpBlockSaved<T>& s) {
+  return held_bytes(s.x_in_ND, s.norm_ND, s.rstd_N) + saved_bytes(s.mlp);
+}
+
+// Activation recomputation (core/recompute.h). Exchanges between a and b the tensors `mode` does
+// not keep: selective norm_ND and mlp.h_NF; full also x_in_ND, rstd_N and mlp.gate_up_N2F (every
+// tensor). kNone exchanges nothing.
+template <typename T>
+void swap_recomputed(Recompute mode, MlpBlockSaved<T>& a, MlpBlockSaved<T>& b);
+
+// Recomputes what `mode` does not keep from saved.x_in_ND, the block's input (kept by selective;
+// under full the caller writes it, the recomputed attention block's output): the norm output
+// (selective with the saved rstd; full rstd too), the gate/up projection (full only) and the
+// SwiGLU output, bitwise the forward's values. The block's output is not formed again.
+template <typename T>
+void mlp_block_recompute(const MlpTensors<const T*>& w, Recompute mode, int64_t d, int64_t f, double eps,
+                         MlpBlockSaved<T>& saved, PhaseTimer* timer = nullptr);
 
 // dx_ND [N, D] in place: the gradient at the block's output in, at its input out. dw += ...
 template <typename T>

@@ -48,6 +48,7 @@ Model<T>::Model(const ModelConfig& model, const MoeConfig& moe, const ExpertPara
   if (!experts_) experts_ = std::make_unique<LocalExperts<T>>(moe.num_experts, model.d_model, moe.expert_hidden);
   layers_ = layer_params(layout_, mcfg_, ecfg_);
   saved_.resize(layers_.size());
+  released_.assign(layers_.size(), Recompute::kNone);
   embed_ = layout_.find("model.embed_tokens.weight").offset;
   final_norm_ = layout_.find("model.norm.weight").offset;
   lm_head_ = layout_.find("lm_head.weight").offset;
@@ -164,11 +165,69 @@ MoeLayerStats Model<T>::forward_block(int64_t l, int64_t batch, int64_t seq, uin
 }
 
 template <typename T>
+void Model<T>::set_recompute(Recompute mode) {
+  recompute_ = mode;
+  pool_ = BlockSaved<T>{};  // another mode pools another set of tensors
+}
+
+template <typename T>
+int64_t Model<T>::saved_activation_bytes() const {
+  int64_t bytes = saved_bytes(pool_);
+  for (const BlockSaved<T>& s : saved_) bytes += saved_bytes(s);
+  return bytes;
+}
+
+template <typename T>
+void Model<T>::swap_pool(int64_t l, Recompute mode) {
+  BlockSaved<T>& s = saved_[l];
+  swap_recomputed(mode, s.attn, pool_.attn);
+  if (layers_[l].dense) {
+    swap_recomputed(mode, s.mlp, pool_.mlp);
+  } else {
+    swap_recomputed(mode, s.moe, pool_.moe);
+  }
+}
+
+// Full: the attention block's forward again (its output, in the MLP/MoE block's input, is what
+// that block recomputes from). Selective: the attention block's tensors before the kernel. Then
+// the dense or MoE block's recomputation on the saved routing.
+template <typename T>
+void Model<T>::recompute_saved(int64_t l, Recompute mode) {
+  const LayerParams& p = layers_[l];
+  BlockSaved<T>& s = saved_[l];
+  const T* P = params_.data();
+  if (mode == Recompute::kFull) {
+    std::vector<T>& x = p.dense ? s.mlp.x_in_ND : s.moe.x_in_ND;
+    x.assign(s.attn.x_in_ND.begin(), s.attn.x_in_ND.end());
+    attention_block_forward(attn_cfg_, attention_tensors(P, p), s.attn.batch, s.attn.seq, x.data(), s.attn, &timer_);
+  } else {
+    attention_block_recompute(attn_cfg_, attention_tensors(P, p), s.attn, &timer_);
+  }
+  if (p.dense) {
+    mlp_block_recompute(mlp_tensors(P, p), mode, mcfg_.d_model, p.mlp_hidden, mcfg_.norm_eps, s.mlp, &timer_);
+  } else {
+    moe_layer_recompute(moe_cfg_, moe_tensors(P, p), *experts_, mode, s.moe, &timer_);
+  }
+}
+
+template <typename T>
 void Model<T>::forward_blocks(int64_t first, int64_t last, int64_t batch, int64_t seq, uint64_t routing_seed, T* x,
                               ForwardStats& stats) {
   check_blocks("forward_blocks", first, last);
   for (int64_t l = first; l < last; ++l) {
+    // Under recompute the block's forward writes the tensors it does not keep into the pool's
+    // buffers and gives them back after; whatever the block held of them before is freed first.
+    const Recompute mode = recompute_;
+    if (mode != Recompute::kNone) {
+      BlockSaved<T> stale;
+      swap_recomputed(mode, saved_[l].attn, stale.attn);
+      swap_recomputed(mode, saved_[l].mlp, stale.mlp);
+      swap_recomputed(mode, saved_[l].moe, stale.moe);
+    }
+    swap_pool(l, mode);
     const MoeLayerStats ms = forward_block(l, batch, seq, layer_routing_seed(routing_seed, static_cast<uint64_t>(l)), x);
+    swap_pool(l, mode);
+    released_[l] = mode;
     if (layers_[l].dense) continue;
     stats.lb_loss += ms.lb_loss;
     stats.z_loss += ms.z_loss;
@@ -189,12 +248,19 @@ void Model<T>::backward_blocks(int64_t first, int64_t last, const LossScales& sc
     const LayerParams& p = layers_[l];
     const BlockSaved<T>& s = saved_[l];
     MOE_CHECK(s.attn.batch > 0, "backward_blocks: block ", l, " has no saved forward");
+    // What the block's forward did not keep: recomputed into the pool's buffers, given back after.
+    const Recompute mode = released_[l];
+    if (mode != Recompute::kNone) {
+      swap_pool(l, mode);
+      recompute_saved(l, mode);
+    }
     if (p.dense) {
       mlp_block_backward(mlp_tensors(P, p), s.mlp, mcfg_.d_model, p.mlp_hidden, dx, mlp_tensors(G, p), &timer_);
     } else {
       moe_layer_backward(moe_cfg_, moe_tensors(P, p), *experts_, s.moe, dlb, dz, dx, moe_tensors(G, p), &timer_);
     }
     attention_block_backward(attn_cfg_, attention_tensors(P, p), s.attn, dx, attention_tensors(G, p), &timer_);
+    swap_pool(l, mode);
   }
 }
 
@@ -203,6 +269,10 @@ void Model<T>::recompute_block(int64_t l, T* x_out) {
   check_blocks("recompute_block", l, l + 1);
   const BlockSaved<T>& s = saved_[l];
   MOE_CHECK(s.attn.batch > 0, "recompute_block: block ", l, " has no saved forward");
+  if (released_[l] != Recompute::kNone) {  // the pool's buffers stay with the block
+    swap_pool(l, released_[l]);
+    released_[l] = Recompute::kNone;
+  }
   std::vector<T> x = s.attn.x_in_ND;
   forward_block(l, s.attn.batch, s.attn.seq, layers_[l].dense ? 0 : s.moe.router.seed, x.data());
   if (x_out) std::copy(x.begin(), x.end(), x_out);

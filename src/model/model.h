@@ -5,7 +5,9 @@
 // flat buffers laid out by build_param_layout. Expert parallelism (Model<float>): with an EP group
 // of ep > 1 ranks the layout holds only this rank's E/ep experts per MoE layer and every MoE layer
 // runs its experts through the exchange (model/ep_experts.h); everything else is replicated and
-// sees only local tokens.
+// sees only local tokens. Activation recomputation (set_recompute, core/recompute.h): each block's
+// forward keeps only what the mode keeps, and backward_blocks recomputes the rest of a block right
+// before its backward, in one pooled set of buffers that every block borrows in turn.
 // Legend: B batch, S sequence, N = B*S tokens, D model width, V vocabulary, E experts.
 #pragma once
 
@@ -17,6 +19,7 @@
 #include "core/arena.h"
 #include "core/config.h"
 #include "core/phase_timer.h"
+#include "core/recompute.h"
 #include "model/attention_block.h"
 #include "model/experts.h"
 #include "model/layout.h"
@@ -58,6 +61,12 @@ struct BlockSaved {
   MlpBlockSaved<T> mlp;  // dense layers
   MoeLayerSaved<T> moe;  // MoE layers
 };
+
+// Bytes the saved tensors of one block hold (core/recompute.h: held_bytes).
+template <typename T>
+int64_t saved_bytes(const BlockSaved<T>& s) {
+  return saved_bytes(s.attn) + saved_bytes(s.mlp) + saved_bytes(s.moe);
+}
 
 template <typename T>
 class Model {
@@ -122,9 +131,26 @@ class Model {
   // Embedding gradient (+=) from dx_ND at the first block's input.
   void embed_backward(const T* dx_ND);
   // Runs block l's forward again from its saved input (block_saved(l).attn.x_in_ND, with the
-  // same shape, routing seed and the current expert bias), overwriting its saved activations with
-  // bitwise the same values; x_out_ND (optional) receives its output. Stats are not re-counted.
+  // same shape, routing seed and the current expert bias), router included, overwriting its saved
+  // activations with bitwise the same values; x_out_ND (optional) receives its output. Stats are
+  // not re-counted. Afterwards block l holds all of its activations, whatever the recompute mode
+  // its forward ran under (backward then recomputes nothing for it).
   void recompute_block(int64_t l, T* x_out_ND = nullptr);
+
+  // Activation recomputation (train.recompute; core/recompute.h has what each mode keeps), kNone
+  // by default; it takes effect from the next forward (a block's backward follows the mode its
+  // forward ran under). Under selective or full every block's forward keeps only what the mode
+  // keeps; the rest lives in one pooled set of buffers (one attention block, one dense MLP block,
+  // one MoE block) that each block's forward, and each block's recomputation in backward_blocks,
+  // borrows in turn. The recomputation reuses the saved routing (no router selection, lb/z losses
+  // or counts again) and, under expert parallelism, exchanges the rows again (a collective, in
+  // backward's block order on every rank). Gradients are bitwise those of kNone.
+  void set_recompute(Recompute mode);
+  Recompute recompute() const { return recompute_; }
+  // Bytes the blocks' saved activations hold now (every block's plus the pool's; vector capacity,
+  // so released memory counts as released), not the LM head's. After a forward: smaller under
+  // selective than none, smaller still under full (with more than a couple of layers).
+  int64_t saved_activation_bytes() const;
   const BlockSaved<T>& block_saved(int64_t l) const { return saved_.at(l); }
   const LmHeadSaved<T>& head_saved() const { return head_; }
 
@@ -140,6 +166,10 @@ class Model {
  private:
   MoeLayerStats forward_block(int64_t l, int64_t batch, int64_t seq, uint64_t layer_seed, T* x_ND);
   void check_blocks(const char* op, int64_t first, int64_t last) const;
+  // Exchanges the tensors `mode` does not keep between block l's saved activations and the pool.
+  void swap_pool(int64_t l, Recompute mode);
+  // Rebuilds block l's tensors that `mode` did not keep (the pool's storage swapped in).
+  void recompute_saved(int64_t l, Recompute mode);
 
   ModelConfig mcfg_;
   MoeConfig ecfg_;
@@ -162,6 +192,11 @@ class Model {
   std::vector<int32_t> inputs_;
   std::vector<BlockSaved<T>> saved_;
   LmHeadSaved<T> head_;
+  // Activation recomputation: the mode of the next forward; per block, the mode its last forward
+  // released under (kNone: it holds everything); the pooled buffers of what is recomputed.
+  Recompute recompute_ = Recompute::kNone;
+  std::vector<Recompute> released_;
+  BlockSaved<T> pool_;
 };
 
 }  // namespace moe

@@ -1,9 +1,12 @@
 // MoE block forward/backward. Forward order: mlp_norm, router, dispatch map (+ capacity), permute,
 // experts, combine into the branch, shared expert added to the branch, branch added to x.
 // Backward: shared expert, combine, experts, permute and router gradients summed into d(norm
-// output) in that order, then mlp_norm's backward added to the residual gradient.
+// output) in that order, then mlp_norm's backward added to the residual gradient. Recomputation:
+// the forward's calls on the saved routing and dispatch map, up to the experts' and shared
+// expert's saved outputs.
 #include "model/moe_layer.h"
 
+#include "core/error.h"
 #include "cpu/capacity.h"
 #include "cpu/dispatch.h"
 #include "cpu/rmsnorm.h"
@@ -115,11 +118,71 @@ void moe_layer_backward(const MoeLayerConfig& c, const MoeTensors<const T*>& w, 
   for (int64_t i = 0; i < n * d; ++i) dx[i] += dtmp[i];
 }
 
+template <typename T>
+int64_t saved_bytes(const MoeLayerSaved<T>& s) {
+  const DispatchHandle& h = s.dispatch;
+  return held_bytes(s.x_in_ND, s.norm_ND, s.rstd_N, s.logits_NE, s.scores_NE, s.topk_w_NK, s.topk_idx_NK,
+                    s.y_sorted_RD) +
+         held_bytes(h.counts_E, h.offsets_E1, h.sorted_route_R, h.route_to_row_R, h.kept_E) + saved_bytes(s.experts) +
+         saved_bytes(s.shared);
+}
+
+template <typename T>
+void swap_recomputed(Recompute mode, MoeLayerSaved<T>& a, MoeLayerSaved<T>& b) {
+  if (mode == Recompute::kNone) return;
+  a.norm_ND.swap(b.norm_ND);
+  a.experts.x_GD.swap(b.experts.x_GD);
+  a.experts.h_GI.swap(b.experts.h_GI);
+  a.y_sorted_RD.swap(b.y_sorted_RD);
+  a.shared.h_NF.swap(b.shared.h_NF);
+  if (mode != Recompute::kFull) return;
+  a.x_in_ND.swap(b.x_in_ND);
+  a.rstd_N.swap(b.rstd_N);
+  a.experts.gate_up_G2I.swap(b.experts.gate_up_G2I);
+  a.shared.gate_up_N2F.swap(b.shared.gate_up_N2F);
+}
+
+// The forward's calls with the saved routing in place of the router and the dispatch map.
+template <typename T>
+void moe_layer_recompute(const MoeLayerConfig& c, const MoeTensors<const T*>& w, const Experts<T>& experts,
+                         Recompute mode, MoeLayerSaved<T>& s, PhaseTimer* timer) {
+  const DispatchHandle& h = s.dispatch;
+  const int64_t n = s.router.num_tokens, d = c.router.d_model, k = c.router.top_k, kept = h.num_rows;
+  MOE_CHECK(mode != Recompute::kNone, "moe_layer_recompute: mode none recomputes nothing");
+  MOE_CHECK(n > 0 && static_cast<int64_t>(s.x_in_ND.size()) == n * d &&
+                static_cast<int64_t>(h.sorted_route_R.size()) == n * k,
+            "moe_layer_recompute: no saved forward (input ", s.x_in_ND.size(), " values, ", h.sorted_route_R.size(),
+            " routes; expected ", n * d, " and ", n * k, ")");
+  if (timer) timer->lap(Phase::kRouter);
+  s.norm_ND.resize(n * d);
+  if (mode == Recompute::kFull) {
+    s.rstd_N.resize(n);
+    cpu::rmsnorm_forward(s.x_in_ND.data(), w.mlp_norm, s.norm_ND.data(), s.rstd_N.data(), n, d, c.norm_eps);
+  } else {
+    cpu::rmsnorm_apply(s.x_in_ND.data(), w.mlp_norm, s.rstd_N.data(), s.norm_ND.data(), n, d);
+  }
+  if (timer) timer->lap(Phase::kDispatch);
+  std::vector<T> x_sorted(kept * d);
+  cpu::permute_forward(s.norm_ND.data(), h.sorted_route_R.data(), kept, k, d, x_sorted.data());
+  s.y_sorted_RD.resize(kept * d);
+  experts.recompute(x_sorted.data(), w.experts_gate_up, w.experts_down, /*gate_up_kept=*/mode == Recompute::kSelective,
+                    s.experts, s.y_sorted_RD.data(), timer);
+  if (c.shared_hidden > 0) {
+    if (timer) timer->lap(Phase::kMlp);
+    mlp_recompute(s.norm_ND.data(), w.mlp_gate, w.mlp_up, n, d, c.shared_hidden,
+                  /*gate_up_kept=*/mode == Recompute::kSelective, s.shared);
+  }
+}
+
 #define MOE_INSTANTIATE_MOE_LAYER(T)                                                                                          \
   template MoeLayerStats moe_layer_forward<T>(const MoeLayerConfig&, const MoeTensors<const T*>&, const Experts<T>&, \
                                               const float*, int64_t, uint64_t, T*, MoeLayerSaved<T>&, PhaseTimer*); \
   template void moe_layer_backward<T>(const MoeLayerConfig&, const MoeTensors<const T*>&, const Experts<T>&,       \
-                                      const MoeLayerSaved<T>&, T, T, T*, const MoeTensors<T*>&, PhaseTimer*);
+                                      const MoeLayerSaved<T>&, T, T, T*, const MoeTensors<T*>&, PhaseTimer*); \
+  template int64_t saved_bytes<T>(const MoeLayerSaved<T>&);                                                      \
+  template void swap_recomputed<T>(Recompute, MoeLayerSaved<T>&, MoeLayerSaved<T>&);                             \
+  template void moe_layer_recompute<T>(const MoeLayerConfig&, const MoeTensors<const T*>&, const Experts<T>&,   \
+                                       Recompute, MoeLayerSaved<T>&, PhaseTimer*);
 MOE_INSTANTIATE_MOE_LAYER(float)
 MOE_INSTANTIATE_MOE_LAYER(double)
 #undef MOE_INSTANTIATE_MOE_LAYER

@@ -12,6 +12,7 @@
 
 #include "core/config.h"
 #include "core/phase_timer.h"
+#include "core/recompute.h"
 #include "cpu/router.h"
 #include "model/experts.h"
 #include "model/layout.h"
@@ -82,6 +83,29 @@ template <typename T>
 MoeLayerStats moe_layer_forward(const MoeLayerConfig& c, const MoeTensors<const T*>& w, const Experts<T>& experts,
                                 const float* expert_bias_E, int64_t n, uint64_t routing_seed, T* x_ND,
                                 MoeLayerSaved<T>& saved, PhaseTimer* timer = nullptr);
+
+// Bytes the saved tensors hold (core/recompute.h: held_bytes), the routing and dispatch map included.
+template <typename T>
+int64_t saved_bytes(const MoeLayerSaved<T>& s);
+
+// Activation recomputation (core/recompute.h). Exchanges between a and b the tensors `mode` does
+// not keep: selective norm_ND, experts.x_GD, experts.h_GI, y_sorted_RD and shared.h_NF; full also
+// x_in_ND, rstd_N, experts.gate_up_G2I and shared.gate_up_N2F. Never the routing (router params,
+// logits, scores, top-k ids and weights), the dispatch map or the experts' layout and exchange
+// handle. kNone exchanges nothing.
+template <typename T>
+void swap_recomputed(Recompute mode, MoeLayerSaved<T>& a, MoeLayerSaved<T>& b);
+
+// Recomputes what `mode` does not keep from saved.x_in_ND, the block's input (kept by selective;
+// under full the caller writes it, the recomputed attention block's output), with the saved
+// routing: the norm output (selective with the saved rstd; full rstd too), the dispatched rows,
+// the experts (Experts::recompute: gate/up under full only; under expert parallelism the rows are
+// exchanged again, a collective), the shared expert's gate/up (full only) and SwiGLU output;
+// bitwise the forward's values. The router does not run (no selection, no lb/z losses, no
+// counts) and the block's output is not formed again.
+template <typename T>
+void moe_layer_recompute(const MoeLayerConfig& c, const MoeTensors<const T*>& w, const Experts<T>& experts,
+                         Recompute mode, MoeLayerSaved<T>& saved, PhaseTimer* timer = nullptr);
 
 // dx_ND [N, D] in place: the gradient at the block's output in, at its input out. dlb, dz: the
 // loss's derivatives by this layer's lb_loss and z_loss. dw += ...

@@ -98,7 +98,8 @@ HostState::HostState(const Config& cfg, const RunPlan& plan, const Topology& top
   if (plan.sizes.dp > 1) {
     Comm* expert_comm = plan.sizes.ep > 1 ? topo.ep_dp_comm.get() : nullptr;
     owned = make_shard_groups(model.layout(), *topo.dp_comm, expert_comm);
-    if (plan.zero) {
+    // The GPU step shards on the device and downloads whole moments: its mirror stays replicated.
+    if (plan.zero && plan.device == "cpu") {
       zero = std::make_unique<DistOptimizer>(model.layout(), cfg.optim, *topo.dp_comm, expert_comm);
       // ZeRO-1 keeps the moments only for this rank's shards: release the replicated ones.
       std::vector<float>().swap(opt.exp_avg());

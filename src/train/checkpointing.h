@@ -30,7 +30,8 @@ class DataLoader;
 
 struct HostState {
   // Model (initialised from train.seed), optimizer and shard plans for this rank of `topo`.
-  // With plan.zero the replicated moments are released (the shards hold them).
+  // With plan.zero on cpu the replicated moments are released (the shards hold them); the GPU
+  // step's mirror keeps whole moments (CudaStepRunner gathers its ZeRO-1 shards into them).
   HostState(const Config& cfg, const RunPlan& plan, const Topology& topo);
   HostState(const HostState&) = delete;
   HostState& operator=(const HostState&) = delete;
@@ -39,7 +40,7 @@ struct HostState {
   Model<float> model;
   AdamW opt;
   std::vector<ShardGroup> owned;      // dp > 1: the ranges this rank owns (checkpoint slices, norms)
-  std::unique_ptr<DistOptimizer> zero;  // ZeRO-1 shards (plan.zero), else null
+  std::unique_ptr<DistOptimizer> zero;  // ZeRO-1 shards (plan.zero on cpu), else null
 };
 
 // Resumes from checkpoint.resume ("auto": the run's latest, if any; "none": nothing; a path):

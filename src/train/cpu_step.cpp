@@ -2,7 +2,8 @@
 // HostState's model with the loss scales of the global batch; with dp > 1 the statistics and
 // gradients summed over the data-parallel ranks (ZeRO-1 reduce-scatter, or all-reduce; expert
 // gradients over ep-dp); the global grad norm, skip on non-finite loss or norm, clipping and
-// AdamW (or the ZeRO-1 shards' update and all-gather), then the aux-loss-free bias update.
+// AdamW (or the ZeRO-1 shards' update and all-gather), then the aux-loss-free bias update. The
+// model recomputes activations in backward as train.recompute says (model/model.h: set_recompute).
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <deque>
 
 #include "core/error.h"
+#include "core/recompute.h"
 #include "parallel/comm.h"
 #include "parallel/topology.h"
 #include "train/checkpointing.h"
@@ -40,7 +42,9 @@ double peak_rss_gib() {
 class CpuStep final : public Step {
  public:
   CpuStep(const Config& cfg, const RunPlan& plan, const Topology& topo, HostState& state)
-      : cfg_(cfg), plan_(plan), topo_(topo), s_(state) {}
+      : cfg_(cfg), plan_(plan), topo_(topo), s_(state) {
+    s_.model.set_recompute(parse_recompute(cfg.train.recompute));
+  }
 
   int64_t pending() const override { return int64_t(done_.size()); }
   int64_t in_flight() const override { return 1; }

@@ -11,6 +11,11 @@
 // embedding last), overlapping the backward of the blocks below; otherwise all after backward.
 // Expert parallel: dense flat ranges are summed over dp, expert ranges over ep-dp; the grad norm
 // is sqrt(dense squares + expert squares summed over the ep group), from per-range norms.
+// ZeRO-1 (plan.zero): FlatShardPlan buckets instead of ranges, each reduce-scattered (chunks)
+// and all-reduced (tail) in one NCCL group where the all-reduce would run; the norm from this
+// rank's pieces (one FP64 slot each, all-reduced over dp); AdamW on the shard's segments into
+// compact moments; one group of in-place FP32 all-gathers, then the BF16 copy from the master.
+// grad_reduce_dtype = "bf16": every reduced range passes through a BF16 staging buffer.
 #ifdef MOECORE_HAS_CUDA
 
 #include "train/cuda_step.h"
@@ -22,6 +27,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/recompute.h"
 #include "cuda/event_timer.h"
 #include "cuda/ops/ep_exchange.h"
 #include "cuda/ops/memory.h"
@@ -29,6 +35,7 @@
 #include "cuda/ops/optim.h"
 #include "cuda/ops/step_stats.h"
 #include "model/layout.h"
+#include "optim/flat_shards.h"
 #include "train/routing_seed.h"
 
 namespace moe {
@@ -83,6 +90,25 @@ struct StepShape {
   bool operator==(const StepShape&) const = default;
 };
 
+// The flat spans of the ZeRO-1 plan: without ep the gradient groups of the grads-ready hook (so a
+// bucket is reduced as soon as backward finished it), all over the dp group (0); with ep the dense
+// ranges over dp (0) and the expert ranges over ep-dp (1).
+std::vector<FlatSpan> zero_spans(const ParamLayout& layout, int64_t n_layers, bool expert_parallel) {
+  std::vector<FlatSpan> spans;
+  if (!expert_parallel) {
+    const std::vector<int64_t> starts = grad_group_starts(layout, n_layers);
+    for (size_t g = 0; g < starts.size(); ++g) {
+      const int64_t end = g + 1 < starts.size() ? starts[g + 1] : layout.total_numel();
+      if (end > starts[g]) spans.push_back({starts[g], end, 0});
+    }
+    return spans;
+  }
+  for (const FlatRange& r : flat_ranges(layout, false)) spans.push_back({r.begin, r.end, 0});
+  for (const FlatRange& r : flat_ranges(layout, true)) spans.push_back({r.begin, r.end, 1});
+  std::sort(spans.begin(), spans.end(), [](const FlatSpan& a, const FlatSpan& b) { return a.begin < b.begin; });
+  return spans;
+}
+
 }  // namespace
 
 struct CudaStepRunner::Impl {
@@ -93,7 +119,21 @@ struct CudaStepRunner::Impl {
   cuda::NcclComm* ep_dp = nullptr;
   CudaExpertParallel ep_ctx;
   CudaModel model;
-  cuda::ParamSegmentTable segments;
+  // ZeRO-1 (plan.zero): the flat shard plan over dp (and ep-dp for experts), the communicator of
+  // each of its groups (null: not reduced, the experts when ep = dp), and the pieces whose
+  // squares this rank adds to the norm. exp_avg and exp_avg_sq then hold shards->state_numel()
+  // elements, and `segments` maps this rank's updated pieces to them.
+  bool zero = false;
+  std::unique_ptr<FlatShardPlan> shards;
+  std::vector<cuda::NcclComm*> group_comms;
+  std::vector<FlatPiece> norm_pieces;
+  int64_t norm_slots = 0;      // FP64 entries of shard_squares: 2 per bucket, the same on every rank
+  cuda::DeviceBuffer shard_squares;
+  size_t next_bucket = 0;      // overlap: buckets [0, next_bucket) are not reduced yet
+  // parallel.grad_reduce_dtype = "bf16": each reduced range goes through a BF16 staging buffer.
+  bool bf16_reduce = false;
+  cuda::DeviceBuffer reduce_stage;
+  std::unique_ptr<cuda::ParamSegmentTable> segments;
   cuda::DeviceBuffer exp_avg, exp_avg_sq, norm_ws, opt_scalars;
   size_t norm_ws_bytes = 0;
   // Token ids of the step on the device: inputs [micro * n] then targets [micro * n], int32.
@@ -149,10 +189,38 @@ struct CudaStepRunner::Impl {
     return c;
   }
 
-  Impl(const Config& c, cuda::NcclComm* d, cuda::NcclComm* e, cuda::NcclComm* edp)
+  Impl(const Config& c, bool use_zero, cuda::NcclComm* d, cuda::NcclComm* e, cuda::NcclComm* edp)
       : cfg(c), dp(d), dp_size(d ? d->size() : 1), dp_rank(d ? d->rank() : 0),
         ep(e && e->size() > 1 ? e : nullptr), ep_dp(ep && edp && edp->size() > 1 ? edp : nullptr),
-        ep_ctx(make_ctx(ep)), model(c.model, c.moe, ep ? &ep_ctx : nullptr), segments(model.layout()) {
+        ep_ctx(make_ctx(ep)), model(c.model, c.moe, ep ? &ep_ctx : nullptr) {
+    model.set_recompute(parse_recompute(cfg.train.recompute));
+    zero = use_zero;
+    bf16_reduce = dp != nullptr && cfg.parallel.grad_reduce_dtype == "bf16";
+    const ParamLayout& layout = model.layout();
+    if (zero) {
+      MOE_CHECK(dp != nullptr, "CudaStepRunner: the run plan asks for ZeRO-1 (parallel.zero) but no data-parallel "
+                "NCCL group was given");
+      shards = std::make_unique<FlatShardPlan>(
+          zero_spans(layout, cfg.model.n_layers, ep != nullptr),
+          std::vector<int64_t>{dp_size, ep_dp ? ep_dp->size() : 1}, std::vector<int64_t>{dp_rank, ep_dp ? ep_dp->rank() : 0},
+          kGradBucketElements, ParamLayout::kAlign);
+      group_comms = {dp, ep_dp};
+      norm_pieces = shards->norm_pieces();
+      norm_slots = int64_t(2 * shards->buckets().size());
+      MOE_CHECK(int64_t(norm_pieces.size()) <= norm_slots, "CudaStepRunner: ", norm_pieces.size(),
+                " norm pieces for ", shards->buckets().size(), " buckets");
+      shard_squares.reserve(size_t(std::max<int64_t>(1, norm_slots)) * sizeof(double));
+      std::vector<cuda::ParamSegment> segs;
+      for (const ShardSegment& z : shards->segments(layout))
+        segs.push_back({z.offset, z.numel, z.decay ? 1 : 0, 0, z.state_offset});
+      segments = std::make_unique<cuda::ParamSegmentTable>(std::move(segs), layout.total_numel(), shards->state_numel());
+    } else {
+      segments = std::make_unique<cuda::ParamSegmentTable>(layout);
+    }
+    if (bf16_reduce) {
+      const int64_t stage = zero ? shards->max_bucket_numel() : std::min(kGradBucketElements, layout.total_numel());
+      reduce_stage.reserve(size_t(std::max<int64_t>(1, stage)) * sizeof(uint16_t));
+    }
     if (dp && ep == nullptr && cfg.parallel.overlap_grad_reduce) {
       comm_stream = cuda::stream_create();
       ready_events.resize(size_t(cfg.model.n_layers + 2));
@@ -171,6 +239,8 @@ struct CudaStepRunner::Impl {
   cuda::Stream stream() const { return model.stream(); }
   int64_t generation() const { return model.buffer_generation() + token_reallocations; }
   cuda::OptimStepScalars* opt() const { return opt_scalars.as<cuda::OptimStepScalars>(); }
+  // Elements of each moment buffer: this rank's shard state under ZeRO-1, else the whole layout.
+  int64_t moment_numel() const { return zero ? shards->state_numel() : model.layout().total_numel(); }
   bool overlap_grad_reduce() const { return comm_stream != nullptr; }
   bool graph_allowed() const {
     return use_graph && timer == nullptr && cfg.moe.routing == "learned" && ep == nullptr;
@@ -183,11 +253,80 @@ struct CudaStepRunner::Impl {
   }
 
   // Sums the FP32 gradients at flat offsets [begin, end) over `group` in pieces of at most
-  // kGradBucketElements; only enqueues work on `st`.
+  // kGradBucketElements (bf16_reduce: each piece cast to BF16, summed in BF16, cast back); only
+  // enqueues work on `st`.
   void all_reduce_range(cuda::NcclComm* group, int64_t begin, int64_t end, cuda::Stream st) {
     float* grads = model.grads();
-    for (int64_t at = begin; at < end; at += kGradBucketElements)
-      group->all_reduce_sum(grads + at, std::min(kGradBucketElements, end - at), cuda::NcclDType::kF32, st);
+    for (int64_t at = begin; at < end; at += kGradBucketElements) {
+      const int64_t n = std::min(kGradBucketElements, end - at);
+      if (!bf16_reduce) {
+        group->all_reduce_sum(grads + at, n, cuda::NcclDType::kF32, st);
+      } else {
+        uint16_t* stage = reduce_stage.as<uint16_t>();
+        cuda::cast_f32_to_bf16(grads + at, stage, n, st);
+        group->all_reduce_sum(stage, n, cuda::NcclDType::kBF16, st);
+        cuda::cast_bf16_to_f32(stage, grads + at, n, st);
+      }
+    }
+  }
+
+  // ZeRO-1: one bucket's gradients over its group, in one NCCL group: the scattered part
+  // reduce-scattered in place (this rank's chunk then holds the sum), the tail all-reduced
+  // (bf16_reduce: through the BF16 stage, only the chunk and tail cast back). Only enqueues work.
+  void reduce_scatter_bucket(const FlatBucket& b, cuda::Stream st) {
+    cuda::NcclComm* comm = group_comms[size_t(b.group)];
+    if (comm == nullptr) return;  // experts with ep = dp: already whole on their rank
+    float* grads = model.grads();
+    const int64_t scattered = b.scattered_end() - b.begin;
+    if (!bf16_reduce) {
+      comm->group_start();
+      comm->reduce_scatter_sum(grads + b.begin, b.chunk, cuda::NcclDType::kF32, st);
+      comm->all_reduce_sum(grads + b.scattered_end(), b.tail_numel(), cuda::NcclDType::kF32, st);
+      comm->group_end();
+      return;
+    }
+    uint16_t* stage = reduce_stage.as<uint16_t>();
+    cuda::cast_f32_to_bf16(grads + b.begin, stage, b.end - b.begin, st);
+    comm->group_start();
+    comm->reduce_scatter_sum(stage, b.chunk, cuda::NcclDType::kBF16, st);
+    comm->all_reduce_sum(stage + scattered, b.tail_numel(), cuda::NcclDType::kBF16, st);
+    comm->group_end();
+    cuda::cast_bf16_to_f32(stage + b.group_rank * b.chunk, grads + b.own_begin(), b.chunk, st);
+    cuda::cast_bf16_to_f32(stage + scattered, grads + b.scattered_end(), b.tail_numel(), st);
+  }
+
+  // ZeRO-1 overlap: reduce-scatters, highest first, every bucket not yet reduced that lies at
+  // offsets >= ready_from.
+  void reduce_scatter_buckets_from(int64_t ready_from, cuda::Stream st) {
+    const std::vector<FlatBucket>& buckets = shards->buckets();
+    while (next_bucket > 0 && buckets[next_bucket - 1].begin >= ready_from) reduce_scatter_bucket(buckets[--next_bucket], st);
+    MOE_CHECK(next_bucket == 0 || buckets[next_bucket - 1].end <= ready_from, "CudaStepRunner: ZeRO-1 bucket [",
+              buckets[next_bucket - 1].begin, ", ", buckets[next_bucket - 1].end, ") straddles the gradient group "
+              "starting at ", ready_from);
+  }
+
+  // ZeRO-1 after AdamW: every bucket's updated chunks all-gathered in place in the FP32 master
+  // weights (tails were updated alike on every rank), then the BF16 copy refreshed from them.
+  void all_gather_params(cuda::Stream st) {
+    float* params = model.params();
+    dp->group_start();
+    for (const FlatBucket& b : shards->buckets()) {
+      cuda::NcclComm* comm = group_comms[size_t(b.group)];
+      if (comm != nullptr) comm->all_gather(params + b.begin, b.chunk, cuda::NcclDType::kF32, st);
+    }
+    dp->group_end();
+    cuda::cast_f32_to_bf16(params, model.params_bf16(), model.layout().total_numel(), st);
+  }
+
+  // ZeRO-1: *norm = sqrt(sum over ranks of this rank's norm pieces' squares), each element once.
+  void sharded_grad_norm(cuda::Stream st) {
+    double* parts = shard_squares.as<double>();
+    cuda::device_memset(parts, 0, size_t(norm_slots) * sizeof(double), st);
+    for (size_t i = 0; i < norm_pieces.size(); ++i)
+      cuda::grad_sum_squares(model.grads() + norm_pieces[i].begin, norm_pieces[i].end - norm_pieces[i].begin,
+                             parts + i, norm_ws.data(), norm_ws_bytes, st);
+    dp->all_reduce_sum(parts, norm_slots, cuda::NcclDType::kF64, st);
+    cuda::sqrt_of_sum(parts, norm_slots, &opt()->grad_norm, st);
   }
 
   // CudaModel's hook (overlap): enqueues the all-reduce of the gradients at [ready_from,
@@ -199,7 +338,8 @@ struct CudaStepRunner::Impl {
     const cuda::Event e = ready_events[next_ready_event++];
     cuda::event_record(e, stream());
     cuda::stream_wait_event(comm_stream, e);
-    all_reduce_range(dp, ready_from, reduced_from, comm_stream);
+    if (zero) reduce_scatter_buckets_from(ready_from, comm_stream);
+    else all_reduce_range(dp, ready_from, reduced_from, comm_stream);
     reduced_from = ready_from;
   }
 
@@ -216,9 +356,13 @@ struct CudaStepRunner::Impl {
     dp->group_end();
   }
 
-  // Sums the gradients (after backward) over the data-parallel group; only enqueues work.
+  // Sums the gradients (after backward) over the data-parallel group (ZeRO-1: reduce-scatters
+  // every bucket, highest first); only enqueues work.
   void all_reduce_grads(cuda::Stream st) {
-    if (ep == nullptr) {
+    if (zero) {
+      next_bucket = shards->buckets().size();
+      reduce_scatter_buckets_from(0, st);
+    } else if (ep == nullptr) {
       all_reduce_range(dp, 0, model.layout().total_numel(), st);
     } else {
       // Dense tensors over every rank; local experts over the ranks holding the same experts
@@ -247,6 +391,7 @@ struct CudaStepRunner::Impl {
       if (m + 1 == sh.micro) {
         reduced_from = total;
         next_ready_event = 0;
+        if (zero) next_bucket = shards->buckets().size();
       }
       model.backward();
     }
@@ -265,7 +410,9 @@ struct CudaStepRunner::Impl {
     }
     if (timer) timer->mark(cuda::Phase::kOptimizer);
     cuda::StepStatsRecord* rec = model.stats_record();
-    if (ep == nullptr) {
+    if (zero) {
+      sharded_grad_norm(st);
+    } else if (ep == nullptr) {
       cuda::global_grad_norm(model.grads(), total, &opt()->grad_norm, norm_ws.data(), norm_ws_bytes, st);
     } else {
       // Norm of each range (after the reductions), dense squares (the same on every rank) plus
@@ -286,8 +433,10 @@ struct CudaStepRunner::Impl {
       cuda::sqrt_of_sum(sq, 2, &opt()->grad_norm, st);
     }
     cuda::step_guard_nonfinite_loss(rec, opt(), st);
-    cuda::adamw_step(segments, cfg.optim, model.params(), model.grads(), exp_avg.as<float>(),
-                     exp_avg_sq.as<float>(), model.params_bf16(), opt(), st);
+    // ZeRO-1: this rank's pieces only (moments of its shard), then the gather and the BF16 copy.
+    cuda::adamw_step(*segments, cfg.optim, model.params(), model.grads(), exp_avg.as<float>(),
+                     exp_avg_sq.as<float>(), zero ? nullptr : model.params_bf16(), opt(), st);
+    if (zero) all_gather_params(st);
     if (cfg.moe.bias_update_rate > 0 && model.num_moe_layers() > 0) {
       cuda::expert_bias_update(cuda::step_stats_counts(rec), model.num_moe_layers(), cfg.moe.num_experts,
                                cfg.moe.bias_update_rate, opt(), model.expert_bias(), st);
@@ -408,12 +557,12 @@ CudaStepRunner::CudaStepRunner(const Config& cfg, cuda::NcclComm* dp, cuda::Nccl
 
 CudaStepRunner::CudaStepRunner(const Config& cfg, const RunPlan& plan, cuda::NcclComm* dp, cuda::NcclComm* ep,
                                cuda::NcclComm* ep_dp)
-    : impl_(std::make_unique<Impl>(checked_config(cfg, dp, ep, ep_dp), dp, ep, ep_dp)) {
+    : impl_(std::make_unique<Impl>(checked_config(cfg, dp, ep, ep_dp), plan.zero, dp, ep, ep_dp)) {
   Impl& I = *impl_;
   MOE_CHECK(plan.sizes.dp == I.dp_size && plan.micro_steps > 0, "CudaStepRunner: the run plan is for dp = ",
             plan.sizes.dp, " but the data-parallel NCCL group has ", I.dp_size, " rank(s)");
   const int64_t total = I.model.layout().total_numel();
-  const size_t bytes = size_t(total) * sizeof(float);
+  const size_t bytes = size_t(std::max<int64_t>(1, I.moment_numel())) * sizeof(float);
   I.exp_avg.reserve(bytes);
   I.exp_avg_sq.reserve(bytes);
   I.norm_ws_bytes = cuda::global_grad_norm_workspace_bytes(total);
@@ -478,7 +627,7 @@ double CudaStepRunner::time_grad_all_reduce(double* bytes) {
     int64_t elements = I.model.layout().total_numel();
     if (I.ep && !I.ep_dp)  // experts are not reduced when ep = dp
       for (const FlatRange& r : I.expert_ranges) elements -= r.end - r.begin;
-    *bytes = 4.0 * double(elements);
+    *bytes = (I.bf16_reduce ? 2.0 : 4.0) * double(elements);
   }
   while (I.num_pending > 0) collect();
   cuda::EventTimer timer(I.stream());
@@ -528,12 +677,23 @@ void CudaStepRunner::load_state(const float* params, const float* exp_avg, const
   MOE_CHECK(optimizer_steps >= 0, "CudaStepRunner::load_state: optimizer_steps must be >= 0, got ", optimizer_steps);
   const cuda::Stream st = I.stream();
   cuda::stream_sync(st);
-  const size_t bytes = size_t(I.model.layout().total_numel()) * sizeof(float);
   I.model.load_params(params);
-  if (exp_avg != nullptr) cuda::copy_h2d(I.exp_avg.data(), exp_avg, bytes, st);
-  else cuda::device_memset(I.exp_avg.data(), 0, bytes, st);
-  if (exp_avg_sq != nullptr) cuda::copy_h2d(I.exp_avg_sq.data(), exp_avg_sq, bytes, st);
-  else cuda::device_memset(I.exp_avg_sq.data(), 0, bytes, st);
+  // The moments this rank keeps: the whole layout, or (ZeRO-1) its chunks and the tails.
+  auto load_moments = [&](const float* host, cuda::DeviceBuffer& dev) {
+    if (host == nullptr) {
+      cuda::device_memset(dev.data(), 0, size_t(I.moment_numel()) * sizeof(float), st);
+    } else if (!I.zero) {
+      cuda::copy_h2d(dev.data(), host, size_t(I.moment_numel()) * sizeof(float), st);
+    } else {
+      float* state = dev.as<float>();
+      for (const FlatBucket& b : I.shards->buckets()) {
+        cuda::copy_h2d(state + b.state_chunk, host + b.own_begin(), size_t(b.chunk) * sizeof(float), st);
+        cuda::copy_h2d(state + b.state_tail, host + b.scattered_end(), size_t(b.tail_numel()) * sizeof(float), st);
+      }
+    }
+  };
+  load_moments(exp_avg, I.exp_avg);
+  load_moments(exp_avg_sq, I.exp_avg_sq);
   cuda::OptimStepScalars s{};
   s.step = optimizer_steps;
   cuda::copy_h2d(I.opt_scalars.data(), &s, sizeof(s), st);
@@ -547,8 +707,39 @@ void CudaStepRunner::download_state(float* params, float* exp_avg, float* exp_av
   const size_t bytes = size_t(I.model.layout().total_numel()) * sizeof(float);
   cuda::stream_sync(st);
   if (params != nullptr) cuda::copy_d2h(params, I.model.params(), bytes, st);
-  if (exp_avg != nullptr) cuda::copy_d2h(exp_avg, I.exp_avg.data(), bytes, st);
-  if (exp_avg_sq != nullptr) cuda::copy_d2h(exp_avg_sq, I.exp_avg_sq.data(), bytes, st);
+  // ZeRO-1: each bucket's chunks all-gathered into a device scratch bucket (the layout's order),
+  // the replicated tail after them, then copied out; collective over the groups, so every rank
+  // asks for the same moments (a null pointer on one rank must be null on all).
+  auto download_moments = [&](float* host, const cuda::DeviceBuffer& dev) {
+    if (host == nullptr) return;
+    if (!I.zero) {
+      cuda::copy_d2h(host, dev.data(), bytes, st);
+      return;
+    }
+    cuda::DeviceBuffer scratch;
+    scratch.reserve(size_t(std::max<int64_t>(1, I.shards->max_bucket_numel())) * sizeof(float));
+    float* t = scratch.as<float>();
+    const float* state = dev.as<const float>();
+    cuda::Event gathered = cuda::event_create();
+    try {
+      for (const FlatBucket& b : I.shards->buckets()) {
+        cuda::NcclComm* comm = I.group_comms[size_t(b.group)];
+        const int64_t scattered = b.scattered_end() - b.begin;
+        cuda::copy_d2d(t + b.group_rank * b.chunk, state + b.state_chunk, size_t(b.chunk) * sizeof(float), st);
+        if (comm != nullptr) comm->all_gather(t, b.chunk, cuda::NcclDType::kF32, st);
+        cuda::copy_d2d(t + scattered, state + b.state_tail, size_t(b.tail_numel()) * sizeof(float), st);
+        cuda::event_record(gathered, st);
+        I.wait(gathered, "the ZeRO-1 moment gather of a checkpoint download");
+        cuda::copy_d2h(host + b.begin, t, size_t(b.end - b.begin) * sizeof(float), st);
+      }
+    } catch (...) {
+      cuda::event_destroy(gathered);
+      throw;
+    }
+    cuda::event_destroy(gathered);
+  };
+  download_moments(exp_avg, I.exp_avg);
+  download_moments(exp_avg_sq, I.exp_avg_sq);
   if (optimizer_steps != nullptr) {
     cuda::OptimStepScalars s{};
     cuda::copy_d2h(&s, I.opt_scalars.data(), sizeof(s), st);
@@ -556,6 +747,8 @@ void CudaStepRunner::download_state(float* params, float* exp_avg, float* exp_av
   }
   if (expert_bias != nullptr) *expert_bias = I.model.download_expert_bias();
 }
+
+bool CudaStepRunner::zero() const { return impl_->zero; }
 
 void CudaStepRunner::submit(int64_t step, const std::vector<Batch>& micro, int64_t global_targets, double lr,
                             uint64_t train_seed) {

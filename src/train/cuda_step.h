@@ -8,8 +8,15 @@
 // Data parallel (an NcclComm over dp ranks, one GPU each): every rank runs its micro-batches, then
 // the FP32 gradients and the step statistics are summed over the ranks with NCCL on the model's
 // stream (inside the graph), so every rank computes the same grad norm, skip decision, AdamW
-// update and expert-bias update on replicated state (no ZeRO on GPU); with
-// parallel.overlap_grad_reduce each block's gradients are all-reduced during the last backward.
+// update and expert-bias update on replicated state; with parallel.overlap_grad_reduce each
+// block's gradients are all-reduced during the last backward. parallel.grad_reduce_dtype = "bf16"
+// sums them in BF16 (cast, reduce, cast back).
+// ZeRO-1 (plan.zero: dp > 1 and parallel.zero): the gradients are reduce-scattered instead, in
+// the same buckets and at the same points (optim/flat_shards.h: equal chunks per rank, small tails
+// all-reduced); each rank adds the squares of the elements it owns, one FP64 all-reduce gives the
+// exact global norm; AdamW updates this rank's chunks (moments for them only, plus the tails),
+// then the FP32 master chunks are all-gathered in place and the BF16 copy refreshed, so every
+// rank's FP32 and BF16 weights stay whole and identical. All inside the graph, no host sync.
 // Expert parallel (parallel.ep > 1, NcclComms over the ep and ep-dp groups): the model holds its
 // ep rank's experts and exchanges token rows per MoE layer (CudaModel); dense gradients are summed
 // over dp, expert gradients over ep-dp; the grad norm adds the dense squares (once) and the expert
@@ -39,7 +46,7 @@ class CudaStepRunner {
   // Stats slots in pinned memory: at most this many steps may be submitted and not collected.
   static constexpr int kMaxPending = 4;
 
-  // Gradient all-reduce buckets (FP32 elements): 64 Mi elements, 256 MiB per NCCL call.
+  // Gradient all-reduce and ZeRO-1 buckets (elements): 64 Mi elements, 256 MiB of FP32 per NCCL call.
   static constexpr int64_t kGradBucketElements = int64_t(64) << 20;
 
   // Allocates the model (parameters zero), gradients, moments (zero) and the step buffers for
@@ -53,6 +60,8 @@ class CudaStepRunner {
   // parallel.ep; dp must be given) and the ep-dp group (the ranks holding the same experts; null
   // or size 1 when ep = dp). Expert parallelism turns graph capture off.
   // plan: the run plan of cfg over the dp group's ranks (micro-steps per rank size the buffers).
+  // plan.zero selects ZeRO-1 (it needs the dp group; make_run_plan sets it for dp > 1, and a plan
+  // set to zero with a one-rank group runs the sharded path over that group, as the tests do).
   CudaStepRunner(const Config& cfg, const RunPlan& plan, cuda::NcclComm* dp, cuda::NcclComm* ep,
                  cuda::NcclComm* ep_dp);
   // The same with make_run_plan(cfg, dp ranks, "cuda").
@@ -65,11 +74,13 @@ class CudaStepRunner {
   CudaModel& model();
   // Host state in: FP32 params and moments [layout().total_numel()] (moments may be null: zero),
   // optimizer steps taken, expert bias [MoE layers x E]. Waits for every submitted step, then
-  // for the copies.
+  // for the copies. ZeRO-1: every rank takes the whole moments and keeps its shard of them.
   void load_state(const float* params, const float* exp_avg, const float* exp_avg_sq, int64_t optimizer_steps,
                   const std::vector<float>& expert_bias);
-  // Host state out (waits for every submitted step): the same buffers; any pointer may be null
-  // to skip that part.
+  // Host state out (waits for every submitted step): the same buffers, whole; any pointer may be
+  // null to skip that part. ZeRO-1: the moments are gathered from their owners, so the call is
+  // collective over the data-parallel group (every rank calls it, with the same moment pointers
+  // null or not).
   void download_state(float* params, float* exp_avg, float* exp_avg_sq, int64_t* optimizer_steps,
                       std::vector<float>* expert_bias);
 
@@ -90,6 +101,8 @@ class CudaStepRunner {
   // on any rank (the step is then dropped from the queue; the ids name vocab_size).
   StepStats collect();
   int64_t pending() const;
+  // True when the optimizer runs ZeRO-1 (plan.zero).
+  bool zero() const;
   // Ranks of the data-parallel group (1 without one) and this rank's index in it.
   int64_t dp_size() const;
   int64_t dp_rank() const;
@@ -106,11 +119,12 @@ class CudaStepRunner {
   void set_use_graph(bool on);
   // Graph replays so far (the capturing step's first launch included).
   int64_t graph_launches() const;
-  // Milliseconds of one all-reduce of the whole FP32 gradient buffer over the data-parallel group
-  // (dense over dp, experts over ep-dp), eager on the model's stream as the step without overlap
+  // Milliseconds of one reduction of the whole gradient buffer over the data-parallel group
+  // (dense over dp, experts over ep-dp; all-reduce, or reduce-scatter under ZeRO-1, in
+  // parallel.grad_reduce_dtype), eager on the model's stream as the step without overlap
   // runs it, after the submitted steps are collected. Overwrites the gradients (every step zeroes
   // them first). For the bench's bandwidth figure; needs a dp group. bytes (may be null): the
-  // FP32 bytes each rank reduced.
+  // bytes each rank reduced (4 per element, 2 with BF16 reduction).
   double time_grad_all_reduce(double* bytes = nullptr);
 
  private:

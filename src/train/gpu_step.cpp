@@ -69,7 +69,10 @@ GpuGroups make_gpu_groups(const Config& cfg, const RunPlan& plan, const Topology
     const bool overlap = cfg.parallel.overlap_grad_reduce && plan.sizes.ep == 1;
     out << "data parallel over " << plan.sizes.dp << " GPUs: NCCL " << cuda::nccl_version() << ", gradients all-reduced "
         << (overlap ? "block by block during the last backward (overlapped)" : "after the last backward")
-        << ", replicated AdamW\n"
+        << " in " << cfg.parallel.grad_reduce_dtype
+        << (plan.zero ? "; ZeRO-1: gradients reduce-scattered, AdamW moments sharded over the ranks, FP32 weights "
+                        "all-gathered\n"
+                      : ", replicated AdamW\n")
         << std::flush;
   }
   if (plan.sizes.ep > 1) {
@@ -87,8 +90,9 @@ GpuGroups make_gpu_groups(const Config& cfg, const RunPlan& plan, const Topology
 void check_fits(const RunPlan& plan, const cuda::DeviceInfo& dev) {
   const MemoryEstimate& m = plan.memory;
   MOE_CHECK(m.total() <= double(dev.free_bytes), "this run does not fit on one ", dev.name, ": it needs about ",
-            gib(m.total()), " GiB per GPU (", m.local_params, " parameters x 18 B = ", gib(m.params + m.grads + m.moments),
-            " GiB of FP32 weights, BF16 copy, FP32 gradients and two AdamW moments, plus ~", gib(m.activations() + m.exchange),
+            gib(m.total()), " GiB per GPU (", m.local_params, " parameters: ", gib(m.params + m.grads + m.moments),
+            " GiB of FP32 weights, BF16 copy, FP32 gradients and two AdamW moments",
+            plan.zero ? " (this rank's ZeRO-1 shard)" : "", ", plus ~", gib(m.activations() + m.exchange),
             " GiB of activations for a micro-batch of ", plan.tokens_per_micro_batch, " tokens) but the GPU has ",
             gib(double(dev.free_bytes)), " GiB free of ", gib(double(dev.total_bytes)),
             " GiB; use fewer layers or experts (configs/olmoe-8l.toml fits one H200), split the experts over GPUs "
@@ -128,7 +132,8 @@ class GpuStep final : public Step {
     MOE_CHECK(state_ != nullptr, "GpuStep: no host state to download into (a bench step initialised on the device)");
     MOE_CHECK(runner_->pending() == 0, "GpuStep::sync_host_state: ", runner_->pending(),
               " submitted step(s) not collected; collect them first");
-    if (!all_ranks && topo_.rank != 0) return;
+    // ZeRO-1 gathers the moment shards: a collective, so every rank downloads.
+    if (!all_ranks && topo_.rank != 0 && !runner_->zero()) return;
     int64_t optimizer_steps = 0;
     runner_->download_state(state_->model.params(), state_->opt.exp_avg().data(), state_->opt.exp_avg_sq().data(),
                             &optimizer_steps, &state_->model.expert_bias());

@@ -16,12 +16,17 @@ namespace moe {
 
 namespace {
 
+// kind: the pool it goes to when recomputed (CudaModel holds one pool per block kind: attention
+// blocks, dense MLP blocks, MoE layers with their experts and shared expert).
+enum class Kind { kAttention, kMlp, kMoe };
+
 struct LayerTensor {
   const char* name;
   double bytes;
   bool selective;         // kept under "selective"
   bool full;              // kept under "full"
   bool full_only = false;  // exists only under "full" (the FP32 residual copy)
+  Kind kind = Kind::kAttention;
 };
 
 bool kept_in(const LayerTensor& t, Recompute mode) {
@@ -37,13 +42,14 @@ bool kept_in(const LayerTensor& t, Recompute mode) {
 }
 
 // Layer l's tensors: its attention block, then its dense MLP block or MoE layer.
+// ep > 1: the experts do not recompute their outputs, so selective keeps y_sorted per layer.
 std::vector<LayerTensor> layer_tensors(const ModelConfig& m, const MoeConfig& e, int64_t l, int64_t batch, int64_t seq,
-                                       bool gpu) {
+                                       bool gpu, int64_t ep) {
   const double n = double(batch) * double(seq), d = double(m.d_model), hd = double(m.head_dim());
   const double q = double(m.n_heads) * hd, c = double(m.n_kv_heads) * hd, h = double(m.n_heads);
   const double bf = gpu ? 2.0 : 4.0, f32 = 4.0, i32 = 4.0;
   std::vector<LayerTensor> t = {
-      {"attention.x", n * d * bf, true, true},
+      {"attention.x", n * d * bf, true, !gpu},
       {"attention.norm", n * d * bf, false, false},
       {"attention.rstd", n * f32, true, false},
   };
@@ -61,14 +67,15 @@ std::vector<LayerTensor> layer_tensors(const ModelConfig& m, const MoeConfig& e,
   if (gpu) t.push_back({"attention.x32 (full: FP32 residual)", n * d * f32, false, true, true});
   if (is_dense_layer(m, l)) {
     const double f = double(m.dense_hidden);
-    t.push_back({"mlp.x", n * d * bf, true, false});
-    t.push_back({"mlp.norm", n * d * bf, false, false});
-    t.push_back({"mlp.rstd", n * f32, true, false});
-    t.push_back({"mlp.gate_up", n * 2.0 * f * bf, true, false});
-    t.push_back({"mlp.h", n * f * bf, false, false});
+    t.push_back({"mlp.x", n * d * bf, true, false, false, Kind::kMlp});
+    t.push_back({"mlp.norm", n * d * bf, false, false, false, Kind::kMlp});
+    t.push_back({"mlp.rstd", n * f32, true, false, false, Kind::kMlp});
+    t.push_back({"mlp.gate_up", n * 2.0 * f * bf, true, false, false, Kind::kMlp});
+    t.push_back({"mlp.h", n * f * bf, false, false, false, Kind::kMlp});
     return t;
   }
   const double ne = double(e.num_experts), k = double(e.top_k), r = n * k, inner = double(e.expert_hidden);
+  const size_t first_moe = t.size();
   t.push_back({"moe.x", n * d * bf, true, false});
   t.push_back({"moe.norm", n * d * bf, false, false});
   t.push_back({"moe.rstd", n * f32, true, false});
@@ -80,7 +87,7 @@ std::vector<LayerTensor> layer_tensors(const ModelConfig& m, const MoeConfig& e,
   t.push_back({"moe.sorted_route", r * i32, true, true});
   t.push_back({"moe.route_to_row", r * i32, true, true});
   t.push_back({"moe.x_sorted", r * d * bf, false, false});
-  t.push_back({"moe.y_sorted", r * d * bf, false, false});
+  t.push_back({"moe.y_sorted", r * d * bf, gpu && ep > 1, false});
   t.push_back({"experts.gate_up", r * 2.0 * inner * bf, true, false});
   t.push_back({"experts.h", r * inner * bf, false, false});
   if (e.shared_experts > 0) {
@@ -88,7 +95,12 @@ std::vector<LayerTensor> layer_tensors(const ModelConfig& m, const MoeConfig& e,
     t.push_back({"shared.gate_up", n * 2.0 * f * bf, true, false});
     t.push_back({"shared.h", n * f * bf, false, false});
   }
+  for (size_t i = first_moe; i < t.size(); ++i) t[i].kind = Kind::kMoe;
   return t;
+}
+
+bool gpu_moe_rows_hold(int64_t moe_layers, double dy_sorted_bytes, double attention_scratch_bytes) {
+  return moe_layers > 0 && dy_sorted_bytes >= attention_scratch_bytes;
 }
 
 // Rows per tile of the GPU dispatch map (cuda/ops/moe_dispatch.cu map_tiling: 512 threads, at
@@ -127,13 +139,21 @@ std::vector<MemoryItem> scratch_items(const ModelConfig& m, const MoeConfig& e, 
   s.push_back({"residual.dbranch", n * d * 2.0});
   s.push_back({"residual.dtmp", n * d * 2.0});
   s.push_back({"rmsnorm backward workspace", std::ceil(n / 32.0) * std::max({d, q, c}) * 4.0});
-  s.push_back({"attention backward dattn, dq, dk, dv", (2.0 * n * q + 2.0 * n * c) * 2.0});
-  if (m.qk_norm) s.push_back({"attention backward dq_raw, dk_raw", (n * q + n * c) * 2.0});
-  s.push_back({"attention backward workspace", n * h * 4.0});
+  // Attention backward dattn, dq, dk, dv (with QK-norm dq_raw, dk_raw) and its workspace, each
+  // 256-byte aligned; they borrow the MoE layers' dy_sorted rows when those are large enough
+  // (CudaAttentionBlock::reserve_scratch), else they are a buffer of their own.
+  auto up = [](double b) { return std::ceil(b / 256.0) * 256.0; };
+  const double attn_scratch = 2.0 * up(n * q * 2.0) + 2.0 * up(n * c * 2.0) +
+                              (m.qk_norm ? up(n * q * 2.0) + up(n * c * 2.0) : 0.0) + up(n * h * 4.0);
+  if (gpu_moe_rows_hold(moe_layers, r * d * 2.0, attn_scratch))
+    s.push_back({"attention backward scratch (in moe dy_sorted)", 0.0});
+  else
+    s.push_back({"attention backward scratch and workspace", attn_scratch});
   s.push_back({"cuDNN attention backward plan workspace", cudnn_attention_workspace_bytes(batch, m.n_heads, seq)});
   if (moe_layers > 0) {
     const double mm = double(moe_layers);
-    s.push_back({"moe backward dy_sorted, dx_sorted", 2.0 * r * d * 2.0});
+    // The experts' input gradient overwrites the output gradient rows: one [R, D] buffer.
+    s.push_back({"moe backward dy_sorted", r * d * 2.0});
     s.push_back({"moe backward dtopk_w, dlogits (FP32 + BF16)", n * k * 4.0 + n * ne * 6.0});
     s.push_back({"router and dispatch workspaces",
                  std::min(std::ceil(n / 8.0), 1024.0) * (2.0 * ne + 1.0) * 4.0 + dispatch_workspace_bytes(r, ne)});
@@ -164,39 +184,43 @@ double cudnn_attention_workspace_bytes(int64_t batch, int64_t heads, int64_t seq
 }
 
 ActivationMemory activation_memory(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq,
-                                   int64_t micro_steps, bool gpu, Recompute mode) {
+                                   int64_t micro_steps, bool gpu, Recompute mode, int64_t ep) {
   MOE_CHECK(batch > 0 && seq > 0 && micro_steps > 0, "activation_memory: batch, seq and micro_steps must be > 0, got ",
             batch, ", ", seq, ", ", micro_steps);
   ActivationMemory a;
   a.mode = mode;
   std::vector<std::string> order;  // names in first-seen order
   std::map<std::string, double> kept;
-  std::vector<MemoryItem> largest_pool;
-  double largest = -1;
+  // One pool per block kind, each the largest layer's of that kind.
+  std::array<std::vector<MemoryItem>, 3> largest_pool;
+  std::array<double, 3> largest = {-1, -1, -1};
   for (int64_t l = 0; l < m.n_layers; ++l) {
-    std::vector<MemoryItem> pool;
-    for (const LayerTensor& t : layer_tensors(m, e, l, batch, seq, gpu)) {
+    std::array<std::vector<MemoryItem>, 3> pool;
+    for (const LayerTensor& t : layer_tensors(m, e, l, batch, seq, gpu, ep)) {
       if (t.full_only && mode != Recompute::kFull) continue;
       if (kept_in(t, mode)) {
         if (kept.find(t.name) == kept.end()) order.push_back(t.name);
         kept[t.name] += t.bytes;
       } else {
-        pool.push_back({t.name, t.bytes});
+        pool[size_t(t.kind)].push_back({t.name, t.bytes});
       }
     }
-    if (const double b = sum_bytes(pool); b > largest) largest = b, largest_pool = std::move(pool);
+    for (size_t k = 0; k < 3; ++k)
+      if (const double b = sum_bytes(pool[k]); !pool[k].empty() && b > largest[k])
+        largest[k] = b, largest_pool[k] = std::move(pool[k]);
   }
   for (const std::string& name : order) a.kept.push_back({name, kept[name]});
-  a.pool = std::move(largest_pool);
+  for (std::vector<MemoryItem>& p : largest_pool)
+    for (MemoryItem& i : p) a.pool.push_back(std::move(i));
   a.scratch = scratch_items(m, e, batch, seq, micro_steps, gpu);
   return a;
 }
 
 std::array<ActivationMemory, 3> activation_memory_all_modes(const ModelConfig& m, const MoeConfig& e, int64_t batch,
-                                                             int64_t seq, int64_t micro_steps, bool gpu) {
-  return {activation_memory(m, e, batch, seq, micro_steps, gpu, Recompute::kNone),
-          activation_memory(m, e, batch, seq, micro_steps, gpu, Recompute::kSelective),
-          activation_memory(m, e, batch, seq, micro_steps, gpu, Recompute::kFull)};
+                                                             int64_t seq, int64_t micro_steps, bool gpu, int64_t ep) {
+  return {activation_memory(m, e, batch, seq, micro_steps, gpu, Recompute::kNone, ep),
+          activation_memory(m, e, batch, seq, micro_steps, gpu, Recompute::kSelective, ep),
+          activation_memory(m, e, batch, seq, micro_steps, gpu, Recompute::kFull, ep)};
 }
 
 }  // namespace moe

@@ -4,8 +4,9 @@
 // (its transient vectors are not listed). What a layer keeps per mode is core/recompute.h's
 // contract:
 //   kept   a layer's saved tensors that stay until its backward, summed over all layers;
-//   pool   the tensors a recomputing backward rebuilds, one set for the largest layer (attention
-//          block plus its MLP or MoE block), shared by all layers; empty for "none";
+//   pool   the tensors a recomputing backward rebuilds: one pool per block kind (attention blocks,
+//          dense MLP blocks, MoE layers with their experts), each sized for the largest layer of
+//          its kind and shared by all of them (CudaModel::set_recompute); empty for "none";
 //   scratch the model-wide buffers every mode has once: residual stream and its gradient, backward
 //          scratch and workspaces, the LM head's buffers, the step's token ids.
 // Expert-parallel exchange buffers are not here (RunPlan's MemoryEstimate::exchange).
@@ -42,12 +43,14 @@ struct ActivationMemory {
 
 // batch sequences of seq tokens per micro-batch; micro_steps: micro-batches per step (the step's
 // token ids are on the device at once). gpu: CudaModel's buffers; else Model<float>'s (approximate).
+// ep: the expert-parallel group size (ep > 1: selective keeps the experts' outputs per layer).
 ActivationMemory activation_memory(const ModelConfig& m, const MoeConfig& e, int64_t batch, int64_t seq,
-                                   int64_t micro_steps, bool gpu, Recompute mode);
+                                   int64_t micro_steps, bool gpu, Recompute mode, int64_t ep = 1);
 
 // The three modes, in the order none, selective, full.
 std::array<ActivationMemory, 3> activation_memory_all_modes(const ModelConfig& m, const MoeConfig& e, int64_t batch,
-                                                             int64_t seq, int64_t micro_steps, bool gpu);
+                                                             int64_t seq, int64_t micro_steps, bool gpu,
+                                                             int64_t ep = 1);
 
 // cuDNN's deterministic attention backward plan workspace (bytes) for batch x heads x seq: measured
 // 2,148,532,480 bytes at B 4, S 4096, 16 heads, head_dim 128 (cuDNN 9.14; bench/results/

@@ -141,13 +141,12 @@ StepTime estimate_step(const LayoutPlan& p, Recompute mode, const GpuCeilings& g
   const double shard = p.zero ? p.moments / 8.0 : local;
   t.optimizer = g.ref_optimizer_ms * (8.0 * local + 30.0 * shard) / (38.0 * r.params);
   // Collectives.
-  if (p.zero) {
-    t.grad_reduce = (p.comm.zero_reduce_scatter_sent + p.comm.zero_all_gather_sent) / g.allreduce_bus_bytes_per_s * 1e3;
-  } else {
-    const bool overlap = p.cfg.parallel.overlap_grad_reduce && p.run.sizes.ep == 1;
-    t.grad_reduce = p.comm.dp_allreduce_sent / g.allreduce_bus_bytes_per_s * 1e3 *
-                    (overlap ? g.overlap_paid_fraction : 1.0);
-  }
+  // The gradient reduction (all-reduce, or ZeRO-1's reduce-scatter) overlaps backward under
+  // parallel.overlap_grad_reduce without ep; ZeRO-1's all-gather follows the update.
+  const bool overlap = p.cfg.parallel.overlap_grad_reduce && p.run.sizes.ep == 1;
+  const double paid = overlap ? g.overlap_paid_fraction : 1.0;
+  t.grad_reduce = ((p.comm.dp_allreduce_sent + p.comm.zero_reduce_scatter_sent) * paid + p.comm.zero_all_gather_sent) /
+                  g.allreduce_bus_bytes_per_s * 1e3;
   t.ep_exchange = p.comm.ep_per_step / g.ep_exchange_bytes_per_s * 1e3;
   return t;
 }
@@ -156,10 +155,13 @@ CommVolume comm_volume(const LayoutPlan& p) {
   CommVolume v;
   const RunPlan& run = p.run;
   const double dp = double(run.sizes.dp), ep = double(run.sizes.ep), ep_dp = double(run.ep_dp);
-  const double dense = 4.0 * double(run.memory.dense_params), expert = 4.0 * double(run.memory.expert_params);
+  // Gradients travel in parallel.grad_reduce_dtype (FP32 or BF16), parameters in FP32.
+  const double gbytes = p.cfg.parallel.grad_reduce_dtype == "bf16" ? 2.0 : 4.0;
+  const double dense = gbytes * double(run.memory.dense_params), expert = gbytes * double(run.memory.expert_params);
   if (p.zero) {
     v.zero_reduce_scatter_sent = (dp - 1.0) / dp * dense + (ep_dp - 1.0) / ep_dp * expert;
-    v.zero_all_gather_sent = v.zero_reduce_scatter_sent;
+    v.zero_all_gather_sent = (dp - 1.0) / dp * 4.0 * double(run.memory.dense_params) +
+                             (ep_dp - 1.0) / ep_dp * 4.0 * double(run.memory.expert_params);
   } else {
     if (dp > 1) v.dp_allreduce_buffer += dense;
     if (ep_dp > 1) v.dp_allreduce_buffer += expert;
@@ -252,12 +254,14 @@ LayoutPlan plan_layout(const Config& cfg, const LayoutRequest& layout, double gp
                    std::to_string(cfg.train.micro_batch) + ")";
   }
   p.run = make_run_plan(p.cfg, layout.dp * layout.pp, "cuda");
-  p.zero = p.run.zero_planned;
-  p.moments = p.zero ? p.run.memory.moments_sharded : p.run.memory.moments_replicated;
+  p.zero = p.run.zero;
+  p.moments = p.run.memory.moments;
   p.comm = comm_volume(p);
   p.gpu_memory = gpu_memory_gib * kGiB;
-  const std::array<ActivationMemory, 3> acts = activation_memory_all_modes(
-      p.cfg.model, p.cfg.moe, p.run.micro_batch, p.run.seq_len, p.run.micro_steps, true);
+  std::array<ActivationMemory, 3> acts = activation_memory_all_modes(
+      p.cfg.model, p.cfg.moe, p.run.micro_batch, p.run.seq_len, p.run.micro_steps, true, layout.ep);
+  // The run's own scratch (make_run_plan may add the BF16 reduce stage): every mode has it.
+  for (ActivationMemory& a : acts) a.scratch = p.run.memory.activation.scratch;
   const MemoryEstimate& m = p.run.memory;
   for (size_t i = 0; i < 3; ++i) {
     ModePlan& mp = p.modes[i];
@@ -340,15 +344,12 @@ std::string describe_layout_plan(const LayoutPlan& p, const GpuCeilings& g) {
     total[i] = p.modes[i].memory_total;
   }
   row("activations kept by the layers", kept);
-  row("recompute pool (one layer)", pool);
+  row("recompute pools (one layer per kind)", pool);
   row("scratch and workspaces", scratch);
   if (m.exchange > 0) row("expert exchange buffers", same(m.exchange));
   row("total", total);
   line("  %-38s %11s %11s %11s\n", "fits", p.modes[0].fits ? "yes" : "no", p.modes[1].fits ? "yes" : "no",
        p.modes[2].fits ? "yes" : "no");
-  if (p.zero)
-    line("  (ZeRO-1 moments on the GPU are planned, not yet run: the GPU step keeps replicated moments, %s GiB)\n",
-         gib(m.moments_replicated).c_str());
 
   const ActivationMemory& cur = p.modes[configured].activations;
   line("\nactivations of train.recompute = \"%s\", GiB\n", kModeNames[configured]);
@@ -359,10 +360,10 @@ std::string describe_layout_plan(const LayoutPlan& p, const GpuCeilings& g) {
   const CommVolume& c = p.comm;
   line("\ncommunication per GPU and step, GB sent\n");
   if (p.zero) {
-    line("  ZeRO-1 reduce-scatter (FP32 gradients)        %9s\n", gb(c.zero_reduce_scatter_sent).c_str());
+    line("  ZeRO-1 reduce-scatter (gradients)             %9s\n", gb(c.zero_reduce_scatter_sent).c_str());
     line("  ZeRO-1 all-gather (FP32 parameters)           %9s\n", gb(c.zero_all_gather_sent).c_str());
   } else {
-    line("  DP gradient all-reduce (%s GB FP32 buffer)  %9s\n", gb(c.dp_allreduce_buffer).c_str(),
+    line("  DP gradient all-reduce (%s GB buffer)       %9s\n", gb(c.dp_allreduce_buffer).c_str(),
          gb(c.dp_allreduce_sent).c_str());
   }
   if (run.sizes.ep > 1) {
@@ -434,8 +435,6 @@ std::string describe_enumeration(const Enumeration& e, int64_t gpus, double gpu_
     out += "# do not fit:\n";
     for (const LayoutChoice& c : e.not_fitting) row(c, "-");
   }
-  if (first != nullptr && first->zero)
-    out += "# ZeRO-1 moments (parallel.zero) are planned on the GPU, where the step keeps replicated moments today\n";
   return out;
 }
 

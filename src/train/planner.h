@@ -2,8 +2,8 @@
 // by recompute mode, communication bytes per step by collective, and an estimated step time from
 // the H200 figures of train/ceilings.h; or, given only N GPUs, every layout that fits, best first.
 // Memory comes from make_run_plan (the same MemoryEstimate `moecore train --dry-run` prints) on
-// the cuda backend, with the AdamW moments ZeRO-1-sharded when parallel.zero and dp > 1 (dense over
-// dp, experts over ep-dp = dp / ep). Formulas and their accuracy: docs/planning.md.
+// the cuda backend, the AdamW moments ZeRO-1-sharded when parallel.zero and dp > 1 (dense over dp,
+// experts over ep-dp = dp / ep), as the GPU step shards them. Formulas and their accuracy: docs/planning.md.
 // Pipeline stages are not implemented: a layout with pp > 1 is refused.
 #pragma once
 
@@ -32,9 +32,9 @@ LayoutRequest parse_layout(const std::string& text, int64_t gpus);
 // its buffer, a reduce-scatter or all-gather (p-1)/p; the expert exchange (ep-1)/ep of its rows,
 // uniform routing assumed).
 struct CommVolume {
-  double dp_allreduce_buffer = 0;  // FP32 gradients all-reduced (no ZeRO): dense over dp, experts over ep-dp
+  double dp_allreduce_buffer = 0;  // gradients all-reduced (no ZeRO): dense over dp, experts over ep-dp
   double dp_allreduce_sent = 0;
-  double zero_reduce_scatter_sent = 0;  // ZeRO-1: FP32 gradients reduce-scattered
+  double zero_reduce_scatter_sent = 0;  // ZeRO-1: gradients reduce-scattered (parallel.grad_reduce_dtype)
   double zero_all_gather_sent = 0;      // ZeRO-1: FP32 parameters all-gathered after the update
   double ep_dispatch_fwd_micro = 0, ep_combine_fwd_micro = 0;  // per micro-step, BF16 rows
   double ep_dispatch_bwd_micro = 0, ep_combine_bwd_micro = 0;
@@ -70,8 +70,8 @@ struct LayoutPlan {
   Config cfg;                 // the config as planned (layout and, where needed, the global batch set)
   std::string batch_note;     // non-empty when the global batch was raised for this layout
   RunPlan run;                // make_run_plan(cfg, world, "cuda")
-  bool zero = false;          // ZeRO-1 moments planned (parallel.zero, dp > 1)
-  double moments = 0;         // bytes per GPU as planned (sharded or replicated)
+  bool zero = false;          // ZeRO-1 moments (run.zero: parallel.zero, dp > 1)
+  double moments = 0;         // bytes per GPU (run.memory.moments: sharded or replicated)
   CommVolume comm;
   std::array<ModePlan, 3> modes;  // none, selective, full
   double gpu_memory = 0;      // bytes per GPU the plan fits against

@@ -2,11 +2,12 @@
 // Memory per rank (bytes): cpu holds FP32 weights, gradients and moments (4 + 4 + 8 per local
 // parameter; ZeRO-1 keeps 8 per parameter of this rank's shard: dense / dp + experts / ep-dp)
 // and FP32 activations; cuda holds FP32 master, BF16 copy, FP32 gradients and moments (18 per
-// parameter), BF16 activations, and with ep > 1 the exchange buffers CudaModel adds (received
+// parameter; ZeRO-1 moments 8 per parameter of the shard, as on cpu), BF16 activations, and with ep > 1 the exchange buffers CudaModel adds (received
 // BF16 rows and two int32 maps per MoE layer, two row buffers), plus a host mirror of 16 per parameter.
 // Activations: activation_memory (train/memory_plan.h) for train.recompute.
 #include "train/run_plan.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -35,8 +36,7 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   p.sizes = resolve_parallel(cfg, world_size);
   const int64_t dp = p.sizes.dp, ep = p.sizes.ep;
   p.ep_dp = dp / ep;
-  p.zero_planned = dp > 1 && cfg.parallel.zero;
-  p.zero = device == "cpu" && p.zero_planned;  // GPU runs keep replicated moments
+  p.zero = dp > 1 && cfg.parallel.zero;  // ZeRO-1 on either backend
   p.recompute = recompute;
   p.seq_len = cfg.train.seq_len;
   p.micro_batch = cfg.train.micro_batch;
@@ -63,21 +63,24 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   const double moe_layers = double(num_moe_layers(cfg.model));
   const bool gpu = device == "cuda";
   m.moments_replicated = 8.0 * n;
-  m.moments_sharded = p.zero_planned
+  // ZeRO-1: dense moments over dp, expert moments over ep-dp (either backend).
+  m.moments_sharded = p.zero
                           ? 8.0 * (double(m.dense_params) / double(dp) + double(m.expert_params) / double(p.ep_dp))
                           : m.moments_replicated;
-  m.activation = activation_memory(cfg.model, cfg.moe, p.micro_batch, p.seq_len, p.micro_steps, gpu, recompute);
+  m.activation = activation_memory(cfg.model, cfg.moe, p.micro_batch, p.seq_len, p.micro_steps, gpu, recompute, ep);
+  // GPU data parallel with BF16 gradient sums: the staging buffer of one bucket (64 Mi elements at most).
+  if (gpu && dp > 1 && cfg.parallel.grad_reduce_dtype == "bf16")
+    m.activation.scratch.push_back({"BF16 gradient reduce stage", 2.0 * std::min(n, double(int64_t(64) << 20))});
   m.activations_kept = m.activation.kept_bytes();
   m.activations_pool = m.activation.pool_bytes();
   m.scratch = m.activation.scratch_bytes();
+  m.moments = p.zero ? m.moments_sharded : m.moments_replicated;
   m.grads = 4.0 * n;
   if (!gpu) {
     m.params = 4.0 * n;
-    m.moments = p.zero ? m.moments_sharded : m.moments_replicated;
     if (ep > 1) m.exchange = 2.0 * rows * d * 4.0;  // the send and receive row blocks of one exchange
   } else {
-    m.params = 6.0 * n;  // FP32 master + BF16 copy
-    m.moments = m.moments_replicated;
+    m.params = 6.0 * n;  // FP32 master + BF16 copy (whole on every rank, also under ZeRO-1)
     if (ep > 1) m.exchange = moe_layers * rows * (2.0 * d + 8.0) + 2.0 * rows * 2.0 * d;
     m.host_mirror = 16.0 * n;
   }
@@ -98,8 +101,8 @@ std::string describe_run_plan(const RunPlan& p) {
       "micro-batch, %lld per step\n"
       "# memory estimate   per rank on %s: %.3f GiB total = %.3f weights + %.3f grads + %.3f AdamW moments%s + %.3f "
       "activations of one micro-batch%s (%lld parameters on this rank)\n"
-      "# activations       train.recompute = \"%s\"%s: %.3f GiB = %.3f kept by the layers + %.3f recompute pool "
-      "(one layer) + %.3f model-wide scratch\n",
+      "# activations       train.recompute = \"%s\"%s: %.3f GiB = %.3f kept by the layers + %.3f recompute pools "
+      "(one layer per block kind) + %.3f model-wide scratch\n",
       (long long)p.counts.total_params, (long long)p.counts.active_params, active_pct, p.counts.flops_per_token,
       p.flops_per_step, (long long)p.tokens_per_step, (long long)p.sizes.world, p.device.c_str(),
       (long long)p.sizes.dp, (long long)p.sizes.ep, (long long)p.ep_dp, (long long)p.sizes.pp,

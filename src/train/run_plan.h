@@ -45,8 +45,7 @@ struct RunPlan {
   std::string device;          // "cpu" | "cuda" (resolve_device)
   ParallelSizes sizes;         // world, dp, ep, pp
   int64_t ep_dp = 1;           // ranks holding the same experts: dp / ep
-  bool zero = false;           // ZeRO-1 moment shards in this run (cpu, dp > 1, parallel.zero)
-  bool zero_planned = false;   // dp > 1 and parallel.zero on either backend (moecore plan's figures)
+  bool zero = false;           // ZeRO-1 moment shards (dp > 1, parallel.zero; cpu and cuda)
   Recompute recompute = Recompute::kNone;  // train.recompute
   int64_t seq_len = 0, micro_batch = 0, global_batch = 0;  // tokens, sequences per rank, sequences
   int64_t micro_steps = 0;     // micro-batches per rank per step: global_batch / (dp x micro_batch)

@@ -141,6 +141,7 @@ TEST(RunPlan, GpuMemoryExpertParallelShareAndExchangeBuffers) {
   Config c;
   ASSERT_NO_THROW(c = load_config(std::string(MOECORE_SOURCE_DIR) + "/configs/olmoe-1b-7b.toml", {}));
   c.parallel.ep = 1;  // the config file sets ep = 2
+  c.parallel.zero = false;  // replicated moments: 18 B per local parameter
   c.train.global_batch = 2 * c.train.micro_batch;  // two GPUs
   const RunPlan one = make_run_plan(c, 2, "cuda");
   const double one_state = one.memory.params + one.memory.grads + one.memory.moments;
@@ -157,6 +158,35 @@ TEST(RunPlan, GpuMemoryExpertParallelShareAndExchangeBuffers) {
   EXPECT_DOUBLE_EQ(two.memory.activations(), one.memory.activations());
   EXPECT_DOUBLE_EQ(two.memory.exchange - one.memory.exchange,
                    double(num_moe_layers(c.model)) * rows * (2 * d + 8) + 4 * rows * d);
+}
+
+// ZeRO-1 on GPUs: moments of the dense tensors over dp, of the local experts over ep-dp; the FP32
+// master, BF16 copy and gradients stay whole on every rank.
+TEST(RunPlan, GpuZeroShardsMomentsOverDpAndEpDp) {
+  Config c;
+  ASSERT_NO_THROW(c = load_config(std::string(MOECORE_SOURCE_DIR) + "/configs/olmoe-1b-7b.toml", {}));
+  c.parallel.ep = 2;
+  c.train.global_batch = 4 * c.train.micro_batch;  // four GPUs: dp 4, ep 2, ep-dp 2
+  const RunPlan z = make_run_plan(c, 4, "cuda");
+  c.parallel.zero = false;
+  const RunPlan r = make_run_plan(c, 4, "cuda");
+  EXPECT_TRUE(z.zero);
+  EXPECT_FALSE(r.zero);
+  EXPECT_EQ(z.ep_dp, 2);
+  const ParamLayout layout = build_param_layout(c.model, c.moe, ExpertSlice{0, c.moe.num_experts / 2});
+  double dense = 0, expert = 0;
+  for (const FlatRange& f : flat_ranges(layout, false)) dense += double(f.end - f.begin);
+  for (const FlatRange& f : flat_ranges(layout, true)) expert += double(f.end - f.begin);
+  EXPECT_DOUBLE_EQ(z.memory.moments, 8.0 * (dense / 4 + expert / 2));
+  EXPECT_DOUBLE_EQ(r.memory.moments, 8.0 * double(layout.total_numel()));
+  EXPECT_DOUBLE_EQ(z.memory.params, r.memory.params);
+  EXPECT_DOUBLE_EQ(z.memory.grads, r.memory.grads);
+  EXPECT_NE(describe_run_plan(z).find("ZeRO-1"), std::string::npos);
+  // One GPU: nothing to shard.
+  c.parallel.zero = true;
+  c.parallel.ep = 1;
+  c.train.global_batch = c.train.micro_batch;
+  EXPECT_FALSE(make_run_plan(c, 1, "cuda").zero);
 }
 
 // The batch arithmetic is derived once, for the world size; a bad layout fails with its arithmetic.
@@ -212,9 +242,15 @@ TEST(Cli, BenchOnCpuRecordsSettingsAndPhases) {
   EXPECT_GT(rec.at("phase_ms").at("attention").get<double>(), 0.0);
   EXPECT_GT(rec.at("phase_ms").at("optimizer").get<double>(), 0.0);
   EXPECT_TRUE(rec.at("loss_finite").get<bool>());
-  const CmdResult bad = run_cli("bench --steps 1 --out= --train.recompute=some");
+  // A recompute mode runs and is recorded; a setting the backend cannot honour is refused by name.
+  const std::string json2 = (tmp.root() / "bench-full.json").string();
+  const CmdResult full = run_cli("bench --warmup 0 --steps 1 --json " + json2 + " --train.recompute=full");
+  ASSERT_EQ(full.status, 0) << full.output;
+  std::ifstream f2(json2);
+  EXPECT_EQ(nlohmann::json::parse(f2).at("settings").at("recompute"), "full");
+  const CmdResult bad = run_cli("bench --steps 1 --out= --train.precision=bf16 --train.device=cpu");
   EXPECT_EQ(bad.status, 1);
-  EXPECT_NE(bad.output.find("train.recompute"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("train.precision = \"bf16\""), std::string::npos) << bad.output;
 }
 
 TEST(Cli, BadKeySuggestsNearest) {

@@ -149,6 +149,32 @@ TEST_F(ExpertParallelGpu, StepsFollowOneGpu) {
   expect_follows_one_gpu(c, std::vector<float>(m.expert_bias().size(), 0.0f), "learned routing");
 }
 
+// Expert parallelism with activation recomputation: selective (the experts' h recomputed on the
+// expert side, their outputs kept) and full (the layer's forward again, exchanges included)
+// give bitwise the ep = 2 run without recomputation.
+TEST_F(ExpertParallelGpu, RecomputeMatchesNoRecomputeBitwise) {
+  Config c = dp_step_config();
+  c.parallel.ep = 2;
+  Model<float> m(c.model, c.moe);
+  const std::vector<float> bias(m.expert_bias().size(), 0.0f);
+  CudaStepRunner base(c, g_dp.get(), g_ep.get(), nullptr);
+  const EpRun ref = ep_run(c, base, 3, bias);
+  for (const char* mode : {"selective", "full"}) {
+    Config cr = c;
+    cr.train.recompute = mode;
+    CudaStepRunner runner(cr, g_dp.get(), g_ep.get(), nullptr);
+    const EpRun got = ep_run(cr, runner, 3, bias);
+    ASSERT_EQ(got.steps.size(), ref.steps.size()) << mode;
+    EXPECT_TRUE(same_bits(got.grads_step1, ref.grads_step1)) << mode << ": gradients of step 1";
+    EXPECT_TRUE(same_bits(got.bias, ref.bias)) << mode;
+    for (size_t i = 0; i < ref.steps.size(); ++i) {
+      EXPECT_EQ(got.steps[i].ce_sum, ref.steps[i].ce_sum) << mode << ", step " << i + 1;
+      EXPECT_EQ(got.steps[i].grad_norm, ref.steps[i].grad_norm) << mode << ", step " << i + 1;
+      EXPECT_EQ(got.steps[i].tokens_per_expert, ref.steps[i].tokens_per_expert) << mode << ", step " << i + 1;
+    }
+  }
+}
+
 // Biases push every route onto experts 0-3 (rank 0's): rank 1 receives no rows in any layer, and
 // experts 4-7 have no tokens; nothing else changes.
 TEST_F(ExpertParallelGpu, ExpertsWithoutTokens) {

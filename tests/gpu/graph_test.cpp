@@ -240,6 +240,29 @@ TEST(CudaStep, GraphMatchesEagerAndReplays) {
   }
 }
 
+// Training steps with activation recomputation, captured in the CUDA graph like any step: losses,
+// grad norms, counts, parameters, moments and expert bias bitwise those without recomputation.
+TEST(CudaStep, RecomputeInTheGraphMatchesNoRecomputeBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  Config c = step_config();
+  constexpr int64_t kSteps = 4;
+  const RunResult none = run_steps(c, true, kSteps);
+  for (const char* mode : {"selective", "full"}) {
+    c.train.recompute = mode;
+    const RunResult r = run_steps(c, true, kSteps);
+    EXPECT_TRUE(r.uses_graph) << mode;
+    EXPECT_EQ(r.graph_launches, none.graph_launches) << mode;
+    expect_same_runs(r, none, mode);
+    EXPECT_EQ(r.params, none.params) << mode << ": parameters not bitwise equal";
+    EXPECT_EQ(r.exp_avg, none.exp_avg) << mode;
+    EXPECT_EQ(r.exp_avg_sq, none.exp_avg_sq) << mode;
+    for (size_t i = 0; i < r.steps.size(); ++i) {
+      EXPECT_EQ(r.steps[i].ce_sum, none.steps[i].ce_sum) << mode << " step " << i + 1;
+      EXPECT_EQ(r.steps[i].grad_norm, none.steps[i].grad_norm) << mode << " step " << i + 1;
+    }
+  }
+}
+
 // Evaluation between steps (same shape) keeps the graph; an evaluation of a larger batch
 // reallocates buffers, so the next step runs eagerly and the one after is captured again.
 TEST(CudaStep, EvaluationBetweenStepsAndReallocation) {

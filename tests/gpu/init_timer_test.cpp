@@ -267,7 +267,7 @@ TEST(CudaEventTimer, RefusesStreamCaptureAndNamesPhases) {
   MOE_CUDA_CHECK(cudaStreamEndCapture(s.get(), &graph));
   if (graph != nullptr) MOE_CUDA_CHECK(cudaGraphDestroy(graph));
   const std::vector<std::string> names = {"embedding", "attention", "mlp",         "router",   "dispatch",
-                                          "experts",   "combine",   "lm_head",     "grad_reduce", "optimizer"};
+                                          "experts",   "combine",   "lm_head",     "recompute", "grad_reduce", "optimizer"};
   ASSERT_EQ(names.size(), size_t(cuda::kNumPhases));
   for (int p = 0; p < cuda::kNumPhases; ++p) EXPECT_EQ(cuda::phase_name(cuda::Phase(p)), names[size_t(p)]);
 }

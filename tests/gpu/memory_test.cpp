@@ -1,5 +1,6 @@
 // cuda/ops/memory.h: the FP32 -> BF16 cast and the FP32 residual add with its BF16 copy against
-// host arithmetic (bitwise: one FP32 add, round to nearest even), and the byte copies.
+// host arithmetic (bitwise: one FP32 add, round to nearest even), the BF16 -> FP32 cast against
+// bf16_to_f32, and the byte copies.
 #include <cstring>
 
 #include "core/dtype.h"
@@ -33,6 +34,30 @@ TEST(CudaMemory, CastAndResidualAddMatchHostBitwise) {
     acc.expect_guards_intact("acc");
     acc16.expect_guards_intact("acc_bf16");
     cast16.expect_guards_intact("cast");
+  }
+}
+
+// BF16 -> FP32 (the BF16 gradient reduction's way back) against bf16_to_f32: exact, every code
+// (the 65536 patterns, NaNs included, compared as bits) and a large random buffer.
+TEST(CudaMemory, CastBf16ToF32MatchesHostBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  TestStream s;
+  std::vector<uint16_t> every(65536);
+  for (size_t i = 0; i < every.size(); ++i) every[i] = uint16_t(i);
+  for (const std::vector<uint16_t>& src : {every, random_bf16((int64_t{1} << 20) + 3, 13, 5.0f)}) {
+    const int64_t n = int64_t(src.size());
+    GuardedBuffer<uint16_t> in{src};
+    GuardedBuffer<float> out{n};
+    cuda::cast_bf16_to_f32(in.data(), out.data(), n, s.get());
+    s.sync();
+    const std::vector<float> got = out.download();
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float want = moe::bf16_to_f32(src[size_t(i)]);
+      bad += std::memcmp(&got[size_t(i)], &want, sizeof(float)) != 0;
+    }
+    EXPECT_EQ(bad, 0) << "n=" << n;
+    out.expect_guards_intact("cast_bf16_to_f32 output");
   }
 }
 

@@ -1,7 +1,8 @@
 // The data-parallel machinery on one GPU (part of test_gpu; the two-GPU tests are nccl_test.cpp):
 // the local-rank rule of the launcher variables; a one-rank NCCL communicator whose all-reduce is
 // the identity, so that CudaStepRunner with it (gradient buckets, statistics all-reduce, NCCL calls
-// captured in the step's CUDA graph) reproduces the runner without one bitwise; NcclComm::wait
+// captured in the step's CUDA graph) reproduces the runner without one bitwise, and so does ZeRO-1
+// over it (forced on) against the replicated optimizer, FP32 and BF16 reduction; NcclComm::wait
 // failing after its deadline and aborting the communicator; ep > 1 refused without an ep group.
 #include <chrono>
 #include <cstdlib>
@@ -112,6 +113,68 @@ TEST(NcclOneRank, StepWithCommunicatorMatchesStepWithoutBitwise) {
       EXPECT_EQ(b.graph_launches, graph ? 3 : 0) << what;
     }
   }
+}
+
+// ZeRO-1 over a one-rank group (plan.zero forced on): the sharded path (reduce-scatter bucket by
+// bucket, the norm from the owned pieces and an FP64 all-reduce, AdamW on the shard's segments
+// with compact moments, the FP32 all-gather and the BF16 refresh) must reproduce the replicated
+// step bitwise: parameters, moments (downloaded whole), losses and every statistic, graph on
+// (captured from step 2) and off, overlap on and off. With BF16 reduction both round the same
+// gradients alike (still bitwise), and the loss stays within BF16 tolerance of FP32's.
+TEST(NcclOneRank, ZeroStepMatchesReplicatedStepBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  const Config c = dp_step_config();
+  auto comm = one_rank_comm();
+  std::map<std::string, DpRun> fp32_runs;
+  for (const std::string dtype : {"fp32", "bf16"}) {
+    for (const bool graph : {true, false}) {
+      for (const bool overlap : {true, false}) {
+        Config cc = c;
+        cc.parallel.overlap_grad_reduce = overlap;
+        cc.parallel.grad_reduce_dtype = dtype;
+        const std::string what = dtype + (graph ? ", graph on" : ", graph off") + (overlap ? ", overlap" : ", no overlap");
+        const RunPlan plan = make_run_plan(cc, 1, "cuda");
+        ASSERT_FALSE(plan.zero);  // nothing to shard over one rank unless forced
+        RunPlan sharded_plan = plan;
+        sharded_plan.zero = true;
+        DpRun a, b;
+        {
+          CudaStepRunner replicated(cc, plan, comm.get(), nullptr, nullptr);
+          EXPECT_FALSE(replicated.zero());
+          a = dp_run(cc, replicated, graph, 4);
+        }
+        {
+          CudaStepRunner sharded(cc, sharded_plan, comm.get(), nullptr, nullptr);
+          EXPECT_TRUE(sharded.zero());
+          b = dp_run(cc, sharded, graph, 4);
+        }
+        expect_same_steps(a, b, what + ": ZeRO-1 vs replicated");
+        EXPECT_TRUE(same_bits(a.bias_after_step1, b.bias_after_step1)) << what;
+        EXPECT_EQ(b.graph_launches, graph ? 3 : 0) << what;
+        const std::string key = std::string(graph ? "g" : "e") + (overlap ? "o" : "n");
+        if (dtype == "fp32") {
+          fp32_runs[key] = b;
+        } else {
+          const DpRun& f = fp32_runs[key];
+          ASSERT_EQ(f.steps.size(), b.steps.size()) << what;
+          for (size_t i = 0; i < b.steps.size(); ++i)
+            EXPECT_NEAR(dp_loss(b.steps[i]), dp_loss(f.steps[i]), 2e-2 * dp_loss(f.steps[i])) << what << ", step " << i + 1;
+          EXPECT_EQ(dp_loss(b.steps[0]), dp_loss(f.steps[0])) << what << ": step 1's forward precedes any reduction";
+          EXPECT_FALSE(same_bits(b.params, f.params)) << what << ": BF16 reduction changed nothing";
+        }
+      }
+    }
+  }
+}
+
+TEST(NcclOneRank, ZeroNeedsTheDataParallelGroup) {
+  MOE_SKIP_WITHOUT_GPU();
+  const Config c = dp_step_config();
+  RunPlan plan = make_run_plan(c, 1, "cuda");
+  plan.zero = true;
+  const std::string msg = error_of([&] { CudaStepRunner runner(c, plan, nullptr, nullptr, nullptr); });
+  EXPECT_NE(msg.find("ZeRO-1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("no data-parallel NCCL group"), std::string::npos) << msg;
 }
 
 TEST(NcclOneRank, WaitFailsAfterItsDeadlineAndAbortsTheCommunicator) {

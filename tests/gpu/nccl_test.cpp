@@ -4,7 +4,10 @@
 // (first step almost exactly, expert counts of step 1 exactly, every loss within the BF16 rel 2e-2),
 // the two replicas stay bitwise identical, graph on and off agree bitwise, random routing seeds by
 // the micro-batch's global index; the trainer on 2 GPUs follows 1 GPU, and its rank-0 checkpoint
-// resumes on 1 GPU (same next loss) and on 2 GPUs (bitwise the same run); expert parallelism is tests/gpu/ep_gpu_test.cpp. Every test is skipped,
+// resumes on 1 GPU (same next loss) and on 2 GPUs (bitwise the same run) — with ZeRO-1, the
+// default for dp = 2, so the checkpoint holds the gathered moment shards; ZeRO-1 against the
+// replicated optimizer (step 1 within 1e-6, losses, whole-state download and reload, BF16
+// reduction); expert parallelism is tests/gpu/ep_gpu_test.cpp. Every test is skipped,
 // never passed, unless the job has 2 ranks and 2 GPUs are visible. With 2 ranks an FP32 sum a + b
 // is the same in any order, so the NCCL algorithm cannot change results between graph and eager.
 #include <gtest/gtest.h>
@@ -12,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <sstream>
@@ -23,6 +27,7 @@
 #include "cuda/ops/nccl.h"
 #include "gpu/dp_test_util.h"
 #include "gpu/two_gpu_main.h"
+#include "model/layout.h"
 #include "parallel/comm.h"
 #include "parallel/mpi_test_util.h"
 #include "parallel/nccl_comm.h"
@@ -241,6 +246,118 @@ TEST_F(NcclDataParallel, RandomRoutingSeedsByGlobalMicroBatchIndex) {
   EXPECT_EQ(two.steps[0].tokens_per_expert, one.steps[0].tokens_per_expert);
   EXPECT_NEAR(dp_loss(two.steps[0]), dp_loss(one.steps[0]), 1e-12 * dp_loss(one.steps[0]));
   EXPECT_NEAR(dp_loss(two.steps[1]), dp_loss(one.steps[1]), 2e-2 * dp_loss(one.steps[1]));
+}
+
+// Largest |a - b| / (|b| + floor) over two vectors of one size.
+double worst_rel(const std::vector<float>& a, const std::vector<float>& b, double floor) {
+  double w = 0;
+  for (size_t i = 0; i < a.size(); ++i) w = std::max(w, std::abs(double(a[i]) - double(b[i])) / (std::abs(double(b[i])) + floor));
+  return w;
+}
+
+// ZeRO-1 on 2 GPUs (the default with dp = 2) against the replicated optimizer (parallel.zero =
+// false). With two ranks an FP32 (or BF16) sum a + b is the same in either order, so the
+// reduce-scattered chunks, the all-reduced tails and the all-reduced buffer hold the same
+// gradients bit for bit; the global norm then differs only in the order of its FP64 sums (rel
+// ~1e-16), which can move the FP32 clip factor by one ulp when clipping is active. So after step 1
+// the parameters and moments (downloaded whole: gathered from both ranks) agree within 1e-6
+// relative (bitwise when the norm is below grad_clip); over 6 steps BF16 forwards on those
+// nearly equal weights keep the losses within the 1-vs-2-GPU tolerance. The ZeRO replicas stay
+// bitwise identical across ranks, and the downloaded state loaded into a fresh ZeRO runner (each
+// rank keeping its shard) downloads again bit for bit. BF16 reduction runs, sharded and not, with
+// losses near FP32's.
+TEST_F(NcclDataParallel, ZeroFollowsReplicatedAdamWAndDownloadsWholeState) {
+  const Config z = dp_step_config();
+  ASSERT_TRUE(z.parallel.zero) << "ZeRO-1 is the default";
+  Config r = z;
+  r.parallel.zero = false;
+  {
+    // The shards of this config: buckets per gradient group, tails where a group is not a multiple of 2 x 64.
+    const ParamLayout layout = build_param_layout(z.model, z.moe);
+    int64_t tails = 0;
+    const std::vector<int64_t> starts = grad_group_starts(layout, z.model.n_layers);
+    for (size_t g = 0; g < starts.size(); ++g) {
+      const int64_t end = g + 1 < starts.size() ? starts[g + 1] : layout.total_numel();
+      tails += (end - starts[g]) % (2 * ParamLayout::kAlign) != 0;
+    }
+    if (world().rank() == 0)
+      std::printf("ZeRO-1 plan: %zu gradient groups, %lld with a replicated tail\n", starts.size(), (long long)tails);
+  }
+  // Step 1 alone: the same gradients, one update.
+  DpRun z1, r1;
+  {
+    CudaStepRunner runner(z, &nccl());
+    EXPECT_TRUE(runner.zero());
+    z1 = dp_run(z, runner, /*graph=*/true, 1);
+  }
+  {
+    CudaStepRunner runner(r, &nccl());
+    EXPECT_FALSE(runner.zero());
+    r1 = dp_run(r, runner, /*graph=*/true, 1);
+  }
+  ASSERT_EQ(z1.steps.size(), 1u);
+  ASSERT_EQ(r1.steps.size(), 1u);
+  EXPECT_NEAR(z1.steps[0].grad_norm, r1.steps[0].grad_norm, 1e-12 * r1.steps[0].grad_norm);
+  EXPECT_EQ(z1.steps[0].ce_sum, r1.steps[0].ce_sum);
+  EXPECT_EQ(z1.optimizer_steps, 1);
+  const double wp = worst_rel(z1.params, r1.params, 1e-3), wm = worst_rel(z1.exp_avg, r1.exp_avg, 1e-12),
+               wv = worst_rel(z1.exp_avg_sq, r1.exp_avg_sq, 1e-20);
+  if (world().rank() == 0)
+    std::printf("ZeRO-1 vs replicated after step 1 (grad norm %.6g, clip %.3g): worst rel params %.2e, exp_avg %.2e, "
+                "exp_avg_sq %.2e\n", r1.steps[0].grad_norm, z.optim.grad_clip, wp, wm, wv);
+  EXPECT_LE(wp, 1e-6);
+  EXPECT_LE(wm, 1e-6);
+  EXPECT_LE(wv, 1e-6);
+  if (r1.steps[0].grad_norm < z.optim.grad_clip) {
+    EXPECT_TRUE(same_bits(z1.params, r1.params)) << "no clipping: the update is the same FP32 arithmetic";
+    EXPECT_TRUE(same_bits(z1.exp_avg, r1.exp_avg));
+    EXPECT_TRUE(same_bits(z1.exp_avg_sq, r1.exp_avg_sq));
+  }
+  EXPECT_TRUE(same_bits(rank0_copy(world(), z1.params), z1.params)) << "ZeRO-1 parameters differ between ranks";
+  EXPECT_TRUE(same_bits(rank0_copy(world(), z1.exp_avg), z1.exp_avg)) << "gathered exp_avg differs between ranks";
+
+  // Round trip of the whole state through a fresh ZeRO runner: each rank keeps its shard of it.
+  {
+    CudaStepRunner runner(z, &nccl());
+    runner.load_state(z1.params.data(), z1.exp_avg.data(), z1.exp_avg_sq.data(), z1.optimizer_steps, z1.bias);
+    const size_t n = z1.params.size();
+    std::vector<float> p(n), m(n), v(n);
+    int64_t t = 0;
+    runner.download_state(p.data(), m.data(), v.data(), &t, nullptr);
+    EXPECT_TRUE(same_bits(p, z1.params));
+    EXPECT_TRUE(same_bits(m, z1.exp_avg)) << "exp_avg scattered and gathered back";
+    EXPECT_TRUE(same_bits(v, z1.exp_avg_sq)) << "exp_avg_sq scattered and gathered back";
+    EXPECT_EQ(t, 1);
+  }
+
+  // Six steps, FP32 and BF16 reduction, sharded and replicated.
+  const int64_t steps = 6;
+  std::map<std::string, DpRun> runs;
+  for (const std::string dtype : {"fp32", "bf16"}) {
+    for (const bool sharded : {true, false}) {
+      Config c = sharded ? z : r;
+      c.parallel.grad_reduce_dtype = dtype;
+      CudaStepRunner runner(c, &nccl());
+      runs[dtype + (sharded ? "/zero" : "/replicated")] = dp_run(c, runner, /*graph=*/true, steps);
+    }
+  }
+  const DpRun& ref = runs["fp32/replicated"];
+  for (const auto& [name, run] : runs) {
+    ASSERT_EQ(run.steps.size(), size_t(steps)) << name;
+    EXPECT_EQ(run.graph_launches, steps - 1) << name;
+    double worst = 0;
+    for (int64_t i = 0; i < steps; ++i) {
+      const double a = dp_loss(ref.steps[size_t(i)]), b = dp_loss(run.steps[size_t(i)]);
+      worst = std::max(worst, std::abs(b - a) / a);
+      EXPECT_FALSE(run.steps[size_t(i)].skipped) << name << ", step " << i + 1;
+    }
+    if (world().rank() == 0) std::printf("%s: worst relative loss difference to fp32/replicated %.2e\n", name.c_str(), worst);
+    EXPECT_LE(worst, 2e-2) << name;
+    EXPECT_LT(dp_loss(run.steps.back()), dp_loss(run.steps.front())) << name << ": it trains";
+    EXPECT_TRUE(same_bits(rank0_copy(world(), run.params), run.params)) << name << ": parameters differ between ranks";
+    EXPECT_TRUE(same_bits(rank0_copy(world(), run.exp_avg_sq), run.exp_avg_sq)) << name << ": moments differ between ranks";
+  }
+  EXPECT_FALSE(same_bits(runs["bf16/zero"].params, runs["fp32/zero"].params)) << "BF16 reduction changed nothing";
 }
 
 Config trainer_config(const std::filesystem::path& run) {

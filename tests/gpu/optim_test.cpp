@@ -3,6 +3,8 @@
 // operations in the same order); with clipping, per element within 1e-6 relative. Also: padding
 // never touched, the BF16 copy equals f32_to_bf16(master), skips on NaN/Inf gradients, bitwise
 // reproducible norms (any n, any alignment, beyond 2^31 elements), and a graph replaying steps.
+// ZeRO-1: grad_sum_squares against the CPU sum (its root bitwise the norm), AdamW on a shard's
+// segments with compact moments against the CPU AdamW.
 #include <cmath>
 #include <limits>
 
@@ -10,7 +12,9 @@
 #include "core/config.h"
 #include "cuda/ops/optim.h"
 #include "gpu/gpu_test_util.h"
+#include "core/dtype.h"
 #include "optim/adamw.h"
+#include "optim/flat_shards.h"
 #include "support/parity.h"
 
 namespace moe::testing {
@@ -450,6 +454,98 @@ TEST(AdamW, CapturedStepReplaysLikeEager) {
   h.expect_guards_intact();
 }
 
+// ---------------------------------------------------------------- ZeRO-1 pieces
+
+// grad_sum_squares is global_grad_norm without the root: the CPU twin's sum of squares within
+// 1e-12, and its square root bitwise the device norm of the same n (same blocks, same order).
+TEST(GradSumSquares, MatchesCpuAndItsRootIsTheNorm) {
+  MOE_SKIP_WITHOUT_GPU();
+  for (const int64_t n : {int64_t(1), int64_t(4099), (int64_t{1} << 20) + 7}) {
+    const auto g = random_f32(n, 203, 0.01f);
+    double ref = 0;
+    for (float x : g) ref += double(x) * double(x);
+    GuardedBuffer<float> d_g(g, 4);  // 4-byte aligned: the scalar loads
+    GuardedBuffer<double> sum(1), root(1);
+    const size_t bytes = cuda::global_grad_norm_workspace_bytes(n);
+    GuardedBuffer<uint8_t> ws(static_cast<int64_t>(bytes));
+    TestStream stream;
+    settle_uploads();
+    cuda::grad_sum_squares(d_g.data(), n, sum.data(), ws.data(), bytes, stream.get());
+    cuda::global_grad_norm(d_g.data(), n, root.data(), ws.data(), bytes, stream.get());
+    stream.sync();
+    const double got = sum.download()[0], norm = root.download()[0];
+    EXPECT_NEAR(got, ref, 1e-12 * ref) << "n=" << n;
+    const double r = std::sqrt(got);
+    EXPECT_EQ(std::memcmp(&r, &norm, sizeof(double)), 0) << "n=" << n << ": sqrt(sum) " << r << " vs norm " << norm;
+    sum.expect_guards_intact("sum");
+  }
+}
+
+// AdamW on a shard: the segments of rank 1 of 3 (FlatShardPlan: its chunk and the replicated
+// tail, cut at the layout's entries) with compact moments [state_numel]; and the same segments
+// with their moments shifted by one element (no float4 path). Updated elements are bitwise the
+// CPU AdamW's on the whole layout, moments at their state offsets bitwise the CPU's, and every
+// other element (other ranks' chunks, padding) unchanged.
+TEST(AdamW, ShardedMomentsMatchCpu) {
+  MOE_SKIP_WITHOUT_GPU();
+  const ParamLayout layout = test_layout();
+  const int64_t total = layout.total_numel();
+  const OptimConfig cfg = test_config(/*grad_clip=*/0.0);
+  const FlatShardPlan plan({{0, total, 0}}, {3}, {1}, 1 << 20, 64);
+  for (const int64_t shift : {int64_t(0), int64_t(1)}) {
+    std::vector<cuda::ParamSegment> segs;
+    for (const ShardSegment& z : plan.segments(layout))
+      segs.push_back({z.offset, z.numel, z.decay ? 1 : 0, 0, z.state_offset + shift});
+    ASSERT_GE(segs.size(), 2u);
+    const int64_t state_numel = plan.state_numel() + shift;
+    cuda::ParamSegmentTable table(segs, total, state_numel);
+    EXPECT_EQ(table.states_vec4(), shift == 0);
+    std::vector<float> p0 = random_f32(total, 11, 1.0f);
+    std::vector<float> cpu_p = p0, cpu_m(size_t(total), 0.f), cpu_v(size_t(total), 0.f);
+    GuardedBuffer<float> d_p(p0), d_g(total), d_m(std::vector<float>(size_t(state_numel), 0.f)),
+        d_v(std::vector<float>(size_t(state_numel), 0.f));
+    GuardedBuffer<uint16_t> d_b(std::vector<uint16_t>(size_t(total), 0));
+    GuardedBuffer<cuda::OptimStepScalars> sc(std::vector<cuda::OptimStepScalars>(1));
+    TestStream stream;
+    for (int64_t t = 1; t <= 3; ++t) {
+      const std::vector<float> g = random_f32(total, 100 + uint64_t(t), 0.1f);
+      d_g.upload(g);
+      std::vector<cuda::OptimStepScalars> s = sc.download();
+      s[0].lr = 1e-2 / double(t);
+      s[0].grad_norm = 1.0;
+      sc.upload(s);
+      settle_uploads();
+      cuda::adamw_step(table, cfg, d_p.data(), d_g.data(), d_m.data(), d_v.data(), d_b.data(), sc.data(), stream.get());
+      stream.sync();
+      const AdamWCoefs c = adamw_coefs(cfg, t, 1e-2 / double(t));
+      for (const ParamEntry& e : layout.entries())
+        adamw_update(cpu_p.data() + e.offset, g.data() + e.offset, cpu_m.data() + e.offset, cpu_v.data() + e.offset,
+                     e.numel, c, e.decay);
+    }
+    const std::vector<float> p = d_p.download(), m = d_m.download(), v = d_v.download();
+    const std::vector<uint16_t> b = d_b.download();
+    std::vector<char> updated(size_t(total), 0);
+    size_t bad_p = 0, bad_m = 0, bad_b = 0;
+    for (const cuda::ParamSegment& seg : segs)
+      for (int64_t i = 0; i < seg.numel; ++i) {
+        const size_t f = size_t(seg.offset + i), st = size_t(seg.state_offset + i);
+        updated[f] = 1;
+        bad_p += std::memcmp(&p[f], &cpu_p[f], 4) != 0;
+        bad_m += std::memcmp(&m[st], &cpu_m[f], 4) != 0 || std::memcmp(&v[st], &cpu_v[f], 4) != 0;
+        bad_b += b[f] != f32_to_bf16(cpu_p[f]);
+      }
+    size_t touched = 0;
+    for (int64_t i = 0; i < total; ++i)
+      if (!updated[size_t(i)]) touched += std::memcmp(&p[size_t(i)], &p0[size_t(i)], 4) != 0 || b[size_t(i)] != 0;
+    EXPECT_EQ(bad_p, 0u) << "shift " << shift << ": updated parameters differ from the CPU";
+    EXPECT_EQ(bad_m, 0u) << "shift " << shift << ": moments differ from the CPU's at their state offsets";
+    EXPECT_EQ(bad_b, 0u) << "shift " << shift << ": BF16 copy";
+    EXPECT_EQ(touched, 0u) << "shift " << shift << ": elements outside the shard were written";
+    d_m.expect_guards_intact("exp_avg");
+    d_v.expect_guards_intact("exp_avg_sq");
+  }
+}
+
 // Validation happens on the host before any device call (these run without a GPU).
 TEST(ParamSegmentTable, RejectsOverlapsAndOutOfRangeSegments) {
   auto message = [](std::vector<cuda::ParamSegment> s, int64_t total) -> std::string {
@@ -466,6 +562,19 @@ TEST(ParamSegmentTable, RejectsOverlapsAndOutOfRangeSegments) {
   EXPECT_NE(outside.find("outside the flat buffer of 64 elements"), std::string::npos) << outside;
   const std::string decay = message({{0, 10, 2, 0}}, 64);
   EXPECT_NE(decay.find("decay 2"), std::string::npos) << decay;
+  auto with_state = [](std::vector<cuda::ParamSegment> s, int64_t total, int64_t state) -> std::string {
+    try {
+      cuda::ParamSegmentTable t(std::move(s), total, state);
+    } catch (const moe::Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  const std::string state_out = with_state({{0, 10, 1, 0, 8}}, 64, 16);
+  EXPECT_NE(state_out.find("outside the moment buffers of 16 elements"), std::string::npos) << state_out;
+  const std::string shared = with_state({{0, 10, 1, 0, 0}, {32, 10, 1, 0, 5}}, 64, 16);
+  EXPECT_NE(shared.find("share moments"), std::string::npos) << shared;
+  EXPECT_EQ(with_state({{0, 10, 1, 0, 0}, {32, 10, 1, 0, 10}}, 64, 20), "");
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 // Embedding, RMSNorm, RoPE and cross-entropy: finite-difference gradients in double, forward
-// values against independent formulas, float vs double agreement and error messages.
+// values against independent formulas, float vs double agreement, RMSNorm from a saved rstd and
+// error messages.
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -155,6 +157,28 @@ TEST(RMSNorm, FloatMatchesDouble) {
   EXPECT_LE(float_error(rstdf, rstd), 1e-6);
   EXPECT_LE(float_error(dxf, dx), 1e-5);
   EXPECT_LE(float_error(dwf, dw), 1e-5);
+}
+
+// rmsnorm_apply with the rstd rmsnorm_forward saved writes its y bit for bit (recomputation relies
+// on it), float and double, on an awkward width.
+template <typename T>
+void check_rmsnorm_apply() {
+  const int64_t n = 5, d = 67;
+  const auto xd = random_vector(n * d, 28, 2.0), wd = random_vector(d, 29);
+  const std::vector<T> x(xd.begin(), xd.end()), w(wd.begin(), wd.end());
+  std::vector<T> y(n * d), rstd(n), again(n * d, T(kNaN));
+  cpu::rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), n, d, 1e-5);
+  cpu::rmsnorm_apply(x.data(), w.data(), rstd.data(), again.data(), n, d);
+  EXPECT_EQ(std::memcmp(y.data(), again.data(), y.size() * sizeof(T)), 0);
+  // Another rstd gives another y (the saved rstd is used, not recomputed).
+  for (T& r : rstd) r *= T(2);
+  cpu::rmsnorm_apply(x.data(), w.data(), rstd.data(), again.data(), n, d);
+  EXPECT_NE(std::memcmp(y.data(), again.data(), y.size() * sizeof(T)), 0);
+}
+
+TEST(RMSNorm, ApplyWithSavedRstdIsForwardsOutput) {
+  check_rmsnorm_apply<float>();
+  check_rmsnorm_apply<double>();
 }
 
 // ---------------------------------------------------------------- rope

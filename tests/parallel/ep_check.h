@@ -5,6 +5,8 @@
 // - model: Model<float> with an EP context on this rank's sequences against a 1-rank
 //   Model<float> of the same seed run on every rank's sequences in turn (gradients accumulate),
 //   so every loss term, including the per-micro-batch load-balancing loss, is the same function.
+// - recompute: Model<float> with an EP context under train.recompute selective and full against
+//   none on the same rank, bitwise.
 // Tolerance: kEpTol (support/parity.h), 1e-5 relative (elementwise with a floor of 1e-5 of the
 // tensor's largest value, and normwise); counts and routing exactly.
 #pragma once
@@ -17,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "core/recompute.h"
 #include "core/rng.h"
 #include "cpu/dispatch.h"
 #include "cpu/experts.h"
@@ -272,6 +275,68 @@ inline ModelCheck check_model_case(Comm& world, const ModelCase& c) {
     expect_parity(tag + "grad " + pe.name, g, want, kEpTol);
   }
   return {st.tokens_per_expert};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Activation recomputation under expert parallelism.
+
+// Model<float> with an EP context, train.recompute selective and full against none on the same
+// rank: two micro-batches of different shapes (gradients accumulate), stats, logits and every
+// local gradient bitwise, and less saved memory after forward. Every rank recomputes its MoE
+// blocks' row exchange in backward. Collective over `world`.
+inline void check_model_recompute_case(Comm& world, const ModelCase& c) {
+  const int me = world.rank();
+  const std::string tag = rank_tag(world) + c.name + ": ";
+  ExpertParallelGroups groups = split_expert_parallel(world, c.ep);
+  const ExpertParallel ep = make_expert_parallel(*groups.ep, c.e.num_experts);
+  const int64_t b = c.batch_per_rank;
+  struct Result {
+    std::vector<ForwardStats> stats;
+    std::vector<std::vector<float>> logits;
+    std::vector<int64_t> bytes;
+    std::vector<float> grads;
+  };
+  auto run = [&](Recompute mode) {
+    Model<float> model(c.m, c.e, &ep);
+    model.init_params(c.seed);
+    model.set_recompute(mode);
+    if (c.bias_of) model.expert_bias() = c.bias_of(me, model.num_moe_layers());
+    model.zero_grads();
+    Result r;
+    for (int64_t seq : {c.seq, c.seq + 2}) {
+      std::vector<int32_t> inputs(b * seq), targets(b * seq);
+      for (int64_t i = 0; i < b * seq; ++i) {
+        inputs[i] = static_cast<int32_t>((i * 7 + 3 + 5 * me + seq) % c.m.vocab_size);
+        targets[i] = i % 9 == 4 ? -1 : static_cast<int32_t>((i * 5 + 1 + me) % c.m.vocab_size);
+      }
+      r.stats.push_back(model.forward(inputs.data(), targets.data(), b, seq, c.routing_seed + uint64_t(seq)));
+      r.logits.push_back(model.logits());
+      r.bytes.push_back(model.saved_activation_bytes());
+      model.backward({1.0 / 23, c.e.lb_loss_weight, c.e.z_loss_weight});
+    }
+    r.grads.assign(model.grads(), model.grads() + model.layout().total_numel());
+    return r;
+  };
+  const Result ref = run(Recompute::kNone);
+  for (Recompute mode : {Recompute::kSelective, Recompute::kFull}) {
+    const std::string at = tag + recompute_name(mode) + ": ";
+    const Result r = run(mode);
+    for (size_t i = 0; i < ref.stats.size(); ++i) {
+      const ForwardStats &a = r.stats[i], &e = ref.stats[i];
+      EXPECT_EQ(std::memcmp(&a.ce_sum, &e.ce_sum, sizeof(double)), 0) << at << "ce_sum of micro-batch " << i;
+      EXPECT_EQ(std::memcmp(&a.lb_loss, &e.lb_loss, sizeof(double)), 0) << at << "lb_loss of micro-batch " << i;
+      EXPECT_EQ(std::memcmp(&a.z_loss, &e.z_loss, sizeof(double)), 0) << at << "z_loss of micro-batch " << i;
+      EXPECT_EQ(a.tokens_per_expert, e.tokens_per_expert) << at << "counts of micro-batch " << i;
+      EXPECT_EQ(a.num_routes, e.num_routes) << at;
+      EXPECT_TRUE(r.logits[i] == ref.logits[i] &&
+                  std::memcmp(r.logits[i].data(), ref.logits[i].data(), r.logits[i].size() * sizeof(float)) == 0)
+          << at << "logits of micro-batch " << i;
+      EXPECT_LT(r.bytes[i], ref.bytes[i]) << at << "saved bytes after forward " << i;
+    }
+    ASSERT_EQ(r.grads.size(), ref.grads.size()) << at;
+    EXPECT_EQ(std::memcmp(r.grads.data(), ref.grads.data(), r.grads.size() * sizeof(float)), 0)
+        << at << "gradients differ from recompute none";
+  }
 }
 
 }  // namespace moe::testing

@@ -1,6 +1,7 @@
 // Expert parallelism over MPI: every case of ep_cases.h on the job's world communicator, for
 // each EP size (2 and 4) that divides the world size; run with mpirun -np 2 and -np 4. On a
-// one-rank world the tests skip (the thread-rank variant, ep_thread_test.cpp, runs instead).
+// one-rank world the tests skip (the thread-rank variant, ep_thread_test.cpp, runs instead). With
+// train.recompute selective and full the gradients on each rank equal those of none bitwise.
 // Every rank runs the same collectives in the same order whatever its checks find, so a failure
 // shows as a failed test on that rank, never as a hang.
 #include "ep_cases.h"
@@ -34,6 +35,12 @@ TEST_P(EpMpi, ModelMatchesSingleProcess) {
     const ModelCheck r = check_model_case(world, c);
     expect_model_scenario(world, c, r);
   }
+}
+
+TEST_P(EpMpi, RecomputeGradientsBitwiseEqualToNone) {
+  const int64_t ep = GetParam();
+  if (!world_fits(ep)) GTEST_SKIP() << "needs an MPI world whose size ep = " << ep << " divides (mpirun -np 2 or 4)";
+  for (const ModelCase& c : model_cases(ep)) check_model_recompute_case(world_comm(), c);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ep, EpMpi, ::testing::Values(int64_t{2}, int64_t{4}),

@@ -89,6 +89,13 @@ TEST_P(EpThreads, ModelMatchesSingleProcess) {
   }
 }
 
+TEST_P(EpThreads, RecomputeGradientsBitwiseEqualToNone) {
+  EP_SKIP_UNDER_MPI();
+  const auto [world, ep] = GetParam();
+  for (const ModelCase& c : model_cases(ep))
+    run_thread_ranks(world, [&](Comm& comm) { check_model_recompute_case(comm, c); });
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldEp, EpThreads,
                          ::testing::Values(std::make_pair(2, int64_t{2}), std::make_pair(4, int64_t{2}),
                                            std::make_pair(4, int64_t{4})),

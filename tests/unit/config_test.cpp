@@ -46,8 +46,8 @@ TEST(ConfigKeys, EveryKeyHasItsOwnFieldAndDescription) {
     EXPECT_FALSE(k.description.empty()) << k.name;
     EXPECT_EQ(find_config_key(k.name), &k);
   }
-  // 11 model + 11 moe + 10 train + 9 optim + 5 data + 7 parallel + 4 checkpoint + 1 run + 1 log.
-  EXPECT_EQ(config_keys().size(), 59u);
+  // 11 model + 11 moe + 10 train + 9 optim + 5 data + 8 parallel + 4 checkpoint + 1 run + 1 log.
+  EXPECT_EQ(config_keys().size(), 60u);
   EXPECT_EQ(find_config_key("moe.topk"), nullptr);
   EXPECT_EQ(find_config_key("model.dense_layers")->type, ConfigType::kIntList);
   EXPECT_EQ(find_config_key("train.seed")->type, ConfigType::kUint);
@@ -139,6 +139,10 @@ TEST(ConfigOverride, StringAndEnum) {
   EXPECT_CONTAINS(error_of([] { with({"--optim.schedule=step"}); }), "optim.schedule");
   EXPECT_CONTAINS(error_of([] { with({"--data.token_dtype=int8"}); }), "data.token_dtype");
   EXPECT_CONTAINS(error_of([] { with({"--parallel.ep_backend=deepep"}); }), "parallel.ep_backend");
+  EXPECT_EQ(Config{}.parallel.grad_reduce_dtype, "fp32");
+  EXPECT_EQ(with({"--parallel.grad_reduce_dtype=bf16"}).parallel.grad_reduce_dtype, "bf16");
+  EXPECT_CONTAINS(error_of([] { with({"--parallel.grad_reduce_dtype=fp16"}); }),
+                  "parallel.grad_reduce_dtype: expected one of \"fp32\", \"bf16\", got \"fp16\"");
   EXPECT_CONTAINS(error_of([] { with({"--train.recompute=some"}); }), "train.recompute");
   EXPECT_CONTAINS(error_of([] { with({"--moe.routing=greedy"}); }), "moe.routing");
   EXPECT_CONTAINS(error_of([] { with({"--data.source=web"}); }), "data.source");

@@ -2,7 +2,8 @@
 // partition of 4-element groups (by flat index, so alignment does not change the order) into one
 // partial; one block adds the partials in order and takes the square root. AdamW: a one-thread
 // kernel turns the step's device scalars into FP32 coefficients (or a skip), then one launch walks
-// fixed chunks of the flat buffers and updates the parts of the segments inside each chunk.
+// fixed chunks of the flat buffers and updates the parts of the segments inside each chunk (each
+// segment's moments at its state offset: the flat layout, or a ZeRO-1 shard's compact buffers).
 #pragma once
 
 #include <cmath>
@@ -75,6 +76,16 @@ __global__ void __launch_bounds__(kNormThreads)
   if (threadIdx.x == 0) *norm = sqrt(total);
 }
 
+// One block: *sum = sum of partials[0..num_partials), in grad_norm_from_partials' order.
+__global__ void __launch_bounds__(kNormThreads)
+    grad_sum_from_partials(const double* __restrict__ partials, int num_partials, double* __restrict__ sum) {
+  __shared__ double s_warp[kNormThreads / kWarpSize];
+  double acc = 0.0;
+  for (int i = threadIdx.x; i < num_partials; i += blockDim.x) acc += partials[i];
+  const double total = block_sum_f64(acc, s_warp);
+  if (threadIdx.x == 0) *sum = total;
+}
+
 // Constants of the run, as AdamW::step rounds them.
 struct AdamWConstants {
   double beta1, beta2, weight_decay, grad_clip;  // the config's values (for the bias corrections, decay, clip)
@@ -120,32 +131,34 @@ __device__ __forceinline__ void adamw_element(float& p, float g, float& m, float
   p = __fsub_rn(__fmul_rn(p, decay), __fdiv_rn(__fmul_rn(k.step_size, m), denom));
 }
 
-__device__ __forceinline__ void adamw_scalar(int64_t i, float* __restrict__ p, const float* __restrict__ g,
+// Element i of the flat buffers, its moments at element j.
+__device__ __forceinline__ void adamw_scalar(int64_t i, int64_t j, float* __restrict__ p, const float* __restrict__ g,
                                              float* __restrict__ m, float* __restrict__ v, uint16_t* __restrict__ p_bf16,
                                              float decay, const AdamWCoefficients& k, const AdamWConstants& c) {
-  float pi = p[i], mi = m[i], vi = v[i];
+  float pi = p[i], mi = m[j], vi = v[j];
   adamw_element(pi, g[i], mi, vi, decay, k, c);
   p[i] = pi;
-  m[i] = mi;
-  v[i] = vi;
+  m[j] = mi;
+  v[j] = vi;
   if (p_bf16 != nullptr) p_bf16[i] = f32_to_bf16_bits(pi);
 }
 
-// Elements [4i, 4i + 4): float4 accesses (16-byte aligned FP32 buffers, 8-byte aligned BF16 copy).
-__device__ __forceinline__ void adamw_vec4(int64_t i, float* __restrict__ p, const float* __restrict__ g,
+// Elements [4i, 4i + 4), moments [4j, 4j + 4): float4 accesses (16-byte aligned FP32 buffers,
+// 8-byte aligned BF16 copy).
+__device__ __forceinline__ void adamw_vec4(int64_t i, int64_t j, float* __restrict__ p, const float* __restrict__ g,
                                            float* __restrict__ m, float* __restrict__ v, uint16_t* __restrict__ p_bf16,
                                            float decay, const AdamWCoefficients& k, const AdamWConstants& c) {
   float4 pv = reinterpret_cast<float4*>(p)[i];
   const float4 gv = reinterpret_cast<const float4*>(g)[i];
-  float4 mv = reinterpret_cast<float4*>(m)[i];
-  float4 vv = reinterpret_cast<float4*>(v)[i];
+  float4 mv = reinterpret_cast<float4*>(m)[j];
+  float4 vv = reinterpret_cast<float4*>(v)[j];
   adamw_element(pv.x, gv.x, mv.x, vv.x, decay, k, c);
   adamw_element(pv.y, gv.y, mv.y, vv.y, decay, k, c);
   adamw_element(pv.z, gv.z, mv.z, vv.z, decay, k, c);
   adamw_element(pv.w, gv.w, mv.w, vv.w, decay, k, c);
   reinterpret_cast<float4*>(p)[i] = pv;
-  reinterpret_cast<float4*>(m)[i] = mv;
-  reinterpret_cast<float4*>(v)[i] = vv;
+  reinterpret_cast<float4*>(m)[j] = mv;
+  reinterpret_cast<float4*>(v)[j] = vv;
   if (p_bf16 != nullptr) {
     const uint32_t lo = static_cast<uint32_t>(f32_to_bf16_bits(pv.x)) | (static_cast<uint32_t>(f32_to_bf16_bits(pv.y)) << 16);
     const uint32_t hi = static_cast<uint32_t>(f32_to_bf16_bits(pv.z)) | (static_cast<uint32_t>(f32_to_bf16_bits(pv.w)) << 16);
@@ -190,14 +203,19 @@ __global__ void __launch_bounds__(kAdamWThreads)
       const int64_t end = seg.offset + seg.numel;
       const int64_t hi = end < c1 ? end : c1;
       const float decay = seg.decay ? k.decay : 1.0f;
+      const int64_t shift = seg.state_offset - seg.offset;  // moment index - flat index (kVec4: a multiple of 4)
       if constexpr (kVec4) {
         const int64_t vb = ((lo + 3) / 4) * 4 < hi ? ((lo + 3) / 4) * 4 : hi;
         const int64_t ve = (hi / 4) * 4 > vb ? (hi / 4) * 4 : vb;
-        if (lo + threadIdx.x < vb) adamw_scalar(lo + threadIdx.x, p, g, m, v, p_bf16, decay, k, c);
-        for (int64_t i = vb / 4 + threadIdx.x; i < ve / 4; i += blockDim.x) adamw_vec4(i, p, g, m, v, p_bf16, decay, k, c);
-        if (ve + threadIdx.x < hi) adamw_scalar(ve + threadIdx.x, p, g, m, v, p_bf16, decay, k, c);
+        if (lo + threadIdx.x < vb)
+          adamw_scalar(lo + threadIdx.x, lo + threadIdx.x + shift, p, g, m, v, p_bf16, decay, k, c);
+        for (int64_t i = vb / 4 + threadIdx.x; i < ve / 4; i += blockDim.x)
+          adamw_vec4(i, i + shift / 4, p, g, m, v, p_bf16, decay, k, c);
+        if (ve + threadIdx.x < hi)
+          adamw_scalar(ve + threadIdx.x, ve + threadIdx.x + shift, p, g, m, v, p_bf16, decay, k, c);
       } else {
-        for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) adamw_scalar(i, p, g, m, v, p_bf16, decay, k, c);
+        for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
+          adamw_scalar(i, i + shift, p, g, m, v, p_bf16, decay, k, c);
       }
     }
   }

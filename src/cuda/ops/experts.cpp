@@ -57,6 +57,20 @@ void experts_forward(const uint16_t* x_sorted, const int32_t* expert_offsets, co
   grouped_gemm_forward(h, w_down, expert_offsets, y, max_rows, num_experts, d, inner, stream, backend);
 }
 
+void experts_recompute(const uint16_t* gate_up, const int32_t* expert_offsets, const uint16_t* w_down,
+                       int64_t max_rows, int64_t num_experts, int64_t d, int64_t inner, uint16_t* h, uint16_t* y,
+                       Stream stream, GroupedGemmBackend backend) {
+  const char* op = "cuda::experts_recompute";
+  check_sizes(op, max_rows, num_experts, d, inner);
+  if (max_rows == 0) return;
+  check_ptrs(op, {{"gate_up", gate_up, 0}, {"h", h, 0}});
+  swiglu_forward(gate_up, h, max_rows, inner, stream);
+  if (y == nullptr) return;
+  check_ptrs(op, {{"w_down", w_down, 0}, {"y", y, 0}});
+  MOE_CHECK(expert_offsets != nullptr, op, ": argument 'expert_offsets' is a null device pointer");
+  grouped_gemm_forward(h, w_down, expert_offsets, y, max_rows, num_experts, d, inner, stream, backend);
+}
+
 size_t experts_backward_workspace_bytes(int64_t max_rows, int64_t inner) {
   MOE_CHECK(max_rows >= 0 && inner >= 0, "cuda::experts_backward_workspace_bytes: max_rows and inner must be >= 0, "
             "got ", max_rows, " and ", inner);

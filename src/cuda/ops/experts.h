@@ -39,6 +39,14 @@ void experts_forward(const uint16_t* x_sorted /*[R,D]*/, const int32_t* expert_o
                      uint16_t* y /*[R,D]*/, Stream stream,
                      GroupedGemmBackend backend = GroupedGemmBackend::kAuto);
 
+// Selective recomputation: h = silu(gate) * up from the forward's gate_up and, when y is not null,
+// y = h @ w_down[e]^T, bitwise as experts_forward wrote them (the same SwiGLU and grouped GEMM
+// calls). Same checks and row rules as experts_forward; w_down may be null when y is.
+void experts_recompute(const uint16_t* gate_up /*[R,2I]*/, const int32_t* expert_offsets /*[E+1]*/,
+                       const uint16_t* w_down /*[E,D,I]*/, int64_t max_rows, int64_t num_experts, int64_t d,
+                       int64_t inner, uint16_t* h /*[R,I]*/, uint16_t* y /*[R,D] or null*/, Stream stream,
+                       GroupedGemmBackend backend = GroupedGemmBackend::kAuto);
+
 // Bytes of the backward's workspace: max_rows * 3 * inner BF16 values.
 size_t experts_backward_workspace_bytes(int64_t max_rows, int64_t inner);
 

@@ -209,6 +209,12 @@ __global__ void cast_f32_to_bf16_kernel(const float* src, __nv_bfloat16* dst, in
   }
 }
 
+__global__ void cast_bf16_to_f32_kernel(const __nv_bfloat16* src, float* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    dst[i] = __bfloat162float(src[i]);
+  }
+}
+
 __global__ void residual_add_kernel(float* acc, const __nv_bfloat16* add, __nv_bfloat16* acc_bf16, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     const float v = acc[i] + __bfloat162float(add[i]);
@@ -224,6 +230,13 @@ void cast_f32_to_bf16(const float* src, uint16_t* dst, int64_t n, Stream stream)
   if (n == 0) return;
   cast_f32_to_bf16_kernel<<<grid_for(n), kThreads, 0, stream>>>(src, reinterpret_cast<__nv_bfloat16*>(dst), n);
   check_launch("cast_f32_to_bf16");
+}
+
+void cast_bf16_to_f32(const uint16_t* src, float* dst, int64_t n, Stream stream) {
+  MOE_CHECK(n >= 0, "cast_bf16_to_f32: n must be >= 0, got ", n);
+  if (n == 0) return;
+  cast_bf16_to_f32_kernel<<<grid_for(n), kThreads, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(src), dst, n);
+  check_launch("cast_bf16_to_f32");
 }
 
 void residual_add(float* acc, const uint16_t* add, uint16_t* acc_bf16, int64_t n, Stream stream) {

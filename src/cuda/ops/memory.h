@@ -53,6 +53,8 @@ void stream_wait_event(Stream stream, Event event);  // later work on `stream` w
 
 // dst[i] = bf16(src[i]) (round to nearest even), i < n.
 void cast_f32_to_bf16(const float* src, uint16_t* dst, int64_t n, Stream stream);
+// dst[i] = float(src[i]) (exact), i < n; the CPU twin is bf16_to_f32 (core/dtype.h).
+void cast_bf16_to_f32(const uint16_t* src, float* dst, int64_t n, Stream stream);
 
 // acc[i] += float(add[i]); acc_bf16[i] = bf16(acc[i]) (acc_bf16 may be null), i < n.
 void residual_add(float* acc, const uint16_t* add, uint16_t* acc_bf16, int64_t n, Stream stream);

@@ -1,5 +1,5 @@
 // NCCL communicator of nccl.h: ncclCommInitRank on the current device, in-place ncclAllReduce
-// (sum) on the caller's stream, group calls, and a polling wait on an event that also watches
+// (sum), ncclReduceScatter (sum) and ncclAllGather on the caller's stream, group calls, and a polling wait on an event that also watches
 // ncclCommGetAsyncError and a deadline, aborting the communicator (ncclCommAbort ends its pending
 // kernels) before it throws. Status codes become moe::Error through MOE_NCCL_CHECK.
 #include "cuda/ops/nccl.h"
@@ -133,6 +133,30 @@ void NcclComm::all_reduce_sum(void* data, int64_t n, NcclDType type, Stream stre
   MOE_CHECK(data != nullptr, "NcclComm::all_reduce_sum: null buffer for ", n, " elements");
   MOE_NCCL_CHECK(ncclAllReduce(data, data, static_cast<size_t>(n), nccl_type(type), ncclSum, I.comm,
                                static_cast<cudaStream_t>(stream)));
+}
+
+void NcclComm::reduce_scatter_sum(void* data, int64_t chunk, NcclDType type, Stream stream) {
+  Impl& I = *impl_;
+  I.check_usable("reduce_scatter_sum");
+  MOE_CHECK(chunk >= 0, "NcclComm::reduce_scatter_sum: chunk must be >= 0, got ", chunk);
+  if (chunk == 0) return;
+  MOE_CHECK(data != nullptr, "NcclComm::reduce_scatter_sum: null buffer for ", I.size, " chunks of ", chunk);
+  auto* base = static_cast<unsigned char*>(data);
+  // In place: NCCL's recvbuff = sendbuff + rank x chunk.
+  MOE_NCCL_CHECK(ncclReduceScatter(base, base + I.rank * chunk * nccl_dtype_bytes(type), static_cast<size_t>(chunk),
+                                   nccl_type(type), ncclSum, I.comm, static_cast<cudaStream_t>(stream)));
+}
+
+void NcclComm::all_gather(void* data, int64_t chunk, NcclDType type, Stream stream) {
+  Impl& I = *impl_;
+  I.check_usable("all_gather");
+  MOE_CHECK(chunk >= 0, "NcclComm::all_gather: chunk must be >= 0, got ", chunk);
+  if (chunk == 0) return;
+  MOE_CHECK(data != nullptr, "NcclComm::all_gather: null buffer for ", I.size, " chunks of ", chunk);
+  auto* base = static_cast<unsigned char*>(data);
+  // In place: NCCL's sendbuff = recvbuff + rank x chunk.
+  MOE_NCCL_CHECK(ncclAllGather(base + I.rank * chunk * nccl_dtype_bytes(type), base, static_cast<size_t>(chunk),
+                               nccl_type(type), I.comm, static_cast<cudaStream_t>(stream)));
 }
 
 void NcclComm::all_to_all_v(const void* send, const int64_t* send_counts, const int64_t* send_offsets, void* recv,

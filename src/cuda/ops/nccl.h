@@ -1,7 +1,8 @@
 // NCCL for data and expert parallelism over GPUs, one GPU per process: the device binding of the
 // process, the 128-byte unique id that rank 0 makes and the other ranks receive (over MPI), a
 // communicator over the group on the current device (one per group: dp, ep, ep-dp), in-place sum
-// all-reduces enqueued on a stream (legal inside CUDA graph capture), an all-to-all-v of variable
+// all-reduces, reduce-scatters and all-gathers enqueued on a stream (legal inside CUDA graph
+// capture), an all-to-all-v of variable
 // blocks per peer (grouped ncclSend/ncclRecv), and a wait for device work holding collectives that
 // fails instead of hanging when a peer died. No CUDA or NCCL headers: src/train includes it.
 #pragma once
@@ -52,6 +53,13 @@ class NcclComm {
   // (returns at once; capturable). Every rank calls it with the same n, type and order. The
   // result is bitwise the same on every rank.
   void all_reduce_sum(void* data, int64_t n, NcclDType type, Stream stream);
+  // ZeRO-1's pair, in place over data[0, size() x chunk): reduce_scatter_sum leaves in
+  // data[rank() x chunk, (rank() + 1) x chunk) the sum over ranks of that chunk (the rest of
+  // data is unspecified afterwards); all_gather copies every rank's chunk r (at r x chunk in its
+  // buffer) to r x chunk in every rank's buffer. Enqueued on `stream` (capturable); every rank
+  // calls with the same chunk, type and order. chunk == 0: nothing.
+  void reduce_scatter_sum(void* data, int64_t chunk, NcclDType type, Stream stream);
+  void all_gather(void* data, int64_t chunk, NcclDType type, Stream stream);
   // All-to-all with variable blocks: this rank sends send_counts[p] elements starting at element
   // send_offsets[p] of `send` to peer p and receives recv_counts[p] elements from peer p at element
   // recv_offsets[p] of `recv` (host arrays of size() entries each). One NCCL group of ncclSend /

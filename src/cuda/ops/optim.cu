@@ -1,5 +1,6 @@
 // Optimizer launchers and checked entry points. global_grad_norm: min(1024, ceil(n / 16384))
-// blocks write FP64 partials into the workspace, one block reduces them into *norm. adamw_step:
+// blocks write FP64 partials into the workspace, one block reduces them into *norm (or, for
+// grad_sum_squares, *sum without the root). adamw_step:
 // adamw_prepare_step (one thread) then adamw_update_segments over ceil(total / 4096) chunks; the
 // float4 path when every FP32 buffer is 16-byte and the BF16 copy 8-byte aligned.
 #include "cuda/ops/optim.h"
@@ -62,6 +63,32 @@ void global_grad_norm(const float* grads, int64_t n, double* norm, void* workspa
   check_launch("grad_norm_from_partials");
 }
 
+void grad_sum_squares(const float* grads, int64_t n, double* sum, void* workspace, size_t workspace_bytes,
+                      Stream stream) {
+  const char* op = "cuda::grad_sum_squares";
+  MOE_CHECK(n >= 0, op, ": expected n >= 0, got n=", n);
+  detail::check_ptrs(op, {{"sum", sum}}, sizeof(double));
+  if (n == 0) {
+    MOE_CUDA_CHECK(cudaMemsetAsync(sum, 0, sizeof(double), stream));
+    return;
+  }
+  detail::check_ptrs(op, {{"grads", grads}}, sizeof(float));
+  detail::check_ptrs(op, {{"workspace", workspace}}, sizeof(double));
+  const size_t need = global_grad_norm_workspace_bytes(n);
+  MOE_CHECK(workspace_bytes >= need, op, ": workspace of ", workspace_bytes, " bytes is too small, need ", need,
+            " (global_grad_norm_workspace_bytes(", n, "))");
+  double* partials = static_cast<double*>(workspace);
+  const int blocks = norm_blocks(n);
+  if (detail::aligned16(grads)) {
+    kernels::grad_sum_squares_block_partials<true><<<blocks, kNormThreads, 0, stream>>>(grads, n, partials);
+  } else {
+    kernels::grad_sum_squares_block_partials<false><<<blocks, kNormThreads, 0, stream>>>(grads, n, partials);
+  }
+  check_launch("grad_sum_squares_block_partials");
+  kernels::grad_sum_from_partials<<<1, kNormThreads, 0, stream>>>(partials, blocks, sum);
+  check_launch("grad_sum_from_partials");
+}
+
 ParamSegmentTable::ParamSegmentTable(const ParamLayout& layout)
     : ParamSegmentTable(
           [&layout] {
@@ -72,10 +99,12 @@ ParamSegmentTable::ParamSegmentTable(const ParamLayout& layout)
           }(),
           layout.total_numel()) {}
 
-ParamSegmentTable::ParamSegmentTable(std::vector<ParamSegment> segments, int64_t total_numel)
-    : host_(std::move(segments)), total_numel_(total_numel) {
+ParamSegmentTable::ParamSegmentTable(std::vector<ParamSegment> segments, int64_t total_numel, int64_t state_numel)
+    : host_(std::move(segments)), total_numel_(total_numel), state_numel_(state_numel < 0 ? total_numel : state_numel) {
   const char* what = "cuda::ParamSegmentTable";
   MOE_CHECK(total_numel_ >= 0, what, ": expected total_numel >= 0, got ", total_numel_);
+  for (ParamSegment& s : host_)
+    if (s.state_offset == -1) s.state_offset = s.offset;
   MOE_CHECK(host_.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()), what, ": ", host_.size(),
             " segments exceed 2^31 - 1");
   int64_t prev_end = 0;
@@ -87,8 +116,19 @@ ParamSegmentTable::ParamSegmentTable(std::vector<ParamSegment> segments, int64_t
     MOE_CHECK(s.offset >= prev_end, what, ": segment ", i, " starts at ", s.offset,
               " inside the previous one (ending at ", prev_end, "): segments must be sorted and disjoint");
     MOE_CHECK(s.decay == 0 || s.decay == 1, what, ": segment ", i, " has decay ", s.decay, ", expected 0 or 1");
+    MOE_CHECK(s.state_offset >= 0 && s.state_offset <= state_numel_ - s.numel, what, ": segment ", i,
+              " keeps its moments at ", s.state_offset, " (", s.numel, " elements), outside the moment buffers of ",
+              state_numel_, " elements");
     prev_end = s.offset + s.numel;
+    if ((s.state_offset - s.offset) % 4 != 0) states_vec4_ = false;
   }
+  // Moment ranges pairwise disjoint (sorted copies: a segment's moments are written by it alone).
+  std::vector<std::pair<int64_t, int64_t>> states;
+  for (const ParamSegment& s : host_) states.emplace_back(s.state_offset, s.state_offset + s.numel);
+  std::sort(states.begin(), states.end());
+  for (size_t i = 1; i < states.size(); ++i)
+    MOE_CHECK(states[i].first >= states[i - 1].second, what, ": two segments share moments at ", states[i].first,
+              ": every segment needs its own moment range");
   if (!host_.empty()) {
     const size_t bytes = host_.size() * sizeof(ParamSegment);
     MOE_CUDA_CHECK(cudaMalloc(&device_, bytes));
@@ -136,8 +176,9 @@ void adamw_step(const ParamSegmentTable& segments, const OptimConfig& cfg, float
 
   const int64_t chunks = (total + kAdamWChunk - 1) / kAdamWChunk;
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(chunks, detail::kMaxGridX));
-  const bool vec4 = detail::aligned16(params) && detail::aligned16(grads) && detail::aligned16(exp_avg) &&
-                    detail::aligned16(exp_avg_sq) && (params_bf16 == nullptr || aligned_to(params_bf16, 8));
+  const bool vec4 = segments.states_vec4() && detail::aligned16(params) && detail::aligned16(grads) &&
+                    detail::aligned16(exp_avg) && detail::aligned16(exp_avg_sq) &&
+                    (params_bf16 == nullptr || aligned_to(params_bf16, 8));
   if (vec4) {
     kernels::adamw_update_segments<true><<<blocks, kAdamWThreads, 0, stream>>>(
         segments.device_segments(), num_segs, total, params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, c);

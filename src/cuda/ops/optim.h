@@ -1,7 +1,9 @@
 // The optimizer step on the GPU, same math as optim/adamw.h on flat FP32 buffers laid out by a
 // ParamLayout: global_grad_norm (FP64 sum of squares, deterministic two-pass reduction), then
 // adamw_step (clip factor, skip on a non-finite norm, bias corrections, the AdamW update of every
-// segment in one launch, and the BF16 copy of the parameters). Every per-step scalar lives in
+// segment in one launch, and the BF16 copy of the parameters). The moments may be a ZeRO-1
+// shard's compact buffers (ParamSegment::state_offset); grad_sum_squares gives the shard's part
+// of the squared norm. Every per-step scalar lives in
 // device memory (OptimStepScalars), so a captured graph replays each step with new values.
 #pragma once
 
@@ -28,14 +30,24 @@ size_t global_grad_norm_workspace_bytes(int64_t n);
 void global_grad_norm(const float* grads, int64_t n, double* norm, void* workspace, size_t workspace_bytes,
                       Stream stream);
 
+// *sum (device FP64) = sum_i grads[i]^2: global_grad_norm without the square root, the same
+// blocks, partials and order (so sqrt of it is bitwise global_grad_norm's result for the same n).
+// The ZeRO-1 step adds these over the ranges a rank owns, all-reduced over the ranks. Same
+// workspace as global_grad_norm.
+void grad_sum_squares(const float* grads, int64_t n, double* sum, void* workspace, size_t workspace_bytes,
+                      Stream stream);
+
 // The segments AdamW updates, validated on the host (sorted by offset, non-overlapping, inside
-// [0, total_numel), decay 0 or 1) and copied once to the device. Elements outside every segment
-// (the layout's alignment padding) are never read or written.
+// [0, total_numel), decay 0 or 1; moments inside [0, state_numel), pairwise disjoint) and copied
+// once to the device. Elements outside every segment (the layout's alignment padding, or what
+// another ZeRO-1 rank updates) are never read or written.
 class ParamSegmentTable {
  public:
   // Every entry of the layout, in layout order; total_numel = layout.total_numel().
   explicit ParamSegmentTable(const ParamLayout& layout);
-  ParamSegmentTable(std::vector<ParamSegment> segments, int64_t total_numel);
+  // state_numel: elements of the moment buffers (-1: total_numel, moments laid out like the
+  // parameters); a segment's state_offset of -1 becomes its offset.
+  ParamSegmentTable(std::vector<ParamSegment> segments, int64_t total_numel, int64_t state_numel = -1);
   ~ParamSegmentTable();
   ParamSegmentTable(const ParamSegmentTable&) = delete;
   ParamSegmentTable& operator=(const ParamSegmentTable&) = delete;
@@ -43,10 +55,14 @@ class ParamSegmentTable {
   const std::vector<ParamSegment>& segments() const { return host_; }
   const ParamSegment* device_segments() const { return device_; }
   int64_t total_numel() const { return total_numel_; }  // extent of the flat buffers, in elements
+  int64_t state_numel() const { return state_numel_; }  // extent of the moment buffers, in elements
+  // True when every segment's state_offset - offset is a multiple of 4 (the float4 path may run).
+  bool states_vec4() const { return states_vec4_; }
 
  private:
   std::vector<ParamSegment> host_;
-  int64_t total_numel_ = 0;
+  int64_t total_numel_ = 0, state_numel_ = 0;
+  bool states_vec4_ = true;
   ParamSegment* device_ = nullptr;
 };
 
@@ -55,9 +71,11 @@ class ParamSegmentTable {
 // (params, moments, BF16 copy and step unchanged; skipped = 1, num_skipped += 1); otherwise
 // step += 1, clip factor = grad_clip / (norm + 1e-6) when grad_clip > 0 and norm > grad_clip (else
 // 1), g = FP32(g * factor), then m, v, params. grads are read only (clip_grads scales them in place
-// on the CPU). params_bf16 (may be null) receives bf16(params) of every updated element. All flat
-// buffers have segments.total_numel() elements, FP32 ones 4-byte and BF16 2-byte aligned (16 and 8
-// take the vector path). Two launches, no host synchronisation: capturable in a CUDA graph.
+// on the CPU). params_bf16 (may be null) receives bf16(params) of every updated element. params,
+// grads and params_bf16 have segments.total_numel() elements, exp_avg and exp_avg_sq
+// segments.state_numel() (element offset + i of a segment uses moment state_offset + i), FP32
+// ones 4-byte and BF16 2-byte aligned (16 and 8, with states_vec4(), take the vector path). Two
+// launches, no host synchronisation: capturable in a CUDA graph.
 void adamw_step(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
                 float* exp_avg, float* exp_avg_sq, uint16_t* params_bf16, OptimStepScalars* scalars, Stream stream);
 
