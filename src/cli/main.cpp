@@ -1,10 +1,13 @@
-// moecore command-line entry point: train (and --dry-run), bench, inspect, export-hf, import-hf,
-// logits, tokenize, version. Every command's arguments go through one parser (cli/args.h).
+// moecore command-line entry point: train (and --dry-run), plan, bench, inspect, export-hf,
+// import-hf, logits, tokenize, version. Every command's arguments go through one parser (cli/args.h).
 // Every error reaches the user as one "error: ..." line and exit status 1 (a mistake in the
 // command line also prints the command's usage line); in a multi-process job as "[rank r]
 // error: ..." followed by an abort of every rank (MPI_Abort; over TCP the rank exits and its
 // peers fail on the closed connections). No command, or an unknown one, exits with status 2.
+#include <algorithm>
 #include <climits>
+#include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -27,6 +30,7 @@
 #include "train/bench.h"
 #include "train/device.h"
 #include "train/model_state.h"
+#include "train/planner.h"
 #include "train/run_plan.h"
 #include "train/trainer.h"
 
@@ -51,6 +55,10 @@ constexpr const char* kUsage =
     "  train [CONFIG.toml] [--section.key=value ...]   train a model (no CONFIG: the embedded default)\n"
     "  train --dry-run [--world N] ...                 print the resolved config and the run plan: layout,\n"
     "                                                  batch arithmetic, FLOPs, memory per rank (N ranks)\n"
+    "  plan [CONFIG.toml] [--gpus N] [--layout dp=N,ep=N,pp=N] [--gpu-memory GiB] [--json]\n"
+    "                                                  per-GPU memory by part and recompute mode, communication\n"
+    "                                                  and step time of a layout; with --gpus N alone every\n"
+    "                                                  layout that fits, best first (docs/planning.md)\n"
     "  bench [CONFIG.toml] [--warmup N] [--steps N] [--out DIR | --json PATH] [--section.key=value ...]\n"
     "                                                  time warm training steps: tokens/s, TFLOP/s, phases, memory\n"
     "  inspect CHECKPOINT_DIR                          print a checkpoint's step, config and tensors\n"
@@ -138,6 +146,60 @@ int cmd_train(const ParsedArgs& a) {
   else if (s.final_eval_loss >= 0)
     std::printf(", eval loss %.4f", s.final_eval_loss);
   std::printf(", %.1f s; checkpoint %s\n", s.wall_s, s.last_checkpoint.c_str());
+  return 0;
+}
+
+const CommandSpec kPlan{
+    "plan",
+    {"CONFIG.toml"},
+    0,
+    true,
+    {{"--config", "PATH", "the config file (instead of the positional CONFIG.toml)"},
+     {"--gpus", "N", "plan N GPUs; without --layout: every layout (dp = N, ep dividing it) x recompute mode that fits"},
+     {"--layout", "dp=N,ep=N,pp=N", "plan this layout (pp = 1: pipeline stages are not implemented yet)"},
+     {"--gpu-memory", "GiB", "usable memory per GPU (default 139.8: an H200)"},
+     {"--json", "", "print the plan as JSON"}},
+    "Plans the run on the cuda backend (BF16) without a GPU: per-GPU memory by part (BF16 weights,\n"
+    "FP32 master, gradients, AdamW moments replicated or ZeRO-1-sharded, activations for each recompute\n"
+    "mode side by side, exchange buffers, scratch), bytes per step of each collective, and a step time\n"
+    "estimated from op rates measured on an H200 (src/train/ceilings.h). The layout comes from\n"
+    "--layout, else from the config's parallel keys (parallel.dp = 0: dp = parallel.ep, one GPU by\n"
+    "default). When dp x micro_batch does\n"
+    "not divide train.global_batch, the plan raises the global batch to the least multiple that it\n"
+    "does and says so. Formulas, sources and accuracy: docs/planning.md.\n"};
+
+// A positive, finite number of GiB.
+double parse_gib(const std::string& flag, const std::string& text) {
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || end != text.c_str() + text.size() || !(v > 0) || !std::isfinite(v))
+    usage_fail(flag, ": expected a positive number of GiB, got '", text, "'");
+  return v;
+}
+
+int cmd_plan(const ParsedArgs& a) {
+  const std::string path = config_path(a);
+  const int64_t gpus = a.int_or("--gpus", 0, 1, kMaxRanks);
+  const double mem = a.has("--gpu-memory") ? parse_gib("--gpu-memory", *a.value("--gpu-memory"))
+                                           : h200_ceilings().memory_gib;
+  const bool json = a.has("--json");
+  const Config cfg = load_config(path, a.overrides);
+  if (gpus > 0 && !a.has("--layout")) {
+    const Enumeration e = enumerate_layouts(cfg, gpus, mem);
+    std::cout << (json ? enumeration_json(e, gpus, mem).dump(1) + "\n" : describe_enumeration(e, gpus, mem));
+    return 0;
+  }
+  LayoutRequest layout;
+  if (a.has("--layout")) {
+    layout = parse_layout(*a.value("--layout"), gpus);
+  } else {
+    // parallel.dp = 0 takes the world from the launcher: plan the smallest one parallel.ep allows.
+    layout.dp = cfg.parallel.dp > 0 ? cfg.parallel.dp : std::max<int64_t>(1, cfg.parallel.ep);
+    layout.ep = cfg.parallel.ep;
+    layout.pp = cfg.parallel.pp;
+  }
+  const LayoutPlan p = plan_layout(cfg, layout, mem);
+  std::cout << (json ? layout_plan_json(p).dump(1) + "\n" : describe_layout_plan(p));
   return 0;
 }
 
@@ -364,6 +426,7 @@ struct Command {
 
 std::vector<Command> commands(const std::string& invocation) {
   return {{&kTrain, cmd_train},
+          {&kPlan, cmd_plan},
           {&kBench, [invocation](const ParsedArgs& a) { return cmd_bench(a, invocation); }},
           {&kInspect, cmd_inspect},
           {&kExportHf, cmd_export_hf},

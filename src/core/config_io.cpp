@@ -588,7 +588,8 @@ std::string bound_text(int64_t v) {
 }
 
 // Upper estimates, in double (no overflow), of what the model and batch keys ask for; every
-// term is at least the corresponding term of count_model / activation_elements (model/layout.h).
+// term is at least the corresponding term of count_model (model/layout.h) or, in elements, of
+// activation_memory (train/memory_plan.h).
 double dense_hidden(const ModelConfig& m) {
   return m.dense_layers.empty() ? 0.0 : double(std::max<int64_t>(m.dense_hidden, 0));
 }

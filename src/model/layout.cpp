@@ -91,25 +91,6 @@ ModelCounts count_model(const ModelConfig& m, const MoeConfig& e, int64_t seq_le
 }  // namespace moe
 
 namespace moe {
-int64_t activation_elements(const ModelConfig& m, const MoeConfig& e, int64_t n) {
-  const int64_t d = m.d_model, hd = m.head_dim(), q = m.n_heads * hd, kv = m.n_kv_heads * hd;
-  const int64_t rows = n * e.top_k, inner = e.expert_hidden, sh = e.shared_experts * inner;
-  int64_t total = 0;
-  for (int64_t l = 0; l < m.n_layers; ++l) {
-    total += 6 * n * d + 4 * n;                      // residuals, norms and their rstd
-    total += 3 * n * q + 5 * n * kv + n * m.n_heads;  // q/k raw and normed, v, attention out, lse
-    if (is_dense_layer(m, l)) {
-      total += 3 * n * m.dense_hidden;
-    } else {
-      total += 2 * n * e.num_experts + 2 * n * e.top_k + 2 * rows * d + 3 * rows * inner + 3 * n * sh;
-    }
-  }
-  total += 3 * n * d + n * m.vocab_size * 2 + 2 * n;  // final norm, logits and their gradient
-  return total;
-}
-}  // namespace moe
-
-namespace moe {
 std::vector<LayerParams> layer_params(const ParamLayout& layout, const ModelConfig& m, const MoeConfig& e) {
   std::vector<LayerParams> out;
   int64_t moe_index = 0;

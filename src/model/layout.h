@@ -62,12 +62,6 @@ inline uint64_t layer_routing_seed(uint64_t seed, uint64_t layer) {
 }  // namespace moe
 
 namespace moe {
-// Elements of activations the CPU reference saves for backward in one micro-batch of
-// `tokens` tokens (float32 on CPU), plus the largest transient buffer of backward.
-int64_t activation_elements(const ModelConfig& m, const MoeConfig& e, int64_t tokens);
-}  // namespace moe
-
-namespace moe {
 // Offsets (in the flat layout) of one block's tensors, shared by the CPU and GPU models.
 // -1 marks a tensor the block does not have.
 struct LayerParams {

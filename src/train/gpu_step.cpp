@@ -92,11 +92,12 @@ void check_fits(const RunPlan& plan, const cuda::DeviceInfo& dev) {
   MOE_CHECK(m.total() <= double(dev.free_bytes), "this run does not fit on one ", dev.name, ": it needs about ",
             gib(m.total()), " GiB per GPU (", m.local_params, " parameters: ", gib(m.params + m.grads + m.moments),
             " GiB of FP32 weights, BF16 copy, FP32 gradients and two AdamW moments",
-            plan.zero ? " (this rank's ZeRO-1 shard)" : "", ", plus ~", gib(m.activations + m.exchange),
+            plan.zero ? " (this rank's ZeRO-1 shard)" : "", ", plus ~", gib(m.activations() + m.exchange),
             " GiB of activations for a micro-batch of ", plan.tokens_per_micro_batch, " tokens) but the GPU has ",
             gib(double(dev.free_bytes)), " GiB free of ", gib(double(dev.total_bytes)),
             " GiB; use fewer layers or experts (configs/olmoe-8l.toml fits one H200), split the experts over GPUs "
-            "(parallel.ep), or lower train.micro_batch / train.seq_len (see moecore train --dry-run)");
+            "(parallel.ep), recompute activations (train.recompute = \"selective\" or \"full\"), or lower "
+            "train.micro_batch / train.seq_len (moecore plan shows each choice's memory)");
 }
 
 class GpuStep final : public Step {

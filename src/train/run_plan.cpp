@@ -4,8 +4,10 @@
 // and FP32 activations; cuda holds FP32 master, BF16 copy, FP32 gradients and moments (18 per
 // parameter; ZeRO-1 moments 8 per parameter of the shard, as on cpu), BF16 activations, and with ep > 1 the exchange buffers CudaModel adds (received
 // BF16 rows and two int32 maps per MoE layer, two row buffers), plus a host mirror of 16 per parameter.
+// Activations: activation_memory (train/memory_plan.h) for train.recompute.
 #include "train/run_plan.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -28,12 +30,14 @@ int64_t range_numel(const std::vector<FlatRange>& ranges) {
 
 RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& device) {
   MOE_CHECK(device == "cpu" || device == "cuda", "run plan: device must be \"cpu\" or \"cuda\", got \"", device, "\"");
+  const Recompute recompute = parse_recompute(cfg.train.recompute);
   RunPlan p;
   p.device = device;
   p.sizes = resolve_parallel(cfg, world_size);
   const int64_t dp = p.sizes.dp, ep = p.sizes.ep;
   p.ep_dp = dp / ep;
-  p.zero = dp > 1 && cfg.parallel.zero;
+  p.zero = dp > 1 && cfg.parallel.zero;  // ZeRO-1 on either backend
+  p.recompute = recompute;
   p.seq_len = cfg.train.seq_len;
   p.micro_batch = cfg.train.micro_batch;
   p.global_batch = cfg.train.global_batch;
@@ -51,24 +55,32 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   const ExpertSlice slice = ep > 1 ? ExpertSlice{0, cfg.moe.num_experts / ep} : ExpertSlice{};
   const ParamLayout layout = build_param_layout(cfg.model, cfg.moe, slice);
   m.local_params = layout.total_numel();
+  m.dense_params = range_numel(flat_ranges(layout, false));
+  m.expert_params = range_numel(flat_ranges(layout, true));
   const double n = double(m.local_params);
-  const double act = double(activation_elements(cfg.model, cfg.moe, p.tokens_per_micro_batch));
   const double rows = double(p.tokens_per_micro_batch) * double(cfg.moe.top_k);
   const double d = double(cfg.model.d_model);
   const double moe_layers = double(num_moe_layers(cfg.model));
+  const bool gpu = device == "cuda";
+  m.moments_replicated = 8.0 * n;
   // ZeRO-1: dense moments over dp, expert moments over ep-dp (either backend).
-  m.moments = p.zero ? 8.0 * (double(range_numel(flat_ranges(layout, false))) / double(dp) +
-                              double(range_numel(flat_ranges(layout, true))) / double(p.ep_dp))
-                     : 8.0 * n;
-  if (device == "cpu") {
+  m.moments_sharded = p.zero
+                          ? 8.0 * (double(m.dense_params) / double(dp) + double(m.expert_params) / double(p.ep_dp))
+                          : m.moments_replicated;
+  m.activation = activation_memory(cfg.model, cfg.moe, p.micro_batch, p.seq_len, p.micro_steps, gpu, recompute, ep);
+  // GPU data parallel with BF16 gradient sums: the staging buffer of one bucket (64 Mi elements at most).
+  if (gpu && dp > 1 && cfg.parallel.grad_reduce_dtype == "bf16")
+    m.activation.scratch.push_back({"BF16 gradient reduce stage", 2.0 * std::min(n, double(int64_t(64) << 20))});
+  m.activations_kept = m.activation.kept_bytes();
+  m.activations_pool = m.activation.pool_bytes();
+  m.scratch = m.activation.scratch_bytes();
+  m.moments = p.zero ? m.moments_sharded : m.moments_replicated;
+  m.grads = 4.0 * n;
+  if (!gpu) {
     m.params = 4.0 * n;
-    m.grads = 4.0 * n;
-    m.activations = 4.0 * act;
     if (ep > 1) m.exchange = 2.0 * rows * d * 4.0;  // the send and receive row blocks of one exchange
   } else {
     m.params = 6.0 * n;  // FP32 master + BF16 copy (whole on every rank, also under ZeRO-1)
-    m.grads = 4.0 * n;
-    m.activations = 2.0 * act;
     if (ep > 1) m.exchange = moe_layers * rows * (2.0 * d + 8.0) + 2.0 * rows * 2.0 * d;
     m.host_mirror = 16.0 * n;
   }
@@ -88,16 +100,19 @@ std::string describe_run_plan(const RunPlan& p) {
       "# batch             global %lld sequences = dp %lld x micro-batch %lld x %lld micro-steps; %lld tokens per "
       "micro-batch, %lld per step\n"
       "# memory estimate   per rank on %s: %.3f GiB total = %.3f weights + %.3f grads + %.3f AdamW moments%s + %.3f "
-      "activations of one micro-batch%s (%lld parameters on this rank)\n",
+      "activations of one micro-batch%s (%lld parameters on this rank)\n"
+      "# activations       train.recompute = \"%s\"%s: %.3f GiB = %.3f kept by the layers + %.3f recompute pools "
+      "(one layer per block kind) + %.3f model-wide scratch\n",
       (long long)p.counts.total_params, (long long)p.counts.active_params, active_pct, p.counts.flops_per_token,
       p.flops_per_step, (long long)p.tokens_per_step, (long long)p.sizes.world, p.device.c_str(),
       (long long)p.sizes.dp, (long long)p.sizes.ep, (long long)p.ep_dp, (long long)p.sizes.pp,
       p.zero ? ", ZeRO-1 moment shards" : "", (long long)p.global_batch, (long long)p.sizes.dp,
       (long long)p.micro_batch, (long long)p.micro_steps, (long long)p.tokens_per_micro_batch,
       (long long)p.tokens_per_step, p.device == "cuda" ? "the GPU" : "the host", m.total() / kGiB, m.params / kGiB,
-      m.grads / kGiB, m.moments / kGiB, p.zero ? " (this rank's shard)" : "", m.activations / kGiB,
-      exchange,
-      (long long)m.local_params);
+      m.grads / kGiB, m.moments / kGiB, p.zero ? " (this rank's shard)" : "", m.activations() / kGiB, exchange,
+      (long long)m.local_params, recompute_name(p.recompute),
+      p.device == "cuda" ? "" : " (approximate: Model<float>'s saved FP32 tensors)", m.activations() / kGiB,
+      m.activations_kept / kGiB, m.activations_pool / kGiB, m.scratch / kGiB);
   std::string out = buf;
   if (p.device == "cuda") {
     std::snprintf(buf, sizeof buf, "# host memory       %.3f GiB per rank (FP32 mirror of weights, gradients and moments "

@@ -1,16 +1,20 @@
 // The run plan: every quantity a run derives from its config and its world, derived once and
 // validated once. Layout (dp, ep, pp over the world), micro-steps per rank, tokens per step,
 // FLOPs per step, and one rank's memory estimate on its backend (its expert shard, its optimizer
-// shard under ZeRO-1, activations of one micro-batch, expert-exchange buffers). The trainer, the
-// loader, the step runners, the bench and `moecore train --dry-run` all take it.
+// shard under ZeRO-1, activations of one micro-batch under train.recompute, split into the tensors
+// each layer keeps, the one recompute pool and the model-wide scratch (train/memory_plan.h),
+// expert-exchange buffers). The trainer, the loader, the step runners, the bench, `moecore train
+// --dry-run` and `moecore plan` all take it.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
 #include "core/config.h"
+#include "core/recompute.h"
 #include "model/layout.h"
 #include "parallel/topology.h"
+#include "train/memory_plan.h"
 
 namespace moe {
 
@@ -20,13 +24,21 @@ constexpr double kGpuPeakTflops = 989.0;
 // Bytes one rank holds on its backend's memory (host for cpu, device for cuda), by kind.
 struct MemoryEstimate {
   int64_t local_params = 0;  // elements of this rank's parameter layout (its experts only under EP)
+  int64_t dense_params = 0;  // of which outside the expert tensors (alignment padding included)
+  int64_t expert_params = 0;  // of which in this rank's expert tensors
   double params = 0;         // FP32 master weights (cuda: plus the BF16 copy)
   double grads = 0;          // FP32 gradients
-  double moments = 0;        // two FP32 AdamW moments (this rank's ZeRO-1 shard when sharded)
-  double activations = 0;    // saved activations of one micro-batch (FP32 on cpu, BF16 on cuda)
+  double moments = 0;        // two FP32 AdamW moments (this rank's ZeRO-1 shard when plan.zero)
+  double moments_replicated = 0;  // 8 per local parameter
+  double moments_sharded = 0;     // ZeRO-1's shard: 8 x (dense / dp + experts / ep-dp)
+  ActivationMemory activation;    // one micro-batch under train.recompute, buffer by buffer
+  double activations_kept = 0;    // activation.kept_bytes(): saved per layer, all layers
+  double activations_pool = 0;    // activation.pool_bytes(): the recompute pool (largest layer)
+  double scratch = 0;             // activation.scratch_bytes(): model-wide buffers and workspaces
   double exchange = 0;       // expert-parallel exchange buffers (ep > 1)
   double host_mirror = 0;    // cuda: the host's FP32 copy of weights, gradients and moments
-  double total() const { return params + grads + moments + activations + exchange; }
+  double activations() const { return activations_kept + activations_pool + scratch; }
+  double total() const { return params + grads + moments + activations() + exchange; }
 };
 
 struct RunPlan {
@@ -34,6 +46,7 @@ struct RunPlan {
   ParallelSizes sizes;         // world, dp, ep, pp
   int64_t ep_dp = 1;           // ranks holding the same experts: dp / ep
   bool zero = false;           // ZeRO-1 moment shards (dp > 1, parallel.zero; cpu and cuda)
+  Recompute recompute = Recompute::kNone;  // train.recompute
   int64_t seq_len = 0, micro_batch = 0, global_batch = 0;  // tokens, sequences per rank, sequences
   int64_t micro_steps = 0;     // micro-batches per rank per step: global_batch / (dp x micro_batch)
   int64_t micro_batches = 0;   // micro-batches of the global batch: dp x micro_steps
@@ -45,10 +58,12 @@ struct RunPlan {
 };
 
 // Resolves and checks the layout for `world_size` ranks (resolve_parallel: every problem in one
-// message with its arithmetic) and derives the rest. device: "cpu" or "cuda".
+// message with its arithmetic) and derives the rest. device: "cpu" or "cuda". Every
+// train.recompute mode is planned (core/recompute.h).
 RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& device);
 
-// The plan as the dry run prints it: layout, batch arithmetic, FLOPs, one rank's memory by kind.
+// The plan as the dry run prints it: layout, batch arithmetic, FLOPs, one rank's memory by kind
+// with the activations of the configured mode split into kept, pool and scratch.
 std::string describe_run_plan(const RunPlan& plan);
 
 }  // namespace moe

@@ -155,7 +155,7 @@ TEST(RunPlan, GpuMemoryExpertParallelShareAndExchangeBuffers) {
   EXPECT_LT(two_state, 0.6 * one_state);  // experts are most of olmoe-1b-7b
   const double rows = double(c.train.micro_batch * c.train.seq_len * c.moe.top_k);
   const double d = double(c.model.d_model);
-  EXPECT_DOUBLE_EQ(two.memory.activations, one.memory.activations);
+  EXPECT_DOUBLE_EQ(two.memory.activations(), one.memory.activations());
   EXPECT_DOUBLE_EQ(two.memory.exchange - one.memory.exchange,
                    double(num_moe_layers(c.model)) * rows * (2 * d + 8) + 4 * rows * d);
 }

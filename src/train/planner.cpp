@@ -1,0 +1,541 @@
+// The planner's arithmetic. Memory: make_run_plan (cuda) and activation_memory per mode. Traffic:
+// ring collectives and the four row exchanges per MoE layer and micro-step. Time: every phase of
+// the olmoe-8l step (train/ceilings.h) split into the work the measured op rates price (grouped
+// GEMM per op, cuDNN attention forward / backward, dense GEMM) and the rest (norms, RoPE, SwiGLU,
+// permutes, residual adds: memory traffic), which scales with the tensor sizes it touches; the
+// optimizer scales with the parameters it reads; collectives with their bytes over measured rates.
+#include "train/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+
+#include "core/checked_math.h"
+#include "core/config_io.h"
+#include "core/error.h"
+#include "model/layout.h"
+
+namespace moe {
+
+namespace {
+
+constexpr double kGiB = double(1ull << 30);
+
+// The reference shape: olmoe-8l, whose measured phases GpuCeilings holds (configs/olmoe-8l.toml).
+struct RefShape {
+  double b = 4, s = 4096, n = 16384, d = 2048, q = 2048, c = 2048, heads = 16, hd = 128;
+  double layers = 8, moe_layers = 8, experts = 64, top_k = 8, rows = 131072, inner = 1024, vocab = 50304;
+  double params = 3562604544.0;
+};
+
+double ms(double flops, double tflops) { return flops / (tflops * 1e12) * 1e3; }
+
+struct Shape {
+  double b, s, n, d, q, c, heads, hd, layers, moe_layers, dense_layers, experts, top_k, rows, inner, vocab;
+  double dense_hidden, shared_hidden;
+};
+
+Shape shape_of(const Config& cfg) {
+  const ModelConfig& m = cfg.model;
+  const MoeConfig& e = cfg.moe;
+  Shape s{};
+  s.b = double(cfg.train.micro_batch);
+  s.s = double(cfg.train.seq_len);
+  s.n = s.b * s.s;
+  s.d = double(m.d_model);
+  s.hd = double(m.head_dim());
+  s.heads = double(m.n_heads);
+  s.q = s.heads * s.hd;
+  s.c = double(m.n_kv_heads) * s.hd;
+  s.layers = double(m.n_layers);
+  s.moe_layers = double(num_moe_layers(m));
+  s.dense_layers = s.layers - s.moe_layers;
+  s.experts = double(e.num_experts);
+  s.top_k = double(e.top_k);
+  s.rows = s.n * s.top_k;
+  s.inner = double(e.expert_hidden);
+  s.vocab = double(m.vocab_size);
+  s.dense_hidden = double(m.dense_hidden);
+  s.shared_hidden = double(e.shared_experts) * s.inner;
+  return s;
+}
+
+double sdpa_fwd_ms(double b, double heads, double s, double hd, const GpuCeilings& g) {
+  return ms(4.0 * b * heads * s * s * hd / 2.0, g.attention_fwd_tflops);
+}
+double sdpa_bwd_ms(double b, double heads, double s, double hd, const GpuCeilings& g) {
+  return ms(2.5 * 4.0 * b * heads * s * s * hd / 2.0, g.attention_bwd_tflops);
+}
+double proj_ms(double n, double d, double q, double c, double factor, const GpuCeilings& g) {
+  return ms(factor * n * (d * q + 2.0 * d * c + q * d), g.dense_gemm_tflops);
+}
+// One MoE layer's grouped GEMMs for `rows` rows: gate_up and down, forward, dgrad and wgrad.
+struct ExpertGemm {
+  double gate_up_fwd, down_fwd, backward;
+  double total() const { return gate_up_fwd + down_fwd + backward; }
+};
+ExpertGemm expert_gemm_ms(double rows, double d, double inner, const GpuCeilings& g) {
+  const double gu = 2.0 * rows * d * 2.0 * inner, dn = 2.0 * rows * inner * d;
+  return {ms(gu, g.gate_up_fwd_tflops), ms(dn, g.down_fwd_tflops),
+          ms(gu, g.gate_up_dgrad_tflops) + ms(gu, g.gate_up_wgrad_tflops) + ms(dn, g.down_dgrad_tflops) +
+              ms(dn, g.down_wgrad_tflops)};
+}
+
+// The glue (non-GEMM, non-attention-kernel) part of the reference phases, in ms.
+struct RefGlue {
+  double attention, experts;
+};
+RefGlue ref_glue(const GpuCeilings& g) {
+  const RefShape r;
+  const double sdpa = r.layers * (sdpa_fwd_ms(r.b, r.heads, r.s, r.hd, g) + sdpa_bwd_ms(r.b, r.heads, r.s, r.hd, g));
+  const double proj = r.layers * proj_ms(r.n, r.d, r.q, r.c, 6.0, g);
+  const double gemm = r.moe_layers * expert_gemm_ms(r.rows, r.d, r.inner, g).total();
+  return {std::max(0.0, g.ref_attention_ms - sdpa - proj), std::max(0.0, g.ref_experts_ms - gemm)};
+}
+
+StepTime estimate_step(const LayoutPlan& p, Recompute mode, const GpuCeilings& g) {
+  const Shape s = shape_of(p.cfg);
+  const RefShape r;
+  const RefGlue glue0 = ref_glue(g);
+  StepTime t;
+  // One micro-step's phases.
+  const double sdpa_f = s.layers * sdpa_fwd_ms(s.b, s.heads, s.s, s.hd, g);
+  const double sdpa_b = s.layers * sdpa_bwd_ms(s.b, s.heads, s.s, s.hd, g);
+  const double proj = s.layers * proj_ms(s.n, s.d, s.q, s.c, 6.0, g);
+  const double attn_glue = glue0.attention * (s.layers * s.n * (s.d + s.q + s.c)) / (r.layers * r.n * (r.d + r.q + r.c));
+  const double mlp_glue = g.ref_mlp_ms * (s.layers * s.n * s.d) / (r.layers * r.n * r.d);
+  const double mlp_gemm = ms(6.0 * s.n * 3.0 * s.d * (s.dense_layers * s.dense_hidden + s.moe_layers * s.shared_hidden),
+                             g.dense_gemm_tflops);
+  // SwiGLU of dense and shared MLPs at the experts' glue rate per hidden element.
+  const double glue_per_hidden = glue0.experts / (r.moe_layers * r.rows * r.inner);
+  const double mlp_swiglu = glue_per_hidden * s.n * (s.dense_layers * s.dense_hidden + s.moe_layers * s.shared_hidden);
+  const ExpertGemm eg = expert_gemm_ms(s.rows, s.d, s.inner, g);
+  const double experts_glue = glue_per_hidden * s.moe_layers * s.rows * s.inner;
+  const double route_scale = (s.moe_layers * s.rows * s.d) / (r.moe_layers * r.rows * r.d);
+  const double micro = double(p.run.micro_steps);
+  t.embedding = micro * g.ref_embedding_ms * (s.n * s.d) / (r.n * r.d);
+  t.attention = micro * (sdpa_f + sdpa_b + proj + attn_glue);
+  t.mlp = micro * (mlp_glue + mlp_gemm + mlp_swiglu);
+  t.router = micro * g.ref_router_ms * (s.moe_layers * s.n * s.experts) / (r.moe_layers * r.n * r.experts);
+  t.dispatch = micro * g.ref_dispatch_ms * route_scale;
+  t.combine = micro * g.ref_combine_ms * route_scale;
+  t.experts = micro * (s.moe_layers * eg.total() + experts_glue);
+  t.lm_head = micro * g.ref_lm_head_ms * (s.n * s.d * s.vocab) / (r.n * r.d * r.vocab);
+  // Recompute: the forward work backward redoes (core/recompute.h). Forward glue is taken as a
+  // third of each phase's glue (backward does about twice the forward's traffic), a permute as
+  // half of the dispatch / combine phase.
+  if (mode == Recompute::kSelective) {
+    t.recompute = micro * (ms(2.0 * s.n * s.d * (s.q + 2.0 * s.c) * s.layers, g.dense_gemm_tflops) + attn_glue / 3.0 +
+                           mlp_glue / 3.0 + mlp_swiglu / 3.0 + s.moe_layers * eg.down_fwd + experts_glue / 3.0 +
+                           g.ref_dispatch_ms * route_scale / 2.0);
+  } else if (mode == Recompute::kFull) {
+    t.recompute = micro * (sdpa_f + proj / 3.0 + attn_glue / 3.0 + (mlp_glue + mlp_gemm + mlp_swiglu) / 3.0 +
+                           s.moe_layers * (eg.gate_up_fwd + eg.down_fwd) + experts_glue / 3.0 +
+                           (g.ref_dispatch_ms + g.ref_combine_ms) * route_scale / 2.0);
+  }
+  // The optimizer: 38 bytes per parameter in the reference (grad-norm read and gradient zeroing,
+  // 8, over every local parameter; the AdamW update, 30, over this GPU's moment shard).
+  const MemoryEstimate& m = p.run.memory;
+  const double local = double(m.local_params);
+  const double shard = p.zero ? p.moments / 8.0 : local;
+  t.optimizer = g.ref_optimizer_ms * (8.0 * local + 30.0 * shard) / (38.0 * r.params);
+  // Collectives.
+  // The gradient reduction (all-reduce, or ZeRO-1's reduce-scatter) overlaps backward under
+  // parallel.overlap_grad_reduce without ep; ZeRO-1's all-gather follows the update.
+  const bool overlap = p.cfg.parallel.overlap_grad_reduce && p.run.sizes.ep == 1;
+  const double paid = overlap ? g.overlap_paid_fraction : 1.0;
+  t.grad_reduce = ((p.comm.dp_allreduce_sent + p.comm.zero_reduce_scatter_sent) * paid + p.comm.zero_all_gather_sent) /
+                  g.allreduce_bus_bytes_per_s * 1e3;
+  t.ep_exchange = p.comm.ep_per_step / g.ep_exchange_bytes_per_s * 1e3;
+  return t;
+}
+
+CommVolume comm_volume(const LayoutPlan& p) {
+  CommVolume v;
+  const RunPlan& run = p.run;
+  const double dp = double(run.sizes.dp), ep = double(run.sizes.ep), ep_dp = double(run.ep_dp);
+  // Gradients travel in parallel.grad_reduce_dtype (FP32 or BF16), parameters in FP32.
+  const double gbytes = p.cfg.parallel.grad_reduce_dtype == "bf16" ? 2.0 : 4.0;
+  const double dense = gbytes * double(run.memory.dense_params), expert = gbytes * double(run.memory.expert_params);
+  if (p.zero) {
+    v.zero_reduce_scatter_sent = (dp - 1.0) / dp * dense + (ep_dp - 1.0) / ep_dp * expert;
+    v.zero_all_gather_sent = (dp - 1.0) / dp * 4.0 * double(run.memory.dense_params) +
+                             (ep_dp - 1.0) / ep_dp * 4.0 * double(run.memory.expert_params);
+  } else {
+    if (dp > 1) v.dp_allreduce_buffer += dense;
+    if (ep_dp > 1) v.dp_allreduce_buffer += expert;
+    v.dp_allreduce_sent = 2.0 * (dp - 1.0) / dp * dense + 2.0 * (ep_dp - 1.0) / ep_dp * expert;
+  }
+  if (ep > 1) {
+    const double rows = double(run.tokens_per_micro_batch) * double(p.cfg.moe.top_k);
+    const double layers = double(num_moe_layers(p.cfg.model));
+    const double one = layers * rows * double(p.cfg.model.d_model) * 2.0 * (ep - 1.0) / ep;
+    v.ep_dispatch_fwd_micro = v.ep_combine_fwd_micro = v.ep_dispatch_bwd_micro = v.ep_combine_bwd_micro = one;
+    v.ep_per_step = 4.0 * one * double(run.micro_steps);
+  }
+  return v;
+}
+
+int64_t gcd64(int64_t a, int64_t b) { return b == 0 ? a : gcd64(b, a % b); }
+
+const char* kModeNames[3] = {"none", "selective", "full"};
+
+std::string gib(double bytes) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.3f", bytes / kGiB);
+  return b;
+}
+
+std::string gb(double bytes) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.2f", bytes / 1e9);
+  return b;
+}
+
+}  // namespace
+
+LayoutRequest parse_layout(const std::string& text, int64_t gpus) {
+  const char* expected = "expected dp=N,ep=N,pp=N (any of the three, each a positive integer)";
+  MOE_CHECK(!text.empty(), "--layout: the value is empty; ", expected);
+  LayoutRequest r;
+  bool seen[3] = {false, false, false};
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = text.find(',', start);
+    const std::string part = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    const size_t eq = part.find('=');
+    MOE_CHECK(eq != std::string::npos, "--layout '", text, "': '", part, "' is not key=value; ", expected);
+    const std::string key = part.substr(0, eq), value = part.substr(eq + 1);
+    const int idx = key == "dp" ? 0 : key == "ep" ? 1 : key == "pp" ? 2 : -1;
+    MOE_CHECK(idx >= 0, "--layout '", text, "': unknown key '", key, "'; ", expected);
+    MOE_CHECK(!seen[idx], "--layout '", text, "': ", key, " is given twice");
+    seen[idx] = true;
+    int64_t n = 0;
+    size_t used = 0;
+    try {
+      n = std::stoll(value, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    MOE_CHECK(used == value.size() && !value.empty() && n >= 1 && n <= kMaxRanks, "--layout '", text, "': ", key,
+              " must be an integer in [1, ", kMaxRanks, "], got '", value, "'");
+    (idx == 0 ? r.dp : idx == 1 ? r.ep : r.pp) = n;
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  MOE_CHECK(r.pp == 1, "--layout '", text, "': pp = ", r.pp, ": pipeline stages are not implemented yet, so the planner "
+            "plans pp = 1 only (set pp=1 or leave it out)");
+  if (!seen[0]) r.dp = gpus > 0 ? gpus / r.pp : 1;
+  MOE_CHECK(gpus <= 0 || r.dp * r.pp == gpus, "--layout '", text, "': dp x pp = ", r.dp, " x ", r.pp, " = ",
+            r.dp * r.pp, " GPUs, but --gpus is ", gpus);
+  return r;
+}
+
+LayoutPlan plan_layout(const Config& cfg, const LayoutRequest& layout, double gpu_memory_gib, const GpuCeilings& g) {
+  MOE_CHECK(layout.pp == 1, "layout pp = ", layout.pp, ": pipeline stages are not implemented yet; the planner plans "
+            "pp = 1 only");
+  MOE_CHECK(gpu_memory_gib > 0 && std::isfinite(gpu_memory_gib), "--gpu-memory must be a positive number of GiB, got ",
+            gpu_memory_gib);
+  LayoutPlan p;
+  p.cfg = cfg;
+  p.cfg.train.device = "cuda";
+  p.cfg.train.precision = "bf16";
+  p.cfg.parallel.dp = layout.dp;
+  p.cfg.parallel.ep = layout.ep;
+  p.cfg.parallel.pp = layout.pp;
+  // The global batch must split over dp x micro-batch: raise it to the least multiple that does.
+  const int64_t per_step = checked_mul(layout.dp, cfg.train.micro_batch, "dp x train.micro_batch");
+  if (cfg.train.global_batch > 0 && cfg.train.global_batch % per_step != 0) {
+    const int64_t gb = cfg.train.global_batch;
+    p.cfg.train.global_batch = checked_mul(gb / gcd64(gb, per_step), per_step, "the planned global batch");
+    p.batch_note = "train.global_batch " + std::to_string(gb) + " -> " + std::to_string(p.cfg.train.global_batch) +
+                   " (the least multiple of dp " + std::to_string(layout.dp) + " x micro_batch " +
+                   std::to_string(cfg.train.micro_batch) + ")";
+  }
+  p.run = make_run_plan(p.cfg, layout.dp * layout.pp, "cuda");
+  p.zero = p.run.zero;
+  p.moments = p.run.memory.moments;
+  p.comm = comm_volume(p);
+  p.gpu_memory = gpu_memory_gib * kGiB;
+  std::array<ActivationMemory, 3> acts = activation_memory_all_modes(
+      p.cfg.model, p.cfg.moe, p.run.micro_batch, p.run.seq_len, p.run.micro_steps, true, layout.ep);
+  // The run's own scratch (make_run_plan may add the BF16 reduce stage): every mode has it.
+  for (ActivationMemory& a : acts) a.scratch = p.run.memory.activation.scratch;
+  const MemoryEstimate& m = p.run.memory;
+  for (size_t i = 0; i < 3; ++i) {
+    ModePlan& mp = p.modes[i];
+    mp.mode = Recompute(i);
+    mp.activations = acts[i];
+    mp.memory_total = m.params + m.grads + p.moments + acts[i].total() + m.exchange;
+    mp.fits = mp.memory_total <= p.gpu_memory;
+    mp.time = estimate_step(p, mp.mode, g);
+    const double step_s = mp.time.step_ms() / 1e3;
+    const double world = double(p.run.sizes.world);
+    mp.tokens_per_s_per_gpu = double(p.run.tokens_per_step) / world / step_s;
+    mp.tflops_per_gpu = p.run.flops_per_step / world / step_s / 1e12;
+    mp.mfu = mp.tflops_per_gpu / kGpuPeakTflops;
+  }
+  return p;
+}
+
+Enumeration enumerate_layouts(const Config& cfg, int64_t gpus, double gpu_memory_gib, const GpuCeilings& g) {
+  MOE_CHECK(gpus >= 1, "--gpus must be >= 1, got ", gpus);
+  MOE_CHECK(cfg.parallel.pp == 1, "parallel.pp = ", cfg.parallel.pp, ": pipeline stages are not implemented yet; the "
+            "planner enumerates pp = 1 layouts only");
+  Enumeration out;
+  const int64_t experts = num_moe_layers(cfg.model) > 0 ? cfg.moe.num_experts : 1;
+  for (int64_t ep = 1; ep <= gpus; ++ep) {
+    if (gpus % ep != 0 || experts % ep != 0) continue;
+    const LayoutPlan plan = plan_layout(cfg, LayoutRequest{gpus, ep, 1}, gpu_memory_gib, g);
+    for (size_t i = 0; i < 3; ++i) {
+      LayoutChoice c{plan, Recompute(i)};
+      (plan.modes[i].fits ? out.fitting : out.not_fitting).push_back(std::move(c));
+    }
+  }
+  std::stable_sort(out.fitting.begin(), out.fitting.end(), [](const LayoutChoice& a, const LayoutChoice& b) {
+    const ModePlan &x = a.mode_plan(), &y = b.mode_plan();
+    if (x.tokens_per_s_per_gpu != y.tokens_per_s_per_gpu) return x.tokens_per_s_per_gpu > y.tokens_per_s_per_gpu;
+    return x.memory_total < y.memory_total;
+  });
+  return out;
+}
+
+std::string describe_layout_plan(const LayoutPlan& p, const GpuCeilings& g) {
+  const RunPlan& run = p.run;
+  const MemoryEstimate& m = run.memory;
+  const size_t configured = size_t(run.recompute);
+  std::string out;
+  char buf[512];
+  auto line = [&](const char* fmt, auto... args) {
+    std::snprintf(buf, sizeof buf, fmt, args...);
+    out += buf;
+  };
+  line("# plan              %lld x %s (%.1f GiB per GPU): dp %lld, ep %lld, ep-dp %lld, pp %lld; the cuda backend "
+       "(BF16)\n",
+       (long long)run.sizes.world, g.name, p.gpu_memory / kGiB, (long long)run.sizes.dp, (long long)run.sizes.ep,
+       (long long)run.ep_dp, (long long)run.sizes.pp);
+  if (!p.batch_note.empty()) line("# batch note        %s\n", p.batch_note.c_str());
+  out += describe_run_plan(run);
+  auto row = [&](const char* name, const std::array<double, 3>& v) {
+    line("  %-38s %11s %11s %11s\n", name, gib(v[0]).c_str(), gib(v[1]).c_str(), gib(v[2]).c_str());
+  };
+  auto same = [](double x) { return std::array<double, 3>{x, x, x}; };
+  std::string head[3];
+  for (size_t i = 0; i < 3; ++i) head[i] = std::string(kModeNames[i]) + (i == configured ? "*" : "");
+  line("\n%-40s %11s %11s %11s\n", "memory per GPU, GiB (* = train.recompute)", head[0].c_str(), head[1].c_str(),
+       head[2].c_str());
+  row("BF16 params", same(2.0 * double(m.local_params)));
+  row("FP32 master weights", same(4.0 * double(m.local_params)));
+  row("FP32 gradients", same(m.grads));
+  char moments[96];
+  if (p.zero) {
+    std::snprintf(moments, sizeof moments, "AdamW moments (ZeRO-1: dp %lld, ep-dp %lld)", (long long)run.sizes.dp,
+                  (long long)run.ep_dp);
+  } else {
+    std::snprintf(moments, sizeof moments, "AdamW moments (replicated)");
+  }
+  row(moments, same(p.moments));
+  std::array<double, 3> kept{}, pool{}, scratch{}, total{};
+  for (size_t i = 0; i < 3; ++i) {
+    kept[i] = p.modes[i].activations.kept_bytes();
+    pool[i] = p.modes[i].activations.pool_bytes();
+    scratch[i] = p.modes[i].activations.scratch_bytes();
+    total[i] = p.modes[i].memory_total;
+  }
+  row("activations kept by the layers", kept);
+  row("recompute pools (one layer per kind)", pool);
+  row("scratch and workspaces", scratch);
+  if (m.exchange > 0) row("expert exchange buffers", same(m.exchange));
+  row("total", total);
+  line("  %-38s %11s %11s %11s\n", "fits", p.modes[0].fits ? "yes" : "no", p.modes[1].fits ? "yes" : "no",
+       p.modes[2].fits ? "yes" : "no");
+
+  const ActivationMemory& cur = p.modes[configured].activations;
+  line("\nactivations of train.recompute = \"%s\", GiB\n", kModeNames[configured]);
+  for (const MemoryItem& i : cur.kept) line("  kept  %-44s %9s\n", i.name.c_str(), gib(i.bytes).c_str());
+  for (const MemoryItem& i : cur.pool) line("  pool  %-44s %9s\n", i.name.c_str(), gib(i.bytes).c_str());
+  for (const MemoryItem& i : cur.scratch) line("  once  %-44s %9s\n", i.name.c_str(), gib(i.bytes).c_str());
+
+  const CommVolume& c = p.comm;
+  line("\ncommunication per GPU and step, GB sent\n");
+  if (p.zero) {
+    line("  ZeRO-1 reduce-scatter (gradients)             %9s\n", gb(c.zero_reduce_scatter_sent).c_str());
+    line("  ZeRO-1 all-gather (FP32 parameters)           %9s\n", gb(c.zero_all_gather_sent).c_str());
+  } else {
+    line("  DP gradient all-reduce (%s GB buffer)       %9s\n", gb(c.dp_allreduce_buffer).c_str(),
+         gb(c.dp_allreduce_sent).c_str());
+  }
+  if (run.sizes.ep > 1) {
+    line("  EP dispatch forward, per micro-step           %9s\n", gb(c.ep_dispatch_fwd_micro).c_str());
+    line("  EP combine forward, per micro-step            %9s\n", gb(c.ep_combine_fwd_micro).c_str());
+    line("  EP dispatch backward, per micro-step          %9s\n", gb(c.ep_dispatch_bwd_micro).c_str());
+    line("  EP combine backward, per micro-step           %9s\n", gb(c.ep_combine_bwd_micro).c_str());
+    line("  EP all-to-all, per step (%lld micro-steps)      %9s\n", (long long)run.micro_steps,
+         gb(c.ep_per_step).c_str());
+  }
+  line("  total per step                                %9s\n", gb(c.total_per_step()).c_str());
+
+  line("\nstep time estimate, ms, from %s ceilings (docs/planning.md)\n", g.name);
+  line("%-40s %11s %11s %11s\n", "", head[0].c_str(), head[1].c_str(), head[2].c_str());
+  auto trow = [&](const char* name, double StepTime::*f) {
+    line("  %-38s %11.2f %11.2f %11.2f\n", name, p.modes[0].time.*f, p.modes[1].time.*f, p.modes[2].time.*f);
+  };
+  trow("embedding", &StepTime::embedding);
+  trow("attention", &StepTime::attention);
+  trow("mlp", &StepTime::mlp);
+  trow("router", &StepTime::router);
+  trow("dispatch", &StepTime::dispatch);
+  trow("experts", &StepTime::experts);
+  trow("combine", &StepTime::combine);
+  trow("lm_head", &StepTime::lm_head);
+  trow("recompute (forward again)", &StepTime::recompute);
+  trow("ep exchange", &StepTime::ep_exchange);
+  trow(p.zero ? "ZeRO-1 collectives" : "grad reduce (paid)", &StepTime::grad_reduce);
+  trow("optimizer", &StepTime::optimizer);
+  line("  %-38s %11.2f %11.2f %11.2f\n", "step", p.modes[0].time.step_ms(), p.modes[1].time.step_ms(),
+       p.modes[2].time.step_ms());
+  line("  %-38s %11.0f %11.0f %11.0f\n", "tokens/s/GPU", p.modes[0].tokens_per_s_per_gpu,
+       p.modes[1].tokens_per_s_per_gpu, p.modes[2].tokens_per_s_per_gpu);
+  line("  %-38s %11.1f %11.1f %11.1f\n", "TFLOP/s/GPU (recompute not counted)", p.modes[0].tflops_per_gpu,
+       p.modes[1].tflops_per_gpu, p.modes[2].tflops_per_gpu);
+  line("  %-38s %10.1f%% %10.1f%% %10.1f%%\n", "MFU (of 989)", 100 * p.modes[0].mfu, 100 * p.modes[1].mfu,
+       100 * p.modes[2].mfu);
+  return out;
+}
+
+std::string describe_enumeration(const Enumeration& e, int64_t gpus, double gpu_memory_gib, const GpuCeilings& g) {
+  std::string out;
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "# layouts of %lld x %s (%.1f GiB per GPU), pp 1, ep dividing dp and moe.num_experts; best first by "
+                "estimated tokens/s/GPU (docs/planning.md)\n",
+                (long long)gpus, g.name, gpu_memory_gib);
+  out += buf;
+  const LayoutPlan* first = !e.fitting.empty() ? &e.fitting.front().plan
+                                               : !e.not_fitting.empty() ? &e.not_fitting.front().plan : nullptr;
+  if (first != nullptr && !first->batch_note.empty()) out += "# batch note        " + first->batch_note + "\n";
+  std::snprintf(buf, sizeof buf, "%-4s %-4s %-4s %-6s %-10s %10s %10s %13s %12s %12s\n", "rank", "dp", "ep", "ep-dp",
+                "recompute", "GiB/GPU", "step ms", "tokens/s/GPU", "TFLOP/s/GPU", "comm GB/step");
+  out += buf;
+  int rank = 0;
+  auto row = [&](const LayoutChoice& c, const char* tag) {
+    const ModePlan& mp = c.mode_plan();
+    const RunPlan& r = c.plan.run;
+    std::string rk = tag[0] ? tag : std::to_string(++rank);
+    std::snprintf(buf, sizeof buf, "%-4s %-4lld %-4lld %-6lld %-10s %10.2f %10.1f %13.0f %12.1f %12.2f\n", rk.c_str(),
+                  (long long)r.sizes.dp, (long long)r.sizes.ep, (long long)r.ep_dp, kModeNames[size_t(c.mode)],
+                  mp.memory_total / kGiB, mp.time.step_ms(), mp.tokens_per_s_per_gpu, mp.tflops_per_gpu,
+                  c.plan.comm.total_per_step() / 1e9);
+    out += buf;
+  };
+  for (const LayoutChoice& c : e.fitting) row(c, "");
+  if (e.fitting.empty()) out += "(no layout fits: see below)\n";
+  if (!e.not_fitting.empty()) {
+    out += "# do not fit:\n";
+    for (const LayoutChoice& c : e.not_fitting) row(c, "-");
+  }
+  return out;
+}
+
+namespace {
+
+nlohmann::json items_json(const std::vector<MemoryItem>& items) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const MemoryItem& i : items) j[i.name] = i.bytes;
+  return j;
+}
+
+}  // namespace
+
+nlohmann::json layout_plan_json(const LayoutPlan& p) {
+  const RunPlan& run = p.run;
+  const MemoryEstimate& m = run.memory;
+  nlohmann::json modes = nlohmann::json::object();
+  for (const ModePlan& mp : p.modes) {
+    const StepTime& t = mp.time;
+    modes[kModeNames[size_t(mp.mode)]] = {
+        {"memory_bytes", mp.memory_total},
+        {"fits", mp.fits},
+        {"activations",
+         {{"kept_bytes", mp.activations.kept_bytes()},
+          {"pool_bytes", mp.activations.pool_bytes()},
+          {"scratch_bytes", mp.activations.scratch_bytes()},
+          {"kept", items_json(mp.activations.kept)},
+          {"pool", items_json(mp.activations.pool)},
+          {"scratch", items_json(mp.activations.scratch)}}},
+        {"time_ms",
+         {{"embedding", t.embedding},
+          {"attention", t.attention},
+          {"mlp", t.mlp},
+          {"router", t.router},
+          {"dispatch", t.dispatch},
+          {"experts", t.experts},
+          {"combine", t.combine},
+          {"lm_head", t.lm_head},
+          {"recompute", t.recompute},
+          {"ep_exchange", t.ep_exchange},
+          {"grad_reduce", t.grad_reduce},
+          {"optimizer", t.optimizer},
+          {"step", t.step_ms()}}},
+        {"tokens_per_s_per_gpu", mp.tokens_per_s_per_gpu},
+        {"tflops_per_gpu", mp.tflops_per_gpu},
+        {"mfu", mp.mfu}};
+  }
+  const CommVolume& c = p.comm;
+  return {{"layout",
+           {{"gpus", run.sizes.world}, {"dp", run.sizes.dp}, {"ep", run.sizes.ep}, {"ep_dp", run.ep_dp},
+            {"pp", run.sizes.pp}}},
+          {"batch",
+           {{"global_batch", run.global_batch}, {"micro_batch", run.micro_batch}, {"micro_steps", run.micro_steps},
+            {"seq_len", run.seq_len}, {"tokens_per_step", run.tokens_per_step}, {"note", p.batch_note}}},
+          {"recompute", recompute_name(run.recompute)},
+          {"gpu_memory_bytes", p.gpu_memory},
+          {"parameters",
+           {{"total", run.counts.total_params}, {"active", run.counts.active_params}, {"local", m.local_params},
+            {"local_dense", m.dense_params}, {"local_experts", m.expert_params}}},
+          {"flops_per_step", run.flops_per_step},
+          {"memory_bytes",
+           {{"params_bf16", 2.0 * double(m.local_params)},
+            {"master_fp32", 4.0 * double(m.local_params)},
+            {"grads_fp32", m.grads},
+            {"moments", p.moments},
+            {"moments_sharding", p.zero ? "zero1" : "replicated"},
+            {"moments_replicated", m.moments_replicated},
+            {"exchange", m.exchange},
+            {"host_mirror", m.host_mirror}}},
+          {"comm_bytes_per_step",
+           {{"dp_allreduce_buffer", c.dp_allreduce_buffer},
+            {"dp_allreduce_sent", c.dp_allreduce_sent},
+            {"zero_reduce_scatter_sent", c.zero_reduce_scatter_sent},
+            {"zero_all_gather_sent", c.zero_all_gather_sent},
+            {"ep_dispatch_fwd_per_micro_step", c.ep_dispatch_fwd_micro},
+            {"ep_combine_fwd_per_micro_step", c.ep_combine_fwd_micro},
+            {"ep_dispatch_bwd_per_micro_step", c.ep_dispatch_bwd_micro},
+            {"ep_combine_bwd_per_micro_step", c.ep_combine_bwd_micro},
+            {"ep_per_step", c.ep_per_step},
+            {"total", c.total_per_step()}}},
+          {"modes", modes}};
+}
+
+nlohmann::json enumeration_json(const Enumeration& e, int64_t gpus, double gpu_memory_gib) {
+  nlohmann::json fitting = nlohmann::json::array(), not_fitting = nlohmann::json::array();
+  auto entry = [](const LayoutChoice& c) {
+    const ModePlan& mp = c.mode_plan();
+    return nlohmann::json{{"dp", c.plan.run.sizes.dp},
+                          {"ep", c.plan.run.sizes.ep},
+                          {"ep_dp", c.plan.run.ep_dp},
+                          {"pp", c.plan.run.sizes.pp},
+                          {"recompute", kModeNames[size_t(c.mode)]},
+                          {"memory_bytes", mp.memory_total},
+                          {"step_ms", mp.time.step_ms()},
+                          {"tokens_per_s_per_gpu", mp.tokens_per_s_per_gpu},
+                          {"tflops_per_gpu", mp.tflops_per_gpu},
+                          {"comm_bytes_per_step", c.plan.comm.total_per_step()}};
+  };
+  for (const LayoutChoice& c : e.fitting) fitting.push_back(entry(c));
+  for (const LayoutChoice& c : e.not_fitting) not_fitting.push_back(entry(c));
+  return {{"gpus", gpus}, {"gpu_memory_gib", gpu_memory_gib}, {"fitting", fitting}, {"not_fitting", not_fitting}};
+}
+
+}  // namespace moe

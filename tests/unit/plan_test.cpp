@@ -1,0 +1,296 @@
+// The planner (train/planner.h) and the per-mode activation memory (train/memory_plan.h): exact
+// bytes of a small model against hand-computed sums, the mode ordering, ZeRO-1 shards and
+// communication volumes, the layout enumeration, the H200 figures against the committed
+// measurements, and `moecore plan` on the command line.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/config_io.h"
+#include "e2e/cli_util.h"
+#include "model/layout.h"
+#include "support/test_util.h"
+#include "train/memory_plan.h"
+#include "train/planner.h"
+#include "train/run_plan.h"
+
+namespace moe {
+namespace {
+
+using testing::run_cli;
+
+const std::string kOlmoe8l = std::string(MOECORE_SOURCE_DIR) + "/configs/olmoe-8l.toml";
+constexpr double kGiB = double(1ull << 30);
+
+// d 8, 2 heads of 4 (q 8), 1 kv head (c 4), QK-norm; layer 0 dense (F 12), layer 1 MoE: 4 experts,
+// top-2, hidden 6, one shared expert (F 6); vocab 16; micro-batch 2 x 4 tokens: N 8, R 16.
+Config small() {
+  Config c;
+  c.model.vocab_size = 16;
+  c.model.d_model = 8;
+  c.model.n_layers = 2;
+  c.model.n_heads = 2;
+  c.model.n_kv_heads = 1;
+  c.model.qk_norm = true;
+  c.model.dense_layers = {0};
+  c.model.dense_hidden = 12;
+  c.moe.num_experts = 4;
+  c.moe.top_k = 2;
+  c.moe.expert_hidden = 6;
+  c.moe.shared_experts = 1;
+  c.train.seq_len = 4;
+  c.train.micro_batch = 2;
+  c.train.global_batch = 2;
+  return c;
+}
+
+double item(const std::vector<MemoryItem>& items, const std::string& name) {
+  for (const MemoryItem& i : items)
+    if (i.name == name) return i.bytes;
+  ADD_FAILURE() << "no item '" << name << "'";
+  return -1;
+}
+
+// Per layer (GPU, bytes): attention 992 = x 128 + norm 128 + rstd 32 + q_raw 128 + k_raw 64 +
+// q_rstd 32 + k_rstd 32 + q 128 + k 64 + v 64 + attn 128 + lse 64; dense MLP block 864 = x 128 +
+// norm 128 + rstd 32 + gate_up 384 + h 192; MoE layer 2196 = x 128 + norm 128 + rstd 32 + logits
+// 128 + scores 128 + topk_idx 64 + topk_w 64 + offsets 20 + sorted_route 64 + route_to_row 64 +
+// x_sorted 256 + y_sorted 256 + experts gate_up 384 + h 192 + shared gate_up 192 + h 96.
+TEST(ActivationMemory, SmallModelExactBytesPerMode) {
+  const Config c = small();
+  const auto modes = activation_memory_all_modes(c.model, c.moe, 2, 4, 1, true);
+  const ActivationMemory &none = modes[0], &sel = modes[1], &full = modes[2];
+  EXPECT_DOUBLE_EQ(none.kept_bytes(), 2 * 992 + 864 + 2196);
+  EXPECT_DOUBLE_EQ(none.pool_bytes(), 0);
+  EXPECT_DOUBLE_EQ(item(none.kept, "attention.q"), 2 * 128);
+  EXPECT_DOUBLE_EQ(item(none.kept, "moe.x_sorted"), 256);
+  // selective keeps attention {x, rstd, q_rstd, k_rstd, attn, lse} 416 per layer, dense {x, rstd,
+  // gate_up} 544, MoE {x, rstd, router outputs, dispatch map, experts and shared gate_up} 1268;
+  // one pool per block kind: attention norm, q_raw, k_raw, q, k, v 576; dense norm, h 320; MoE
+  // norm, x_sorted, y_sorted, experts h, shared h 928.
+  EXPECT_DOUBLE_EQ(sel.kept_bytes(), 2 * 416 + 544 + 1268);
+  EXPECT_DOUBLE_EQ(sel.pool_bytes(), 576 + 320 + 928);
+  // Under expert parallelism the experts do not recompute their outputs: y_sorted stays per layer.
+  const ActivationMemory sel_ep = activation_memory(c.model, c.moe, 2, 4, 1, true, Recompute::kSelective, 2);
+  EXPECT_DOUBLE_EQ(sel_ep.kept_bytes(), sel.kept_bytes() + 256);
+  EXPECT_DOUBLE_EQ(sel_ep.pool_bytes(), sel.pool_bytes() - 256);
+  EXPECT_DOUBLE_EQ(item(sel.pool, "moe.y_sorted"), 256);
+  // full keeps the FP32 residual at each attention block (256) and the MoE routing 532; one pool
+  // per block kind: a whole attention block 992, the dense block 864, the MoE layer without its
+  // routing 2196 - 532.
+  EXPECT_DOUBLE_EQ(full.kept_bytes(), 2 * 256 + 532);
+  EXPECT_DOUBLE_EQ(full.pool_bytes(), 992 + 864 + 2196 - 532);
+  // Scratch: the same in every mode.
+  EXPECT_DOUBLE_EQ(none.scratch_bytes(), full.scratch_bytes());
+  EXPECT_DOUBLE_EQ(item(none.scratch, "experts backward workspace"), 16 * 3 * 6 * 2);
+  EXPECT_DOUBLE_EQ(item(none.scratch, "lm_head.logits chunk [4096, V]"), 8 * 16 * 2);
+  EXPECT_DOUBLE_EQ(item(none.scratch, "cuDNN attention backward plan workspace"), 2 * 2 * 4 * (2 * 4 + 4) + 256);
+  EXPECT_DOUBLE_EQ(item(none.scratch, "residual.x32"), 8 * 8 * 4);
+  EXPECT_DOUBLE_EQ(item(none.scratch, "moe backward dy_sorted"), 16 * 8 * 2);
+  // dattn, dq (256-byte aligned: 128 -> 256 each), dk, dv (64 -> 256), dq_raw, dk_raw, workspace
+  // 64 -> 256: 1792 bytes, more than dy_sorted's 256, so a buffer of their own.
+  EXPECT_DOUBLE_EQ(item(none.scratch, "attention backward scratch and workspace"), 7 * 256);
+  EXPECT_DOUBLE_EQ(item(none.scratch, "token ids (step and micro-batch)"), 4 * 8 * 4);
+  // The CPU model: every tensor at 4 bytes, no FP32 residual copy under full.
+  const auto cpu = activation_memory_all_modes(c.model, c.moe, 2, 4, 1, false);
+  EXPECT_DOUBLE_EQ(item(cpu[0].kept, "attention.q"), 2 * 256);
+  EXPECT_DOUBLE_EQ(cpu[2].kept_bytes(), 2 * 256 + 532);  // attention.x at 4 bytes, the routing
+}
+
+TEST(ActivationMemory, FullBelowSelectiveBelowNone) {
+  for (const std::string& path : {kOlmoe8l, std::string(MOECORE_SOURCE_DIR) + "/configs/tiny.toml"}) {
+    const Config c = load_config(path, {});
+    for (const bool gpu : {true, false}) {
+      const auto m = activation_memory_all_modes(c.model, c.moe, c.train.micro_batch, c.train.seq_len, 1, gpu);
+      EXPECT_LT(m[2].total(), m[1].total()) << path << " gpu " << gpu;
+      EXPECT_LT(m[1].total(), m[0].total()) << path << " gpu " << gpu;
+      EXPECT_LT(m[2].kept_bytes(), m[1].kept_bytes());
+      EXPECT_GT(m[1].pool_bytes(), 0.0);
+    }
+  }
+}
+
+// The run plan's configured mode is activation_memory's, and every mode is planned.
+TEST(RunPlan, ActivationsFollowTrainRecompute) {
+  Config c = small();
+  for (const char* mode : {"none", "selective", "full"}) {
+    c.train.recompute = mode;
+    const RunPlan p = make_run_plan(c, 1, "cuda");
+    const ActivationMemory a = activation_memory(c.model, c.moe, 2, 4, 1, true, parse_recompute(mode));
+    EXPECT_DOUBLE_EQ(p.memory.activations_kept, a.kept_bytes()) << mode;
+    EXPECT_DOUBLE_EQ(p.memory.activations_pool, a.pool_bytes()) << mode;
+    EXPECT_DOUBLE_EQ(p.memory.scratch, a.scratch_bytes()) << mode;
+    EXPECT_NE(describe_run_plan(p).find(std::string("train.recompute = \"") + mode + "\""), std::string::npos);
+  }
+}
+
+// Committed measurements (bench/results/memory-check-20261201T2315Z): device_alloc peaks of
+// olmoe-8l on one H200 with cuDNN attention, per recompute mode.
+TEST(RunPlan, Olmoe8lGpuEstimateMatchesMeasuredPeaks) {
+  Config c = load_config(kOlmoe8l, {});
+  struct Case {
+    const char* mode;
+    double peak_gib;
+  };
+  for (const Case& k : {Case{"none", 83.14}, Case{"selective", 71.33}, Case{"full", 67.51}}) {
+    c.train.recompute = k.mode;
+    const RunPlan p = make_run_plan(c, 1, "cuda");
+    EXPECT_NEAR(p.memory.total() / kGiB, k.peak_gib, 0.01) << k.mode;
+  }
+}
+
+// Measured olmoe-8l steps on one H200: 178.02 ms (the reference the phases come from), and two
+// shapes the model was not fitted to: 107.84 ms (B 2) and 104.77 ms (S 2048).
+TEST(Planner, Olmoe8lStepTimeNearMeasured) {
+  const Config base = load_config(kOlmoe8l, {});
+  struct Case {
+    int64_t batch, seq;
+    double step_ms, tolerance;
+  };
+  for (const Case& k : {Case{4, 4096, 178.02, 0.01}, Case{2, 4096, 107.84, 0.06}, Case{4, 2048, 104.77, 0.06}}) {
+    Config c = base;
+    c.train.micro_batch = c.train.global_batch = k.batch;
+    c.train.seq_len = k.seq;
+    const LayoutPlan p = plan_layout(c, LayoutRequest{}, 139.8);
+    const double ms = p.modes[0].time.step_ms();
+    EXPECT_NEAR(ms, k.step_ms, k.tolerance * k.step_ms) << k.batch << " x " << k.seq;
+    EXPECT_GT(p.modes[1].time.step_ms(), ms);
+    EXPECT_GT(p.modes[2].time.step_ms(), p.modes[1].time.step_ms());
+  }
+  // Recomputation, measured on the same GPU (memory-check-20261201T2315Z): 191.12 ms selective,
+  // 215.88 ms full (173.12 ms none in that run).
+  const LayoutPlan p = plan_layout(base, LayoutRequest{}, 139.8);
+  EXPECT_NEAR(p.modes[1].time.step_ms(), 191.12, 0.06 * 191.12);
+  EXPECT_NEAR(p.modes[2].time.step_ms(), 215.88, 0.06 * 215.88);
+}
+
+// ZeRO-1: dense moments over dp, expert moments over ep-dp; the collectives' bytes follow.
+TEST(Planner, ZeroShardsAndCommunication) {
+  Config c = small();
+  c.train.global_batch = 8;
+  c.parallel.zero = true;
+  const LayoutPlan p = plan_layout(c, LayoutRequest{4, 2, 1}, 139.8);
+  const ParamLayout local = build_param_layout(c.model, c.moe, ExpertSlice{0, 2});
+  int64_t dense = 0, expert = 0;
+  for (const FlatRange& r : flat_ranges(local, false)) dense += r.end - r.begin;
+  for (const FlatRange& r : flat_ranges(local, true)) expert += r.end - r.begin;
+  EXPECT_EQ(p.run.memory.dense_params, dense);
+  EXPECT_EQ(p.run.memory.expert_params, expert);
+  EXPECT_TRUE(p.zero);
+  EXPECT_DOUBLE_EQ(p.moments, 8.0 * (double(dense) / 4 + double(expert) / 2));
+  EXPECT_DOUBLE_EQ(p.run.memory.moments, p.moments);  // the GPU step shards them too
+  EXPECT_DOUBLE_EQ(p.comm.zero_reduce_scatter_sent, 0.75 * 4 * double(dense) + 0.5 * 4 * double(expert));
+  EXPECT_DOUBLE_EQ(p.comm.zero_all_gather_sent, p.comm.zero_reduce_scatter_sent);
+  EXPECT_DOUBLE_EQ(p.comm.dp_allreduce_sent, 0.0);
+  // One MoE layer, R = 16 rows of d 8 in BF16, half of them to the other rank, four exchanges.
+  EXPECT_DOUBLE_EQ(p.comm.ep_dispatch_fwd_micro, 16 * 8 * 2 * 0.5);
+  EXPECT_DOUBLE_EQ(p.comm.ep_per_step, 4 * 16 * 8 * 2 * 0.5);
+  // Without ZeRO: one ring all-reduce of the dense gradients over dp and the experts' over ep-dp.
+  c.parallel.zero = false;
+  const LayoutPlan q = plan_layout(c, LayoutRequest{4, 2, 1}, 139.8);
+  EXPECT_FALSE(q.zero);
+  EXPECT_DOUBLE_EQ(q.moments, 8.0 * double(dense + expert));
+  EXPECT_DOUBLE_EQ(q.comm.dp_allreduce_sent, 2 * 0.75 * 4 * double(dense) + 2 * 0.5 * 4 * double(expert));
+  EXPECT_LT(p.modes[0].memory_total, q.modes[0].memory_total);
+}
+
+TEST(Planner, BatchRaisedToTheLeastMultiple) {
+  Config c = small();  // global 2, micro 2
+  const LayoutPlan p = plan_layout(c, LayoutRequest{4, 1, 1}, 139.8);
+  EXPECT_EQ(p.run.global_batch, 8);
+  EXPECT_EQ(p.run.micro_steps, 1);
+  EXPECT_NE(p.batch_note.find("2 -> 8"), std::string::npos) << p.batch_note;
+  c.train.global_batch = 12;  // dp 4 x micro 2 = 8 does not divide 12: lcm 24
+  EXPECT_EQ(plan_layout(c, LayoutRequest{4, 1, 1}, 139.8).run.global_batch, 24);
+}
+
+TEST(Planner, EnumeratesOnlyValidLayoutsBestFirst) {
+  Config c = load_config(kOlmoe8l, {});
+  c.moe.num_experts = 12;  // ep 8 does not divide 12; ep 3 does not divide dp 8
+  const Enumeration e = enumerate_layouts(c, 8, 139.8);
+  std::vector<int64_t> eps;
+  for (const LayoutChoice& l : e.fitting) {
+    EXPECT_EQ(l.plan.run.sizes.dp, 8);
+    EXPECT_EQ(l.plan.run.sizes.pp, 1);
+    EXPECT_EQ(8 % l.plan.run.sizes.ep, 0);
+    EXPECT_EQ(12 % l.plan.run.sizes.ep, 0);
+    EXPECT_LE(l.mode_plan().memory_total, 139.8 * kGiB);
+    eps.push_back(l.plan.run.sizes.ep);
+  }
+  EXPECT_EQ(e.fitting.size() + e.not_fitting.size(), 3u * 3u);  // ep 1, 2, 4 x three modes
+  std::sort(eps.begin(), eps.end());
+  eps.erase(std::unique(eps.begin(), eps.end()), eps.end());
+  EXPECT_EQ(eps, (std::vector<int64_t>{1, 2, 4}));
+  for (size_t i = 1; i < e.fitting.size(); ++i)
+    EXPECT_GE(e.fitting[i - 1].mode_plan().tokens_per_s_per_gpu, e.fitting[i].mode_plan().tokens_per_s_per_gpu);
+  // A smaller GPU: what does not fit moves out of the ranking.
+  const Enumeration tight = enumerate_layouts(load_config(kOlmoe8l, {}), 1, 80.0);
+  ASSERT_EQ(tight.fitting.size() + tight.not_fitting.size(), 3u);
+  EXPECT_EQ(tight.not_fitting.size(), 1u);  // recompute none needs 83 GiB
+  EXPECT_EQ(tight.not_fitting[0].mode, Recompute::kNone);
+  EXPECT_EQ(tight.fitting[0].mode, Recompute::kSelective);
+}
+
+TEST(Planner, LayoutParsing) {
+  const LayoutRequest l = parse_layout("ep=4,dp=8", 0);
+  EXPECT_EQ(l.dp, 8);
+  EXPECT_EQ(l.ep, 4);
+  EXPECT_EQ(l.pp, 1);
+  EXPECT_EQ(parse_layout("ep=2", 8).dp, 8);
+  EXPECT_NE(testing::error_of([] { parse_layout("dp=8,xp=2", 0); }).find("unknown key 'xp'"), std::string::npos);
+  EXPECT_NE(testing::error_of([] { parse_layout("dp=two", 0); }).find("got 'two'"), std::string::npos);
+  EXPECT_NE(testing::error_of([] { parse_layout("dp=2,pp=2", 0); }).find("pipeline stages are not implemented"),
+            std::string::npos);
+  EXPECT_NE(testing::error_of([] { parse_layout("dp=4", 8); }).find("--gpus is 8"), std::string::npos);
+  EXPECT_NE(testing::error_of([] { parse_layout("dp=2,dp=2", 0); }).find("given twice"), std::string::npos);
+}
+
+TEST(PlanCli, PrintsAllThreeModes) {
+  const auto r = run_cli("plan " + kOlmoe8l);
+  ASSERT_EQ(r.status, 0) << r.output;
+  for (const char* s : {"none*", "selective", "full", "activations kept by the layers", "recompute pools (one layer per kind)",
+                        "scratch and workspaces", "tokens/s/GPU", "# memory estimate   per rank on the GPU: 83.14"})
+    EXPECT_NE(r.output.find(s), std::string::npos) << s << "\n" << r.output;
+  // The dry run prints the same figures from the same code.
+  const auto dry = run_cli("train " + kOlmoe8l + " --dry-run --train.precision=fp32");
+  ASSERT_EQ(dry.status, 0) << dry.output;
+  EXPECT_NE(dry.output.find("# memory estimate   per rank on the GPU: 83.14"), std::string::npos) << dry.output;
+}
+
+TEST(PlanCli, EnumeratesEightGpus) {
+  const auto r = run_cli("plan " + kOlmoe8l + " --gpus 8");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("rank dp"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("train.global_batch 4 -> 32"), std::string::npos) << r.output;
+  const auto j = run_cli("plan " + kOlmoe8l + " --gpus 8 --json");
+  ASSERT_EQ(j.status, 0) << j.output;
+  const nlohmann::json doc = nlohmann::json::parse(j.output);
+  ASSERT_FALSE(doc.at("fitting").empty());
+  EXPECT_EQ(doc.at("fitting")[0].at("dp"), 8);
+}
+
+TEST(PlanCli, JsonParsesAndBadValuesAreNamed) {
+  const auto j = run_cli("plan " + kOlmoe8l + " --layout dp=2,ep=2 --json");
+  ASSERT_EQ(j.status, 0) << j.output;
+  const nlohmann::json doc = nlohmann::json::parse(j.output);
+  EXPECT_EQ(doc.at("layout").at("ep"), 2);
+  EXPECT_GT(doc.at("comm_bytes_per_step").at("ep_per_step").get<double>(), 0.0);
+  for (const char* mode : {"none", "selective", "full"})
+    EXPECT_GT(doc.at("modes").at(mode).at("time_ms").at("step").get<double>(), 0.0) << mode;
+  const auto bad = run_cli("plan " + kOlmoe8l + " --layout dp=2,ep=x");
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_NE(bad.output.find("--layout 'dp=2,ep=x'"), std::string::npos) << bad.output;
+  const auto pp = run_cli("plan " + kOlmoe8l + " --layout dp=1,pp=2");
+  EXPECT_EQ(pp.status, 1);
+  EXPECT_NE(pp.output.find("pipeline stages are not implemented yet"), std::string::npos) << pp.output;
+  const auto mem = run_cli("plan " + kOlmoe8l + " --gpu-memory lots");
+  EXPECT_EQ(mem.status, 1);
+  EXPECT_NE(mem.output.find("--gpu-memory: expected a positive number of GiB, got 'lots'"), std::string::npos)
+      << mem.output;
+}
+
+}  // namespace
+}  // namespace moe
