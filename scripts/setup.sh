@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 
 packages=(g++ cmake ninja-build ccache libopenblas-dev libtomlplusplus-dev
           nlohmann-json3-dev libgtest-dev openmpi-bin libopenmpi-dev python3
-          pkg-config libpcre2-dev libicu-dev)
+          pkg-config libpcre2-dev libicu-dev zlib1g-dev)
 
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"

@@ -1,9 +1,12 @@
 // moecore command-line entry point: train (and --dry-run), plan, bench, inspect, export-hf,
-// import-hf, logits, tokenize, version. Every command's arguments go through one parser (cli/args.h).
+// import-hf, logits, tokenize, data prepare, version. Every command's arguments go through one
+// parser (cli/args.h).
 // Every error reaches the user as one "error: ..." line and exit status 1 (a mistake in the
 // command line also prints the command's usage line); in a multi-process job as "[rank r]
 // error: ..." followed by an abort of every rank (MPI_Abort; over TCP the rank exits and its
 // peers fail on the closed connections). No command, or an unknown one, exits with status 2.
+#include <unistd.h>
+
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -19,11 +22,13 @@
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/files.h"
 #include "checkpoint/hf.h"
+#include "checkpoint/sha256.h"
 #include "cli/args.h"
 #include "core/config_io.h"
 #include "core/error.h"
 #include "core/signals.h"
 #include "data/embedded.h"
+#include "data/prepare.h"
 #include "model/layout.h"
 #include "model/model.h"
 #include "parallel/comm.h"
@@ -69,6 +74,8 @@ constexpr const char* kUsage =
     "                                                  run one sequence, print its loss, write FP32 logits\n"
     "  tokenize --out FILE [--dtype uint16|uint32] [--eos ID] TEXT_FILE...\n"
     "                                                  byte-level tokenizer: one document per file\n"
+    "  data prepare --tokenizer tokenizer.json --out DIR [--text-key KEY] [--jobs N] [--lines] [--eos-id ID] INPUT...\n"
+    "                                                  tokenize .jsonl / .jsonl.gz / .txt into .npy token files\n"
     "  version                                         print the version and the commit it was built from\n"
     "\n"
     "Options take --name=value or --name value; CONFIG.toml may also be given as --config PATH.\n"
@@ -316,6 +323,53 @@ int cmd_tokenize(const ParsedArgs& a) {
   return 0;
 }
 
+const CommandSpec kDataPrepare{
+    "data prepare",
+    {"INPUT..."},
+    1,
+    false,
+    {{"--tokenizer", "FILE", "a Hugging Face tokenizer.json (byte-level BPE)", true},
+     {"--out", "DIR", "where the .npy token files and summary.json go (created if missing)", true},
+     {"--text-key", "KEY", "the JSON key of a .jsonl document (default text)"},
+     {"--jobs", "N", "tokenizer threads (default: every core)"},
+     {"--lines", "", "a .txt input holds one document per non-empty line (default: the whole file)"},
+     {"--eos-id", "ID", "end-of-document id (default: the tokenizer's <|endoftext|>, </s>, ... token)"}},
+    "Tokenizes INPUT files (.jsonl and .jsonl.gz: one JSON object a line, the document under KEY;\n"
+    ".txt: one document) with the tokenizer into DIR/<stem>.npy, one per input: uint16 ids when the\n"
+    "vocabulary has at most 65536 tokens, else uint32, EOS after every document. DIR/summary.json has\n"
+    "the counts per input, the tokenizer's path and SHA-256, and the dtype. The output is the same\n"
+    "for every --jobs. Files appear only when every input is done; Ctrl-C stops and leaves nothing\n"
+    "(exit 130). Train on them with data.source = \"tokens\" and data.paths = [\"DIR/<stem>.npy\", ...].\n"};
+
+int cmd_data_prepare(const ParsedArgs& a) {
+  PrepareOptions opt;
+  opt.tokenizer = a.value_or("--tokenizer", "");
+  opt.out_dir = a.value_or("--out", "");
+  if (opt.tokenizer.empty()) usage_fail("--tokenizer needs a tokenizer.json path, got an empty value");
+  if (opt.out_dir.empty()) usage_fail("--out needs a directory, got an empty value");
+  opt.text_key = a.value_or("--text-key", opt.text_key);
+  if (opt.text_key.empty()) usage_fail("--text-key needs a key name, got an empty value");
+  opt.jobs = a.int_or("--jobs", 0, 1, 1024);
+  opt.lines = a.has("--lines");
+  if (a.has("--eos-id")) opt.eos_id = a.int_or("--eos-id", 0, 0, 0x7FFFFFFF);
+  if (MOECORE_HAS_TOKENIZER) opt.tokenizer_sha256 = sha256_file(opt.tokenizer);
+  opt.progress = isatty(STDERR_FILENO) != 0;
+  const StopSignals signals;  // Ctrl-C: stop, remove the temporaries, exit 130
+  const PrepareResult r = prepare_data(a.positionals, opt, std::cerr);
+  if (r.stopped_by != 0) {
+    std::cerr << "data prepare: stopped by " << StopSignals::name(r.stopped_by) << "; nothing was written to '"
+              << opt.out_dir << "'\n";
+    return 128 + r.stopped_by;
+  }
+  char rate[64];
+  std::snprintf(rate, sizeof rate, "%.1f s, %.1f MB/s", r.seconds, r.seconds > 0 ? double(r.bytes) / 1e6 / r.seconds : 0.0);
+  std::cout << "wrote " << r.files.size() << " token file" << (r.files.size() == 1 ? "" : "s") << " and summary.json to "
+            << opt.out_dir << ": " << r.documents << " documents, " << r.tokens << " tokens (" << r.dtype << ", EOS "
+            << r.eos_id << (r.eos_token.empty() ? "" : " " + r.eos_token) << "), " << r.bytes << " bytes of text in "
+            << rate << " with " << r.jobs << " thread" << (r.jobs == 1 ? "" : "s") << "\n";
+  return 0;
+}
+
 const CommandSpec kExportHf{
     "export-hf",
     {"CHECKPOINT_DIR", "OUT_DIR"},
@@ -433,6 +487,7 @@ std::vector<Command> commands(const std::string& invocation) {
           {&kImportHf, cmd_import_hf},
           {&kLogits, cmd_logits},
           {&kTokenize, cmd_tokenize},
+          {&kDataPrepare, cmd_data_prepare},
           {&kVersion, cmd_version}};
 }
 
@@ -478,6 +533,19 @@ int run_main(const std::vector<std::string>& argv) {
   if (args[0] == "--version" || args[0] == "-V") {
     std::cout << version_text() << "\n";
     return 0;
+  }
+  // Two-word commands: "data prepare".
+  if (args[0] == "data") {
+    if (args.size() < 2 || args[1] == "--help" || args[1] == "-h") {
+      std::fprintf(stderr, "error: 'moecore data' needs a subcommand: prepare\n%s\n", cli::usage_line(kDataPrepare).c_str());
+      return args.size() < 2 ? 2 : 0;
+    }
+    if (args[1] != "prepare") {
+      std::fprintf(stderr, "error: unknown command 'data %s'; expected 'data prepare'\n", args[1].c_str());
+      return 2;
+    }
+    args[0] = "data prepare";
+    args.erase(args.begin() + 1);
   }
   const Command* cmd = find(args[0]);
   if (!cmd) {

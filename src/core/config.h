@@ -63,12 +63,21 @@ struct OptimConfig {
   double grad_clip = 1.0;
 };
 
+// One source of a weighted mix ([[data.sources]]): its token files, concatenated, and its share
+// of the instances, weight / (sum of the weights).
+struct DataSourceConfig {
+  std::vector<std::string> paths;
+  double weight = 1.0;
+  bool operator==(const DataSourceConfig&) const = default;
+};
+
 struct DataConfig {
   std::string source = "embedded";  // "embedded" | "tokens"
-  std::vector<std::string> paths;
+  std::vector<std::string> paths;    // one source of weight 1 (or use `sources`, not both)
   std::string token_dtype = "uint16";  // "uint16" | "uint32"
   int64_t eos_id = 0;
   std::vector<std::string> eval_paths;
+  std::vector<DataSourceConfig> sources{};  // a weighted mix ([[data.sources]]), instead of paths
 };
 
 struct ParallelConfig {

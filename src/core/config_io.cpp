@@ -38,6 +38,8 @@ constexpr ConfigType type_of() {
     return ConfigType::kString;
   else if constexpr (std::is_same_v<T, std::vector<std::string>>)
     return ConfigType::kStringList;
+  else if constexpr (std::is_same_v<T, std::vector<DataSourceConfig>>)
+    return ConfigType::kSourceList;
   else {
     static_assert(std::is_same_v<T, std::vector<int64_t>>, "unsupported config field type");
     return ConfigType::kIntList;
@@ -125,6 +127,8 @@ std::vector<ConfigKey> build_keys() {
 
       entry("data.source", &C::data, &D::source,
             "embedded: the built-in corpus; tokens: the token files in data.paths", {"embedded", "tokens"}),
+      entry("data.sources", &C::data, &D::sources,
+            "weighted mix: [[data.sources]] tables, each paths = [token files] and weight > 0 (instead of data.paths)"),
       entry("data.paths", &C::data, &D::paths,
             "token files (flat arrays of token_dtype) for source = \"tokens\""),
       entry("data.token_dtype", &C::data, &D::token_dtype, "integer type of the token files",
@@ -289,6 +293,16 @@ std::string format_value(const ConfigField& f) {
                           for (int64_t v : *p) parts.push_back(std::to_string(v));
                           return "[" + join(parts, ", ") + "]";
                         },
+                        [](const std::vector<DataSourceConfig>* p) {
+                          std::vector<std::string> parts;
+                          for (const DataSourceConfig& s : *p) {
+                            std::vector<std::string> paths;
+                            for (const auto& path : s.paths) paths.push_back(quote(path));
+                            parts.push_back("{ paths = [" + join(paths, ", ") + "], weight = " + format_float(s.weight) +
+                                            " }");
+                          }
+                          return "[" + join(parts, ", ") + "]";
+                        },
                     },
                     f);
 }
@@ -373,6 +387,8 @@ const char* expected_phrase(ConfigType t) {
       return "an array of strings";
     case ConfigType::kIntList:
       return "an array of integers";
+    case ConfigType::kSourceList:
+      return "an array of tables { paths = [\"file\", ...], weight = number }";
   }
   return "?";
 }
@@ -438,6 +454,53 @@ std::string assign_node(const ConfigKey& k, const toml::node& n, Config& c) {
                           *p = std::move(out);
                           return "";
                         },
+                        [&](std::vector<DataSourceConfig>* p) -> std::string {
+                          const toml::array* a = n.as_array();
+                          if (!a) return bad;
+                          std::vector<DataSourceConfig> out;
+                          for (size_t i = 0; i < a->size(); ++i) {
+                            const std::string at = k.name + "[" + std::to_string(i) + "]";
+                            const toml::table* t = (*a)[i].as_table();
+                            if (!t) return at + ": expected a table { paths = [...], weight = w }, got " + describe((*a)[i]);
+                            DataSourceConfig src;
+                            bool has_paths = false, has_weight = false;
+                            for (auto&& [key, node] : *t) {
+                              const std::string name(key.str());
+                              if (name == "paths") {
+                                const toml::array* list = node.as_array();
+                                if (!list) return at + ".paths: expected an array of strings, got " + describe(node);
+                                for (size_t j = 0; j < list->size(); ++j) {
+                                  if (!(*list)[j].is_string())
+                                    return at + ".paths: expected an array of strings, element " + std::to_string(j) +
+                                           " is " + describe((*list)[j]);
+                                  src.paths.push_back((*list)[j].as_string()->get());
+                                }
+                                has_paths = true;
+                              } else if (name == "weight") {
+                                if (node.is_integer())
+                                  src.weight = static_cast<double>(node.as_integer()->get());
+                                else if (node.is_floating_point())
+                                  src.weight = node.as_floating_point()->get();
+                                else
+                                  return at + ".weight: expected a number, got " + describe(node);
+                                has_weight = true;
+                              } else {
+                                const bool near = edit_distance(to_lower(name), "paths") <= 2 ||
+                                                  edit_distance(to_lower(name), "weight") <= 2;
+                                return at + ": unknown key '" + name + "' (a source has the keys paths and weight)" +
+                                       (near ? "; did you mean '" +
+                                                   std::string(edit_distance(to_lower(name), "paths") <= 2 ? "paths" : "weight") +
+                                                   "'?"
+                                             : "");
+                              }
+                            }
+                            if (!has_paths) return at + ": missing key 'paths' (the source's token files)";
+                            if (!has_weight) return at + ": missing key 'weight' (its share of the instances, > 0)";
+                            out.push_back(std::move(src));
+                          }
+                          *p = std::move(out);
+                          return "";
+                        },
                     },
                     k.field(c));
 }
@@ -490,6 +553,20 @@ std::optional<std::string> unquote(std::string_view s) {
 std::string assign_text(const ConfigKey& k, std::string_view text, Config& c) {
   text = trim(text);
   const std::string bad = k.name + ": expected " + expected_phrase(k.type) + ", got " + quote(text);
+  if (k.type == ConfigType::kSourceList) {  // a TOML array of inline tables; empty: no sources
+    if (text.empty()) {
+      std::get<std::vector<DataSourceConfig>*>(k.field(c))->clear();
+      return "";
+    }
+    toml::table t;
+    try {
+      t = parse_toml_value(text);
+    } catch (const toml::parse_error& e) {
+      return bad + " (not a valid TOML array of inline tables, e.g. '[{paths = [\"a.npy\"], weight = 0.7}, "
+                   "{paths = [\"b.npy\"], weight = 0.3}]': " + std::string(e.description()) + ")";
+    }
+    return assign_node(k, *t.get("v"), c);
+  }
   const bool is_list = k.type == ConfigType::kIntList || k.type == ConfigType::kStringList;
   if (is_list && !text.empty() && text.front() == '[') {
     toml::table t;
@@ -640,6 +717,8 @@ const char* config_type_name(ConfigType t) {
       return "string list";
     case ConfigType::kIntList:
       return "int list";
+    case ConfigType::kSourceList:
+      return "table list";
   }
   return "?";
 }
@@ -745,7 +824,9 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
     // Data paths written in a config file are relative to that file (overrides typed on the
     // command line stay relative to the working directory).
     const std::filesystem::path base = std::filesystem::absolute(path).parent_path();
-    for (std::vector<std::string>* list : {&c.data.paths, &c.data.eval_paths})
+    std::vector<std::vector<std::string>*> lists = {&c.data.paths, &c.data.eval_paths};
+    for (DataSourceConfig& src : c.data.sources) lists.push_back(&src.paths);
+    for (std::vector<std::string>* list : lists)
       for (std::string& p : *list)
         if (!p.empty() && std::filesystem::path(p).is_relative()) p = (base / p).lexically_normal().string();
   }
@@ -872,8 +953,22 @@ void validate_config(const Config& c) {
   p.need(o.grad_clip >= 0, "optim.grad_clip must be >= 0 (0: no clipping), got ", num(o.grad_clip));
 
   const DataConfig& d = c.data;
+  p.need(d.paths.empty() || d.sources.empty(), "data.paths and data.sources are both set: give the token files ",
+         "either as data.paths (one source) or as [[data.sources]] tables (a weighted mix), not both");
   if (d.source == "tokens")
-    p.need(!d.paths.empty(), "data.paths must name at least one token file when data.source = \"tokens\"");
+    p.need(!d.paths.empty() || !d.sources.empty(), "data.paths must name at least one token file when data.source = ",
+           "\"tokens\" (or give a weighted mix as [[data.sources]] tables)");
+  if (d.source == "embedded")
+    p.need(d.sources.empty(), "data.sources names token files, but data.source = \"embedded\" ignores them: set ",
+           "data.source = \"tokens\" to train on the mix, or remove the [[data.sources]] tables");
+  for (size_t i = 0; i < d.sources.size(); ++i) {
+    const DataSourceConfig& src = d.sources[i];
+    p.need(std::isfinite(src.weight) && src.weight > 0, "data.sources[", i, "].weight must be a finite number > 0, got ",
+           num(src.weight));
+    p.need(!src.paths.empty(), "data.sources[", i, "].paths must name at least one token file");
+    for (size_t j = 0; j < src.paths.size(); ++j)
+      p.need(!src.paths[j].empty(), "data.sources[", i, "].paths[", j, "] is an empty string");
+  }
   for (size_t i = 0; i < d.paths.size(); ++i)
     p.need(!d.paths[i].empty(), "data.paths[", i, "] is an empty string");
   for (size_t i = 0; i < d.eval_paths.size(); ++i)

@@ -15,12 +15,13 @@
 
 namespace moe {
 
-// kUint is a TOML integer that must be >= 0 (stored as uint64_t, e.g. train.seed).
-enum class ConfigType { kInt, kUint, kFloat, kBool, kString, kStringList, kIntList };
+// kUint is a TOML integer that must be >= 0 (stored as uint64_t, e.g. train.seed). kSourceList is
+// an array of tables { paths = [...], weight = w } (data.sources: `[[data.sources]]` in a file).
+enum class ConfigType { kInt, kUint, kFloat, kBool, kString, kStringList, kIntList, kSourceList };
 
 // Pointer to the Config field a key names; the alternative always matches the key's type.
 using ConfigField = std::variant<int64_t*, uint64_t*, double*, bool*, std::string*, std::vector<std::string>*,
-                                 std::vector<int64_t>*>;
+                                 std::vector<int64_t>*, std::vector<DataSourceConfig>*>;
 
 struct ConfigKey {
   std::string name;  // "section.key"
@@ -59,7 +60,8 @@ inline constexpr int64_t kMaxActivationElements = int64_t(1) << 52;  // of one m
 const std::vector<ConfigKey>& config_keys();
 // The key called `name` ("section.key"), or nullptr.
 const ConfigKey* find_config_key(std::string_view name);
-// Type name as shown in --help: "int", "uint", "float", "bool", "string", "string list", "int list".
+// Type name as shown in --help: "int", "uint", "float", "bool", "string", "string list", "int list",
+// "table list".
 const char* config_type_name(ConfigType t);
 
 // The valid key nearest to `key` (edit distance over full dotted names, over names within the
@@ -73,11 +75,12 @@ Config parse_config_toml(std::string_view text, const std::string& source_name);
 
 // Applies "--section.key=value" (or "section.key=value"). The value is parsed by the key's
 // type: integers, floats (1e-3), true/false, strings (bare or quoted), lists as a TOML array
-// "[0, 1]" or comma-separated "0,1" (an empty value is an empty list).
+// "[0, 1]" or comma-separated "0,1" (an empty value is an empty list); data.sources as a TOML
+// array of inline tables '[{paths = ["a.npy"], weight = 0.7}, ...]' (empty: none).
 void apply_override(Config& c, const std::string& arg);
 
-// Defaults (empty path) or the file at `path` (its relative data.paths and data.eval_paths taken
-// relative to the file's directory), then `overrides` in order, then validate_config.
+// Defaults (empty path) or the file at `path` (its relative data.paths, data.sources paths and
+// data.eval_paths taken relative to the file's directory), then `overrides` in order, then validate_config.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides);
 
 // Throws moe::Error listing every rule the config breaks, each naming its key(s) and values.

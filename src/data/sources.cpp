@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <map>
+#include <sstream>
 #include <vector>
 
 #include "core/error.h"
@@ -55,6 +56,9 @@ TokenSource open_embedded(const Config& cfg, const std::string& split) {
 }
 
 }  // namespace
+
+static void open_eval(const Config& cfg, DataSources& d, std::ostream& out);
+static DataSources open_mix(const Config& cfg, std::ostream& out);
 
 int64_t embedded_num_tokens(const Config& cfg, const std::string& split) {
   const int64_t inst = cfg.train.seq_len + 1;
@@ -101,11 +105,13 @@ DataSources open_data(const Config& cfg, std::ostream& out) {
   } else {
     MOE_CHECK(cfg.data.source == "tokens", "data.source must be \"embedded\" or \"tokens\", got \"", cfg.data.source,
               "\"");
+    if (!cfg.data.sources.empty()) return open_mix(cfg, out);
     d.train = TokenSource::open(cfg.data.paths, cfg.data.token_dtype, cfg.model.vocab_size);
     if (!cfg.data.eval_paths.empty())
       d.eval = TokenSource::open(cfg.data.eval_paths, cfg.data.token_dtype, cfg.model.vocab_size);
   }
 
+  d.train_sources.push_back({*d.train, 1.0});
   const auto t0 = Clock::now();
   validate_tokens(*d.train);
   const double train_s = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -121,9 +127,16 @@ DataSources open_data(const Config& cfg, std::ostream& out) {
       << " epochs of " << batches_per_epoch << " batches; ids checked in " << format_double("%.2f", train_s)
       << " s\n";
 
+  open_eval(cfg, d, out);
+  return d;
+}
+
+void open_eval(const Config& cfg, DataSources& d, std::ostream& out) {
+  using Clock = std::chrono::steady_clock;
+  const int64_t inst = cfg.train.seq_len + 1;
   if (!d.eval) {
     out << "data eval: none (data.eval_paths is empty)\n" << std::flush;
-    return d;
+    return;
   }
   const auto t1 = Clock::now();
   validate_tokens(*d.eval);
@@ -140,11 +153,53 @@ DataSources open_data(const Config& cfg, std::ostream& out) {
   if (eval_batches < cfg.train.eval_batches) out << " (train.eval_batches = " << cfg.train.eval_batches << ")";
   out << "; ids checked in " << format_double("%.2f", eval_s) << " s\n";
   for (int64_t e = 0; cfg.data.source == "tokens" && e < d.eval->num_files(); ++e)
-    for (int64_t t = 0; t < d.train->num_files(); ++t)
-      if (same_file(d.eval->file_name(e), d.train->file_name(t)))
-        out << "data warning: eval file '" << d.eval->file_name(e) << "' is also the train file '"
-            << d.train->file_name(t) << "': the eval loss is measured on training data\n";
+    for (const WeightedSource& src : d.train_sources)
+      for (int64_t t = 0; t < src.source.num_files(); ++t)
+        if (same_file(d.eval->file_name(e), src.source.file_name(t)))
+          out << "data warning: eval file '" << d.eval->file_name(e) << "' is also the train file '"
+              << src.source.file_name(t) << "': the eval loss is measured on training data\n";
   out << std::flush;
+}
+
+// data.sources: each source opened and checked, one line per source.
+DataSources open_mix(const Config& cfg, std::ostream& out) {
+  using Clock = std::chrono::steady_clock;
+  const int64_t inst = cfg.train.seq_len + 1;
+  DataSources d;
+  double weight_sum = 0;
+  for (const DataSourceConfig& s : cfg.data.sources) weight_sum += s.weight;
+  std::ostringstream lines;
+  int64_t total_inst = 0;
+  for (size_t i = 0; i < cfg.data.sources.size(); ++i) {
+    const DataSourceConfig& sc = cfg.data.sources[i];
+    TokenSource src = TokenSource::open(sc.paths, cfg.data.token_dtype, cfg.model.vocab_size);
+    const auto t0 = Clock::now();
+    validate_tokens(src);
+    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+    const int64_t n = src.num_tokens() / inst;
+    MOE_CHECK(n >= 1, "data.sources[", i, "] (", describe_files(src, cfg), ") holds ", src.num_tokens(),
+              " tokens, less than one instance of seq_len + 1 = ", inst, " tokens; add token files to it or remove it ",
+              "from the mix");
+    total_inst += n;
+    const double share = sc.weight / weight_sum;
+    const double draws = double(cfg.train.steps) * double(cfg.train.global_batch) * share;
+    lines << "data train source " << i << ": weight " << format_double("%g", sc.weight) << " = "
+          << format_double("%.1f", 100 * share) << "% of instances, " << describe_files(src, cfg) << ", "
+          << src.num_tokens() << " tokens, " << n << " instances; " << cfg.train.steps << " steps draw about "
+          << format_double("%.0f", draws) << " of them = " << format_double("%.3g", draws / double(n))
+          << " epochs of this source; ids checked in " << format_double("%.2f", secs) << " s\n";
+    d.train_sources.push_back({std::move(src), sc.weight});
+  }
+  MOE_CHECK(total_inst >= cfg.train.global_batch, "not enough train data in data.sources for one global batch: ",
+            total_inst, " instances of seq_len + 1 = ", inst, " tokens, but train.global_batch is ",
+            cfg.train.global_batch);
+  out << "data train: a mix of " << cfg.data.sources.size() << " sources (data.sources), " << total_inst
+      << " instances of " << inst << " tokens, " << cfg.train.steps << " steps x " << cfg.train.global_batch
+      << " sequences, each batch filled in proportion to the weights\n"
+      << lines.str();
+  if (!cfg.data.eval_paths.empty())
+    d.eval = TokenSource::open(cfg.data.eval_paths, cfg.data.token_dtype, cfg.model.vocab_size);
+  open_eval(cfg, d, out);
   return d;
 }
 

@@ -11,11 +11,15 @@
 #include <string>
 
 #include "core/config.h"
+#include "data/dataset.h"
 #include "data/token_file.h"
 
 namespace moe {
 
 struct DataSources {
+  // The training data: one source (data.paths, or the embedded corpus) of weight 1, or the
+  // [[data.sources]] of a mix with their weights. `train` is the source when there is one only.
+  std::vector<WeightedSource> train_sources;
   std::optional<TokenSource> train, eval;  // no eval for "tokens" without data.eval_paths
 };
 
@@ -23,7 +27,10 @@ struct DataSources {
 // `out` (the trainer passes rank 0's console). Throws moe::Error, naming the file and what to do,
 // for a file TokenSource::open refuses, an id outside [0, model.vocab_size), a headerless uint16
 // file that holds uint32 data, too few tokens for one global batch (train) or one eval batch of
-// train.micro_batch sequences (eval), or data.paths set while data.source = "embedded".
+// train.micro_batch sequences (eval), or data.paths set while data.source = "embedded". A mix
+// (data.sources) gets one line per source: its share, files, tokens, instances, and the epochs of
+// that source the run's steps draw (steps x global_batch x share / instances); every source must
+// hold at least one instance.
 DataSources open_data(const Config& cfg, std::ostream& out);
 
 // Tokens of embedded split "train" | "eval" that a run of `cfg` uses: the split's fixed size, or one

@@ -41,12 +41,75 @@ std::vector<TensorRef> tensor_refs(const ParamLayout& layout, const float* base,
 }
 
 // train_state.json of a checkpoint (docs/checkpoints.md).
-nlohmann::json train_state_json(const Config& cfg, int64_t done, int64_t data_position, int64_t optimizer_steps) {
-  return {{"step", done},
-          {"data_position", data_position},
-          {"optimizer_steps", optimizer_steps},
-          {"rng", {{"kind", "counter-based"}, {"seed", cfg.train.seed}, {"step", done}}},
-          {"config", config_to_toml(cfg)}};
+nlohmann::json train_state_json(const Config& cfg, int64_t done, const DataLoader& loader, int64_t optimizer_steps) {
+  nlohmann::json st = {{"step", done},
+                       {"data_position", loader.position()},
+                       {"optimizer_steps", optimizer_steps},
+                       {"rng", {{"kind", "counter-based"}, {"seed", cfg.train.seed}, {"step", done}}},
+                       {"config", config_to_toml(cfg)}};
+  if (loader.num_sources() > 1) {
+    nlohmann::json sources = nlohmann::json::array();
+    for (int64_t s = 0; s < loader.num_sources(); ++s)
+      sources.push_back({{"draws", loader.source_draws()[size_t(s)]},
+                         {"weight", loader.source(s).weight},
+                         {"tokens", loader.source(s).source.num_tokens()},
+                         {"instances", loader.source_instances(s)}});
+    st["data_mix"] = {{"seq_len", loader.seq_len()}, {"global_batch", loader.global_batch()}, {"sources", sources}};
+  }
+  return st;
+}
+
+// The checkpoint's mix against the loader's: every difference named, or the draws to resume from.
+std::vector<int64_t> resume_mix(const LoadedCheckpoint& ck, const DataLoader& loader) {
+  const std::string file = (fs::path(ck.dir()) / "train_state.json").string();
+  const nlohmann::json& st = ck.train_state();
+  const int64_t now = loader.num_sources();
+  if (!st.contains("data_mix")) {
+    MOE_CHECK(now == 1, "the checkpoint '", ck.dir(), "' was trained on one data source (data.paths), but this run ",
+              "mixes ", now, " data.sources; resume with the checkpoint's data.paths, or start a new run (another ",
+              "--run.dir)");
+    return {};
+  }
+  std::vector<std::string> diffs;
+  const nlohmann::json& mix = st["data_mix"];
+  MOE_CHECK(mix.is_object() && mix.contains("sources") && mix["sources"].is_array(), "'", file,
+            "': 'data_mix' must be an object with a 'sources' array");
+  const nlohmann::json& saved = mix["sources"];
+  auto num = [&](const nlohmann::json& o, const char* key, size_t i) {
+    MOE_CHECK(o.is_object() && o.contains(key) && o[key].is_number(), "'", file, "': data_mix.sources[", i, "].", key,
+              " must be a number");
+    return o[key];
+  };
+  if (int64_t(saved.size()) != now) {
+    diffs.push_back("the checkpoint mixes " + std::to_string(saved.size()) + " data.sources, this run " +
+                    (now == 1 ? std::string("has one source") : std::to_string(now)));
+  } else {
+    for (size_t i = 0; i < saved.size(); ++i) {
+      const double w = num(saved[i], "weight", i).get<double>();
+      if (w != loader.source(int64_t(i)).weight)
+        diffs.push_back(detail::concat("data.sources[", i, "].weight is ", w, " in the checkpoint, ",
+                                       loader.source(int64_t(i)).weight, " in this run"));
+      const int64_t t = num(saved[i], "tokens", i).get<int64_t>();
+      if (t != loader.source(int64_t(i)).source.num_tokens())
+        diffs.push_back(detail::concat("data.sources[", i, "] holds ", t, " tokens in the checkpoint's run, ",
+                                       loader.source(int64_t(i)).source.num_tokens(), " in this one (other paths?)"));
+    }
+  }
+  if (mix.contains("seq_len") && mix["seq_len"] != loader.seq_len())
+    diffs.push_back(detail::concat("train.seq_len is ", mix["seq_len"].dump(), " in the checkpoint, ", loader.seq_len(),
+                                   " in this run (other instances)"));
+  if (mix.contains("global_batch") && mix["global_batch"] != loader.global_batch())
+    diffs.push_back(detail::concat("train.global_batch is ", mix["global_batch"].dump(), " in the checkpoint, ",
+                                   loader.global_batch(), " in this run"));
+  if (!diffs.empty()) {
+    std::string msg;
+    for (const std::string& d : diffs) msg += "\n  " + d;
+    MOE_FAIL("cannot resume '", ck.dir(), "' with another data mix:", msg,
+             "\nresume with the checkpoint's data.sources, or start a new run (another --run.dir)");
+  }
+  std::vector<int64_t> draws;
+  for (size_t i = 0; i < saved.size(); ++i) draws.push_back(num(saved[i], "draws", i).get<int64_t>());
+  return draws;
 }
 
 // The one-rank checkpoint: global FP32 parameters (and expert biases) and both AdamW moments.
@@ -143,7 +206,11 @@ int64_t resume_run(const Config& cfg, HostState& s, DataLoader& loader, std::ost
     s.opt.set_steps_taken(st.optimizer_steps);
     if (s.zero) s.zero->set_steps_taken(s.opt.steps_taken());
   }
-  loader.set_position(st.data_position);
+  const std::vector<int64_t> draws = resume_mix(ck, loader);
+  if (draws.empty())
+    loader.set_position(st.data_position);
+  else
+    loader.set_state(st.data_position, draws);
   out << "resumed from " << *step_dir << " at step " << start << "\n";
   return start;
 }
@@ -153,10 +220,10 @@ bool writes_replicated_checkpoint(const RunPlan& plan) {
 }
 
 std::string save_run_checkpoint(const Config& cfg, const RunPlan& plan, const Topology& topo, HostState& s,
-                                int64_t done, int64_t data_position) {
+                                int64_t done, const DataLoader& loader) {
   Comm& world = *topo.world;
   const std::string dir = checkpoint_dir(cfg);
-  nlohmann::json train_state = train_state_json(cfg, done, data_position, s.opt.steps_taken());
+  nlohmann::json train_state = train_state_json(cfg, done, loader, s.opt.steps_taken());
   if (!writes_replicated_checkpoint(plan)) {
     SlicedCheckpointFiles sliced = sliced_files(s, topo);
     sliced.train_state = std::move(train_state);

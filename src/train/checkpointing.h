@@ -45,7 +45,10 @@ struct HostState {
 
 // Resumes from checkpoint.resume ("auto": the run's latest, if any; "none": nothing; a path):
 // parameters, expert biases, the moments of the ranges this rank keeps, the optimizer step count
-// and the loader's position. Returns the step to start after (0 when nothing was resumed).
+// and the loader's position. A mix resumes from the checkpoint's draws per source; a checkpoint
+// written with another mix (number of sources, a weight, a source's tokens, train.seq_len or
+// train.global_batch) is refused naming each difference. Returns the step to start after (0 when
+// nothing was resumed).
 int64_t resume_run(const Config& cfg, HostState& state, DataLoader& loader, std::ostream& out);
 
 // True when rank 0 writes the state whole (see the header comment).
@@ -54,7 +57,9 @@ bool writes_replicated_checkpoint(const RunPlan& plan);
 // Writes the checkpoint of step `done` (the state must be current: Step::sync_host_state first),
 // collective over topo.world; returns the step directory. A failed save on the writing rank fails
 // every rank with its message.
+// train_state.json holds the loader's position and, for a mix of data.sources, "data_mix": the
+// draws of every source (the exact position on any layout), its weight and its tokens.
 std::string save_run_checkpoint(const Config& cfg, const RunPlan& plan, const Topology& topo, HostState& state,
-                                int64_t done, int64_t data_position);
+                                int64_t done, const DataLoader& loader);
 
 }  // namespace moe

@@ -152,9 +152,10 @@ int64_t count_targets(const std::vector<Batch>& micro) {
 class TrainLoop {
  public:
   TrainLoop(const Config& cfg, const RunPlan& plan, const Topology& topo, HostState& state, DataLoader& loader,
-            const DataLoader* eval, Step& step, RunLog& log, TrainSummary& summary, std::ostream& out)
+            const DataLoader* eval, Step& step, RunLog& log, MetricsWriter* metrics, TrainSummary& summary,
+            std::ostream& out)
       : cfg_(cfg), plan_(plan), topo_(topo), state_(state), loader_(loader), eval_(eval), step_(step), log_(log),
-        summary_(summary), out_(out), saved_step_(summary.start_step) {}
+        metrics_(metrics), summary_(summary), out_(out), saved_step_(summary.start_step) {}
 
   void run() {
     const FaultInjection fault = FaultInjection::from_env();
@@ -230,9 +231,35 @@ class TrainLoop {
   // The checkpoint of step `done` (every submitted step collected).
   std::string save(int64_t done) {
     step_.sync_host_state(/*all_ranks=*/!writes_replicated_checkpoint(plan_));
-    summary_.last_checkpoint = save_run_checkpoint(cfg_, plan_, topo_, state_, done, loader_.position());
+    summary_.last_checkpoint = save_run_checkpoint(cfg_, plan_, topo_, state_, done, loader_);
+    report_mix(done);
     saved_step_ = done;
     return summary_.last_checkpoint;
+  }
+
+  // A mix's realised shares (every step collected, so the loader is at step `done`): one console
+  // line and a metrics record {"step", "data_mix": [{source, weight_share, instances, share,
+  // tokens}]}, tokens = instances x train.seq_len (the targets trained on).
+  void report_mix(int64_t done) {
+    if (loader_.num_sources() < 2) return;
+    nlohmann::json mix = nlohmann::json::array();
+    std::ostringstream line;
+    line << "data mix through step " << done << ":";
+    int64_t total = 0;
+    for (const int64_t d : loader_.source_draws()) total += d;
+    for (int64_t s = 0; s < loader_.num_sources(); ++s) {
+      const int64_t n = loader_.source_draws()[size_t(s)];
+      const double share = total ? double(n) / double(total) : 0.0;
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "%s source %lld %lld instances = %.2f%% (weight %.2f%%), %lld tokens", s ? ";" : "",
+                    (long long)s, (long long)n, 100 * share, 100 * loader_.source_share(s),
+                    (long long)(n * loader_.seq_len()));
+      line << buf;
+      mix.push_back({{"source", s}, {"weight_share", loader_.source_share(s)}, {"instances", n}, {"share", share},
+                     {"tokens", n * loader_.seq_len()}});
+    }
+    out_ << line.str() << "\n" << std::flush;
+    if (metrics_) metrics_->write({{"step", done}, {"data_mix", mix}});
   }
 
   // Stopped by a signal: the last step completed is saved, and the way back is said.
@@ -257,6 +284,7 @@ class TrainLoop {
   const DataLoader* eval_;
   Step& step_;
   RunLog& log_;
+  MetricsWriter* metrics_;  // rank 0's, else null
   TrainSummary& summary_;
   std::ostream& out_;
   int64_t saved_step_;
@@ -280,7 +308,7 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
   check_host_memory(plan);  // before anything large is allocated
   std::ostringstream data_lines;  // printed after the header
   DataSources data = open_data(cfg, data_lines);  // checks every source before step 1, a line each
-  DataLoader loader(*data.train, plan.seq_len, plan.global_batch, plan.micro_batch, cfg.train.seed, topo.dp_rank,
+  DataLoader loader(data.train_sources, plan.seq_len, plan.global_batch, plan.micro_batch, cfg.train.seed, topo.dp_rank,
                     plan.sizes.dp);
   std::optional<DataLoader> eval;
   if (data.eval) eval.emplace(*data.eval, plan.seq_len, plan.micro_batch, plan.micro_batch, cfg.train.seed, 0, 1);
@@ -310,7 +338,9 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
   // Open MPI hands ranks a pty even when mpirun's output goes to a file: no live line there.
   const bool tty = isatty(fileno(stdout)) && &out == &std::cout && world.size() == 1;
   RunLog log(cfg, plan.tokens_per_step, out, metrics ? &*metrics : nullptr, tty, start);
-  TrainLoop(cfg, plan, topo, state, loader, eval ? &*eval : nullptr, *step, log, summary, out).run();
+  TrainLoop(cfg, plan, topo, state, loader, eval ? &*eval : nullptr, *step, log, metrics ? &*metrics : nullptr, summary,
+            out)
+      .run();
   return summary;
 }
 

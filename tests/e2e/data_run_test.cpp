@@ -171,3 +171,68 @@ TEST(DataRun, TokenizeRefusesToOverwriteAnInput) {
 
 }  // namespace
 }  // namespace moe::testing
+
+namespace moe::testing {
+namespace {
+
+// A weighted mix of two raw token files: the run describes each source, reports the realised
+// shares (console and metrics.jsonl), resumes to the same losses as a straight run, and refuses
+// to resume with another weight or another number of sources, naming the difference.
+TEST(DataRun, WeightedMixTrainsReportsAndResumesExactly) {
+  const TempDir tmp("data_mix");
+  std::vector<uint64_t> a, b;
+  for (int i = 0; i < 3000; ++i) a.push_back(uint64_t(i * 7 % 200));
+  for (int i = 0; i < 900; ++i) b.push_back(uint64_t(200 + i % 50));
+  write_bytes(tmp.sub("a.bin"), le_array(a, 2));
+  write_bytes(tmp.sub("b.bin"), le_array(b, 2));
+  auto config = [&](const std::string& dir, int64_t steps) {
+    Config c = resume_config(tmp / dir, steps);
+    c.data.source = "tokens";
+    c.data.sources = {{{tmp.sub("a.bin")}, 3.0}, {{tmp.sub("b.bin")}, 1.0}};
+    c.train.eval_interval = 0;
+    return c;
+  };
+  std::ostringstream log;
+  train(config("straight", 8), log);
+  EXPECT_NE(log.str().find("data train: a mix of 2 sources (data.sources)"), std::string::npos) << log.str();
+  EXPECT_NE(log.str().find("data train source 1: weight 1 = 25.0% of instances, 1 file"), std::string::npos) << log.str();
+  EXPECT_NE(log.str().find("data mix through step 8: source 0 24 instances = 75.00% (weight 75.00%), 384 tokens; "
+                           "source 1 8 instances = 25.00%"),
+            std::string::npos)
+      << log.str();
+  const std::vector<nlohmann::json> records = read_metrics(tmp / "straight");
+  ASSERT_FALSE(records.empty());
+  ASSERT_TRUE(records.back().contains("data_mix")) << records.back().dump();
+  EXPECT_EQ(records.back()["data_mix"][1]["instances"], 8);
+
+  train(config("resumed", 5), log);
+  Config more = config("resumed", 8);
+  more.checkpoint.resume = "auto";
+  const TrainSummary resumed = train(more, log);
+  EXPECT_EQ(resumed.start_step, 5);
+  const std::vector<double> x = train_losses(tmp / "straight"), y = train_losses(tmp / "resumed");
+  ASSERT_EQ(x.size(), 8u);
+  ASSERT_EQ(y.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_EQ(x[i], y[i]) << "step " << i + 1;
+
+  Config reweighted = config("resumed", 10);
+  reweighted.checkpoint.resume = "auto";
+  reweighted.data.sources[1].weight = 2.0;
+  const std::string msg = error_of([&] { train(reweighted, log); });
+  EXPECT_NE(msg.find("with another data mix"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("data.sources[1].weight is 1 in the checkpoint, 2 in this run"), std::string::npos) << msg;
+  Config one = config("resumed", 10);
+  one.checkpoint.resume = "auto";
+  one.data.sources.pop_back();
+  EXPECT_NE(error_of([&] { train(one, log); }).find("the checkpoint mixes 2 data.sources, this run has one source"),
+            std::string::npos);
+  Config paths = config("resumed", 10);
+  paths.checkpoint.resume = "auto";
+  paths.data.sources.clear();
+  paths.data.paths = {tmp.sub("a.bin")};
+  EXPECT_NE(error_of([&] { train(paths, log); }).find("the checkpoint mixes 2 data.sources, this run has one source"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace moe::testing
