@@ -1,0 +1,133 @@
+// Block-scaled FP8 quantisation, MX quantisation and the block-scaled FP8 GEMM of fp8.h.
+#include "cpu/fp8.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/error.h"
+
+namespace moe::cpu {
+
+float fp8_max(Fp8Format f) { return f == Fp8Format::kE4M3 ? 448.0f : 57344.0f; }
+int fp8_emax(Fp8Format f) { return f == Fp8Format::kE4M3 ? 8 : 15; }
+
+uint8_t fp8_encode(float x, Fp8Format f) {
+  return f == Fp8Format::kE4M3 ? f32_to_fp8_e4m3(x, true) : f32_to_fp8_e5m2(x, true);
+}
+
+float fp8_decode(uint8_t q, Fp8Format f) { return f == Fp8Format::kE4M3 ? fp8_e4m3_to_f32(q) : fp8_e5m2_to_f32(q); }
+
+int64_t fp8_scale_rows(int64_t rows, Fp8Block block) { return (rows + block.rows - 1) / block.rows; }
+int64_t fp8_scale_cols(int64_t cols, Fp8Block block) { return (cols + block.cols - 1) / block.cols; }
+
+namespace {
+
+void check_shape(const char* op, int64_t rows, int64_t cols, Fp8Block block) {
+  MOE_CHECK(rows >= 0 && cols >= 0, op, ": rows and cols must be >= 0, got ", rows, " x ", cols);
+  MOE_CHECK(block.rows > 0 && block.cols > 0, op, ": block must be positive, got ", block.rows, " x ", block.cols);
+}
+
+float checked_abs(const char* op, float v, int64_t r, int64_t c) {
+  MOE_CHECK(std::isfinite(v), op, ": element [", r, ", ", c, "] is ", v, "; FP8 quantisation takes finite values");
+  return std::fabs(v);
+}
+
+}  // namespace
+
+void fp8_quantize_blocks(const float* x, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f, uint8_t* q,
+                         float* scales) {
+  const char* op = "cpu::fp8_quantize_blocks";
+  check_shape(op, rows, cols, block);
+  const int64_t sr = fp8_scale_rows(rows, block), sc = fp8_scale_cols(cols, block);
+  const float fmax = fp8_max(f);
+  for (int64_t br = 0; br < sr; ++br) {
+    for (int64_t bc = 0; bc < sc; ++bc) {
+      const int64_t r0 = br * block.rows, r1 = std::min(rows, r0 + block.rows);
+      const int64_t c0 = bc * block.cols, c1 = std::min(cols, c0 + block.cols);
+      float amax = 0.0f;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, checked_abs(op, x[r * cols + c], r, c));
+      float s = amax / fmax;
+      if (!(s > 0.0f)) s = 1.0f;  // an all-zero block (or one below FP32's range once divided)
+      scales[br * sc + bc] = s;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) q[r * cols + c] = fp8_encode(x[r * cols + c] / s, f);
+    }
+  }
+}
+
+void fp8_dequantize_blocks(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, Fp8Block block,
+                           Fp8Format f, float* x) {
+  check_shape("cpu::fp8_dequantize_blocks", rows, cols, block);
+  const int64_t sc = fp8_scale_cols(cols, block);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      x[r * cols + c] = fp8_decode(q[r * cols + c], f) * scales[(r / block.rows) * sc + c / block.cols];
+}
+
+int mx_scale_exponent(float amax, Fp8Format f, MxScale rule) {
+  MOE_CHECK(std::isfinite(amax) && amax >= 0.0f, "cpu::mx_scale_exponent: amax must be finite and >= 0, got ", amax);
+  if (amax == 0.0f) return -127;
+  int ex = 0;
+  std::frexp(amax, &ex);  // amax = m 2^ex, m in [0.5, 1): floor(log2 amax) = ex - 1
+  int e = ex - 1 - fp8_emax(f);
+  if (rule == MxScale::kNoSaturation && std::ldexp(amax, -e) > fp8_max(f)) e += 1;
+  return std::clamp(e, -127, 127);
+}
+
+void mx_quantize(const float* x, int64_t rows, int64_t cols, Fp8Format f, MxScale rule, uint8_t* q,
+                 uint8_t* scales_e8m0) {
+  const char* op = "cpu::mx_quantize";
+  check_shape(op, rows, cols, {1, kMxBlock});
+  const int64_t sc = fp8_scale_cols(cols, {1, kMxBlock});
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < sc; ++b) {
+      const int64_t c0 = b * kMxBlock, c1 = std::min(cols, c0 + kMxBlock);
+      float amax = 0.0f;
+      for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, checked_abs(op, x[r * cols + c], r, c));
+      const int e = mx_scale_exponent(amax, f, rule);
+      scales_e8m0[r * sc + b] = static_cast<uint8_t>(e + 127);
+      // x / 2^e is exact in FP32 (a power of two), up to underflow below FP32's subnormals.
+      for (int64_t c = c0; c < c1; ++c) q[r * cols + c] = fp8_encode(std::ldexp(x[r * cols + c], -e), f);
+    }
+  }
+}
+
+void mx_dequantize(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f, float* x) {
+  check_shape("cpu::mx_dequantize", rows, cols, {1, kMxBlock});
+  const int64_t sc = fp8_scale_cols(cols, {1, kMxBlock});
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint8_t code = scales_e8m0[r * sc + c / kMxBlock];
+      MOE_CHECK(code != 0xFF, "cpu::mx_dequantize: scale [", r, ", ", c / kMxBlock, "] is the E8M0 NaN code 0xFF");
+      x[r * cols + c] = std::ldexp(fp8_decode(q[r * cols + c], f), int(code) - 127);
+    }
+  }
+}
+
+void fp8_gemm_block_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, const uint8_t* qb, const float* sb,
+                           Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate) {
+  MOE_CHECK(m >= 0 && n >= 0 && k >= 0, "cpu::fp8_gemm_block_scaled: m, n, k must be >= 0, got ", m, ", ", n, ", ", k);
+  constexpr int64_t kb = 128;
+  const int64_t kblocks = (k + kb - 1) / kb;
+  // Decoded codes once (the tensor core multiplies the exact FP8 values).
+  std::vector<float> a(static_cast<size_t>(m * k)), b(static_cast<size_t>(n * k));
+  for (int64_t i = 0; i < m * k; ++i) a[size_t(i)] = fp8_decode(qa[i], fa);
+  for (int64_t i = 0; i < n * k; ++i) b[size_t(i)] = fp8_decode(qb[i], fb);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      float acc = accumulate ? c[i * n + j] : 0.0f;
+      for (int64_t t = 0; t < kblocks; ++t) {
+        const int64_t k0 = t * kb, k1 = std::min(k, k0 + kb);
+        float partial = 0.0f;
+        for (int64_t p = k0; p < k1; ++p) partial += a[size_t(i * k + p)] * b[size_t(j * k + p)];
+        acc += partial * sa[i * kblocks + t] * sb[(j / kb) * kblocks + t];
+      }
+      c[i * n + j] = acc;
+    }
+  }
+}
+
+}  // namespace moe::cpu

@@ -1,0 +1,75 @@
+// Block-scaled FP8: the CPU reference of the FP8 path (docs/numerics.md "FP8"). Quantisation
+// and dequantisation in the two scaling modes, and the FP8 GEMM the tensor cores compute, on the
+// host, so the GPU's FP8 results can be compared with a computation on the same quantised values.
+//
+// Hopper mode (DeepSeek-V3 / DeepGEMM style): a [rows, cols] row-major tensor is cut into blocks
+// of block.rows x block.cols (1 x 128 for activations and gradients, 128 x 128 for weights; the
+// last blocks of a row or column may be smaller). Each block b gets one FP32 scale
+//   s_b = amax_b / fp8_max(format)      (s_b = 1 where amax_b == 0),
+// and each element q = fp8(x / s_b), rounded to nearest even, saturating at +-fp8_max (so the
+// block's largest magnitude maps to +-fp8_max exactly); x is approximately q * s_b.
+// The division is an FP32 division (x / s_b), the one the GPU kernels compute.
+//
+// MX mode (OCP Microscaling v1.0, MXFP8): blocks of 1 x 32 along each row, one E8M0 scale each
+// (a power of two 2^e, e in [-127, 127], code e + 127). The spec's rule is e = floor(log2 amax) -
+// emax(format) (emax 8 for E4M3, 15 for E5M2), elements fp8(x / 2^e) rounded to nearest even and
+// clamped to +-fp8_max (the block's largest element can exceed fp8_max by up to 2x, then
+// saturates). MxScale::kNoSaturation rounds the scale up instead: the smallest 2^e with
+// amax / 2^e <= fp8_max, so nothing saturates (one binade less resolution for small elements).
+// amax == 0 gives e = -127 (code 0) and zero elements. Scale exponents are clamped to
+// [-127, 127]. NaN inputs are refused (moe::Error), as are infinities.
+//
+// The FP8 GEMM: C[M, N] (+)= A[M, K] B[N, K]^T with A in 1 x 128 blocks and B in 128 x 128 blocks
+// (K split into blocks of 128 on both sides, the same K blocks): for each K block the products of
+// the decoded FP8 values are summed in FP32 in k order, then promoted: C += partial * sa * sb.
+// That is the accumulation of the block-scaled kernels (FP32 accumulators promoted per K block);
+// the result equals the dequantised product up to FP32 summation order.
+#pragma once
+
+#include <cstdint>
+
+namespace moe::cpu {
+
+enum class Fp8Format { kE4M3, kE5M2 };
+
+// Largest finite value: 448 (E4M3, OCP "fn") and 57344 (E5M2).
+float fp8_max(Fp8Format f);
+// emax: the exponent of the largest normal binade, 8 (E4M3) and 15 (E5M2).
+int fp8_emax(Fp8Format f);
+// Scalar conversions, round to nearest even, saturating (core/dtype.h).
+uint8_t fp8_encode(float x, Fp8Format f);
+float fp8_decode(uint8_t q, Fp8Format f);
+
+struct Fp8Block {
+  int64_t rows = 1, cols = 128;
+};
+inline constexpr Fp8Block kFp8ActivationBlock{1, 128};
+inline constexpr Fp8Block kFp8WeightBlock{128, 128};
+
+// Scales of a [rows, cols] tensor: ceil(rows / block.rows) x ceil(cols / block.cols), row-major.
+int64_t fp8_scale_rows(int64_t rows, Fp8Block block);
+int64_t fp8_scale_cols(int64_t cols, Fp8Block block);
+
+// x [rows, cols] -> q [rows, cols] (FP8 codes) and scales [scale_rows, scale_cols] (FP32).
+void fp8_quantize_blocks(const float* x, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f, uint8_t* q,
+                         float* scales);
+// x = decode(q) * scale of its block.
+void fp8_dequantize_blocks(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, Fp8Block block,
+                           Fp8Format f, float* x);
+
+enum class MxScale { kOcp, kNoSaturation };
+inline constexpr int64_t kMxBlock = 32;
+
+// The E8M0 scale exponent the rule picks for a block whose largest magnitude is amax.
+int mx_scale_exponent(float amax, Fp8Format f, MxScale rule);
+// x [rows, cols] -> q [rows, cols] and E8M0 scales [rows, ceil(cols / 32)].
+void mx_quantize(const float* x, int64_t rows, int64_t cols, Fp8Format f, MxScale rule, uint8_t* q,
+                 uint8_t* scales_e8m0);
+void mx_dequantize(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f, float* x);
+
+// C [M, N] = A [M, K] B [N, K]^T (accumulate: C +=) from A's codes with 1 x 128 scales
+// [M, ceil(K/128)] and B's codes with 128 x 128 scales [ceil(N/128), ceil(K/128)].
+void fp8_gemm_block_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, const uint8_t* qb, const float* sb,
+                           Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate);
+
+}  // namespace moe::cpu

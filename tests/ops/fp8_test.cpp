@@ -1,0 +1,214 @@
+// Block-scaled FP8 reference ops (cpu/fp8.h): every code of both formats decodes and encodes back;
+// block quantisation picks amax / fp8_max per block and the nearest code for every element (checked
+// against all 256 codes), edge blocks and all-zero blocks; MX (OCP MXFP8) scale exponents by the
+// spec's rule and the no-saturation rule, E8M0 codes, the spec's saturation; the block-scaled GEMM
+// against the product of the dequantised operands (FP32 reduction) and bitwise on exact cases.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "cpu/fp8.h"
+#include "support/parity.h"
+#include "support/test_util.h"
+
+namespace moe::testing {
+namespace {
+
+using cpu::Fp8Format;
+
+std::vector<float> randn(int64_t n, uint64_t seed, float std = 1.0f) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<float> nd(0.0f, std);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = nd(gen);
+  return v;
+}
+
+// The code whose value is nearest to v (the smaller magnitude code's neighbour on exact ties is
+// not decided here: ties are checked separately), among every finite code of the format.
+float nearest_distance(float v, Fp8Format f) {
+  float best = std::numeric_limits<float>::infinity();
+  for (int c = 0; c < 256; ++c) {
+    const float d = cpu::fp8_decode(uint8_t(c), f);
+    if (std::isfinite(d)) best = std::min(best, std::fabs(d - v));
+  }
+  return best;
+}
+
+TEST(Fp8, FormatsAndEveryCodeRoundTrips) {
+  EXPECT_EQ(cpu::fp8_max(Fp8Format::kE4M3), 448.0f);
+  EXPECT_EQ(cpu::fp8_max(Fp8Format::kE5M2), 57344.0f);
+  EXPECT_EQ(cpu::fp8_emax(Fp8Format::kE4M3), 8);
+  EXPECT_EQ(cpu::fp8_emax(Fp8Format::kE5M2), 15);
+  for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    int finite = 0;
+    for (int c = 0; c < 256; ++c) {
+      const float v = cpu::fp8_decode(uint8_t(c), f);
+      if (!std::isfinite(v)) continue;
+      ++finite;
+      if (v == 0.0f) continue;  // +0 and -0 both encode from their own sign
+      EXPECT_EQ(cpu::fp8_encode(v, f), uint8_t(c)) << "code " << c;
+    }
+    EXPECT_EQ(finite, f == Fp8Format::kE4M3 ? 254 : 248);
+  }
+}
+
+TEST(Fp8, BlockQuantisationPicksAmaxScalesAndNearestCodes) {
+  const int64_t rows = 5, cols = 300;  // 1 x 128 blocks: 128, 128 and an edge block of 44
+  std::vector<float> x = randn(rows * cols, 1, 3.0f);
+  for (int64_t c = 256; c < 300; ++c) x[size_t(3 * cols + c)] = 0.0f;  // an all-zero edge block
+  for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    const cpu::Fp8Block blk = cpu::kFp8ActivationBlock;
+    ASSERT_EQ(cpu::fp8_scale_rows(rows, blk), 5);
+    ASSERT_EQ(cpu::fp8_scale_cols(cols, blk), 3);
+    std::vector<uint8_t> q(size_t(rows * cols));
+    std::vector<float> s(15), back(size_t(rows * cols));
+    cpu::fp8_quantize_blocks(x.data(), rows, cols, blk, f, q.data(), s.data());
+    cpu::fp8_dequantize_blocks(q.data(), s.data(), rows, cols, blk, f, back.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t b = 0; b < 3; ++b) {
+        float amax = 0.0f;
+        for (int64_t c = b * 128; c < std::min<int64_t>(cols, b * 128 + 128); ++c)
+          amax = std::max(amax, std::fabs(x[size_t(r * cols + c)]));
+        const float want = amax == 0.0f ? 1.0f : amax / cpu::fp8_max(f);
+        EXPECT_EQ(s[size_t(r * 3 + b)], want) << "scale of block (" << r << ", " << b << ")";
+      }
+    }
+    for (int64_t i = 0; i < rows * cols; ++i) {
+      const float sc = s[size_t((i / cols) * 3 + (i % cols) / 128)];
+      const float v = x[size_t(i)] / sc;
+      const float got = std::fabs(cpu::fp8_decode(q[size_t(i)], f) - v);
+      ASSERT_LE(got, nearest_distance(v, f)) << "element " << i << " is not on its nearest code";
+      EXPECT_EQ(back[size_t(i)], cpu::fp8_decode(q[size_t(i)], f) * sc);
+    }
+    // The all-zero block: scale 1, zero codes; each block's largest magnitude hits fp8_max.
+    EXPECT_EQ(s[3 * 3 + 2], 1.0f);
+    for (int64_t c = 256; c < 300; ++c) EXPECT_EQ(cpu::fp8_decode(q[size_t(3 * cols + c)], f), 0.0f);
+    int at_max = 0;
+    for (uint8_t code : q) at_max += std::fabs(cpu::fp8_decode(code, f)) == cpu::fp8_max(f) ? 1 : 0;
+    EXPECT_GE(at_max, 14) << "every non-zero block has an element at +-fp8_max";
+  }
+}
+
+TEST(Fp8, WeightBlocksAreTwoDimensional) {
+  const int64_t rows = 200, cols = 260;  // 128 x 128 blocks: a 2 x 3 grid with edge blocks
+  std::vector<float> w = randn(rows * cols, 2, 0.02f);
+  w[size_t(150 * cols + 5)] = 7.0f;  // block (1, 0) only
+  std::vector<uint8_t> q(size_t(rows * cols));
+  std::vector<float> s(6);
+  cpu::fp8_quantize_blocks(w.data(), rows, cols, cpu::kFp8WeightBlock, Fp8Format::kE4M3, q.data(), s.data());
+  EXPECT_EQ(s[3], 7.0f / 448.0f);
+  for (int b : {0, 1, 2, 4, 5}) EXPECT_LT(s[size_t(b)], 0.2f / 448.0f) << "block " << b << " saw the outlier";
+  EXPECT_EQ(cpu::fp8_decode(q[size_t(150 * cols + 5)], Fp8Format::kE4M3), 448.0f);
+}
+
+TEST(Fp8, NonFiniteInputsAreRefusedNamingTheElement) {
+  std::vector<float> x(256, 1.0f);
+  x[130] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<uint8_t> q(256), sc(8);
+  std::vector<float> s(2);
+  EXPECT_NE(error_of([&] {
+    cpu::fp8_quantize_blocks(x.data(), 1, 256, cpu::kFp8ActivationBlock, Fp8Format::kE4M3, q.data(), s.data());
+  }).find("element [0, 130]"), std::string::npos);
+  x[130] = std::numeric_limits<float>::infinity();
+  EXPECT_NE(error_of([&] {
+    cpu::mx_quantize(x.data(), 1, 256, Fp8Format::kE4M3, cpu::MxScale::kOcp, q.data(), sc.data());
+  }).find("finite"), std::string::npos);
+}
+
+TEST(Fp8, MxScaleExponentsFollowTheSpecAndTheNoSaturationRule) {
+  using cpu::MxScale;
+  const auto e4 = Fp8Format::kE4M3, e5 = Fp8Format::kE5M2;
+  EXPECT_EQ(cpu::mx_scale_exponent(448.0f, e4, MxScale::kOcp), 0);
+  EXPECT_EQ(cpu::mx_scale_exponent(448.0f, e4, MxScale::kNoSaturation), 0);
+  EXPECT_EQ(cpu::mx_scale_exponent(500.0f, e4, MxScale::kOcp), 0);           // 500 saturates to 448
+  EXPECT_EQ(cpu::mx_scale_exponent(500.0f, e4, MxScale::kNoSaturation), 1);  // 250
+  EXPECT_EQ(cpu::mx_scale_exponent(256.0f, e4, MxScale::kOcp), 0);
+  EXPECT_EQ(cpu::mx_scale_exponent(1.0f, e4, MxScale::kOcp), -8);
+  EXPECT_EQ(cpu::mx_scale_exponent(0.75f, e4, MxScale::kOcp), -9);
+  EXPECT_EQ(cpu::mx_scale_exponent(57344.0f, e5, MxScale::kOcp), 0);
+  EXPECT_EQ(cpu::mx_scale_exponent(60000.0f, e5, MxScale::kNoSaturation), 1);
+  EXPECT_EQ(cpu::mx_scale_exponent(0.0f, e4, MxScale::kOcp), -127);
+  EXPECT_EQ(cpu::mx_scale_exponent(1e-40f, e4, MxScale::kOcp), -127);       // clamped at the bottom
+  EXPECT_EQ(cpu::mx_scale_exponent(3e38f, e4, MxScale::kOcp), 127 - 8 + 0);  // floor(log2) = 127
+}
+
+TEST(Fp8, MxQuantisationBlocksOf32WithE8M0Scales) {
+  const int64_t rows = 3, cols = 70;  // blocks of 32, 32 and 6
+  std::vector<float> x = randn(rows * cols, 3);
+  x[size_t(1 * cols + 40)] = 500.0f * 8.0f;  // row 1, block 1: the spec's rule saturates it
+  for (cpu::MxScale rule : {cpu::MxScale::kOcp, cpu::MxScale::kNoSaturation}) {
+    std::vector<uint8_t> q(size_t(rows * cols)), sc(9);
+    std::vector<float> back(size_t(rows * cols));
+    cpu::mx_quantize(x.data(), rows, cols, Fp8Format::kE4M3, rule, q.data(), sc.data());
+    cpu::mx_dequantize(q.data(), sc.data(), rows, cols, Fp8Format::kE4M3, back.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t b = 0; b < 3; ++b) {
+        float amax = 0.0f;
+        for (int64_t c = b * 32; c < std::min<int64_t>(cols, b * 32 + 32); ++c)
+          amax = std::max(amax, std::fabs(x[size_t(r * cols + c)]));
+        const int e = cpu::mx_scale_exponent(amax, Fp8Format::kE4M3, rule);
+        ASSERT_EQ(sc[size_t(r * 3 + b)], uint8_t(e + 127));
+        EXPECT_EQ(moe::e8m0_to_f32(sc[size_t(r * 3 + b)]), std::ldexp(1.0f, e));
+        for (int64_t c = b * 32; c < std::min<int64_t>(cols, b * 32 + 32); ++c) {
+          const size_t i = size_t(r * cols + c);
+          EXPECT_EQ(q[i], cpu::fp8_encode(std::ldexp(x[i], -e), Fp8Format::kE4M3));
+          EXPECT_EQ(back[i], std::ldexp(cpu::fp8_decode(q[i], Fp8Format::kE4M3), e));
+        }
+      }
+    }
+    const float big = back[size_t(1 * cols + 40)];
+    if (rule == cpu::MxScale::kOcp) {
+      EXPECT_EQ(big, 448.0f * 8.0f) << "the spec's scale saturates the block's largest element";
+    } else {
+      EXPECT_EQ(big, 4096.0f) << "the rounded-up scale keeps it: 4000 / 16 = 250 rounds to 256 (E4M3 steps of 16)";
+    }
+  }
+  std::vector<uint8_t> q(32, 0x38), bad = {0xFF};
+  std::vector<float> out(32);
+  EXPECT_NE(error_of([&] { cpu::mx_dequantize(q.data(), bad.data(), 1, 32, Fp8Format::kE4M3, out.data()); }).find("0xFF"),
+            std::string::npos);
+}
+
+TEST(Fp8, BlockScaledGemmEqualsTheDequantisedProduct) {
+  const int64_t m = 7, n = 130, k = 300;
+  const std::vector<float> a = randn(m * k, 4), b = randn(n * k, 5, 0.05f);
+  std::vector<uint8_t> qa(size_t(m * k)), qb(size_t(n * k));
+  std::vector<float> sa(size_t(m * 3)), sb(size_t(2 * 3)), da(a.size()), db(b.size());
+  cpu::fp8_quantize_blocks(a.data(), m, k, cpu::kFp8ActivationBlock, Fp8Format::kE4M3, qa.data(), sa.data());
+  cpu::fp8_quantize_blocks(b.data(), n, k, cpu::kFp8WeightBlock, Fp8Format::kE4M3, qb.data(), sb.data());
+  cpu::fp8_dequantize_blocks(qa.data(), sa.data(), m, k, cpu::kFp8ActivationBlock, Fp8Format::kE4M3, da.data());
+  cpu::fp8_dequantize_blocks(qb.data(), sb.data(), n, k, cpu::kFp8WeightBlock, Fp8Format::kE4M3, db.data());
+  std::vector<float> ref(size_t(m * n)), c(size_t(m * n));
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double acc = 0;
+      for (int64_t p = 0; p < k; ++p) acc += double(da[size_t(i * k + p)]) * db[size_t(j * k + p)];
+      ref[size_t(i * n + j)] = float(acc);
+    }
+  cpu::fp8_gemm_block_scaled(qa.data(), sa.data(), Fp8Format::kE4M3, qb.data(), sb.data(), Fp8Format::kE4M3, m, n,
+                             k, c.data(), false);
+  expect_parity("fp8_gemm_block_scaled", c, ref, kFP32Reduction);
+  // Accumulate adds the same product again (the K blocks are added to C one by one, so the sum is
+  // 2 C up to FP32 rounding).
+  std::vector<float> twice = c, ref2(c.size());
+  cpu::fp8_gemm_block_scaled(qa.data(), sa.data(), Fp8Format::kE4M3, qb.data(), sb.data(), Fp8Format::kE4M3, m, n,
+                             k, twice.data(), true);
+  for (size_t i = 0; i < c.size(); ++i) ref2[i] = 2.0f * ref[i];
+  expect_parity("fp8_gemm_block_scaled accumulate", twice, ref2, kFP32Reduction);
+  // An exact case: codes of small integers and power-of-two scales give the exact product.
+  std::vector<uint8_t> one(128, cpu::fp8_encode(1.0f, Fp8Format::kE4M3)), two(128, cpu::fp8_encode(2.0f, Fp8Format::kE4M3));
+  const float s1 = 0.5f, s2 = 4.0f;
+  float out = -1.0f;
+  cpu::fp8_gemm_block_scaled(one.data(), &s1, Fp8Format::kE4M3, two.data(), &s2, Fp8Format::kE4M3, 1, 1, 128, &out,
+                             false);
+  EXPECT_EQ(out, 128.0f * 1.0f * 2.0f * 0.5f * 4.0f);
+}
+
+}  // namespace
+}  // namespace moe::testing
