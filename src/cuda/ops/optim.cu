@@ -37,13 +37,16 @@ size_t global_grad_norm_workspace_bytes(int64_t n) {
   return n == 0 ? 0 : static_cast<size_t>(norm_blocks(n)) * sizeof(double);
 }
 
-void global_grad_norm(const float* grads, int64_t n, double* norm, void* workspace, size_t workspace_bytes,
-                      Stream stream) {
-  const char* op = "cuda::global_grad_norm";
+namespace {
+
+// The sum of squares of grads[0, n) in FP64, by block partials then one block: its square root
+// (root: global_grad_norm) or the sum itself (grad_sum_squares) into *out.
+void sum_of_squares(const char* op, const float* grads, int64_t n, double* out, bool root, void* workspace,
+                    size_t workspace_bytes, Stream stream) {
   MOE_CHECK(n >= 0, op, ": expected n >= 0, got n=", n);
-  detail::check_ptrs(op, {{"norm", norm}}, sizeof(double));
+  detail::check_ptrs(op, {{root ? "norm" : "sum", out}}, sizeof(double));
   if (n == 0) {
-    MOE_CUDA_CHECK(cudaMemsetAsync(norm, 0, sizeof(double), stream));  // FP64 +0.0 is all zero bytes
+    MOE_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), stream));  // FP64 +0.0 is all zero bytes
     return;
   }
   detail::check_ptrs(op, {{"grads", grads}}, sizeof(float));
@@ -59,34 +62,25 @@ void global_grad_norm(const float* grads, int64_t n, double* norm, void* workspa
     kernels::grad_sum_squares_block_partials<false><<<blocks, kNormThreads, 0, stream>>>(grads, n, partials);
   }
   check_launch("grad_sum_squares_block_partials");
-  kernels::grad_norm_from_partials<<<1, kNormThreads, 0, stream>>>(partials, blocks, norm);
-  check_launch("grad_norm_from_partials");
+  if (root) {
+    kernels::grad_norm_from_partials<<<1, kNormThreads, 0, stream>>>(partials, blocks, out);
+    check_launch("grad_norm_from_partials");
+  } else {
+    kernels::grad_sum_from_partials<<<1, kNormThreads, 0, stream>>>(partials, blocks, out);
+    check_launch("grad_sum_from_partials");
+  }
+}
+
+}  // namespace
+
+void global_grad_norm(const float* grads, int64_t n, double* norm, void* workspace, size_t workspace_bytes,
+                      Stream stream) {
+  sum_of_squares("cuda::global_grad_norm", grads, n, norm, true, workspace, workspace_bytes, stream);
 }
 
 void grad_sum_squares(const float* grads, int64_t n, double* sum, void* workspace, size_t workspace_bytes,
                       Stream stream) {
-  const char* op = "cuda::grad_sum_squares";
-  MOE_CHECK(n >= 0, op, ": expected n >= 0, got n=", n);
-  detail::check_ptrs(op, {{"sum", sum}}, sizeof(double));
-  if (n == 0) {
-    MOE_CUDA_CHECK(cudaMemsetAsync(sum, 0, sizeof(double), stream));
-    return;
-  }
-  detail::check_ptrs(op, {{"grads", grads}}, sizeof(float));
-  detail::check_ptrs(op, {{"workspace", workspace}}, sizeof(double));
-  const size_t need = global_grad_norm_workspace_bytes(n);
-  MOE_CHECK(workspace_bytes >= need, op, ": workspace of ", workspace_bytes, " bytes is too small, need ", need,
-            " (global_grad_norm_workspace_bytes(", n, "))");
-  double* partials = static_cast<double*>(workspace);
-  const int blocks = norm_blocks(n);
-  if (detail::aligned16(grads)) {
-    kernels::grad_sum_squares_block_partials<true><<<blocks, kNormThreads, 0, stream>>>(grads, n, partials);
-  } else {
-    kernels::grad_sum_squares_block_partials<false><<<blocks, kNormThreads, 0, stream>>>(grads, n, partials);
-  }
-  check_launch("grad_sum_squares_block_partials");
-  kernels::grad_sum_from_partials<<<1, kNormThreads, 0, stream>>>(partials, blocks, sum);
-  check_launch("grad_sum_from_partials");
+  sum_of_squares("cuda::grad_sum_squares", grads, n, sum, false, workspace, workspace_bytes, stream);
 }
 
 ParamSegmentTable::ParamSegmentTable(const ParamLayout& layout)
