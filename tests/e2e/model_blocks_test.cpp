@@ -13,97 +13,27 @@
 #include <vector>
 
 #include "model/model.h"
+#include "support/block_cases.h"
 #include "parallel/ep_thread_comm.h"
 #include "parallel/topology.h"
 
 namespace moe::testing {
 namespace {
 
-struct Case {
-  std::string name;
-  ModelConfig m;
-  MoeConfig e;
-  std::vector<float> bias;  // [num_moe_layers * E]; empty: zeros
-};
+using Case = BlockCase;
+using Batch = CaseBatch;
 
-ModelConfig blocks_model() {
-  ModelConfig m;
-  m.vocab_size = 29;
-  m.d_model = 16;
-  m.n_layers = 4;
-  m.n_heads = 4;
-  m.n_kv_heads = 2;
-  m.qk_norm = true;
-  m.dense_layers = {1};
-  m.dense_hidden = 20;
-  m.init_std = 0.3;
-  return m;
-}
-
-MoeConfig blocks_moe() {
-  MoeConfig e;
-  e.num_experts = 4;
-  e.top_k = 2;
-  e.expert_hidden = 12;
-  e.shared_experts = 1;
-  return e;
-}
-
-std::vector<Case> cases() {
-  std::vector<Case> out;
-  out.push_back({"shared_expert", blocks_model(), blocks_moe(), {}});
-  Case cap{"capacity", blocks_model(), blocks_moe(), {}};
-  cap.e.capacity_factor = 1.0;
-  cap.e.shared_experts = 0;
-  cap.bias.assign(3 * 4, 0.f);
-  cap.bias[1] = 0.5f;  // expert 1 overflows in the first MoE layer
-  out.push_back(cap);
-  Case rnd{"random_sigmoid", blocks_model(), blocks_moe(), {}};
-  rnd.m.qk_norm = false;
-  rnd.m.n_kv_heads = 1;
-  rnd.m.dense_layers = {0, 3};
-  rnd.e.router = "sigmoid";
-  rnd.e.norm_topk_prob = true;
-  rnd.e.routing = "random";
-  out.push_back(rnd);
-  return out;
-}
-
-// One micro-batch of the tests: shape, tokens, routing seed.
-struct Batch {
-  int64_t batch, seq;
-  uint64_t seed;
-  std::vector<int32_t> inputs, targets;
-};
-
-Batch make_batch(int64_t batch, int64_t seq, uint64_t seed, int64_t vocab) {
-  Batch b{batch, seq, seed, {}, {}};
-  for (int64_t i = 0; i < batch * seq; ++i) {
-    b.inputs.push_back(static_cast<int32_t>((i * 7 + 3 + seed + i / 4) % vocab));
-    b.targets.push_back(i % 6 == 2 ? -1 : static_cast<int32_t>((i * 5 + 1 + seed) % vocab));
-  }
-  return b;
-}
+std::vector<Case> cases() { return block_cases(29, "shared_expert", "capacity", "random_sigmoid"); }
 
 // Two micro-batches of different shapes, so that saved buffers are resized between them.
-std::vector<Batch> batches(int64_t vocab) { return {make_batch(2, 5, 3, vocab), make_batch(1, 7, 8, vocab)}; }
+std::vector<Batch> batches(int64_t vocab) {
+  return {make_case_batch(2, 5, 3, vocab), make_case_batch(1, 7, 8, vocab)};
+}
+Batch make_batch(int64_t batch, int64_t seq, uint64_t seed, int64_t vocab) {
+  return make_case_batch(batch, seq, seed, vocab);
+}
 
 const LossScales kScales{1.0 / 17, 0.1, 0.01};
-
-template <typename T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
-}
-
-void expect_same_stats(const ForwardStats& a, const ForwardStats& b, const std::string& what) {
-  EXPECT_EQ(std::memcmp(&a.ce_sum, &b.ce_sum, sizeof(double)), 0) << what << ": ce_sum " << a.ce_sum << " vs " << b.ce_sum;
-  EXPECT_EQ(std::memcmp(&a.lb_loss, &b.lb_loss, sizeof(double)), 0) << what << ": lb_loss";
-  EXPECT_EQ(std::memcmp(&a.z_loss, &b.z_loss, sizeof(double)), 0) << what << ": z_loss";
-  EXPECT_EQ(a.num_targets, b.num_targets) << what;
-  EXPECT_EQ(a.num_routes, b.num_routes) << what;
-  EXPECT_EQ(a.num_dropped, b.num_dropped) << what;
-  EXPECT_EQ(a.tokens_per_expert, b.tokens_per_expert) << what;
-}
 
 template <typename T>
 void init(Model<T>& model, const Case& c) {
@@ -204,7 +134,7 @@ TEST(ModelBlocks, SplitRangesEqualWholeModelDouble) {
 }
 
 TEST(ModelBlocks, RangesOutsideTheModelAreRefused) {
-  Model<float> model(blocks_model(), blocks_moe());
+  Model<float> model(block_case_model(29), block_case_moe());
   ForwardStats stats;
   std::vector<float> x(16 * 10);
   EXPECT_THROW(model.forward_blocks(2, 5, 2, 5, 0, x.data(), stats), Error);
@@ -344,8 +274,8 @@ TEST(ModelBlocks, RecomputeFromSavedInputIsBitwiseDouble) {
 // Under expert parallelism (2 thread ranks, 2 of 4 experts each) the MoE blocks recompute through
 // the exchange, and split block ranges equal the whole model on every rank.
 TEST(ModelBlocks, ExpertParallelRecomputeAndSplitOnThreadRanks) {
-  ModelConfig m = blocks_model();
-  MoeConfig e = blocks_moe();
+  ModelConfig m = block_case_model(29);
+  MoeConfig e = block_case_moe();
   run_thread_ranks(2, [&](Comm& world) {
     ExpertParallelGroups groups = split_expert_parallel(world, 2);
     const ExpertParallel ep = make_expert_parallel(*groups.ep, e.num_experts);

@@ -18,59 +18,20 @@
 #include "core/error.h"
 #include "core/recompute.h"
 #include "model/model.h"
+#include "support/block_cases.h"
 
 namespace moe::testing {
 namespace {
 
-struct Case {
-  std::string name;
-  ModelConfig m;
-  MoeConfig e;
-  std::vector<float> bias;  // [num_moe_layers * E]; empty: zeros
-};
+using Case = BlockCase;
+using Batch = CaseBatch;
 
-ModelConfig small_model() {
-  ModelConfig m;
-  m.vocab_size = 31;
-  m.d_model = 16;
-  m.n_layers = 4;
-  m.n_heads = 4;
-  m.n_kv_heads = 2;
-  m.qk_norm = true;
-  m.dense_layers = {1};
-  m.dense_hidden = 20;
-  m.init_std = 0.3;
-  return m;
-}
-
-MoeConfig small_moe() {
-  MoeConfig e;
-  e.num_experts = 4;
-  e.top_k = 2;
-  e.expert_hidden = 12;
-  e.shared_experts = 1;
-  return e;
-}
-
+// The shared cases (a second overflowing expert in the capacity case) and one more: expert bias,
+// top-1 and two shared experts, all MoE layers.
 std::vector<Case> cases() {
-  std::vector<Case> out;
-  out.push_back({"shared_expert_qk_norm", small_model(), small_moe(), {}});
-  Case cap{"capacity_drops", small_model(), small_moe(), {}};
-  cap.e.capacity_factor = 1.0;
-  cap.e.shared_experts = 0;
-  cap.bias.assign(3 * 4, 0.f);
-  cap.bias[1] = 0.5f;  // expert 1 overflows in the first MoE layer
-  cap.bias[4 + 2] = 0.5f;
-  out.push_back(cap);
-  Case rnd{"random_sigmoid_no_qk_norm", small_model(), small_moe(), {}};
-  rnd.m.qk_norm = false;
-  rnd.m.n_kv_heads = 1;
-  rnd.m.dense_layers = {0, 3};
-  rnd.e.router = "sigmoid";
-  rnd.e.norm_topk_prob = true;
-  rnd.e.routing = "random";
-  out.push_back(rnd);
-  Case bias{"expert_bias_two_shared_top1", small_model(), small_moe(), {}};
+  std::vector<Case> out = block_cases(31, "shared_expert_qk_norm", "capacity_drops", "random_sigmoid_no_qk_norm");
+  out[1].bias[4 + 2] = 0.5f;
+  Case bias{"expert_bias_two_shared_top1", block_case_model(31), block_case_moe(), {}};
   bias.m.dense_layers = {};
   bias.e.top_k = 1;
   bias.e.shared_experts = 2;
@@ -80,39 +41,12 @@ std::vector<Case> cases() {
   return out;
 }
 
-struct Batch {
-  int64_t batch, seq;
-  uint64_t seed;
-  std::vector<int32_t> inputs, targets;
-};
-
 Batch make_batch(int64_t batch, int64_t seq, uint64_t seed, int64_t vocab) {
-  Batch b{batch, seq, seed, {}, {}};
-  for (int64_t i = 0; i < batch * seq; ++i) {
-    b.inputs.push_back(static_cast<int32_t>((i * 7 + 3 + seed + i / 4) % vocab));
-    b.targets.push_back(i % 6 == 2 ? -1 : static_cast<int32_t>((i * 5 + 1 + seed) % vocab));
-  }
-  return b;
+  return make_case_batch(batch, seq, seed, vocab);
 }
-
 std::vector<Batch> batches(int64_t vocab) { return {make_batch(2, 6, 3, vocab), make_batch(1, 9, 8, vocab)}; }
 
 const LossScales kScales{1.0 / 19, 0.1, 0.01};
-
-template <typename T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
-}
-
-void expect_same_stats(const ForwardStats& a, const ForwardStats& b, const std::string& what) {
-  EXPECT_EQ(std::memcmp(&a.ce_sum, &b.ce_sum, sizeof(double)), 0) << what << ": ce_sum " << a.ce_sum << " vs " << b.ce_sum;
-  EXPECT_EQ(std::memcmp(&a.lb_loss, &b.lb_loss, sizeof(double)), 0) << what << ": lb_loss";
-  EXPECT_EQ(std::memcmp(&a.z_loss, &b.z_loss, sizeof(double)), 0) << what << ": z_loss";
-  EXPECT_EQ(a.num_targets, b.num_targets) << what;
-  EXPECT_EQ(a.num_routes, b.num_routes) << what;
-  EXPECT_EQ(a.num_dropped, b.num_dropped) << what;
-  EXPECT_EQ(a.tokens_per_expert, b.tokens_per_expert) << what;
-}
 
 // What one model did over the micro-batches: stats and logits per micro-batch, the accumulated
 // gradients, and the saved bytes after each forward.
