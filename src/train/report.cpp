@@ -237,6 +237,8 @@ function drawHeatmaps(ax) {
       w.push(r.name + ': some records carry no tokens / wall_s (written by an older moecore): they are missing on those axes.');
   });
   document.getElementById('warnings').textContent = w.join(' ');
+  var m = /^#x=(step|tokens|wall_s)$/.exec(location.hash);  // report.html#x=tokens opens on that axis
+  if (m) document.querySelector('input[name=xaxis][value=' + m[1] + ']').checked = true;
   document.querySelectorAll('input[name=xaxis]').forEach(function (i) { i.addEventListener('change', draw); });
   draw();
 })();
