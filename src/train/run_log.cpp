@@ -1,4 +1,4 @@
-// RunLog: interval sums, the metrics.jsonl record (docs/configuration.md lists its keys) and the
+// RunLog: interval sums, the metrics.jsonl record (docs/report.md lists its keys) and the
 // console line; durations as mm:ss or h:mm:ss, rates with k/M suffixes.
 #include "train/run_log.h"
 
