@@ -36,6 +36,17 @@ else
   echo "setup: all packages present"
 fi
 
+# ---- Chromium (the headless check of the report and plan pages only) -------------------------
+# A large package (about 100 MB installed with its libraries), so a failure here is reported and
+# setup goes on: the entry report.browser then reports skipped, never passed.
+if command -v chromium >/dev/null || command -v chromium-browser >/dev/null || command -v google-chrome >/dev/null; then
+  echo "setup: chromium present"
+else
+  echo "setup: installing chromium (for the headless check of the HTML pages)"
+  apt_install chromium ||
+    echo "setup: WARNING: apt-get install chromium failed: the report.browser test will be skipped" >&2
+fi
+
 # ---- Python `tokenizers` (the tokenizer golden test and bench only) ---------------------------
 # A pinned wheel (abi3, so it fits Python 3.11 x86_64) installed with --target into .deps/py, which
 # git ignores; the system Python is left alone. Without it the golden test reports skipped.

@@ -115,9 +115,15 @@ ParsedArgs parse_args(const CommandSpec& spec, const std::vector<std::string>& a
       options_done = true;
       continue;
     }
-    if (a[1] != '-') usage_fail("unknown option '", a, "' for `moecore ", spec.name, "` (options are spelt --name)");
-    const size_t eq = a.find('=');
-    const std::string name = a.substr(0, eq);
+    const OptionSpec* short_opt = nullptr;
+    if (a[1] != '-') {
+      for (const OptionSpec& o : spec.options)
+        if (!o.short_name.empty() && o.short_name == a) short_opt = &o;
+      if (short_opt == nullptr)
+        usage_fail("unknown option '", a, "' for `moecore ", spec.name, "` (options are spelt --name)");
+    }
+    const size_t eq = short_opt ? std::string::npos : a.find('=');
+    const std::string name = short_opt ? short_opt->name : a.substr(0, eq);
     const bool is_override = name.find('.') != std::string::npos;
     const OptionSpec* opt = is_override ? nullptr : find_option(spec, name);
     if (is_override && !spec.overrides)
@@ -176,10 +182,11 @@ std::string usage_line(const CommandSpec& spec) {
     if (optional) s.append("]");
   };
   for (size_t i = 0; i < spec.positionals.size(); ++i) word(spec.positionals[i], "", i >= spec.min_positionals);
+  auto names = [](const OptionSpec& o) { return o.short_name.empty() ? o.name : o.short_name + "|" + o.name; };
   for (const OptionSpec& o : spec.options)
-    if (o.required) word(o.name, o.value_name, false);
+    if (o.required) word(names(o), o.value_name, false);
   for (const OptionSpec& o : spec.options)
-    if (!o.required) word(o.name, o.value_name, true);
+    if (!o.required) word(names(o), o.value_name, true);
   if (spec.overrides) word("--section.key=value ...", "", true);
   return s;
 }
@@ -190,12 +197,14 @@ std::string help_text(const CommandSpec& spec) {
   if (!s.empty() && s.back() != '\n') s += "\n";
   s += "\noptions (each also as --name=value):\n";
   size_t w = 10;
-  for (const OptionSpec& o : spec.options)
-    w = std::max(w, o.name.size() + (o.value_name.empty() ? 0 : 1 + o.value_name.size()));
+  auto left_of = [](const OptionSpec& o) {
+    return (o.short_name.empty() ? "" : o.short_name + ", ") + o.name + (o.value_name.empty() ? "" : " " + o.value_name);
+  };
+  for (const OptionSpec& o : spec.options) w = std::max(w, left_of(o).size());
   auto row = [&](const std::string& left, const std::string& help) {
     s += "  " + left + std::string(w + 2 - std::min(w + 2, left.size()), ' ') + help + "\n";
   };
-  for (const OptionSpec& o : spec.options) row(o.name + (o.value_name.empty() ? "" : " " + o.value_name), o.help);
+  for (const OptionSpec& o : spec.options) row(left_of(o), o.help);
   row("-h, --help", "print this help");
   if (spec.overrides)
     s += "  --section.key=value   any config key (also --section.key value); `moecore train --help` lists them\n";

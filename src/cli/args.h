@@ -27,6 +27,7 @@ struct OptionSpec {
   std::string value_name;  // "N"; empty: a switch that takes no value
   std::string help;        // one line for --help
   bool required = false;   // parse_args refuses a command line without it
+  std::string short_name = {};  // "-o": also accepted as `-o VALUE` (never -oVALUE); empty: none
 };
 
 struct CommandSpec {

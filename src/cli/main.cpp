@@ -1,4 +1,4 @@
-// moecore command-line entry point: train (and --dry-run), plan, bench, inspect, export-hf,
+// moecore command-line entry point: train (and --dry-run), plan (and --html), report, bench, inspect, export-hf,
 // import-hf, logits, tokenize, data prepare, version. Every command's arguments go through one
 // parser (cli/args.h).
 // Every error reaches the user as one "error: ..." line and exit status 1 (a mistake in the
@@ -36,6 +36,7 @@
 #include "train/device.h"
 #include "train/model_state.h"
 #include "train/planner.h"
+#include "train/report.h"
 #include "train/run_plan.h"
 #include "train/trainer.h"
 
@@ -64,6 +65,10 @@ constexpr const char* kUsage =
     "                                                  per-GPU memory by part and recompute mode, communication\n"
     "                                                  and step time of a layout; with --gpus N alone every\n"
     "                                                  layout that fits, best first (docs/planning.md)\n"
+    "  plan [CONFIG.toml] --html [-o plan.html] [--gpus N] [--layout ...]\n"
+    "                                                  an interactive page of every layout of 1..N GPUs\n"
+    "  report RUN_DIR [RUN_DIR ...] [-o report.html]   one HTML page of the runs' metrics.jsonl: loss, eval\n"
+    "                                                  loss, throughput, MFU, grad norm, lr, lb/z, expert load\n"
     "  bench [CONFIG.toml] [--warmup N] [--steps N] [--out DIR | --json PATH] [--section.key=value ...]\n"
     "                                                  time warm training steps: tokens/s, TFLOP/s, phases, memory\n"
     "  inspect CHECKPOINT_DIR                          print a checkpoint's step, config and tensors\n"
@@ -165,7 +170,9 @@ const CommandSpec kPlan{
      {"--gpus", "N", "plan N GPUs; without --layout: every layout (dp = N, ep dividing it) x recompute mode that fits"},
      {"--layout", "dp=N,ep=N,pp=N", "plan this layout (pp = 1: pipeline stages are not implemented yet)"},
      {"--gpu-memory", "GiB", "usable memory per GPU (default 139.8: an H200)"},
-     {"--json", "", "print the plan as JSON"}},
+     {"--json", "", "print the plan as JSON"},
+     {"--html", "", "write an interactive page of every layout of 1..N GPUs (--gpus N, default 8), opened at --layout or N's best"},
+     {"--out", "FILE", "with --html: the page to write (default plan.html)", false, "-o"}},
     "Plans the run on the cuda backend (BF16) without a GPU: per-GPU memory by part (BF16 weights,\n"
     "FP32 master, gradients, AdamW moments replicated or ZeRO-1-sharded, activations for each recompute\n"
     "mode side by side, exchange buffers, scratch), bytes per step of each collective, and a step time\n"
@@ -173,7 +180,11 @@ const CommandSpec kPlan{
     "--layout, else from the config's parallel keys (parallel.dp = 0: dp = parallel.ep, one GPU by\n"
     "default). When dp x micro_batch does\n"
     "not divide train.global_batch, the plan raises the global batch to the least multiple that it\n"
-    "does and says so. Formulas, sources and accuracy: docs/planning.md.\n"};
+    "does and says so. Formulas, sources and accuracy: docs/planning.md.\n"
+    "With --html: one self-contained page (no network needed) with the planner's figures for every\n"
+    "GPU count 1..N, pp 1, 2, 4, 8 (refused by the planner: shown so) and ep dividing dp, each\n"
+    "recompute mode: the GPU / layer / expert grid, memory per GPU by part, traffic per collective\n"
+    "(docs/report.md).\n"};
 
 // A positive, finite number of GiB.
 double parse_gib(const std::string& flag, const std::string& text) {
@@ -190,7 +201,26 @@ int cmd_plan(const ParsedArgs& a) {
   const double mem = a.has("--gpu-memory") ? parse_gib("--gpu-memory", *a.value("--gpu-memory"))
                                            : h200_ceilings().memory_gib;
   const bool json = a.has("--json");
+  if (a.has("--out") && !a.has("--html")) usage_fail("--out FILE goes with --html (the page to write)");
+  if (a.has("--html")) {
+    if (json) usage_fail("--html and --json are two outputs; give one");
+  }
   const Config cfg = load_config(path, a.overrides);
+  if (a.has("--html")) {
+    const std::string out = a.value_or("--out", "plan.html");
+    if (out.empty()) usage_fail("--out needs a file name, got an empty value");
+    const std::string name = path.empty() ? "the embedded default config" : path;
+    std::optional<LayoutRequest> start;
+    if (a.has("--layout")) start = parse_layout(*a.value("--layout"), gpus);
+    const int64_t max_gpus = gpus > 0 ? gpus : start ? std::max<int64_t>(8, start->dp * start->pp) : 8;
+    if (max_gpus > 1024) usage_fail("--gpus: the --html page plans every count 1..N; expected N <= 1024, got ", max_gpus);
+    if (start && start->dp * start->pp > max_gpus)
+      usage_fail("--layout ", *a.value("--layout"), " needs ", start->dp * start->pp, " GPUs, more than --gpus ", max_gpus);
+    write_file_atomic(out, plan_html(plan_page_data(cfg, name, max_gpus, mem, /*start_at_best=*/gpus > 0,
+                                                    start ? &*start : nullptr)));
+    std::cout << "wrote " << out << " (layouts of 1.." << max_gpus << " GPUs)\n";
+    return 0;
+  }
   if (gpus > 0 && !a.has("--layout")) {
     const Enumeration e = enumerate_layouts(cfg, gpus, mem);
     std::cout << (json ? enumeration_json(e, gpus, mem).dump(1) + "\n" : describe_enumeration(e, gpus, mem));
@@ -207,6 +237,32 @@ int cmd_plan(const ParsedArgs& a) {
   }
   const LayoutPlan p = plan_layout(cfg, layout, mem);
   std::cout << (json ? layout_plan_json(p).dump(1) + "\n" : describe_layout_plan(p));
+  return 0;
+}
+
+const CommandSpec kReport{
+    "report",
+    {"RUN_DIR..."},
+    1,
+    false,
+    {{"--out", "FILE", "the page to write (default report.html)", false, "-o"}},
+    "Writes one self-contained HTML page (inline script and styles, nothing fetched) of the metrics.jsonl\n"
+    "of each RUN_DIR: loss and eval loss, tokens/s, MFU (GPU runs), grad norm, learning rate, lb and z\n"
+    "loss, load imbalance, and a heatmap of each MoE layer's expert load over the run; several runs\n"
+    "overlaid (legend: the directory names); x axis step, tokens seen or wall time. The records are\n"
+    "embedded as JSON. A run still being written is fine: an incomplete last line is left out and said\n"
+    "so. See docs/report.md.\n"};
+
+int cmd_report(const ParsedArgs& a) {
+  const std::string out = a.value_or("--out", "report.html");
+  if (out.empty()) usage_fail("--out needs a file name, got an empty value");
+  std::vector<RunMetrics> runs;
+  for (const std::string& dir : a.positionals) runs.push_back(read_run_metrics(dir));
+  write_file_atomic(out, report_html(runs));
+  for (const RunMetrics& r : runs)
+    if (r.truncated)
+      std::cout << "note: the last line of " << r.dir << "/metrics.jsonl is incomplete (a run still writing?): left out\n";
+  std::cout << "wrote " << out << " (" << runs.size() << " run" << (runs.size() == 1 ? "" : "s") << ")\n";
   return 0;
 }
 
@@ -481,6 +537,7 @@ struct Command {
 std::vector<Command> commands(const std::string& invocation) {
   return {{&kTrain, cmd_train},
           {&kPlan, cmd_plan},
+          {&kReport, cmd_report},
           {&kBench, [invocation](const ParsedArgs& a) { return cmd_bench(a, invocation); }},
           {&kInspect, cmd_inspect},
           {&kExportHf, cmd_export_hf},

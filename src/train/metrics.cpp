@@ -27,14 +27,17 @@ double load_imbalance(const std::vector<std::vector<int64_t>>& counts_per_layer)
 namespace {
 
 // The lines of `path` whose record's "step" is <= keep (records without a step, e.g. eval lines
-// carry one too, and unparsable lines such as a torn last line are dropped).
-std::string kept_records(const std::string& path, int64_t keep) {
+// carry one too, and unparsable lines such as a torn last line are dropped); `wall_s` gets the
+// largest wall_s among them.
+std::string kept_records(const std::string& path, int64_t keep, double& wall_s) {
   std::ifstream in(path);
   std::string line, out;
   while (std::getline(in, line)) {
     const nlohmann::json rec = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (!rec.is_object() || !rec.contains("step") || !rec["step"].is_number_integer()) continue;
-    if (rec["step"].get<int64_t>() <= keep) out += line + "\n";
+    if (rec["step"].get<int64_t>() > keep) continue;
+    out += line + "\n";
+    if (rec.contains("wall_s") && rec["wall_s"].is_number()) wall_s = std::max(wall_s, rec["wall_s"].get<double>());
   }
   return out;
 }
@@ -43,7 +46,7 @@ std::string kept_records(const std::string& path, int64_t keep) {
 
 MetricsWriter::MetricsWriter(const std::string& path, int64_t keep_through_step) : path_(path) {
   namespace fs = std::filesystem;
-  if (keep_through_step > 0 && fs::exists(path)) write_file_atomic(path, kept_records(path, keep_through_step));
+  if (keep_through_step > 0 && fs::exists(path)) write_file_atomic(path, kept_records(path, keep_through_step, kept_wall_s_));
   out_.open(path, keep_through_step > 0 ? std::ios::app : std::ios::trunc);
   MOE_CHECK(out_.good(), "cannot open metrics file '", path, "' for writing");
 }

@@ -23,10 +23,14 @@ class MetricsWriter {
   // rename; new records are appended.
   MetricsWriter(const std::string& path, int64_t keep_through_step);
   void write(const nlohmann::json& record);
+  // The largest wall_s of the records kept from before a resume (0: none), where the resumed
+  // run's wall clock continues.
+  double kept_wall_s() const { return kept_wall_s_; }
 
  private:
   std::ofstream out_;
   std::string path_;
+  double kept_wall_s_ = 0;
 };
 
 }  // namespace moe

@@ -1,9 +1,10 @@
-// RunLog: interval sums, the metrics.jsonl record (docs/configuration.md lists its keys) and the
+// RunLog: interval sums, the metrics.jsonl record (docs/report.md lists its keys) and the
 // console line; durations as mm:ss or h:mm:ss, rates with k/M suffixes.
 #include "train/run_log.h"
 
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <ostream>
 #include <string>
 
@@ -32,14 +33,38 @@ std::string fmt_rate(double tokens_per_s) {
   return buf;
 }
 
+// The current UTC time as "2026-01-31T12:34:56.789Z".
+std::string utc_now() {
+  const auto now = std::chrono::system_clock::now();
+  const std::time_t t = std::chrono::system_clock::to_time_t(now);
+  const int64_t ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000;
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%04d-%02d-%02dT%02d:%02d:%02d.%03lldZ", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday,
+                tm.tm_hour, tm.tm_min, tm.tm_sec, (long long)ms);
+  return buf;
+}
+
 }  // namespace
 
 RunLog::RunLog(const Config& cfg, int64_t tokens_per_step, std::ostream& out, MetricsWriter* metrics, bool tty,
-               int64_t start_step)
-    : cfg_(cfg), tokens_per_step_(tokens_per_step), out_(out), metrics_(metrics), tty_(tty), start_(start_step), t_start_(Clock::now()) {}
+               int64_t start_step, double wall_offset_s)
+    : cfg_(cfg), tokens_per_step_(tokens_per_step), out_(out), metrics_(metrics), tty_(tty), start_(start_step),
+      t_start_(Clock::now()), t_run_(t_start_), wall_offset_(wall_offset_s) {}
+
+void RunLog::stamp(nlohmann::json& rec, int64_t step) const {
+  rec["wall_s"] = wall_offset_ + std::chrono::duration<double>(Clock::now() - t_run_).count();
+  rec["time"] = utc_now();
+  rec["tokens"] = step * tokens_per_step_;
+}
 
 void RunLog::eval(int64_t step, double loss) {
-  if (metrics_) metrics_->write({{"step", step}, {"eval_loss", loss}});
+  if (metrics_) {
+    nlohmann::json rec = {{"step", step}, {"eval_loss", loss}};
+    stamp(rec, step);
+    metrics_->write(rec);
+  }
   char buf[96];
   std::snprintf(buf, sizeof buf, "%sstep %lld | eval_loss %.4f\n", step ? clear() : "", (long long)step, loss);
   out_ << buf << std::flush;
@@ -65,6 +90,8 @@ void RunLog::step(const StepStats& s, double lr, double step_s, const Step& step
   z_ += s.z_loss;
   s_ += step_s;
   imb_ += load_imbalance(s.tokens_per_expert);
+  layer_imb_.resize(s.tokens_per_expert.size(), 0.0);
+  for (size_t l = 0; l < s.tokens_per_expert.size(); ++l) layer_imb_[l] += load_imbalance({s.tokens_per_expert[l]});
   dropped_ += s.num_routes ? double(s.num_dropped) / double(s.num_routes) : 0.0;
   ++n_;
   if (done % cfg_.log.interval != 0 && done != cfg_.train.steps) {
@@ -91,6 +118,10 @@ void RunLog::step(const StepStats& s, double lr, double step_s, const Step& step
                         {"load_imbalance", imb_ / n},
                         {"dropped_frac", dropped_ / n},
                         {"skipped_steps", skipped_}};
+  nlohmann::json layers = nlohmann::json::array();
+  for (const double v : layer_imb_) layers.push_back(v / n);
+  rec["layer_load_imbalance"] = layers;
+  stamp(rec, done);
   char gpu_part[128] = "";
   if (step.has_device_figures()) {
     const DeviceFigures g = step.device_figures(n_, s_);
@@ -115,6 +146,7 @@ void RunLog::step(const StepStats& s, double lr, double step_s, const Step& step
                 fmt_duration(elapsed).c_str(), fmt_duration(eta).c_str());
   out_ << buf << std::flush;
   loss_ = lb_ = z_ = s_ = imb_ = dropped_ = 0;
+  layer_imb_.assign(layer_imb_.size(), 0.0);
   n_ = skipped_ = 0;
 }
 

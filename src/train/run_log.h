@@ -1,12 +1,16 @@
 // What a training run tells its user: console lines and metrics.jsonl records, step figures
 // averaged over each log interval (loss, lb/z, grad norm, lr, tokens/s, load imbalance, dropped
 // routes; device figures when the step has them), eval losses, skipped steps, saved
-// checkpoints, and the live line on a terminal.
+// checkpoints, and the live line on a terminal. Every step and eval record carries wall_s (seconds
+// since the run started, continued across a resume from the kept records), time (UTC, ISO 8601)
+// and tokens (trained through that step); step records also layer_load_imbalance, max/mean tokens
+// per expert of each MoE layer averaged over the interval (docs/report.md).
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <iosfwd>
+#include <vector>
 
 #include "core/config.h"
 #include "train/metrics.h"
@@ -21,9 +25,10 @@ class RunLog {
   using Clock = std::chrono::steady_clock;
 
   // metrics (may be null: ranks other than 0); tty: refresh a live line between records;
-  // tokens_per_step: the run plan's, for tokens/s.
+  // tokens_per_step: the run plan's, for tokens/s and tokens seen; wall_offset_s: the wall_s of
+  // the last record kept from before a resume (0 for a new run).
   RunLog(const Config& cfg, int64_t tokens_per_step, std::ostream& out, MetricsWriter* metrics, bool tty,
-         int64_t start_step);
+         int64_t start_step, double wall_offset_s = 0);
 
   // The clock of elapsed time, ETA and wall time starts here (after the initial eval).
   void start_clock() { t_start_ = Clock::now(); }
@@ -39,6 +44,8 @@ class RunLog {
 
  private:
   const char* clear() const { return tty_ ? "\r\033[K" : ""; }
+  // wall_s, time and tokens of a record of step `step`.
+  void stamp(nlohmann::json& rec, int64_t step) const;
   const Config& cfg_;
   int64_t tokens_per_step_;
   std::ostream& out_;
@@ -46,6 +53,9 @@ class RunLog {
   bool tty_;
   int64_t start_;
   Clock::time_point t_start_;
+  Clock::time_point t_run_;  // wall_s counts from here (construction), plus wall_offset_
+  double wall_offset_;
+  std::vector<double> layer_imb_;  // per MoE layer, summed over the interval
   double loss_ = 0, lb_ = 0, z_ = 0, s_ = 0, imb_ = 0, dropped_ = 0;
   int64_t n_ = 0, skipped_ = 0;
 };
