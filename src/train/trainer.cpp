@@ -115,8 +115,8 @@ void print_header(const Config& cfg, const RunPlan& plan, const Comm& world, std
                 (long long)plan.tokens_per_step, plan.device.c_str(), cfg.train.precision.c_str(), cfg.run.dir.c_str());
   out << head << std::flush;
   if (world.size() > 1)
-    out << "parallel: " << world.size() << " ranks (" << world.backend() << "), dp " << plan.sizes.dp << ", pp " << plan.sizes.pp << ", ep "
-        << plan.sizes.ep << ", ZeRO-1 " << (plan.zero ? "on" : "off") << ", collective timeout " << world.timeout_s()
+    out << "parallel: " << world.size() << " ranks (" << world.backend() << "), dp " << plan.sizes.dp << ", ep "
+        << plan.sizes.ep << ", pp " << plan.sizes.pp << ", ZeRO-1 " << (plan.zero ? "on" : "off") << ", collective timeout " << world.timeout_s()
         << " s\n"
         << std::flush;
 }
