@@ -113,7 +113,9 @@ void print_dry_run(const Config& cfg, int64_t world) {
   std::cout << config_to_toml(cfg) << "\n";
   const std::string device = resolve_device(cfg.train);
   std::cout << describe_run_plan(make_run_plan(cfg, world, device));
-  if (device == "cpu") {  // what the same run needs on the CUDA backend
+  if (device == "cpu" && cfg.parallel.pp > 1) {
+    std::cout << "# on cuda: parallel.pp > 1 is refused (pipeline stages run on the CPU backend only)\n";
+  } else if (device == "cpu") {  // what the same run needs on the CUDA backend
     Config gpu = cfg;
     gpu.train.device = "cuda";
     gpu.train.precision = "bf16";

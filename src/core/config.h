@@ -84,6 +84,8 @@ struct ParallelConfig {
   int64_t dp = 0;  // 0: world_size / pp
   int64_t ep = 1;
   int64_t pp = 1;
+  int64_t virtual_stages = 1;        // model chunks per pipeline rank (> 1: interleaved 1F1B)
+  std::vector<int64_t> pp_layers{};  // layers per model stage (pp x virtual_stages entries); empty: even split
   std::string ep_backend = "alltoall";  // "alltoall" | "rowwise"
   bool zero = true;          // ZeRO-1: AdamW moments sharded over data-parallel ranks (dp > 1)
   double timeout_s = 300.0;  // a collective waiting longer fails the job

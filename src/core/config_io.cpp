@@ -139,7 +139,12 @@ std::vector<ConfigKey> build_keys() {
       entry("parallel.dp", &C::parallel, &P::dp, "data-parallel ranks; 0: world_size / pp"),
       entry("parallel.ep", &C::parallel, &P::ep,
             "expert-parallel group size: experts sharded over ep ranks, replicated over dp / ep groups"),
-      entry("parallel.pp", &C::parallel, &P::pp, "pipeline stages (only 1 for now)"),
+      entry("parallel.pp", &C::parallel, &P::pp,
+            "pipeline stages: world = pp x dp, stage s holds a contiguous range of layers (CPU backend)"),
+      entry("parallel.virtual_stages", &C::parallel, &P::virtual_stages,
+            "model chunks per pipeline rank; > 1: interleaved 1F1B (micro-batches a multiple of pp)"),
+      entry("parallel.pp_layers", &C::parallel, &P::pp_layers,
+            "layers of each model stage (pp x virtual_stages counts summing to model.n_layers); empty: even split"),
       entry("parallel.ep_backend", &C::parallel, &P::ep_backend, "token exchange between expert-parallel ranks",
             {"alltoall", "rowwise"}),
       entry("parallel.zero", &C::parallel, &P::zero,
@@ -981,7 +986,27 @@ void validate_config(const Config& c) {
   p.need(q.dp <= kMaxRanks, "parallel.dp must be <= ", bound_text(kMaxRanks), ", got ", q.dp);
   p.need(q.ep >= 1, "parallel.ep must be >= 1, got ", q.ep);
   p.need(q.ep <= kMaxRanks, "parallel.ep must be <= ", bound_text(kMaxRanks), ", got ", q.ep);
-  p.need(q.pp == 1, "parallel.pp = ", q.pp, ": pipeline parallelism is not available yet; set parallel.pp = 1");
+  p.need(q.pp >= 1, "parallel.pp must be >= 1, got ", q.pp);
+  p.need(q.pp <= kMaxRanks, "parallel.pp must be <= ", bound_text(kMaxRanks), ", got ", q.pp);
+  p.need(q.virtual_stages >= 1 && q.virtual_stages <= kMaxRanks, "parallel.virtual_stages must be in [1, ",
+         bound_text(kMaxRanks), "], got ", q.virtual_stages);
+  if (q.pp >= 1 && q.virtual_stages >= 1 && q.pp <= kMaxRanks && q.virtual_stages <= kMaxRanks) {
+    const int64_t stages = q.pp * q.virtual_stages;
+    p.need(q.virtual_stages == 1 || q.pp > 1, "parallel.virtual_stages = ", q.virtual_stages,
+           " needs parallel.pp > 1 (interleaving splits each pipeline rank's layers into chunks)");
+    p.need(stages <= m.n_layers, "parallel.pp x parallel.virtual_stages = ", q.pp, " x ", q.virtual_stages, " = ",
+           stages, " model stages, but model.n_layers is ", m.n_layers, ": every stage needs >= 1 layer");
+    if (!q.pp_layers.empty()) {
+      p.need(int64_t(q.pp_layers.size()) == stages, "parallel.pp_layers lists ", q.pp_layers.size(),
+             " stages, expected parallel.pp x parallel.virtual_stages = ", stages, " (layers per model stage)");
+      int64_t sum = 0;
+      for (size_t i = 0; i < q.pp_layers.size(); ++i) {
+        p.need(q.pp_layers[i] >= 1, "parallel.pp_layers[", i, "] = ", q.pp_layers[i], ": every stage needs >= 1 layer");
+        sum += std::max<int64_t>(0, std::min<int64_t>(q.pp_layers[i], m.n_layers + 1));
+      }
+      p.need(sum == m.n_layers, "parallel.pp_layers must sum to model.n_layers = ", m.n_layers, ", got ", sum);
+    }
+  }
   p.need(q.timeout_s > 0, "parallel.timeout_s must be > 0 seconds, got ", num(q.timeout_s));
   p.need(q.timeout_s <= kMaxTimeoutSeconds, "parallel.timeout_s must be <= ", num(kMaxTimeoutSeconds),
          " seconds (a year), got ", num(q.timeout_s));

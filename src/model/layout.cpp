@@ -21,7 +21,14 @@ int64_t num_moe_layers(const ModelConfig& m) {
 
 std::string layer_prefix(int64_t l) { return "model.layers." + std::to_string(l) + "."; }
 
-ParamLayout build_param_layout(const ModelConfig& m, const MoeConfig& e, const ExpertSlice& slice) {
+bool LayoutPart::whole() const {
+  return embed && head && std::all_of(layers.begin(), layers.end(), [](char c) { return c != 0; });
+}
+
+ParamLayout build_param_layout(const ModelConfig& m, const MoeConfig& e, const ExpertSlice& slice,
+                               const LayoutPart& part) {
+  MOE_CHECK(part.layers.empty() || int64_t(part.layers.size()) == m.n_layers, "layout part: ", part.layers.size(),
+            " layer flags for model.n_layers = ", m.n_layers);
   MOE_CHECK(slice.count >= 0 && slice.first >= 0 && slice.first + slice.count <= e.num_experts,
             "expert slice must lie in [0, num_experts=", e.num_experts, "), got first=", slice.first,
             " count=", slice.count);
@@ -30,8 +37,9 @@ ParamLayout build_param_layout(const ModelConfig& m, const MoeConfig& e, const E
   const int64_t q = m.n_heads * hd, kv = m.n_kv_heads * hd;
   const bool kNoDecay = false;
   ParamLayout p;
-  p.add("model.embed_tokens.weight", {m.vocab_size, d});
+  if (part.embed) p.add("model.embed_tokens.weight", {m.vocab_size, d});
   for (int64_t l = 0; l < m.n_layers; ++l) {
+    if (!part.holds(l)) continue;
     const std::string pre = layer_prefix(l);
     p.add(pre + "input_layernorm.weight", {d}, kNoDecay);
     p.add(pre + "self_attn.q_proj.weight", {q, d});
@@ -59,8 +67,10 @@ ParamLayout build_param_layout(const ModelConfig& m, const MoeConfig& e, const E
       }
     }
   }
-  p.add("model.norm.weight", {d}, kNoDecay);
-  p.add("lm_head.weight", {m.vocab_size, d});
+  if (part.head) {
+    p.add("model.norm.weight", {d}, kNoDecay);
+    p.add("lm_head.weight", {m.vocab_size, d});
+  }
   return p;
 }
 
@@ -98,6 +108,14 @@ std::vector<LayerParams> layer_params(const ParamLayout& layout, const ModelConf
     const std::string pre = layer_prefix(l);
     auto off = [&](const std::string& n) { return layout.find(pre + n).offset; };
     LayerParams p;
+    if (!layout.contains(pre + "input_layernorm.weight")) {  // another pipeline stage's layer
+      p.attn_norm = p.q_proj = p.k_proj = p.v_proj = p.o_proj = p.mlp_norm = -1;
+      p.present = false;
+      p.dense = is_dense_layer(m, l);
+      if (!p.dense) p.moe_index = moe_index++;
+      out.push_back(p);
+      continue;
+    }
     p.attn_norm = off("input_layernorm.weight");
     p.q_proj = off("self_attn.q_proj.weight");
     p.k_proj = off("self_attn.k_proj.weight");

@@ -22,10 +22,22 @@ int64_t num_moe_layers(const ModelConfig& m);
 // Name prefix of layer l: "model.layers.<l>."
 std::string layer_prefix(int64_t l);
 
+// Which tensors a layout holds: by default every layer, the embedding and the final norm + LM
+// head; a pipeline stage's layout holds only its layers (and the embedding on the first stage,
+// the head on the last), in the same order and with the same names.
+struct LayoutPart {
+  std::vector<char> layers;  // empty: every layer; else one flag per layer
+  bool embed = true, head = true;
+  bool holds(int64_t l) const { return layers.empty() || layers[size_t(l)] != 0; }
+  bool whole() const;
+};
+
 // Global layout when `slice` is empty; otherwise mlp.experts.gate_up_proj is [count, 2I, D] and
 // mlp.experts.down_proj [count, D, I] (rows first..first+count-1 of the global tensors), names
 // unchanged. Checks that the slice lies inside [0, num_experts).
-ParamLayout build_param_layout(const ModelConfig& m, const MoeConfig& e, const ExpertSlice& slice = {});
+// Only the tensors of `part`.
+ParamLayout build_param_layout(const ModelConfig& m, const MoeConfig& e, const ExpertSlice& slice = {},
+                               const LayoutPart& part = {});
 
 // Flat ranges [begin, end) of the layout (alignment padding included, adjacent entries merged)
 // holding expert tensors (expert == true) or every other tensor (expert == false). Together they
@@ -71,9 +83,11 @@ struct LayerParams {
   int64_t mlp_gate = -1, mlp_up = -1, mlp_down = -1;  // dense MLP or shared expert
   int64_t router = -1, experts_gate_up = -1, experts_down = -1;  // MoE router (mlp.gate) and experts
   bool dense = false, shared = false;
-  int64_t moe_index = -1;  // index among MoE layers
+  int64_t moe_index = -1;  // index among MoE layers (of the whole model, also on a pipeline stage)
+  bool present = true;     // false: the layout does not hold the layer (another pipeline stage's)
   int64_t mlp_hidden = 0;  // dense_hidden or shared_experts * expert_hidden
 };
+// One per layer of the model; a layer the layout does not hold has present = false and -1 offsets.
 std::vector<LayerParams> layer_params(const ParamLayout& layout, const ModelConfig& m, const MoeConfig& e);
 // The tensor at `offset` of a flat buffer (parameters or gradients), or null for -1 (absent).
 template <typename T>

@@ -17,8 +17,8 @@
 namespace moe {
 
 template <typename T>
-Model<T>::Model(const ModelConfig& model, const MoeConfig& moe, const ExpertParallel* ep)
-    : mcfg_(model), ecfg_(moe) {
+Model<T>::Model(const ModelConfig& model, const MoeConfig& moe, const ExpertParallel* ep, const LayoutPart& part)
+    : mcfg_(model), ecfg_(moe), part_(part) {
   slice_ = {0, moe.num_experts};
   if (ep != nullptr && ep->size() > 1) {
     MOE_CHECK((std::is_same_v<T, float>), "expert parallelism (ep = ", ep->size(),
@@ -32,7 +32,7 @@ Model<T>::Model(const ModelConfig& model, const MoeConfig& moe, const ExpertPara
     ep_ = *ep;
     slice_ = ep->slice();
   }
-  layout_ = build_param_layout(model, moe, slice_);
+  layout_ = build_param_layout(model, moe, slice_, part_);
   for (const ParamEntry& e : layout_.entries())
     placements_.push_back(global_placement(e, ep_ ? ep_->size() : 1, ep_ ? ep_->rank() : 0));
   params_.assign(layout_.total_numel(), T(0));
@@ -49,9 +49,41 @@ Model<T>::Model(const ModelConfig& model, const MoeConfig& moe, const ExpertPara
   layers_ = layer_params(layout_, mcfg_, ecfg_);
   saved_.resize(layers_.size());
   released_.assign(layers_.size(), Recompute::kNone);
-  embed_ = layout_.find("model.embed_tokens.weight").offset;
-  final_norm_ = layout_.find("model.norm.weight").offset;
-  lm_head_ = layout_.find("lm_head.weight").offset;
+  embed_ = part_.embed ? layout_.find("model.embed_tokens.weight").offset : -1;
+  final_norm_ = part_.head ? layout_.find("model.norm.weight").offset : -1;
+  lm_head_ = part_.head ? layout_.find("lm_head.weight").offset : -1;
+}
+
+template <typename T>
+StageActivations<T> Model<T>::take_activations(int64_t first, int64_t last, bool embed, bool head) {
+  check_blocks("take_activations", first, last);
+  StageActivations<T> a;
+  a.first = first;
+  a.last = last;
+  a.embed = embed;
+  a.head = head;
+  a.blocks.resize(size_t(last - first));
+  a.released.resize(size_t(last - first));
+  for (int64_t l = first; l < last; ++l) {
+    std::swap(a.blocks[size_t(l - first)], saved_[size_t(l)]);
+    a.released[size_t(l - first)] = released_[size_t(l)];
+  }
+  if (embed) a.inputs.swap(inputs_);
+  if (head) std::swap(a.head_saved, head_);
+  return a;
+}
+
+template <typename T>
+void Model<T>::restore_activations(StageActivations<T>&& a) {
+  check_blocks("restore_activations", a.first, a.last);
+  MOE_CHECK(int64_t(a.blocks.size()) == a.last - a.first, "restore_activations: ", a.blocks.size(),
+            " saved blocks for blocks [", a.first, ", ", a.last, ")");
+  for (int64_t l = a.first; l < a.last; ++l) {
+    saved_[size_t(l)] = std::move(a.blocks[size_t(l - a.first)]);
+    released_[size_t(l)] = a.released[size_t(l - a.first)];
+  }
+  if (a.embed) inputs_ = std::move(a.inputs);
+  if (a.head) head_ = std::move(a.head_saved);
 }
 
 template <typename T>
@@ -83,6 +115,8 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
                                uint64_t routing_seed) {
   MOE_CHECK(batch > 0 && seq > 0, "forward: batch and sequence must be positive, got batch=", batch,
             " seq=", seq);
+  MOE_CHECK(part_.whole(), "forward: this model holds one pipeline stage's layers; run its stage calls "
+            "(embed_forward, forward_blocks, head_forward)");
   const int64_t n = batch * seq;
   batch_ = batch;
   seq_ = seq;
@@ -111,6 +145,7 @@ void Model<T>::backward(const LossScales& scales) {
 
 template <typename T>
 void Model<T>::embed_forward(const int32_t* inputs, int64_t n, T* x) {
+  MOE_CHECK(embed_ >= 0, "embed_forward: this pipeline stage's model does not hold the embedding");
   timer_.lap(Phase::kEmbedding);
   inputs_.assign(inputs, inputs + n);
   cpu::embedding_forward(inputs, params_.data() + embed_, x, n, mcfg_.vocab_size, mcfg_.d_model);
@@ -118,6 +153,7 @@ void Model<T>::embed_forward(const int32_t* inputs, int64_t n, T* x) {
 
 template <typename T>
 void Model<T>::embed_backward(const T* dx) {
+  MOE_CHECK(embed_ >= 0, "embed_backward: this pipeline stage's model does not hold the embedding");
   timer_.lap(Phase::kEmbedding);
   cpu::embedding_backward(inputs_.data(), dx, grads_.data() + embed_, static_cast<int64_t>(inputs_.size()),
                           mcfg_.vocab_size, mcfg_.d_model);
@@ -125,6 +161,7 @@ void Model<T>::embed_backward(const T* dx) {
 
 template <typename T>
 void Model<T>::head_forward(const T* x, const int32_t* targets, int64_t n, ForwardStats& stats) {
+  MOE_CHECK(lm_head_ >= 0, "head_forward: this pipeline stage's model does not hold the LM head");
   const T* P = params_.data();
   const LmHeadLoss loss = lm_head_forward<T>({P + final_norm_, P + lm_head_}, x, targets, n, mcfg_.d_model,
                                              mcfg_.vocab_size, mcfg_.norm_eps, head_, &timer_);
@@ -145,6 +182,8 @@ template <typename T>
 void Model<T>::check_blocks(const char* op, int64_t first, int64_t last) const {
   MOE_CHECK(0 <= first && first <= last && last <= mcfg_.n_layers, op, ": blocks [", first, ", ", last,
             ") must lie in [0, ", mcfg_.n_layers, ")");
+  for (int64_t l = first; l < last; ++l)
+    MOE_CHECK(layers_[size_t(l)].present, op, ": block ", l, " is not held by this pipeline stage's model");
 }
 
 // Block l: the attention block, then the dense MLP block or the MoE block. Returns the MoE block's

@@ -68,6 +68,19 @@ int64_t saved_bytes(const BlockSaved<T>& s) {
   return saved_bytes(s.attn) + saved_bytes(s.mlp) + saved_bytes(s.moe);
 }
 
+// What a forward of a pipeline stage's blocks (and its embedding / head) saved for backward, moved
+// out of the model (Model::take_activations) so that the next micro-batch's forward can run while
+// this one waits for its backward (1F1B keeps up to pp micro-batches in flight per stage).
+template <typename T>
+struct StageActivations {
+  int64_t first = 0, last = 0;
+  bool embed = false, head = false;
+  std::vector<BlockSaved<T>> blocks;  // blocks [first, last)
+  std::vector<Recompute> released;
+  std::vector<int32_t> inputs;  // embed: the token ids
+  LmHeadSaved<T> head_saved;
+};
+
 template <typename T>
 class Model {
  public:
@@ -75,7 +88,11 @@ class Model {
   // or null. With ep->size() > 1 (Model<float> only, dropless only) the layout holds experts
   // [ep->first_expert(), + ep->local_experts()) of every MoE layer, and forward/backward are
   // collectives over ep->group: every rank of the group calls them in the same order.
-  Model(const ModelConfig& model, const MoeConfig& moe, const ExpertParallel* ep = nullptr);
+  // part: the tensors this model holds (model/layout.h); a pipeline stage's model holds its
+  // layers only and runs only them (forward_blocks / backward_blocks on its layers, the
+  // embedding and head calls when it holds them); forward() and backward() need the whole model.
+  Model(const ModelConfig& model, const MoeConfig& moe, const ExpertParallel* ep = nullptr,
+        const LayoutPart& part = {});
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -130,6 +147,13 @@ class Model {
   void backward_blocks(int64_t first, int64_t last, const LossScales& scales, T* dx_ND);
   // Embedding gradient (+=) from dx_ND at the first block's input.
   void embed_backward(const T* dx_ND);
+  // Moves out what the last forward of blocks [first, last) (and the embedding / head when
+  // asked) saved; the model's slots are left empty (a backward before restore_activations fails).
+  StageActivations<T> take_activations(int64_t first, int64_t last, bool embed, bool head);
+  // Moves `a` back in (what those slots held is dropped); the next backward of those blocks uses it.
+  void restore_activations(StageActivations<T>&& a);
+  const LayoutPart& part() const { return part_; }
+
   // Runs block l's forward again from its saved input (block_saved(l).attn.x_in_ND, with the
   // same shape, routing seed and the current expert bias), router included, overwriting its saved
   // activations with bitwise the same values; x_out_ND (optional) receives its output. Stats are
@@ -173,6 +197,7 @@ class Model {
 
   ModelConfig mcfg_;
   MoeConfig ecfg_;
+  LayoutPart part_;
   std::optional<ExpertParallel> ep_;
   ExpertSlice slice_;
   ParamLayout layout_;

@@ -42,6 +42,17 @@ class Comm {
   virtual void broadcast(float* data, int64_t n, int root) = 0;
   virtual void broadcast(int64_t* data, int64_t n, int root) = 0;
   virtual void barrier() = 0;
+  // Point-to-point, for pipeline stages (not collective: only the two ranks take part). send
+  // hands n floats to group rank `dst` under `tag` (0 <= tag <= kMaxTag) and returns without
+  // waiting for the receiver (the data is copied). recv waits, up to timeout_s(), for the next
+  // message from `src` and throws an Error naming both ranks when its tag or element count is not
+  // the expected one (the two ranks run different schedules) or when it does not arrive. Messages
+  // of a pair of ranks arrive in send order. flush_sends waits until every send of this rank was
+  // delivered. Backends without point-to-point (TCP, test communicators) throw naming theirs.
+  static constexpr int kMaxTag = 32767;
+  virtual void send(const float* data, int64_t n, int dst, int tag);
+  virtual void recv(float* data, int64_t n, int src, int tag);
+  virtual void flush_sends() {}
   // Ranks with equal color form a new group, ordered by key (MPI_Comm_split semantics). The
   // new group inherits timeout_s().
   virtual std::unique_ptr<Comm> split(int color, int key) = 0;

@@ -12,6 +12,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <string>
 #include <thread>
 #include <vector>
@@ -130,6 +131,63 @@ class MpiComm final : public Comm {
     wait(req, "barrier", 0);
   }
 
+  void send(const float* data, int64_t n, int dst, int tag) override {
+    check_block_count(n, "send");
+    MOE_CHECK(dst >= 0 && dst < size_, "send on rank ", rank_, ": rank ", dst, " is not in this group of ", size_);
+    MOE_CHECK(tag >= 0 && tag <= kMaxTag, "send on rank ", rank_, ": tag ", tag, " must be in [0, ", kMaxTag, "]");
+    progress_sends();
+    pending_.push_back({std::vector<float>(data, data + n), MPI_REQUEST_NULL, dst, tag});
+    PendingSend& p = pending_.back();
+    MOE_MPI_CHECK(MPI_Isend(p.data.data(), int(n), MPI_FLOAT, dst, tag, comm_, &p.req), "MPI_Isend");
+  }
+
+  // Probes for the next message from src (any tag), checks its tag and count, then receives it.
+  void recv(float* data, int64_t n, int src, int tag) override {
+    check_block_count(n, "recv");
+    MOE_CHECK(src >= 0 && src < size_, "recv on rank ", rank_, ": rank ", src, " is not in this group of ", size_);
+    const auto deadline =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s_));
+    auto pause = std::chrono::microseconds(2);
+    int64_t polls = 0;
+    MPI_Message msg;
+    MPI_Status status;
+    for (;;) {
+      int found = 0;
+      MOE_MPI_CHECK(MPI_Improbe(src, MPI_ANY_TAG, comm_, &found, &msg, &status), "MPI_Improbe");
+      if (found) break;
+      progress_sends();
+      if (++polls < 64) continue;
+      MOE_CHECK(Clock::now() <= deadline, "recv on rank ", rank_, " of a group of ", size_, " from rank ", src,
+                " (tag ", tag, ", ", n, " elements) timed out after ", timeout_s_, " s: rank ", src,
+                " died, hangs, or runs another schedule; the limit is parallel.timeout_s (or MOECORE_COMM_TIMEOUT_S)");
+      std::this_thread::sleep_for(pause);
+      if (pause < std::chrono::microseconds(1000)) pause *= 2;
+    }
+    int count = 0;
+    MPI_Get_count(&status, MPI_FLOAT, &count);
+    if (status.MPI_TAG != tag || int64_t(count) != n) {
+      std::vector<float> drop(size_t(std::max(count, 0)));
+      MPI_Mrecv(drop.data(), count, MPI_FLOAT, &msg, MPI_STATUS_IGNORE);
+      MOE_FAIL("recv on rank ", rank_, " of a group of ", size_, " from rank ", src, ": expected tag ", tag, " with ",
+               n, " elements, got tag ", status.MPI_TAG, " with ", count,
+               ": the two ranks run different pipeline schedules (or layouts)");
+    }
+    MOE_MPI_CHECK(MPI_Mrecv(data, int(n), MPI_FLOAT, &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
+  }
+
+  void flush_sends() override {
+    const auto deadline =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s_));
+    while (!pending_.empty()) {
+      progress_sends();
+      if (pending_.empty()) break;
+      MOE_CHECK(Clock::now() <= deadline, "send on rank ", rank_, " of a group of ", size_, " to rank ",
+                pending_.front().dst, " (tag ", pending_.front().tag, ") was not received within ", timeout_s_,
+                " s: rank ", pending_.front().dst, " died, hangs, or runs another schedule");
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
   std::unique_ptr<Comm> split(int color, int key) override {
     MOE_CHECK(color >= 0, "split: color must be >= 0, got ", color, " on rank ", rank_);
     // MPI_Comm_split has no non-blocking form: agree on the call first under the deadline.
@@ -210,6 +268,22 @@ class MpiComm final : public Comm {
       if (pause < std::chrono::microseconds(1000)) pause *= 2;
     }
   }
+
+  // Sends in flight: their copy of the data stays alive until MPI_Test says they completed.
+  struct PendingSend {
+    std::vector<float> data;
+    MPI_Request req;
+    int dst = 0, tag = 0;
+  };
+  void progress_sends() {
+    while (!pending_.empty()) {
+      int done = 0;
+      MOE_MPI_CHECK(MPI_Test(&pending_.front().req, &done, MPI_STATUS_IGNORE), "MPI_Test");
+      if (!done) return;
+      pending_.pop_front();
+    }
+  }
+  std::deque<PendingSend> pending_;
 
   MPI_Comm comm_;
   bool owned_;

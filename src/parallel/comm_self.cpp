@@ -5,7 +5,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
+#include <deque>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 
@@ -34,10 +37,33 @@ class SelfComm final : public Comm {
   void broadcast(float*, int64_t n, int root) override { check_root(n, root); }
   void broadcast(int64_t*, int64_t n, int root) override { check_root(n, root); }
   void barrier() override {}
+  // A loopback queue: rank 0 sends to itself and receives in send order.
+  void send(const float* data, int64_t n, int dst, int tag) override {
+    check_count(n, "send");
+    MOE_CHECK(dst == 0, "send: rank ", dst, " is not a rank of a one-rank group");
+    MOE_CHECK(tag >= 0 && tag <= kMaxTag, "send: tag ", tag, " must be in [0, ", kMaxTag, "]");
+    queue_.push_back({tag, std::vector<float>(data, data + n)});
+  }
+  void recv(float* data, int64_t n, int src, int tag) override {
+    check_count(n, "recv");
+    MOE_CHECK(src == 0, "recv: rank ", src, " is not a rank of a one-rank group");
+    MOE_CHECK(!queue_.empty(), "recv on rank 0 from rank 0 (tag ", tag, ", ", n,
+              " elements): nothing was sent; the schedule receives a message it never sent");
+    Message m = std::move(queue_.front());
+    queue_.pop_front();
+    MOE_CHECK(m.tag == tag && int64_t(m.data.size()) == n, "recv on rank 0 from rank 0: expected tag ", tag, " with ",
+              n, " elements, got tag ", m.tag, " with ", m.data.size(), ": the ranks run different schedules");
+    std::copy(m.data.begin(), m.data.end(), data);
+  }
   std::unique_ptr<Comm> split(int, int) override { return std::make_unique<SelfComm>(timeout_s_); }
   [[noreturn]] void abort(int code) override { flush_and_exit(code); }
 
  private:
+  struct Message {
+    int tag = 0;
+    std::vector<float> data;
+  };
+  std::deque<Message> queue_;
   static void check_count(int64_t n, const char* what) {
     MOE_CHECK(n >= 0, what, ": element count must be >= 0, got ", n);
   }

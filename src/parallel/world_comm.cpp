@@ -42,6 +42,16 @@ std::unique_ptr<Comm> g_world;
 
 }  // namespace
 
+void Comm::send(const float*, int64_t, int dst, int) {
+  MOE_FAIL("point-to-point send to rank ", dst, " on rank ", rank(), ": the ", backend(), " communicator has no ",
+           "send/recv; pipeline parallelism (parallel.pp > 1) needs an MPI launch (mpirun)");
+}
+
+void Comm::recv(float*, int64_t, int src, int) {
+  MOE_FAIL("point-to-point recv from rank ", src, " on rank ", rank(), ": the ", backend(), " communicator has no ",
+           "send/recv; pipeline parallelism (parallel.pp > 1) needs an MPI launch (mpirun)");
+}
+
 Comm& world_comm() {
   std::lock_guard<std::mutex> lock(g_world_mutex);
   if (!g_world) g_world = make_world();

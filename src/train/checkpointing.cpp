@@ -151,18 +151,32 @@ SlicedCheckpointFiles sliced_files(HostState& s, const Topology& topo) {
   return f;
 }
 
+// The tensors of this rank's pipeline stage (every tensor without pipeline parallelism).
+LayoutPart stage_part(const ModelConfig& m, const Topology& topo) {
+  LayoutPart part;
+  if (topo.sizes.pp <= 1) return part;
+  part.layers.assign(size_t(m.n_layers), 0);
+  for (int64_t l = 0; l < m.n_layers; ++l) part.layers[size_t(l)] = topo.stage.holds_layer(l) ? 1 : 0;
+  part.embed = topo.stage.embed;
+  part.head = topo.stage.head;
+  return part;
+}
+
 }  // namespace
 
 HostState::HostState(const Config& cfg, const RunPlan& plan, const Topology& topo)
-    : ep(expert_parallel_of(cfg, plan, topo)), model(cfg.model, cfg.moe, ep ? &*ep : nullptr), opt(model.layout(), cfg.optim) {
+    : ep(expert_parallel_of(cfg, plan, topo)),
+      model(cfg.model, cfg.moe, ep ? &*ep : nullptr, stage_part(cfg.model, topo)),
+      opt(model.layout(), cfg.optim) {
   model.init_params(cfg.train.seed);
   // Gradients of dense tensors are summed over dp, of expert tensors over ep-dp (with ep = 1: also
   // dp); ZeRO-1 shards them over the same groups.
-  if (plan.sizes.dp > 1) {
+  // A pipeline stage owns its tensors (one dp rank) or its shard of them (checkpoint slices, norms).
+  if (plan.sizes.dp > 1 || plan.sizes.pp > 1) {
     Comm* expert_comm = plan.sizes.ep > 1 ? topo.ep_dp_comm.get() : nullptr;
     owned = make_shard_groups(model.layout(), *topo.dp_comm, expert_comm);
     // The GPU step shards on the device and downloads whole moments: its mirror stays replicated.
-    if (plan.zero && plan.device == "cpu") {
+    if (plan.zero && plan.device == "cpu" && plan.sizes.dp > 1) {
       zero = std::make_unique<DistOptimizer>(model.layout(), cfg.optim, *topo.dp_comm, expert_comm);
       // ZeRO-1 keeps the moments only for this rank's shards: release the replicated ones.
       std::vector<float>().swap(opt.exp_avg());

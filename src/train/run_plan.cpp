@@ -34,6 +34,11 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   RunPlan p;
   p.device = device;
   p.sizes = resolve_parallel(cfg, world_size);
+  MOE_CHECK(device == "cpu" || p.sizes.pp == 1, "parallel.pp = ", p.sizes.pp, " on train.device = \"cuda\": ",
+            "pipeline stages run on the CPU backend only (GPU pipeline stages are not built yet); set parallel.pp = 1 ",
+            "or train.device = \"cpu\"");
+  p.virtual_stages = cfg.parallel.virtual_stages;
+  p.stage_bounds = stage_bounds(cfg);
   const int64_t dp = p.sizes.dp, ep = p.sizes.ep;
   p.ep_dp = dp / ep;
   p.zero = dp > 1 && cfg.parallel.zero;  // ZeRO-1 on either backend
@@ -53,7 +58,18 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
 
   MemoryEstimate& m = p.memory;
   const ExpertSlice slice = ep > 1 ? ExpertSlice{0, cfg.moe.num_experts / ep} : ExpertSlice{};
-  const ParamLayout layout = build_param_layout(cfg.model, cfg.moe, slice);
+  // The stage with the most parameters (the whole model without pipeline parallelism).
+  ParamLayout layout = build_param_layout(cfg.model, cfg.moe, slice);
+  for (int64_t s = 0; p.sizes.pp > 1 && s < p.sizes.pp; ++s) {
+    const PipelineStage st = pipeline_stage(cfg, s);
+    LayoutPart part;
+    part.layers.assign(size_t(cfg.model.n_layers), 0);
+    for (int64_t l = 0; l < cfg.model.n_layers; ++l) part.layers[size_t(l)] = st.holds_layer(l) ? 1 : 0;
+    part.embed = st.embed;
+    part.head = st.head;
+    ParamLayout stage_layout = build_param_layout(cfg.model, cfg.moe, slice, part);
+    if (s == 0 || stage_layout.total_numel() > layout.total_numel()) layout = std::move(stage_layout);
+  }
   m.local_params = layout.total_numel();
   m.dense_params = range_numel(flat_ranges(layout, false));
   m.expert_params = range_numel(flat_ranges(layout, true));
@@ -114,6 +130,43 @@ std::string describe_run_plan(const RunPlan& p) {
       p.device == "cuda" ? "" : " (approximate: Model<float>'s saved FP32 tensors)", m.activations() / kGiB,
       m.activations_kept / kGiB, m.activations_pool / kGiB, m.scratch / kGiB);
   std::string out = buf;
+  if (p.sizes.pp > 1) {
+    const int64_t stages = p.sizes.pp * p.virtual_stages, dp = p.sizes.dp, ep = p.sizes.ep;
+    std::snprintf(buf, sizeof buf,
+                  "# pipeline          pp %lld x virtual stages %lld = %lld model stages, %s 1F1B over %lld "
+                  "micro-batches per dp rank: bubble (pp-1)/(virtual_stages x micro-batches + pp-1) = %.3f; "
+                  "activations above are the whole model's (an upper bound per stage)\n",
+                  (long long)p.sizes.pp, (long long)p.virtual_stages, (long long)stages,
+                  p.virtual_stages > 1 ? "interleaved" : "plain", (long long)p.micro_steps,
+                  double(p.sizes.pp - 1) / double(p.virtual_stages * p.micro_steps + p.sizes.pp - 1));
+    out += buf;
+    for (int64_t s = 0; s < p.sizes.pp; ++s) {
+      std::string layers;
+      for (int64_t v = 0; v < p.virtual_stages; ++v) {
+        const int64_t k = v * p.sizes.pp + s;
+        layers += (v ? ", " : "") + std::to_string(p.stage_bounds[size_t(k)]) + ".." +
+                  std::to_string(p.stage_bounds[size_t(k) + 1] - 1);
+      }
+      std::string groups;
+      for (int64_t g = 0; g < dp / ep; ++g) {
+        groups += " [";
+        for (int64_t e = 0; e < ep; ++e) groups += (e ? " " : "") + std::to_string(s * dp + g * ep + e);
+        groups += "]";
+      }
+      std::snprintf(buf, sizeof buf, "#   stage %lld        ranks %lld..%lld (dp group), layers %s%s%s; ep groups%s\n",
+                    (long long)s, (long long)(s * dp), (long long)(s * dp + dp - 1), layers.c_str(),
+                    s == 0 ? " + embedding" : "", s == (stages - 1) % p.sizes.pp ? " + final norm, LM head" : "",
+                    groups.c_str());
+      out += buf;
+    }
+    std::string pipes;
+    for (int64_t r = 0; r < dp; ++r) {
+      pipes += " [";
+      for (int64_t s = 0; s < p.sizes.pp; ++s) pipes += (s ? " " : "") + std::to_string(s * dp + r);
+      pipes += "]";
+    }
+    out += "#   pipeline groups" + pipes + " (one rank per stage, activations by send/recv)\n";
+  }
   if (p.device == "cuda") {
     std::snprintf(buf, sizeof buf, "# host memory       %.3f GiB per rank (FP32 mirror of weights, gradients and moments "
                   "for checkpoints)\n", m.host_mirror / kGiB);

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/config.h"
 #include "core/recompute.h"
@@ -54,16 +55,20 @@ struct RunPlan {
   int64_t tokens_per_step = 0;  // global_batch x seq_len, over every rank
   ModelCounts counts;
   double flops_per_step = 0;   // counts.flops_per_token x tokens_per_step (docs/architecture.md)
-  MemoryEstimate memory;       // one rank's
+  MemoryEstimate memory;       // one rank's (pp > 1: a rank of the stage with the most parameters)
+  int64_t virtual_stages = 1;  // parallel.virtual_stages
+  std::vector<int64_t> stage_bounds;  // pp x virtual_stages + 1 layer boundaries (stage_bounds)
 };
 
 // Resolves and checks the layout for `world_size` ranks (resolve_parallel: every problem in one
-// message with its arithmetic) and derives the rest. device: "cpu" or "cuda". Every
+// message with its arithmetic) and derives the rest. device: "cpu" or "cuda"; parallel.pp > 1
+// is refused on cuda (pipeline stages run on the CPU backend only). Every
 // train.recompute mode is planned (core/recompute.h).
 RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& device);
 
 // The plan as the dry run prints it: layout, batch arithmetic, FLOPs, one rank's memory by kind
-// with the activations of the configured mode split into kept, pool and scratch.
+// with the activations of the configured mode split into kept, pool and scratch; with pp > 1 the
+// grid: each stage's ranks, layers, dp and ep groups, and the schedule's bubble fraction.
 std::string describe_run_plan(const RunPlan& plan);
 
 }  // namespace moe

@@ -116,7 +116,7 @@ void print_header(const Config& cfg, const RunPlan& plan, const Comm& world, std
   out << head << std::flush;
   if (world.size() > 1)
     out << "parallel: " << world.size() << " ranks (" << world.backend() << "), dp " << plan.sizes.dp << ", ep "
-        << plan.sizes.ep << ", ZeRO-1 " << (plan.zero ? "on" : "off") << ", collective timeout " << world.timeout_s()
+        << plan.sizes.ep << ", pp " << plan.sizes.pp << ", ZeRO-1 " << (plan.zero ? "on" : "off") << ", collective timeout " << world.timeout_s()
         << " s\n"
         << std::flush;
 }

@@ -53,7 +53,52 @@ TEST(Topology, MessagesShowTheArithmetic) {
                   "train.global_batch (16) must be divisible by dp x train.micro_batch = 4 x 8 = 32: 16 % 32 = 16");
   c = layout_config(0, 1);
   c.parallel.pp = 2;
-  EXPECT_CONTAINS(error_of([&] { resolve_parallel(c, 2); }), "parallel.pp = 2");
+  EXPECT_CONTAINS(error_of([&] { resolve_parallel(c, 3); }),
+                  "the number of ranks (3) must be divisible by parallel.pp (2): 3 % 2 = 1");
+  c.parallel.virtual_stages = 2;
+  c.train.global_batch = 6;
+  c.train.micro_batch = 2;
+  EXPECT_CONTAINS(error_of([&] { resolve_parallel(c, 2); }),
+                  "parallel.virtual_stages = 2 (interleaved 1F1B) needs the micro-batches per step, train.global_batch "
+                  "/ (dp x train.micro_batch) = 3, to be a multiple of parallel.pp = 2: 3 % 2 = 1");
+}
+
+// pp = 2: stage-major ranks (stage r / dp), dp groups inside a stage, one rank per stage in each
+// pipeline group; layers split evenly or by parallel.pp_layers.
+TEST(Topology, PipelineGroupsOnTheWorld) {
+  Comm& w = world_comm();
+  const int n = w.size();
+  if (n % 2 != 0) GTEST_SKIP() << "needs an even number of ranks";
+  Config c = layout_config(0, 1);
+  c.model.n_layers = 5;
+  c.parallel.pp = 2;
+  c.train.global_batch = 4 * n;
+  c.train.micro_batch = 2;
+  const Topology t = make_topology(c, w);
+  const int dp = n / 2;
+  EXPECT_EQ(t.sizes.dp, dp);
+  EXPECT_EQ(t.pp_rank, w.rank() / dp);
+  EXPECT_EQ(t.dp_rank, w.rank() % dp);
+  EXPECT_EQ(t.pp_comm->size(), 2);
+  EXPECT_EQ(t.pp_comm->rank(), t.pp_rank);
+  EXPECT_EQ(t.dp_comm->size(), dp);
+  EXPECT_EQ(stage_bounds(c), (std::vector<int64_t>{0, 3, 5}));
+  EXPECT_EQ(t.stage.first, (std::vector<int64_t>{t.pp_rank == 0 ? 0 : 3}));
+  EXPECT_EQ(t.stage.embed, t.pp_rank == 0);
+  EXPECT_EQ(t.stage.head, t.pp_rank == 1);
+  c.parallel.pp_layers = {1, 4};
+  EXPECT_EQ(stage_bounds(c), (std::vector<int64_t>{0, 1, 5}));
+  c.parallel.pp_layers = {};
+  c.parallel.virtual_stages = 2;
+  c.model.n_layers = 8;
+  EXPECT_EQ(stage_bounds(c), (std::vector<int64_t>{0, 2, 4, 6, 8}));
+  const PipelineStage s1 = pipeline_stage(c, 1);  // model stages 1 and 3
+  EXPECT_EQ(s1.first, (std::vector<int64_t>{2, 6}));
+  EXPECT_EQ(s1.last, (std::vector<int64_t>{4, 8}));
+  EXPECT_FALSE(s1.embed);
+  EXPECT_TRUE(s1.head);
+  EXPECT_TRUE(s1.holds_layer(7));
+  EXPECT_FALSE(s1.holds_layer(4));
 }
 
 // ep groups are consecutive ranks; ep-dp groups take one rank of each (same expert slice).

@@ -46,8 +46,8 @@ TEST(ConfigKeys, EveryKeyHasItsOwnFieldAndDescription) {
     EXPECT_FALSE(k.description.empty()) << k.name;
     EXPECT_EQ(find_config_key(k.name), &k);
   }
-  // 11 model + 11 moe + 10 train + 9 optim + 6 data + 8 parallel + 4 checkpoint + 1 run + 1 log.
-  EXPECT_EQ(config_keys().size(), 61u);
+  // 11 model + 11 moe + 10 train + 9 optim + 6 data + 10 parallel + 4 checkpoint + 1 run + 1 log.
+  EXPECT_EQ(config_keys().size(), 63u);
   EXPECT_EQ(find_config_key("moe.topk"), nullptr);
   EXPECT_EQ(find_config_key("model.dense_layers")->type, ConfigType::kIntList);
   EXPECT_EQ(find_config_key("train.seed")->type, ConfigType::kUint);
@@ -366,7 +366,17 @@ INSTANTIATE_TEST_SUITE_P(
              {"data.eos_id (256) must be a token id in [0, model.vocab_size = 256)"}),
         over("dp", {"parallel.dp=-1"}, {"parallel.dp must be >= 0"}),
         over("ep", {"parallel.ep=0"}, {"parallel.ep must be >= 1"}),
-        over("pp", {"parallel.pp=2"}, {"parallel.pp = 2: pipeline parallelism is not available yet"}),
+        over("pp", {"parallel.pp=0"}, {"parallel.pp must be >= 1, got 0"}),
+        over("pp_too_many_stages", {"model.n_layers=2", "parallel.pp=3"},
+             {"parallel.pp x parallel.virtual_stages = 3 x 1 = 3 model stages, but model.n_layers is 2"}),
+        over("virtual_stages_without_pp", {"parallel.virtual_stages=2"},
+             {"parallel.virtual_stages = 2 needs parallel.pp > 1"}),
+        over("pp_layers_count", {"model.n_layers=4", "parallel.pp=2", "parallel.pp_layers=[1,1,2]"},
+             {"parallel.pp_layers lists 3 stages, expected parallel.pp x parallel.virtual_stages = 2"}),
+        over("pp_layers_sum", {"model.n_layers=4", "parallel.pp=2", "parallel.pp_layers=[1,2]"},
+             {"parallel.pp_layers must sum to model.n_layers = 4, got 3"}),
+        over("pp_layers_empty_stage", {"model.n_layers=4", "parallel.pp=2", "parallel.pp_layers=[0,4]"},
+             {"parallel.pp_layers[0] = 0: every stage needs >= 1 layer"}),
         over("ep_div_dp", {"parallel.dp=4", "parallel.ep=4", "moe.num_experts=12", "parallel.dp=6"},
              {"parallel.ep (4) must divide parallel.dp (6): 6 % 4 = 2"}),
         over("ep_div_experts", {"parallel.ep=3"}, {"moe.num_experts (8) must be divisible by parallel.ep (3)"}),

@@ -242,7 +242,7 @@ TEST(Planner, LayoutParsing) {
   EXPECT_EQ(parse_layout("ep=2", 8).dp, 8);
   EXPECT_NE(testing::error_of([] { parse_layout("dp=8,xp=2", 0); }).find("unknown key 'xp'"), std::string::npos);
   EXPECT_NE(testing::error_of([] { parse_layout("dp=two", 0); }).find("got 'two'"), std::string::npos);
-  EXPECT_NE(testing::error_of([] { parse_layout("dp=2,pp=2", 0); }).find("pipeline stages are not implemented"),
+  EXPECT_NE(testing::error_of([] { parse_layout("dp=2,pp=2", 0); }).find("GPU pipeline stages are not built yet"),
             std::string::npos);
   EXPECT_NE(testing::error_of([] { parse_layout("dp=4", 8); }).find("--gpus is 8"), std::string::npos);
   EXPECT_NE(testing::error_of([] { parse_layout("dp=2,dp=2", 0); }).find("given twice"), std::string::npos);
@@ -285,11 +285,31 @@ TEST(PlanCli, JsonParsesAndBadValuesAreNamed) {
   EXPECT_NE(bad.output.find("--layout 'dp=2,ep=x'"), std::string::npos) << bad.output;
   const auto pp = run_cli("plan " + kOlmoe8l + " --layout dp=1,pp=2");
   EXPECT_EQ(pp.status, 1);
-  EXPECT_NE(pp.output.find("pipeline stages are not implemented yet"), std::string::npos) << pp.output;
+  EXPECT_NE(pp.output.find("GPU pipeline stages are not built yet"), std::string::npos) << pp.output;
   const auto mem = run_cli("plan " + kOlmoe8l + " --gpu-memory lots");
   EXPECT_EQ(mem.status, 1);
   EXPECT_NE(mem.output.find("--gpu-memory: expected a positive number of GiB, got 'lots'"), std::string::npos)
       << mem.output;
+}
+
+// Pipeline parallelism: planned on cpu (the grid in the description, the largest stage's
+// parameters), refused on cuda naming the key.
+TEST(RunPlan, PipelineOnCpuAndRefusedOnCuda) {
+  Config c;
+  c.model.n_layers = 4;
+  c.parallel.pp = 2;
+  c.train.global_batch = 8;
+  c.train.micro_batch = 2;
+  const RunPlan p = make_run_plan(c, 4, "cpu");
+  EXPECT_EQ(p.sizes.dp, 2);
+  EXPECT_EQ(p.micro_steps, 2);
+  EXPECT_EQ(p.stage_bounds, (std::vector<int64_t>{0, 2, 4}));
+  EXPECT_LT(p.memory.local_params, build_param_layout(c.model, c.moe).total_numel());
+  const std::string d = describe_run_plan(p);
+  EXPECT_NE(d.find("#   stage 1        ranks 2..3 (dp group), layers 2..3 + final norm, LM head"), std::string::npos) << d;
+  EXPECT_NE(d.find("#   pipeline groups [0 2] [1 3]"), std::string::npos) << d;
+  EXPECT_NE(testing::error_of([&] { make_run_plan(c, 4, "cuda"); }).find("parallel.pp = 2 on train.device = \"cuda\""),
+            std::string::npos);
 }
 
 }  // namespace
