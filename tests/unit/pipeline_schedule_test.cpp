@@ -47,7 +47,9 @@ TEST(PipelineSchedule, EveryOpOnceForwardBeforeBackward) {
           std::set<std::tuple<bool, int64_t, int64_t>> seen;
           for (const PipelineOp& op : ops) {
             EXPECT_TRUE(seen.insert({op.forward, op.micro_batch, op.virtual_stage}).second);
-            if (!op.forward) EXPECT_TRUE(seen.count({true, op.micro_batch, op.virtual_stage}));
+            if (!op.forward) {
+              EXPECT_TRUE(seen.count({true, op.micro_batch, op.virtual_stage}));
+            }
           }
         }
         EXPECT_NO_THROW(simulate_schedule(p, v, m)) << p << " " << v << " " << m;
