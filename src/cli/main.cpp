@@ -72,8 +72,9 @@ constexpr const char* kUsage =
     "  bench [CONFIG.toml] [--warmup N] [--steps N] [--out DIR | --json PATH] [--section.key=value ...]\n"
     "                                                  time warm training steps: tokens/s, TFLOP/s, phases, memory\n"
     "  inspect CHECKPOINT_DIR                          print a checkpoint's step, config and tensors\n"
-    "  export-hf CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32]\n"
-    "                                                  write a Hugging Face OLMoE model (config.json + safetensors)\n"
+    "  export-hf CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--tokenizer tokenizer.json]\n"
+    "                                                  write a Hugging Face OLMoE model (config.json, safetensors,\n"
+    "                                                  tokenizer files)\n"
     "  import-hf HF_DIR OUT_CHECKPOINT_DIR             turn an HF OLMoE model into a moecore checkpoint\n"
     "  eval CHECKPOINT_DIR [--config C] [--json] [--section.key=value ...]\n"
     "                                                  loss, perplexity and tokens on held-out data\n"
@@ -386,9 +387,14 @@ const CommandSpec kExportHf{
     2,
     false,
     {{"--dtype", "bf16|fp32", "weight type of the safetensors shards (default bf16)"},
-     {"--max-shard-bytes", "N", "largest shard in bytes (default 5000000000)"}},
+     {"--max-shard-bytes", "N", "largest shard in bytes (default 5000000000)"},
+     {"--tokenizer", "FILE", "a tokenizer.json to export with the model (default: the run's; see below)"}},
     "Writes config.json (OlmoeForCausalLM), model-*.safetensors shards with per-expert names and\n"
-    "model.safetensors.index.json, each under a temporary name and then renamed. Models OLMoE cannot\n"
+    "model.safetensors.index.json, each under a temporary name and then renamed, and the tokenizer:\n"
+    "tokenizer.json (--tokenizer FILE, else data.tokenizer or the tokenizer data prepare's summary.json\n"
+    "beside the run's token files names, else for the embedded corpus its byte-level vocabulary),\n"
+    "tokenizer_config.json and special_tokens_map.json (copied from beside FILE, else written with\n"
+    "eos_token = the token of data.eos_id). Models OLMoE cannot\n"
     "express (dense MLP layers, shared experts, a sigmoid router, no QK-norm, an expert bias) are\n"
     "refused, naming the keys to train with instead (docs/hf.md).\n"};
 
@@ -397,10 +403,13 @@ int cmd_export_hf(const ParsedArgs& a) {
   opt.dtype = a.value_or("--dtype", opt.dtype);
   if (opt.dtype != "bf16" && opt.dtype != "fp32") usage_fail("--dtype: expected bf16 or fp32, got '", opt.dtype, "'");
   opt.max_shard_bytes = a.int_or("--max-shard-bytes", opt.max_shard_bytes, 1);
+  opt.tokenizer = a.value_or("--tokenizer", "");
+  if (a.has("--tokenizer") && opt.tokenizer.empty()) usage_fail("--tokenizer needs a tokenizer.json path, got an empty value");
   const StopSignals signals;  // a signal stops between shards; nothing is left under a final name half-written
-  const int shards = export_hf(a.positionals[0], a.positionals[1], opt);
+  std::string note;
+  const int shards = export_hf(a.positionals[0], a.positionals[1], opt, &note);
   std::cout << "wrote " << a.positionals[1] << " (" << shards << " shard" << (shards == 1 ? "" : "s") << ", "
-            << opt.dtype << ")\n";
+            << opt.dtype << "); " << note << "\n";
   return 0;
 }
 
