@@ -18,7 +18,7 @@ namespace moe {
 struct HfExportOptions {
   std::string dtype = "bf16";                 // "bf16" | "fp32"
   int64_t max_shard_bytes = 5'000'000'000;    // per safetensors shard
-  std::string tokenizer;                      // a tokenizer.json to export; "": the run's (checkpoint/hf_tokenizer.h)
+  std::string tokenizer;                      // a tokenizer.json to export; "": none (checkpoint/hf_tokenizer.h)
 };
 
 // Throws naming the feature when OLMoE cannot express the model (shared experts, dense

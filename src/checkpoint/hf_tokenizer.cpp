@@ -7,7 +7,6 @@
 
 #include "checkpoint/files.h"
 #include "core/error.h"
-#include "data/sources.h"
 
 namespace moe {
 
@@ -116,7 +115,7 @@ nlohmann::json byte_level_tokenizer_json(int64_t eos_id, int64_t vocab_size) {
 
 std::string export_hf_tokenizer(const Config& cfg, const std::string& tokenizer, const std::string& out_dir) {
   const fs::path out(out_dir);
-  const std::string src = tokenizer.empty() ? recorded_tokenizer(cfg) : tokenizer;
+  const std::string& src = tokenizer;
   if (src.empty()) {
     if (cfg.data.source != "embedded")
       return "tokenizer: none (the run records no tokenizer: give --tokenizer tokenizer.json, or set data.tokenizer)";

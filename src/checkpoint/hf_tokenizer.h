@@ -2,13 +2,13 @@
 // and special_tokens_map.json, so that an HF reader (`tokenizers.Tokenizer.from_file`,
 // `AutoTokenizer.from_pretrained(dir)`) gets the ids the model was trained on.
 // Where they come from, first match:
-//   1. the tokenizer.json given (export-hf --tokenizer PATH);
-//   2. the run's recorded tokenizer (data/sources.h: recorded_tokenizer: data.tokenizer, or the
+//   1. the tokenizer.json given: export-hf --tokenizer PATH, else the run's recorded tokenizer
+//      (the CLI resolves it with data/sources.h: recorded_tokenizer: data.tokenizer, or the
 //      summary.json `moecore data prepare` wrote beside the token files);
-//   3. data.source = "embedded": the embedded corpus's byte-level vocabulary (id = byte value, id
+//   2. data.source = "embedded": the embedded corpus's byte-level vocabulary (id = byte value, id
 //      data.eos_id = EOS, written "<|endoftext|>") as a byte-level BPE tokenizer.json without merges
 //      (byte_level_tokenizer_json);
-//   4. none: the export holds no tokenizer (the note says so).
+//   3. none: the export holds no tokenizer (the note says so).
 // A tokenizer.json given or recorded is copied byte for byte; tokenizer_config.json and
 // special_tokens_map.json are copied from beside it when there, else written: eos_token (and
 // pad_token) the token whose id is data.eos_id, bos_token null (moecore documents have no BOS),
@@ -35,7 +35,7 @@ std::string gpt2_byte_char(int b);
 nlohmann::json byte_level_tokenizer_json(int64_t eos_id, int64_t vocab_size);
 
 // Writes the tokenizer files of `cfg`'s run into out_dir (each through write_file_atomic), from
-// `tokenizer` (a tokenizer.json path, or "" for the run's own; see the header). Returns one line
+// `tokenizer` (a tokenizer.json path, or "": the byte-level vocabulary or none; see the header). Returns one line
 // saying what was written, and from where. Refused naming the file: a tokenizer.json that is not
 // JSON or has no model.vocab object, or whose largest id is >= model.vocab_size.
 std::string export_hf_tokenizer(const Config& cfg, const std::string& tokenizer, const std::string& out_dir);

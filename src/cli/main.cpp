@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <functional>
 #include <iostream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -405,6 +406,7 @@ int cmd_export_hf(const ParsedArgs& a) {
   opt.max_shard_bytes = a.int_or("--max-shard-bytes", opt.max_shard_bytes, 1);
   opt.tokenizer = a.value_or("--tokenizer", "");
   if (a.has("--tokenizer") && opt.tokenizer.empty()) usage_fail("--tokenizer needs a tokenizer.json path, got an empty value");
+  if (!a.has("--tokenizer")) opt.tokenizer = recorded_tokenizer(checkpoint_config(LoadedCheckpoint::open(step_dir_of(a.positionals[0]))));
   const StopSignals signals;  // a signal stops between shards; nothing is left under a final name half-written
   std::string note;
   const int shards = export_hf(a.positionals[0], a.positionals[1], opt, &note);
@@ -576,16 +578,21 @@ int cmd_generate(const ParsedArgs& a) {
   std::string tok_path = a.value_or("--tokenizer", "");
   if (a.has("--tokenizer") && tok_path.empty()) usage_fail("--tokenizer needs a tokenizer.json path, got an empty value");
   if (!a.has("--tokenizer")) tok_path = recorded_tokenizer(cfg);
-  std::optional<Tokenizer> tok;
+  // The tokenizer's encode and decode (a build without PCRE2/ICU has none: refused naming the file).
+  std::function<std::string(const std::vector<uint32_t>&)> decode_ids;
   std::vector<int32_t> ids;
   if (!tok_path.empty()) {
-    MOE_CHECK(MOECORE_HAS_TOKENIZER, "--tokenizer '", tok_path, "': this build has no tokenizer (PCRE2 and ICU were ",
-              "not found at configure time)");
-    tok.emplace(Tokenizer::from_file(tok_path));
+#if MOECORE_HAS_TOKENIZER
+    auto tok = std::make_shared<Tokenizer>(Tokenizer::from_file(tok_path));
     MOE_CHECK(tok->vocab_size() <= cfg.model.vocab_size, "tokenizer '", tok_path, "' has ", tok->vocab_size(),
               " tokens but the model's vocabulary is model.vocab_size = ", cfg.model.vocab_size,
               ": expected the tokenizer the model was trained with");
     for (uint32_t id : tok->encode(prompt)) ids.push_back(static_cast<int32_t>(id));
+    decode_ids = [tok](const std::vector<uint32_t>& u) { return tok->decode(u); };
+#else
+    MOE_CHECK(false, "tokenizer '", tok_path, "': this build has no tokenizer (PCRE2 and ICU were not found at ",
+              "configure time); rebuild with them, or run without --tokenizer on a byte-level model");
+#endif
   } else {
     MOE_CHECK(cfg.model.vocab_size >= kEmbeddedVocabSize, "without --tokenizer the prompt is bytes (ids 0..255), but ",
               "this model has model.vocab_size = ", cfg.model.vocab_size, "; give --tokenizer tokenizer.json");
@@ -596,10 +603,10 @@ int cmd_generate(const ParsedArgs& a) {
   load_model_state(ck, model);
   const Generation g = generate(model, ids, max_new, cfg.data.eos_id, so, !logits_out.empty());
   std::string text;
-  if (tok) {
+  if (decode_ids) {
     std::vector<uint32_t> u(g.ids.begin(), g.ids.end());
     if (g.hit_eos) u.pop_back();
-    text = tok->decode(u);
+    text = decode_ids(u);
   } else {
     for (size_t i = 0; i < g.ids.size(); ++i) {
       if (g.hit_eos && i + 1 == g.ids.size()) break;
