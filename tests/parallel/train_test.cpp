@@ -3,7 +3,8 @@
 // of docs/numerics.md for every parallel.ep of kExpertParallelSizes that divides the world (ep = 2
 // on 4 ranks: two ep groups, expert gradients summed over ep-dp pairs), ZeRO-1 on and off equal,
 // parameters identical on every rank, a checkpoint written by 2 ranks resuming on 1 rank and on
-// all ranks, and checkpoints of ep > 1 runs resuming on other dp / ep layouts.
+// all ranks, checkpoints of ep > 1 runs resuming on other dp / ep layouts, and the eval of such a
+// checkpoint on one rank giving the run's eval loss.
 #include <gtest/gtest.h>
 
 #include <algorithm>
