@@ -1,6 +1,6 @@
 // moecore command-line entry point: train (and --dry-run), plan, bench, inspect, export-hf,
-// import-hf, eval, generate, logits, tokenize, data prepare, version. Every command's arguments go through one
-// parser (cli/args.h).
+// import-hf, eval, generate, logits, tokenize, data prepare, version. Every command's arguments
+// go through one parser (cli/args.h).
 // Every error reaches the user as one "error: ..." line and exit status 1 (a mistake in the
 // command line also prints the command's usage line); in a multi-process job as "[rank r]
 // error: ..." followed by an abort of every rank (MPI_Abort; over TCP the rank exits and its
