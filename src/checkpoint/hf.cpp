@@ -15,6 +15,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/files.h"
+#include "checkpoint/hf_tokenizer.h"
 #include "checkpoint/json_fields.h"
 #include "checkpoint/safetensors.h"
 #include "core/config_io.h"
@@ -179,7 +180,8 @@ Config config_from_olmoe_json(const nlohmann::json& j, const std::string& source
   return c;
 }
 
-int export_hf(const std::string& checkpoint, const std::string& out_dir, const HfExportOptions& opt) {
+int export_hf(const std::string& checkpoint, const std::string& out_dir, const HfExportOptions& opt,
+              std::string* tokenizer_note) {
   MOE_CHECK(opt.dtype == "bf16" || opt.dtype == "fp32", "export-hf --dtype: expected bf16 or fp32, got '", opt.dtype, "'");
   const auto step_dir = resolve_checkpoint(checkpoint);
   MOE_CHECK(step_dir.has_value(), "no complete checkpoint at '", checkpoint, "'");
@@ -270,6 +272,8 @@ int export_hf(const std::string& checkpoint, const std::string& out_dir, const H
     }
     publish_file(tmp, path);
   }
+  const std::string note = export_hf_tokenizer(cfg, opt.tokenizer, out_dir);
+  if (tokenizer_note) *tokenizer_note = note;
   nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
   write_file_atomic((fs::path(out_dir) / "model.safetensors.index.json").string(), index.dump(2) + "\n");
   write_file_atomic((fs::path(out_dir) / "config.json").string(), olmoe_config_json(cfg, opt.dtype).dump(2) + "\n");

@@ -18,6 +18,7 @@ namespace moe {
 struct HfExportOptions {
   std::string dtype = "bf16";                 // "bf16" | "fp32"
   int64_t max_shard_bytes = 5'000'000'000;    // per safetensors shard
+  std::string tokenizer;                      // a tokenizer.json to export; "": none (checkpoint/hf_tokenizer.h)
 };
 
 // Throws naming the feature when OLMoE cannot express the model (shared experts, dense
@@ -27,8 +28,11 @@ nlohmann::json olmoe_config_json(const Config& cfg, const std::string& dtype);
 // Model and MoE sections from an OLMoE config.json; refuses values moecore cannot run.
 Config config_from_olmoe_json(const nlohmann::json& j, const std::string& source);
 
-// Returns the number of shards written.
-int export_hf(const std::string& checkpoint, const std::string& out_dir, const HfExportOptions& opt);
+// Returns the number of shards written. The tokenizer files (checkpoint/hf_tokenizer.h) are
+// written before the index and config.json; tokenizer_note (optional) receives the line saying
+// which tokenizer was exported.
+int export_hf(const std::string& checkpoint, const std::string& out_dir, const HfExportOptions& opt,
+              std::string* tokenizer_note = nullptr);
 // Returns the step directory written.
 std::string import_hf(const std::string& hf_dir, const std::string& out_checkpoint_dir);
 

@@ -1,6 +1,6 @@
-// moecore command-line entry point: train (and --dry-run), plan (and --html), report, bench, inspect, export-hf,
-// import-hf, logits, tokenize, data prepare, version. Every command's arguments go through one
-// parser (cli/args.h).
+// moecore command-line entry point: train (and --dry-run), plan (and --html), report, bench, inspect,
+// export-hf, import-hf, eval, generate, logits, tokenize, data prepare, version. Every command's
+// arguments go through one parser (cli/args.h).
 // Every error reaches the user as one "error: ..." line and exit status 1 (a mistake in the
 // command line also prints the command's usage line); in a multi-process job as "[rank r]
 // error: ..." followed by an abort of every rank (MPI_Abort; over TCP the rank exits and its
@@ -16,6 +16,8 @@
 #include <filesystem>
 #include <functional>
 #include <iostream>
+#include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -29,11 +31,15 @@
 #include "core/signals.h"
 #include "data/embedded.h"
 #include "data/prepare.h"
+#include "data/sources.h"
+#include "data/tokenizer.h"
 #include "model/layout.h"
+#include "model/generate.h"
 #include "model/model.h"
 #include "parallel/comm.h"
 #include "train/bench.h"
 #include "train/device.h"
+#include "train/evaluate.h"
 #include "train/model_state.h"
 #include "train/planner.h"
 #include "train/report.h"
@@ -72,9 +78,15 @@ constexpr const char* kUsage =
     "  bench [CONFIG.toml] [--warmup N] [--steps N] [--out DIR | --json PATH] [--section.key=value ...]\n"
     "                                                  time warm training steps: tokens/s, TFLOP/s, phases, memory\n"
     "  inspect CHECKPOINT_DIR                          print a checkpoint's step, config and tensors\n"
-    "  export-hf CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32]\n"
-    "                                                  write a Hugging Face OLMoE model (config.json + safetensors)\n"
+    "  export-hf CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--tokenizer tokenizer.json]\n"
+    "                                                  write a Hugging Face OLMoE model (config.json, safetensors,\n"
+    "                                                  tokenizer files)\n"
     "  import-hf HF_DIR OUT_CHECKPOINT_DIR             turn an HF OLMoE model into a moecore checkpoint\n"
+    "  eval CHECKPOINT_DIR [--config C] [--json] [--section.key=value ...]\n"
+    "                                                  loss, perplexity and tokens on held-out data\n"
+    "  generate CHECKPOINT_DIR --prompt TEXT [--tokenizer tokenizer.json] [--max-new-tokens N]\n"
+    "           [--temperature T] [--top-p P] [--seed S] [--json]\n"
+    "                                                  continue a prompt (CPU, KV cache): greedy or sampled\n"
     "  logits CHECKPOINT_DIR --tokens ID,ID,... [--out FILE]\n"
     "                                                  run one sequence, print its loss, write FP32 logits\n"
     "  tokenize --out FILE [--dtype uint16|uint32] [--eos ID] TEXT_FILE...\n"
@@ -434,9 +446,14 @@ const CommandSpec kExportHf{
     2,
     false,
     {{"--dtype", "bf16|fp32", "weight type of the safetensors shards (default bf16)"},
-     {"--max-shard-bytes", "N", "largest shard in bytes (default 5000000000)"}},
+     {"--max-shard-bytes", "N", "largest shard in bytes (default 5000000000)"},
+     {"--tokenizer", "FILE", "a tokenizer.json to export with the model (default: the run's; see below)"}},
     "Writes config.json (OlmoeForCausalLM), model-*.safetensors shards with per-expert names and\n"
-    "model.safetensors.index.json, each under a temporary name and then renamed. Models OLMoE cannot\n"
+    "model.safetensors.index.json, each under a temporary name and then renamed, and the tokenizer:\n"
+    "tokenizer.json (--tokenizer FILE, else data.tokenizer or the tokenizer data prepare's summary.json\n"
+    "beside the run's token files names, else for the embedded corpus its byte-level vocabulary),\n"
+    "tokenizer_config.json and special_tokens_map.json (copied from beside FILE, else written with\n"
+    "eos_token = the token of data.eos_id). Models OLMoE cannot\n"
     "express (dense MLP layers, shared experts, a sigmoid router, no QK-norm, an expert bias) are\n"
     "refused, naming the keys to train with instead (docs/hf.md).\n"};
 
@@ -445,10 +462,14 @@ int cmd_export_hf(const ParsedArgs& a) {
   opt.dtype = a.value_or("--dtype", opt.dtype);
   if (opt.dtype != "bf16" && opt.dtype != "fp32") usage_fail("--dtype: expected bf16 or fp32, got '", opt.dtype, "'");
   opt.max_shard_bytes = a.int_or("--max-shard-bytes", opt.max_shard_bytes, 1);
+  opt.tokenizer = a.value_or("--tokenizer", "");
+  if (a.has("--tokenizer") && opt.tokenizer.empty()) usage_fail("--tokenizer needs a tokenizer.json path, got an empty value");
+  if (!a.has("--tokenizer")) opt.tokenizer = recorded_tokenizer(checkpoint_config(LoadedCheckpoint::open(step_dir_of(a.positionals[0]))));
   const StopSignals signals;  // a signal stops between shards; nothing is left under a final name half-written
-  const int shards = export_hf(a.positionals[0], a.positionals[1], opt);
+  std::string note;
+  const int shards = export_hf(a.positionals[0], a.positionals[1], opt, &note);
   std::cout << "wrote " << a.positionals[1] << " (" << shards << " shard" << (shards == 1 ? "" : "s") << ", "
-            << opt.dtype << ")\n";
+            << opt.dtype << "); " << note << "\n";
   return 0;
 }
 
@@ -466,6 +487,49 @@ int cmd_import_hf(const ParsedArgs& a) {
   const StopSignals signals;  // the import's checkpoint is published atomically (or not at all)
   const std::string step_dir = import_hf(a.positionals[0], a.positionals[1]);
   std::cout << "wrote " << step_dir << " and " << a.positionals[1] << "/config.toml\n";
+  return 0;
+}
+
+const CommandSpec kEval{
+    "eval",
+    {"CHECKPOINT_DIR"},
+    1,
+    true,
+    {{"--config", "PATH", "a config file to use instead of the checkpoint's own (its model must match)"},
+     {"--json", "", "print one JSON object instead of the text line"}},
+    "Loads the checkpoint (any layout's, on this one rank) and runs the held-out evaluation the\n"
+    "trainer runs: train.eval_batches batches of train.micro_batch sequences from data.eval_paths,\n"
+    "or the embedded corpus's eval split for a run on it. The config is the checkpoint's run config\n"
+    "(or --config), then the overrides: --data.eval_paths=a.npy,b.npy, --train.eval_batches=N,\n"
+    "--train.device=cpu|cuda. Prints loss (mean next-token cross-entropy), perplexity and tokens\n"
+    "counted; on the CPU the loss is bitwise the trainer's eval loss at the checkpoint's step.\n"};
+
+int cmd_eval(const ParsedArgs& a) {
+  const bool json = a.has("--json");
+  const std::string dir = step_dir_of(a.positionals[0]);
+  Config cfg;
+  if (const std::optional<std::string> path = a.value("--config")) {
+    if (path->empty()) usage_fail("--config needs a path, got an empty value");
+    cfg = load_config(*path, a.overrides);
+  } else {
+    cfg = checkpoint_config(LoadedCheckpoint::open(dir));
+    for (const std::string& o : a.overrides) apply_override(cfg, o);
+    validate_config(cfg);
+  }
+  std::ostringstream lines;
+  const EvalResult r = evaluate_checkpoint(dir, cfg, lines);
+  const int64_t step = LoadedCheckpoint::open(dir).step();
+  if (json) {
+    nlohmann::json j = {{"checkpoint", dir}, {"step", step},          {"loss", r.loss()},
+                        {"perplexity", r.perplexity()}, {"tokens", r.tokens}, {"batches", r.batches},
+                        {"device", resolve_device(cfg.train)}};
+    std::cout << j.dump() << "\n";
+    return 0;
+  }
+  std::cout << lines.str();
+  std::printf("eval %s step %lld: loss %.6f perplexity %.4f tokens %lld (%lld batches on %s)\n", dir.c_str(),
+              (long long)step, r.loss(), r.perplexity(), (long long)r.tokens, (long long)r.batches,
+              resolve_device(cfg.train).c_str());
   return 0;
 }
 
@@ -524,6 +588,103 @@ int cmd_logits(const ParsedArgs& a) {
   return 0;
 }
 
+const CommandSpec kGenerate{
+    "generate",
+    {"CHECKPOINT_DIR"},
+    1,
+    false,
+    {{"--prompt", "TEXT", "the text to continue", true},
+     {"--tokenizer", "FILE", "a tokenizer.json (default: data.tokenizer or the run's data prepare summary; else bytes)"},
+     {"--max-new-tokens", "N", "tokens to generate at most (default 64); an EOS ends sooner"},
+     {"--temperature", "T", "0 (default): greedy; > 0: sample from softmax(logits / T)"},
+     {"--top-p", "P", "sample from the smallest set of tokens holding probability P (default 1)"},
+     {"--seed", "S", "the sampling seed (default 0): a seed gives the same text every run"},
+     {"--logits-out", "FILE", "write the logits [new tokens, V] each token was chosen from (float32)"},
+     {"--json", "", "print one JSON object: prompt ids, new ids, text"}},
+    "Runs the checkpoint's model (FP32, CPU) on the prompt once, then one position per new token with\n"
+    "a KV cache (each MoE layer routes every new token on its own; dropless). The prompt is encoded\n"
+    "with the tokenizer: --tokenizer, else the run's recorded one (data.tokenizer, or summary.json\n"
+    "beside its token files), else as bytes (id = byte value: the embedded corpus's byte-level\n"
+    "vocabulary; id data.eos_id is EOS). Generation stops at data.eos_id. Prints the prompt and the\n"
+    "continuation (ids the byte vocabulary has no byte for print as <|id|>). Runs on the CPU for\n"
+    "every train.device (docs/data.md).\n"};
+
+// A finite number from flag `flag`.
+double parse_number(const std::string& flag, const std::string& text) {
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(v))
+    usage_fail(flag, ": expected a number, got '", text, "'");
+  return v;
+}
+
+int cmd_generate(const ParsedArgs& a) {
+  const std::string prompt = a.value_or("--prompt", "");
+  if (prompt.empty()) usage_fail("--prompt needs some text, got an empty value");
+  const int64_t max_new = a.int_or("--max-new-tokens", 64, 0, 1 << 20);
+  SamplingOptions so;
+  so.temperature = a.has("--temperature") ? parse_number("--temperature", *a.value("--temperature")) : 0.0;
+  if (so.temperature < 0) usage_fail("--temperature: expected a number >= 0, got ", so.temperature);
+  so.top_p = a.has("--top-p") ? parse_number("--top-p", *a.value("--top-p")) : 1.0;
+  if (!(so.top_p > 0 && so.top_p <= 1)) usage_fail("--top-p: expected a number in (0, 1], got ", so.top_p);
+  so.seed = static_cast<uint64_t>(a.int_or("--seed", 0, 0));
+  const std::string logits_out = a.value_or("--logits-out", "");
+  const std::string dir = step_dir_of(a.positionals[0]);
+  const LoadedCheckpoint ck = LoadedCheckpoint::open(dir);
+  const Config cfg = checkpoint_config(ck);
+  validate_config(cfg);
+  std::string tok_path = a.value_or("--tokenizer", "");
+  if (a.has("--tokenizer") && tok_path.empty()) usage_fail("--tokenizer needs a tokenizer.json path, got an empty value");
+  if (!a.has("--tokenizer")) tok_path = recorded_tokenizer(cfg);
+  // The tokenizer's encode and decode (a build without PCRE2/ICU has none: refused naming the file).
+  std::function<std::string(const std::vector<uint32_t>&)> decode_ids;
+  std::vector<int32_t> ids;
+  if (!tok_path.empty()) {
+#if MOECORE_HAS_TOKENIZER
+    auto tok = std::make_shared<Tokenizer>(Tokenizer::from_file(tok_path));
+    MOE_CHECK(tok->vocab_size() <= cfg.model.vocab_size, "tokenizer '", tok_path, "' has ", tok->vocab_size(),
+              " tokens but the model's vocabulary is model.vocab_size = ", cfg.model.vocab_size,
+              ": expected the tokenizer the model was trained with");
+    for (uint32_t id : tok->encode(prompt)) ids.push_back(static_cast<int32_t>(id));
+    decode_ids = [tok](const std::vector<uint32_t>& u) { return tok->decode(u); };
+#else
+    MOE_CHECK(false, "tokenizer '", tok_path, "': this build has no tokenizer (PCRE2 and ICU were not found at ",
+              "configure time); rebuild with them, or run without --tokenizer on a byte-level model");
+#endif
+  } else {
+    MOE_CHECK(cfg.model.vocab_size >= kEmbeddedVocabSize, "without --tokenizer the prompt is bytes (ids 0..255), but ",
+              "this model has model.vocab_size = ", cfg.model.vocab_size, "; give --tokenizer tokenizer.json");
+    for (unsigned char c : prompt) ids.push_back(c);
+  }
+  MOE_CHECK(!ids.empty(), "--prompt '", prompt, "' encodes to no tokens");
+  Model<float> model(cfg.model, cfg.moe);
+  load_model_state(ck, model);
+  const Generation g = generate(model, ids, max_new, cfg.data.eos_id, so, !logits_out.empty());
+  std::string text;
+  if (decode_ids) {
+    std::vector<uint32_t> u(g.ids.begin(), g.ids.end());
+    if (g.hit_eos) u.pop_back();
+    text = decode_ids(u);
+  } else {
+    for (size_t i = 0; i < g.ids.size(); ++i) {
+      if (g.hit_eos && i + 1 == g.ids.size()) break;
+      if (g.ids[i] < 256) text += static_cast<char>(g.ids[i]);
+      else text += "<|" + std::to_string(g.ids[i]) + "|>";
+    }
+  }
+  if (!logits_out.empty())
+    write_file_atomic(logits_out,
+                      std::string_view(reinterpret_cast<const char*>(g.logits.data()), g.logits.size() * sizeof(float)));
+  if (a.has("--json")) {
+    const nlohmann::json j = {{"prompt_ids", ids}, {"ids", g.ids}, {"eos", g.hit_eos},
+                              {"text", text}, {"tokenizer", tok_path.empty() ? "bytes" : tok_path}};
+    std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+    return 0;
+  }
+  std::cout << prompt << text << "\n";
+  return 0;
+}
+
 const CommandSpec kVersion{"version", {}, 0, false, {}, "Prints the version and the commit moecore was built from.\n"};
 
 int cmd_version(const ParsedArgs&) {
@@ -544,6 +705,8 @@ std::vector<Command> commands(const std::string& invocation) {
           {&kInspect, cmd_inspect},
           {&kExportHf, cmd_export_hf},
           {&kImportHf, cmd_import_hf},
+          {&kEval, cmd_eval},
+          {&kGenerate, cmd_generate},
           {&kLogits, cmd_logits},
           {&kTokenize, cmd_tokenize},
           {&kDataPrepare, cmd_data_prepare},

@@ -78,6 +78,7 @@ struct DataConfig {
   int64_t eos_id = 0;
   std::vector<std::string> eval_paths;
   std::vector<DataSourceConfig> sources{};  // a weighted mix ([[data.sources]]), instead of paths
+  std::string tokenizer;  // tokenizer.json the token files were made with ("": none recorded)
 };
 
 struct ParallelConfig {

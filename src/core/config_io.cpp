@@ -135,6 +135,8 @@ std::vector<ConfigKey> build_keys() {
             {"uint16", "uint32"}),
       entry("data.eos_id", &C::data, &D::eos_id, "end-of-document token id"),
       entry("data.eval_paths", &C::data, &D::eval_paths, "held-out token files for evaluation"),
+      entry("data.tokenizer", &C::data, &D::tokenizer,
+            "the tokenizer.json the token files were made with (generate and export-hf use it); \"\": none"),
 
       entry("parallel.dp", &C::parallel, &P::dp, "data-parallel ranks; 0: world_size / pp"),
       entry("parallel.ep", &C::parallel, &P::ep,
@@ -834,6 +836,8 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
     for (std::vector<std::string>* list : lists)
       for (std::string& p : *list)
         if (!p.empty() && std::filesystem::path(p).is_relative()) p = (base / p).lexically_normal().string();
+    std::string& tok = c.data.tokenizer;
+    if (!tok.empty() && std::filesystem::path(tok).is_relative()) tok = (base / tok).lexically_normal().string();
   }
   for (const auto& o : overrides) apply_override(c, o);
   validate_config(c);

@@ -79,7 +79,7 @@ Config parse_config_toml(std::string_view text, const std::string& source_name);
 // array of inline tables '[{paths = ["a.npy"], weight = 0.7}, ...]' (empty: none).
 void apply_override(Config& c, const std::string& arg);
 
-// Defaults (empty path) or the file at `path` (its relative data.paths, data.sources paths and
+// Defaults (empty path) or the file at `path` (its relative data.paths, data.sources paths, data.tokenizer and
 // data.eval_paths taken relative to the file's directory), then `overrides` in order, then validate_config.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides);
 

@@ -105,6 +105,43 @@ void attention_forward(const T* q, const T* k, const T* v, T* out, T* lse, int64
 }
 
 template <typename T>
+void attention_decode(const T* q, const T* k, const T* v, T* out, int64_t n, int64_t pos0, int64_t q_heads,
+                      int64_t kv_heads, int64_t head_dim) {
+  MOE_CHECK(n >= 0 && pos0 >= 0 && head_dim > 0 && kv_heads > 0 && q_heads % kv_heads == 0, "attention_decode: ",
+            "expected n >= 0, pos0 >= 0, head_dim > 0 and kv_heads dividing q_heads, got n=", n, " pos0=", pos0,
+            " q_heads=", q_heads, " kv_heads=", kv_heads, " head_dim=", head_dim);
+  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  const int64_t qs = q_heads * head_dim, kvs = kv_heads * head_dim, group = q_heads / kv_heads;
+  std::vector<T> p(static_cast<size_t>(pos0 + n));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t visible = pos0 + i + 1;
+    for (int64_t h = 0; h < q_heads; ++h) {
+      const T* qh = q + i * qs + h * head_dim;
+      const T* kh = k + (h / group) * head_dim;
+      const T* vh = v + (h / group) * head_dim;
+      for (int64_t j = 0; j < visible; ++j) {
+        T dot = T(0);
+        for (int64_t e = 0; e < head_dim; ++e) dot += qh[e] * kh[j * kvs + e];
+        p[j] = scale * dot;
+      }
+      const T m = *std::max_element(p.begin(), p.begin() + visible);
+      double sum = 0.0;
+      for (int64_t j = 0; j < visible; ++j) {
+        p[j] = std::exp(p[j] - m);
+        sum += static_cast<double>(p[j]);
+      }
+      const T inv = static_cast<T>(1.0 / sum);
+      T* oh = out + i * qs + h * head_dim;
+      std::fill(oh, oh + head_dim, T(0));
+      for (int64_t j = 0; j < visible; ++j) {
+        const T pj = p[j] * inv;
+        for (int64_t e = 0; e < head_dim; ++e) oh[e] += pj * vh[j * kvs + e];
+      }
+    }
+  }
+}
+
+template <typename T>
 void attention_backward(const T* q, const T* k, const T* v, const T* out, const T* lse,
                         const T* dout, T* dq, T* dk, T* dv, int64_t batch, int64_t seq,
                         int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
@@ -166,6 +203,10 @@ template void attention_forward<float>(const float*, const float*, const float*,
                                        int64_t, int64_t, int64_t, int64_t);
 template void attention_forward<double>(const double*, const double*, const double*, double*, double*,
                                         int64_t, int64_t, int64_t, int64_t, int64_t);
+template void attention_decode<float>(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t,
+                                      int64_t, int64_t);
+template void attention_decode<double>(const double*, const double*, const double*, double*, int64_t, int64_t,
+                                       int64_t, int64_t, int64_t);
 template void attention_backward<float>(const float*, const float*, const float*, const float*,
                                         const float*, const float*, float*, float*, float*, int64_t,
                                         int64_t, int64_t, int64_t, int64_t);

@@ -12,7 +12,7 @@ namespace {
 
 template <typename T>
 void rope_apply(const char* op, T* x, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim,
-                double theta, double sign) {
+                double theta, double sign, int64_t pos0 = 0) {
   MOE_CHECK(batch >= 0 && seq >= 0 && heads >= 0, op,
             ": expected non-negative sizes, got batch=", batch, " seq=", seq, " heads=", heads);
   MOE_CHECK(head_dim > 0 && head_dim % 2 == 0, op, ": head_dim must be even and positive, got ",
@@ -24,7 +24,7 @@ void rope_apply(const char* op, T* x, int64_t batch, int64_t seq, int64_t heads,
     const double inv_freq =
         std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
     for (int64_t s = 0; s < seq; ++s) {
-      const double angle = static_cast<double>(s) * inv_freq;
+      const double angle = static_cast<double>(pos0 + s) * inv_freq;
       cos_t[s * half + i] = static_cast<T>(std::cos(angle));
       sin_t[s * half + i] = static_cast<T>(sign * std::sin(angle));
     }
@@ -54,12 +54,20 @@ void rope_forward(T* x, int64_t batch, int64_t seq, int64_t heads, int64_t head_
 }
 
 template <typename T>
+void rope_forward_at(T* x, int64_t n, int64_t pos0, int64_t heads, int64_t head_dim, double theta) {
+  MOE_CHECK(pos0 >= 0, "rope_forward_at: the first position must be >= 0, got ", pos0);
+  rope_apply("rope_forward_at", x, 1, n, heads, head_dim, theta, 1.0, pos0);
+}
+
+template <typename T>
 void rope_backward(T* dx, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double theta) {
   rope_apply("rope_backward", dx, batch, seq, heads, head_dim, theta, -1.0);
 }
 
 template void rope_forward<float>(float*, int64_t, int64_t, int64_t, int64_t, double);
 template void rope_forward<double>(double*, int64_t, int64_t, int64_t, int64_t, double);
+template void rope_forward_at<float>(float*, int64_t, int64_t, int64_t, int64_t, double);
+template void rope_forward_at<double>(double*, int64_t, int64_t, int64_t, int64_t, double);
 template void rope_backward<float>(float*, int64_t, int64_t, int64_t, int64_t, double);
 template void rope_backward<double>(double*, int64_t, int64_t, int64_t, int64_t, double);
 

@@ -12,6 +12,11 @@ namespace moe::cpu {
 template <typename T>
 void rope_forward(T* x, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double theta);
 
+// Incremental decoding: x [n, heads, hd] holds the tokens at positions pos0 .. pos0 + n - 1 of
+// one sequence; each is rotated exactly as rope_forward rotates that position (the same angles).
+template <typename T>
+void rope_forward_at(T* x, int64_t n, int64_t pos0, int64_t heads, int64_t head_dim, double theta);
+
 // In place: dx = R^T dy, the inverse rotation (rotation by -angle).
 template <typename T>
 void rope_backward(T* dx, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double theta);

@@ -9,10 +9,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <cstdio>
 #include <map>
 #include <sstream>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "data/embedded.h"
@@ -129,6 +133,44 @@ DataSources open_data(const Config& cfg, std::ostream& out) {
 
   open_eval(cfg, d, out);
   return d;
+}
+
+std::string recorded_tokenizer(const Config& cfg) {
+  namespace fs = std::filesystem;
+  if (!cfg.data.tokenizer.empty()) {
+    MOE_CHECK(fs::is_regular_file(cfg.data.tokenizer), "data.tokenizer = '", cfg.data.tokenizer,
+              "' is not a file: expected the tokenizer.json the token files were made with");
+    return cfg.data.tokenizer;
+  }
+  std::vector<std::string> files = cfg.data.paths;
+  for (const DataSourceConfig& s : cfg.data.sources) files.insert(files.end(), s.paths.begin(), s.paths.end());
+  files.insert(files.end(), cfg.data.eval_paths.begin(), cfg.data.eval_paths.end());
+  if (cfg.data.source != "tokens" || files.empty()) return "";
+  const fs::path dir = fs::path(files[0]).parent_path();
+  const fs::path summary = dir / "summary.json";
+  if (!fs::is_regular_file(summary)) return "";
+  std::ifstream in(summary);
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("tokenizer") || !j["tokenizer"].is_object() || !j["tokenizer"].contains("path") ||
+      !j["tokenizer"]["path"].is_string())
+    return "";
+  const fs::path p = j["tokenizer"]["path"].get<std::string>();
+  for (const fs::path& c : {p, dir / p})
+    if (!p.empty() && fs::is_regular_file(c)) return c.lexically_normal().string();
+  return "";
+}
+
+std::optional<TokenSource> open_eval_data(const Config& cfg, std::ostream& out) {
+  DataSources d;
+  if (!cfg.data.eval_paths.empty()) {
+    d.eval = TokenSource::open(cfg.data.eval_paths, cfg.data.token_dtype, cfg.model.vocab_size);
+  } else if (cfg.data.source == "embedded") {
+    MOE_CHECK(cfg.model.vocab_size >= kEmbeddedVocabSize, "data.source = \"embedded\" is a byte-level corpus: ",
+              "model.vocab_size must be >= ", kEmbeddedVocabSize, ", got ", cfg.model.vocab_size);
+    d.eval = open_embedded(cfg, "eval");
+  }
+  open_eval(cfg, d, out);
+  return d.eval;
 }
 
 void open_eval(const Config& cfg, DataSources& d, std::ostream& out) {

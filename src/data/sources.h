@@ -33,6 +33,20 @@ struct DataSources {
 // hold at least one instance.
 DataSources open_data(const Config& cfg, std::ostream& out);
 
+// The held-out data of a run of `cfg` on its own (moecore eval): data.eval_paths when set,
+// whatever data.source is; else the embedded corpus's eval split when data.source = "embedded";
+// else none (std::nullopt, with a line saying so). Checked and summarised as open_data does (a
+// full pass over the ids, at least one eval batch of train.micro_batch sequences).
+std::optional<TokenSource> open_eval_data(const Config& cfg, std::ostream& out);
+
+// The tokenizer.json a run's token files were made with: data.tokenizer when set (an error naming
+// the key when that file does not exist); else the one named by the summary.json that `moecore
+// data prepare` wrote beside the first token file of data.paths, data.sources or data.eval_paths
+// (its "tokenizer.path": absolute, or relative to the working directory or to summary.json's
+// directory), when that file exists; else "" (none recorded: the embedded corpus, or token files
+// made otherwise).
+std::string recorded_tokenizer(const Config& cfg);
+
 // Tokens of embedded split "train" | "eval" that a run of `cfg` uses: the split's fixed size, or one
 // global batch (train) / train.eval_batches eval batches (eval) of seq_len + 1 tokens if larger.
 // Never depends on train.steps.

@@ -92,6 +92,36 @@ void attention_block_backward(const AttentionConfig& c, const AttentionTensors<c
 }
 
 template <typename T>
+void attention_block_decode(const AttentionConfig& c, const AttentionTensors<const T*>& w, int64_t n, T* x,
+                            std::vector<T>& k_cache, std::vector<T>& v_cache) {
+  const int64_t d = c.d_model, hd = c.head_dim, hq = c.n_heads, hkv = c.n_kv_heads;
+  const int64_t q = hq * hd, kv = hkv * hd;
+  MOE_CHECK(n > 0 && int64_t(k_cache.size()) % kv == 0 && k_cache.size() == v_cache.size(),
+            "attention_block_decode: expected n > 0 and a KV cache of whole positions, got n=", n, ", ",
+            k_cache.size(), " keys and ", v_cache.size(), " values for kv width ", kv);
+  const int64_t pos0 = int64_t(k_cache.size()) / kv;
+  std::vector<T> norm(n * d), rstd(n), q_raw(n * q), k_raw(n * kv), v_new(n * kv), qv(n * q), kn(n * kv), rq(n), rk(n);
+  cpu::rmsnorm_forward(x, w.attn_norm, norm.data(), rstd.data(), n, d, c.norm_eps);
+  cpu::linear_forward(norm.data(), w.q_proj, q_raw.data(), n, d, q);
+  cpu::linear_forward(norm.data(), w.k_proj, k_raw.data(), n, d, kv);
+  cpu::linear_forward(norm.data(), w.v_proj, v_new.data(), n, d, kv);
+  if (c.qk_norm) {
+    cpu::rmsnorm_forward(q_raw.data(), w.q_norm, qv.data(), rq.data(), n, q, c.norm_eps);
+    cpu::rmsnorm_forward(k_raw.data(), w.k_norm, kn.data(), rk.data(), n, kv, c.norm_eps);
+  } else {
+    qv = q_raw;
+    kn = k_raw;
+  }
+  cpu::rope_forward_at(qv.data(), n, pos0, hq, hd, c.rope_theta);
+  cpu::rope_forward_at(kn.data(), n, pos0, hkv, hd, c.rope_theta);
+  k_cache.insert(k_cache.end(), kn.begin(), kn.end());
+  v_cache.insert(v_cache.end(), v_new.begin(), v_new.end());
+  std::vector<T> attn(n * q);
+  cpu::attention_decode(qv.data(), k_cache.data(), v_cache.data(), attn.data(), n, pos0, hq, hkv, hd);
+  cpu::linear_forward(attn.data(), w.o_proj, x, n, q, d, /*accumulate=*/true);
+}
+
+template <typename T>
 int64_t saved_bytes(const AttentionSaved<T>& s) {
   return held_bytes(s.x_in_ND, s.norm_ND, s.rstd_N, s.q_raw_NQ, s.k_raw_NC, s.q_rstd_N, s.k_rstd_N, s.q_NQ, s.k_NC,
                     s.v_NC, s.attn_NQ, s.lse_BHS);
@@ -146,6 +176,8 @@ void attention_block_recompute(const AttentionConfig& c, const AttentionTensors<
                                            int64_t, T*, AttentionSaved<T>&, PhaseTimer*);                       \
   template void attention_block_backward<T>(const AttentionConfig&, const AttentionTensors<const T*>&,          \
                                             const AttentionSaved<T>&, T*, const AttentionTensors<T*>&, PhaseTimer*); \
+  template void attention_block_decode<T>(const AttentionConfig&, const AttentionTensors<const T*>&, int64_t, T*,  \
+                                          std::vector<T>&, std::vector<T>&);                                     \
   template int64_t saved_bytes<T>(const AttentionSaved<T>&);                                                    \
   template void swap_recomputed<T>(Recompute, AttentionSaved<T>&, AttentionSaved<T>&);                          \
   template void attention_block_recompute<T>(const AttentionConfig&, const AttentionTensors<const T*>&,         \

@@ -59,6 +59,16 @@ void attention_block_backward(const AttentionConfig& c, const AttentionTensors<c
                               const AttentionSaved<T>& saved, T* dx_ND, const AttentionTensors<T*>& dw,
                               PhaseTimer* timer = nullptr);
 
+// Incremental decoding of one sequence (generation with a KV cache): x_ND [n, D] holds the
+// tokens at positions pos0 .. pos0 + n - 1, pos0 = k_cache_PC.size() / C, in place x += branch.
+// k_cache_PC, v_cache_PC [pos0, C] are the earlier positions' keys (after QK-norm and RoPE) and
+// values; the new positions' are appended. The same calls as the forward but RoPE at the
+// tokens' own positions and attention over the cache (cpu::attention_decode); nothing is saved
+// for backward. Equal to attention_block_forward of the whole sequence to rounding.
+template <typename T>
+void attention_block_decode(const AttentionConfig& c, const AttentionTensors<const T*>& w, int64_t n, T* x_ND,
+                            std::vector<T>& k_cache_PC, std::vector<T>& v_cache_PC);
+
 // Bytes the saved tensors hold (core/recompute.h: held_bytes).
 template <typename T>
 int64_t saved_bytes(const AttentionSaved<T>& s);

@@ -134,6 +134,47 @@ ForwardStats Model<T>::forward(const int32_t* inputs, const int32_t* targets, in
 }
 
 template <typename T>
+std::vector<T> Model<T>::decode(const int32_t* tokens, int64_t n, KvCache<T>& cache) {
+  MOE_CHECK(!ep_, "decode: incremental decoding runs on one rank; this model shards its experts over ",
+            ep_ ? ep_->size() : 1, " expert-parallel ranks");
+  MOE_CHECK(n > 0, "decode: expected at least one token, got ", n);
+  const int64_t d = mcfg_.d_model, v = mcfg_.vocab_size, nl = mcfg_.n_layers;
+  for (int64_t i = 0; i < n; ++i)
+    MOE_CHECK(tokens[i] >= 0 && tokens[i] < v, "decode: token ", i, " is ", tokens[i], ", not an id of this model: ",
+              "expected [0, ", v, ") (model.vocab_size)");
+  if (cache.k_LPC.empty()) {
+    MOE_CHECK(cache.length == 0, "decode: a KV cache of length ", cache.length, " without buffers");
+    cache.k_LPC.resize(nl);
+    cache.v_LPC.resize(nl);
+  }
+  MOE_CHECK(int64_t(cache.k_LPC.size()) == nl && int64_t(cache.v_LPC.size()) == nl, "decode: the KV cache has ",
+            cache.k_LPC.size(), " blocks, the model ", nl);
+  const T* P = params_.data();
+  std::vector<T> x(n * d);
+  cpu::embedding_forward(tokens, P + embed_, x.data(), n, v, d);
+  MoeLayerConfig dropless = moe_cfg_;
+  dropless.capacity_factor = 0;
+  for (int64_t l = 0; l < nl; ++l) {
+    const LayerParams& p = layers_[l];
+    attention_block_decode(attn_cfg_, attention_tensors(P, p), n, x.data(), cache.k_LPC[l], cache.v_LPC[l]);
+    if (p.dense) {
+      MlpBlockSaved<T> scratch;
+      mlp_block_forward(mlp_tensors(P, p), n, d, p.mlp_hidden, mcfg_.norm_eps, x.data(), scratch);
+    } else {
+      MoeLayerSaved<T> scratch;
+      const float* bias = expert_bias_.data() + p.moe_index * ecfg_.num_experts;
+      moe_layer_forward(dropless, moe_tensors(P, p), *experts_, bias, n, layer_routing_seed(0, static_cast<uint64_t>(l)),
+                        x.data(), scratch);
+    }
+  }
+  cache.length += n;
+  LmHeadSaved<T> head;
+  const std::vector<int32_t> no_targets(n, -1);
+  lm_head_forward<T>({P + final_norm_, P + lm_head_}, x.data(), no_targets.data(), n, d, v, mcfg_.norm_eps, head);
+  return std::move(head.logits_NV);
+}
+
+template <typename T>
 void Model<T>::backward(const LossScales& scales) {
   MOE_CHECK(batch_ > 0, "backward called before forward");
   std::vector<T> dx(batch_ * seq_ * mcfg_.d_model);

@@ -81,6 +81,14 @@ struct StageActivations {
   LmHeadSaved<T> head_saved;
 };
 
+// Keys (after QK-norm and RoPE) and values of the positions Model::decode has run, one
+// [length, C] buffer per block (C = n_kv_heads * head_dim). Empty: nothing decoded yet.
+template <typename T>
+struct KvCache {
+  int64_t length = 0;  // positions held
+  std::vector<std::vector<T>> k_LPC, v_LPC;
+};
+
 template <typename T>
 class Model {
  public:
@@ -126,6 +134,18 @@ class Model {
                        uint64_t routing_seed = 0);
   // Accumulates (+=) the gradient of scales.objective(stats) into grads().
   void backward(const LossScales& scales);
+
+  // Incremental decoding of one sequence (generation): tokens [n] at positions cache.length ..
+  // cache.length + n - 1 run through every block with attention over the cache and themselves
+  // (attention_block_decode), the dense MLP blocks, and the MoE blocks on the new tokens alone
+  // (dropless: moe.capacity_factor does not apply, every route is kept; routing seed 0, as
+  // forward's default), then the final norm and LM head; the new positions' K/V are appended to
+  // the cache. Returns the logits [n, V] of the new positions. Touches none of forward's saved
+  // state. Learned (and dropless) routing is per token, so the logits of position p equal those
+  // forward() of the whole sequence gives at p, to rounding (tests/e2e/generate_test.cpp holds
+  // them to 1e-5). Not under expert parallelism (a single-rank path). Ids are checked against
+  // model.vocab_size.
+  std::vector<T> decode(const int32_t* tokens, int64_t n, KvCache<T>& cache);
 
   // The block calls forward() and backward() are made of, for callers that run part of the model
   // (a pipeline stage: the embedding, a contiguous range of blocks, the LM head). x_ND and dx_ND

@@ -34,6 +34,7 @@
 #include "parallel/topology.h"
 #include "train/checkpointing.h"
 #include "train/device.h"
+#include "train/evaluate.h"
 #include "train/metrics.h"
 #include "train/routing_seed.h"
 #include "train/run_log.h"
@@ -47,32 +48,6 @@ namespace fs = std::filesystem;
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Eval batches are dealt round-robin over the ranks of `comm` (batch i to rank i % W); sums are
-// all-reduced. When forward is a collective (expert parallelism), every rank runs the same number
-// of forwards: in the last round a rank without a batch of its own runs one again (i % nb) and
-// discards the result.
-double evaluate(Step& step, const DataLoader& eval, const Config& cfg, Comm& comm) {
-  const int64_t seqs = cfg.train.micro_batch;
-  const int64_t nb = std::min<int64_t>(cfg.train.eval_batches, eval.num_eval_batches(seqs));
-  const int64_t w = comm.size(), rounds = (nb + w - 1) / w;
-  const bool collective = step.eval_is_collective();
-  double ce = 0;
-  int64_t count = 0;
-  for (int64_t round = 0; round < rounds; ++round) {
-    const int64_t i = round * w + comm.rank();
-    if (i >= nb && !collective) continue;
-    const ForwardStats s = step.evaluate(eval.eval_batch(i % nb, seqs), routing_seed(cfg.train.seed, -1, i % nb));
-    if (i >= nb) continue;
-    ce += s.ce_sum;
-    count += s.num_targets;
-  }
-  if (comm.size() > 1) {
-    comm.all_reduce(&ce, 1, ReduceOp::kSum);
-    comm.all_reduce(&count, 1, ReduceOp::kSum);
-  }
-  return count ? ce / double(count) : std::nan("");
-}
 
 // Test-only fault injection: MOECORE_FAULT_EXIT_RANK=r and MOECORE_FAULT_EXIT_STEP=n make rank r
 // leave with _exit(3) when step n begins, as a crashed process would (no MPI_Finalize).
@@ -223,7 +198,7 @@ class TrainLoop {
   }
 
   void evaluate_at(int64_t done) {
-    const double loss = evaluate(step_, *eval_, cfg_, *topo_.dp_comm);
+    const double loss = evaluate_held_out(step_, *eval_, cfg_, *topo_.dp_comm).loss();
     (done == 0 ? summary_.initial_eval_loss : summary_.final_eval_loss) = loss;
     log_.eval(done, loss);
   }

@@ -3,10 +3,12 @@
 // of docs/numerics.md for every parallel.ep of kExpertParallelSizes that divides the world (ep = 2
 // on 4 ranks: two ep groups, expert gradients summed over ep-dp pairs), ZeRO-1 on and off equal,
 // parameters identical on every rank, a checkpoint written by 2 ranks resuming on 1 rank and on
-// all ranks, and checkpoints of ep > 1 runs resuming on other dp / ep layouts.
+// all ranks, checkpoints of ep > 1 runs resuming on other dp / ep layouts, and the eval of such a
+// checkpoint on one rank giving the run's eval loss.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <sstream>
@@ -19,6 +21,7 @@
 #include "parallel/mpi_test_util.h"
 #include "support/test_util.h"
 #include "train/model_state.h"
+#include "train/evaluate.h"
 #include "train/trainer.h"
 
 namespace moe::testing {
@@ -203,6 +206,37 @@ struct RunLayout {
   int64_t ep = 1;
   std::string str() const { return std::to_string(ranks) + " rank(s) ep=" + std::to_string(ep); }
 };
+
+// `moecore eval` of a checkpoint sliced over 2 ranks (ep = 2), on one rank: the loss of the
+// trainer's eval at that step (2 ranks, batches dealt round-robin and the sums all-reduced) to
+// 1e-6 relative (the same batches; the sums and the expert exchange in another order).
+TEST(ExpertParallel, EvalOfASlicedCheckpointIsTheRunsEvalLoss) {
+  Comm& w = world_comm();
+  if (!needs_ranks(2)) GTEST_SKIP() << "needs >= 2 ranks";
+  const SharedDir dir(w, "ep-eval");
+  Config c = small_parallel_config(dir / "run", 6);
+  c.parallel.ep = 2;
+  c.train.eval_batches = 3;
+  c.checkpoint.interval = 6;
+  std::unique_ptr<Comm> part = w.split(w.rank() < 2 ? 0 : 1, w.rank());
+  double trained = -1;
+  if (w.rank() < 2) {
+    std::ostringstream log;
+    trained = train(c, log, *part).final_eval_loss;
+  }
+  w.barrier();
+  if (w.rank() == 0) {
+    const std::string ckpt = checkpoint_dir(c) + "/step_6";
+    EXPECT_TRUE(LoadedCheckpoint::open(ckpt).sliced());
+    std::ostringstream lines;
+    const EvalResult r = evaluate_checkpoint(ckpt, c, lines);
+    EXPECT_EQ(r.batches, 3);
+    EXPECT_EQ(r.tokens, 3 * c.train.micro_batch * c.train.seq_len);
+    ASSERT_GT(trained, 0);
+    EXPECT_LT(std::abs(r.loss() - trained) / trained, 1e-6) << r.loss() << " vs " << trained;
+  }
+  w.barrier();
+}
 
 TEST(ExpertParallel, CheckpointResumesOnOtherLayouts) {
   Comm& w = world_comm();
