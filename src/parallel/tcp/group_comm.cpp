@@ -189,7 +189,7 @@ class TcpComm final : public Comm {
         return;
       }
       if (peer.closed)
-        MOE_FAIL(head, call, " failed: ", who(src), " ", peer.why_closed, world_ranks(src));
+        MOE_FAIL(head, call, " failed: ", who(src), " ", peer.why_closed);
       if (Clock::now() >= deadline) {
         std::ostringstream t;
         t << timeout_s_;
@@ -215,7 +215,7 @@ class TcpComm final : public Comm {
       const Peer& peer = mesh_->peers[size_t(members_[size_t(pending)])];
       const int tag = peer.outq.front().h.root;
       MOE_CHECK(!peer.closed, "send on rank ", rank_, " of a group of ", size_, " to rank ", pending, " (tag ", tag,
-                ") failed: ", who(pending), " ", peer.why_closed, world_ranks(pending));
+                ") failed: ", who(pending), " ", peer.why_closed);
       if (Clock::now() >= deadline) {
         std::ostringstream t;
         t << timeout_s_;
