@@ -48,7 +48,8 @@ class Comm {
   // message from `src` and throws an Error naming both ranks when its tag or element count is not
   // the expected one (the two ranks run different schedules) or when it does not arrive. Messages
   // of a pair of ranks arrive in send order. flush_sends waits until every send of this rank was
-  // delivered. Backends without point-to-point (TCP, test communicators) throw naming theirs.
+  // delivered. MPI, TCP (a per-peer outgoing queue, parallel/tcp/mesh.h) and the one-rank
+  // communicator implement them; others (test communicators) throw naming their backend.
   static constexpr int kMaxTag = 32767;
   virtual void send(const float* data, int64_t n, int dst, int tag);
   virtual void recv(float* data, int64_t n, int src, int tag);

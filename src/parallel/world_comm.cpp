@@ -44,12 +44,12 @@ std::unique_ptr<Comm> g_world;
 
 void Comm::send(const float*, int64_t, int dst, int) {
   MOE_FAIL("point-to-point send to rank ", dst, " on rank ", rank(), ": the ", backend(), " communicator has no ",
-           "send/recv; pipeline parallelism (parallel.pp > 1) needs an MPI launch (mpirun)");
+           "send/recv; pipeline parallelism (parallel.pp > 1) needs an MPI (mpirun) or torchrun-style (TCP) launch");
 }
 
 void Comm::recv(float*, int64_t, int src, int) {
   MOE_FAIL("point-to-point recv from rank ", src, " on rank ", rank(), ": the ", backend(), " communicator has no ",
-           "send/recv; pipeline parallelism (parallel.pp > 1) needs an MPI launch (mpirun)");
+           "send/recv; pipeline parallelism (parallel.pp > 1) needs an MPI (mpirun) or torchrun-style (TCP) launch");
 }
 
 Comm& world_comm() {

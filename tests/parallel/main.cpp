@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -42,7 +43,8 @@ int timeout_probe() {
 
 // Ranks of a TCP job that goes wrong on purpose; each prints "[rank r] error after T s: ..." and
 // exits 1 when its collective fails. mismatch: rank 1 calls all_reduce while the others call
-// broadcast; exit: rank 1 leaves after a barrier; sleep: rank 1 sleeps 4 s instead of joining;
+// broadcast; exit: rank 1 leaves after a barrier; recv-exit: rank 1 leaves while rank 0 waits
+// in recv for it; sleep: rank 1 sleeps 4 s instead of joining;
 // sum: a job that works (an all-reduce checked on every rank).
 int tcp_probe(const std::string& mode) {
   moe::Comm& world = moe::world_comm();
@@ -72,6 +74,27 @@ int tcp_probe(const std::string& mode) {
         std::_Exit(3);
       }
       world.all_reduce(words, 16, moe::ReduceOp::kSum);
+    } else if (mode == "recv-exit") {
+      // Pairs {0, 1} and {2, 3}: rank 1 sends once and exits; rank 0 takes that message, then
+      // its next recv must name rank 1. Ranks 2 and 3 exchange and finish.
+      std::unique_ptr<moe::Comm> pair = world.split(r / 2, r);
+      float x[3] = {1, 2, 3};
+      if (r == 1) {
+        pair->send(x, 3, 0, 1);
+        pair->flush_sends();
+        std::fprintf(stderr, "[rank 1] exiting on purpose\n");
+        std::fflush(stderr);
+        std::_Exit(3);
+      }
+      if (r == 0) {
+        pair->recv(x, 3, 1, 1);
+        pair->recv(x, 3, 1, 2);
+      } else if (r == 2) {
+        pair->send(x, 3, 1, 1);
+        pair->flush_sends();
+      } else if (r == 3) {
+        pair->recv(x, 3, 0, 1);
+      }
     } else if (mode == "sleep") {
       if (r == 1) {
         ::sleep(4);

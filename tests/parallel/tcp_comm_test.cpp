@@ -1,10 +1,15 @@
 // The TCP communicator (comm_tcp.h). TcpComm.* run on every rank of a torchrun-style job (CTest's
 // tcp.* entries start test_parallel that way; elsewhere they skip): sums bitwise equal on every
 // rank and equal to x0 + x1 + ... in rank order, buffers large enough for partial socket writes,
-// expert-parallel groups (ep and ep-dp) used in turns, nested splits. TcpEnv.* and
-// TcpRendezvous.* run in one process: the environment's checks, and ranks as threads.
+// expert-parallel groups (ep and ep-dp) used in turns, nested splits. TcpEnv.*, TcpRendezvous.*,
+// TcpFrame.* and TcpP2p.* run in one process: the environment's checks, ranks as threads, the
+// send frame's wording, and send/recv between thread ranks (order, sends that do not wait for
+// the receiver, tag and size mismatches, a dead peer, a timeout).
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <chrono>
+#include <string>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -15,6 +20,7 @@
 
 #include "parallel/comm.h"
 #include "parallel/comm_tcp.h"
+#include "parallel/tcp/frame.h"
 #include "parallel/mpi_test_util.h"
 #include "parallel/tcp_launch.h"
 #include "support/test_util.h"
@@ -286,6 +292,155 @@ TEST(TcpRendezvous, AbsentRankZeroTimesOut) {
   const std::string e = error_of([&] { make_tcp_world(1, 2, "127.0.0.1", port, 0.5); });
   EXPECT_CONTAINS(e, "rank 1 could not reach rank 0 at 127.0.0.1:" + std::to_string(port) +
                          " (MASTER_ADDR, MASTER_PORT) within 0.5 s");
+}
+
+TEST(TcpFrame, DescribesSends) {
+  tcp::FrameHeader h;
+  h.op = uint16_t(tcp::Op::kSend);
+  h.dtype = uint8_t(tcp::Dtype::kF32);
+  h.root = 4;
+  h.count = 3;
+  EXPECT_EQ(std::string(tcp::op_name(h.op, h.reduce)), "send");
+  EXPECT_EQ(tcp::describe(h), "send with tag 4 of 3 float32");
+}
+
+// Runs body(comm) on `n` thread ranks of one TCP world; returns each rank's error ("" if none).
+std::vector<std::string> on_thread_ranks(int n, double timeout_s, const std::function<void(Comm&)>& body) {
+  const int port = free_tcp_port();
+  std::vector<std::string> errors(static_cast<size_t>(n));
+  std::vector<std::thread> ts;
+  for (int r = n - 1; r >= 0; --r) {
+    ts.emplace_back([&, r] {
+      try {
+        std::unique_ptr<Comm> c = make_tcp_world(r, n, "127.0.0.1", port, timeout_s);
+        body(*c);
+      } catch (const std::exception& e) {
+        errors[size_t(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  return errors;
+}
+
+std::vector<float> message(int from, int to, int k, size_t n) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = float(from * 1000 + to * 100 + k) + float(i % 97) * 0.5f;
+  return v;
+}
+
+// Every rank sends everything first (a 16 MB message among them: more than the sockets buffer,
+// so a send that waited for its receiver would deadlock), a collective runs while the sends are
+// in flight, then every rank receives in order; in a split group too.
+void expect_sends_in_order(int n) {
+  constexpr size_t kBig = size_t(4) << 20;
+  const std::vector<std::string> errors = on_thread_ranks(n, 60, [&](Comm& c) {
+    const int me = c.rank();
+    const std::vector<size_t> sizes = {3, kBig, 0, 1000};
+    for (int k = 0; k < int(sizes.size()); ++k)
+      for (int p = 0; p < n; ++p) {
+        const std::vector<float> m = message(me, p, k, sizes[size_t(k)]);
+        c.send(m.data(), int64_t(m.size()), p, 10 + k);
+      }
+    double x = 1;
+    c.all_reduce(&x, 1, ReduceOp::kSum);
+    EXPECT_EQ(x, double(n));
+    for (int p = 0; p < n; ++p)
+      for (int k = 0; k < int(sizes.size()); ++k) {
+        std::vector<float> got(sizes[size_t(k)], -1.0f);
+        c.recv(got.data(), int64_t(got.size()), p, 10 + k);
+        EXPECT_TRUE(got == message(p, me, k, sizes[size_t(k)])) << "from " << p << " message " << k;
+      }
+    c.flush_sends();
+    // Pairs (0 1), (2 3): group rank 0 sends two messages to group rank 1 and back.
+    std::unique_ptr<Comm> pair = c.split(me / 2, me);
+    if (pair->size() == 2) {
+      const int peer = 1 - pair->rank(), wp = me - pair->rank() + peer;  // group and world rank
+      const std::vector<float> a = message(me, wp, 0, 5), b = message(me, wp, 1, 7);
+      pair->send(a.data(), 5, peer, 1);
+      pair->send(b.data(), 7, peer, 2);
+      std::vector<float> ga(5), gb(7);
+      pair->recv(ga.data(), 5, peer, 1);
+      pair->recv(gb.data(), 7, peer, 2);
+      EXPECT_TRUE(ga == message(wp, me, 0, 5));
+      EXPECT_TRUE(gb == message(wp, me, 1, 7));
+      pair->flush_sends();
+    }
+    c.barrier();
+  });
+  for (int r = 0; r < n; ++r) EXPECT_EQ(errors[size_t(r)], "") << "rank " << r;
+}
+
+TEST(TcpP2p, SendsArriveInOrderWithoutWaitingForTheReceiver2) { expect_sends_in_order(2); }
+TEST(TcpP2p, SendsArriveInOrderWithoutWaitingForTheReceiver4) { expect_sends_in_order(4); }
+
+// A wrong tag, then a wrong size: the receiver fails naming both ranks and what it expected,
+// drops the message (as MPI does) and the pair goes on; in a split group the world ranks too.
+TEST(TcpP2p, TagAndSizeMismatchesNameBothRanks) {
+  std::vector<std::string> seen(4);
+  const std::vector<std::string> errors = on_thread_ranks(4, 30, [&](Comm& c) {
+    std::unique_ptr<Comm> g = c.split(c.rank() % 2, c.rank());  // (0 2), (1 3)
+    std::vector<float> a = {1, 2, 3}, b(3);
+    if (g->rank() == 0) {
+      g->send(a.data(), 3, 1, 4);
+      g->send(a.data(), 2, 1, 5);
+      g->send(a.data(), 3, 1, 6);
+      g->flush_sends();
+    } else {
+      seen[size_t(c.rank())] = error_of([&] { g->recv(b.data(), 3, 0, 5); });
+      seen[size_t(c.rank())] += "\n" + error_of([&] { g->recv(b.data(), 3, 0, 5); });
+      g->recv(b.data(), 3, 0, 6);
+      EXPECT_EQ(b, a);
+    }
+    g->barrier();
+  });
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(errors[size_t(r)], "") << "rank " << r;
+  for (int r : {2, 3}) {
+    EXPECT_CONTAINS(seen[size_t(r)], "recv on rank 1 of a group of 2 from rank 0: expected tag 5 with 3 elements, got "
+                                     "tag 4 with 3 (its send number 0 to this rank (world ranks " +
+                                         std::to_string(r) + " and " + std::to_string(r - 2) + "))");
+    EXPECT_CONTAINS(seen[size_t(r)], "expected tag 5 with 3 elements, got tag 5 with 2 (its send number 1");
+    EXPECT_CONTAINS(seen[size_t(r)], "the two ranks run different pipeline schedules");
+  }
+}
+
+// A peer that closes its connection without sending: recv fails at once naming it (not at the
+// timeout), and so does a later send to it; a recv from a live peer that sends nothing times out.
+TEST(TcpP2p, DeadPeerAndTimeoutAreNamed) {
+  std::string dead, send_dead, late;
+  double dead_s = -1;
+  const std::vector<std::string> errors = on_thread_ranks(2, 20, [&](Comm& c) {
+    float x[3] = {};
+    c.set_timeout_s(0.3);
+    if (c.rank() == 0) late = error_of([&] { c.recv(x, 3, 1, 9); });
+    c.set_timeout_s(20);
+    c.barrier();
+    if (c.rank() == 1) return;  // closes its sockets
+    const auto t0 = std::chrono::steady_clock::now();
+    dead = error_of([&] { c.recv(x, 3, 1, 6); });
+    dead_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    send_dead = error_of([&] { c.send(x, 3, 1, 7); });
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+  EXPECT_CONTAINS(late, "recv on rank 0 of a group of 2 from rank 1 (tag 9, 3 elements) timed out after 0.3 s: rank 1");
+  EXPECT_CONTAINS(dead, "recv on rank 0 of a group of 2 from rank 1 (tag 6, 3 elements) failed: rank 1 closed its "
+                        "connection (its process exited or crashed)");
+  EXPECT_LT(dead_s, 10) << "the dead peer must be named before the 20 s timeout";
+  EXPECT_CONTAINS(send_dead, "send on rank 0 of a group of 2 to rank 1 (tag 7, 3 elements) failed: rank 1 closed");
+}
+
+// Sends to this rank itself go straight to its own stash.
+TEST(TcpP2p, SendToItself) {
+  const std::vector<std::string> errors = on_thread_ranks(2, 20, [&](Comm& c) {
+    std::vector<float> a = {float(c.rank()), 7}, b(2);
+    c.send(a.data(), 2, c.rank(), 3);
+    c.recv(b.data(), 2, c.rank(), 3);
+    EXPECT_EQ(a, b);
+    c.barrier();
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
 }
 
 }  // namespace

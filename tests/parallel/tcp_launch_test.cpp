@@ -75,6 +75,25 @@ TEST(TcpLaunch, RankThatExitsIsNamedByThePeers) {
   }
 }
 
+// A pipeline stage that dies: the rank waiting in recv for it fails at once naming it, after
+// taking the message it sent before dying; the other pair of the job finishes.
+TEST(TcpLaunch, RecvFromARankThatExitsNamesIt) {
+  SKIP_INSIDE_A_JOB();
+  const TempDir tmp("tcp_recv_exit");
+  const TcpJob job = probe(4, "recv-exit", tmp.root(), {"MOECORE_COMM_TIMEOUT_S=30"});
+  const std::string all = job.all_output();
+  EXPECT_EQ(job.ranks[1].status, 3) << all;
+  EXPECT_EQ(job.ranks[0].status, 1) << all;
+  EXPECT_CONTAINS(job.ranks[0].output,
+                  "recv on rank 0 of a group of 2 from rank 1 (tag 2, 3 elements) failed: rank 1 of this group "
+                  "(world rank 1) closed its connection (its process exited or crashed)");
+  const double s = error_seconds(job.ranks[0].output);
+  EXPECT_GE(s, 0) << all;
+  EXPECT_LT(s, 10) << "rank 0 must not wait for the 30 s timeout\n" << all;
+  EXPECT_EQ(job.ranks[2].status, 0) << all;
+  EXPECT_EQ(job.ranks[3].status, 0) << all;
+}
+
 TEST(TcpLaunch, CollectiveTimesOut) {
   SKIP_INSIDE_A_JOB();
   const TempDir tmp("tcp_timeout");

@@ -14,6 +14,7 @@ const char* op_name(uint16_t op, uint8_t reduce) {
     case Op::kBroadcast: return "broadcast";
     case Op::kBarrier: return "barrier";
     case Op::kSplit: return "split";
+    case Op::kSend: return "send";
   }
   return "unknown collective";
 }
@@ -32,6 +33,7 @@ std::string describe(const FrameHeader& h) {
   std::string s = op_name(h.op, h.reduce);
   if (Op(h.op) == Op::kBarrier) return s;
   if (Op(h.op) == Op::kBroadcast) s += " from root " + std::to_string(h.root);
+  if (Op(h.op) == Op::kSend) s += " with tag " + std::to_string(h.root);
   if (Op(h.op) == Op::kAllToAllV)
     return s + " with a block of " + std::to_string(h.count) + " " + dtype_name(h.dtype) + " for this pair of ranks";
   s += " of " + std::to_string(h.count) + " " + dtype_name(h.dtype);

@@ -3,12 +3,9 @@
 // collectives (or sizes) fail on both sides naming both calls. all_reduce is reduce-scatter then
 // all-gather: rank p sums chunk p in rank order, so the sum is x0 + x1 + ... + x(n-1) and every
 // rank gets the same bits. A round progresses every socket of the mesh; frames of other groups
-// or later rounds wait in the peers' stashes.
+// or later rounds wait in the peers' stashes. send/recv are one frame each through the mesh's
+// outgoing queues (parallel/tcp/mesh.h): a send never waits for its receiver.
 #include "parallel/tcp/group_comm.h"
-
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/uio.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -33,6 +30,7 @@ class TcpComm final : public Comm {
       : mesh_(std::move(mesh)), group_(group), members_(std::move(members)) {
     timeout_s_ = timeout_s;
     size_ = int(members_.size());
+    sends_to_.assign(size_t(size_), 0);
     for (int g = 0; g < size_; ++g)
       if (members_[size_t(g)] == mesh_->rank) rank_ = g;
   }
@@ -130,6 +128,106 @@ class TcpComm final : public Comm {
     agree(c);
   }
 
+  // Point-to-point: the frame is copied into the peer's outgoing queue (the mesh writes it as the
+  // socket takes it, during this and every later call), so send returns without the receiver.
+  // A send to this rank goes straight to its own stash.
+  void send(const float* data, int64_t n, int dst, int tag) override {
+    check_count(n, "send");
+    MOE_CHECK(dst >= 0 && dst < size_, "send on rank ", rank_, ": rank ", dst, " is not in this group of ", size_);
+    MOE_CHECK(tag >= 0 && tag <= kMaxTag, "send on rank ", rank_, ": tag ", tag, " must be in [0, ", kMaxTag, "]");
+    check_usable("send");
+    const int w = members_[size_t(dst)];
+    Peer& peer = mesh_->peers[size_t(w)];
+    MOE_CHECK(w == mesh_->rank || !peer.closed, "send on rank ", rank_, " of a group of ", size_, " to ", who(dst),
+              " (tag ", tag, ", ", n, " elements) failed: ", who(dst), " ", peer.why_closed);
+    FrameHeader h;
+    h.op = uint16_t(Op::kSend);
+    h.dtype = uint8_t(Dtype::kF32);
+    h.root = tag;
+    h.group_size = size_;
+    h.group = group_;
+    h.round = sends_to_[size_t(dst)]++;
+    h.count = n;
+    h.bytes = uint64_t(n) * sizeof(float);
+    const char* bytes = reinterpret_cast<const char*>(data);
+    std::vector<char> payload(bytes, bytes + h.bytes);
+    if (w == mesh_->rank) {
+      peer.stash.push_back(Frame{h, std::move(payload)});
+      return;
+    }
+    peer.outq.push_back({h, std::move(payload), 0});
+    mesh_->push_all();
+  }
+
+  // Waits for the next send of `src` in this group (frames of collectives and other groups stay
+  // stashed), progressing every socket meanwhile; checks its tag and count.
+  void recv(float* data, int64_t n, int src, int tag) override {
+    check_count(n, "recv");
+    MOE_CHECK(src >= 0 && src < size_, "recv on rank ", rank_, ": rank ", src, " is not in this group of ", size_);
+    check_usable("recv");
+    const auto deadline = deadline_after(timeout_s_);
+    const int w = members_[size_t(src)];
+    Peer& peer = mesh_->peers[size_t(w)];
+    const std::string head =
+        "recv on rank " + std::to_string(rank_) + " of a group of " + std::to_string(size_) + " from rank " +
+        std::to_string(src);
+    const std::string call = " (tag " + std::to_string(tag) + ", " + std::to_string(n) + " elements)";
+    const std::vector<char> no_writes;
+    for (;;) {
+      mesh_->push_all();
+      for (auto it = peer.stash.begin(); it != peer.stash.end(); ++it) {
+        if (it->h.group != group_ || it->h.op != uint16_t(Op::kSend)) continue;
+        const FrameHeader h = it->h;
+        if (h.root != tag || h.count != n || h.bytes != uint64_t(n) * sizeof(float)) {
+          peer.stash.erase(it);  // dropped, as MPI receives and drops it: the streams stay usable
+          MOE_FAIL(head, ": expected tag ", tag, " with ", n, " elements, got tag ", h.root, " with ", h.count,
+                   " (its send number ", h.round, " to this rank", world_ranks(src),
+                   "): the two ranks run different pipeline schedules (or layouts)");
+        }
+        if (n > 0) std::memcpy(data, it->payload.data(), size_t(h.bytes));
+        peer.stash.erase(it);
+        return;
+      }
+      if (peer.closed)
+        MOE_FAIL(head, call, " failed: ", who(src), " ", peer.why_closed);
+      if (Clock::now() >= deadline) {
+        std::ostringstream t;
+        t << timeout_s_;
+        MOE_FAIL(head, call, " timed out after ", t.str(), " s: rank ", src,
+                 " died, hangs, or runs another schedule", world_ranks(src),
+                 "; the limit is parallel.timeout_s (or MOECORE_COMM_TIMEOUT_S)");
+      }
+      std::string err;
+      if (!mesh_->wait(deadline, no_writes, &err)) fail(head + call + ": " + err);
+    }
+  }
+
+  // Waits until the queued sends to this group's ranks are written to their sockets.
+  void flush_sends() override {
+    const auto deadline = deadline_after(timeout_s_);
+    const std::vector<char> no_writes;
+    for (;;) {
+      mesh_->push_all();
+      int pending = -1;
+      for (int p = 0; p < size_ && pending < 0; ++p)
+        if (!mesh_->peers[size_t(members_[size_t(p)])].outq.empty()) pending = p;
+      if (pending < 0) return;
+      const Peer& peer = mesh_->peers[size_t(members_[size_t(pending)])];
+      const int tag = peer.outq.front().h.root;
+      MOE_CHECK(!peer.closed, "send on rank ", rank_, " of a group of ", size_, " to rank ", pending, " (tag ", tag,
+                ") failed: ", who(pending), " ", peer.why_closed);
+      if (Clock::now() >= deadline) {
+        std::ostringstream t;
+        t << timeout_s_;
+        MOE_FAIL("send on rank ", rank_, " of a group of ", size_, " to rank ", pending, " (tag ", tag,
+                 ") was not received within ", t.str(), " s: rank ", pending,
+                 " died, hangs, or runs another schedule", world_ranks(pending));
+      }
+      std::string err;
+      if (!mesh_->wait(deadline, no_writes, &err)) fail("flush_sends on rank " + std::to_string(rank_) + ": " + err);
+    }
+  }
+
   std::unique_ptr<Comm> split(int color, int key) override {
     MOE_CHECK(color >= 0, "split: color must be >= 0, got ", color, " on rank ", rank_);
     Call c = start(Op::kSplit, Dtype::kI64, 0, -1, 3);
@@ -193,6 +291,17 @@ class TcpComm final : public Comm {
     return "rank " + std::to_string(g) + " of this group (world rank " + std::to_string(w) + ")";
   }
 
+  // " (world ranks 3 and 1)" for this rank and group rank g in a split group, "" in the world.
+  std::string world_ranks(int g) const {
+    if (size_ == mesh_->size && members_[size_t(g)] == g) return "";
+    return " (world ranks " + std::to_string(mesh_->rank) + " and " + std::to_string(members_[size_t(g)]) + ")";
+  }
+
+  void check_usable(const char* what) const {
+    MOE_CHECK(mesh_->broken.empty(), what, " on rank ", rank_, " of group size ", size_,
+              ": the tcp communicator is unusable after an earlier error (", mesh_->broken, ")");
+  }
+
   std::string where(const Call& c) const {
     return "collective " + c.name + " on rank " + std::to_string(rank_) + " of group size " + std::to_string(size_);
   }
@@ -208,7 +317,7 @@ class TcpComm final : public Comm {
     std::deque<Frame>& stash = mesh_->peers[size_t(members_[size_t(p)])].stash;
     for (auto it = stash.begin(); it != stash.end(); ++it) {
       const FrameHeader& h = it->h;
-      if (h.group != group_) continue;
+      if (h.group != group_ || h.op == uint16_t(Op::kSend)) continue;  // recv takes those
       FrameHeader want = c.h;
       want.count = in.count;
       const bool same_call = h.op == want.op && h.dtype == want.dtype && h.reduce == want.reduce &&
@@ -254,39 +363,15 @@ class TcpComm final : public Comm {
     }
     std::vector<Frame> got(static_cast<size_t>(size_));
     std::vector<char> have(size_t(size_), 0);
-    std::vector<pollfd> pfs;
-    std::vector<int> pf_rank;
+    std::vector<char> want_write(size_t(m.size), 0);
     for (;;) {
-      // Sends: as much as the sockets take now.
+      // Sends: as much as the sockets take now, after the point-to-point frames queued before.
       bool sends_left = false;
+      m.push_all();
       for (Sending& s : sending) {
-        const size_t total = sizeof(FrameHeader) + size_t(s.h.bytes);
-        Peer& peer = m.peers[size_t(members_[size_t(s.p)])];
-        while (s.sent < total && !peer.closed) {
-          iovec iov[2];
-          int n_iov = 0;
-          if (s.sent < sizeof(FrameHeader)) {
-            iov[n_iov++] = {reinterpret_cast<char*>(&s.h) + s.sent, sizeof(FrameHeader) - s.sent};
-            if (s.h.bytes) iov[n_iov++] = {const_cast<char*>(s.data), size_t(s.h.bytes)};
-          } else {
-            const size_t off = s.sent - sizeof(FrameHeader);
-            iov[n_iov++] = {const_cast<char*>(s.data) + off, size_t(s.h.bytes) - off};
-          }
-          msghdr mh{};
-          mh.msg_iov = iov;
-          mh.msg_iovlen = size_t(n_iov);
-          const ssize_t k = ::sendmsg(peer.fd, &mh, MSG_NOSIGNAL);
-          if (k > 0) {
-            s.sent += size_t(k);
-          } else if (k < 0 && errno == EINTR) {
-            continue;
-          } else if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            break;
-          } else {
-            m.mark_closed(peer, "lost its connection (" + errno_text(errno) + "; its process exited or crashed)");
-          }
-        }
-        if (s.sent < total) sends_left = true;
+        const int w = members_[size_t(s.p)];
+        Peer& peer = m.peers[size_t(w)];
+        if (!peer.outq.empty() || !write_frame(peer, s.h, s.data, &s.sent)) sends_left = true;
       }
       // Receives: frames already here (checked against this call as they are taken).
       int missing = 0;
@@ -330,21 +415,11 @@ class TcpComm final : public Comm {
       }
       // Wait for any socket: every open peer is read (other groups' frames are stashed), and
       // written where a send is pending.
-      pfs.clear();
-      pf_rank.clear();
-      for (int w = 0; w < m.size; ++w) {
-        const Peer& peer = m.peers[size_t(w)];
-        if (w == m.rank || peer.fd < 0 || peer.closed) continue;
-        short ev = POLLIN;
-        for (const Sending& s : sending)
-          if (members_[size_t(s.p)] == w && s.sent < sizeof(FrameHeader) + size_t(s.h.bytes)) ev |= POLLOUT;
-        pfs.push_back({peer.fd, ev, 0});
-        pf_rank.push_back(w);
-      }
-      const int rc = ::poll(pfs.data(), pfs.size(), ms_left(c.deadline));
-      if (rc < 0 && errno != EINTR) fail(where(c) + ": poll failed: " + errno_text(errno));
-      for (size_t i = 0; rc > 0 && i < pfs.size(); ++i)
-        if (pfs[i].revents & (POLLIN | POLLHUP | POLLERR)) m.drain(pf_rank[i]);
+      std::fill(want_write.begin(), want_write.end(), 0);
+      for (const Sending& s : sending)
+        if (s.sent < sizeof(FrameHeader) + size_t(s.h.bytes)) want_write[size_t(members_[size_t(s.p)])] = 1;
+      std::string err;
+      if (!m.wait(c.deadline, want_write, &err)) fail(where(c) + ": " + err);
     }
   }
 
@@ -457,6 +532,7 @@ class TcpComm final : public Comm {
   std::vector<int> members_;  // world rank of each group rank
   int rank_ = 0, size_ = 1;
   uint64_t round_ = 0;
+  std::vector<uint64_t> sends_to_;  // sends to each group rank
 };
 
 }  // namespace
