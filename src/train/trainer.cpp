@@ -4,7 +4,10 @@
 // once in_flight() steps are submitted (the CPU step: at once; the GPU step: one step late, so
 // the host stages step s + 1 while the GPU runs step s); every submitted step is collected
 // before an eval, a checkpoint and the end. Rank 0 prints and writes metrics.jsonl; every rank
-// takes part in evals and checkpoints (train/checkpointing.h).
+// takes part in evals and checkpoints (train/checkpointing.h). Phase times: every step where they
+// are cheap (CPU), else the last step of each log interval with log.phase_times; log.trace's steps
+// also keep their phase intervals, and each rank writes its trace file (train/trace.h) once the
+// window's last step is collected.
 #include "train/trainer.h"
 
 #include <unistd.h>
