@@ -107,6 +107,8 @@ struct RunConfig {
 
 struct LogConfig {
   int64_t interval = 10;
+  std::string trace;         // "A:B" or "N": steps whose phases go to RUN_DIR/trace.json; "": none
+  bool phase_times = false;  // GPU: time the phases of the last step of every log interval (eager)
 };
 
 struct Config {

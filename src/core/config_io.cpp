@@ -171,6 +171,12 @@ std::vector<ConfigKey> build_keys() {
             "run directory: resolved config.toml, metrics.jsonl, checkpoints"),
 
       entry("log.interval", &C::log, &LogConfig::interval, "steps between metric lines"),
+      entry("log.trace", &C::log, &LogConfig::trace,
+            "steps A:B (or one step N) whose every phase goes to RUN_DIR/trace.json (Chrome trace events, "
+            "Perfetto); GPU: those steps run eagerly, without the CUDA graph; empty: no trace"),
+      entry("log.phase_times", &C::log, &LogConfig::phase_times,
+            "GPU: per-phase times in metrics.jsonl from the last step of every log interval, run eagerly with CUDA "
+            "events (the CPU step always records them)"),
   };
 }
 
@@ -1031,8 +1037,33 @@ void validate_config(const Config& c) {
 
   p.need(!c.run.dir.empty(), "run.dir must not be empty");
   p.need(c.log.interval >= 1, "log.interval must be >= 1, got ", c.log.interval);
+  if (!c.log.trace.empty()) {
+    int64_t first = 0, last = 0;
+    const bool parsed = parse_step_range(c.log.trace, &first, &last);
+    p.need(parsed, "log.trace must be a step range \"A:B\" (or one step \"N\"), got \"", c.log.trace, "\"");
+    if (parsed)
+      p.need(first >= 1 && first <= last && last <= t.steps, "log.trace = \"", c.log.trace,
+             "\" must be steps 1 <= A <= B <= train.steps = ", t.steps);
+  }
 
   if (!p.list.empty()) MOE_FAIL("invalid configuration:\n  ", join(p.list, "\n  "));
+}
+
+bool parse_step_range(std::string_view text, int64_t* first, int64_t* last) {
+  const std::string_view s = trim(text);
+  auto number = [](std::string_view d, int64_t* out) {
+    if (d.empty() || d.size() > 15) return false;
+    int64_t v = 0;
+    for (const char ch : d) {
+      if (ch < '0' || ch > '9') return false;
+      v = v * 10 + (ch - '0');
+    }
+    *out = v;
+    return true;
+  };
+  const size_t colon = s.find(':');
+  if (colon == std::string_view::npos) return number(s, first) && number(s, last);
+  return number(trim(s.substr(0, colon)), first) && number(trim(s.substr(colon + 1)), last);
 }
 
 std::string config_to_toml(const Config& c) {

@@ -56,6 +56,10 @@ inline constexpr int64_t kMaxTokensPerMicroBatch = int64_t(1) << 32;
 inline constexpr int64_t kMaxTokensPerStep = int64_t(1) << 48;
 inline constexpr int64_t kMaxActivationElements = int64_t(1) << 52;  // of one micro-batch
 
+// "A:B" (or "N": A = B = N) as two step numbers; false when the text is not of that form
+// (log.trace; validate_config checks the range against train.steps).
+bool parse_step_range(std::string_view text, int64_t* first, int64_t* last);
+
 // Every key, in section order (model, moe, train, optim, data, parallel, checkpoint, run, log).
 const std::vector<ConfigKey>& config_keys();
 // The key called `name` ("section.key"), or nullptr.

@@ -10,7 +10,28 @@
 
 #include "cuda/common.h"
 
+#if __has_include(<nvtx3/nvToolsExt.h>)
+#include <nvtx3/nvToolsExt.h>
+#define MOECORE_NVTX 1
+#endif
+
 namespace moe::cuda {
+
+namespace {
+// An NVTX range per open phase (host side, at the mark; Nsight projects it onto the GPU work).
+void nvtx_push(Phase p) {
+#ifdef MOECORE_NVTX
+  nvtxRangePushA(phase_name(p));
+#else
+  (void)p;
+#endif
+}
+void nvtx_pop() {
+#ifdef MOECORE_NVTX
+  nvtxRangePop();
+#endif
+}
+}  // namespace
 
 struct EventTimer::Impl {
   struct Interval {
@@ -45,6 +66,7 @@ struct EventTimer::Impl {
     const size_t e = record();
     intervals.push_back({open_phase, open_event, e});
     open_phase = -1;
+    nvtx_pop();
   }
 };
 
@@ -59,15 +81,22 @@ void EventTimer::mark(Phase p) {
             static_cast<int>(p));
   Impl& s = *impl_;
   const size_t e = s.record();
-  if (s.open_phase >= 0) s.intervals.push_back({s.open_phase, s.open_event, e});
+  if (s.open_phase >= 0) {
+    s.intervals.push_back({s.open_phase, s.open_event, e});
+    nvtx_pop();
+  }
   s.open_phase = static_cast<int>(p);
   s.open_event = e;
+  nvtx_push(p);
 }
 
 void EventTimer::close() { impl_->close_open(); }
 
-std::array<double, kNumPhases> EventTimer::collect() {
+std::array<double, kNumPhases> EventTimer::collect() { return collect_intervals(nullptr); }
+
+std::array<double, kNumPhases> EventTimer::collect_intervals(std::vector<Interval>* out) {
   Impl& s = *impl_;
+  if (out) out->clear();
   s.close_open();  // a phase still open ends here
   std::array<double, kNumPhases> ms{};
   if (s.used > 0) {
@@ -76,6 +105,11 @@ std::array<double, kNumPhases> EventTimer::collect() {
       float t = 0.0f;
       MOE_CUDA_CHECK(cudaEventElapsedTime(&t, s.events[iv.begin], s.events[iv.end]));
       ms[iv.phase] += static_cast<double>(t);
+      if (out) {
+        float start = 0.0f;
+        MOE_CUDA_CHECK(cudaEventElapsedTime(&start, s.events[0], s.events[iv.begin]));
+        out->push_back({Phase(iv.phase), double(start), double(start) + double(t)});
+      }
     }
   }
   s.used = 0;

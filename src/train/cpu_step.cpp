@@ -63,13 +63,32 @@ class CpuStep final : public Step {
   void sync_host_state(bool) override {}  // the CPU step trains the host state in place
 
   void submit(const StepInput& in) override {
+    PhaseTimer& t = s_.model.timer();
+    if (record_times_) {  // this step's laps only (an eval between steps laps too)
+      t.enable(true);
+      t.reset();
+      t.record_intervals(record_intervals_);
+      t.take_intervals();
+    }
     StepStats st = run_micro_batches(in);
-    s_.model.timer().lap(Phase::kOptimizer);  // gradient reduction, norm and update (profiling only)
+    t.lap(Phase::kOptimizer);  // gradient reduction, norm and update (when timing)
     reduce_gradients(st);
     update(st, in.lr);
-    s_.model.timer().stop();
+    t.stop();
+    if (record_times_) {
+      st.phase_ms.resize(size_t(kNumPhases));
+      for (int p = 0; p < kNumPhases; ++p) st.phase_ms[size_t(p)] = 1e3 * t.seconds(Phase(p));
+      st.phase_intervals = t.take_intervals();
+      t.record_intervals(false);
+    }
     done_.push_back(std::move(st));
   }
+
+  void set_phase_recording(bool times, bool intervals) override {
+    record_times_ = times || intervals;
+    record_intervals_ = intervals;
+  }
+  bool cheap_phase_times() const override { return true; }
 
   StepStats collect() override {
     MOE_CHECK(!done_.empty(), "CpuStep::collect: no submitted step is waiting to be collected");
@@ -352,6 +371,7 @@ class CpuStep final : public Step {
     st.optimizer_steps = s_.opt.steps_taken();
   }
 
+  bool record_times_ = false, record_intervals_ = false;
   const Config& cfg_;
   const RunPlan& plan_;
   const Topology& topo_;

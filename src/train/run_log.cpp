@@ -93,6 +93,11 @@ void RunLog::step(const StepStats& s, double lr, double step_s, const Step& step
   layer_imb_.resize(s.tokens_per_expert.size(), 0.0);
   for (size_t l = 0; l < s.tokens_per_expert.size(); ++l) layer_imb_[l] += load_imbalance({s.tokens_per_expert[l]});
   dropped_ += s.num_routes ? double(s.num_dropped) / double(s.num_routes) : 0.0;
+  if (!s.phase_ms.empty()) {
+    phase_ms_.resize(s.phase_ms.size(), 0.0);
+    for (size_t p = 0; p < s.phase_ms.size(); ++p) phase_ms_[p] += s.phase_ms[p];
+    ++phase_steps_;
+  }
   ++n_;
   if (done % cfg_.log.interval != 0 && done != cfg_.train.steps) {
     if (tty_) {
@@ -121,6 +126,12 @@ void RunLog::step(const StepStats& s, double lr, double step_s, const Step& step
   nlohmann::json layers = nlohmann::json::array();
   for (const double v : layer_imb_) layers.push_back(v / n);
   rec["layer_load_imbalance"] = layers;
+  if (phase_steps_ > 0) {
+    nlohmann::json phases = nlohmann::json::object();
+    for (size_t p = 0; p < phase_ms_.size(); ++p) phases[phase_name(Phase(int(p)))] = phase_ms_[p] / double(phase_steps_);
+    rec["phase_ms"] = phases;
+    rec["phase_steps"] = phase_steps_;
+  }
   stamp(rec, done);
   char gpu_part[128] = "";
   if (step.has_device_figures()) {
@@ -147,7 +158,8 @@ void RunLog::step(const StepStats& s, double lr, double step_s, const Step& step
   out_ << buf << std::flush;
   loss_ = lb_ = z_ = s_ = imb_ = dropped_ = 0;
   layer_imb_.assign(layer_imb_.size(), 0.0);
-  n_ = skipped_ = 0;
+  phase_ms_.assign(phase_ms_.size(), 0.0);
+  n_ = skipped_ = phase_steps_ = 0;
 }
 
 }  // namespace moe

@@ -4,7 +4,9 @@
 // checkpoints, and the live line on a terminal. Every step and eval record carries wall_s (seconds
 // since the run started, continued across a resume from the kept records), time (UTC, ISO 8601)
 // and tokens (trained through that step); step records also layer_load_imbalance, max/mean tokens
-// per expert of each MoE layer averaged over the interval (docs/report.md).
+// per expert of each MoE layer averaged over the interval (docs/report.md), and phase_ms, this
+// rank's milliseconds per phase averaged over the interval's timed steps (phase_steps of them:
+// every step on the CPU; on the GPU only with log.phase_times or in the log.trace window).
 #pragma once
 
 #include <chrono>
@@ -56,6 +58,8 @@ class RunLog {
   Clock::time_point t_run_;  // wall_s counts from here (construction), plus wall_offset_
   double wall_offset_;
   std::vector<double> layer_imb_;  // per MoE layer, summed over the interval
+  std::vector<double> phase_ms_;   // per phase, summed over the interval's timed steps
+  int64_t phase_steps_ = 0;
   double loss_ = 0, lb_ = 0, z_ = 0, s_ = 0, imb_ = 0, dropped_ = 0;
   int64_t n_ = 0, skipped_ = 0;
 };

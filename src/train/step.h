@@ -37,6 +37,10 @@ struct StepStats {
   double grad_norm = 0;      // before clipping
   bool skipped = false;      // non-finite grad norm or loss: no update, no bias change
   int64_t optimizer_steps = 0;  // AdamW steps taken after this step (skipped steps do not count)
+  // This rank's phase times (Step::set_phase_recording): milliseconds per phase (kNumPhases
+  // entries, or empty when the step was not timed), and the phase intervals (when asked).
+  std::vector<double> phase_ms;
+  std::vector<PhaseInterval> phase_intervals;
   double loss() const;       // ce_sum / max(1, num_targets)
 };
 
@@ -79,6 +83,14 @@ class Step {
   // Figures of `steps` steps that took `seconds` (GPU steps), or none.
   virtual bool has_device_figures() const { return false; }
   virtual DeviceFigures device_figures(int64_t steps, double seconds) const { return {}; }
+
+  // Phase recording of the steps submitted from now on: times fills StepStats::phase_ms,
+  // intervals also StepStats::phase_intervals. The CPU step times with its PhaseTimer (cheap); the
+  // GPU step runs such a step eagerly with CUDA events (no CUDA graph) and waits for it in submit.
+  // Every rank of a job must make the same calls.
+  virtual void set_phase_recording(bool times, bool intervals) = 0;
+  // True when timing a step costs next to nothing (the CPU step): the loop then times every step.
+  virtual bool cheap_phase_times() const = 0;
 
   // Bench: phase profiling of the steps submitted while on (eager steps on the GPU), the phase
   // times of the last profiled step in milliseconds, and backend figures for the bench record

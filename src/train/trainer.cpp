@@ -4,7 +4,10 @@
 // once in_flight() steps are submitted (the CPU step: at once; the GPU step: one step late, so
 // the host stages step s + 1 while the GPU runs step s); every submitted step is collected
 // before an eval, a checkpoint and the end. Rank 0 prints and writes metrics.jsonl; every rank
-// takes part in evals and checkpoints (train/checkpointing.h).
+// takes part in evals and checkpoints (train/checkpointing.h). Phase times: every step where they
+// are cheap (CPU), else the last step of each log interval with log.phase_times; log.trace's steps
+// also keep their phase intervals, and each rank writes its trace file (train/trace.h) once the
+// window's last step is collected.
 #include "train/trainer.h"
 
 #include <unistd.h>
@@ -40,6 +43,7 @@
 #include "train/run_log.h"
 #include "train/run_plan.h"
 #include "train/step.h"
+#include "train/trace.h"
 
 namespace moe {
 
@@ -130,7 +134,9 @@ class TrainLoop {
             const DataLoader* eval, Step& step, RunLog& log, MetricsWriter* metrics, TrainSummary& summary,
             std::ostream& out)
       : cfg_(cfg), plan_(plan), topo_(topo), state_(state), loader_(loader), eval_(eval), step_(step), log_(log),
-        metrics_(metrics), summary_(summary), out_(out), saved_step_(summary.start_step) {}
+        metrics_(metrics), summary_(summary), out_(out), saved_step_(summary.start_step) {
+    if (!cfg.log.trace.empty()) parse_step_range(cfg.log.trace, &trace_first_, &trace_last_);
+  }
 
   void run() {
     const FaultInjection fault = FaultInjection::from_env();
@@ -152,6 +158,7 @@ class TrainLoop {
       if (ckpt) log_.saved(save(done), last);
     }
     collect_all();
+    if (trace_ && !trace_written_ && !trace_->empty()) write_trace();  // stopped inside the window
     if (summary_.stopped_by != 0) stop_early();
     summary_.wall_s = std::chrono::duration<double>(Clock::now() - log_.start_time()).count();
   }
@@ -161,6 +168,10 @@ class TrainLoop {
   // dp: no device value is read inside a step), submit; the oldest step collected once
   // in_flight() are submitted.
   void submit(int64_t step) {
+    const bool traced = in_trace(step);
+    if (traced && !trace_) start_trace();
+    const bool interval_end = step % cfg_.log.interval == 0 || step == cfg_.train.steps;
+    step_.set_phase_recording(step_.cheap_phase_times() || traced || (cfg_.log.phase_times && interval_end), traced);
     submitted_.push_back(Clock::now());
     const std::vector<Batch> micro = loader_.next();
     int64_t global_targets = count_targets(micro);
@@ -173,8 +184,13 @@ class TrainLoop {
   void collect_one() {
     const StepStats s = step_.collect();
     const auto now = Clock::now();
-    const double step_s = std::chrono::duration<double>(now - std::max(submitted_.front(), last_done_)).count();
+    const auto began = std::max(submitted_.front(), last_done_);
+    const double step_s = std::chrono::duration<double>(now - began).count();
     submitted_.pop_front();
+    if (trace_ && in_trace(s.step)) {
+      trace_->add_step(s.step, s.phase_intervals, steady_seconds(began), steady_seconds(now));
+      if (s.step == trace_last_) write_trace();
+    }
     last_done_ = now;
     const double loss = s.loss();
     if (s.skipped || !std::isfinite(loss)) log_.skipped(s.step, loss, s.grad_norm);
@@ -187,6 +203,30 @@ class TrainLoop {
 
   void collect_all() {
     while (step_.pending() > 0) collect_one();
+  }
+
+  bool in_trace(int64_t step) const { return trace_last_ > 0 && step >= trace_first_ && step <= trace_last_; }
+
+  // The window's first step is next: every rank keeps its own trace (train/trace.h).
+  void start_trace() {
+    const int rank = topo_.rank, ranks = topo_.world->size();
+    trace_.emplace(trace_path(cfg_.run.dir, rank, ranks), rank, steady_seconds(log_.start_time()));
+    out_ << "trace: recording every phase of steps " << trace_first_ << ".." << trace_last_ << " into "
+         << (ranks > 1 ? trace_path(cfg_.run.dir, 0, ranks) + " (one file per rank)" : trace_->path());
+    if (plan_.device != "cpu")
+      out_ << "; these steps run eagerly with CUDA events (no CUDA graph), each waited for; the CUDA graph resumes "
+           << "at step " << trace_last_ + 1;
+    out_ << "\n" << std::flush;
+  }
+
+  void write_trace() {
+    fs::create_directories(cfg_.run.dir);
+    const int64_t n = trace_->write();
+    trace_written_ = true;
+    out_ << "trace: wrote " << n << " phase events to " << trace_->path()
+         << (topo_.world->size() > 1 ? " (and the other ranks' files)" : "")
+         << "; open it at https://ui.perfetto.dev (Open trace file: read in the browser, nothing uploaded)\n"
+         << std::flush;
   }
 
   // At step 0 of a fresh run, every eval_interval steps and at the end; never with interval 0.
@@ -265,6 +305,9 @@ class TrainLoop {
   int64_t saved_step_;
   std::deque<Clock::time_point> submitted_;  // submission time of each pending step
   Clock::time_point last_done_;
+  int64_t trace_first_ = 0, trace_last_ = 0;  // log.trace's window; 0: none
+  std::optional<StepTrace> trace_;
+  bool trace_written_ = false;
 };
 
 }  // namespace

@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -17,6 +19,7 @@
 #include "e2e/cli_util.h"
 #include "core/config.h"
 #include "core/config_io.h"
+#include "core/phase.h"
 #include "model/layout.h"
 #include "support/test_util.h"
 #include "train/run_plan.h"
@@ -97,6 +100,97 @@ TEST(Train, MetricsHaveContractKeys) {
   std::stringstream ss;
   ss << f.rdbuf();
   EXPECT_EQ(config_to_toml(parse_config_toml(ss.str(), "config.toml")), config_to_toml(a));
+}
+
+// log.trace = 2:3 on the CPU: trace.json holds a complete event for every phase that ran in
+// steps 2 and 3 (those with time in the metrics records) and for nothing else, non-negative, in
+// start order, their durations summing per step to within 10% of the step's measured time and
+// per phase to the record's phase_ms.
+TEST(Train, TraceWindowHoldsEveryPhaseOfItsSteps) {
+  const TempDir tmp("trace");
+  const fs::path root = tmp.root();
+  Config a = small_config(root / "run");
+  a.train.steps = 4;
+  a.log.interval = 1;  // one record per step: step_ms and phase_ms of that step
+  a.log.trace = "2:3";
+  std::ostringstream log;
+  train(a, log);
+  EXPECT_NE(log.str().find("trace: wrote"), std::string::npos) << log.str();
+  std::map<int64_t, nlohmann::json> records;
+  for (const auto& r : read_metrics(root / "run"))
+    if (r.contains("loss")) records[r["step"].get<int64_t>()] = r;
+  ASSERT_EQ(records.size(), 4u);
+
+  std::ifstream f(root / "run" / "trace.json");
+  ASSERT_TRUE(f.good());
+  const nlohmann::json doc = nlohmann::json::parse(f);  // throws when not JSON
+  ASSERT_TRUE(doc.contains("traceEvents"));
+  std::map<int64_t, std::map<std::string, double>> dur;  // step -> phase -> summed us
+  double last_ts = -1;
+  bool named = false;
+  for (const auto& e : doc["traceEvents"]) {
+    ASSERT_EQ(e["pid"].get<int>(), 0);
+    if (e["ph"] == "M") {
+      named |= e["name"] == "process_name";
+      continue;
+    }
+    ASSERT_EQ(e["ph"], "X");
+    const double ts = e["ts"].get<double>(), d = e["dur"].get<double>();
+    EXPECT_GE(ts, last_ts) << "events out of order";
+    last_ts = ts;
+    EXPECT_GE(d, 0.0);
+    const int64_t step = e["args"]["step"].get<int64_t>();
+    EXPECT_TRUE(step == 2 || step == 3) << "event of step " << step << " outside the window";
+    if (e["cat"] == "phase") dur[step][e["name"].get<std::string>()] += d;
+  }
+  EXPECT_TRUE(named) << "no process_name metadata event";
+  ASSERT_EQ(dur.size(), 2u);
+  for (const int64_t step : {2, 3}) {
+    const nlohmann::json& rec = records[step];
+    ASSERT_TRUE(rec.contains("phase_ms")) << rec.dump();
+    std::set<std::string> ran, traced;
+    for (const auto& [name, ms] : rec["phase_ms"].items())
+      if (ms.get<double>() > 0) ran.insert(name);
+    double sum_us = 0;
+    for (const auto& [name, us] : dur[step]) {
+      traced.insert(name);
+      sum_us += us;
+      EXPECT_NEAR(us, 1e3 * rec["phase_ms"][name].get<double>(), 1e-3 * us + 1e-3) << name << " step " << step;
+    }
+    EXPECT_EQ(traced, ran) << "step " << step;
+    for (const char* p : {"embedding", "attention", "router", "dispatch", "experts", "combine", "lm_head", "optimizer"})
+      EXPECT_TRUE(traced.count(p)) << p << " missing in step " << step;
+    const double step_us = 1e3 * rec["step_ms"].get<double>();
+    EXPECT_NEAR(sum_us, step_us, 0.1 * step_us) << "step " << step;
+  }
+}
+
+TEST(Train, MetricsCarryPhaseTimes) {
+  const TempDir tmp("phases");
+  const fs::path root = tmp.root();
+  Config a = small_config(root / "run");
+  a.train.steps = 4;
+  a.log.interval = 2;
+  std::ostringstream log;
+  train(a, log);
+  int records = 0;
+  for (const auto& r : read_metrics(root / "run")) {
+    if (!r.contains("loss")) continue;
+    ++records;
+    ASSERT_TRUE(r.contains("phase_ms")) << r.dump();
+    EXPECT_EQ(r["phase_steps"].get<int64_t>(), 2);
+    EXPECT_EQ(r["phase_ms"].size(), size_t(kNumPhases));
+    double sum = 0;
+    for (const auto& [name, ms] : r["phase_ms"].items()) {
+      EXPECT_GE(ms.get<double>(), 0.0) << name;
+      sum += ms.get<double>();
+    }
+    EXPECT_GT(r["phase_ms"]["attention"].get<double>(), 0.0);
+    EXPECT_LE(sum, 1.1 * r["step_ms"].get<double>());  // a part of the step (not the data loader's)
+    EXPECT_GT(sum, 0.0);
+  }
+  EXPECT_EQ(records, 2);
+  EXPECT_FALSE(fs::exists(root / "run" / "trace.json"));  // no log.trace, no trace
 }
 
 TEST(Train, NonFiniteStepsAreSkipped) {

@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -45,6 +47,55 @@ TEST(CudaTrain, FollowsCpuLossCurve) {
               cpu.initial_eval_loss, cpu.final_eval_loss, gpu.initial_eval_loss, gpu.final_eval_loss);
   EXPECT_LT(b.back(), 0.9 * b.front());  // it trains
   EXPECT_FALSE(gpu.last_checkpoint.empty());
+}
+
+// log.trace on the GPU: steps 2 and 3 run eagerly with CUDA events; trace.json holds their phases
+// only, in order, non-negative, each step's phases within its measured time; their metrics
+// records carry phase_ms and the others (graph steps, log.phase_times off) do not.
+TEST(CudaTrain, TraceWindowRecordsEagerSteps) {
+  MOE_SKIP_WITHOUT_GPU();
+  const TempDir tmp("cuda_trace");
+  Config c = small(tmp / "gpu", "cuda", "bf16");
+  c.train.steps = 6;
+  c.train.eval_interval = 0;
+  c.log.interval = 1;
+  c.log.trace = "2:3";
+  std::ostringstream log;
+  train(c, log);
+  EXPECT_NE(log.str().find("the CUDA graph resumes at step 4"), std::string::npos) << log.str();
+  for (const auto& r : read_metrics(tmp / "gpu")) {
+    if (!r.contains("loss")) continue;
+    const int64_t step = r["step"].get<int64_t>();
+    EXPECT_EQ(r.contains("phase_ms"), step == 2 || step == 3) << r.dump();
+  }
+  std::ifstream f(tmp / "gpu" / "trace.json");
+  ASSERT_TRUE(f.good());
+  const nlohmann::json doc = nlohmann::json::parse(f);
+  std::map<int64_t, double> phase_us, step_us;
+  std::set<std::string> names;
+  double last_ts = -1;
+  for (const auto& e : doc["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    const double ts = e["ts"].get<double>(), d = e["dur"].get<double>();
+    EXPECT_GE(ts, last_ts);
+    last_ts = ts;
+    EXPECT_GE(d, 0.0);
+    const int64_t step = e["args"]["step"].get<int64_t>();
+    EXPECT_TRUE(step == 2 || step == 3) << step;
+    if (e["cat"] == "phase") {
+      phase_us[step] += d;
+      names.insert(e["name"].get<std::string>());
+    } else {
+      step_us[step] = d;
+    }
+  }
+  for (const char* p : {"embedding", "attention", "router", "dispatch", "experts", "combine", "lm_head", "optimizer"})
+    EXPECT_TRUE(names.count(p)) << p;
+  ASSERT_EQ(phase_us.size(), 2u);
+  for (const auto& [step, us] : phase_us) {
+    EXPECT_GT(us, 0.0);
+    EXPECT_LE(us, 1.1 * step_us[step]) << "step " << step;
+  }
 }
 
 TEST(CudaTrain, DeviceResolution) {

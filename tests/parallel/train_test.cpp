@@ -10,9 +10,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <memory>
 #include <sstream>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/hf.h"
@@ -101,6 +104,34 @@ TEST(DataParallel, FollowsOneRankLosses) {
       w.barrier();
     }
   }
+}
+
+// log.trace over the job: every rank writes trace.rank<R>.json with its rank as pid, holding the
+// window's step only.
+TEST(DataParallel, TraceHasOneFilePerRank) {
+  Comm& w = world_comm();
+  if (!needs_ranks(2)) GTEST_SKIP() << "needs >= 2 ranks";
+  const SharedDir dir(w, "trace");
+  Config cfg = small_parallel_config(dir / "run", /*steps=*/3);
+  cfg.log.trace = "2:2";
+  std::ostringstream log;
+  train(cfg, log, w);
+  w.barrier();
+  for (int r = 0; r < w.size(); ++r) {
+    std::ifstream f(fs::path(cfg.run.dir) / ("trace.rank" + std::to_string(r) + ".json"));
+    ASSERT_TRUE(f.good()) << "rank " << r << "'s trace";
+    const nlohmann::json doc = nlohmann::json::parse(f);
+    int64_t phases = 0;
+    for (const auto& e : doc["traceEvents"]) {
+      EXPECT_EQ(e["pid"].get<int>(), r);
+      if (e["ph"] != "X") continue;
+      EXPECT_EQ(e["args"]["step"].get<int64_t>(), 2);
+      phases += e["cat"] == "phase";
+    }
+    EXPECT_GT(phases, 0) << "rank " << r;
+  }
+  EXPECT_FALSE(fs::exists(fs::path(cfg.run.dir) / "trace.json"));
+  w.barrier();
 }
 
 TEST(DataParallel, ZeroOnAndOffAgree) {

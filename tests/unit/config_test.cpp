@@ -46,8 +46,8 @@ TEST(ConfigKeys, EveryKeyHasItsOwnFieldAndDescription) {
     EXPECT_FALSE(k.description.empty()) << k.name;
     EXPECT_EQ(find_config_key(k.name), &k);
   }
-  // 11 model + 11 moe + 10 train + 9 optim + 7 data + 10 parallel + 4 checkpoint + 1 run + 1 log.
-  EXPECT_EQ(config_keys().size(), 64u);
+  // 11 model + 11 moe + 10 train + 9 optim + 7 data + 10 parallel + 4 checkpoint + 1 run + 3 log.
+  EXPECT_EQ(config_keys().size(), 66u);
   EXPECT_EQ(find_config_key("moe.topk"), nullptr);
   EXPECT_EQ(find_config_key("model.dense_layers")->type, ConfigType::kIntList);
   EXPECT_EQ(find_config_key("train.seed")->type, ConfigType::kUint);
@@ -624,3 +624,36 @@ TEST(ConfigHelp, ListsEveryKeyWithTypeDefaultAndChoices) {
 
 }  // namespace
 }  // namespace moe::testing
+
+namespace moe {
+namespace {
+
+TEST(ConfigValidate, LogTraceIsAStepRangeWithinTrainSteps) {
+  for (const char* ok : {"2:3", "1:1", "5", " 2 : 4 "}) {
+    Config c;
+    c.train.steps = 10;
+    c.log.trace = ok;
+    EXPECT_NO_THROW(validate_config(c)) << ok;
+  }
+  for (const char* bad : {"x", "3:2", "0:1", "1:11", "2:", ":3", "-1:2", "1:2:3", "1e2", "11"}) {
+    Config c;
+    c.train.steps = 10;
+    c.log.trace = bad;
+    std::string msg;
+    try {
+      validate_config(c);
+    } catch (const std::exception& e) {
+      msg = e.what();
+    }
+    EXPECT_NE(msg.find("log.trace"), std::string::npos) << bad << ": " << msg;
+  }
+  Config c;
+  c.log.trace = "9:9";
+  apply_override(c, "--log.trace=2:3");
+  EXPECT_EQ(c.log.trace, "2:3");
+  apply_override(c, "--log.phase_times=true");
+  EXPECT_TRUE(c.log.phase_times);
+}
+
+}  // namespace
+}  // namespace moe
