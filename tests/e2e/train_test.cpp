@@ -287,6 +287,15 @@ TEST(RunPlan, GpuZeroShardsMomentsOverDpAndEpDp) {
   EXPECT_FALSE(make_run_plan(c, 1, "cuda").zero);
 }
 
+// A GPU-only setting on the CPU backend is refused by the run plan, naming the key.
+TEST(RunPlan, GpuOnlyGradReduceDtypeIsRefusedOnCpu) {
+  Config c;
+  c.parallel.grad_reduce_dtype = "bf16";
+  const std::string err = error_of([&] { make_run_plan(c, 1, "cpu"); });
+  EXPECT_NE(err.find("parallel.grad_reduce_dtype = \"bf16\" on train.device = \"cpu\""), std::string::npos) << err;
+  EXPECT_NO_THROW(make_run_plan(c, 1, "cuda"));
+}
+
 // The batch arithmetic is derived once, for the world size; a bad layout fails with its arithmetic.
 TEST(RunPlan, BatchArithmeticAndZeroShards) {
   Config c;
