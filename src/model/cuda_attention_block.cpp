@@ -31,14 +31,12 @@ CudaAttentionBlock::CudaAttentionBlock(const ModelConfig& m, const LayerParams& 
 }
 
 void CudaAttentionBlock::bind(Recompute mode, CudaAttentionSaved* pool) {
-  MOE_CHECK(mode == Recompute::kNone || pool != nullptr, "CudaAttentionBlock::bind: recompute mode '",
-            recompute_name(mode), "' needs a pool");
+  const CudaSavedSlots<CudaAttentionSaved> at("CudaAttentionBlock::bind", mode, saved_, pool);
   mode_ = mode;
   CudaAttentionSaved& own = saved_;
   // selective: norm and projections pooled; full: everything but the FP32 copy of the input (its
   // BF16 copy is that copy rounded, as every residual add writes it: restore_residual redoes it).
   const bool sel = mode != Recompute::kNone, full = mode == Recompute::kFull;
-  auto at = [&](cuda::DeviceBuffer CudaAttentionSaved::*f, bool pooled) { return pooled ? &(pool->*f) : &(own.*f); };
   Slots& s = slots_;
   s.x = at(&CudaAttentionSaved::x_ND, full);
   s.x32 = &own.x32_ND;

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "core/error.h"
+#include "core/recompute.h"
 #include "cuda/device.h"
 #include "cuda/event_timer.h"
 #include "cuda/ops/memory.h"
@@ -70,6 +71,26 @@ class CudaBufferGrower {
   cuda::Stream stream_ = nullptr;
   int64_t generation_ = 0;
   int64_t bytes_ = 0;
+};
+
+// Where a block's saved tensors live under recomputation (core/recompute.h): in the block's own
+// saved struct, or, for a tensor the mode recomputes, in the pool that every layer's block of that
+// kind shares. Built by a block's bind(); refuses a recompute mode without a pool.
+template <typename Saved>
+class CudaSavedSlots {
+ public:
+  CudaSavedSlots(const char* where, Recompute mode, Saved& own, Saved* pool) : own_(own), pool_(pool) {
+    MOE_CHECK(mode == Recompute::kNone || pool != nullptr, where, ": recompute mode '", recompute_name(mode),
+              "' needs a pool");
+  }
+  // The buffer of field f: the pool's when `pooled`, else the block's own.
+  cuda::DeviceBuffer* operator()(cuda::DeviceBuffer Saved::*f, bool pooled) const {
+    return pooled ? &(pool_->*f) : &(own_.*f);
+  }
+
+ private:
+  Saved& own_;
+  Saved* pool_;
 };
 
 // The residual stream and the scratch all blocks share (one of each per model). A block reads its

@@ -52,10 +52,8 @@ CudaMlpBlock::CudaMlpBlock(const ModelConfig& m, const LayerParams& p)
 }
 
 void CudaMlpBlock::bind(Recompute mode, CudaMlpBlockSaved* pool) {
-  MOE_CHECK(mode == Recompute::kNone || pool != nullptr, "CudaMlpBlock::bind: recompute mode '",
-            recompute_name(mode), "' needs a pool");
+  const CudaSavedSlots<CudaMlpBlockSaved> at("CudaMlpBlock::bind", mode, saved_, pool);
   const bool sel = mode != Recompute::kNone, full = mode == Recompute::kFull;
-  auto at = [&](cuda::DeviceBuffer CudaMlpBlockSaved::*f, bool pooled) { return pooled ? &(pool->*f) : &(saved_.*f); };
   slots_.x = at(&CudaMlpBlockSaved::x_ND, full);
   slots_.norm = at(&CudaMlpBlockSaved::norm_ND, sel);
   slots_.rstd = at(&CudaMlpBlockSaved::rstd_N, full);

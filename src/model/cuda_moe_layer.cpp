@@ -26,12 +26,10 @@ CudaMoeLayer::CudaMoeLayer(const ModelConfig& m, const MoeConfig& e, const CudaR
 }
 
 void CudaMoeLayer::bind(Recompute mode, CudaMoeSaved* pool, bool experts_recompute_outputs) {
-  MOE_CHECK(mode == Recompute::kNone || pool != nullptr, "CudaMoeLayer::bind: recompute mode '",
-            recompute_name(mode), "' needs a pool");
+  const CudaSavedSlots<CudaMoeSaved> at("CudaMoeLayer::bind", mode, saved_, pool);
   mode_ = mode;
   const bool sel = mode != Recompute::kNone, full = mode == Recompute::kFull;
   pooled_y_ = full || (sel && experts_recompute_outputs);
-  auto at = [&](cuda::DeviceBuffer CudaMoeSaved::*f, bool pooled) { return pooled ? &(pool->*f) : &(saved_.*f); };
   Slots& s = slots_;
   s.x = at(&CudaMoeSaved::x_ND, full);
   s.norm = at(&CudaMoeSaved::norm_ND, sel);
