@@ -2,9 +2,10 @@
 """Activation recomputation on one GPU: a table from `moecore bench --json` records of the same
 config with train.recompute = none, selective, full (in that order on the command line).
 
-activation GiB = measured peak - model state, the model state being 18 bytes per parameter on
-one GPU (FP32 master 4 + BF16 copy 2 + FP32 gradient 4 + two FP32 AdamW moments 8): the saved
-activations, the backward scratch and the workspaces together.
+activation GiB = measured peak - model state, the model state being the run plan's
+(`mem_estimate_state_gib` of the record: weights, gradients and moments as the rank holds them;
+18 bytes per parameter on one GPU), so the figure is the saved activations, the backward scratch
+and the workspaces together. Records without that field (older benches) use 18 bytes per parameter.
 Usage: bench/recompute_table.py NONE.json SELECTIVE.json FULL.json
 """
 import json
@@ -23,10 +24,10 @@ def main(paths):
             sys.exit(f"{r.get('command', '?')}: expected train.recompute = {mode!r}, the record says {got!r}")
         if r.get("num_gpus", 1) != 1:
             sys.exit(f"{r.get('command', '?')}: the table is for one-GPU records, this one ran on {r['num_gpus']}")
-    state = 18.0 * recs[0]["total_params"] / GIB
+    state = recs[0].get("mem_estimate_state_gib", 18.0 * recs[0]["total_params"] / GIB)
     base_act = recs[0]["mem_peak_gib"] - state
     base_tps = recs[0]["tokens_per_s_per_gpu"]
-    print(f"recompute on {recs[0]['config']}: model state {state:.2f} GiB (18 bytes x {recs[0]['total_params']} parameters)")
+    print(f"recompute on {recs[0]['config']}: model state {state:.2f} GiB (the run plan's; {recs[0]['total_params']} parameters)")
     print("| mode | activation GiB | activations removed | peak GiB | estimate GiB | tokens/s/GPU | throughput | step ms |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for mode, r in zip(("none", "selective", "full"), recs):

@@ -261,6 +261,11 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
                                                "step), rank 0"
                                              : "wall clock around each phase of one step (after one profiled step)"},
                         {"mem_estimate_gib", plan.memory.total() / kGiB},
+                        // The run plan's split of that estimate: model state (weights, gradients,
+                        // moments as this rank holds them) and one micro-batch's activations.
+                        {"mem_estimate_state_gib",
+                         (plan.memory.params + plan.memory.grads + plan.memory.moments) / kGiB},
+                        {"mem_estimate_activations_gib", plan.memory.activations() / kGiB},
                         {"load_imbalance", imbalance},
                         {"moe_layers", int64_t(last.tokens_per_expert.size())},
                         {"first_loss", first_loss},
