@@ -109,12 +109,16 @@ inline Config small_gpu_train_config(const std::filesystem::path& run_dir, int64
   return c;
 }
 
+// The complete records of RUN_DIR/metrics.jsonl: lines ended by '\n'. A last line without one is a
+// record the trainer is still writing (a test polling a live run reads it), so it is left out.
 inline std::vector<nlohmann::json> read_metrics(const std::filesystem::path& run_dir) {
   std::vector<nlohmann::json> out;
   std::ifstream f(run_dir / "metrics.jsonl");
   std::string line;
-  while (std::getline(f, line))
+  while (std::getline(f, line)) {
+    if (f.eof()) break;  // no '\n' after it: not complete yet
     if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  }
   return out;
 }
 
