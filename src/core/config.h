@@ -96,6 +96,7 @@ struct ParallelConfig {
 
 struct CheckpointConfig {
   std::string dir;        // empty: <run.dir>/checkpoints
+  bool enabled = true;    // false: no checkpoint is written (benchmark and trace runs)
   int64_t interval = 0;   // 0: only at the end
   int64_t keep_last = 2;
   std::string resume = "none";  // "auto" | "none" | PATH

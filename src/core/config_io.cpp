@@ -161,6 +161,8 @@ std::vector<ConfigKey> build_keys() {
             {"fp32", "bf16"}),
 
       entry("checkpoint.dir", &C::checkpoint, &K::dir, "checkpoint directory; empty: <run.dir>/checkpoints"),
+      entry("checkpoint.enabled", &C::checkpoint, &K::enabled,
+            "false: no checkpoint is written, at intervals, at the end or on a stop signal"),
       entry("checkpoint.interval", &C::checkpoint, &K::interval,
             "steps between checkpoints; 0: only at the end"),
       entry("checkpoint.keep_last", &C::checkpoint, &K::keep_last, "newest checkpoints kept; 0: keep all"),
@@ -1032,6 +1034,8 @@ void validate_config(const Config& c) {
   const CheckpointConfig& k = c.checkpoint;
   p.need(k.interval >= 0, "checkpoint.interval must be >= 0 (0: only at the end), got ", k.interval);
   p.need(k.keep_last >= 0, "checkpoint.keep_last must be >= 0 (0: keep all), got ", k.keep_last);
+  p.need(k.enabled || k.interval == 0, "checkpoint.interval = ", k.interval,
+         " asks for checkpoints, but checkpoint.enabled = false writes none: drop one of the two");
   p.need(!k.resume.empty(),
          "checkpoint.resume must be \"auto\", \"none\" or a checkpoint path, got an empty string");
 

@@ -152,7 +152,8 @@ class TrainLoop {
       submit(s + 1);
       const int64_t done = s + 1;
       const bool last = done == cfg_.train.steps;
-      const bool ckpt = (cfg_.checkpoint.interval > 0 && done % cfg_.checkpoint.interval == 0) || last;
+      const bool ckpt = cfg_.checkpoint.enabled &&
+                        ((cfg_.checkpoint.interval > 0 && done % cfg_.checkpoint.interval == 0) || last);
       if (eval_due(done) || ckpt) collect_all();
       if (eval_due(done)) evaluate_at(done);
       if (ckpt) log_.saved(save(done), last);
@@ -280,12 +281,14 @@ class TrainLoop {
   // Stopped by a signal: the last step completed is saved, and the way back is said.
   void stop_early() {
     const int64_t done = summary_.steps_done;
-    if (done > saved_step_) save(done);
+    if (cfg_.checkpoint.enabled && done > saved_step_) save(done);
     out_ << "stopped by " << StopSignals::name(summary_.stopped_by) << " after step " << done << " of "
          << cfg_.train.steps;
     if (!summary_.last_checkpoint.empty())
       out_ << "; checkpoint " << summary_.last_checkpoint << "; continue with the same command and "
            << "--checkpoint.resume=auto\n";
+    else if (!cfg_.checkpoint.enabled)
+      out_ << "; no checkpoint (checkpoint.enabled = false)\n";
     else
       out_ << "; nothing new to save\n";
     out_ << std::flush;

@@ -57,6 +57,19 @@ TEST(Train, ResumeIsBitExact) {
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed[i], straight[4 + i]) << "step " << 5 + i;
 }
 
+TEST(Train, CheckpointsOffWritesNone) {
+  const TempDir tmp("no-ckpt");
+  Config a = small_config(tmp.root() / "run");
+  a.train.steps = 3;
+  a.checkpoint.enabled = false;
+  std::ostringstream log;
+  const TrainSummary s = train(a, log);
+  EXPECT_EQ(s.steps_done, 3);
+  EXPECT_TRUE(s.last_checkpoint.empty());
+  EXPECT_FALSE(fs::exists(tmp.root() / "run" / "checkpoints")) << log.str();
+  EXPECT_EQ(train_losses(tmp.root() / "run").size(), 3u);
+}
+
 TEST(Train, ResumeAutoContinuesFromLatest) {
   const TempDir tmp("auto");
   const fs::path root = tmp.root();
