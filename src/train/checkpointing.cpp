@@ -164,11 +164,12 @@ LayoutPart stage_part(const ModelConfig& m, const Topology& topo) {
 
 }  // namespace
 
-HostState::HostState(const Config& cfg, const RunPlan& plan, const Topology& topo)
+HostState::HostState(const Config& cfg, const RunPlan& plan, const Topology& topo, bool init)
     : ep(expert_parallel_of(cfg, plan, topo)),
       model(cfg.model, cfg.moe, ep ? &*ep : nullptr, stage_part(cfg.model, topo)),
       opt(model.layout(), cfg.optim) {
-  model.init_params(cfg.train.seed);
+  if (init) model.init_params(cfg.train.seed);
+  initialised = init;
   // Gradients of dense tensors are summed over dp, of expert tensors over ep-dp (with ep = 1: also
   // dp); ZeRO-1 shards them over the same groups.
   // A pipeline stage owns its tensors (one dp rank) or its shard of them (checkpoint slices, norms).
@@ -196,6 +197,7 @@ int64_t resume_run(const Config& cfg, HostState& s, DataLoader& loader, std::ost
   const TrainState st = read_train_state(ck);  // typed and range-checked
   check_resume_config(ck, cfg);                // every model.* and moe.* key as the checkpoint's
   load_model_state(ck, s.model);
+  s.initialised = true;
   const int64_t start = st.step;
   const ParamLayout& layout = s.model.layout();
   if (ck.has_optim()) {

@@ -29,10 +29,12 @@ struct Topology;
 class DataLoader;
 
 struct HostState {
-  // Model (initialised from train.seed), optimizer and shard plans for this rank of `topo`.
-  // With plan.zero on cpu the replicated moments are released (the shards hold them); the GPU
-  // step's mirror keeps whole moments (CudaStepRunner gathers its ZeRO-1 shards into them).
-  HostState(const Config& cfg, const RunPlan& plan, const Topology& topo);
+  // Model (initialised from train.seed unless `init` is false), optimizer and shard plans for this
+  // rank of `topo`. With plan.zero on cpu the replicated moments are released (the shards hold
+  // them); the GPU step's mirror keeps whole moments (CudaStepRunner gathers its ZeRO-1 shards into
+  // them). The GPU trainer passes init = false: a fresh run initialises on the device (the same
+  // values, cuda_model.h) and the mirror is filled by resume_run or by the step's download.
+  HostState(const Config& cfg, const RunPlan& plan, const Topology& topo, bool init = true);
   HostState(const HostState&) = delete;
   HostState& operator=(const HostState&) = delete;
 
@@ -41,6 +43,7 @@ struct HostState {
   AdamW opt;
   std::vector<ShardGroup> owned;      // dp > 1: the ranges this rank owns (checkpoint slices, norms)
   std::unique_ptr<DistOptimizer> zero;  // ZeRO-1 shards (plan.zero on cpu), else null
+  bool initialised = false;  // the model holds values: init_params or a resumed checkpoint
 };
 
 // Resumes from checkpoint.resume ("auto": the run's latest, if any; "none": nothing; a path):

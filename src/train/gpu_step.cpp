@@ -110,7 +110,7 @@ class GpuStep final : public Step {
     cuda::reset_device_peak_bytes();
     runner_ = std::make_unique<CudaStepRunner>(cfg, plan, groups_.dp.get(), groups_.ep.get(), groups_.ep_dp.get());
     CudaModel& model = runner_->model();
-    if (state_ != nullptr) {
+    if (state_ != nullptr && state_->initialised) {
       runner_->load_state(state_->model.params(), state_->opt.exp_avg().data(), state_->opt.exp_avg_sq().data(),
                           state_->opt.steps_taken(), state_->model.expert_bias());
     } else {
@@ -178,6 +178,7 @@ class GpuStep final : public Step {
     runner_->download_state(state_->model.params(), state_->opt.exp_avg().data(), state_->opt.exp_avg_sq().data(),
                             &optimizer_steps, &state_->model.expert_bias());
     state_->opt.set_steps_taken(optimizer_steps);
+    state_->initialised = true;
   }
 
   bool has_device_figures() const override { return true; }

@@ -334,7 +334,8 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
   std::optional<DataLoader> eval;
   if (data.eval) eval.emplace(*data.eval, plan.seq_len, plan.micro_batch, plan.micro_batch, cfg.train.seed, 0, 1);
 
-  HostState state(cfg, plan, topo);
+  // On the GPU a fresh run initialises on the device: the host mirror waits for a checkpoint.
+  HostState state(cfg, plan, topo, /*init=*/plan.device == "cpu");
   TrainSummary summary;
   summary.run_dir = cfg.run.dir;
   summary.start_step = summary.steps_done = resume_run(cfg, state, loader, out);
