@@ -20,8 +20,8 @@ struct StepStatsRecord {
   int64_t num_skipped = 0;      // skipped steps so far (step_stats_finish)
   uint32_t bad_ids = 0;         // input ids outside [0, vocab) seen by the forwards
   uint32_t bad_targets = 0;     // targets >= vocab seen by the forwards
+  uint32_t num_dropped = 0;     // routes dropped by expert capacity, over the forwards and MoE layers
   int32_t skipped = 0;          // 1: the step changed nothing (non-finite grad norm or loss)
-  int32_t reserved = 0;
 };
 static_assert(sizeof(StepStatsRecord) == 64 && alignof(StepStatsRecord) == 8,
               "StepStatsRecord is a 64-byte device record followed by int64 counts");

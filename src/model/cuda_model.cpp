@@ -59,7 +59,7 @@ struct CudaModel::Impl {
 
   // Last forward: shape, routing seed and the device token ids backward reads.
   int64_t batch = 0, seq = 0;
-  uint64_t routing_seed = 0;
+  CudaRoutingSeed routing_seed;
   const int32_t* cur_inputs = nullptr;
   const int32_t* cur_targets = nullptr;
   int64_t host_num_targets = 0;  // targets of host-id forwards since reset_stats()
@@ -115,8 +115,10 @@ CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaE
     MOE_CHECK(ep_comm_->device() == cuda::current_device(), "CudaModel: the expert-parallel NCCL communicator was "
               "made on GPU ", ep_comm_->device(), " but the current GPU is ", cuda::current_device());
   }
-  MOE_CHECK(ecfg_.capacity_factor == 0.0, "CudaModel: only dropless routing is implemented on the GPU; set "
-            "moe.capacity_factor = 0 (got ", ecfg_.capacity_factor, ")");
+  MOE_CHECK(ecfg_.capacity_factor == 0.0 || ecfg_.capacity_factor >= 1.0, "CudaModel: moe.capacity_factor must be "
+            "0 (dropless) or >= 1, got ", ecfg_.capacity_factor);
+  MOE_CHECK(ecfg_.capacity_factor == 0.0 || ep_size_ == 1, "CudaModel: expert parallelism is dropless only; set "
+            "moe.capacity_factor = 0 with parallel.ep = ", ep_size_, " (got ", ecfg_.capacity_factor, ")");
   const cuda::AttentionBackend attention_backend = cuda::attention_resolve_backend();
   MOE_CHECK(cuda::attention_supports_head_dim(mcfg_.head_dim(), attention_backend),
             "CudaModel: head_dim = d_model / n_heads = ", mcfg_.head_dim(), " has no GPU attention kernel in the '",
@@ -154,6 +156,8 @@ CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaE
   cuda::device_memset(I.moe.expert_bias_ME.data(), 0, m * e * sizeof(float), stream_);
   g.grow<float>(I.moe.losses_M2, 2 * m, "moe_losses");
   g.grow<int32_t>(I.moe.counts_ME, m * e, "counts");
+  g.grow<int32_t>(I.moe.dropped_M, m, "dropped");
+  cuda::device_memset(I.moe.dropped_M.data(), 0, m * sizeof(int32_t), stream_);
   cuda::device_memset(I.moe.losses_M2.data(), 0, 2 * m * sizeof(float), stream_);
   cuda::device_memset(I.moe.counts_ME.data(), 0, m * e * sizeof(int32_t), stream_);
   I.stats_bytes = cuda::step_stats_bytes(num_moe_layers_, e);
@@ -357,8 +361,8 @@ void CudaModel::forward(const int32_t* inputs, const int32_t* targets, int64_t b
 }
 
 void CudaModel::forward_device(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
-                               uint64_t routing_seed) {
-  begin_forward(inputs, targets, batch, seq, routing_seed);
+                               uint64_t routing_seed, const uint64_t* routing_seed_device) {
+  begin_forward(inputs, targets, batch, seq, routing_seed, routing_seed_device);
   embedding_forward();
   forward_blocks(0, mcfg_.n_layers);
   lm_head_forward();
@@ -412,7 +416,7 @@ void CudaModel::check_forward(const char* op) const {
 }
 
 void CudaModel::begin_forward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
-                              uint64_t routing_seed) {
+                              uint64_t routing_seed, const uint64_t* routing_seed_device) {
   MOE_CHECK(batch > 0 && seq > 0, "CudaModel::forward_device / begin_forward: batch and sequence must be positive, "
             "got batch=", batch, " seq=", seq);
   MOE_CHECK(inputs != nullptr && targets != nullptr, "CudaModel::forward_device / begin_forward: null token id "
@@ -421,7 +425,7 @@ void CudaModel::begin_forward(const int32_t* inputs, const int32_t* targets, int
   reserve(batch, seq);  // host checks only once the shape was seen (buffers grow, never shrink)
   I.batch = batch;
   I.seq = seq;
-  I.routing_seed = routing_seed;
+  I.routing_seed = {routing_seed, routing_seed_device};
   I.num_forwards += 1;
   I.num_routes += num_moe_layers_ * batch * seq * ecfg_.top_k;
   I.cur_inputs = inputs;
@@ -476,8 +480,9 @@ void CudaModel::end_forward() {
   Impl& I = *impl_;
   if (num_moe_layers_ > 0) {
     if (timer_) timer_->mark(cuda::Phase::kRouter);
-    cuda::step_stats_accumulate_router(I.moe.losses_M2.as<float>(), I.moe.counts_ME.as<int32_t>(), num_moe_layers_,
-                                       ecfg_.num_experts, stats_record(), stream_);
+    cuda::step_stats_accumulate_router(I.moe.losses_M2.as<float>(), I.moe.counts_ME.as<int32_t>(),
+                                       ecfg_.capacity_factor > 0 ? I.moe.dropped_M.as<int32_t>() : nullptr,
+                                       num_moe_layers_, ecfg_.num_experts, stats_record(), stream_);
   }
   if (timer_) timer_->close();
 }
@@ -577,7 +582,7 @@ ForwardStats CudaModel::read_stats() {
     s.tokens_per_expert.push_back(std::move(c));
   }
   s.num_routes = I.num_routes;
-  s.num_dropped = 0;
+  s.num_dropped = rec.num_dropped;
   return s;
 }
 

@@ -4,7 +4,8 @@
 // residual stream (and FP32 residual gradient), FP32 router logits, rstd and lse. The LM head and
 // cross-entropy run in chunks of kHeadChunkRows rows, so [N, V] logits never exist; backward
 // recomputes each chunk's logits (one extra N x V x D GEMM) and fuses the softmax gradient.
-// Dropless routing only (capacity_factor = 0). No CUDA headers; defined only in CUDA builds
+// Dropless (capacity_factor = 0) or with a per-expert capacity (the CPU model's drop rule, one GPU
+// or data parallel; expert parallelism is dropless). No CUDA headers; defined only in CUDA builds
 // (MOECORE_HAS_CUDA), so CPU-only code must not reference it.
 // The forward is a list of block calls (llm.c's gpt2_forward): embedding, then per layer an
 // attention block (cuda_attention_block.h) and a dense MLP block (cuda_mlp_block.h) or a MoE layer
@@ -127,8 +128,10 @@ class CudaModel {
   // inputs/targets: device [B, S] token ids, which must stay unchanged until backward() ran.
   // Enqueues the forward on stream() and saves what backward needs; the CE sum, the router's
   // lb/z losses and expert counts and the bad id/target counts add to the statistics record.
+  // routing_seed_device (random routing under a CUDA graph): the seed is read there on the device
+  // when the router runs, routing_seed is then not used; the buffer must hold it until backward().
   void forward_device(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
-                      uint64_t routing_seed = 0);
+                      uint64_t routing_seed = 0, const uint64_t* routing_seed_device = nullptr);
   // Accumulates (+=) the gradient of ce * ce_sum + lb * sum_l lb_l + z * sum_l z_l of the last
   // forward into grads(), with the three FP32 factors read on the device from
   // loss_scales_device() (write them there before the step; a graph replays with new values).
@@ -154,7 +157,7 @@ class CudaModel {
   // rewrites the saved activations of layers [first, last) and the residual bitwise as before.
   // end_forward: the router statistics into the record (MoE layers), closes the phase timer.
   void begin_forward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
-                     uint64_t routing_seed = 0);
+                     uint64_t routing_seed = 0, const uint64_t* routing_seed_device = nullptr);
   void embedding_forward();
   void forward_blocks(int64_t first, int64_t last);  // layers [first, last), in order
   void lm_head_forward();
@@ -176,7 +179,8 @@ class CudaModel {
   size_t stats_bytes() const;
   // Waits for the stream and returns the statistics accumulated since the last reset_stats() (after
   // forward() with host ids: that forward's). lb_loss, z_loss: means over MoE layers and forwards;
-  // num_targets counts the host-id forwards' targets; num_dropped is 0 (dropless). Bad token ids
+  // num_targets counts the host-id forwards' targets; num_dropped the routes the capacity dropped
+  // (0 when dropless). Bad token ids
   // or targets (counted on the device) throw here, naming vocab_size.
   ForwardStats read_stats();
 

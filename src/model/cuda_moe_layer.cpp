@@ -8,6 +8,7 @@
 #include "model/cuda_moe_layer.h"
 
 #include "core/error.h"
+#include "cpu/capacity.h"
 #include "cuda/ops/gemm.h"
 #include "cuda/ops/rmsnorm.h"
 
@@ -21,6 +22,7 @@ CudaMoeLayer::CudaMoeLayer(const ModelConfig& m, const MoeConfig& e, const CudaR
       e_(e.num_experts),
       k_(e.top_k),
       norm_eps_(m.norm_eps),
+      capacity_factor_(e.capacity_factor),
       router_(router) {
   bind(Recompute::kNone, nullptr, false);
 }
@@ -78,7 +80,7 @@ void CudaMoeLayer::reserve_shared(const MoeConfig& e, int64_t d, int64_t batch, 
 }
 
 void CudaMoeLayer::forward(const CudaBlockContext& c, CudaResidual& res, CudaMoeShared& shared,
-                           uint64_t routing_seed, uint16_t* out_ND, bool reuse_routing) {
+                           const CudaRoutingSeed& seed, uint16_t* out_ND, bool reuse_routing) {
   const cuda::Stream st = c.stream;
   cuda::GemmHandle& G = *c.gemm;
   const uint16_t* P = c.params;
@@ -93,7 +95,7 @@ void CudaMoeLayer::forward(const CudaBlockContext& c, CudaResidual& res, CudaMoe
   int32_t* sorted_route = s.dispatch.sorted_route_R.as<int32_t>();
   int32_t* route_to_row = s.dispatch.route_to_row_R.as<int32_t>();
   float* topk_w = s.topk_w_NK.as<float>();
-  if (!reuse_routing) route(c, shared, routing_seed, norm);
+  if (!reuse_routing) route(c, shared, seed, norm);
 
   // The rows sorted by expert.
   c.mark(cuda::Phase::kDispatch);
@@ -114,7 +116,7 @@ void CudaMoeLayer::forward(const CudaBlockContext& c, CudaResidual& res, CudaMoe
   cuda::residual_add(res.x32(), branch, out_ND, n * d, st);
 }
 
-void CudaMoeLayer::route(const CudaBlockContext& c, CudaMoeShared& shared, uint64_t routing_seed,
+void CudaMoeLayer::route(const CudaBlockContext& c, CudaMoeShared& shared, const CudaRoutingSeed& seed,
                          const uint16_t* norm) {
   const cuda::Stream st = c.stream;
   const uint16_t* P = c.params;
@@ -127,7 +129,9 @@ void CudaMoeLayer::route(const CudaBlockContext& c, CudaMoeShared& shared, uint6
   s.rp.score = router_.score;
   s.rp.norm_topk = router_.norm_topk;
   s.rp.mode = router_.mode;
-  s.rp.seed = layer_routing_seed(routing_seed, static_cast<uint64_t>(layer_));
+  s.rp.seed = layer_routing_seed(seed.value, static_cast<uint64_t>(layer_));
+  s.rp.seed_device = seed.device;
+  s.rp.seed_layer = static_cast<uint64_t>(layer_);
   float* logits = s.logits_NE.as<float>();
   cuda::gemm(*c.gemm, false, true, n, e, d, 1.f, norm, d, P + p_.router, d, 0.f, logits, e, st);
   int32_t* counts = shared.counts_ME.as<int32_t>() + m * e;
@@ -137,9 +141,12 @@ void CudaMoeLayer::route(const CudaBlockContext& c, CudaMoeShared& shared, uint6
                        shared.ws_router.data(), shared.ws_router.bytes(), st);
   // The dispatch map: expert offsets, the route of each sorted row, the row of each route.
   c.mark(cuda::Phase::kDispatch);
-  cuda::build_dispatch_map(topk_idx, n, k, e, 0, counts, s.dispatch.offsets_E1.as<int32_t>(),
-                           s.dispatch.sorted_route_R.as<int32_t>(), s.dispatch.route_to_row_R.as<int32_t>(), nullptr,
-                           shared.ws_dispatch.data(), shared.ws_dispatch.bytes(), st);
+  // With a capacity the tail of each expert's routes is dropped (num_dropped into the statistics).
+  const int64_t capacity = capacity_factor_ > 0 ? cpu::expert_capacity(capacity_factor_, n, k, e) : 0;
+  cuda::build_dispatch_map(topk_idx, n, k, e, capacity, counts, s.dispatch.offsets_E1.as<int32_t>(),
+                           s.dispatch.sorted_route_R.as<int32_t>(), s.dispatch.route_to_row_R.as<int32_t>(),
+                           shared.dropped_M.as<int32_t>() + m, shared.ws_dispatch.data(), shared.ws_dispatch.bytes(),
+                           st);
 }
 
 void CudaMoeLayer::recompute_selective(const CudaBlockContext& c, CudaMoeShared& shared) {

@@ -3,7 +3,9 @@
 // weights, counts and lb/z losses; dispatch: the counting sort's handle (expert offsets, sorted
 // routes, route rows) and the permute into rows sorted by expert; experts: a CudaExperts
 // (local or expert-parallel); combine: the weighted unpermute; the optional shared expert adds
-// its SwiGLU MLP. Dropless: R = N*K rows. CUDA builds only (MOECORE_HAS_CUDA); no CUDA headers.
+// its SwiGLU MLP. R = N*K rows, the static bound; with moe.capacity_factor > 0 expert e keeps
+// its first min(count_e, capacity) routes in route order (token-major: the earliest tokens) and the
+// dispatch map leaves the dropped tail of the rows unused (as cpu::apply_capacity). CUDA builds only (MOECORE_HAS_CUDA); no CUDA headers.
 // Legend: B batch, S sequence, N = B*S tokens, D model width, E experts, K top_k, R routed rows
 // (N*K), F shared MLP hidden, M MoE layers. BF16 unless noted.
 #pragma once
@@ -22,6 +24,13 @@
 #include "model/layout.h"
 
 namespace moe {
+
+// A forward's routing seed (random routing): `value`, or when `device` is set the uint64 there,
+// which the step writes before each replay so that a captured CUDA graph draws new experts.
+struct CudaRoutingSeed {
+  uint64_t value = 0;
+  const uint64_t* device = nullptr;
+};
 
 // The dispatch map of one forward: combine and the backward of both reuse it.
 struct CudaDispatchHandle {
@@ -49,7 +58,8 @@ struct CudaMoeSaved {
 struct CudaMoeShared {
   cuda::DeviceBuffer expert_bias_ME;  // FP32 [M, E], selection only
   cuda::DeviceBuffer losses_M2;       // FP32 [M, 2]: lb, z (written per forward)
-  cuda::DeviceBuffer counts_ME;       // int32 [M, E]: routes per expert (written per forward)
+  cuda::DeviceBuffer counts_ME;       // int32 [M, E]: routes per expert before dropping (per forward)
+  cuda::DeviceBuffer dropped_M;       // int32 [M]: routes dropped by capacity (written per forward)
   // dy_sorted_RD: the unpermute gradient rows, which the experts' backward overwrites with their
   // input gradient rows in place; between MoE backwards the attention blocks borrow it as scratch.
   cuda::DeviceBuffer dy_sorted_RD, dtopk_w_NK /*f32*/, dlogits32_NE /*f32*/, dlogits16_NE;
@@ -86,7 +96,7 @@ class CudaMoeLayer {
   // Writes this layer's row of shared.counts_ME and shared.losses_M2. reuse_routing (full
   // recompute): the router and the dispatch map are not run; the saved routing decision, counts
   // and losses of this layer's last forward are used as they are.
-  void forward(const CudaBlockContext& c, CudaResidual& res, CudaMoeShared& shared, uint64_t routing_seed,
+  void forward(const CudaBlockContext& c, CudaResidual& res, CudaMoeShared& shared, const CudaRoutingSeed& seed,
                uint16_t* out_ND, bool reuse_routing = false);
   // Selective recompute: the norm output, the dispatched rows, the experts' h (and outputs) and
   // the shared expert's h again, bitwise as the forward wrote them.
@@ -100,11 +110,12 @@ class CudaMoeLayer {
     cuda::DeviceBuffer *x, *norm, *rstd, *x_sorted, *y_sorted, *shared_gate_up, *shared_h;
   };
   // Gate GEMM, router (top-k, weights, counts, lb/z) and the dispatch map: the routing decision.
-  void route(const CudaBlockContext& c, CudaMoeShared& shared, uint64_t routing_seed, const uint16_t* norm_ND);
+  void route(const CudaBlockContext& c, CudaMoeShared& shared, const CudaRoutingSeed& seed, const uint16_t* norm_ND);
 
   LayerParams p_;
   int64_t layer_, d_, e_, k_;
   double norm_eps_;
+  double capacity_factor_;  // 0: dropless; else each expert keeps its first ceil(cf * N * K / E) rows
   CudaRouterChoice router_;
   Recompute mode_ = Recompute::kNone;
   bool pooled_y_ = false;

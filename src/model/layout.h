@@ -62,15 +62,6 @@ struct ModelCounts {
 };
 ModelCounts count_model(const ModelConfig& m, const MoeConfig& e, int64_t seq_len);
 
-// Routing seed of MoE layer `layer` from a forward's routing seed (splitmix64 finaliser); the
-// CPU and GPU models use it so random and uniform routing draw the same experts on both.
-inline uint64_t layer_routing_seed(uint64_t seed, uint64_t layer) {
-  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (layer + 1);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
 }  // namespace moe
 
 namespace moe {

@@ -55,8 +55,9 @@ struct StagedScalars {
 static_assert(offsetof(cuda::StepStatsRecord, lb_sum) == offsetof(cuda::StepStatsRecord, ce_sum) + sizeof(double) &&
                   offsetof(cuda::StepStatsRecord, z_sum) == offsetof(cuda::StepStatsRecord, ce_sum) + 2 * sizeof(double),
               "ce_sum, lb_sum, z_sum must be three adjacent doubles");
-static_assert(offsetof(cuda::StepStatsRecord, bad_targets) == offsetof(cuda::StepStatsRecord, bad_ids) + sizeof(uint32_t),
-              "bad_ids, bad_targets must be two adjacent uint32");
+static_assert(offsetof(cuda::StepStatsRecord, bad_targets) == offsetof(cuda::StepStatsRecord, bad_ids) + sizeof(uint32_t) &&
+                  offsetof(cuda::StepStatsRecord, num_dropped) == offsetof(cuda::StepStatsRecord, bad_ids) + 2 * sizeof(uint32_t),
+              "bad_ids, bad_targets, num_dropped must be three adjacent uint32");
 
 // Checks that need no allocation, before the model is built.
 // The groups against the config (the batch arithmetic is the run plan's: make_run_plan).
@@ -243,7 +244,7 @@ struct CudaStepRunner::Impl {
   int64_t moment_numel() const { return zero ? shards->state_numel() : model.layout().total_numel(); }
   bool overlap_grad_reduce() const { return comm_stream != nullptr; }
   bool graph_allowed() const {
-    return use_graph && timer == nullptr && cfg.moe.routing == "learned" && ep == nullptr;
+    return use_graph && timer == nullptr && ep == nullptr;
   }
 
   // Waits for work recorded before `e`; with a data-parallel group, fails instead of hanging.
@@ -343,14 +344,14 @@ struct CudaStepRunner::Impl {
     reduced_from = ready_from;
   }
 
-  // The step statistics' CE/lb/z sums, bad-id counters and expert counts over the data-parallel
+  // The step statistics' CE/lb/z sums, bad-id and dropped-route counters and expert counts over the data-parallel
   // group, in one NCCL group; only enqueues work.
   void all_reduce_stats(cuda::Stream st) {
     cuda::StepStatsRecord* rec = model.stats_record();
     auto* base = reinterpret_cast<unsigned char*>(rec);
     dp->group_start();
     dp->all_reduce_sum(base + offsetof(cuda::StepStatsRecord, ce_sum), 3, cuda::NcclDType::kF64, st);
-    dp->all_reduce_sum(base + offsetof(cuda::StepStatsRecord, bad_ids), 2, cuda::NcclDType::kU32, st);
+    dp->all_reduce_sum(base + offsetof(cuda::StepStatsRecord, bad_ids), 3, cuda::NcclDType::kU32, st);
     dp->all_reduce_sum(cuda::step_stats_counts(rec), model.num_moe_layers() * cfg.moe.num_experts,
                        cuda::NcclDType::kI64, st);
     dp->group_end();
@@ -380,14 +381,16 @@ struct CudaStepRunner::Impl {
     const int64_t n = sh.tokens(), total = model.layout().total_numel();
     const int32_t* inputs = tokens.as<int32_t>();
     const int32_t* targets = inputs + sh.micro * n;
+    const auto* seeds = reinterpret_cast<const uint64_t*>(inputs + 2 * sh.micro * n);  // staged after the ids
     model.reset_stats();
     model.zero_grads();
     reduced_from = -1;  // the overlap hook waits for the last micro-batch
     for (int64_t m = 0; m < sh.micro; ++m) {
       // The micro-batch's index in the global batch, so random routing does not depend on dp.
       const int64_t global_m = dp_rank * sh.micro + m;
+      // The seed is read on the device (staged with the ids), so a replayed graph routes anew.
       model.forward_device(inputs + m * n, targets + m * n, sh.batch, sh.seq,
-                           routing_seed(train_seed, step - 1, global_m));
+                           routing_seed(train_seed, step - 1, global_m), seeds + m);
       if (m + 1 == sh.micro) {
         reduced_from = total;
         next_ready_event = 0;
@@ -449,7 +452,7 @@ struct CudaStepRunner::Impl {
   // them to the device (before the step in stream order, outside any captured region). Returns
   // this rank's target count.
   int64_t stage_inputs(const StepShape& sh, int64_t step, const std::vector<Batch>& micro, int64_t global_targets,
-                       double lr) {
+                       double lr, uint64_t train_seed) {
     MOE_CHECK(sh.batch > 0 && sh.seq > 0, "CudaStepRunner::submit: step ", step, " micro-batch 0 is empty");
     const int64_t n = sh.tokens();
     int64_t num_targets = 0;
@@ -463,13 +466,17 @@ struct CudaStepRunner::Impl {
       for (int32_t t : b.targets) num_targets += t >= 0 ? 1 : 0;
     }
     const cuda::Stream st = stream();
-    const size_t token_bytes = size_t(2 * sh.micro * n) * sizeof(int32_t);
+    // Input ids, target ids, then each micro-batch's routing seed (8-byte aligned: 2 * micro * n ids).
+    const size_t id_bytes = size_t(2 * sh.micro * n) * sizeof(int32_t);
+    const size_t token_bytes = id_bytes + size_t(sh.micro) * sizeof(uint64_t);
     Staging& stage = staging_slot(token_bytes);
     int32_t* host_tokens = stage.tokens.as<int32_t>();
     for (int64_t m = 0; m < sh.micro; ++m) {
       std::memcpy(host_tokens + m * n, micro[m].inputs.data(), size_t(n) * sizeof(int32_t));
       std::memcpy(host_tokens + (sh.micro + m) * n, micro[m].targets.data(), size_t(n) * sizeof(int32_t));
     }
+    auto* host_seeds = reinterpret_cast<uint64_t*>(stage.tokens.as<uint8_t>() + id_bytes);
+    for (int64_t m = 0; m < sh.micro; ++m) host_seeds[m] = routing_seed(train_seed, step - 1, dp_rank * sh.micro + m);
     auto* scalars = stage.scalars.as<StagedScalars>();
     const int64_t layers = model.num_moe_layers();
     // Micro-batches of the global batch: the lb and z weights are per micro-batch of all ranks.
@@ -578,10 +585,11 @@ CudaStepRunner::CudaStepRunner(const Config& cfg, const RunPlan& plan, cuda::Ncc
   const int64_t micro = plan.micro_steps;
   const int64_t n = plan.tokens_per_micro_batch;
   I.model.reserve(cfg.train.micro_batch, cfg.train.seq_len);
-  I.tokens.reserve(size_t(2 * micro * n) * sizeof(int32_t));
+  const size_t staged_bytes = size_t(2 * micro * n) * sizeof(int32_t) + size_t(micro) * sizeof(uint64_t);
+  I.tokens.reserve(staged_bytes);  // ids and routing seeds (stage_inputs)
   for (Impl::Staging& s : I.staging) {
     s.scalars = cuda::PinnedBuffer(sizeof(StagedScalars));
-    s.tokens = cuda::PinnedBuffer(size_t(2 * micro * n) * sizeof(int32_t));
+    s.tokens = cuda::PinnedBuffer(staged_bytes);
     s.copied = cuda::event_create();
   }
   for (Impl::StatsSlot& s : I.ring) {
@@ -652,7 +660,7 @@ int64_t CudaStepRunner::pending() const { return impl_->num_pending; }
 int64_t CudaStepRunner::dp_size() const { return impl_->dp_size; }
 int64_t CudaStepRunner::dp_rank() const { return impl_->dp_rank; }
 bool CudaStepRunner::uses_graph() const {
-  return impl_->use_graph && impl_->cfg.moe.routing == "learned" && impl_->ep == nullptr;
+  return impl_->use_graph && impl_->ep == nullptr;
 }
 int64_t CudaStepRunner::graph_launches() const { return impl_->launches; }
 
@@ -760,7 +768,7 @@ void CudaStepRunner::submit(int64_t step, const std::vector<Batch>& micro, int64
             " steps are waiting to be collected (at most ", kMaxPending, "); call collect() before submitting step ",
             step);
   const StepShape sh{static_cast<int64_t>(micro.size()), micro[0].num_sequences(), micro[0].seq_len};
-  const int64_t num_targets = I.stage_inputs(sh, step, micro, global_targets, lr);
+  const int64_t num_targets = I.stage_inputs(sh, step, micro, global_targets, lr, train_seed);
   I.run_step(sh, step, train_seed);
   I.queue_stats(sh, step, I.dp ? global_targets : num_targets);  // the CE sum is global after the all-reduce
 }
@@ -795,6 +803,7 @@ StepStats CudaStepRunner::collect() {
     std::memcpy(s.tokens_per_expert[l].data(), raw + sizeof(rec) + size_t(l * e) * sizeof(int64_t),
                 size_t(e) * sizeof(int64_t));
   s.num_routes = slot.num_routes;
+  s.num_dropped = rec.num_dropped;
   s.grad_norm = rec.grad_norm;
   s.skipped = rec.skipped != 0;
   s.optimizer_steps = rec.optimizer_steps;

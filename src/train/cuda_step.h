@@ -3,8 +3,9 @@
 // norm, clipping, AdamW on the FP32 master weights, the BF16 refresh and the aux-loss-free
 // expert-bias update, all enqueued on the model's stream. The host never reads a device value
 // inside a step: the step's statistics are copied asynchronously into pinned host memory and
-// collected one step later. When the config allows it (learned routing; no phase timer), the
-// step after the first is captured once in a CUDA graph and replayed.
+// collected one step later. When the config allows it (no phase timer, no expert parallelism), the
+// step after the first is captured once in a CUDA graph and replayed; random routing reads each
+// micro-batch's seed from device memory, staged with the token ids, so the replay draws anew.
 // Data parallel (an NcclComm over dp ranks, one GPU each): every rank runs its micro-batches, then
 // the FP32 gradients and the step statistics are summed over the ranks with NCCL on the model's
 // stream (inside the graph), so every rank computes the same grad norm, skip decision, AdamW
@@ -113,7 +114,7 @@ class CudaStepRunner {
 
   // While set, steps run eagerly and mark phases on the timer (bench profiling); nullptr: off.
   void set_phase_timer(cuda::EventTimer* timer);
-  // True when the config allows graph capture (learned routing) and capture is on.
+  // True when the config allows graph capture (no expert parallelism) and capture is on.
   bool uses_graph() const;
   // Capture on (the default) or off; off waits for the stream and drops a captured graph.
   void set_use_graph(bool on);

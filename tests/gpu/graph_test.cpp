@@ -377,15 +377,40 @@ TEST(CudaStep, CollectReturnsStepsInOrder) {
 }
 
 // Random routing draws per-step seeds: no graph; two runs agree; steps route differently.
-TEST(CudaStep, RandomRoutingRunsEagerlyAndReproduces) {
+// Random routing inside the graph: the seed of each micro-batch is read on the device, so the
+// replays route anew (consecutive steps differ) and equal an eager run of the same steps.
+TEST(CudaStep, RandomRoutingCapturesAndMatchesEager) {
   MOE_SKIP_WITHOUT_GPU();
-  const Config c = step_config("random");
-  const RunResult a = run_steps(c, true, 4);
-  const RunResult b = run_steps(c, true, 4);
-  EXPECT_FALSE(a.uses_graph);
-  EXPECT_EQ(a.graph_launches, 0);
-  expect_same_runs(a, b, "random routing rerun");
-  EXPECT_NE(a.steps[0].tokens_per_expert, a.steps[1].tokens_per_expert);
+  for (const char* routing : {"random", "uniform"}) {
+    const Config c = step_config(routing);
+    const RunResult graph = run_steps(c, true, 5);
+    const RunResult eager = run_steps(c, false, 5);
+    EXPECT_TRUE(graph.uses_graph) << routing;
+    EXPECT_EQ(graph.graph_launches, 4) << routing;  // step 1 eager, step 2 captured and launched, 3..5 replays
+    EXPECT_EQ(eager.graph_launches, 0) << routing;
+    expect_same_runs(graph, eager, routing);
+    if (std::string(routing) == "random") {
+      EXPECT_NE(graph.steps[2].tokens_per_expert, graph.steps[3].tokens_per_expert) << "replays route anew";
+    }
+  }
+}
+
+// Capacity inside the graph: the dropped routes of every step are counted on the device
+// (StepStats::num_dropped), and the replayed steps equal an eager run.
+TEST(CudaStep, CapacityDropsInTheGraphAsEager) {
+  MOE_SKIP_WITHOUT_GPU();
+  Config c = step_config("random");
+  c.moe.capacity_factor = 1.0;
+  const RunResult graph = run_steps(c, true, 4);
+  const RunResult eager = run_steps(c, false, 4);
+  EXPECT_TRUE(graph.uses_graph);
+  EXPECT_EQ(graph.graph_launches, 3);
+  expect_same_runs(graph, eager, "capacity graph vs eager");
+  for (size_t i = 0; i < graph.steps.size(); ++i) {
+    EXPECT_GT(graph.steps[i].num_dropped, 0) << "step " << graph.steps[i].step;
+    EXPECT_LT(graph.steps[i].num_dropped, graph.steps[i].num_routes) << "step " << graph.steps[i].step;
+    EXPECT_EQ(graph.steps[i].num_dropped, eager.steps[i].num_dropped) << "step " << graph.steps[i].step;
+  }
 }
 
 TEST(CudaStep, BadTokenIdsThrowAtCollect) {

@@ -16,6 +16,7 @@
 #include "core/dtype.h"
 #include "cuda/ops/optim.h"
 #include "gpu_test_util.h"
+#include "support/test_util.h"
 #include "model/cuda_model.h"
 #include "model/layout.h"
 #include "model/model.h"
@@ -83,11 +84,12 @@ void init_bf16_weights(Model<float>& cpu) {
   for (int64_t i = 0; i < total; ++i) cpu.params()[i] = moe::bf16_to_f32(moe::f32_to_bf16(cpu.params()[i]));
 }
 
-TEST(CudaModel, RefusesCapacityFactor) {
+TEST(CudaModel, RefusesCapacityFactorBelowOne) {
   MOE_SKIP_WITHOUT_GPU();
   MoeConfig e = gpu_moe_config();
-  e.capacity_factor = 1.25;
-  EXPECT_THROW(CudaModel(gpu_model_config(), e), Error);
+  e.capacity_factor = 0.5;
+  const std::string msg = error_of([&] { CudaModel(gpu_model_config(), e); });
+  EXPECT_NE(msg.find("moe.capacity_factor must be 0 (dropless) or >= 1, got 0.5"), std::string::npos) << msg;
 }
 
 // One forward + backward of both models on the same weights and batch; compares statistics and
@@ -112,7 +114,10 @@ void check_against_cpu(const ModelConfig& mc, const MoeConfig& ec) {
   // Forward statistics.
   EXPECT_EQ(got.num_targets, want.num_targets);
   EXPECT_EQ(got.num_routes, want.num_routes);
-  EXPECT_EQ(got.num_dropped, 0);
+  EXPECT_EQ(got.num_dropped, want.num_dropped);
+  if (ec.capacity_factor > 0) {
+    EXPECT_GT(want.num_dropped, 0) << "the case must drop routes";
+  }
   const double ce_got = got.ce_sum / double(got.num_targets), ce_want = want.ce_sum / double(want.num_targets);
   std::printf("mean CE gpu %.6f cpu %.6f; lb gpu %.6f cpu %.6f; z gpu %.6f cpu %.6f\n", ce_got, ce_want,
               got.lb_loss, want.lb_loss, got.z_loss, want.z_loss);
@@ -177,6 +182,20 @@ TEST(CudaModel, ForwardAndGradientsMatchCpuModelSigmoidNoSharedExpert) {
   ec.router = "sigmoid";
   ec.norm_topk_prob = true;
   check_against_cpu(mc, ec);
+}
+
+// Capacity on the GPU: the CPU model's drop rule (each expert keeps its earliest routes). Random
+// routing draws the same experts on both, so the same routes are dropped and the gradients
+// (dropped routes contribute nothing) match to the BF16 tolerance; capacity 1.0 and 1.25.
+TEST(CudaModel, CapacityDropsAsTheCpuModel) {
+  MOE_SKIP_WITHOUT_GPU();
+  for (const double cf : {1.0, 1.25}) {
+    MoeConfig ec = gpu_moe_config();
+    ec.routing = "random";
+    ec.capacity_factor = cf;
+    std::printf("capacity_factor %.2f\n", cf);
+    check_against_cpu(gpu_model_config(), ec);
+  }
 }
 
 TEST(CudaModel, AdamWStepsTrackCpuModel) {

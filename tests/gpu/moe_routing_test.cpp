@@ -354,6 +354,42 @@ INSTANTIATE_TEST_SUITE_P(
                       RouterCase{7, 5, 2, kSoftmax, false, kUniform, BiasKind::kNone}),
     [](const auto& info) { return router_case_name(info.param); });
 
+// Random routing from a seed in device memory (the CUDA-graph path): the same experts as the host
+// seed layer_routing_seed(value, layer), and the same experts as the CPU router with that seed.
+TEST(MoeRouterGpuEdge, DeviceSeedRoutesAsItsHostValue) {
+  MOE_SKIP_WITHOUT_GPU();
+  const RouterCase c{1000, 64, 8, ScoreFunc::kSoftmax, false, RoutingMode::kRandom, BiasKind::kNone};
+  const auto logits = draw_logits(c, {}, 5);
+  GuardedBuffer<float> d_logits(logits);
+  TestStream stream;
+  for (const uint64_t value : {uint64_t(0), uint64_t(12345), ~uint64_t(0)}) {
+    for (const uint64_t layer : {uint64_t(0), uint64_t(3)}) {
+      GuardedBuffer<uint64_t> d_seed(std::vector<uint64_t>{value});
+      cuda::RouterParams dev = gpu_params(c);
+      dev.seed = 999;  // not used when seed_device is set
+      dev.seed_device = d_seed.data();
+      dev.seed_layer = layer;
+      cuda::RouterParams host = gpu_params(c);
+      host.seed = layer_routing_seed(value, layer);
+      GpuRouter a(dev), b(host);
+      a.run(d_logits.data(), nullptr, stream.get());
+      b.run(d_logits.data(), nullptr, stream.get());
+      stream.sync();
+      const std::string what = "seed " + std::to_string(value) + " layer " + std::to_string(layer);
+      EXPECT_EQ(a.idx.download(), b.idx.download()) << what;
+      EXPECT_EQ(a.counts.download(), b.counts.download()) << what;
+      cpu::RouterParams cp = cpu_params(c);
+      cp.seed = host.seed;
+      std::vector<float> lo(logits.size()), sc(logits.size()), w(size_t(c.T * c.k));
+      std::vector<int32_t> idx(size_t(c.T * c.k)), counts(size_t(c.E));
+      const auto eye = identity(c.E);
+      cpu::router_forward<float>(cp, logits.data(), eye.data(), nullptr, lo.data(), sc.data(), idx.data(), w.data(),
+                                 counts.data());
+      EXPECT_EQ(a.idx.download(), idx) << what << " vs the CPU router";
+    }
+  }
+}
+
 TEST(MoeRouterGpuEdge, EmptyBatchWritesZeros) {
   MOE_SKIP_WITHOUT_GPU();
   cuda::RouterParams p;

@@ -49,6 +49,37 @@ TEST(CudaTrain, FollowsCpuLossCurve) {
   EXPECT_FALSE(gpu.last_checkpoint.empty());
 }
 
+// Capacity and random routing on the GPU trainer (the CUDA graph on): the loss follows the CPU
+// reference, and each record's dropped_frac is the CPU's (random routing draws the same experts,
+// the same routes are dropped).
+TEST(CudaTrain, CapacityFollowsCpuAndLogsDroppedRoutes) {
+  MOE_SKIP_WITHOUT_GPU();
+  const TempDir tmp("cuda_capacity");
+  auto config = [&](const char* name, const char* device, const char* precision) {
+    Config c = small(tmp / name, device, precision);
+    c.train.steps = 8;
+    c.train.eval_interval = 0;
+    c.moe.routing = "random";
+    c.moe.capacity_factor = 1.0;
+    c.log.interval = 1;
+    return c;
+  };
+  std::ostringstream log;
+  train(config("cpu", "cpu", "fp32"), log);
+  train(config("gpu", "cuda", "bf16"), log);
+  const std::vector<nlohmann::json> a = read_metrics(tmp / "cpu"), b = read_metrics(tmp / "gpu");
+  ASSERT_EQ(a.size(), 8u);
+  ASSERT_EQ(b.size(), 8u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double la = a[i].at("loss").get<double>(), lb = b[i].at("loss").get<double>();
+    const double da = a[i].at("dropped_frac").get<double>(), db = b[i].at("dropped_frac").get<double>();
+    std::printf("step %zu loss cpu %.5f cuda %.5f, dropped_frac cpu %.5f cuda %.5f\n", i + 1, la, lb, da, db);
+    EXPECT_LE(std::abs(la - lb) / la, 3e-2) << "step " << i + 1;
+    EXPECT_GT(db, 0.0) << "step " << i + 1;
+    EXPECT_DOUBLE_EQ(da, db) << "step " << i + 1;
+  }
+}
+
 // log.trace on the GPU: steps 2 and 3 run eagerly with CUDA events; trace.json holds their phases
 // only, in order, non-negative, each step's phases within its measured time; their metrics
 // records carry phase_ms and the others (graph steps, log.phase_times off) do not.

@@ -53,6 +53,8 @@ struct ForwardArgs {
   bool norm_topk;
   RoutingMode mode;
   uint64_t seed;
+  const uint64_t* seed_device;  // non-null: seed = layer_routing_seed(*seed_device, seed_layer)
+  uint64_t seed_layer;
 };
 
 template <int kPerLane>
@@ -154,6 +156,7 @@ __global__ void __launch_bounds__(kRouterThreads) router_forward_warp_per_token(
       }
     } else {
       if (a.mode == RoutingMode::kRandom) {
+        const uint64_t seed = a.seed_device != nullptr ? layer_routing_seed(*a.seed_device, a.seed_layer) : a.seed;
         // First k steps of a Fisher-Yates shuffle of 0..E-1; step j swaps slot j with
         // j + h(seed, t, j) mod (E - j), exactly as the CPU op.
         int32_t* perm = s_perm[warp];
@@ -162,7 +165,7 @@ __global__ void __launch_bounds__(kRouterThreads) router_forward_warp_per_token(
         if (lane == 0) {
           for (int j = 0; j < k; ++j) {
             const uint64_t span = static_cast<uint64_t>(E - j);
-            const int r = j + static_cast<int>(route_hash(a.seed, static_cast<uint64_t>(t),
+            const int r = j + static_cast<int>(route_hash(seed, static_cast<uint64_t>(t),
                                                           static_cast<uint64_t>(j)) % span);
             const int32_t tmp = perm[j];
             perm[j] = perm[r];

@@ -16,16 +16,19 @@ constexpr int kStepStatsThreads = 256;
 
 __global__ void __launch_bounds__(kStepStatsThreads)
     step_stats_accumulate_router_block(const float* __restrict__ losses, const int32_t* __restrict__ counts,
-                                       int num_layers, int64_t num_counts, StepStatsRecord* __restrict__ rec,
-                                       int64_t* __restrict__ counts_sum) {
+                                       const int32_t* __restrict__ dropped, int num_layers, int64_t num_counts,
+                                       StepStatsRecord* __restrict__ rec, int64_t* __restrict__ counts_sum) {
   if (threadIdx.x == 0) {
     double lb = 0.0, z = 0.0;
+    uint32_t drops = 0;
     for (int l = 0; l < num_layers; ++l) {
       lb += static_cast<double>(losses[2 * l]);
       z += static_cast<double>(losses[2 * l + 1]);
+      if (dropped != nullptr) drops += static_cast<uint32_t>(dropped[l]);
     }
     rec->lb_sum += lb;
     rec->z_sum += z;
+    rec->num_dropped += drops;
   }
   for (int64_t i = threadIdx.x; i < num_counts; i += blockDim.x) counts_sum[i] += counts[i];
 }

@@ -78,7 +78,8 @@ void router_forward(const RouterParams& p, const float* logits, const float* exp
                                  count_partial, p.num_tokens,
                                  static_cast<int>(p.num_experts), static_cast<int>(p.top_k),
                                  p.score == ScoreFunc::kSoftmax,  p.norm_topk,
-                                 p.mode,        p.seed};
+                                 p.mode,        p.seed,
+                                 p.seed_device, p.seed_layer};
     with_experts_per_lane(p.num_experts, [&]<int kPerLane>() {
       kernels::router_forward_warp_per_token<kPerLane>
           <<<static_cast<unsigned>(blocks), kRouterThreads, 0, stream>>>(a);

@@ -26,6 +26,11 @@ struct RouterParams {
   bool norm_topk = false;
   RoutingMode mode = RoutingMode::kLearned;
   uint64_t seed = 0;  // random routing: experts depend only on (seed, token index, k)
+  // Random routing inside a CUDA graph: when set, the seed is layer_routing_seed(*seed_device,
+  // seed_layer), read by the kernel from device memory (the step writes it before each replay),
+  // and `seed` is not used.
+  const uint64_t* seed_device = nullptr;
+  uint64_t seed_layer = 0;
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -29,15 +29,16 @@ size_t step_stats_bytes(int64_t num_moe_layers, int64_t num_experts) {
 int64_t* step_stats_counts(StepStatsRecord* rec) { return reinterpret_cast<int64_t*>(rec + 1); }
 const int64_t* step_stats_counts(const StepStatsRecord* rec) { return reinterpret_cast<const int64_t*>(rec + 1); }
 
-void step_stats_accumulate_router(const float* losses, const int32_t* counts, int64_t num_moe_layers,
-                                  int64_t num_experts, StepStatsRecord* rec, Stream stream) {
+void step_stats_accumulate_router(const float* losses, const int32_t* counts, const int32_t* dropped,
+                                  int64_t num_moe_layers, int64_t num_experts, StepStatsRecord* rec, Stream stream) {
   const char* op = "cuda::step_stats_accumulate_router";
   check_layers(op, num_moe_layers, num_experts);
   if (num_moe_layers == 0) return;
   detail::check_ptrs(op, {{"losses", losses}, {"counts", counts}}, 4);
   detail::check_ptrs(op, {{"rec", rec}}, alignof(StepStatsRecord));
   kernels::step_stats_accumulate_router_block<<<1, kernels::kStepStatsThreads, 0, stream>>>(
-      losses, counts, static_cast<int>(num_moe_layers), num_moe_layers * num_experts, rec, step_stats_counts(rec));
+      losses, counts, dropped, static_cast<int>(num_moe_layers), num_moe_layers * num_experts, rec,
+      step_stats_counts(rec));
   check_launch("step_stats_accumulate_router_block");
 }
 

@@ -25,8 +25,10 @@ const int64_t* step_stats_counts(const StepStatsRecord* rec);
 // rec->z_sum += sum_l losses[2l + 1] (FP64, in layer order), counts_sum[i] += counts[i] for
 // i < num_moe_layers * num_experts. losses [M, 2] FP32 and counts [M, E] int32 are what
 // router_forward / build_dispatch_map wrote per layer. One block, no atomics: deterministic.
-void step_stats_accumulate_router(const float* losses, const int32_t* counts, int64_t num_moe_layers,
-                                  int64_t num_experts, StepStatsRecord* rec, Stream stream);
+// dropped [M] int32 (or nullptr: dropless): each layer's dropped routes (build_dispatch_map's
+// num_dropped), added to rec->num_dropped.
+void step_stats_accumulate_router(const float* losses, const int32_t* counts, const int32_t* dropped,
+                                  int64_t num_moe_layers, int64_t num_experts, StepStatsRecord* rec, Stream stream);
 
 // rec->grad_norm = scalars->grad_norm (after global_grad_norm); then, when rec->ce_sum is not
 // finite, scalars->grad_norm = NaN so that adamw_step skips the step, as the CPU trainer skips a
