@@ -75,8 +75,9 @@ constexpr const char* kUsage =
     "                                                  an interactive page of every layout of 1..N GPUs\n"
     "  report RUN_DIR [RUN_DIR ...] [-o report.html]   one HTML page of the runs' metrics.jsonl: loss, eval\n"
     "                                                  loss, throughput, MFU, grad norm, lr, lb/z, expert load\n"
-    "  bench [CONFIG.toml] [--warmup N] [--steps N] [--out DIR | --json PATH] [--section.key=value ...]\n"
-    "                                                  time warm training steps: tokens/s, TFLOP/s, phases, memory\n"
+    "  bench [CONFIG.toml] [--warmup N] [--steps N] [--inputs random|zeros|corpus] [--out DIR | --json PATH]\n"
+    "        [--section.key=value ...]                 time warm training steps: tokens/s, TFLOP/s, phases, memory\n"
+    "  sweep CONFIG.toml... [bench options]            the bench on each config that fits, relative to the first\n"
     "  inspect CHECKPOINT_DIR                          print a checkpoint's step, config and tensors\n"
     "  export-hf CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--tokenizer tokenizer.json]\n"
     "                                                  write a Hugging Face OLMoE model (config.json, safetensors,\n"
@@ -290,6 +291,8 @@ const CommandSpec kBench{
     {{"--config", "PATH", "the config file (instead of the positional CONFIG.toml)"},
      {"--warmup", "N", "untimed steps first (default 2)"},
      {"--steps", "N", "timed steps (default 5)"},
+     {"--inputs", "KIND", "random (default: random token ids, normal weights), zeros (ids and weight "
+                          "matrices 0) or corpus (the data config's tokens, the embedded corpus by default)"},
      {"--out", "DIR", "write the JSON record under DIR (default bench/results; --out= for none)"},
      {"--json", "PATH", "write the JSON record to PATH instead"}},
     "Runs warm training steps on random tokens and prints tokens/s, TFLOP/s (FLOPs per token from\n"
@@ -307,6 +310,7 @@ int cmd_bench(const ParsedArgs& a, const std::string& command) {
   opt.steps = a.int_or("--steps", opt.steps, 1, kMaxBenchSteps);
   opt.out_dir = a.value_or("--out", opt.out_dir);
   opt.json_path = a.value_or("--json", opt.json_path);
+  opt.inputs = a.value_or("--inputs", opt.inputs);
   const std::string path = config_path(a);
   if (!path.empty()) opt.config_name = std::filesystem::path(path).stem().string();
   // Join the job first (MPI or TCP when a launcher started us), so that every later error is reported
@@ -314,6 +318,38 @@ int cmd_bench(const ParsedArgs& a, const std::string& command) {
   Comm& world = world_comm();
   const Config cfg = load_config(path, a.overrides);
   run_bench(cfg, opt, std::cout, world);
+  return 0;
+}
+
+const CommandSpec kSweep{
+    "sweep",
+    {"CONFIG.toml..."},
+    1,
+    true,
+    {{"--warmup", "N", "untimed steps first, per config (default 2)"},
+     {"--steps", "N", "timed steps per config (default 5)"},
+     {"--inputs", "KIND", "random (default), zeros or corpus, as for bench"},
+     {"--out", "DIR", "write the sweep's JSON under DIR (default bench/results; --out= for none)"},
+     {"--json", "PATH", "write the sweep's JSON to PATH instead"}},
+    "Runs `moecore bench` on each CONFIG in turn in one process (the same options and --section.key=value\n"
+    "overrides for all), after checking that its run plan fits the GPU's free memory; a config that does\n"
+    "not fit is listed with the planner's reason instead. Prints tokens/s and TFLOP/s per GPU of each\n"
+    "relative to the first that ran, and writes one JSON whose `sweep` list holds each bench record.\n"
+    "Example: moecore sweep configs/scaling1-e{8,16,32,64,128}.toml --steps 10 (docs/experiments.md).\n"};
+
+int cmd_sweep(const ParsedArgs& a, const std::string& command) {
+  BenchOptions opt;
+  opt.command = command;
+  opt.warmup = a.int_or("--warmup", opt.warmup, 0, kMaxBenchSteps);
+  opt.steps = a.int_or("--steps", opt.steps, 1, kMaxBenchSteps);
+  opt.out_dir = a.value_or("--out", opt.out_dir);
+  opt.json_path = a.value_or("--json", opt.json_path);
+  opt.inputs = a.value_or("--inputs", opt.inputs);
+  Comm& world = world_comm();
+  std::vector<std::pair<std::string, Config>> configs;
+  for (const std::string& path : a.positionals)
+    configs.emplace_back(std::filesystem::path(path).stem().string(), load_config(path, a.overrides));
+  run_sweep(configs, opt, std::cout, world);
   return 0;
 }
 
@@ -702,6 +738,7 @@ std::vector<Command> commands(const std::string& invocation) {
           {&kPlan, cmd_plan},
           {&kReport, cmd_report},
           {&kBench, [invocation](const ParsedArgs& a) { return cmd_bench(a, invocation); }},
+          {&kSweep, [invocation](const ParsedArgs& a) { return cmd_sweep(a, invocation); }},
           {&kInspect, cmd_inspect},
           {&kExportHf, cmd_export_hf},
           {&kImportHf, cmd_import_hf},

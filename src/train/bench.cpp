@@ -16,10 +16,13 @@
 #include <fstream>
 #include <optional>
 #include <ostream>
+#include <sstream>
+#include <unistd.h>
 
 #include "checkpoint/files.h"
 #include "core/error.h"
 #include "data/dataset.h"
+#include "data/sources.h"
 #include "optim/adamw.h"
 #include "parallel/comm.h"
 #include "parallel/topology.h"
@@ -85,8 +88,9 @@ void fill_synthetic_step(std::vector<Batch>& micro, int64_t step, const Config& 
 }
 
 // The settings that change a bench's figures, as the record names them.
-nlohmann::json bench_settings(const Config& cfg, const RunPlan& plan) {
+nlohmann::json bench_settings(const Config& cfg, const RunPlan& plan, const std::string& inputs) {
   return {{"device", plan.device},
+          {"inputs", inputs},
           {"precision", cfg.train.precision},
           {"recompute", cfg.train.recompute},
           {"routing", cfg.moe.routing},
@@ -147,6 +151,9 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
               " but the job has ", ranks, " ranks; the bench is data parallel over every rank: set parallel.dp = 0");
     cfg.train.global_batch *= ranks;  // every GPU runs the one-GPU step's micro-batches
   }
+  MOE_CHECK(opt.inputs == "random" || opt.inputs == "zeros" || opt.inputs == "corpus",
+            "bench: --inputs must be random, zeros or corpus, got \"", opt.inputs, "\"");
+  if (opt.inputs == "zeros") cfg.model.init_std = 0.0;  // every weight matrix 0 (norm weights stay 1)
   world.set_timeout_s(cfg.parallel.timeout_s);
   const RunPlan plan = make_run_plan(cfg, ranks, device);
   const Topology topo = make_topology(cfg, world);
@@ -157,6 +164,25 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
   const int64_t profile_steps = 2;  // the first fills the GPU timer's event pool; the second is reported
   const int64_t total_steps = opt.warmup + opt.steps + profile_steps;
   std::vector<Batch> micro(static_cast<size_t>(plan.micro_steps));
+  std::optional<DataLoader> corpus;  // --inputs corpus: the trainer's loader over the data config
+  if (opt.inputs == "corpus") {
+    std::ostringstream lines;
+    DataSources data = open_data(cfg, lines);
+    corpus.emplace(data.train_sources, plan.seq_len, plan.global_batch, plan.micro_batch, cfg.train.seed, topo.dp_rank,
+                   plan.sizes.dp);
+  }
+  auto fill_step = [&](int64_t step) {
+    if (corpus) {
+      micro = corpus->next();
+    } else {
+      fill_synthetic_step(micro, step, cfg, topo.dp_rank * plan.micro_steps);
+      if (opt.inputs == "zeros")
+        for (Batch& b : micro) {
+          std::fill(b.inputs.begin(), b.inputs.end(), 0);
+          std::fill(b.targets.begin(), b.targets.end(), 0);
+        }
+    }
+  };
   int64_t submitted = 0, skipped = 0;
   StepStats first, last;
   using Clock = std::chrono::steady_clock;
@@ -175,7 +201,7 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
   auto run_steps = [&](int64_t n) {
     for (int64_t i = 0; i < n; ++i) {
       ++submitted;
-      fill_synthetic_step(micro, submitted, cfg, topo.dp_rank * plan.micro_steps);
+      fill_step(submitted);
       step->submit({submitted, &micro, plan.tokens_per_step, lr_at(cfg.optim, submitted - 1, total_steps)});
       if (step->pending() >= step->in_flight()) collect_one();
     }
@@ -230,7 +256,7 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
                         {"commit", bench_commit()},
                         {"command", opt.command},
                         {"date", date},
-                        {"settings", bench_settings(cfg, plan)},
+                        {"settings", bench_settings(cfg, plan, opt.inputs)},
                         {"warmup_steps", opt.warmup},
                         {"timed_steps", opt.steps},
                         {"seq_len", plan.seq_len},
@@ -293,10 +319,12 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
                   (long long)opt.steps, (long long)opt.warmup);
   }
   out << buf;
-  std::snprintf(buf, sizeof buf, "  %.3gB parameters (%.3gB active), %lld tokens/step (%s%lld x %lld x %lld)\n",
+  std::snprintf(buf, sizeof buf,
+                "  %.3gB parameters (%.3gB active), %lld tokens/step (%s%lld x %lld x %lld), inputs %s, routing %s\n",
                 double(plan.counts.total_params) / 1e9, double(plan.counts.active_params) / 1e9,
                 (long long)plan.tokens_per_step, ranks > 1 ? (std::to_string(ranks) + " GPUs x ").c_str() : "",
-                (long long)plan.micro_steps, (long long)plan.micro_batch, (long long)plan.seq_len);
+                (long long)plan.micro_steps, (long long)plan.micro_batch, (long long)plan.seq_len, opt.inputs.c_str(),
+                cfg.moe.routing.c_str());
   out << buf;
   std::snprintf(buf, sizeof buf, "  %-12s %12s %8s %14s\n", "phase", gpu ? "eager ms" : "ms", "share", "ms of step");
   out << buf;
@@ -360,6 +388,103 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
   out << buf;
   if (world.rank() == 0)
     write_bench_record(rec, opt, gpu ? (ranks > 1 ? "gpux" + std::to_string(ranks) : "gpu") : "cpu", date, out);
+  return rec;
+}
+
+namespace {
+
+// Why `cfg` cannot run here (as run_bench would configure it), or "": the GPU's free memory
+// against the run plan's estimate on every rank (any rank's reason), the host's on the cpu.
+std::string sweep_fit_problem(const Config& cfg_in, Comm& world) {
+  Config cfg = cfg_in;
+  const std::string device = resolve_device(cfg.train);
+  if (world.size() > 1) cfg.train.global_batch *= world.size();
+  const RunPlan plan = make_run_plan(cfg, world.size(), device);
+  std::string problem;
+  if (device == "cuda") {
+    problem = gpu_fit_problem(plan);
+  } else {
+    const double have = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+    if (have > 0 && plan.memory.total() > 0.9 * have) {
+      char buf[256];
+      std::snprintf(buf, sizeof buf, "it needs about %.1f GiB of host memory, more than 90%% of the machine's %.1f GiB",
+                    plan.memory.total() / kGiB, have / kGiB);
+      problem = buf;
+    }
+  }
+  int64_t bad = problem.empty() ? 0 : 1;
+  if (world.size() > 1) {
+    int64_t worst = bad;
+    world.all_reduce(&worst, 1, ReduceOp::kMax);
+    if (worst != 0 && problem.empty()) problem = "it does not fit on another rank's GPU";
+  }
+  return problem;
+}
+
+}  // namespace
+
+nlohmann::json run_sweep(const std::vector<std::pair<std::string, Config>>& configs, const BenchOptions& opt,
+                         std::ostream& console, Comm& world) {
+  MOE_CHECK(!configs.empty(), "sweep: no config given");
+  std::ostream null_out(nullptr);
+  std::ostream& out = world.rank() == 0 ? console : null_out;
+  nlohmann::json list = nlohmann::json::array();
+  for (const auto& [name, cfg] : configs) {
+    const std::string problem = sweep_fit_problem(cfg, world);
+    if (!problem.empty()) {
+      out << "sweep: " << name << ": not run: " << problem << "\n" << std::flush;
+      list.push_back({{"config", name}, {"skipped", true}, {"reason", problem}});
+      continue;
+    }
+    out << "sweep: " << name << "\n" << std::flush;
+    BenchOptions one = opt;
+    one.config_name = name;
+    one.out_dir.clear();  // the sweep's record holds every bench record
+    one.json_path.clear();
+    list.push_back(run_bench(cfg, one, console, world));
+    out << "\n";
+  }
+  const nlohmann::json* base = nullptr;
+  for (const nlohmann::json& r : list)
+    if (!r.contains("skipped")) {
+      base = &r;
+      break;
+    }
+  char buf[512];
+  std::snprintf(buf, sizeof buf, "%-20s %8s %10s %14s %7s %12s %7s %10s %9s\n", "config", "experts", "params",
+                "tokens/s/dev", "rel", "TFLOP/s/dev", "rel", "step ms", "peak GiB");
+  out << buf;
+  for (nlohmann::json& r : list) {
+    if (r.contains("skipped")) {
+      std::snprintf(buf, sizeof buf, "%-20s not run: %s\n", r["config"].get<std::string>().c_str(),
+                    r["reason"].get<std::string>().substr(0, 160).c_str());
+      out << buf;
+      continue;
+    }
+    // Per device (GPU, or the one CPU process): tokens_per_s over the data-parallel ranks.
+    auto per_device = [](const nlohmann::json& x) {
+      return x["tokens_per_s"].get<double>() / double(x["settings"]["dp"].get<int64_t>());
+    };
+    const double tps = per_device(r), tf = r["tflops_per_device"].get<double>();
+    const double rel_tps = tps / per_device(*base);
+    const double rel_tf = tf / (*base)["tflops_per_device"].get<double>();
+    r["tokens_per_s_per_device_vs_first"] = rel_tps;
+    r["tflops_per_device_vs_first"] = rel_tf;
+    const int64_t experts = configs[size_t(&r - &list[0])].second.moe.num_experts;
+    std::snprintf(buf, sizeof buf, "%-20s %8lld %9.3gB %14.0f %6.1f%% %12.1f %6.1f%% %10.2f %9.2f\n",
+                  r["config"].get<std::string>().c_str(), (long long)experts,
+                  double(r["total_params"].get<int64_t>()) / 1e9, tps, 100 * rel_tps, tf, 100 * rel_tf,
+                  r["step_ms"]["mean"].get<double>(), r["mem_peak_gib"].get<double>());
+    out << buf;
+  }
+  const std::string date = utc_date();
+  nlohmann::json rec = {{"command", opt.command}, {"commit", bench_commit()}, {"date", date}, {"sweep", list}};
+  if (world.rank() == 0) {
+    BenchOptions named = opt;
+    named.config_name = "sweep-" + configs.front().first;
+    const std::string device = resolve_device(configs.front().second.train);
+    write_bench_record(rec, named, device == "cuda" ? "gpu" : "cpu", date, out);
+  }
   return rec;
 }
 

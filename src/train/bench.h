@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <iosfwd>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -24,6 +26,10 @@ struct BenchOptions {
   std::string json_path;                  // non-empty: write the JSON record here instead
   std::string command;                    // as typed, recorded in the JSON
   std::string config_name = "default";
+  // What the step computes on (same shapes): "random" (splitmix64 token ids, weights from
+  // model.init_std), "zeros" (token ids 0 and every weight matrix 0, norms 1) or "corpus" (the
+  // data config's tokens, the embedded corpus by default, through the trainer's loader).
+  std::string inputs = "random";
 };
 
 // Runs the benchmark on train.device and returns its JSON record (printed as a table to `out` on
@@ -33,6 +39,15 @@ struct BenchOptions {
 // parallel.ep may split the experts over ep groups of GPUs). GPU parameters are initialised on the
 // device; a run whose estimate exceeds the free device memory is refused before allocating.
 nlohmann::json run_bench(const Config& cfg, const BenchOptions& opt, std::ostream& out, Comm& world);
+
+// `moecore sweep`: run_bench on each config in turn (one GPU job, the same options), after asking
+// whether its run plan fits this GPU (gpu_fit_problem; on the cpu: 90% of the host's memory); a
+// config that does not fit is listed with the reason instead of run. Prints tokens/s/GPU and
+// TFLOP/s/GPU of each relative to the first that ran, and returns (and writes, as
+// write_bench_record says, named "sweep-<first config>") {"sweep": [record or {"config",
+// "skipped": true, "reason"}...], "command", "commit", "date"}.
+nlohmann::json run_sweep(const std::vector<std::pair<std::string, Config>>& configs, const BenchOptions& opt,
+                         std::ostream& out, Comm& world);
 
 // $MOECORE_COMMIT when set and non-empty, else `git rev-parse --short HEAD`, else "unknown".
 std::string bench_commit();

@@ -37,6 +37,10 @@ std::unique_ptr<Step> make_gpu_step(const Config&, const RunPlan&, const Topolog
   MOE_FAIL("train.device = \"cuda\" needs a build with the CUDA backend (cmake --preset cuda)");
 }
 
+std::string gpu_fit_problem(const RunPlan&) {
+  return "train.device = \"cuda\" needs a build with the CUDA backend (cmake --preset cuda)";
+}
+
 #else
 
 namespace {
@@ -88,10 +92,11 @@ GpuGroups make_gpu_groups(const Config& cfg, const RunPlan& plan, const Topology
   return g;
 }
 
-// Refuses, before anything is allocated on the device, a plan whose estimate exceeds its free memory.
-void check_fits(const RunPlan& plan, const cuda::DeviceInfo& dev) {
+// Why a plan's estimate does not fit the device's free memory ("" when it fits).
+std::string fit_problem(const RunPlan& plan, const cuda::DeviceInfo& dev) {
   const MemoryEstimate& m = plan.memory;
-  MOE_CHECK(m.total() <= double(dev.free_bytes), "this run does not fit on one ", dev.name, ": it needs about ",
+  if (m.total() <= double(dev.free_bytes)) return "";
+  return detail::concat("this run does not fit on one ", dev.name, ": it needs about ",
             gib(m.total()), " GiB per GPU (", m.local_params, " parameters: ", gib(m.params + m.grads + m.moments),
             " GiB of FP32 weights, BF16 copy, FP32 gradients and two AdamW moments",
             plan.zero ? " (this rank's ZeRO-1 shard)" : "", ", plus ~", gib(m.activations() + m.exchange),
@@ -100,6 +105,12 @@ void check_fits(const RunPlan& plan, const cuda::DeviceInfo& dev) {
             " GiB; use fewer layers or experts (configs/olmoe-8l.toml fits one H200), split the experts over GPUs "
             "(parallel.ep), recompute activations (train.recompute = \"selective\" or \"full\"), or lower "
             "train.micro_batch / train.seq_len (moecore plan shows each choice's memory)");
+}
+
+// Refuses, before anything is allocated on the device, a plan whose estimate exceeds its free memory.
+void check_fits(const RunPlan& plan, const cuda::DeviceInfo& dev) {
+  const std::string problem = fit_problem(plan, dev);
+  MOE_CHECK(problem.empty(), problem);
 }
 
 class GpuStep final : public Step {
@@ -300,6 +311,8 @@ nlohmann::json GpuStep::bench_details() {
 }
 
 }  // namespace
+
+std::string gpu_fit_problem(const RunPlan& plan) { return fit_problem(plan, cuda::device_info()); }
 
 std::unique_ptr<Step> make_gpu_step(const Config& cfg, const RunPlan& plan, const Topology& topo, HostState* state,
                                     std::ostream& out) {

@@ -110,5 +110,8 @@ std::unique_ptr<Step> make_step(const Config& cfg, const RunPlan& plan, const To
 // The GPU step alone (train/gpu_step.cpp); builds without CUDA throw.
 std::unique_ptr<Step> make_gpu_step(const Config& cfg, const RunPlan& plan, const Topology& topo, HostState* state,
                                     std::ostream& out);
+// Why `plan` does not fit this rank's GPU now (its estimate against the device's free memory, the
+// message the GPU step refuses with), or "" when it fits. Builds without CUDA: why it cannot run.
+std::string gpu_fit_problem(const RunPlan& plan);
 
 }  // namespace moe

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 #include <sstream>
@@ -371,6 +372,63 @@ TEST(Cli, BenchOnCpuRecordsSettingsAndPhases) {
   const CmdResult bad = run_cli("bench --steps 1 --out= --train.precision=bf16 --train.device=cpu");
   EXPECT_EQ(bad.status, 1);
   EXPECT_NE(bad.output.find("train.precision = \"bf16\""), std::string::npos) << bad.output;
+}
+
+// moecore sweep: every config that fits runs through the bench (its record in the sweep list, with
+// the figures relative to the first), one that does not fit is listed with the reason; --inputs
+// reaches each record's settings.
+TEST(Cli, SweepRunsWhatFitsAndSaysWhyNot) {
+  const TempDir tmp("sweep");
+  const std::string tiny = std::string(MOECORE_SOURCE_DIR) + "/configs/tiny.toml";
+  std::ifstream in(tiny);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto write = [&](const std::string& name, const std::string& from, const std::string& to) {
+    std::string t = text;
+    const size_t at = t.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    t.replace(at, from.size(), to);
+    const std::string path = (tmp.root() / name).string();
+    std::ofstream(path) << t;
+    return path;
+  };
+  const std::string e8 = write("tiny-e8.toml", "num_experts = 8", "num_experts = 8");
+  const std::string e16 = write("tiny-e16.toml", "num_experts = 8", "num_experts = 16");
+  const std::string huge = write("huge.toml", "d_model = 128", "d_model = 65536");
+  const std::string json = (tmp.root() / "sweep.json").string();
+  const CmdResult r = run_cli("sweep " + e8 + " " + huge + " " + e16 + " --warmup 0 --steps 1 --inputs zeros --json " +
+                              json + " --train.steps=2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("huge: not run: it needs about"), std::string::npos) << r.output;
+  std::ifstream f(json);
+  const nlohmann::json rec = nlohmann::json::parse(f);
+  const nlohmann::json& list = rec.at("sweep");
+  ASSERT_EQ(list.size(), 3u);
+  EXPECT_EQ(list[0].at("config"), "tiny-e8");
+  EXPECT_DOUBLE_EQ(list[0].at("tokens_per_s_per_device_vs_first").get<double>(), 1.0);
+  EXPECT_EQ(list[1].at("config"), "huge");
+  EXPECT_TRUE(list[1].at("skipped").get<bool>());
+  EXPECT_NE(list[1].at("reason").get<std::string>().find("host memory"), std::string::npos);
+  EXPECT_EQ(list[2].at("config"), "tiny-e16");
+  EXPECT_GT(list[2].at("tokens_per_s_per_device_vs_first").get<double>(), 0.0);
+  EXPECT_GT(list[2].at("total_params").get<int64_t>(), list[0].at("total_params").get<int64_t>());
+  for (size_t i : {size_t(0), size_t(2)}) EXPECT_EQ(list[i].at("settings").at("inputs"), "zeros");
+  // Zero weights: every router score ties, so the learned router sends every token to experts 0..k-1.
+  EXPECT_GT(list[0].at("load_imbalance").get<double>(), 2.0);
+  const CmdResult bad = run_cli("bench --steps 1 --out= --inputs ones");
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_NE(bad.output.find("--inputs must be random, zeros or corpus, got \"ones\""), std::string::npos) << bad.output;
+}
+
+// --inputs corpus: the embedded corpus through the trainer's loader (real text ids < 256).
+TEST(Cli, BenchOnCorpusInputs) {
+  const TempDir tmp("bench-corpus");
+  const std::string json = (tmp.root() / "b.json").string();
+  const CmdResult r = run_cli("bench --warmup 0 --steps 2 --inputs corpus --json " + json + " --train.steps=3");
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::ifstream f(json);
+  const nlohmann::json rec = nlohmann::json::parse(f);
+  EXPECT_EQ(rec.at("settings").at("inputs"), "corpus");
+  EXPECT_TRUE(rec.at("loss_finite").get<bool>());
 }
 
 TEST(Cli, BadKeySuggestsNearest) {
