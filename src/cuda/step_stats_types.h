@@ -9,8 +9,11 @@ namespace moe::cuda {
 
 // One step's statistics in device memory: this 64-byte record, followed in the same allocation by
 // the routed (token, slot) pairs per expert summed over the step's forwards, int64
-// [num_moe_layers, num_experts]. Zeroed at the start of a step (memset), filled by the forwards
-// and the optimizer, copied to the host in one piece of step_stats_bytes(...) bytes.
+// [num_moe_layers, num_experts], then each MoE layer's dropped routes, int64 [num_moe_layers], then
+// each layer's (lb, z) router losses summed over the forwards, FP64 [num_moe_layers, 2]
+// (ops/step_stats.h: step_stats_counts, step_stats_layer_dropped, step_stats_layer_losses).
+// Zeroed at the start of a step (memset), filled by the forwards and the optimizer, copied to the
+// host in one piece of step_stats_bytes(...) bytes.
 struct StepStatsRecord {
   double ce_sum = 0;            // sum of the forwards' per-token cross-entropy (targets >= 0)
   double lb_sum = 0;            // sum over forwards and MoE layers of the load-balancing loss

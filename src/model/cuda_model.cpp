@@ -581,6 +581,15 @@ ForwardStats CudaModel::read_stats() {
     }
     s.tokens_per_expert.push_back(std::move(c));
   }
+  const auto* head = reinterpret_cast<const cuda::StepStatsRecord*>(raw.data());
+  const int64_t* layer_dropped = cuda::step_stats_layer_dropped(head, m, e);
+  const double* layer_losses = cuda::step_stats_layer_losses(head, m, e);
+  const double forwards = double(std::max<int64_t>(1, I.num_forwards));
+  for (int64_t l = 0; l < m; ++l) {
+    s.layer_lb_loss.push_back(layer_losses[2 * l] / forwards);
+    s.layer_z_loss.push_back(layer_losses[2 * l + 1] / forwards);
+    s.layer_dropped.push_back(layer_dropped[l]);
+  }
   s.num_routes = I.num_routes;
   s.num_dropped = rec.num_dropped;
   return s;

@@ -314,6 +314,9 @@ void Model<T>::forward_blocks(int64_t first, int64_t last, int64_t batch, int64_
     stats.num_routes += ms.num_routes;
     stats.num_dropped += ms.num_dropped;
     stats.tokens_per_expert.push_back(ms.counts_E);
+    stats.layer_lb_loss.push_back(ms.lb_loss);
+    stats.layer_z_loss.push_back(ms.z_loss);
+    stats.layer_dropped.push_back(ms.num_dropped);
   }
 }
 

@@ -41,6 +41,9 @@ struct ForwardStats {
   // Routed (token, slot) pairs per expert (before capacity dropping), one vector of E counts per
   // MoE layer: this rank's tokens over all E global experts, also under expert parallelism.
   std::vector<std::vector<int32_t>> tokens_per_expert;
+  // Each MoE layer's own figures, in the same order: its router's losses and dropped routes.
+  std::vector<double> layer_lb_loss, layer_z_loss;
+  std::vector<int64_t> layer_dropped;
 };
 
 // What backward differentiates: ce_scale * ce_sum + lb_scale * lb_loss + z_scale * z_loss.

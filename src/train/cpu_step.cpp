@@ -150,7 +150,7 @@ class CpuStep final : public Step {
     StepStats st;
     st.step = in.step;
     st.num_targets = in.global_targets;
-    st.tokens_per_expert.assign(size_t(model.num_moe_layers()), std::vector<int64_t>(size_t(cfg_.moe.num_experts), 0));
+    init_layer_stats(st, model.num_moe_layers());
     for (int64_t m = 0; m < int64_t(micro.size()); ++m) {
       const Batch& b = micro[size_t(m)];
       const uint64_t seed = routing_seed(cfg_.train.seed, in.step - 1, topo_.dp_rank * plan_.micro_steps + m);
@@ -161,27 +161,50 @@ class CpuStep final : public Step {
       st.z_loss += f.z_loss / micro_total;
       st.num_routes += f.num_routes;
       st.num_dropped += f.num_dropped;
-      for (size_t l = 0; l < f.tokens_per_expert.size(); ++l)
-        for (size_t e = 0; e < f.tokens_per_expert[l].size(); ++e) st.tokens_per_expert[l][e] += f.tokens_per_expert[l][e];
+      for (size_t l = 0; l < f.tokens_per_expert.size(); ++l) add_layer_stats(st, l, f, l, micro_total);
     }
     reduce_stats(st, *topo_.dp_comm);
     return st;
+  }
+
+  // Zeroed per-layer statistics of `layers` MoE layers.
+  void init_layer_stats(StepStats& st, int64_t layers) const {
+    st.tokens_per_expert.assign(size_t(layers), std::vector<int64_t>(size_t(cfg_.moe.num_experts), 0));
+    st.layer_lb_loss.assign(size_t(layers), 0.0);
+    st.layer_z_loss.assign(size_t(layers), 0.0);
+    st.layer_dropped.assign(size_t(layers), 0);
+  }
+
+  // Adds MoE layer j of forward `f` into the step's MoE layer l (losses as a mean over the
+  // step's micro_total micro-batches).
+  static void add_layer_stats(StepStats& st, size_t l, const ForwardStats& f, size_t j, double micro_total) {
+    for (size_t e = 0; e < f.tokens_per_expert[j].size(); ++e) st.tokens_per_expert[l][e] += f.tokens_per_expert[j][e];
+    st.layer_lb_loss[l] += f.layer_lb_loss[j] / micro_total;
+    st.layer_z_loss[l] += f.layer_z_loss[j] / micro_total;
+    st.layer_dropped[l] += f.layer_dropped[j];
   }
 
   // Sums the step's statistics over `comm` (no-op on one rank): global figures on every rank, so
   // that every rank takes the same decisions.
   static void reduce_stats(StepStats& st, Comm& comm) {
     if (comm.size() > 1) {
-      double sums[3] = {st.ce_sum, st.lb_loss, st.z_loss};
-      comm.all_reduce(sums, 3, ReduceOp::kSum);
+      std::vector<double> sums = {st.ce_sum, st.lb_loss, st.z_loss};
+      sums.insert(sums.end(), st.layer_lb_loss.begin(), st.layer_lb_loss.end());
+      sums.insert(sums.end(), st.layer_z_loss.begin(), st.layer_z_loss.end());
+      comm.all_reduce(sums.data(), int64_t(sums.size()), ReduceOp::kSum);
       st.ce_sum = sums[0], st.lb_loss = sums[1], st.z_loss = sums[2];
+      size_t at = 3;
+      for (double& v : st.layer_lb_loss) v = sums[at++];
+      for (double& v : st.layer_z_loss) v = sums[at++];
       std::vector<int64_t> ints = {st.num_routes, st.num_dropped};
       for (const auto& layer : st.tokens_per_expert) ints.insert(ints.end(), layer.begin(), layer.end());
+      ints.insert(ints.end(), st.layer_dropped.begin(), st.layer_dropped.end());
       comm.all_reduce(ints.data(), int64_t(ints.size()), ReduceOp::kSum);
       st.num_routes = ints[0], st.num_dropped = ints[1];
-      size_t at = 2;
+      at = 2;
       for (auto& layer : st.tokens_per_expert)
         for (int64_t& c : layer) c = ints[at++];
+      for (int64_t& c : st.layer_dropped) c = ints[at++];
     }
   }
 
@@ -228,7 +251,7 @@ class CpuStep final : public Step {
     StepStats st;
     st.step = in.step;
     st.num_targets = in.global_targets;
-    st.tokens_per_expert.assign(size_t(model.num_moe_layers()), std::vector<int64_t>(size_t(cfg_.moe.num_experts), 0));
+    init_layer_stats(st, model.num_moe_layers());
     const PipelineStage& stage = topo_.stage;
     const int64_t m_count = int64_t(micro.size());
     MOE_CHECK(m_count == plan_.micro_steps, "pipeline step: ", m_count, " micro-batches, the plan has ",
@@ -260,9 +283,7 @@ class CpuStep final : public Step {
         st.num_routes += f.num_routes;
         st.num_dropped += f.num_dropped;
         const std::vector<int64_t> idx = moe_indices(first, last);
-        for (size_t j = 0; j < f.tokens_per_expert.size(); ++j)
-          for (size_t e = 0; e < f.tokens_per_expert[j].size(); ++e)
-            st.tokens_per_expert[size_t(idx[j])][e] += f.tokens_per_expert[j][e];
+        for (size_t j = 0; j < f.tokens_per_expert.size(); ++j) add_layer_stats(st, size_t(idx[j]), f, j, micro_total);
         if (head) {
           model.head_forward(x.data(), b.targets.data(), n, f);
           st.ce_sum += f.ce_sum;
@@ -369,6 +390,7 @@ class CpuStep final : public Step {
       if (cfg_.moe.bias_update_rate > 0) model.update_expert_bias(st.tokens_per_expert, cfg_.moe.bias_update_rate);
     }
     st.optimizer_steps = s_.opt.steps_taken();
+    st.expert_bias = model.expert_bias();  // every rank holds every MoE layer's bias
   }
 
   bool record_times_ = false, record_intervals_ = false;

@@ -1,11 +1,12 @@
 // CudaStepRunner: host staging in pinned memory (two slots, each guarded by an event), the step
 // body (forwards, backwards, grad norm, loss guard, AdamW, expert bias, record finish) enqueued
 // eagerly or captured once into a CUDA graph and replayed, and a ring of pinned stats slots each
-// filled by one asynchronous copy and an event. Per submit, the host enqueues three copies
-// (token ids, loss scales, lr), the step (one graph launch when captured) and the stats copy.
+// filled by asynchronous copies (the record, then the expert bias after the step's update) and an
+// event. Per submit, the host enqueues three copies (token ids, loss scales, lr), the step (one
+// graph launch when captured) and the stats copies.
 // Data parallel: the step sums, over the NCCL group, the FP32 gradients (buckets of at most
-// kGradBucketElements) and the statistics record's CE/lb/z sums, bad-id counters and expert
-// counts before the grad norm, so the rest of the step is the one-GPU step on global figures.
+// kGradBucketElements) and the statistics record's CE/lb/z sums, bad-id counters, expert counts
+// and per-layer drops and losses before the grad norm, so the rest of the step is the one-GPU step on global figures.
 // With parallel.overlap_grad_reduce (the default; no ep) the gradients of each block are summed on
 // a second stream as soon as the last micro-batch's backward has finished them (LM head first,
 // embedding last), overlapping the backward of the blocks below; otherwise all after backward.
@@ -152,7 +153,7 @@ struct CudaStepRunner::Impl {
   int64_t last_step = 0;
 
   struct StatsSlot {
-    cuda::PinnedBuffer host;  // model.stats_bytes()
+    cuda::PinnedBuffer host;  // model.stats_bytes(), then the expert bias [M, E] FP32 after the step
     cuda::Event ready = nullptr;
     int64_t step = 0, num_targets = 0, num_forwards = 0, num_routes = 0;
   };
@@ -352,8 +353,12 @@ struct CudaStepRunner::Impl {
     dp->group_start();
     dp->all_reduce_sum(base + offsetof(cuda::StepStatsRecord, ce_sum), 3, cuda::NcclDType::kF64, st);
     dp->all_reduce_sum(base + offsetof(cuda::StepStatsRecord, bad_ids), 3, cuda::NcclDType::kU32, st);
-    dp->all_reduce_sum(cuda::step_stats_counts(rec), model.num_moe_layers() * cfg.moe.num_experts,
-                       cuda::NcclDType::kI64, st);
+    const int64_t m = model.num_moe_layers(), e = cfg.moe.num_experts;
+    if (m > 0) {
+      // Counts and per-layer drops are one int64 run; the per-layer losses follow as FP64.
+      dp->all_reduce_sum(cuda::step_stats_counts(rec), m * (e + 1), cuda::NcclDType::kI64, st);
+      dp->all_reduce_sum(cuda::step_stats_layer_losses(rec, m, e), 2 * m, cuda::NcclDType::kF64, st);
+    }
     dp->group_end();
   }
 
@@ -540,6 +545,9 @@ struct CudaStepRunner::Impl {
     const int64_t global_micro = sh.micro * dp_size;
     StatsSlot& slot = ring[(ring_head + num_pending) % kMaxPending];
     cuda::copy_d2h_async(slot.host.data(), model.stats_record(), model.stats_bytes(), st);
+    // The bias after the step's update, behind the record in the same slot (no extra wait).
+    if (bias_bytes() > 0)
+      cuda::copy_d2h_async(slot.host.as<uint8_t>() + model.stats_bytes(), model.expert_bias(), bias_bytes(), st);
     cuda::event_record(slot.ready, st);
     slot.step = step;
     slot.num_targets = slot_targets;
@@ -548,6 +556,9 @@ struct CudaStepRunner::Impl {
     ++num_pending;
     last_step = step;
   }
+
+  // Bytes of the expert bias [M, E] FP32.
+  size_t bias_bytes() const { return size_t(model.num_moe_layers() * cfg.moe.num_experts) * sizeof(float); }
 
   // Pinned staging for `bytes` of token ids; waits for the device to have copied out of the slot.
   Staging& staging_slot(size_t token_bytes) {
@@ -593,7 +604,7 @@ CudaStepRunner::CudaStepRunner(const Config& cfg, const RunPlan& plan, cuda::Ncc
     s.copied = cuda::event_create();
   }
   for (Impl::StatsSlot& s : I.ring) {
-    s.host = cuda::PinnedBuffer(I.model.stats_bytes());
+    s.host = cuda::PinnedBuffer(I.model.stats_bytes() + I.bias_bytes());
     s.ready = cuda::event_create();
   }
   cuda::stream_sync(st);
@@ -802,6 +813,19 @@ StepStats CudaStepRunner::collect() {
   for (int64_t l = 0; l < layers; ++l)
     std::memcpy(s.tokens_per_expert[l].data(), raw + sizeof(rec) + size_t(l * e) * sizeof(int64_t),
                 size_t(e) * sizeof(int64_t));
+  const auto* head = reinterpret_cast<const cuda::StepStatsRecord*>(raw);
+  const int64_t* layer_dropped = cuda::step_stats_layer_dropped(head, layers, e);
+  const double* layer_losses = cuda::step_stats_layer_losses(head, layers, e);
+  const double forwards = double(std::max<int64_t>(1, slot.num_forwards));
+  s.layer_lb_loss.resize(size_t(layers));
+  s.layer_z_loss.resize(size_t(layers));
+  s.layer_dropped.assign(layer_dropped, layer_dropped + layers);
+  for (int64_t l = 0; l < layers; ++l) {
+    s.layer_lb_loss[size_t(l)] = layer_losses[2 * l] / forwards;
+    s.layer_z_loss[size_t(l)] = layer_losses[2 * l + 1] / forwards;
+  }
+  s.expert_bias.resize(size_t(layers * e));
+  if (layers > 0) std::memcpy(s.expert_bias.data(), raw + I.model.stats_bytes(), I.bias_bytes());
   s.num_routes = slot.num_routes;
   s.num_dropped = rec.num_dropped;
   s.grad_norm = rec.grad_norm;

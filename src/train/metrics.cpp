@@ -12,16 +12,26 @@ namespace moe {
 double load_imbalance(const std::vector<std::vector<int64_t>>& counts_per_layer) {
   if (counts_per_layer.empty()) return 1.0;
   double acc = 0;
-  for (const auto& counts : counts_per_layer) {
-    double total = 0, mx = 0;
-    for (int64_t c : counts) {
-      total += double(c);
-      mx = std::max(mx, double(c));
-    }
-    const double mean = counts.empty() ? 0 : total / double(counts.size());
-    acc += mean > 0 ? mx / mean : 1.0;
-  }
+  for (const auto& counts : counts_per_layer) acc += max_over_mean(counts);
   return acc / double(counts_per_layer.size());
+}
+
+double max_over_mean(const std::vector<int64_t>& counts) {
+  double total = 0, mx = 0;
+  for (int64_t c : counts) {
+    total += double(c);
+    mx = std::max(mx, double(c));
+  }
+  const double mean = counts.empty() ? 0 : total / double(counts.size());
+  return mean > 0 ? mx / mean : 1.0;
+}
+
+std::vector<int64_t> tokens_per_rank(const std::vector<int64_t>& tokens_per_expert, int64_t ep) {
+  const int64_t e = int64_t(tokens_per_expert.size());
+  MOE_CHECK(ep >= 1 && e % ep == 0, "tokens_per_rank: ep = ", ep, " must divide the ", e, " experts");
+  std::vector<int64_t> out(size_t(ep), 0);
+  for (int64_t i = 0; i < e; ++i) out[size_t(i / (e / ep))] += tokens_per_expert[size_t(i)];
+  return out;
 }
 
 namespace {

@@ -1,6 +1,6 @@
 // Per-step metrics: one JSON object per logged step appended to <run.dir>/metrics.jsonl
 // (flushed each line; a resumed run keeps the records up to its step), and load statistics over
-// per-expert token counts.
+// per-expert token counts (per layer, per expert-parallel rank).
 #pragma once
 
 #include <cstdint>
@@ -14,6 +14,13 @@ namespace moe {
 
 // max/mean tokens per expert, averaged over MoE layers (1.0 = perfectly balanced).
 double load_imbalance(const std::vector<std::vector<int64_t>>& counts_per_layer);
+
+// max/mean of `counts` (1.0 = balanced; 1.0 too when every count is 0, as load_imbalance).
+double max_over_mean(const std::vector<int64_t>& counts);
+
+// Tokens per expert-parallel rank: the E counts of one layer summed in `ep` contiguous groups of
+// E / ep experts (rank r holds experts [r x E/ep, (r + 1) x E/ep)). ep must divide E.
+std::vector<int64_t> tokens_per_rank(const std::vector<int64_t>& tokens_per_expert, int64_t ep);
 
 class MetricsWriter {
  public:

@@ -34,6 +34,13 @@ struct StepStats {
   std::vector<std::vector<int64_t>> tokens_per_expert;  // [MoE layer][expert], summed over micro-batches
   int64_t num_routes = 0;
   int64_t num_dropped = 0;   // routes dropped by expert capacity
+  // Per MoE layer, in layer order: the router's losses (mean over micro-batches; lb_loss and
+  // z_loss are their mean over layers) and the routes dropped by capacity (summed).
+  std::vector<double> layer_lb_loss, layer_z_loss;
+  std::vector<int64_t> layer_dropped;
+  // The aux-loss-free expert bias [MoE layer x expert] after this step's update (zeros when
+  // moe.bias_update_rate is 0; empty when the step did not record it).
+  std::vector<float> expert_bias;
   double grad_norm = 0;      // before clipping
   bool skipped = false;      // non-finite grad norm or loss: no update, no bias change
   int64_t optimizer_steps = 0;  // AdamW steps taken after this step (skipped steps do not count)

@@ -359,7 +359,7 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
   const std::unique_ptr<Step> step = make_step(cfg, plan, topo, &state, out);
   // Open MPI hands ranks a pty even when mpirun's output goes to a file: no live line there.
   const bool tty = isatty(fileno(stdout)) && &out == &std::cout && world.size() == 1;
-  RunLog log(cfg, plan.tokens_per_step, out, metrics ? &*metrics : nullptr, tty, start,
+  RunLog log(cfg, plan.tokens_per_step, plan.sizes.ep, out, metrics ? &*metrics : nullptr, tty, start,
              metrics ? metrics->kept_wall_s() : 0.0);
   TrainLoop(cfg, plan, topo, state, loader, eval ? &*eval : nullptr, *step, log, metrics ? &*metrics : nullptr, summary,
             out)

@@ -2,6 +2,8 @@
 // CLI's behaviour (dry run, errors, inspect) through the real binary.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -20,9 +22,11 @@
 #include "e2e/cli_util.h"
 #include "core/config.h"
 #include "core/config_io.h"
+#include "checkpoint/checkpoint.h"
 #include "core/phase.h"
 #include "model/layout.h"
 #include "support/test_util.h"
+#include "train/model_state.h"
 #include "train/run_plan.h"
 #include "train/trainer.h"
 
@@ -114,6 +118,76 @@ TEST(Train, MetricsHaveContractKeys) {
   std::stringstream ss;
   ss << f.rdbuf();
   EXPECT_EQ(config_to_toml(parse_config_toml(ss.str(), "config.toml")), config_to_toml(a));
+}
+
+// The per-layer MoE figures of every step record: tokens per expert summed over the interval
+// (they add up to the interval's routes per layer), max/mean per expert and per rank recomputed
+// from them, lb/z per layer whose mean over layers is the record's lb_loss/z_loss, dropped
+// fractions whose mean is dropped_frac (capacity on, one step per record), and bias magnitudes
+// equal to the final checkpoint's expert bias.
+TEST(Train, MetricsCarryPerLayerMoeFigures) {
+  const TempDir tmp("moe-metrics");
+  for (const int64_t interval : {int64_t(1), int64_t(2)}) {
+    Config a = small_config(tmp.root() / ("run" + std::to_string(interval)));
+    a.train.steps = 3;  // an odd number of +-rate bias steps: nonzero biases
+    a.log.interval = interval;
+    a.moe.capacity_factor = 1.0;
+    a.moe.bias_update_rate = 0.01;
+    std::ostringstream log;
+    const TrainSummary s = train(a, log);
+    const int64_t e = a.moe.num_experts;
+    const int64_t routes_per_step = a.train.global_batch * a.train.seq_len * a.moe.top_k;  // per layer
+    const std::vector<int64_t> moe_layers = {1, 2};  // layer 0 is dense
+    std::vector<nlohmann::json> steps;
+    for (const auto& r : read_metrics(a.run.dir))
+      if (r.contains("loss")) steps.push_back(r);
+    ASSERT_EQ(steps.size(), size_t(interval == 1 ? 3 : 2));  // steps 2 and 3 (the last)
+    for (const auto& r : steps) {
+      ASSERT_TRUE(r.contains("moe")) << r.dump();
+      EXPECT_EQ(r["ep"].get<int64_t>(), 1);
+      const auto& layers = r["moe"];
+      ASSERT_EQ(layers.size(), moe_layers.size());
+      double lb = 0, z = 0, dropped = 0;
+      for (size_t l = 0; l < layers.size(); ++l) {
+        const auto& m = layers[l];
+        EXPECT_EQ(m["layer"].get<int64_t>(), moe_layers[l]);
+        const std::vector<int64_t> tpe = m["tokens_per_expert"].get<std::vector<int64_t>>();
+        ASSERT_EQ(int64_t(tpe.size()), e);
+        int64_t sum = 0, mx = 0;
+        for (const int64_t c : tpe) sum += c, mx = std::max(mx, c);
+        const int64_t interval_steps = r["step"].get<int64_t>() == 3 && interval == 2 ? 1 : interval;
+        EXPECT_EQ(sum, interval_steps * routes_per_step) << "step " << r["step"] << " layer " << l;
+        EXPECT_DOUBLE_EQ(m["load_max_mean"].get<double>(), double(mx) / (double(sum) / double(e)));
+        EXPECT_EQ(m["rank_load_max_mean"].get<double>(), 1.0);  // one rank holds every expert
+        lb += m["lb_loss"].get<double>() / double(layers.size());
+        z += m["z_loss"].get<double>() / double(layers.size());
+        dropped += m["dropped_frac"].get<double>() / double(layers.size());
+        EXPECT_GE(m["bias_abs_max"].get<double>(), m["bias_abs_mean"].get<double>());
+      }
+      EXPECT_NEAR(lb, r["lb_loss"].get<double>(), 1e-12);
+      EXPECT_NEAR(z, r["z_loss"].get<double>(), 1e-12);
+      if (interval == 1) {
+        EXPECT_NEAR(dropped, r["dropped_frac"].get<double>(), 1e-12);
+      }
+    }
+    EXPECT_GT(steps.back()["dropped_frac"].get<double>(), 0.0) << "capacity 1.0 drops some routes";
+    // The last record's bias magnitudes are the trained model's (the final checkpoint).
+    const LoadedCheckpoint ck = LoadedCheckpoint::open(s.last_checkpoint);
+    double bias_max = 0;
+    for (size_t l = 0; l < moe_layers.size(); ++l) {
+      std::vector<float> b(static_cast<size_t>(e));
+      ck.read_model(expert_bias_name(a.model, int64_t(l)), {e}, b.data());
+      double sum = 0, mx = 0;
+      for (const float v : b) sum += std::abs(double(v)), mx = std::max(mx, std::abs(double(v)));
+      bias_max = std::max(bias_max, mx);
+      EXPECT_EQ(steps.back()["moe"][l]["bias_abs_mean"].get<double>(), sum / double(e));
+      EXPECT_EQ(steps.back()["moe"][l]["bias_abs_max"].get<double>(), mx);
+    }
+    EXPECT_GT(bias_max, 0.0);
+    // The console line names the worst layer and the bias.
+    EXPECT_NE(log.str().find("| load "), std::string::npos) << log.str();
+    EXPECT_NE(log.str().find("| bias "), std::string::npos) << log.str();
+  }
 }
 
 // log.trace = 2:3 on the CPU: trace.json holds a complete event for every phase that ran in

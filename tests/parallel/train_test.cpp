@@ -86,8 +86,22 @@ TEST(DataParallel, FollowsOneRankLosses) {
       EXPECT_LT(worst, kLossTolerance) << routing << " ep " << ep;
       EXPECT_LT(std::abs(s.final_eval_loss - ref.final_eval_loss), kLossTolerance * ref.final_eval_loss) << routing;
       // Only rank 0 writes the run's files; it logged every step.
+      // and its per-layer loads group the experts by ep rank in order (E / ep each).
       if (w.rank() == 0) {
         EXPECT_EQ(train_losses(cfg.run.dir).size(), 20u);
+        for (const auto& r : read_metrics(cfg.run.dir)) {
+          if (!r.contains("moe")) continue;
+          EXPECT_EQ(r["ep"].get<int64_t>(), ep);
+          for (const auto& m : r["moe"]) {
+            const std::vector<int64_t> tpe = m["tokens_per_expert"].get<std::vector<int64_t>>();
+            const int64_t per_rank = int64_t(tpe.size()) / ep;
+            std::vector<double> ranks(size_t(ep), 0.0);
+            for (size_t i = 0; i < tpe.size(); ++i) ranks[i / size_t(per_rank)] += double(tpe[i]);
+            double total = 0, mx = 0;
+            for (const double v : ranks) total += v, mx = std::max(mx, v);
+            EXPECT_DOUBLE_EQ(m["rank_load_max_mean"].get<double>(), mx / (total / double(ep))) << "ep " << ep;
+          }
+        }
       }
       // The sliced checkpoint holds the one-rank run's model (expert tensors reassembled from
       // their ep ranks' slices, expert biases from global counts), within the same rounding.

@@ -17,7 +17,8 @@ constexpr int kStepStatsThreads = 256;
 __global__ void __launch_bounds__(kStepStatsThreads)
     step_stats_accumulate_router_block(const float* __restrict__ losses, const int32_t* __restrict__ counts,
                                        const int32_t* __restrict__ dropped, int num_layers, int64_t num_counts,
-                                       StepStatsRecord* __restrict__ rec, int64_t* __restrict__ counts_sum) {
+                                       StepStatsRecord* __restrict__ rec, int64_t* __restrict__ counts_sum,
+                                       int64_t* __restrict__ layer_dropped, double* __restrict__ layer_losses) {
   if (threadIdx.x == 0) {
     double lb = 0.0, z = 0.0;
     uint32_t drops = 0;
@@ -31,6 +32,11 @@ __global__ void __launch_bounds__(kStepStatsThreads)
     rec->num_dropped += drops;
   }
   for (int64_t i = threadIdx.x; i < num_counts; i += blockDim.x) counts_sum[i] += counts[i];
+  for (int l = threadIdx.x; l < num_layers; l += blockDim.x) {
+    layer_losses[2 * l] += static_cast<double>(losses[2 * l]);
+    layer_losses[2 * l + 1] += static_cast<double>(losses[2 * l + 1]);
+    if (dropped != nullptr) layer_dropped[l] += dropped[l];
+  }
 }
 
 __global__ void step_guard_nonfinite_loss_thread(StepStatsRecord* __restrict__ rec, OptimStepScalars* __restrict__ s) {

@@ -23,11 +23,24 @@ void check_layers(const char* op, int64_t num_moe_layers, int64_t num_experts) {
 
 size_t step_stats_bytes(int64_t num_moe_layers, int64_t num_experts) {
   check_layers("cuda::step_stats_bytes", num_moe_layers, num_experts);
-  return sizeof(StepStatsRecord) + static_cast<size_t>(num_moe_layers * num_experts) * sizeof(int64_t);
+  return sizeof(StepStatsRecord) + static_cast<size_t>(num_moe_layers * (num_experts + 1)) * sizeof(int64_t) +
+         static_cast<size_t>(2 * num_moe_layers) * sizeof(double);
 }
 
 int64_t* step_stats_counts(StepStatsRecord* rec) { return reinterpret_cast<int64_t*>(rec + 1); }
 const int64_t* step_stats_counts(const StepStatsRecord* rec) { return reinterpret_cast<const int64_t*>(rec + 1); }
+int64_t* step_stats_layer_dropped(StepStatsRecord* rec, int64_t num_moe_layers, int64_t num_experts) {
+  return step_stats_counts(rec) + num_moe_layers * num_experts;
+}
+const int64_t* step_stats_layer_dropped(const StepStatsRecord* rec, int64_t num_moe_layers, int64_t num_experts) {
+  return step_stats_counts(rec) + num_moe_layers * num_experts;
+}
+double* step_stats_layer_losses(StepStatsRecord* rec, int64_t num_moe_layers, int64_t num_experts) {
+  return reinterpret_cast<double*>(step_stats_counts(rec) + num_moe_layers * (num_experts + 1));
+}
+const double* step_stats_layer_losses(const StepStatsRecord* rec, int64_t num_moe_layers, int64_t num_experts) {
+  return reinterpret_cast<const double*>(step_stats_counts(rec) + num_moe_layers * (num_experts + 1));
+}
 
 void step_stats_accumulate_router(const float* losses, const int32_t* counts, const int32_t* dropped,
                                   int64_t num_moe_layers, int64_t num_experts, StepStatsRecord* rec, Stream stream) {
@@ -38,7 +51,8 @@ void step_stats_accumulate_router(const float* losses, const int32_t* counts, co
   detail::check_ptrs(op, {{"rec", rec}}, alignof(StepStatsRecord));
   kernels::step_stats_accumulate_router_block<<<1, kernels::kStepStatsThreads, 0, stream>>>(
       losses, counts, dropped, static_cast<int>(num_moe_layers), num_moe_layers * num_experts, rec,
-      step_stats_counts(rec));
+      step_stats_counts(rec), step_stats_layer_dropped(rec, num_moe_layers, num_experts),
+      step_stats_layer_losses(rec, num_moe_layers, num_experts));
   check_launch("step_stats_accumulate_router_block");
 }
 

@@ -15,18 +15,25 @@ namespace moe::cuda {
 
 struct OptimStepScalars;
 
-// Bytes of the record plus its counts.
+// Bytes of the record plus its per-layer arrays (step_stats_types.h).
 size_t step_stats_bytes(int64_t num_moe_layers, int64_t num_experts);
-// The counts that follow the record (device pointer arithmetic only).
+// The arrays that follow the record (pointer arithmetic only, valid on device and host copies):
+// counts [M, E] int64, then dropped routes per layer [M] int64 (so counts and drops are one int64
+// run of M x (E + 1) for a reduction), then the per-layer (lb, z) sums [M, 2] FP64.
 int64_t* step_stats_counts(StepStatsRecord* rec);
 const int64_t* step_stats_counts(const StepStatsRecord* rec);
+int64_t* step_stats_layer_dropped(StepStatsRecord* rec, int64_t num_moe_layers, int64_t num_experts);
+const int64_t* step_stats_layer_dropped(const StepStatsRecord* rec, int64_t num_moe_layers, int64_t num_experts);
+double* step_stats_layer_losses(StepStatsRecord* rec, int64_t num_moe_layers, int64_t num_experts);
+const double* step_stats_layer_losses(const StepStatsRecord* rec, int64_t num_moe_layers, int64_t num_experts);
 
 // One forward's router outputs into the step sums: rec->lb_sum += sum_l losses[2l],
-// rec->z_sum += sum_l losses[2l + 1] (FP64, in layer order), counts_sum[i] += counts[i] for
+// rec->z_sum += sum_l losses[2l + 1] (FP64, in layer order), the per-layer sums
+// layer_losses[2l + j] += losses[2l + j], counts_sum[i] += counts[i] for
 // i < num_moe_layers * num_experts. losses [M, 2] FP32 and counts [M, E] int32 are what
 // router_forward / build_dispatch_map wrote per layer. One block, no atomics: deterministic.
 // dropped [M] int32 (or nullptr: dropless): each layer's dropped routes (build_dispatch_map's
-// num_dropped), added to rec->num_dropped.
+// num_dropped), added to rec->num_dropped and to layer_dropped[l].
 void step_stats_accumulate_router(const float* losses, const int32_t* counts, const int32_t* dropped,
                                   int64_t num_moe_layers, int64_t num_experts, StepStatsRecord* rec, Stream stream);
 
