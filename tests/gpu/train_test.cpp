@@ -77,6 +77,20 @@ TEST(CudaTrain, CapacityFollowsCpuAndLogsDroppedRoutes) {
     EXPECT_LE(std::abs(la - lb) / la, 3e-2) << "step " << i + 1;
     EXPECT_GT(db, 0.0) << "step " << i + 1;
     EXPECT_DOUBLE_EQ(da, db) << "step " << i + 1;
+    // Per MoE layer (the device record's per-layer counts, drops, losses and the bias copy): the
+    // same experts and drops, so the same counts, drop shares and bias; lb/z to the BF16 bound.
+    const nlohmann::json &ma = a[i].at("moe"), &mb = b[i].at("moe");
+    ASSERT_EQ(ma.size(), mb.size());
+    ASSERT_GT(mb.size(), 0u);
+    for (size_t l = 0; l < ma.size(); ++l) {
+      const std::string at = "step " + std::to_string(i + 1) + " layer " + std::to_string(l);
+      EXPECT_EQ(ma[l].at("tokens_per_expert"), mb[l].at("tokens_per_expert")) << at;
+      EXPECT_DOUBLE_EQ(ma[l].at("dropped_frac").get<double>(), mb[l].at("dropped_frac").get<double>()) << at;
+      EXPECT_DOUBLE_EQ(ma[l].at("bias_abs_max").get<double>(), mb[l].at("bias_abs_max").get<double>()) << at;
+      EXPECT_DOUBLE_EQ(ma[l].at("bias_abs_mean").get<double>(), mb[l].at("bias_abs_mean").get<double>()) << at;
+      const double la = ma[l].at("lb_loss").get<double>(), lb = mb[l].at("lb_loss").get<double>();
+      EXPECT_LE(std::abs(la - lb), 2e-2 * std::abs(la)) << at;
+    }
   }
 }
 
