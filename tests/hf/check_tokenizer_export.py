@@ -8,9 +8,12 @@
    the EOS.
 2. A tokenizer.json given with --tokenizer (and one recorded as data.tokenizer) is copied byte for
    byte, with the tokenizer_config.json beside it; one with more ids than the model is refused.
-transformers is not installed here, so AutoTokenizer is not exercised: the files it reads are
-checked field by field instead. Exit 77 (CTest: skipped) when `tokenizers` cannot be imported.
-Usage: check_tokenizer_export.py --moecore BIN [--pythonpath DIR]
+3. Where `transformers` imports (--transformers-path DIR, or on the path): AutoTokenizer.from_pretrained
+   on each export gives the same ids as `tokenizers`, its eos_token_id is the run's EOS, and
+   decode gives the text back. Without transformers (CI) that part is reported as not run and the
+   files it reads are checked field by field above.
+Exit 77 (CTest: skipped) when `tokenizers` cannot be imported.
+Usage: check_tokenizer_export.py --moecore BIN [--pythonpath DIR] [--transformers-path DIR]
 """
 import argparse
 import array
@@ -74,9 +77,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--moecore", required=True)
     ap.add_argument("--pythonpath")
+    ap.add_argument("--transformers-path", help="a folder holding transformers (tried after --pythonpath)")
     args = ap.parse_args()
     if args.pythonpath:
         sys.path.insert(0, args.pythonpath)
+    if args.transformers_path:
+        sys.path.insert(0, args.transformers_path)
     try:
         from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
     except ImportError as e:
@@ -156,6 +162,26 @@ def main():
             back = Tokenizer.from_file(str(d / "tokenizer.json"))
             check(back.encode(TEXTS[0]).ids == big.encode(TEXTS[0]).ids, f"{name}: the copy encodes as the original",
                   failures)
+
+        # 3. AutoTokenizer on the exports, where transformers is installed.
+        try:
+            import transformers
+            from transformers import AutoTokenizer
+        except ImportError as e:
+            auto = f"not run (transformers: {e})"
+        else:
+            for d, reference, eos_id in ((hf, tok, eos), (work / "hf_given", big, big.token_to_id("<|endoftext|>"))):
+                at = AutoTokenizer.from_pretrained(str(d))
+                check(at.eos_token_id == eos_id, f"{d.name}: AutoTokenizer eos_token_id {at.eos_token_id} == {eos_id}",
+                      failures)
+                for i, text in enumerate(TEXTS):
+                    ids = at(text, add_special_tokens=False)["input_ids"]
+                    check(ids == reference.encode(text, add_special_tokens=False).ids,
+                          f"{d.name} text {i}: AutoTokenizer ids equal tokenizers'", failures)
+                    check(at.decode(ids) == text, f"{d.name} text {i}: AutoTokenizer decode gives the text back",
+                          failures)
+            auto = f"AutoTokenizer checked (transformers {transformers.__version__})"
+        print(auto)
     print(json.dumps({"failures": failures}))
     return 1 if failures else 0
 
