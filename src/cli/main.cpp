@@ -303,7 +303,8 @@ const CommandSpec kBench{
     "GPU with the one-GPU step's micro-batches (global batch x N), and reports figures per GPU and the\n"
     "gradient all-reduce. See docs/benchmarks.md for what each figure means.\n"};
 
-int cmd_bench(const ParsedArgs& a, const std::string& command) {
+// The options bench and sweep share.
+BenchOptions bench_options(const ParsedArgs& a, const std::string& command) {
   BenchOptions opt;
   opt.command = command;
   opt.warmup = a.int_or("--warmup", opt.warmup, 0, kMaxBenchSteps);
@@ -311,6 +312,11 @@ int cmd_bench(const ParsedArgs& a, const std::string& command) {
   opt.out_dir = a.value_or("--out", opt.out_dir);
   opt.json_path = a.value_or("--json", opt.json_path);
   opt.inputs = a.value_or("--inputs", opt.inputs);
+  return opt;
+}
+
+int cmd_bench(const ParsedArgs& a, const std::string& command) {
+  BenchOptions opt = bench_options(a, command);
   const std::string path = config_path(a);
   if (!path.empty()) opt.config_name = std::filesystem::path(path).stem().string();
   // Join the job first (MPI or TCP when a launcher started us), so that every later error is reported
@@ -338,13 +344,7 @@ const CommandSpec kSweep{
     "Example: moecore sweep configs/scaling1-e{8,16,32,64,128}.toml --steps 10 (docs/experiments.md).\n"};
 
 int cmd_sweep(const ParsedArgs& a, const std::string& command) {
-  BenchOptions opt;
-  opt.command = command;
-  opt.warmup = a.int_or("--warmup", opt.warmup, 0, kMaxBenchSteps);
-  opt.steps = a.int_or("--steps", opt.steps, 1, kMaxBenchSteps);
-  opt.out_dir = a.value_or("--out", opt.out_dir);
-  opt.json_path = a.value_or("--json", opt.json_path);
-  opt.inputs = a.value_or("--inputs", opt.inputs);
+  const BenchOptions opt = bench_options(a, command);
   Comm& world = world_comm();
   std::vector<std::pair<std::string, Config>> configs;
   for (const std::string& path : a.positionals)
