@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "core/host_device.h"
+
 namespace moe {
 
 enum class ScoreFunc { kSoftmax, kSigmoid };
@@ -15,12 +17,6 @@ enum class RoutingMode { kLearned, kRandom, kUniform };
 // enums; throws naming the key and the accepted values for anything else.
 ScoreFunc parse_score_func(const std::string& router);
 RoutingMode parse_routing_mode(const std::string& routing);
-
-#if defined(__CUDACC__)
-#define MOE_HOST_DEVICE __host__ __device__
-#else
-#define MOE_HOST_DEVICE
-#endif
 
 // Routing seed of MoE layer `layer` from a forward's routing seed (splitmix64 finaliser); the
 // CPU model, the GPU model and the GPU router (from a seed in device memory, inside a CUDA graph)

@@ -10,8 +10,8 @@
 
 namespace moe::cpu {
 
-float fp8_max(Fp8Format f) { return f == Fp8Format::kE4M3 ? 448.0f : 57344.0f; }
-int fp8_emax(Fp8Format f) { return f == Fp8Format::kE4M3 ? 8 : 15; }
+float fp8_max(Fp8Format f) { return fp8_max_of(f); }
+int fp8_emax(Fp8Format f) { return fp8_emax_of(f); }
 
 uint8_t fp8_encode(float x, Fp8Format f) {
   return f == Fp8Format::kE4M3 ? f32_to_fp8_e4m3(x, true) : f32_to_fp8_e5m2(x, true);

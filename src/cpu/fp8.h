@@ -28,9 +28,16 @@
 
 #include <cstdint>
 
+#include "core/fp8_types.h"
+
 namespace moe::cpu {
 
-enum class Fp8Format { kE4M3, kE5M2 };
+using moe::Fp8Block;
+using moe::Fp8Format;
+using moe::kFp8ActivationBlock;
+using moe::kFp8WeightBlock;
+using moe::kMxBlock;
+using moe::MxScale;
 
 // Largest finite value: 448 (E4M3, OCP "fn") and 57344 (E5M2).
 float fp8_max(Fp8Format f);
@@ -40,11 +47,6 @@ int fp8_emax(Fp8Format f);
 uint8_t fp8_encode(float x, Fp8Format f);
 float fp8_decode(uint8_t q, Fp8Format f);
 
-struct Fp8Block {
-  int64_t rows = 1, cols = 128;
-};
-inline constexpr Fp8Block kFp8ActivationBlock{1, 128};
-inline constexpr Fp8Block kFp8WeightBlock{128, 128};
 
 // Scales of a [rows, cols] tensor: ceil(rows / block.rows) x ceil(cols / block.cols), row-major.
 int64_t fp8_scale_rows(int64_t rows, Fp8Block block);
@@ -57,8 +59,6 @@ void fp8_quantize_blocks(const float* x, int64_t rows, int64_t cols, Fp8Block bl
 void fp8_dequantize_blocks(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, Fp8Block block,
                            Fp8Format f, float* x);
 
-enum class MxScale { kOcp, kNoSaturation };
-inline constexpr int64_t kMxBlock = 32;
 
 // The E8M0 scale exponent the rule picks for a block whose largest magnitude is amax.
 int mx_scale_exponent(float amax, Fp8Format f, MxScale rule);

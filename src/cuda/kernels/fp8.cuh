@@ -1,0 +1,129 @@
+// Kernels of cuda/ops/fp8.h: one CTA per scaling block (threads walk the block's elements), a
+// CTA-wide max of |x| (order-free, so the scale is the CPU twin's bit for bit), then the codes,
+// converted by the hardware's round-to-nearest-even, saturating FP8 conversion (cuda_fp8.h).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/fp8_types.h"
+
+namespace moe::cuda::kernels {
+
+constexpr int kFp8MaxThreads = 256;
+
+template <typename T>
+__device__ __forceinline__ float fp8_load(const T* x, int64_t i);
+template <>
+__device__ __forceinline__ float fp8_load<float>(const float* x, int64_t i) {
+  return x[i];
+}
+template <>
+__device__ __forceinline__ float fp8_load<uint16_t>(const uint16_t* x, int64_t i) {
+  return __uint_as_float(static_cast<uint32_t>(x[i]) << 16);
+}
+
+__device__ __forceinline__ uint8_t fp8_encode_dev(float v, Fp8Format f) {
+  return static_cast<uint8_t>(
+      __nv_cvt_float_to_fp8(v, __NV_SATFINITE, f == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2));
+}
+
+__device__ __forceinline__ float fp8_decode_dev(uint8_t q, Fp8Format f) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(q),
+                                               f == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2);
+  return __half2float(__half(h));
+}
+
+// max |x| over the CTA's elements (all threads get it); adds the threads' non-finite counts to
+// *num_nonfinite.
+__device__ __forceinline__ float fp8_block_amax(float local, uint32_t bad, uint32_t* num_nonfinite) {
+  __shared__ float s_max[kFp8MaxThreads / 32];
+  __shared__ uint32_t s_bad;
+  if (threadIdx.x == 0) s_bad = 0;
+  __syncthreads();
+  if (bad != 0) atomicAdd(&s_bad, bad);
+  for (int o = 16; o > 0; o >>= 1) local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = (blockDim.x + 31) / 32;
+  if (lane == 0) s_max[warp] = local;
+  __syncthreads();
+  float m = 0.0f;
+  for (int w = 0; w < warps; ++w) m = fmaxf(m, s_max[w]);
+  if (threadIdx.x == 0 && s_bad != 0 && num_nonfinite != nullptr) atomicAdd(num_nonfinite, s_bad);
+  return m;
+}
+
+struct Fp8BlockArgs {
+  int64_t rows, cols, block_rows, block_cols, scale_cols;
+};
+
+// blockIdx.x: the scaling block (row-major over the scale grid).
+template <typename T>
+__global__ void __launch_bounds__(kFp8MaxThreads)
+    fp8_quantize_blocks_kernel(const T* __restrict__ x, Fp8BlockArgs a, Fp8Format f, uint8_t* __restrict__ q,
+                               float* __restrict__ scales, uint32_t* num_nonfinite) {
+  const int64_t b = blockIdx.x, br = b / a.scale_cols, bc = b % a.scale_cols;
+  const int64_t r0 = br * a.block_rows, c0 = bc * a.block_cols;
+  const int64_t nr = min(a.rows - r0, a.block_rows), nc = min(a.cols - c0, a.block_cols), n = nr * nc;
+  float local = 0.0f;
+  uint32_t bad = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = fp8_load(x, (r0 + i / nc) * a.cols + c0 + i % nc);
+    bad += isfinite(v) ? 0u : 1u;
+    local = fmaxf(local, fabsf(v));
+  }
+  const float amax = fp8_block_amax(local, bad, num_nonfinite);
+  float s = __fdiv_rn(amax, fp8_max_of(f));
+  if (!(s > 0.0f)) s = 1.0f;  // an all-zero block (or one below FP32's range once divided)
+  if (threadIdx.x == 0) scales[b] = s;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int64_t at = (r0 + i / nc) * a.cols + c0 + i % nc;
+    q[at] = fp8_encode_dev(__fdiv_rn(fp8_load(x, at), s), f);
+  }
+}
+
+__global__ void fp8_dequantize_blocks_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scales,
+                                             Fp8BlockArgs a, Fp8Format f, float* __restrict__ x) {
+  const int64_t n = a.rows * a.cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / a.cols, c = i % a.cols;
+    x[i] = fp8_decode_dev(q[i], f) * scales[(r / a.block_rows) * a.scale_cols + c / a.block_cols];
+  }
+}
+
+// The E8M0 exponent of cpu::mx_scale_exponent.
+__device__ __forceinline__ int mx_scale_exponent_dev(float amax, Fp8Format f, MxScale rule) {
+  if (amax == 0.0f) return -127;
+  int e = ilogbf(amax) - fp8_emax_of(f);  // floor(log2 amax), subnormals included
+  if (rule == MxScale::kNoSaturation && ldexpf(amax, -e) > fp8_max_of(f)) e += 1;
+  return max(-127, min(127, e));
+}
+
+// One CTA of 32 threads per row block of 32 elements (blockIdx.x over rows x scale_cols).
+template <typename T>
+__global__ void __launch_bounds__(32)
+    mx_quantize_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, int64_t scale_cols, Fp8Format f,
+                       MxScale rule, uint8_t* __restrict__ q, uint8_t* __restrict__ scales, uint32_t* num_nonfinite) {
+  const int64_t b = blockIdx.x, r = b / scale_cols, c = (b % scale_cols) * kMxBlock + threadIdx.x;
+  const bool in = c < cols;
+  const float v = in ? fp8_load(x, r * cols + c) : 0.0f;
+  const float amax = fp8_block_amax(fabsf(v), in && !isfinite(v) ? 1u : 0u, num_nonfinite);
+  const int e = mx_scale_exponent_dev(isfinite(amax) ? amax : 0.0f, f, rule);
+  if (threadIdx.x == 0) scales[b] = static_cast<uint8_t>(e + 127);
+  // x / 2^e is exact in FP32 (a power of two), up to underflow below FP32's subnormals.
+  if (in) q[r * cols + c] = fp8_encode_dev(ldexpf(v, -e), f);
+}
+
+__global__ void mx_dequantize_kernel(const uint8_t* __restrict__ q, const uint8_t* __restrict__ scales, int64_t rows,
+                                     int64_t cols, int64_t scale_cols, Fp8Format f, float* __restrict__ x) {
+  const int64_t n = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i % cols;
+    const uint8_t code = scales[r * scale_cols + c / kMxBlock];
+    x[i] = code == 0xFF ? __int_as_float(0x7fc00000) : ldexpf(fp8_decode_dev(q[i], f), int(code) - 127);
+  }
+}
+
+}  // namespace moe::cuda::kernels

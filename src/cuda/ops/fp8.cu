@@ -1,0 +1,106 @@
+// Launchers of the FP8 quantisation kernels (contract in cuda/ops/fp8.h): shape checks, one CTA
+// per scaling block (threads: the block's element count rounded up to a warp, at most 256),
+// grid-stride elementwise dequantisation.
+#include "cuda/ops/fp8.h"
+
+#include <algorithm>
+
+#include "cuda/common.h"
+#include "cuda/kernels/fp8.cuh"
+#include "cuda/ops/launch.h"
+
+namespace moe::cuda {
+namespace {
+
+constexpr int64_t kMaxGrid = int64_t{1} << 31;
+
+void check_shape(const char* op, int64_t rows, int64_t cols, Fp8Block block) {
+  MOE_CHECK(rows >= 0 && cols >= 0, op, ": rows and cols must be >= 0, got ", rows, " x ", cols);
+  MOE_CHECK(block.rows > 0 && block.cols > 0, op, ": block must be positive, got ", block.rows, " x ", block.cols);
+}
+
+kernels::Fp8BlockArgs block_args(int64_t rows, int64_t cols, Fp8Block block) {
+  return {rows, cols, block.rows, block.cols, (cols + block.cols - 1) / block.cols};
+}
+
+unsigned elementwise_blocks(int64_t n) { return static_cast<unsigned>(std::clamp<int64_t>((n + 255) / 256, 1, 65536)); }
+
+template <typename T>
+void quantize_blocks(const char* op, const T* x, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f, uint8_t* q,
+                     float* scales, uint32_t* num_nonfinite, Stream stream) {
+  check_shape(op, rows, cols, block);
+  if (rows == 0 || cols == 0) return;
+  detail::check_ptrs(op, {{"x", x}}, sizeof(T));
+  detail::check_ptrs(op, {{"q", q}}, 1);
+  detail::check_ptrs(op, {{"scales", scales}}, sizeof(float));
+  const kernels::Fp8BlockArgs a = block_args(rows, cols, block);
+  const int64_t grid = ((rows + block.rows - 1) / block.rows) * a.scale_cols;
+  MOE_CHECK(grid < kMaxGrid, op, ": ", grid, " scaling blocks exceed one launch's grid");
+  const int64_t elems = std::min(block.rows, rows) * std::min(block.cols, cols);
+  const int threads = static_cast<int>(std::clamp<int64_t>((elems + 31) / 32 * 32, 32, kernels::kFp8MaxThreads));
+  kernels::fp8_quantize_blocks_kernel<T><<<static_cast<unsigned>(grid), threads, 0, stream>>>(x, a, f, q, scales,
+                                                                                              num_nonfinite);
+  check_launch("fp8_quantize_blocks_kernel");
+}
+
+template <typename T>
+void mx_quantize_impl(const char* op, const T* x, int64_t rows, int64_t cols, Fp8Format f, MxScale rule, uint8_t* q,
+                      uint8_t* scales, uint32_t* num_nonfinite, Stream stream) {
+  check_shape(op, rows, cols, {1, kMxBlock});
+  if (rows == 0 || cols == 0) return;
+  detail::check_ptrs(op, {{"x", x}}, sizeof(T));
+  detail::check_ptrs(op, {{"q", q}, {"scales_e8m0", scales}}, 1);
+  const int64_t scale_cols = (cols + kMxBlock - 1) / kMxBlock, grid = rows * scale_cols;
+  MOE_CHECK(grid < kMaxGrid, op, ": ", grid, " scaling blocks exceed one launch's grid");
+  kernels::mx_quantize_kernel<T><<<static_cast<unsigned>(grid), 32, 0, stream>>>(x, rows, cols, scale_cols, f, rule, q,
+                                                                                 scales, num_nonfinite);
+  check_launch("mx_quantize_kernel");
+}
+
+}  // namespace
+
+void fp8_quantize_blocks(const float* x, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f, uint8_t* q,
+                         float* scales, uint32_t* num_nonfinite, Stream stream) {
+  quantize_blocks("cuda::fp8_quantize_blocks", x, rows, cols, block, f, q, scales, num_nonfinite, stream);
+}
+
+void fp8_quantize_blocks(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f, uint8_t* q,
+                         float* scales, uint32_t* num_nonfinite, Stream stream) {
+  quantize_blocks("cuda::fp8_quantize_blocks (bf16)", x_bf16, rows, cols, block, f, q, scales, num_nonfinite, stream);
+}
+
+void fp8_dequantize_blocks(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, Fp8Block block,
+                           Fp8Format f, float* x, Stream stream) {
+  const char* op = "cuda::fp8_dequantize_blocks";
+  check_shape(op, rows, cols, block);
+  if (rows == 0 || cols == 0) return;
+  detail::check_ptrs(op, {{"q", q}}, 1);
+  detail::check_ptrs(op, {{"scales", scales}, {"x", x}}, sizeof(float));
+  kernels::fp8_dequantize_blocks_kernel<<<elementwise_blocks(rows * cols), 256, 0, stream>>>(
+      q, scales, block_args(rows, cols, block), f, x);
+  check_launch("fp8_dequantize_blocks_kernel");
+}
+
+void mx_quantize(const float* x, int64_t rows, int64_t cols, Fp8Format f, MxScale rule, uint8_t* q,
+                 uint8_t* scales_e8m0, uint32_t* num_nonfinite, Stream stream) {
+  mx_quantize_impl("cuda::mx_quantize", x, rows, cols, f, rule, q, scales_e8m0, num_nonfinite, stream);
+}
+
+void mx_quantize(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Format f, MxScale rule, uint8_t* q,
+                 uint8_t* scales_e8m0, uint32_t* num_nonfinite, Stream stream) {
+  mx_quantize_impl("cuda::mx_quantize (bf16)", x_bf16, rows, cols, f, rule, q, scales_e8m0, num_nonfinite, stream);
+}
+
+void mx_dequantize(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f, float* x,
+                   Stream stream) {
+  const char* op = "cuda::mx_dequantize";
+  check_shape(op, rows, cols, {1, kMxBlock});
+  if (rows == 0 || cols == 0) return;
+  detail::check_ptrs(op, {{"q", q}, {"scales_e8m0", scales_e8m0}}, 1);
+  detail::check_ptrs(op, {{"x", x}}, sizeof(float));
+  kernels::mx_dequantize_kernel<<<elementwise_blocks(rows * cols), 256, 0, stream>>>(
+      q, scales_e8m0, rows, cols, (cols + kMxBlock - 1) / kMxBlock, f, x);
+  check_launch("mx_dequantize_kernel");
+}
+
+}  // namespace moe::cuda

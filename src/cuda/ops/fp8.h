@@ -1,0 +1,38 @@
+// Block-scaled FP8 and MXFP8 quantisation on the GPU, the contract of cpu/fp8.h (its CPU twin:
+// the same codes and scales, bitwise, for the same finite inputs): Hopper-style blocks (1 x 128
+// activations and gradients, 128 x 128 weights) with one FP32 scale amax / fp8_max each, and MX
+// blocks of 1 x 32 with one E8M0 scale (the OCP floor rule or the no-saturation rule). The input
+// is FP32 or BF16 (bit patterns as uint16_t; BF16 values are exact in FP32, so a BF16 tensor
+// quantises as its FP32 copy would). Inputs that are not finite never trap: they are counted into
+// *num_nonfinite (when non-null, atomically added; a caller checks it later, off the hot path) and
+// the codes and scale of their block are then unspecified. Rows x cols of any size >= 0; one CTA
+// per scaling block; no host synchronisation (capturable in a CUDA graph).
+#pragma once
+
+#include <cstdint>
+
+#include "core/fp8_types.h"
+#include "cuda/device.h"
+
+namespace moe::cuda {
+
+// x [rows, cols] -> q [rows, cols] (FP8 codes) and scales [ceil(rows / block.rows), ceil(cols /
+// block.cols)] (FP32, row-major).
+void fp8_quantize_blocks(const float* x, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f, uint8_t* q,
+                         float* scales, uint32_t* num_nonfinite, Stream stream);
+void fp8_quantize_blocks(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f, uint8_t* q,
+                         float* scales, uint32_t* num_nonfinite, Stream stream);
+// x = decode(q) * scale of its block (FP32).
+void fp8_dequantize_blocks(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, Fp8Block block,
+                           Fp8Format f, float* x, Stream stream);
+
+// x [rows, cols] -> q [rows, cols] and E8M0 scales [rows, ceil(cols / 32)].
+void mx_quantize(const float* x, int64_t rows, int64_t cols, Fp8Format f, MxScale rule, uint8_t* q,
+                 uint8_t* scales_e8m0, uint32_t* num_nonfinite, Stream stream);
+void mx_quantize(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Format f, MxScale rule, uint8_t* q,
+                 uint8_t* scales_e8m0, uint32_t* num_nonfinite, Stream stream);
+// x = decode(q) * 2^(scale code - 127); a scale code 0xFF (E8M0 NaN) gives NaN.
+void mx_dequantize(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f, float* x,
+                   Stream stream);
+
+}  // namespace moe::cuda
