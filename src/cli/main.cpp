@@ -172,7 +172,10 @@ int cmd_train(const ParsedArgs& a) {
     std::printf(", eval loss %.4f -> %.4f", s.initial_eval_loss, s.final_eval_loss);
   else if (s.final_eval_loss >= 0)
     std::printf(", eval loss %.4f", s.final_eval_loss);
-  std::printf(", %.1f s; checkpoint %s\n", s.wall_s, s.last_checkpoint.c_str());
+  if (s.last_checkpoint.empty())
+    std::printf(", %.1f s; no checkpoint written\n", s.wall_s);
+  else
+    std::printf(", %.1f s; checkpoint %s\n", s.wall_s, s.last_checkpoint.c_str());
   return 0;
 }
 

@@ -73,6 +73,11 @@ TEST(Train, CheckpointsOffWritesNone) {
   EXPECT_TRUE(s.last_checkpoint.empty());
   EXPECT_FALSE(fs::exists(tmp.root() / "run" / "checkpoints")) << log.str();
   EXPECT_EQ(train_losses(tmp.root() / "run").size(), 3u);
+  const CmdResult r = run_cli("train --train.steps=2 --checkpoint.enabled=false --run.dir=" +
+                              (tmp.root() / "cli").string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("; no checkpoint written"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(tmp.root() / "cli" / "checkpoints"));
 }
 
 TEST(Train, ResumeAutoContinuesFromLatest) {
