@@ -26,6 +26,15 @@ struct GpuCeilings {
   // H200 of the same host (project performance notes; no committed result file holds it).
   double dense_gemm_tflops = 784.0;
 
+  // The experts' weight traffic of each micro-step, besides their FLOPs: the BF16 weights read by
+  // forward and dgrad (2 + 2 bytes per expert parameter) and the FP32 weight gradient read and
+  // written by the accumulating wgrad (8): 12 bytes per expert parameter, at 4.3e12 bytes/s, the
+  // rate fitted to the one-GPU expert-scaling sweep (bench/results/experiments-20261202T022232Z/
+  // sweep-scaling1.json, one micro-batch of 8192 tokens): the experts phase grows 6.9 ms (13.9 ->
+  // 20.8 ms, e8 -> e64) for 29.6 GB more of this traffic.
+  double expert_weight_bytes_per_param = 12.0;
+  double expert_weight_bytes_per_s = 4.3e12;
+
   // HBM3e bandwidth, nominal (datasheet): 4.8 TB/s. NVLink 4 between two H200s, nominal: 450 GB/s
   // per direction. Printed for orientation; the model below uses the measured rates.
   double hbm_nominal_bytes_per_s = 4.8e12;

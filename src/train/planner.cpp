@@ -27,6 +27,7 @@ struct RefShape {
   double b = 4, s = 4096, n = 16384, d = 2048, q = 2048, c = 2048, heads = 16, hd = 128;
   double layers = 8, moe_layers = 8, experts = 64, top_k = 8, rows = 131072, inner = 1024, vocab = 50304;
   double params = 3562604544.0;
+  double expert_params = 8.0 * 64 * 3 * 2048 * 1024;
 };
 
 double ms(double flops, double tflops) { return flops / (tflops * 1e12) * 1e3; }
@@ -82,6 +83,13 @@ ExpertGemm expert_gemm_ms(double rows, double d, double inner, const GpuCeilings
               ms(dn, g.down_wgrad_tflops)};
 }
 
+// The experts' weight traffic of one micro-step (BF16 weight reads, FP32 gradient accumulation)
+// over `expert_params` expert parameters on this GPU, in ms: what grows with the expert count at
+// fixed active parameters, beside the GEMMs' FLOPs.
+double expert_weight_ms(double expert_params, const GpuCeilings& g) {
+  return g.expert_weight_bytes_per_param * expert_params / g.expert_weight_bytes_per_s * 1e3;
+}
+
 // The glue (non-GEMM, non-attention-kernel) part of the reference phases, in ms.
 struct RefGlue {
   double attention, experts;
@@ -91,7 +99,8 @@ RefGlue ref_glue(const GpuCeilings& g) {
   const double sdpa = r.layers * (sdpa_fwd_ms(r.b, r.heads, r.s, r.hd, g) + sdpa_bwd_ms(r.b, r.heads, r.s, r.hd, g));
   const double proj = r.layers * proj_ms(r.n, r.d, r.q, r.c, 6.0, g);
   const double gemm = r.moe_layers * expert_gemm_ms(r.rows, r.d, r.inner, g).total();
-  return {std::max(0.0, g.ref_attention_ms - sdpa - proj), std::max(0.0, g.ref_experts_ms - gemm)};
+  return {std::max(0.0, g.ref_attention_ms - sdpa - proj),
+          std::max(0.0, g.ref_experts_ms - gemm - expert_weight_ms(r.expert_params, g))};
 }
 
 StepTime estimate_step(const LayoutPlan& p, Recompute mode, const GpuCeilings& g) {
@@ -120,7 +129,8 @@ StepTime estimate_step(const LayoutPlan& p, Recompute mode, const GpuCeilings& g
   t.router = micro * g.ref_router_ms * (s.moe_layers * s.n * s.experts) / (r.moe_layers * r.n * r.experts);
   t.dispatch = micro * g.ref_dispatch_ms * route_scale;
   t.combine = micro * g.ref_combine_ms * route_scale;
-  t.experts = micro * (s.moe_layers * eg.total() + experts_glue);
+  const double weights = expert_weight_ms(double(p.run.memory.expert_params), g);
+  t.experts = micro * (s.moe_layers * eg.total() + experts_glue + weights);
   t.lm_head = micro * g.ref_lm_head_ms * (s.n * s.d * s.vocab) / (r.n * r.d * r.vocab);
   // Recompute: the forward work backward redoes (core/recompute.h). Forward glue is taken as a
   // third of each phase's glue (backward does about twice the forward's traffic), a permute as
