@@ -6,7 +6,15 @@
 #include <cstdint>
 #include <string>
 
-#include "core/host_device.h"
+// MOE_HOST_DEVICE: small inline functions shared by the CPU code and the CUDA kernels
+// (__host__ __device__ under nvcc); plain-type headers define it themselves, once.
+#ifndef MOE_HOST_DEVICE
+#if defined(__CUDACC__)
+#define MOE_HOST_DEVICE __host__ __device__
+#else
+#define MOE_HOST_DEVICE
+#endif
+#endif
 
 namespace moe {
 
