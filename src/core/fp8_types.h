@@ -4,15 +4,7 @@
 
 #include <cstdint>
 
-// MOE_HOST_DEVICE: small inline functions shared by the CPU code and the CUDA kernels
-// (__host__ __device__ under nvcc); plain-type headers define it themselves, once.
-#ifndef MOE_HOST_DEVICE
-#if defined(__CUDACC__)
-#define MOE_HOST_DEVICE __host__ __device__
-#else
-#define MOE_HOST_DEVICE
-#endif
-#endif
+#include "core/moe_types.h"  // MOE_HOST_DEVICE
 
 namespace moe {
 

@@ -7,7 +7,7 @@
 #include <string>
 
 // MOE_HOST_DEVICE: small inline functions shared by the CPU code and the CUDA kernels
-// (__host__ __device__ under nvcc); plain-type headers define it themselves, once.
+// (__host__ __device__ under nvcc), defined here for every plain-type header (fp8_types.h too).
 #ifndef MOE_HOST_DEVICE
 #if defined(__CUDACC__)
 #define MOE_HOST_DEVICE __host__ __device__
