@@ -88,6 +88,7 @@ struct ParallelConfig {
   int64_t virtual_stages = 1;        // model chunks per pipeline rank (> 1: interleaved 1F1B)
   std::vector<int64_t> pp_layers{};  // layers per model stage (pp x virtual_stages entries); empty: even split
   std::string ep_backend = "alltoall";  // "alltoall" | "rowwise"
+  double ep_capacity_factor = 0.0;      // rowwise: rows per expert <= ceil(cf x rows of the ep group / E); 0: dropless
   bool zero = true;          // ZeRO-1: AdamW moments sharded over data-parallel ranks (dp > 1)
   double timeout_s = 300.0;  // a collective waiting longer fails the job
   bool overlap_grad_reduce = true;  // GPU data parallel: all-reduce each block's gradients during backward

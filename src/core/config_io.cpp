@@ -149,6 +149,9 @@ std::vector<ConfigKey> build_keys() {
             "layers of each model stage (pp x virtual_stages counts summing to model.n_layers); empty: even split"),
       entry("parallel.ep_backend", &C::parallel, &P::ep_backend, "token exchange between expert-parallel ranks",
             {"alltoall", "rowwise"}),
+      entry("parallel.ep_capacity_factor", &C::parallel, &P::ep_capacity_factor,
+            "rowwise exchange: each expert takes at most ceil(factor x the ep group's routed rows / num_experts) "
+            "rows, source rank by source rank; 0: dropless"),
       entry("parallel.zero", &C::parallel, &P::zero,
             "ZeRO-1 with dp > 1: AdamW moments sharded over data-parallel ranks (false: replicated)"),
       entry("parallel.timeout_s", &C::parallel, &P::timeout_s,
@@ -994,6 +997,11 @@ void validate_config(const Config& c) {
          ") must be a token id in [0, model.vocab_size = ", m.vocab_size, ")");
 
   const ParallelConfig& q = c.parallel;
+  p.need(q.ep_capacity_factor == 0.0 || q.ep_capacity_factor >= 1.0,
+         "parallel.ep_capacity_factor must be 0 (dropless) or >= 1, got ", q.ep_capacity_factor);
+  p.need(q.ep_capacity_factor == 0.0 || q.ep_backend == "rowwise", "parallel.ep_capacity_factor = ",
+         q.ep_capacity_factor, " applies to parallel.ep_backend = \"rowwise\" only (the all-to-all exchange is "
+         "dropless); set parallel.ep_backend = \"rowwise\" or drop the capacity");
   p.need(q.dp >= 0, "parallel.dp must be >= 0 (0: world_size / pp), got ", q.dp);
   p.need(q.dp <= kMaxRanks, "parallel.dp must be <= ", bound_text(kMaxRanks), ", got ", q.dp);
   p.need(q.ep >= 1, "parallel.ep must be >= 1, got ", q.ep);

@@ -3,6 +3,7 @@
 // dispatches and combines again on the saved exchange.
 #include "model/ep_experts.h"
 
+#include <cmath>
 #include <vector>
 
 #include "core/error.h"
@@ -14,7 +15,18 @@ void ep_experts_forward(const ExpertParallel& ep, const float* x_sorted, const i
                         const float* w_gate_up, const float* w_down, int64_t d, int64_t inner,
                         EpExpertsSaved& s, float* y_sorted, PhaseTimer* timer) {
   if (timer) timer->lap(Phase::kDispatch);
-  s.handle = ep_exchange_counts(ep, counts_E);
+  if (ep.rowwise) {
+    // The capacity from this rank's rows, the same on every rank (equal micro-batches, dropless map).
+    int64_t rows = 0;
+    for (int64_t e = 0; e < ep.num_experts; ++e) rows += counts_E[e];
+    const int64_t capacity =
+        ep.capacity_factor > 0
+            ? static_cast<int64_t>(std::ceil(ep.capacity_factor * double(rows * ep.size()) / double(ep.num_experts)))
+            : 0;
+    s.handle = ep_rowwise_handle(ep, counts_E, capacity);
+  } else {
+    s.handle = ep_exchange_counts(ep, counts_E);
+  }
   s.offsets_L1 = s.handle.local_offsets;
   const int64_t g = s.handle.num_recv_rows;
   s.x_GD.resize(g * d);

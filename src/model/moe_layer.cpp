@@ -81,6 +81,7 @@ MoeLayerStats moe_layer_forward(const MoeLayerConfig& c, const MoeTensors<const 
   s.y_sorted_RD.resize(kept * d);
   experts.forward(x_sorted.data(), h.offsets_E1.data(), w.experts_gate_up, w.experts_down, s.experts,
                   s.y_sorted_RD.data(), timer);
+  stats.num_dropped += s.experts.handle.num_dropped;  // the rowwise exchange's capacity
   if (timer) timer->lap(Phase::kCombine);
   cpu::unpermute_forward(s.y_sorted_RD.data(), h.route_to_row_R.data(), s.topk_w_NK.data(), n, k, d, branch.data());
   if (c.shared_hidden > 0) {

@@ -19,6 +19,8 @@ namespace moe {
 struct ExpertParallel {
   Comm* group = nullptr;
   int64_t num_experts = 0;
+  bool rowwise = false;          // parallel.ep_backend = "rowwise": ep_rowwise_handle instead of ep_exchange_counts
+  double capacity_factor = 0.0;  // rowwise: parallel.ep_capacity_factor (0: dropless)
 
   int size() const { return group->size(); }
   int rank() const { return group->rank(); }
@@ -46,18 +48,43 @@ struct EpHandle {
   std::vector<int32_t> local_offsets;
   // [num_recv_rows] for each grouped row, its row in the peer-major receive buffer.
   std::vector<int32_t> grouped_to_recv;
+  // The rowwise exchange when it dropped rows (num_dropped > 0): the rows of x_sorted that are
+  // sent, in order; the others are dropped (their output and input gradient are 0).
+  std::vector<int32_t> send_rows;
+  int64_t num_dropped = 0;  // rows of this rank dropped at their expert's rank
 };
+
+// The rowwise placement (parallel.ep_backend = "rowwise"), a pure function every rank of the
+// group computes alike from the group's per-expert counts: counts_all [ep, E], row p the rows
+// rank p routes to each global expert (its rows sorted by global expert, in route order). Expert
+// e (on rank q = e / L, local expert j = e % L) takes its rows source rank by source rank, each
+// rank's in route order, up to `capacity` rows (capacity <= 0: all: dropless); the rest are
+// dropped. The receive buffer of rank q holds its kept rows grouped by local expert (j major,
+// source rank minor, route order within): the grouped layout of the all-to-all backend, so with
+// nothing dropped the two backends place every row alike.
+struct EpPlacement {
+  std::vector<int64_t> kept;           // [ep, E] rows of rank p kept by expert e
+  std::vector<int32_t> dest_row;       // [rows of `rank`] each row's row in its expert rank's receive buffer; -1: dropped
+  std::vector<int32_t> local_offsets;  // [L + 1] `rank`'s receive buffer: local expert j owns [off[j], off[j+1])
+  int64_t num_dropped = 0;             // rows of `rank` dropped
+};
+EpPlacement ep_rowwise_placement(const std::vector<int64_t>& counts_all, int64_t ep, int64_t rank,
+                                 int64_t num_experts, int64_t capacity);
+
+// Collective (all-gather of the E counts of every rank), then ep_rowwise_placement: the handle of
+// the rowwise backend for ep_dispatch / ep_combine; capacity as there.
+EpHandle ep_rowwise_handle(const ExpertParallel& ep, const int32_t* counts_E, int64_t capacity);
 
 // Collective (all_to_all of L counts per peer). counts_E: this rank's rows per global expert
 // (rows ordered by global expert, as build_dispatch_map sorts them).
 EpHandle ep_exchange_counts(const ExpertParallel& ep, const int32_t* counts_E);
 
 // Collective. x_sorted [num_rows, d] ordered by global expert -> x_grouped [num_recv_rows, d]
-// in the grouped layout of the handle.
+// in the grouped layout of the handle (with h.send_rows: only those rows travel).
 void ep_dispatch(const ExpertParallel& ep, const EpHandle& h, const float* x_sorted, int64_t d, float* x_grouped);
 
 // Collective, the inverse of ep_dispatch: y_grouped [num_recv_rows, d] -> y_sorted [num_rows, d]
-// back in the sender's order.
+// back in the sender's order (with h.send_rows: the dropped rows of y_sorted are 0).
 void ep_combine(const ExpertParallel& ep, const EpHandle& h, const float* y_grouped, int64_t d, float* y_sorted);
 
 }  // namespace moe

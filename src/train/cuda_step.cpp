@@ -73,7 +73,8 @@ const Config& checked_config(const Config& cfg, cuda::NcclComm* dp, cuda::NcclCo
     MOE_CHECK(ep_dp_size * ep_size == dp->size(), "CudaStepRunner: the ep-dp group has ", ep_dp_size,
               " rank(s) but dp / ep = ", dp->size(), " / ", ep_size, " = ", dp->size() / ep_size);
     MOE_CHECK(cfg.parallel.ep_backend == "alltoall", "parallel.ep_backend = \"", cfg.parallel.ep_backend,
-              "\": the GPU trainer exchanges tokens by all-to-all (NCCL); set parallel.ep_backend = \"alltoall\"");
+              "\": the GPU trainer exchanges tokens by all-to-all (NCCL); the rowwise exchange runs on the cpu "
+              "backend so far; set parallel.ep_backend = \"alltoall\"");
     MOE_CHECK(cfg.moe.capacity_factor == 0.0, "moe.capacity_factor = ", cfg.moe.capacity_factor,
               ": expert parallelism is dropless only; set moe.capacity_factor = 0");
   }

@@ -283,6 +283,39 @@ TEST(ExpertParallel, EvalOfASlicedCheckpointIsTheRunsEvalLoss) {
   w.barrier();
 }
 
+// parallel.ep_backend = "rowwise" in the trainer (ep = 2 on the first two ranks): dropless it
+// trains bitwise as the all-to-all exchange; with parallel.ep_capacity_factor = 1 it drops rows,
+// and metrics.jsonl says so.
+TEST(ExpertParallel, RowwiseTrainsAsAllToAllAndLogsItsDrops) {
+  Comm& w = world_comm();
+  if (!needs_ranks(2)) GTEST_SKIP() << "needs >= 2 ranks";
+  const SharedDir dir(w, "ep-rowwise");
+  std::unique_ptr<Comm> pair = w.split(w.rank() < 2 ? 0 : 1, w.rank());
+  auto config = [&](const std::string& name, const std::string& backend, double cf) {
+    Config c = small_parallel_config(dir / name, 6);
+    c.parallel.ep = 2;
+    c.parallel.ep_backend = backend;
+    c.parallel.ep_capacity_factor = cf;
+    c.log.interval = 1;
+    return c;
+  };
+  if (w.rank() < 2) {
+    const std::vector<double> a2a = losses_of(config("a2a", "alltoall", 0), *pair);
+    const std::vector<double> row = losses_of(config("row", "rowwise", 0), *pair);
+    EXPECT_EQ(row, a2a);
+    const Config capped = config("cap", "rowwise", 1.0);
+    const std::vector<double> cap = losses_of(capped, *pair);
+    ASSERT_EQ(cap.size(), a2a.size());
+    if (pair->rank() == 0) {
+      double dropped = 0;
+      for (const nlohmann::json& r : read_metrics(capped.run.dir))
+        if (r.contains("dropped_frac")) dropped += r.at("dropped_frac").get<double>();
+      EXPECT_GT(dropped, 0.0) << "capacity 1.0 drops rows of the skewed early routing";
+    }
+  }
+  w.barrier();
+}
+
 TEST(ExpertParallel, CheckpointResumesOnOtherLayouts) {
   Comm& w = world_comm();
   if (!needs_ranks(2)) GTEST_SKIP() << "needs >= 2 ranks";

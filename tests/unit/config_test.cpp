@@ -46,8 +46,8 @@ TEST(ConfigKeys, EveryKeyHasItsOwnFieldAndDescription) {
     EXPECT_FALSE(k.description.empty()) << k.name;
     EXPECT_EQ(find_config_key(k.name), &k);
   }
-  // 11 model + 11 moe + 10 train + 9 optim + 7 data + 10 parallel + 5 checkpoint + 1 run + 3 log.
-  EXPECT_EQ(config_keys().size(), 67u);
+  // 11 model + 11 moe + 10 train + 9 optim + 7 data + 11 parallel + 5 checkpoint + 1 run + 3 log.
+  EXPECT_EQ(config_keys().size(), 68u);
   EXPECT_EQ(find_config_key("moe.topk"), nullptr);
   EXPECT_EQ(find_config_key("model.dense_layers")->type, ConfigType::kIntList);
   EXPECT_EQ(find_config_key("train.seed")->type, ConfigType::kUint);
@@ -382,6 +382,10 @@ INSTANTIATE_TEST_SUITE_P(
         over("ep_div_experts", {"parallel.ep=3"}, {"moe.num_experts (8) must be divisible by parallel.ep (3)"}),
         raw("ep_backend_enum", "parallel.ep_backend", "x", {"parallel.ep_backend"}),
         over("ckpt_interval", {"checkpoint.interval=-1"}, {"checkpoint.interval must be >= 0"}),
+        over("ep_capacity_below_one", {"parallel.ep_backend=rowwise", "parallel.ep_capacity_factor=0.5"},
+             {"parallel.ep_capacity_factor must be 0 (dropless) or >= 1, got 0.5"}),
+        over("ep_capacity_alltoall", {"parallel.ep_capacity_factor=1.25"},
+             {"parallel.ep_capacity_factor = 1.25 applies to parallel.ep_backend = \"rowwise\" only"}),
         over("ckpt_disabled_interval", {"checkpoint.enabled=false", "checkpoint.interval=5"},
              {"checkpoint.interval = 5", "checkpoint.enabled = false"}),
         over("keep_last", {"checkpoint.keep_last=-1"}, {"checkpoint.keep_last must be >= 0"}),
