@@ -132,3 +132,57 @@ elif fe_present; then
 else
   fetch_frontend || true
 fi
+
+# ---- NVSHMEM (CUDA builds only: the rowwise expert exchange) -----------------------------------
+# The pinned wheel nvidia-nvshmem-cu13 (the GPU host's 3.4.5); only include/, the host library and
+# the unique-id bootstrap are kept, in .deps/nvshmem (ignored by git). The build without it works
+# and says so; a GPU host whose Python has the same wheel installed is found there by CMake.
+nv_version=3.4.5
+nv_wheel=nvidia_nvshmem_cu13-3.4.5-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl
+nv_sha256=290f0a2ee94c9f3687a02502f3b9299a9f9fe826e6d0287ee18482e78d495b80
+nv_dir=.deps/nvshmem
+nv_stamp="$nv_dir/VERSION"
+
+nv_fail() {
+  echo "setup: WARNING: could not fetch NVSHMEM $nv_version: $*" >&2
+  echo "setup: the CUDA build goes on without NVSHMEM (the rowwise exchange's GPU transport is left out)." >&2
+  return 1
+}
+
+fetch_nvshmem() {
+  python3 -m pip --version >/dev/null 2>&1 || apt_install python3-pip || { nv_fail "no pip"; return 1; }
+  local tmp got
+  tmp=$(mktemp -d)
+  echo "setup: downloading nvidia-nvshmem-cu13==$nv_version (headers, host library, unique-id bootstrap)"
+  python3 -m pip download "nvidia-nvshmem-cu13==$nv_version" --no-deps --only-binary=:all: \
+      --platform manylinux2014_x86_64 --disable-pip-version-check --quiet -d "$tmp" ||
+    { rm -rf "$tmp"; nv_fail "pip download failed (is PyPI reachable?)"; return 1; }
+  [ -f "$tmp/$nv_wheel" ] || { rm -rf "$tmp"; nv_fail "pip did not produce $nv_wheel"; return 1; }
+  got=$(sha256sum "$tmp/$nv_wheel" | cut -d' ' -f1)
+  [ "$got" = "$nv_sha256" ] || { rm -rf "$tmp"; nv_fail "$nv_wheel has SHA-256 $got, expected $nv_sha256"; return 1; }
+  python3 - "$tmp/$nv_wheel" "$tmp/unpacked" <<'EOF_PY' || { rm -rf "$tmp"; nv_fail "unpacking the wheel failed"; return 1; }
+import sys, zipfile
+keep = ("nvidia/nvshmem/include/", "nvidia/nvshmem/lib/libnvshmem_host.so.3",
+        "nvidia/nvshmem/lib/nvshmem_bootstrap_uid.so.3")
+with zipfile.ZipFile(sys.argv[1]) as z:
+    names = [n for n in z.namelist() if n.startswith(keep)]
+    if "nvidia/nvshmem/include/nvshmem_host.h" not in names:
+        sys.exit("the wheel has no nvidia/nvshmem/include/nvshmem_host.h")
+    z.extractall(sys.argv[2], names)
+EOF_PY
+  rm -rf "$nv_dir"
+  mkdir -p "$nv_dir"
+  mv "$tmp/unpacked/nvidia/nvshmem/include" "$nv_dir/include"
+  mv "$tmp/unpacked/nvidia/nvshmem/lib" "$nv_dir/lib"
+  echo "$nv_version" >"$nv_stamp"
+  rm -rf "$tmp"
+  echo "setup: NVSHMEM $nv_version in $nv_dir"
+}
+
+if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+  echo "setup: no nvcc: skipping NVSHMEM (CUDA builds only)"
+elif [ -f "$nv_stamp" ] && [ "$(cat "$nv_stamp")" = "$nv_version" ]; then
+  echo "setup: NVSHMEM $nv_version present in $nv_dir"
+else
+  fetch_nvshmem || true
+fi
