@@ -39,8 +39,7 @@ void NvshmemWorld::barrier(Stream) { missing("NvshmemWorld::barrier"); }
 bool nvshmem_available() { return true; }
 
 std::vector<uint8_t> nvshmem_unique_id() {
-  nvshmemx_uniqueid_t id;
-  std::memset(&id, 0, sizeof id);
+  nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;  // the struct's version, which NVSHMEM checks
   const int status = nvshmemx_get_uniqueid(&id);
   MOE_CHECK(status == 0, "nvshmemx_get_uniqueid failed with status ", status);
   std::vector<uint8_t> bytes(sizeof id);
@@ -52,10 +51,9 @@ NvshmemWorld::NvshmemWorld(int rank, int npes, const std::vector<uint8_t>& uniqu
   MOE_CHECK(npes >= 1 && rank >= 0 && rank < npes, "NvshmemWorld: rank ", rank, " of ", npes, " PEs");
   MOE_CHECK(unique_id.size() == sizeof(nvshmemx_uniqueid_t), "NvshmemWorld: the unique id has ", unique_id.size(),
             " bytes, NVSHMEM's has ", sizeof(nvshmemx_uniqueid_t), " (ids from another NVSHMEM version?)");
-  nvshmemx_uniqueid_t id;
-  std::memcpy(&id, unique_id.data(), sizeof id);
-  nvshmemx_init_attr_t attr;
-  std::memset(&attr, 0, sizeof attr);
+  nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
+  std::memcpy(&id, unique_id.data(), sizeof id);  // rank 0's id, its version included
+  nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
   int status = nvshmemx_set_attr_uniqueid_args(rank, npes, &id, &attr);
   MOE_CHECK(status == 0, "nvshmemx_set_attr_uniqueid_args(rank ", rank, ", ", npes, " PEs) failed with status ",
             status);
