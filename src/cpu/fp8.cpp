@@ -107,12 +107,15 @@ void mx_dequantize(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, i
   }
 }
 
-void fp8_gemm_block_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, const uint8_t* qb, const float* sb,
-                           Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate) {
-  MOE_CHECK(m >= 0 && n >= 0 && k >= 0, "cpu::fp8_gemm_block_scaled: m, n, k must be >= 0, got ", m, ", ", n, ", ", k);
+namespace {
+
+// C = A B^T over K blocks of 128, B's scale of (row j, K block t) from b_scale(j, t).
+template <typename BScale>
+void gemm_k_blocks(const char* op, const uint8_t* qa, const float* sa, Fp8Format fa, const uint8_t* qb, Fp8Format fb,
+                   int64_t m, int64_t n, int64_t k, float* c, bool accumulate, BScale b_scale) {
+  MOE_CHECK(m >= 0 && n >= 0 && k >= 0, op, ": m, n, k must be >= 0, got ", m, ", ", n, ", ", k);
   constexpr int64_t kb = 128;
   const int64_t kblocks = (k + kb - 1) / kb;
-  // Decoded codes once (the tensor core multiplies the exact FP8 values).
   std::vector<float> a(static_cast<size_t>(m * k)), b(static_cast<size_t>(n * k));
   for (int64_t i = 0; i < m * k; ++i) a[size_t(i)] = fp8_decode(qa[i], fa);
   for (int64_t i = 0; i < n * k; ++i) b[size_t(i)] = fp8_decode(qb[i], fb);
@@ -123,11 +126,74 @@ void fp8_gemm_block_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, con
         const int64_t k0 = t * kb, k1 = std::min(k, k0 + kb);
         float partial = 0.0f;
         for (int64_t p = k0; p < k1; ++p) partial += a[size_t(i * k + p)] * b[size_t(j * k + p)];
-        acc += partial * sa[i * kblocks + t] * sb[(j / kb) * kblocks + t];
+        acc += partial * sa[i * kblocks + t] * b_scale(j, t, kblocks);
       }
       c[i * n + j] = acc;
     }
   }
+}
+
+// [rows, cols] -> [cols, rows].
+template <typename T>
+std::vector<T> transposed(const T* x, int64_t rows, int64_t cols) {
+  std::vector<T> t(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) t[size_t(c * rows + r)] = x[r * cols + c];
+  return t;
+}
+
+struct Quantised {
+  std::vector<uint8_t> q;
+  std::vector<float> s;
+};
+
+Quantised quantise(const float* x, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f) {
+  Quantised out;
+  out.q.resize(size_t(rows * cols));
+  out.s.resize(size_t(fp8_scale_rows(rows, block) * fp8_scale_cols(cols, block)));
+  fp8_quantize_blocks(x, rows, cols, block, f, out.q.data(), out.s.data());
+  return out;
+}
+
+}  // namespace
+
+void fp8_gemm_rowwise_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, const uint8_t* qb, const float* sb,
+                             Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate) {
+  gemm_k_blocks("cpu::fp8_gemm_rowwise_scaled", qa, sa, fa, qb, fb, m, n, k, c, accumulate,
+                [sb](int64_t j, int64_t t, int64_t kblocks) { return sb[j * kblocks + t]; });
+}
+
+void fp8_linear_forward(const float* x, const float* w, int64_t m, int64_t n, int64_t k, const Fp8Recipe& r, float* y) {
+  const Quantised qx = quantise(x, m, k, kFp8ActivationBlock, r.forward);
+  const Quantised qw = quantise(w, n, k, kFp8WeightBlock, r.forward);
+  fp8_gemm_block_scaled(qx.q.data(), qx.s.data(), r.forward, qw.q.data(), qw.s.data(), r.forward, m, n, k, y, false);
+}
+
+void fp8_linear_dgrad(const float* dy, const float* w, int64_t m, int64_t n, int64_t k, const Fp8Recipe& r,
+                      float* dx) {
+  const Quantised qdy = quantise(dy, m, n, kFp8ActivationBlock, r.grad);
+  // W's own 128 x 128 blocks (as the forward quantised them), codes and scale grid transposed.
+  const Quantised qw = quantise(w, n, k, kFp8WeightBlock, r.forward);
+  const std::vector<uint8_t> qwt = transposed(qw.q.data(), n, k);
+  const std::vector<float> swt =
+      transposed(qw.s.data(), fp8_scale_rows(n, kFp8WeightBlock), fp8_scale_cols(k, kFp8WeightBlock));
+  fp8_gemm_block_scaled(qdy.q.data(), qdy.s.data(), r.grad, qwt.data(), swt.data(), r.forward, m, k, n, dx, false);
+}
+
+void fp8_linear_wgrad(const float* dy, const float* x, int64_t m, int64_t n, int64_t k, const Fp8Recipe& r,
+                      float* dw) {
+  const std::vector<float> dyt = transposed(dy, m, n), xt = transposed(x, m, k);
+  const Quantised qdyt = quantise(dyt.data(), n, m, kFp8ActivationBlock, r.grad);
+  const Quantised qxt = quantise(xt.data(), k, m, kFp8ActivationBlock, r.forward);
+  fp8_gemm_rowwise_scaled(qdyt.q.data(), qdyt.s.data(), r.grad, qxt.q.data(), qxt.s.data(), r.forward, n, k, m, dw,
+                          true);
+}
+
+void fp8_gemm_block_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, const uint8_t* qb, const float* sb,
+                           Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate) {
+  // B's 128 x 128 blocks: row j's scale in K block t is its row block's.
+  gemm_k_blocks("cpu::fp8_gemm_block_scaled", qa, sa, fa, qb, fb, m, n, k, c, accumulate,
+                [sb](int64_t j, int64_t t, int64_t kblocks) { return sb[(j / 128) * kblocks + t]; });
 }
 
 }  // namespace moe::cpu

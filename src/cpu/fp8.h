@@ -71,5 +71,29 @@ void mx_dequantize(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, i
 // [M, ceil(K/128)] and B's codes with 128 x 128 scales [ceil(N/128), ceil(K/128)].
 void fp8_gemm_block_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, const uint8_t* qb, const float* sb,
                            Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate);
+// The same with B's codes in 1 x 128 blocks too (scales [N, ceil(K/128)]): both operands scaled
+// per row and K block, the weight-gradient GEMM of fp8_linear_wgrad.
+void fp8_gemm_rowwise_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, const uint8_t* qb, const float* sb,
+                             Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate);
+
+// The FP8 recipe of a linear layer's three GEMMs, emulated on FP32 tensors (the CPU twin of the GPU
+// FP8 path: the operands quantised as the GPU quantises them, then the block-scaled GEMM above):
+//   forward  y [M, N]  = x [M, K] W [N, K]^T : x in `forward` format, 1 x 128 along K; W in
+//            `forward` format, 128 x 128 blocks;
+//   dgrad    dx [M, K] = dy [M, N] W [N, K]  : dy in `grad` format, 1 x 128 along N; W's 128 x 128
+//            blocks read transposed (the same blocks and scales: a transposed copy of the codes);
+//   wgrad    dW [N, K] += dy^T x             : dy^T in `grad` format and x^T in `forward` format,
+//            both 1 x 128 along M (the transposed copies the GPU writes in the producers' pass).
+// E4M3 for both by default: with one scale per 128 elements (or 128 x 128) E4M3's range is enough
+// for gradients too (as DeepSeek-V3 trains), and its extra mantissa bit halves the rounding error
+// of E5M2.
+struct Fp8Recipe {
+  Fp8Format forward = Fp8Format::kE4M3;
+  Fp8Format grad = Fp8Format::kE4M3;
+};
+void fp8_linear_forward(const float* x, const float* w, int64_t m, int64_t n, int64_t k, const Fp8Recipe& r, float* y);
+void fp8_linear_dgrad(const float* dy, const float* w, int64_t m, int64_t n, int64_t k, const Fp8Recipe& r, float* dx);
+void fp8_linear_wgrad(const float* dy, const float* x, int64_t m, int64_t n, int64_t k, const Fp8Recipe& r,
+                      float* dw);
 
 }  // namespace moe::cpu

@@ -210,5 +210,85 @@ TEST(Fp8, BlockScaledGemmEqualsTheDequantisedProduct) {
   EXPECT_EQ(out, 128.0f * 1.0f * 2.0f * 0.5f * 4.0f);
 }
 
+// x [rows, cols] quantised in `block` blocks of format f and dequantised: what the FP8 GEMM sees.
+std::vector<float> fake_quant(const std::vector<float>& x, int64_t rows, int64_t cols, cpu::Fp8Block block,
+                              Fp8Format f) {
+  std::vector<uint8_t> q(x.size());
+  std::vector<float> s(size_t(cpu::fp8_scale_rows(rows, block) * cpu::fp8_scale_cols(cols, block))), d(x.size());
+  cpu::fp8_quantize_blocks(x.data(), rows, cols, block, f, q.data(), s.data());
+  cpu::fp8_dequantize_blocks(q.data(), s.data(), rows, cols, block, f, d.data());
+  return d;
+}
+
+std::vector<float> transpose(const std::vector<float>& x, int64_t rows, int64_t cols) {
+  std::vector<float> t(x.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) t[size_t(c * rows + r)] = x[size_t(r * cols + c)];
+  return t;
+}
+
+// C [m, n] = A [m, k] B [n, k]^T in double.
+std::vector<float> gemm_abt(const std::vector<float>& a, const std::vector<float>& b, int64_t m, int64_t n, int64_t k) {
+  std::vector<float> c(size_t(m * n));
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double acc = 0;
+      for (int64_t p = 0; p < k; ++p) acc += double(a[size_t(i * k + p)]) * b[size_t(j * k + p)];
+      c[size_t(i * n + j)] = float(acc);
+    }
+  return c;
+}
+
+double normwise(const std::vector<float>& got, const std::vector<float>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    den += double(want[i]) * want[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// The three passes of the FP8 linear recipe: each equals the FP32 product of its operands
+// quantised as the recipe says (1 x 128 along the reduced dimension, W in 128 x 128 blocks, dgrad
+// reading W's blocks transposed, wgrad both operands along M), and stays within FP8's rounding of
+// the unquantised product; E5M2 gradients round coarser than E4M3.
+TEST(Fp8, LinearPassesFollowTheRecipe) {
+  struct Shape {
+    int64_t m, n, k;
+  };
+  for (const Shape s : {Shape{1, 1, 1}, Shape{3, 200, 130}, Shape{130, 129, 257}}) {
+    const std::string at = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k);
+    const std::vector<float> x = randn(s.m * s.k, 11), w = randn(s.n * s.k, 12, 0.05f), dy = randn(s.m * s.n, 13, 1e-3f);
+    double err_e4 = 0, err_e5 = 0;
+    for (const Fp8Format g : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      const cpu::Fp8Recipe r{Fp8Format::kE4M3, g};
+      // Forward.
+      std::vector<float> y(size_t(s.m * s.n));
+      cpu::fp8_linear_forward(x.data(), w.data(), s.m, s.n, s.k, r, y.data());
+      const std::vector<float> xq = fake_quant(x, s.m, s.k, cpu::kFp8ActivationBlock, r.forward);
+      const std::vector<float> wq = fake_quant(w, s.n, s.k, cpu::kFp8WeightBlock, r.forward);
+      expect_parity("fp8 forward " + at, y, gemm_abt(xq, wq, s.m, s.n, s.k), kFP32Reduction);
+      EXPECT_LT(normwise(y, gemm_abt(x, w, s.m, s.n, s.k)), 0.08) << at;
+      // dgrad: dx = dy W = dy (W^T)^T.
+      std::vector<float> dx(size_t(s.m * s.k));
+      cpu::fp8_linear_dgrad(dy.data(), w.data(), s.m, s.n, s.k, r, dx.data());
+      const std::vector<float> dyq = fake_quant(dy, s.m, s.n, cpu::kFp8ActivationBlock, g);
+      expect_parity("fp8 dgrad " + at, dx, gemm_abt(dyq, transpose(wq, s.n, s.k), s.m, s.k, s.n), kFP32Reduction);
+      const double e = normwise(dx, gemm_abt(dy, transpose(w, s.n, s.k), s.m, s.k, s.n));
+      EXPECT_LT(e, 0.15) << at;
+      (g == Fp8Format::kE4M3 ? err_e4 : err_e5) = e;
+      // wgrad accumulates: dW += dy^T x.
+      std::vector<float> dw(size_t(s.n * s.k), 1.0f);
+      cpu::fp8_linear_wgrad(dy.data(), x.data(), s.m, s.n, s.k, r, dw.data());
+      const std::vector<float> dytq = fake_quant(transpose(dy, s.m, s.n), s.n, s.m, cpu::kFp8ActivationBlock, g);
+      const std::vector<float> xtq = fake_quant(transpose(x, s.m, s.k), s.k, s.m, cpu::kFp8ActivationBlock, r.forward);
+      std::vector<float> want = gemm_abt(dytq, xtq, s.n, s.k, s.m);
+      for (float& v : want) v += 1.0f;
+      expect_parity("fp8 wgrad " + at, dw, want, kFP32Reduction);
+    }
+    if (s.m * s.n * s.k > 1000) EXPECT_GT(err_e5, err_e4) << at << ": E5M2 gradients round coarser";
+  }
+}
+
 }  // namespace
 }  // namespace moe::testing
