@@ -13,6 +13,7 @@
 
 #include "core/checked_math.h"
 #include "core/error.h"
+#include "parallel/pipeline_schedule.h"
 
 namespace moe {
 
@@ -87,6 +88,23 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
                           ? 8.0 * (double(m.dense_params) / double(dp) + double(m.expert_params) / double(p.ep_dp))
                           : m.moments_replicated;
   m.activation = activation_memory(cfg.model, cfg.moe, p.micro_batch, p.seq_len, p.micro_steps, gpu, recompute, ep);
+  if (p.sizes.pp > 1) {
+    // A stage keeps the saved activations of every chunk it ran forward and not yet backward:
+    // the most layer x micro-batch activations any rank holds at once under its schedule, as a
+    // share of one micro-batch's whole-model figure (the pool and the scratch stay once per rank).
+    p.pipeline_held_layers = 0;
+    for (int64_t s = 0; s < p.sizes.pp; ++s) {
+      int64_t held = 0;
+      for (const PipelineOp& op : pipeline_schedule(p.sizes.pp, p.virtual_stages, p.micro_steps, s)) {
+        const int64_t k = op.virtual_stage * p.sizes.pp + s;
+        const int64_t layers = p.stage_bounds[size_t(k) + 1] - p.stage_bounds[size_t(k)];
+        held += op.forward ? layers : -layers;
+        p.pipeline_held_layers = std::max(p.pipeline_held_layers, held);
+      }
+    }
+    const double share = double(p.pipeline_held_layers) / double(cfg.model.n_layers);
+    for (MemoryItem& item : m.activation.kept) item.bytes *= share;
+  }
   // GPU data parallel with BF16 gradient sums: the staging buffer of one bucket (64 Mi elements at most).
   if (gpu && dp > 1 && cfg.parallel.grad_reduce_dtype == "bf16")
     m.activation.scratch.push_back({"BF16 gradient reduce stage", 2.0 * std::min(n, double(int64_t(64) << 20))});
@@ -119,7 +137,7 @@ std::string describe_run_plan(const RunPlan& p) {
       "# batch             global %lld sequences = dp %lld x micro-batch %lld x %lld micro-steps; %lld tokens per "
       "micro-batch, %lld per step\n"
       "# memory estimate   per rank on %s: %.3f GiB total = %.3f weights + %.3f grads + %.3f AdamW moments%s + %.3f "
-      "activations of one micro-batch%s (%lld parameters on this rank)\n"
+      "activations of %s%s (%lld parameters on this rank)\n"
       "# activations       train.recompute = \"%s\"%s: %.3f GiB = %.3f kept by the layers + %.3f recompute pools "
       "(one layer per block kind) + %.3f model-wide scratch\n",
       (long long)p.counts.total_params, (long long)p.counts.active_params, active_pct, p.counts.flops_per_token,
@@ -128,7 +146,8 @@ std::string describe_run_plan(const RunPlan& p) {
       p.zero ? ", ZeRO-1 moment shards" : "", (long long)p.global_batch, (long long)p.sizes.dp,
       (long long)p.micro_batch, (long long)p.micro_steps, (long long)p.tokens_per_micro_batch,
       (long long)p.tokens_per_step, p.device == "cuda" ? "the GPU" : "the host", m.total() / kGiB, m.params / kGiB,
-      m.grads / kGiB, m.moments / kGiB, p.zero ? " (this rank's shard)" : "", m.activations() / kGiB, exchange,
+      m.grads / kGiB, m.moments / kGiB, p.zero ? " (this rank's shard)" : "", m.activations() / kGiB,
+      p.sizes.pp > 1 ? "the busiest stage's micro-batches in flight" : "one micro-batch", exchange,
       (long long)m.local_params, recompute_name(p.recompute),
       p.device == "cuda" ? "" : " (approximate: Model<float>'s saved FP32 tensors)", m.activations() / kGiB,
       m.activations_kept / kGiB, m.activations_pool / kGiB, m.scratch / kGiB);
@@ -138,10 +157,11 @@ std::string describe_run_plan(const RunPlan& p) {
     std::snprintf(buf, sizeof buf,
                   "# pipeline          pp %lld x virtual stages %lld = %lld model stages, %s 1F1B over %lld "
                   "micro-batches per dp rank: bubble (pp-1)/(virtual_stages x micro-batches + pp-1) = %.3f; "
-                  "activations above are the whole model's (an upper bound per stage)\n",
+                  "kept activations above are the busiest stage's, %lld layer x micro-batch activations in flight\n",
                   (long long)p.sizes.pp, (long long)p.virtual_stages, (long long)stages,
                   p.virtual_stages > 1 ? "interleaved" : "plain", (long long)p.micro_steps,
-                  double(p.sizes.pp - 1) / double(p.virtual_stages * p.micro_steps + p.sizes.pp - 1));
+                  double(p.sizes.pp - 1) / double(p.virtual_stages * p.micro_steps + p.sizes.pp - 1),
+                  (long long)p.pipeline_held_layers);
     out += buf;
     for (int64_t s = 0; s < p.sizes.pp; ++s) {
       std::string layers;

@@ -58,6 +58,9 @@ struct RunPlan {
   MemoryEstimate memory;       // one rank's (pp > 1: a rank of the stage with the most parameters)
   int64_t virtual_stages = 1;  // parallel.virtual_stages
   std::vector<int64_t> stage_bounds;  // pp x virtual_stages + 1 layer boundaries (stage_bounds)
+  // pp > 1: the most layer x micro-batch activations one stage holds at once under its schedule
+  // (memory.activation's kept tensors are scaled to it from one micro-batch's whole model).
+  int64_t pipeline_held_layers = 0;
 };
 
 // Resolves and checks the layout for `world_size` ranks (resolve_parallel: every problem in one

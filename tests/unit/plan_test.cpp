@@ -331,5 +331,33 @@ TEST(RunPlan, PipelineOnCpuAndRefusedOnCuda) {
             std::string::npos);
 }
 
+// A stage keeps the activations of the chunks it ran forward and not yet backward: 1F1B's stage 0
+// holds pp micro-batches of L / pp layers (L layer activations, as pp = 1 holds one micro-batch
+// of L layers), one micro-batch per step holds only a stage's layers, and interleaving holds more.
+TEST(RunPlan, PipelineActivationsFollowTheScheduleInFlight) {
+  auto plan = [](int64_t pp, int64_t v, int64_t micro_steps) {
+    Config c;
+    c.model.n_layers = 8;
+    c.model.dense_layers = {};
+    c.parallel.pp = pp;
+    c.parallel.virtual_stages = v;
+    c.train.micro_batch = 1;
+    c.train.global_batch = micro_steps;
+    return make_run_plan(c, pp, "cpu");
+  };
+  const RunPlan one = plan(1, 1, 4);
+  struct Case {
+    int64_t pp, v, micro, held;
+  };
+  for (const Case k : {Case{2, 1, 4, 8}, Case{4, 1, 8, 8}, Case{2, 1, 1, 4}, Case{2, 2, 4, 10}}) {
+    const RunPlan p = plan(k.pp, k.v, k.micro);
+    EXPECT_EQ(p.pipeline_held_layers, k.held) << "pp " << k.pp << " v " << k.v << " m " << k.micro;
+    EXPECT_NEAR(p.memory.activations_kept, one.memory.activations_kept * double(k.held) / 8.0,
+                1e-6 * one.memory.activations_kept)
+        << "pp " << k.pp << " v " << k.v << " m " << k.micro;
+  }
+  EXPECT_EQ(one.pipeline_held_layers, 0);
+}
+
 }  // namespace
 }  // namespace moe
