@@ -168,10 +168,33 @@ function draw() {
     ['lr', 'learning rate', 'lr', steps],
     ['lb_loss', 'load-balancing loss', 'lb_loss', steps],
     ['z_loss', 'router z-loss', 'z_loss', steps],
-    ['load_imbalance', 'load imbalance (mean over layers)', 'load_imbalance', steps]];
+    ['load_imbalance', 'load imbalance (mean over layers)', 'load_imbalance', steps],
+    ['dropped_frac', 'dropped share of routes (expert capacity)', 'dropped_frac', steps]];
   single.forEach(function (c) {
     var series = DATA.runs.map(function (run, i) { return {label: run.name, color: color(i), points: pts(c[3](run), ax, c[2])}; });
     lineChart(charts, 'chart-' + c[0], c[1], AXES[ax], series);
+  });
+  // Per MoE layer (the records' `moe` list): a series per layer (and run), where recorded.
+  [['moe_lb_loss', 'load-balancing loss per MoE layer', 'lb_loss'],
+   ['moe_load_max_mean', 'max/mean tokens per expert per MoE layer (over the interval)', 'load_max_mean'],
+   ['moe_bias_abs_max', 'expert bias, largest |bias| per MoE layer', 'bias_abs_max']].forEach(function (c) {
+    var series = [];
+    DATA.runs.forEach(function (run, i) {
+      var recs = steps(run).filter(function (r) { return Array.isArray(r.moe) && typeof r[ax] === 'number'; });
+      var layers = recs.reduce(function (m, r) { return Math.max(m, r.moe.length); }, 0);
+      for (var l = 0; l < layers; ++l) {
+        var points = [];
+        recs.forEach(function (r) {
+          var m = r.moe[l];
+          if (m && typeof m[c[2]] === 'number') points.push([r[ax], m[c[2]]]);
+        });
+        var name = 'layer ' + (recs.length && recs[0].moe[l] ? recs[0].moe[l].layer : l);
+        series.push({label: label(run, name), color: color(multi ? i : l), dash: multi && l ? '4 2' : undefined,
+                     points: points});
+      }
+    });
+    if (series.some(function (s) { return s.points.length > 0; }))
+      lineChart(charts, 'chart-' + c[0], c[1], AXES[ax], series);
   });
   drawHeatmaps(ax);
 }

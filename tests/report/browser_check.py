@@ -89,9 +89,16 @@ def main():
         check(len(paths) >= 8, "report: at least 8 series paths drawn (got %d)" % len(paths))
         check(("train", str(len(steps))) in paths, "report: the train loss path has %d points" % len(steps))
         check(("eval", str(len(evals))) in paths, "report: the eval loss path has %d points" % len(evals))
-        for chart in ("loss", "eval_loss", "tokens_per_s", "grad_norm", "lr", "lb_loss", "z_loss", "load_imbalance"):
+        for chart in ("loss", "eval_loss", "tokens_per_s", "grad_norm", "lr", "lb_loss", "z_loss", "load_imbalance",
+                      "dropped_frac", "moe_lb_loss", "moe_load_max_mean", "moe_bias_abs_max"):
             m = re.search(r'<div class="chart" id="chart-%s">(.*?)</div></div>' % chart, dom, re.S)
             check(m is not None and 'class="series"' in m.group(1), "report: chart %s has a data path" % chart)
+        # The per-layer charts: one series per MoE layer, each with a point per step record.
+        m = re.search(r'<div class="chart" id="chart-moe_lb_loss">(.*?)</div></div>', dom, re.S)
+        per_layer = re.findall(r'<path[^>]*class="series"[^>]*data-label="layer \d+"[^>]*data-points="(\d+)"',
+                               m.group(1) if m else "")
+        check(per_layer == [str(len(steps))] * layers,
+              "report: the per-layer lb chart has %d series of %d points, got %s" % (layers, len(steps), per_layer))
         m = re.search(r'id="chart-mfu">(.*?)</div>', dom, re.S)
         check(m is not None and "not recorded" in m.group(1), "report: MFU of a CPU run is said to be not recorded")
         cells = count(dom, "cell")
