@@ -1002,6 +1002,9 @@ void validate_config(const Config& c) {
   p.need(q.ep_capacity_factor == 0.0 || q.ep_backend == "rowwise", "parallel.ep_capacity_factor = ",
          q.ep_capacity_factor, " applies to parallel.ep_backend = \"rowwise\" only (the all-to-all exchange is "
          "dropless); set parallel.ep_backend = \"rowwise\" or drop the capacity");
+  p.need(q.ep_capacity_factor == 0.0 || q.ep > 1, "parallel.ep_capacity_factor = ", q.ep_capacity_factor,
+         " caps the expert-parallel exchange, but parallel.ep = ", q.ep, " exchanges nothing; on one expert-parallel "
+         "rank use moe.capacity_factor");
   p.need(q.dp >= 0, "parallel.dp must be >= 0 (0: world_size / pp), got ", q.dp);
   p.need(q.dp <= kMaxRanks, "parallel.dp must be <= ", bound_text(kMaxRanks), ", got ", q.dp);
   p.need(q.ep >= 1, "parallel.ep must be >= 1, got ", q.ep);
