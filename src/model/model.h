@@ -130,6 +130,9 @@ class Model {
   // expert slice gets exactly the values of the same rows of the global tensor.
   void init_params(uint64_t seed);
   void zero_grads();
+  // Frees the gradient buffer of a model that only mirrors another backend's weights (the GPU
+  // trainer's host copy for checkpoints): grads() is then null, and backward must not run.
+  void release_grads() { std::vector<T>().swap(grads_); }
 
   // inputs/targets: [B, S] token ids; targets < 0 do not count. Saves what backward needs.
   // routing_seed drives random routing (mixed with the layer index).

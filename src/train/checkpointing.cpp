@@ -173,6 +173,8 @@ HostState::HostState(const Config& cfg, const RunPlan& plan, const Topology& top
       opt(model.layout(), cfg.optim) {
   if (init) model.init_params(cfg.train.seed);
   initialised = init;
+  // The GPU step keeps the gradients on the device: the host mirror holds weights and moments.
+  if (plan.device == "cuda") model.release_grads();
   // Gradients of dense tensors are summed over dp, of expert tensors over ep-dp (with ep = 1: also
   // dp); ZeRO-1 shards them over the same groups.
   // A pipeline stage owns its tensors (one dp rank) or its shard of them (checkpoint slices, norms).

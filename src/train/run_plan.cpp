@@ -119,7 +119,7 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   } else {
     m.params = 6.0 * n;  // FP32 master + BF16 copy (whole on every rank, also under ZeRO-1)
     if (ep > 1) m.exchange = moe_layers * rows * (2.0 * d + 8.0) + 2.0 * rows * 2.0 * d;
-    m.host_mirror = 16.0 * n;
+    m.host_mirror = 12.0 * n;  // FP32 weights and the two moments (no host gradients)
   }
   return p;
 }
@@ -191,8 +191,8 @@ std::string describe_run_plan(const RunPlan& p) {
     out += "#   pipeline groups" + pipes + " (one rank per stage, activations by send/recv)\n";
   }
   if (p.device == "cuda") {
-    std::snprintf(buf, sizeof buf, "# host memory       %.3f GiB per rank (FP32 mirror of weights, gradients and moments "
-                  "for checkpoints)\n", m.host_mirror / kGiB);
+    std::snprintf(buf, sizeof buf, "# host memory       %.3f GiB per rank (FP32 mirror of weights and moments for "
+                  "checkpoints)\n", m.host_mirror / kGiB);
     out += buf;
   }
   return out;

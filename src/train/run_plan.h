@@ -37,7 +37,7 @@ struct MemoryEstimate {
   double activations_pool = 0;    // activation.pool_bytes(): the recompute pool (largest layer)
   double scratch = 0;             // activation.scratch_bytes(): model-wide buffers and workspaces
   double exchange = 0;       // expert-parallel exchange buffers (ep > 1)
-  double host_mirror = 0;    // cuda: the host's FP32 copy of weights, gradients and moments
+  double host_mirror = 0;    // cuda: the host's FP32 copy of weights and moments (for checkpoints)
   double activations() const { return activations_kept + activations_pool + scratch; }
   double total() const { return params + grads + moments + activations() + exchange; }
 };

@@ -83,7 +83,8 @@ void check_host_memory(const RunPlan& plan) {
   const double need = plan.device == "cpu" ? plan.memory.total() : plan.memory.host_mirror;
   const double have = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
   MOE_CHECK(have <= 0 || need < 0.9 * have, "this model needs about ", need / double(1ull << 30),
-            " GiB of host memory per rank (FP32 weights, gradients and AdamW moments", plan.device == "cpu" ? " and activations" : "",
+            " GiB of host memory per rank (FP32 weights, ", plan.device == "cpu" ? "gradients, " : "",
+            "AdamW moments", plan.device == "cpu" ? " and activations" : "",
             "; see moecore train --dry-run) but the machine has ", have / double(1ull << 30), " GiB");
 }
 
