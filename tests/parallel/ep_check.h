@@ -154,6 +154,10 @@ struct ModelCase {
   uint64_t seed = 11, routing_seed = 3;
   // Expert bias of dp rank r ([num_moe_layers * E]); empty function: zeros.
   std::function<std::vector<float>(int rank, int64_t moe_layers)> bias_of;
+  // The rowwise exchange with this capacity factor (check_model_recompute_case only: a capacity
+  // drops rows, which the one-rank reference of check_model_case does not).
+  bool rowwise = false;
+  double ep_capacity_factor = 0.0;
 };
 
 inline ModelConfig ep_tiny_model() {
@@ -288,7 +292,9 @@ inline void check_model_recompute_case(Comm& world, const ModelCase& c) {
   const int me = world.rank();
   const std::string tag = rank_tag(world) + c.name + ": ";
   ExpertParallelGroups groups = split_expert_parallel(world, c.ep);
-  const ExpertParallel ep = make_expert_parallel(*groups.ep, c.e.num_experts);
+  ExpertParallel ep = make_expert_parallel(*groups.ep, c.e.num_experts);
+  ep.rowwise = c.rowwise;
+  ep.capacity_factor = c.ep_capacity_factor;
   const int64_t b = c.batch_per_rank;
   struct Result {
     std::vector<ForwardStats> stats;
@@ -328,6 +334,7 @@ inline void check_model_recompute_case(Comm& world, const ModelCase& c) {
       EXPECT_EQ(std::memcmp(&a.z_loss, &e.z_loss, sizeof(double)), 0) << at << "z_loss of micro-batch " << i;
       EXPECT_EQ(a.tokens_per_expert, e.tokens_per_expert) << at << "counts of micro-batch " << i;
       EXPECT_EQ(a.num_routes, e.num_routes) << at;
+      EXPECT_EQ(a.num_dropped, e.num_dropped) << at << "dropped routes of micro-batch " << i;
       EXPECT_TRUE(r.logits[i] == ref.logits[i] &&
                   std::memcmp(r.logits[i].data(), ref.logits[i].data(), r.logits[i].size() * sizeof(float)) == 0)
           << at << "logits of micro-batch " << i;

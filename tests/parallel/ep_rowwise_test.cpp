@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cpu/capacity.h"
+#include "ep_cases.h"
 #include "cpu/dispatch.h"
 #include "cpu/experts.h"
 #include "ep_check.h"
@@ -216,6 +217,35 @@ TEST(EpRowwise, MatchesAllToAllAndFollowsTheCapacityRule) {
       int64_t dropped = run_path(comm, ep, true, 1.0).dropped;
       comm.all_reduce(&dropped, 1, ReduceOp::kSum);
       EXPECT_GT(dropped, 0) << tag;
+    });
+  }
+}
+
+// Activation recomputation under the rowwise exchange with a capacity: selective and full give
+// bitwise the statistics (dropped routes included), logits and gradients of none; and the case
+// does drop routes.
+TEST(EpRowwise, RecomputeWithDropsBitwiseEqualToNone) {
+  if (world_comm().size() > 1) GTEST_SKIP() << "thread-rank test";
+  for (const auto& [world, ep] : {std::pair<int, int64_t>{2, 2}, {4, 2}}) {
+    ModelCase c = model_softmax_shared(ep);
+    c.name += ", rowwise capacity 1.0";
+    c.rowwise = true;
+    c.ep_capacity_factor = 1.0;
+    c.batch_per_rank = 4;
+    run_thread_ranks(world, [&, ep = ep](Comm& comm) {
+      check_model_recompute_case(comm, c);
+      ExpertParallelGroups groups = split_expert_parallel(comm, ep);
+      ExpertParallel xp = make_expert_parallel(*groups.ep, c.e.num_experts);
+      xp.rowwise = true;
+      xp.capacity_factor = 1.0;
+      Model<float> model(c.m, c.e, &xp);
+      model.init_params(c.seed);
+      const int64_t n = c.batch_per_rank * c.seq;
+      std::vector<int32_t> inputs(n), targets(n);
+      for (int64_t i = 0; i < n; ++i) inputs[i] = targets[i] = static_cast<int32_t>((i * 7 + comm.rank()) % c.m.vocab_size);
+      int64_t dropped = model.forward(inputs.data(), targets.data(), c.batch_per_rank, c.seq, 3).num_dropped;
+      comm.all_reduce(&dropped, 1, ReduceOp::kSum);
+      EXPECT_GT(dropped, 0) << rank_tag(comm) << "capacity 1.0 drops routes of this case";
     });
   }
 }
