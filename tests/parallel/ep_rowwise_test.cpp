@@ -109,22 +109,28 @@ struct PathResult {
 
 constexpr int64_t kE = 8, kK = 2, kD = 8, kI = 6, kTokens = 24;
 
+// Rank `rank`'s routing (skewed towards the low experts, so a capacity drops; distinct slots per
+// token) into idx [kTokens * kK], and its input rows and output gradients into x, dout.
+void rank_problem(int64_t rank, int32_t* idx, float* x, float* dout) {
+  std::mt19937_64 gen(100 + uint64_t(rank));
+  for (int64_t t = 0; t < kTokens; ++t) {
+    idx[t * kK] = int32_t(gen() % 3);
+    idx[t * kK + 1] = int32_t(3 + gen() % (kE - 3));
+  }
+  const std::vector<float> xv = normal_values(kTokens * kD, "x" + std::to_string(rank), 1.0);
+  const std::vector<float> dv = normal_values(kTokens * kD, "dout" + std::to_string(rank), 1.0);
+  std::copy(xv.begin(), xv.end(), x);
+  std::copy(dv.begin(), dv.end(), dout);
+}
+
 PathResult run_path(Comm& world, int64_t ep_size, bool rowwise, double cf) {
   ExpertParallelGroups groups = split_expert_parallel(world, ep_size);
   ExpertParallel ep = make_expert_parallel(*groups.ep, kE);
   ep.rowwise = rowwise;
   ep.capacity_factor = cf;
-  const int me = world.rank();
-  // Routing skewed towards the low experts (so a capacity drops), distinct slots per token.
   std::vector<int32_t> idx(kTokens * kK);
-  std::mt19937_64 gen(100 + uint64_t(me));
-  for (int64_t t = 0; t < kTokens; ++t) {
-    const int32_t a = int32_t(gen() % 3), b = int32_t(3 + gen() % (kE - 3));
-    idx[t * kK] = a;
-    idx[t * kK + 1] = b;
-  }
-  const std::vector<float> x = normal_values(kTokens * kD, "x" + std::to_string(me), 1.0);
-  const std::vector<float> dout = normal_values(kTokens * kD, "dout" + std::to_string(me), 1.0);
+  std::vector<float> x(kTokens * kD), dout(kTokens * kD);
+  rank_problem(world.rank(), idx.data(), x.data(), dout.data());
   std::vector<float> topk_w(kTokens * kK, 0.5f);
   const std::vector<float> wgu = normal_values(kE * 2 * kI * kD, "w_gate_up", 0.3);
   const std::vector<float> wdn = normal_values(kE * kD * kI, "w_down", 0.3);
@@ -156,18 +162,8 @@ PathResult run_reference(int me, int64_t ep_size, double cf) {
   const int64_t g0 = (me / ep_size) * ep_size, n = ep_size * kTokens, R = n * kK;
   std::vector<int32_t> idx(R);
   std::vector<float> x(n * kD), dout(n * kD);
-  for (int64_t p = 0; p < ep_size; ++p) {
-    std::mt19937_64 gen(100 + uint64_t(g0 + p));
-    for (int64_t t = 0; t < kTokens; ++t) {
-      const int32_t a = int32_t(gen() % 3), b = int32_t(3 + gen() % (kE - 3));
-      idx[(p * kTokens + t) * kK] = a;
-      idx[(p * kTokens + t) * kK + 1] = b;
-    }
-    const std::vector<float> xp = normal_values(kTokens * kD, "x" + std::to_string(g0 + p), 1.0);
-    const std::vector<float> dp = normal_values(kTokens * kD, "dout" + std::to_string(g0 + p), 1.0);
-    std::copy(xp.begin(), xp.end(), x.begin() + p * kTokens * kD);
-    std::copy(dp.begin(), dp.end(), dout.begin() + p * kTokens * kD);
-  }
+  for (int64_t p = 0; p < ep_size; ++p)
+    rank_problem(g0 + p, idx.data() + p * kTokens * kK, x.data() + p * kTokens * kD, dout.data() + p * kTokens * kD);
   std::vector<float> topk_w(R, 0.5f);
   const std::vector<float> wgu = normal_values(kE * 2 * kI * kD, "w_gate_up", 0.3);
   const std::vector<float> wdn = normal_values(kE * kD * kI, "w_down", 0.3);
