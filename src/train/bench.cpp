@@ -17,7 +17,6 @@
 #include <optional>
 #include <ostream>
 #include <sstream>
-#include <unistd.h>
 
 #include "checkpoint/files.h"
 #include "core/error.h"
@@ -136,13 +135,14 @@ std::string write_bench_record(const nlohmann::json& rec, const BenchOptions& op
   return path.string();
 }
 
-nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ostream& console, Comm& world) {
+namespace {
+
+// The config a bench of `cfg_in` on `ranks` ranks runs (checked): every GPU the one-GPU step's
+// micro-batches, and with --inputs zeros every weight matrix 0. run_bench and the sweep's fit check
+// both plan from it.
+Config bench_config(const Config& cfg_in, const BenchOptions& opt, int64_t ranks, const std::string& device) {
   MOE_CHECK(opt.steps >= 1, "bench: --steps must be >= 1, got ", opt.steps);
   MOE_CHECK(opt.warmup >= 0, "bench: --warmup must be >= 0, got ", opt.warmup);
-  const std::string device = resolve_device(cfg_in.train);
-  const int64_t ranks = world.size();
-  std::ostream null_out(nullptr);  // ranks other than 0 print nothing
-  std::ostream& out = world.rank() == 0 ? console : null_out;
   Config cfg = cfg_in;
   if (ranks > 1) {
     MOE_CHECK(device == "cuda", "moecore bench on the cpu backend runs one process, but the job has ", ranks,
@@ -154,6 +154,17 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
   MOE_CHECK(opt.inputs == "random" || opt.inputs == "zeros" || opt.inputs == "corpus",
             "bench: --inputs must be random, zeros or corpus, got \"", opt.inputs, "\"");
   if (opt.inputs == "zeros") cfg.model.init_std = 0.0;  // every weight matrix 0 (norm weights stay 1)
+  return cfg;
+}
+
+}  // namespace
+
+nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ostream& console, Comm& world) {
+  const std::string device = resolve_device(cfg_in.train);
+  const int64_t ranks = world.size();
+  std::ostream null_out(nullptr);  // ranks other than 0 print nothing
+  std::ostream& out = world.rank() == 0 ? console : null_out;
+  const Config cfg = bench_config(cfg_in, opt, ranks, device);
   world.set_timeout_s(cfg.parallel.timeout_s);
   const RunPlan plan = make_run_plan(cfg, ranks, device);
   const Topology topo = make_topology(cfg, world);
@@ -395,23 +406,10 @@ namespace {
 
 // Why `cfg` cannot run here (as run_bench would configure it), or "": the GPU's free memory
 // against the run plan's estimate on every rank (any rank's reason), the host's on the cpu.
-std::string sweep_fit_problem(const Config& cfg_in, Comm& world) {
-  Config cfg = cfg_in;
-  const std::string device = resolve_device(cfg.train);
-  if (world.size() > 1) cfg.train.global_batch *= world.size();
-  const RunPlan plan = make_run_plan(cfg, world.size(), device);
-  std::string problem;
-  if (device == "cuda") {
-    problem = gpu_fit_problem(plan);
-  } else {
-    const double have = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
-    if (have > 0 && plan.memory.total() > 0.9 * have) {
-      char buf[256];
-      std::snprintf(buf, sizeof buf, "it needs about %.1f GiB of host memory, more than 90%% of the machine's %.1f GiB",
-                    plan.memory.total() / kGiB, have / kGiB);
-      problem = buf;
-    }
-  }
+std::string sweep_fit_problem(const Config& cfg_in, const BenchOptions& opt, Comm& world) {
+  const std::string device = resolve_device(cfg_in.train);
+  const RunPlan plan = make_run_plan(bench_config(cfg_in, opt, world.size(), device), world.size(), device);
+  std::string problem = device == "cuda" ? gpu_fit_problem(plan) : host_memory_problem(plan);
   int64_t bad = problem.empty() ? 0 : 1;
   if (world.size() > 1) {
     int64_t worst = bad;
@@ -430,7 +428,7 @@ nlohmann::json run_sweep(const std::vector<std::pair<std::string, Config>>& conf
   std::ostream& out = world.rank() == 0 ? console : null_out;
   nlohmann::json list = nlohmann::json::array();
   for (const auto& [name, cfg] : configs) {
-    const std::string problem = sweep_fit_problem(cfg, world);
+    const std::string problem = sweep_fit_problem(cfg, opt, world);
     if (!problem.empty()) {
       out << "sweep: " << name << ": not run: " << problem << "\n" << std::flush;
       list.push_back({{"config", name}, {"skipped", true}, {"reason", problem}});

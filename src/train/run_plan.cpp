@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstdio>
 
+#include <unistd.h>
+
 #include "core/checked_math.h"
 #include "core/error.h"
 #include "parallel/pipeline_schedule.h"
@@ -122,6 +124,16 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
     m.host_mirror = 12.0 * n;  // FP32 weights and the two moments (no host gradients)
   }
   return p;
+}
+
+std::string host_memory_problem(const RunPlan& plan) {
+  const double need = plan.device == "cpu" ? plan.memory.total() : plan.memory.host_mirror;
+  const double have = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+  if (have <= 0 || need < 0.9 * have) return "";
+  return detail::concat("it needs about ", need / kGiB, " GiB of host memory per rank (FP32 weights, ",
+                        plan.device == "cpu" ? "gradients, " : "", "AdamW moments",
+                        plan.device == "cpu" ? " and activations" : "",
+                        "; see moecore train --dry-run) but the machine has ", have / kGiB, " GiB");
 }
 
 std::string describe_run_plan(const RunPlan& p) {

@@ -74,4 +74,8 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
 // grid: each stage's ranks, layers, dp and ep groups, and the schedule's bubble fraction.
 std::string describe_run_plan(const RunPlan& plan);
 
+// Why one rank of `plan` does not fit this machine's memory ("" when it does): the CPU step's
+// whole estimate, or the GPU step's host mirror, against 90% of the physical memory.
+std::string host_memory_problem(const RunPlan& plan);
+
 }  // namespace moe

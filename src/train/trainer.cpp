@@ -80,12 +80,8 @@ struct FaultInjection {
 // Refuses a run whose host memory (the CPU step's state and activations, or the GPU step's host
 // mirror) exceeds 90% of the machine's, before allocating it.
 void check_host_memory(const RunPlan& plan) {
-  const double need = plan.device == "cpu" ? plan.memory.total() : plan.memory.host_mirror;
-  const double have = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
-  MOE_CHECK(have <= 0 || need < 0.9 * have, "this model needs about ", need / double(1ull << 30),
-            " GiB of host memory per rank (FP32 weights, ", plan.device == "cpu" ? "gradients, " : "",
-            "AdamW moments", plan.device == "cpu" ? " and activations" : "",
-            "; see moecore train --dry-run) but the machine has ", have / double(1ull << 30), " GiB");
+  const std::string problem = host_memory_problem(plan);
+  MOE_CHECK(problem.empty(), "this run does not fit in host memory: ", problem);
 }
 
 void print_header(const Config& cfg, const RunPlan& plan, const Comm& world, std::ostream& out) {
