@@ -18,6 +18,33 @@ ExpertParallel make_expert_parallel(Comm& group, int64_t num_experts) {
   return ExpertParallel{&group, num_experts};
 }
 
+namespace {
+
+// The grouped layout of the received rows from h.num_recv_tokens_per_expert: local expert j major,
+// peer p minor, into h.local_offsets [L + 1] and h.grouped_to_recv (each grouped row's row in the
+// peer-major receive buffer).
+void fill_grouped_layout(EpHandle& h, int64_t peers, int64_t local) {
+  std::vector<int64_t> recv_start(peers * local);  // (p, j)'s first row in the receive buffer
+  int64_t row = 0;
+  for (int64_t p = 0; p < peers; ++p)
+    for (int64_t j = 0; j < local; ++j) {
+      recv_start[p * local + j] = row;
+      row += h.num_recv_tokens_per_expert[p * local + j];
+    }
+  h.local_offsets.assign(local + 1, 0);
+  h.grouped_to_recv.resize(h.num_recv_rows);
+  int64_t g = 0;
+  for (int64_t j = 0; j < local; ++j) {
+    for (int64_t p = 0; p < peers; ++p) {
+      const int64_t c = h.num_recv_tokens_per_expert[p * local + j], start = recv_start[p * local + j];
+      for (int64_t i = 0; i < c; ++i) h.grouped_to_recv[g++] = static_cast<int32_t>(start + i);
+    }
+    h.local_offsets[j + 1] = static_cast<int32_t>(g);
+  }
+}
+
+}  // namespace
+
 EpHandle ep_exchange_counts(const ExpertParallel& ep, const int32_t* counts_E) {
   MOE_CHECK(ep.group != nullptr, "expert parallelism: no EP group communicator");
   const int64_t peers = ep.size(), local = ep.local_experts();
@@ -45,25 +72,7 @@ EpHandle ep_exchange_counts(const ExpertParallel& ep, const int32_t* counts_E) {
   MOE_CHECK(h.num_recv_rows <= INT32_MAX, "expert parallelism: ", h.num_recv_rows,
             " received rows do not fit int32 row indices");
 
-  // Grouped layout: expert j major, peer p minor. recv_start[p][j]: row of (p, j)'s first row in
-  // the peer-major receive buffer.
-  std::vector<int64_t> recv_start(peers * local);
-  int64_t row = 0;
-  for (int64_t p = 0; p < peers; ++p)
-    for (int64_t j = 0; j < local; ++j) {
-      recv_start[p * local + j] = row;
-      row += h.num_recv_tokens_per_expert[p * local + j];
-    }
-  h.local_offsets.assign(local + 1, 0);
-  h.grouped_to_recv.resize(h.num_recv_rows);
-  int64_t g = 0;
-  for (int64_t j = 0; j < local; ++j) {
-    for (int64_t p = 0; p < peers; ++p) {
-      const int64_t c = h.num_recv_tokens_per_expert[p * local + j], start = recv_start[p * local + j];
-      for (int64_t i = 0; i < c; ++i) h.grouped_to_recv[g++] = static_cast<int32_t>(start + i);
-    }
-    h.local_offsets[j + 1] = static_cast<int32_t>(g);
-  }
+  fill_grouped_layout(h, peers, local);
   return h;
 }
 
@@ -134,21 +143,8 @@ EpHandle ep_rowwise_handle(const ExpertParallel& ep, const int32_t* counts_E, in
     h.num_rows += h.num_rows_per_rank[p];
     h.num_recv_rows += h.num_recv_rows_per_rank[p];
   }
-  h.local_offsets = pl.local_offsets;
-  // Received peer-major (each peer's kept rows in its send order); grouped_to_recv from the layout.
-  std::vector<int64_t> recv_start(peers * local);
-  int64_t row = 0;
-  for (int64_t p = 0; p < peers; ++p)
-    for (int64_t j = 0; j < local; ++j) {
-      recv_start[p * local + j] = row;
-      row += h.num_recv_tokens_per_expert[p * local + j];
-    }
-  h.grouped_to_recv.resize(h.num_recv_rows);
-  int64_t g = 0;
-  for (int64_t j = 0; j < local; ++j)
-    for (int64_t p = 0; p < peers; ++p)
-      for (int64_t i = 0; i < h.num_recv_tokens_per_expert[p * local + j]; ++i)
-        h.grouped_to_recv[g++] = static_cast<int32_t>(recv_start[p * local + j] + i);
+  // Received peer-major (each peer's kept rows in its send order), grouped as the placement says.
+  fill_grouped_layout(h, peers, local);
   h.num_dropped = pl.num_dropped;
   if (pl.num_dropped > 0)
     for (size_t r = 0; r < pl.dest_row.size(); ++r)

@@ -382,7 +382,7 @@ struct CudaStepRunner::Impl {
   }
 
   // Everything of one step after its inputs are on the device; only enqueues work.
-  void enqueue_step(const StepShape& sh, int64_t step, uint64_t train_seed) {
+  void enqueue_step(const StepShape& sh) {
     const cuda::Stream st = stream();
     const int64_t n = sh.tokens(), total = model.layout().total_numel();
     const int32_t* inputs = tokens.as<int32_t>();
@@ -392,11 +392,9 @@ struct CudaStepRunner::Impl {
     model.zero_grads();
     reduced_from = -1;  // the overlap hook waits for the last micro-batch
     for (int64_t m = 0; m < sh.micro; ++m) {
-      // The micro-batch's index in the global batch, so random routing does not depend on dp.
-      const int64_t global_m = dp_rank * sh.micro + m;
-      // The seed is read on the device (staged with the ids), so a replayed graph routes anew.
-      model.forward_device(inputs + m * n, targets + m * n, sh.batch, sh.seq,
-                           routing_seed(train_seed, step - 1, global_m), seeds + m);
+      // The routing seed is read on the device (stage_inputs staged it with the ids), so a replayed
+      // graph routes anew.
+      model.forward_device(inputs + m * n, targets + m * n, sh.batch, sh.seq, /*routing_seed=*/0, seeds + m);
       if (m + 1 == sh.micro) {
         reduced_from = total;
         next_ready_event = 0;
@@ -482,6 +480,7 @@ struct CudaStepRunner::Impl {
       std::memcpy(host_tokens + (sh.micro + m) * n, micro[m].targets.data(), size_t(n) * sizeof(int32_t));
     }
     auto* host_seeds = reinterpret_cast<uint64_t*>(stage.tokens.as<uint8_t>() + id_bytes);
+    // The micro-batch's index in the global batch, so random routing does not depend on dp.
     for (int64_t m = 0; m < sh.micro; ++m) host_seeds[m] = routing_seed(train_seed, step - 1, dp_rank * sh.micro + m);
     auto* scalars = stage.scalars.as<StagedScalars>();
     const int64_t layers = model.num_moe_layers();
@@ -509,7 +508,7 @@ struct CudaStepRunner::Impl {
 
   // The step: a replay of the captured graph, its capture (the second eager-ready step of a
   // shape) then a replay, or an eager step.
-  void run_step(const StepShape& sh, int64_t step, uint64_t train_seed) {
+  void run_step(const StepShape& sh) {
     const cuda::Stream st = stream();
     const bool allowed = graph_allowed();
     if (graph.ready() && graph_generation != generation()) {
@@ -522,7 +521,7 @@ struct CudaStepRunner::Impl {
     } else if (allowed && !graph.ready() && eager_shape == sh && eager_generation == generation()) {
       graph.begin_capture(st);
       try {
-        enqueue_step(sh, step, train_seed);
+        enqueue_step(sh);
         graph.end_capture(st);
       } catch (...) {
         graph.abort_capture(st);
@@ -534,7 +533,7 @@ struct CudaStepRunner::Impl {
       graph.launch(st);
       ++launches;
     } else {
-      enqueue_step(sh, step, train_seed);
+      enqueue_step(sh);
       eager_shape = sh;
       eager_generation = generation();
     }
@@ -781,7 +780,7 @@ void CudaStepRunner::submit(int64_t step, const std::vector<Batch>& micro, int64
             step);
   const StepShape sh{static_cast<int64_t>(micro.size()), micro[0].num_sequences(), micro[0].seq_len};
   const int64_t num_targets = I.stage_inputs(sh, step, micro, global_targets, lr, train_seed);
-  I.run_step(sh, step, train_seed);
+  I.run_step(sh);
   I.queue_stats(sh, step, I.dp ? global_targets : num_targets);  // the CE sum is global after the all-reduce
 }
 
