@@ -171,7 +171,7 @@ void CudaAttentionBlock::backward(const CudaBlockContext& c, CudaResidual& res, 
   const uint16_t* attn = s.attn->as<uint16_t>();
   const uint16_t* norm = s.norm->as<uint16_t>();
   cuda::gemm(G, false, false, n, q, d, 1.f, dx, d, P + p_.o_proj, q, 0.f, dattn, q, st);
-  cuda::gemm(G, true, false, d, q, n, 1.f, dx, d, attn, q, 1.f, Gr + p_.o_proj, q, st);
+  cuda::gemm(G, true, false, d, q, n, 1.f, dx, d, attn, q, c.wgrad_beta(), Gr + p_.o_proj, q, st);
   cuda::attention_backward(s.q->as<uint16_t>(), s.k->as<uint16_t>(), s.v->as<uint16_t>(), attn,
                            s.lse->as<float>(), dattn, dq, dk, dv, batch, seq, hq, hkv, hd, w.ws_attn,
                            w.ws_attn_bytes, st);
@@ -192,9 +192,9 @@ void CudaAttentionBlock::backward(const CudaBlockContext& c, CudaResidual& res, 
   cuda::gemm(G, false, false, n, d, q, 1.f, gq, q, P + p_.q_proj, d, 0.f, dbranch, d, st);
   cuda::gemm(G, false, false, n, d, kv, 1.f, gk, kv, P + p_.k_proj, d, 1.f, dbranch, d, st);
   cuda::gemm(G, false, false, n, d, kv, 1.f, dv, kv, P + p_.v_proj, d, 1.f, dbranch, d, st);
-  cuda::gemm(G, true, false, q, d, n, 1.f, gq, q, norm, d, 1.f, Gr + p_.q_proj, d, st);
-  cuda::gemm(G, true, false, kv, d, n, 1.f, gk, kv, norm, d, 1.f, Gr + p_.k_proj, d, st);
-  cuda::gemm(G, true, false, kv, d, n, 1.f, dv, kv, norm, d, 1.f, Gr + p_.v_proj, d, st);
+  cuda::gemm(G, true, false, q, d, n, 1.f, gq, q, norm, d, c.wgrad_beta(), Gr + p_.q_proj, d, st);
+  cuda::gemm(G, true, false, kv, d, n, 1.f, gk, kv, norm, d, c.wgrad_beta(), Gr + p_.k_proj, d, st);
+  cuda::gemm(G, true, false, kv, d, n, 1.f, dv, kv, norm, d, c.wgrad_beta(), Gr + p_.v_proj, d, st);
   uint16_t* dtmp = res.dtmp();
   cuda::rmsnorm_backward(s.x->as<uint16_t>(), P + p_.attn_norm, s.rstd->as<float>(), dbranch, dtmp,
                          Gr + p_.attn_norm, n, d, res.ws_rms.data(), res.ws_rms.bytes(), st);

@@ -27,10 +27,17 @@ struct CudaBlockContext {
   cuda::GemmHandle* gemm = nullptr;
   const uint16_t* params = nullptr;   // BF16 copy of the flat parameters (P + offset)
   float* grads = nullptr;             // FP32 flat gradients, accumulated (+=)
+  // The step's first backward after CudaModel::prepare_grads_for_step: every weight gradient that a
+  // single GEMM writes whole (projections, MLP, router, experts, LM head) is written (beta 0 /
+  // overwrite), not added, so those gradients were never zeroed nor read; the others (norm weights,
+  // embedding) accumulate into the zeros prepare_grads_for_step wrote.
+  bool overwrite_grads = false;
   cuda::EventTimer* timer = nullptr;  // phase marks while set (eager profiling only)
   int64_t batch = 0, seq = 0;
 
   int64_t tokens() const { return batch * seq; }
+  // The beta of a whole-tensor weight-gradient GEMM: 0 on the step's first backward, else 1.
+  float wgrad_beta() const { return overwrite_grads ? 0.f : 1.f; }
   void mark(cuda::Phase p) const {
     if (timer != nullptr) timer->mark(p);
   }

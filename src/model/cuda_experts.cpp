@@ -51,7 +51,7 @@ void CudaLocalExperts::backward(const CudaBlockContext& c, int64_t moe_index, co
   cuda::experts_backward(x_sorted_RD, offsets_E1, P + p.experts_gate_up, P + p.experts_down,
                          gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), dy_sorted_RD, rows, e_, d_, inner_,
                          dx_sorted_RD, Gr + p.experts_gate_up, Gr + p.experts_down, ws_.data(), ws_.bytes(),
-                         c.stream);
+                         c.stream, cuda::GroupedGemmBackend::kAuto, !c.overwrite_grads);
 }
 
 CudaEpExperts::CudaEpExperts(const MoeConfig& e, int64_t d, int64_t num_moe_layers, cuda::NcclComm& comm,
@@ -175,7 +175,7 @@ void CudaEpExperts::backward(const CudaBlockContext& c, int64_t moe_index, const
   cuda::experts_backward(s.x_GD.as<uint16_t>(), s.local_offsets_L1.as<int32_t>(), P + p.experts_gate_up,
                          P + p.experts_down, gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), work,
                          G, L, d, inner, work, Gr + p.experts_gate_up, Gr + p.experts_down, ws_.data(), ws_.bytes(),
-                         st);
+                         st, cuda::GroupedGemmBackend::kAuto, !c.overwrite_grads);
   c.mark(cuda::Phase::kCombine);
   cuda::ep_gather_rows(work, s.ungroup_G.as<int32_t>(), G, G, d, pm, st);
   cuda::ep_combine_rows(comm_, h, pm, dx_sorted_RD, d, st);

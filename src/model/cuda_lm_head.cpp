@@ -1,6 +1,7 @@
 // CudaLmHead: final RMSNorm, then per chunk of rows the head GEMM and the fused cross-entropy
-// (forward: losses only; backward: logits again, CE gradient in place, dnorm and dW_head GEMMs),
-// then the final norm's backward into a fresh residual gradient.
+// (forward: losses only; backward: logits again, CE gradient in place, dnorm and dW_head GEMMs;
+// fused: the forward does the backward's chunk work at once), then the final norm's backward into
+// a fresh residual gradient.
 // Legend: N = B*S tokens, D model width, V vocabulary. BF16 unless noted.
 #ifdef MOECORE_HAS_CUDA
 
@@ -29,8 +30,24 @@ void CudaLmHead::reserve(int64_t batch, int64_t seq, CudaBufferGrower& g) {
   g.grow<uint16_t>(dnorm_ND_, n * d, "dnorm");
 }
 
+void CudaLmHead::chunk_backward(const CudaBlockContext& c, int64_t r0, int64_t rows, const int32_t* targets,
+                                const float* ce_scale, double* ce_sum, uint32_t* bad_targets) {
+  const cuda::Stream st = c.stream;
+  cuda::GemmHandle& G = *c.gemm;
+  const uint16_t* P = c.params;
+  const int64_t d = d_, v = v_;
+  const uint16_t* fnorm = saved_.norm_ND.as<uint16_t>();
+  uint16_t* lg = logits_chunk_.as<uint16_t>();
+  cuda::gemm(G, false, true, rows, v, d, 1.f, fnorm + r0 * d, d, P + head_, d, 0.f, lg, v, st);
+  cuda::cross_entropy_forward_backward(lg, lg, targets + r0, saved_.loss_N.as<float>() + r0,
+                                       saved_.lse_N.as<float>() + r0, rows, v, 0.0, ce_scale, ce_sum, bad_targets, st);
+  cuda::gemm(G, false, false, rows, d, v, 1.f, lg, v, P + head_, d, 0.f, dnorm_ND_.as<uint16_t>() + r0 * d, d, st);
+  cuda::gemm(G, true, false, v, d, rows, 1.f, lg, v, fnorm + r0 * d, d, r0 == 0 ? c.wgrad_beta() : 1.f,
+             c.grads + head_, d, st);
+}
+
 void CudaLmHead::forward(const CudaBlockContext& c, const int32_t* targets, const float* grad_one, double* ce_sum,
-                         uint32_t* bad_targets) {
+                         uint32_t* bad_targets, const float* fused_ce_scale) {
   const cuda::Stream st = c.stream;
   cuda::GemmHandle& G = *c.gemm;
   const uint16_t* P = c.params;
@@ -42,8 +59,13 @@ void CudaLmHead::forward(const CudaBlockContext& c, const int32_t* targets, cons
   uint16_t* lg = logits_chunk_.as<uint16_t>();
   float* loss = saved_.loss_N.as<float>();
   float* lse = saved_.lse_N.as<float>();
+  fused_ = fused_ce_scale != nullptr;
   for (int64_t r0 = 0; r0 < n; r0 += chunk) {
     const int64_t rows = std::min(chunk, n - r0);
+    if (fused_) {
+      chunk_backward(c, r0, rows, targets, fused_ce_scale, ce_sum, bad_targets);
+      continue;
+    }
     cuda::gemm(G, false, true, rows, v, d, 1.f, fnorm + r0 * d, d, P + head_, d, 0.f, lg, v, st);
     cuda::cross_entropy_forward_backward(lg, lg, targets + r0, loss + r0, lse + r0, rows, v, 0.0, grad_one, ce_sum,
                                          bad_targets, st);
@@ -53,24 +75,17 @@ void CudaLmHead::forward(const CudaBlockContext& c, const int32_t* targets, cons
 void CudaLmHead::backward(const CudaBlockContext& c, const int32_t* targets, const float* ce_scale,
                           uint32_t* bad_targets, CudaResidual& res) {
   const cuda::Stream st = c.stream;
-  cuda::GemmHandle& G = *c.gemm;
   const uint16_t* P = c.params;
   float* Gr = c.grads;
-  const int64_t n = c.tokens(), d = d_, v = v_;
+  const int64_t n = c.tokens(), d = d_;
   c.mark(cuda::Phase::kLmHead);
   uint16_t* dnorm = dnorm_ND_.as<uint16_t>();
-  const uint16_t* fnorm = saved_.norm_ND.as<uint16_t>();
   const int64_t chunk = std::min(n, chunk_rows_);
-  uint16_t* lg = logits_chunk_.as<uint16_t>();
-  for (int64_t r0 = 0; r0 < n; r0 += chunk) {
-    const int64_t rows = std::min(chunk, n - r0);
-    cuda::gemm(G, false, true, rows, v, d, 1.f, fnorm + r0 * d, d, P + head_, d, 0.f, lg, v, st);
-    cuda::cross_entropy_forward_backward(lg, lg, targets + r0, saved_.loss_N.as<float>() + r0,
-                                         saved_.lse_N.as<float>() + r0, rows, v, 0.0, ce_scale, nullptr, bad_targets,
-                                         st);
-    cuda::gemm(G, false, false, rows, d, v, 1.f, lg, v, P + head_, d, 0.f, dnorm + r0 * d, d, st);
-    cuda::gemm(G, true, false, v, d, rows, 1.f, lg, v, fnorm + r0 * d, d, 1.f, Gr + head_, d, st);
+  if (!fused_) {
+    for (int64_t r0 = 0; r0 < n; r0 += chunk)
+      chunk_backward(c, r0, std::min(chunk, n - r0), targets, ce_scale, nullptr, bad_targets);
   }
+  fused_ = false;
   uint16_t* dtmp = res.dtmp();
   float* dx32 = res.dx32();
   cuda::rmsnorm_backward(saved_.x_ND.as<uint16_t>(), P + norm_, saved_.rstd_N.as<float>(), dnorm, dtmp, Gr + norm_, n,

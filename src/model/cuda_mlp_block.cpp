@@ -34,14 +34,14 @@ void mlp_recompute_h_gpu(const uint16_t* gu, uint16_t* h, int64_t n, int64_t f, 
 void mlp_backward_gpu(cuda::GemmHandle& g, const uint16_t* x, const uint16_t* wg, const uint16_t* wu,
                       const uint16_t* wd, const uint16_t* gu, const uint16_t* h, const uint16_t* dout, int64_t n,
                       int64_t d, int64_t f, CudaMlpScratch& scratch, uint16_t* dx, bool accumulate_dx, float* dwg,
-                      float* dwu, float* dwd, cuda::Stream st) {
+                      float* dwu, float* dwd, float dw_beta, cuda::Stream st) {
   uint16_t* dh = scratch.dh_NF.as<uint16_t>();
   uint16_t* dgu = scratch.dgate_up_N2F.as<uint16_t>();
   cuda::gemm(g, false, false, n, f, d, 1.f, dout, d, wd, f, 0.f, dh, f, st);
-  cuda::gemm(g, true, false, d, f, n, 1.f, dout, d, h, f, 1.f, dwd, f, st);
+  cuda::gemm(g, true, false, d, f, n, 1.f, dout, d, h, f, dw_beta, dwd, f, st);
   cuda::swiglu_backward(gu, dh, dgu, n, f, st);
-  cuda::gemm(g, true, false, f, d, n, 1.f, dgu, 2 * f, x, d, 1.f, dwg, d, st);
-  cuda::gemm(g, true, false, f, d, n, 1.f, dgu + f, 2 * f, x, d, 1.f, dwu, d, st);
+  cuda::gemm(g, true, false, f, d, n, 1.f, dgu, 2 * f, x, d, dw_beta, dwg, d, st);
+  cuda::gemm(g, true, false, f, d, n, 1.f, dgu + f, 2 * f, x, d, dw_beta, dwu, d, st);
   cuda::gemm(g, false, false, n, d, f, 1.f, dgu, 2 * f, wg, d, accumulate_dx ? 1.f : 0.f, dx, d, st);
   cuda::gemm(g, false, false, n, d, f, 1.f, dgu + f, 2 * f, wu, d, 1.f, dx, d, st);
 }
@@ -102,7 +102,7 @@ void CudaMlpBlock::backward(const CudaBlockContext& c, CudaResidual& res, CudaMl
   c.mark(cuda::Phase::kMlp);
   mlp_backward_gpu(*c.gemm, s.norm->as<uint16_t>(), P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down,
                    s.gate_up->as<uint16_t>(), s.h->as<uint16_t>(), res.dx(), n, d, p_.mlp_hidden, w, dbranch, false,
-                   Gr + p_.mlp_gate, Gr + p_.mlp_up, Gr + p_.mlp_down, st);
+                   Gr + p_.mlp_gate, Gr + p_.mlp_up, Gr + p_.mlp_down, c.wgrad_beta(), st);
   uint16_t* dtmp = res.dtmp();
   cuda::rmsnorm_backward(s.x->as<uint16_t>(), P + p_.mlp_norm, s.rstd->as<float>(), dbranch, dtmp, Gr + p_.mlp_norm,
                          n, d, res.ws_rms.data(), res.ws_rms.bytes(), st);

@@ -30,12 +30,13 @@ void mlp_forward_gpu(cuda::GemmHandle& g, const uint16_t* x_ND, const uint16_t* 
 // Selective recompute: h_NF = SwiGLU(gate_up_N2F) again, bitwise as the forward wrote it.
 void mlp_recompute_h_gpu(const uint16_t* gate_up_N2F, uint16_t* h_NF, int64_t n, int64_t f, cuda::Stream st);
 
-// dx_ND (overwritten unless accumulate_dx) and the weight gradients (FP32, +=) from dout_ND.
+// dx_ND (overwritten unless accumulate_dx) and the weight gradients (FP32, dw = dw_beta * dw + the
+// gradient: 1 accumulates, 0 writes) from dout_ND.
 void mlp_backward_gpu(cuda::GemmHandle& g, const uint16_t* x_ND, const uint16_t* w_gate_FD, const uint16_t* w_up_FD,
                       const uint16_t* w_down_DF, const uint16_t* gate_up_N2F, const uint16_t* h_NF,
                       const uint16_t* dout_ND, int64_t n, int64_t d, int64_t f, CudaMlpScratch& scratch,
                       uint16_t* dx_ND, bool accumulate_dx, float* dw_gate, float* dw_up, float* dw_down,
-                      cuda::Stream st);
+                      float dw_beta, cuda::Stream st);
 
 // What a dense MLP block saves (one per dense layer; with recomputation some of it in one pool
 // that every dense block shares: bind()).

@@ -2,7 +2,8 @@
 // (embedding; per layer an attention block and a dense MLP block or a MoE layer; LM head).
 // Residual stream x and its gradient dx are FP32; each block's residual add also writes the BF16
 // copy the next block reads and saves (cuda::residual_add). Parameter gradients accumulate (+=) in
-// FP32; activation gradients are overwritten. All buffers are sized in one place (reserve) so
+// FP32, except on a step's first backward after prepare_grads_for_step, which writes the
+// GEMM-produced ones whole; activation gradients are overwritten. All buffers are sized in one place (reserve) so
 // forward/backward never allocate once sized, except the received rows of expert parallelism,
 // which grow right after the host read the counts (CudaEpExperts, cuda_experts.h).
 // Legend: B batch, S sequence, N = B*S tokens, D model width, V vocabulary, E experts, K top_k,
@@ -53,6 +54,10 @@ struct CudaModel::Impl {
   CudaBufferGrower grower;  // counts buffer reallocations
   DeviceBuffer params, params_bf16, grads;
   int64_t emb = 0;
+  // prepare_grads_for_step: the flat ranges it zeroes (every gradient no single GEMM writes whole,
+  // alignment padding included), and whether the next backward writes the others (cleared by backward()).
+  std::vector<FlatRange> zeroed_ranges;
+  bool grads_fresh = false;
   // embedding_backward_workspace_bytes by token count (a device query, so it is asked once per
   // shape, never during capture).
   std::map<int64_t, size_t> emb_ws_bytes;
@@ -190,6 +195,24 @@ CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaE
   }
   I.head = std::make_unique<CudaLmHead>(mcfg_, layout_.find("model.norm.weight").offset,
                                         layout_.find("lm_head.weight").offset, kHeadChunkRows);
+  // The gradients a GEMM writes whole on the step's first backward (CudaBlockContext::overwrite_grads);
+  // prepare_grads_for_step zeroes the rest, in runs between them.
+  std::vector<int64_t> written;
+  for (const LayerParams& p : layer_list) {
+    if (!p.present) continue;
+    for (int64_t o : {p.q_proj, p.k_proj, p.v_proj, p.o_proj, p.mlp_gate, p.mlp_up, p.mlp_down, p.router,
+                      p.experts_gate_up, p.experts_down})
+      if (o >= 0) written.push_back(o);
+  }
+  written.push_back(layout_.find("lm_head.weight").offset);
+  std::sort(written.begin(), written.end());
+  int64_t from = 0;
+  for (const ParamEntry& en : layout_.entries()) {  // layout order: increasing offsets
+    if (!std::binary_search(written.begin(), written.end(), en.offset)) continue;
+    if (en.offset > from) I.zeroed_ranges.push_back(FlatRange{from, en.offset});
+    from = en.offset + en.numel;
+  }
+  if (total > from) I.zeroed_ranges.push_back(FlatRange{from, total});
   cuda::stream_sync(stream_);
 }
 
@@ -265,7 +288,17 @@ std::vector<float> CudaModel::download_expert_bias() {
   return h;
 }
 
-void CudaModel::zero_grads() { cuda::device_memset(grads(), 0, layout_.total_numel() * sizeof(float), stream_); }
+void CudaModel::zero_grads() {
+  impl_->grads_fresh = false;
+  cuda::device_memset(grads(), 0, layout_.total_numel() * sizeof(float), stream_);
+}
+
+void CudaModel::prepare_grads_for_step() {
+  Impl& I = *impl_;
+  for (const FlatRange& r : I.zeroed_ranges)
+    cuda::device_memset(grads() + r.begin, 0, size_t(r.end - r.begin) * sizeof(float), stream_);
+  I.grads_fresh = true;
+}
 
 void CudaModel::reset_stats() {
   impl_->host_num_targets = 0;
@@ -388,6 +421,7 @@ void CudaModel::backward() {
   lm_head_backward();
   backward_blocks(0, mcfg_.n_layers);
   embedding_backward();
+  impl_->grads_fresh = false;  // the next backward of the step accumulates
   if (timer_) timer_->close();
 }
 
@@ -397,8 +431,9 @@ void CudaModel::backward() {
 namespace {
 
 CudaBlockContext block_context(cuda::Stream stream, cuda::GemmHandle& gemm, const uint16_t* params, float* grads,
-                               cuda::EventTimer* timer, int64_t batch, int64_t seq) {
+                               cuda::EventTimer* timer, int64_t batch, int64_t seq, bool overwrite_grads) {
   CudaBlockContext c;
+  c.overwrite_grads = overwrite_grads;
   c.stream = stream;
   c.gemm = &gemm;
   c.params = params;
@@ -435,7 +470,7 @@ void CudaModel::begin_forward(const int32_t* inputs, const int32_t* targets, int
 void CudaModel::embedding_forward() {
   check_forward("CudaModel::embedding_forward");
   Impl& I = *impl_;
-  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq);
+  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
   const int64_t n = c.tokens(), d = mcfg_.d_model;
   // Embedding into the first block's saved input (BF16), then x32 = float(x).
   c.mark(cuda::Phase::kEmbedding);
@@ -453,7 +488,7 @@ void CudaModel::forward_blocks(int64_t first, int64_t last) {
   MOE_CHECK(0 <= first && first <= last && last <= layers, "CudaModel::forward_blocks: layers [", first, ", ", last,
             ") are not a range of [0, ", layers, ")");
   Impl& I = *impl_;
-  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq);
+  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
   for (int64_t l = first; l < last; ++l) {
     Impl::Layer& layer = I.layers[size_t(l)];
     uint16_t* next = l + 1 < layers ? I.layers[size_t(l + 1)].attention->input() : I.head->input();
@@ -469,10 +504,11 @@ void CudaModel::forward_blocks(int64_t first, int64_t last) {
 void CudaModel::lm_head_forward() {
   check_forward("CudaModel::lm_head_forward");
   Impl& I = *impl_;
-  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq);
+  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
   cuda::StepStatsRecord* rec = stats_record();
   // Losses only: backward recomputes the logits and their gradient.
-  I.head->forward(c, I.cur_targets, I.scalars.as<float>() + 3, &rec->ce_sum, &rec->bad_targets);
+  I.head->forward(c, I.cur_targets, I.scalars.as<float>() + 3, &rec->ce_sum, &rec->bad_targets,
+                  fuse_head_backward_ ? I.scalars.as<float>() : nullptr);
 }
 
 void CudaModel::end_forward() {
@@ -490,7 +526,7 @@ void CudaModel::end_forward() {
 void CudaModel::lm_head_backward() {
   check_forward("CudaModel::lm_head_backward");
   Impl& I = *impl_;
-  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq);
+  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
   uint32_t* bad_targets_bwd = I.bwd_bad.as<uint32_t>() + 1;
   // Chunk by chunk: logits again, fused CE gradient in place, dnorm and dW_head; dx starts here.
   I.head->backward(c, I.cur_targets, I.scalars.as<float>(), bad_targets_bwd, I.res);
@@ -503,7 +539,7 @@ void CudaModel::backward_blocks(int64_t first, int64_t last) {
   MOE_CHECK(0 <= first && first <= last && last <= layers, "CudaModel::backward_blocks: layers [", first, ", ", last,
             ") are not a range of [0, ", layers, ")");
   Impl& I = *impl_;
-  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq);
+  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
   const float* dlb = I.scalars.as<float>() + 1;
   const float* dz = I.scalars.as<float>() + 2;
   for (int64_t l = last - 1; l >= first; --l) {
@@ -546,7 +582,7 @@ void CudaModel::backward_blocks(int64_t first, int64_t last) {
 void CudaModel::embedding_backward() {
   check_forward("CudaModel::embedding_backward");
   Impl& I = *impl_;
-  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq);
+  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
   uint32_t* bad_ids_bwd = I.bwd_bad.as<uint32_t>();
   c.mark(cuda::Phase::kEmbedding);
   cuda::embedding_backward(I.cur_inputs, I.res.dx(), c.grads + I.emb, c.tokens(), mcfg_.vocab_size, mcfg_.d_model,

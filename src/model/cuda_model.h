@@ -102,6 +102,14 @@ class CudaModel {
   std::vector<float> download_grads();
   std::vector<float> download_expert_bias();  // [M * E]
   void zero_grads();
+  // The step's gradients without a full zeroing pass: zeroes only the gradients that accumulate
+  // (norm weights, embedding, alignment padding); the next backward() writes every other weight
+  // gradient whole (a GEMM with beta 0, the grouped wgrad's overwrite) instead of adding to it, and
+  // later backwards of the step accumulate. Afterwards the gradients equal those after zero_grads()
+  // and the same backwards, up to the sign of zeros and FP32 subnormals (the accumulating grouped
+  // wgrad flushes them). Saves a write and a read of 4 bytes per such parameter per step. Until
+  // that backward ran, grads() holds stale values outside the zeroed ranges.
+  void prepare_grads_for_step();
 
   // Activation recomputation (core/recompute.h): which saved tensors every layer keeps; the others
   // live in one pool all layers share and backward_blocks recomputes them per layer before its
@@ -109,6 +117,14 @@ class CudaModel {
   // same kernels on the same inputs; routing is not decided again). Before the first forward or
   // reserve (refused after). Default kNone.
   void set_recompute(Recompute mode);
+
+  // Training steps: the LM head's forward also does its backward's chunk work (the CE gradient
+  // scaled by the loss scales already on the device, dnorm and dW_head) while each chunk's logits
+  // are at hand, so backward() does not compute the logits again: one [N, D] x [D, V] GEMM fewer
+  // per micro-batch, the same values bit for bit. Every forward must then be followed by its
+  // backward (with the scales set before the forward); evaluation forwards run with it off.
+  void set_fuse_head_backward(bool on) { fuse_head_backward_ = on; }
+  bool fuse_head_backward() const { return fuse_head_backward_; }
   Recompute recompute() const { return recompute_; }
 
   // Sizes every activation, work buffer and workspace for batches of `batch` x `seq` tokens
@@ -211,6 +227,7 @@ class CudaModel {
   cuda::EventTimer* timer_ = nullptr;
   GradsReadyHook grads_ready_;
   Recompute recompute_ = Recompute::kNone;
+  bool fuse_head_backward_ = false;
   // Flat offsets where the gradients of the embedding [0], block l [l + 1] and the final norm and
   // LM head [n_layers + 1] begin (the layout holds them in this order).
   std::vector<int64_t> grads_ready_from_;

@@ -180,7 +180,7 @@ void CudaMoeLayer::backward(const CudaBlockContext& c, CudaResidual& res, CudaMo
   if (p_.shared) {
     mlp_backward_gpu(G, norm, P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down, sl.shared_gate_up->as<uint16_t>(),
                      sl.shared_h->as<uint16_t>(), dx, n, d, p_.mlp_hidden, mlp, dbranch, false, Gr + p_.mlp_gate,
-                     Gr + p_.mlp_up, Gr + p_.mlp_down, st);
+                     Gr + p_.mlp_up, Gr + p_.mlp_down, c.wgrad_beta(), st);
   } else {
     cuda::device_memset(dbranch, 0, n * d * sizeof(uint16_t), st);
   }
@@ -208,7 +208,7 @@ void CudaMoeLayer::backward(const CudaBlockContext& c, CudaResidual& res, CudaMo
                         shared.counts_ME.as<int32_t>() + m * e, dtopk_w, dlb, dz, dl32, st);
   cuda::cast_f32_to_bf16(dl32, dl16, n * e, st);
   cuda::gemm(G, false, false, n, d, e, 1.f, dl16, e, P + p_.router, d, 1.f, dbranch, d, st);
-  cuda::gemm(G, true, false, e, d, n, 1.f, dl16, e, norm, d, 1.f, Gr + p_.router, d, st);
+  cuda::gemm(G, true, false, e, d, n, 1.f, dl16, e, norm, d, c.wgrad_beta(), Gr + p_.router, d, st);
   c.mark(cuda::Phase::kMlp);
   uint16_t* dtmp = res.dtmp();
   cuda::rmsnorm_backward(sl.x->as<uint16_t>(), P + p_.mlp_norm, sl.rstd->as<float>(), dbranch, dtmp,

@@ -197,6 +197,7 @@ struct CudaStepRunner::Impl {
         ep(e && e->size() > 1 ? e : nullptr), ep_dp(ep && edp && edp->size() > 1 ? edp : nullptr),
         ep_ctx(make_ctx(ep)), model(c.model, c.moe, ep ? &ep_ctx : nullptr) {
     model.set_recompute(parse_recompute(cfg.train.recompute));
+    model.set_fuse_head_backward(true);  // every step's forward is followed by its backward
     zero = use_zero;
     bf16_reduce = dp != nullptr && cfg.parallel.grad_reduce_dtype == "bf16";
     const ParamLayout& layout = model.layout();
@@ -389,7 +390,7 @@ struct CudaStepRunner::Impl {
     const int32_t* targets = inputs + sh.micro * n;
     const auto* seeds = reinterpret_cast<const uint64_t*>(inputs + 2 * sh.micro * n);  // staged after the ids
     model.reset_stats();
-    model.zero_grads();
+    model.prepare_grads_for_step();  // the first backward writes the GEMM-produced gradients whole
     reduced_from = -1;  // the overlap hook waits for the last micro-batch
     for (int64_t m = 0; m < sh.micro; ++m) {
       // The routing seed is read on the device (stage_inputs staged it with the ids), so a replayed
@@ -836,7 +837,15 @@ StepStats CudaStepRunner::collect() {
 
 ForwardStats CudaStepRunner::evaluate(const Batch& b, uint64_t routing_seed) {
   CudaModel& m = impl_->model;
-  m.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len, routing_seed);
+  // A forward without backward: the LM head computes losses only (no gradient into dW_head).
+  m.set_fuse_head_backward(false);
+  try {
+    m.forward(b.inputs.data(), b.targets.data(), b.num_sequences(), b.seq_len, routing_seed);
+  } catch (...) {
+    m.set_fuse_head_backward(true);
+    throw;
+  }
+  m.set_fuse_head_backward(true);
   return m.read_stats();
 }
 

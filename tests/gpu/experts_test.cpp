@@ -10,6 +10,7 @@
 // its grouped GEMM + SwiGLU sequence bitwise; a captured graph replays with the offsets changed on
 // the device equal to eager runs.
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -334,6 +335,49 @@ TEST(ExpertsOp, MatchesItsGroupedGemmSequenceBitwise) {
       << "workspace dgate_up";
   EXPECT_TRUE(bitwise_equal(std::vector<uint16_t>(w.begin() + r * 2 * in, w.end()), dh2.download()))
       << "workspace dh";
+}
+
+// accumulate_dw = false (a step's first backward) writes what accumulating into zeros gives, never
+// reading the old values (NaN here), experts without rows included; with no rows at all it zeroes.
+TEST(ExpertsOp, OverwrittenWeightGradientsEqualAccumulatedIntoZeros) {
+  MOE_SKIP_WITHOUT_GPU();
+  const ExpertsCase c{"overwrite", 256, 128, {40, 0, 200, 17, 0, 64, 1, 190}, 0};
+  const int64_t e = c.num_experts(), d = c.d, in = c.inner, r = c.max_rows();
+  const Inputs a = make_inputs(c, 2002);
+  GuardedBuffer<uint16_t> x(a.x), wgu(a.w_gate_up), wd(a.w_down), dy(a.dy);
+  GuardedBuffer<int32_t> off(c.offsets());
+  GuardedBuffer<uint16_t> gu(r * 2 * in), h(r * in), y(r * d), dx(r * d);
+  const std::vector<float> nan_gu(a.dw0_gate_up.size(), NAN), nan_d(a.dw0_down.size(), NAN);
+  GuardedBuffer<float> zgu(std::vector<float>(nan_gu.size(), 0.f)), zd(std::vector<float>(nan_d.size(), 0.f)),
+      wgu_out(nan_gu), wd_out(nan_d), empty_gu(nan_gu), empty_d(nan_d);
+  const size_t ws_bytes = cuda::experts_backward_workspace_bytes(r, in);
+  GuardedBuffer<uint8_t> ws(static_cast<int64_t>(ws_bytes));
+  TestStream stream;
+  settle_uploads();
+  const cudaStream_t s = stream.get();
+  cuda::experts_forward(x.data(), off.data(), wgu.data(), wd.data(), r, e, d, in, gu.data(), h.data(), y.data(), s);
+  cuda::experts_backward(x.data(), off.data(), wgu.data(), wd.data(), gu.data(), h.data(), dy.data(), r, e, d, in,
+                         dx.data(), zgu.data(), zd.data(), ws.data(), ws_bytes, s);
+  cuda::experts_backward(x.data(), off.data(), wgu.data(), wd.data(), gu.data(), h.data(), dy.data(), r, e, d, in,
+                         dx.data(), wgu_out.data(), wd_out.data(), ws.data(), ws_bytes, s,
+                         cuda::GroupedGemmBackend::kAuto, /*accumulate_dw=*/false);
+  cuda::experts_backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, e, d, in, nullptr,
+                         empty_gu.data(), empty_d.data(), nullptr, 0, s, cuda::GroupedGemmBackend::kAuto, false);
+  stream.sync();
+  auto same_up_to_subnormals = [](const std::vector<float>& p, const std::vector<float>& q) {
+    if (p.size() != q.size()) return false;
+    for (size_t i = 0; i < p.size(); ++i) {
+      if (std::memcmp(&p[i], &q[i], sizeof(float)) == 0) continue;
+      if (!(std::fabs(p[i]) < FLT_MIN && std::fabs(q[i]) < FLT_MIN)) return false;
+    }
+    return true;
+  };
+  EXPECT_TRUE(same_up_to_subnormals(wgu_out.download(), zgu.download())) << "dw_gate_up";
+  EXPECT_TRUE(same_up_to_subnormals(wd_out.download(), zd.download())) << "dw_down";
+  EXPECT_EQ(empty_gu.download(), std::vector<float>(nan_gu.size(), 0.f)) << "no rows: dw_gate_up zeroed";
+  EXPECT_EQ(empty_d.download(), std::vector<float>(nan_d.size(), 0.f)) << "no rows: dw_down zeroed";
+  wgu_out.expect_guards_intact("dw_gate_up");
+  wd_out.expect_guards_intact("dw_down");
 }
 
 // One captured graph of forward and backward, replayed after the offsets were rewritten on the

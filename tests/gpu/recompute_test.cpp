@@ -4,6 +4,8 @@
 // same kernels on the same inputs; routing not decided again), over two accumulated micro-batches,
 // for learned and random routing, a dense layer, a shared expert, QK-norm on and off. The model's
 // own device bytes fall with each mode. The experts' recompute op against experts_forward.
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -65,14 +67,23 @@ bool same(const Result& a, const Result& b) {
 }
 
 // Two micro-batches (forward + backward each, gradients accumulating) on BF16-exact weights.
+// prepare: the step's way (CudaModel::prepare_grads_for_step) on gradients filled with NaN first,
+// instead of zero_grads; fuse_head: the LM head's backward GEMMs done by its forward.
 Result run(const ModelConfig& mc, const MoeConfig& ec, Recompute mode, const std::vector<float>& params,
-           uint64_t seed) {
+           uint64_t seed, bool prepare = false, bool fuse_head = false) {
   CudaModel gpu(mc, ec);
   gpu.set_recompute(mode);
+  gpu.set_fuse_head_backward(fuse_head);
   gpu.load_params(params.data());
   Result r;
   gpu.set_grads_ready_hook([&](int64_t from) { r.hook.push_back(from); });
-  gpu.zero_grads();
+  if (prepare) {
+    MOE_CUDA_CHECK(cudaMemset(gpu.grads(), 0xff, size_t(gpu.layout().total_numel()) * sizeof(float)));  // NaN
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    gpu.prepare_grads_for_step();
+  } else {
+    gpu.zero_grads();
+  }
   gpu.reset_stats();
   std::mt19937_64 gen(seed);
   std::uniform_int_distribution<int32_t> tok(0, int32_t(mc.vocab_size - 1));
@@ -122,6 +133,43 @@ TEST_P(CudaRecompute, GradientsAndStatisticsEqualNoRecomputeBitwise) {
               (long long)selective.device_bytes, (long long)full.device_bytes);
   EXPECT_LT(selective.device_bytes, none.device_bytes);
   EXPECT_LT(full.device_bytes, selective.device_bytes);
+}
+
+// The first backward of a step writes the GEMM-produced gradients instead of adding them to zeros:
+// the same gradients (every element written: no NaN of the fill survives), bit for bit up to the
+// sign of a zero and FP32 subnormals (the accumulating grouped wgrad flushes them to zero), and the
+// same statistics; with every recompute mode, and with the LM head's backward fused into its
+// forward (bitwise the same alone).
+TEST_P(CudaRecompute, FirstBackwardWritesGradientsAsZeroingAndAdding) {
+  MOE_SKIP_WITHOUT_GPU();
+  const auto& [routing, qk_norm, shared] = GetParam();
+  const ModelConfig mc = recompute_model_config(qk_norm);
+  const MoeConfig ec = recompute_moe_config(routing, shared);
+  const std::vector<float> w = bf16_weights(mc, ec);
+  const Result zeroed = run(mc, ec, Recompute::kNone, w, 5);
+  EXPECT_TRUE(same(run(mc, ec, Recompute::kNone, w, 5, false, /*fuse_head=*/true), zeroed))
+      << "the LM head's backward done in its forward changed a gradient or a statistic";
+  for (Recompute mode : {Recompute::kNone, Recompute::kSelective, Recompute::kFull}) {
+    const Result written = run(mc, ec, mode, w, 5, /*prepare=*/true, /*fuse_head=*/mode != Recompute::kSelective);
+    ASSERT_EQ(written.grads.size(), zeroed.grads.size());
+    EXPECT_EQ(written.record, zeroed.record) << recompute_name(mode);
+    EXPECT_EQ(written.hook, zeroed.hook) << recompute_name(mode);
+    int64_t differ = 0, tiny = 0;
+    for (size_t i = 0; i < zeroed.grads.size(); ++i) {
+      const float a = written.grads[i], b = zeroed.grads[i];
+      if (std::memcmp(&a, &b, sizeof(float)) == 0) continue;
+      if (std::fabs(a) < FLT_MIN && std::fabs(b) < FLT_MIN) {
+        ++tiny;
+        continue;
+      }
+      if (differ++ < 5)
+        ADD_FAILURE() << recompute_name(mode) << ": gradient " << i << " is " << a << " written, " << b
+                      << " zeroed and added";
+    }
+    EXPECT_EQ(differ, 0) << recompute_name(mode);
+    std::printf("%s: %lld gradients differ only as zero signs or subnormals\n", recompute_name(mode),
+                (long long)tiny);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaRecompute,

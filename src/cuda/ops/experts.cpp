@@ -81,10 +81,18 @@ void experts_backward(const uint16_t* x_sorted, const int32_t* expert_offsets, c
                       const uint16_t* w_down, const uint16_t* gate_up, const uint16_t* h, const uint16_t* dy,
                       int64_t max_rows, int64_t num_experts, int64_t d, int64_t inner, uint16_t* dx_sorted,
                       float* dw_gate_up, float* dw_down, void* workspace, size_t workspace_bytes, Stream stream,
-                      GroupedGemmBackend backend) {
+                      GroupedGemmBackend backend, bool accumulate_dw) {
   const char* op = "cuda::experts_backward";
   check_sizes(op, max_rows, num_experts, d, inner);
-  if (max_rows == 0) return;
+  if (max_rows == 0) {
+    // No rows: accumulate leaves the weight gradients as they are, overwrite zeroes them.
+    if (!accumulate_dw) {
+      if (dw_down != nullptr) grouped_gemm_wgrad(nullptr, nullptr, nullptr, dw_down, 0, num_experts, d, inner, false, stream, backend);
+      if (dw_gate_up != nullptr)
+        grouped_gemm_wgrad(nullptr, nullptr, nullptr, dw_gate_up, 0, num_experts, 2 * inner, d, false, stream, backend);
+    }
+    return;
+  }
   const size_t need = experts_backward_workspace_bytes(max_rows, inner);
   MOE_CHECK(workspace_bytes >= need, op, ": workspace of ", workspace_bytes, " bytes, ", need,
             " needed: size it with experts_backward_workspace_bytes(max_rows, inner)");
@@ -107,15 +115,15 @@ void experts_backward(const uint16_t* x_sorted, const int32_t* expert_offsets, c
   uint16_t* dh = dgate_up + rows * 2 * static_cast<size_t>(inner);  // [R, I]
   grouped_gemm_dgrad(dy, w_down, expert_offsets, dh, max_rows, num_experts, d, inner, stream, backend);
   if (dw_down != nullptr) {
-    grouped_gemm_wgrad(dy, h, expert_offsets, dw_down, max_rows, num_experts, d, inner, true, stream, backend);
+    grouped_gemm_wgrad(dy, h, expert_offsets, dw_down, max_rows, num_experts, d, inner, accumulate_dw, stream, backend);
   }
   swiglu_backward(gate_up, dh, dgate_up, max_rows, inner, stream);
   // dx is written only now: every read of dy (which it may be) is enqueued above.
   grouped_gemm_dgrad(dgate_up, w_gate_up, expert_offsets, dx_sorted, max_rows, num_experts, 2 * inner, d, stream,
                      backend);
   if (dw_gate_up != nullptr) {
-    grouped_gemm_wgrad(dgate_up, x_sorted, expert_offsets, dw_gate_up, max_rows, num_experts, 2 * inner, d, true,
-                       stream, backend);
+    grouped_gemm_wgrad(dgate_up, x_sorted, expert_offsets, dw_gate_up, max_rows, num_experts, 2 * inner, d,
+                       accumulate_dw, stream, backend);
   }
 }
 

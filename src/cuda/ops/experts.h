@@ -8,7 +8,7 @@
 //   x_sorted [R, D], y [R, D], dy [R, D], dx_sorted [R, D]      BF16 (uint16_t bit patterns)
 //   w_gate_up [E, 2I, D], w_down [E, D, I]                      BF16
 //   gate_up [R, 2I], h [R, I]                                   BF16, saved by forward for backward
-//   dw_gate_up [E, 2I, D], dw_down [E, D, I]                    FP32, accumulated (+=)
+//   dw_gate_up [E, 2I, D], dw_down [E, D, I]                    FP32, accumulated (+=) or written
 // On the device: every array above and expert_offsets (int32 [E+1], e.g. from the GPU dispatch
 // map); the host never reads a device value, launch sizes come from (R, E, D, I) alone, so both
 // calls are graph-capturable and a captured graph follows whatever the offsets hold at replay.
@@ -51,7 +51,9 @@ void experts_recompute(const uint16_t* gate_up /*[R,2I]*/, const int32_t* expert
 size_t experts_backward_workspace_bytes(int64_t max_rows, int64_t inner);
 
 // dx_sorted (overwritten on the grouped rows) and dw_gate_up, dw_down (+=; either may be null to
-// skip it) from dy and the forward's x_sorted, gate_up and h.
+// skip it) from dy and the forward's x_sorted, gate_up and h. accumulate_dw = false writes the
+// weight gradients instead (an expert without rows gets zeros; R == 0 zeroes both), never reading
+// what they held: the step's first backward, with no zeroing pass before it.
 void experts_backward(const uint16_t* x_sorted /*[R,D]*/, const int32_t* expert_offsets /*[E+1]*/,
                       const uint16_t* w_gate_up /*[E,2I,D]*/, const uint16_t* w_down /*[E,D,I]*/,
                       const uint16_t* gate_up /*[R,2I]*/, const uint16_t* h /*[R,I]*/,
@@ -59,6 +61,6 @@ void experts_backward(const uint16_t* x_sorted /*[R,D]*/, const int32_t* expert_
                       int64_t inner, uint16_t* dx_sorted /*[R,D], may be dy*/,
                       float* dw_gate_up /*[E,2I,D] +=*/, float* dw_down /*[E,D,I] +=*/, void* workspace,
                       size_t workspace_bytes, Stream stream,
-                      GroupedGemmBackend backend = GroupedGemmBackend::kAuto);
+                      GroupedGemmBackend backend = GroupedGemmBackend::kAuto, bool accumulate_dw = true);
 
 }  // namespace moe::cuda
