@@ -61,6 +61,9 @@ struct OptimConfig {
   double eps = 1e-8;
   double weight_decay = 0.1;
   double grad_clip = 1.0;
+  // GPU: apply each step's AdamW update during the next step, each block's on a second stream
+  // just before that block's forward (the same values; not with ZeRO-1, not on the CPU backend).
+  bool deferred_update = false;
 };
 
 // One source of a weighted mix ([[data.sources]]): its token files, concatenated, and its share

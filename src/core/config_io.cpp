@@ -124,6 +124,9 @@ std::vector<ConfigKey> build_keys() {
       entry("optim.weight_decay", &C::optim, &O::weight_decay, "AdamW decoupled weight decay"),
       entry("optim.grad_clip", &C::optim, &O::grad_clip,
             "clip the global gradient norm to this; 0: no clipping"),
+      entry("optim.deferred_update", &C::optim, &O::deferred_update,
+            "GPU: apply each step's update in the next step, block by block on a second stream just before "
+            "the block's forward (the same values); not with parallel.zero"),
 
       entry("data.source", &C::data, &D::source,
             "embedded: the built-in corpus; tokens: the token files in data.paths", {"embedded", "tokens"}),

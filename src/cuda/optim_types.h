@@ -32,7 +32,7 @@ struct OptimStepScalars {
   int64_t step = 0;          // in/out: AdamW steps taken (AdamW::steps_taken); +1 by every step not skipped
   int64_t num_skipped = 0;   // out: skipped steps so far (+1 per skip; no op resets it)
   int32_t skipped = 0;       // out: 1 when the last adamw_step was skipped (non-finite grad norm), else 0
-  int32_t reserved = 0;
+  int32_t pending = 0;       // out: 1 from adamw_prepare (not skipped) until adamw_clear_pending (deferred update)
   // out: this step's coefficients, rounded to FP32 as AdamW::step rounds them (diagnostics; the
   // update kernel reads them).
   float step_size = 0.0f;     // lr / (1 - beta1^t)

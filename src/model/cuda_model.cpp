@@ -294,11 +294,18 @@ void CudaModel::zero_grads() {
 }
 
 void CudaModel::prepare_grads_for_step() {
-  Impl& I = *impl_;
-  for (const FlatRange& r : I.zeroed_ranges)
-    cuda::device_memset(grads() + r.begin, 0, size_t(r.end - r.begin) * sizeof(float), stream_);
-  I.grads_fresh = true;
+  zero_accumulated_grads(0, layout_.total_numel(), stream_);
+  mark_grads_fresh();
 }
+
+void CudaModel::zero_accumulated_grads(int64_t begin, int64_t end, cuda::Stream stream) {
+  for (const FlatRange& r : impl_->zeroed_ranges) {
+    const int64_t lo = std::max(r.begin, begin), hi = std::min(r.end, end);
+    if (hi > lo) cuda::device_memset(grads() + lo, 0, size_t(hi - lo) * sizeof(float), stream);
+  }
+}
+
+void CudaModel::mark_grads_fresh() { impl_->grads_fresh = true; }
 
 void CudaModel::reset_stats() {
   impl_->host_num_targets = 0;
@@ -473,6 +480,7 @@ void CudaModel::embedding_forward() {
   const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
   const int64_t n = c.tokens(), d = mcfg_.d_model;
   // Embedding into the first block's saved input (BF16), then x32 = float(x).
+  if (forward_hook_) forward_hook_(0);
   c.mark(cuda::Phase::kEmbedding);
   uint16_t* x16 = I.layers.empty() ? I.head->input() : I.layers[0].attention->input();
   cuda::embedding_forward(I.cur_inputs, c.params + I.emb, x16, n, mcfg_.vocab_size, d, &stats_record()->bad_ids,
@@ -492,6 +500,7 @@ void CudaModel::forward_blocks(int64_t first, int64_t last) {
   for (int64_t l = first; l < last; ++l) {
     Impl::Layer& layer = I.layers[size_t(l)];
     uint16_t* next = l + 1 < layers ? I.layers[size_t(l + 1)].attention->input() : I.head->input();
+    if (forward_hook_) forward_hook_(l + 1);
     layer.attention->forward(c, I.res, layer.mlp_input());
     if (layer.mlp) {
       layer.mlp->forward(c, I.res, next);
@@ -506,7 +515,8 @@ void CudaModel::lm_head_forward() {
   Impl& I = *impl_;
   const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
   cuda::StepStatsRecord* rec = stats_record();
-  // Losses only: backward recomputes the logits and their gradient.
+  if (forward_hook_) forward_hook_(mcfg_.n_layers + 1);
+  // Losses only, or (fused) the backward's chunk work as well.
   I.head->forward(c, I.cur_targets, I.scalars.as<float>() + 3, &rec->ce_sum, &rec->bad_targets,
                   fuse_head_backward_ ? I.scalars.as<float>() : nullptr);
 }

@@ -211,6 +211,17 @@ class CudaModel {
   // an event recorded on stream()), so it is captured with the step. Empty: off.
   using GradsReadyHook = std::function<void(int64_t ready_from)>;
   void set_grads_ready_hook(GradsReadyHook hook) { grads_ready_ = std::move(hook); }
+  // Called on the host before the forward of each gradient group is enqueued: group 0 the
+  // embedding, l + 1 block l, n_layers + 1 the final norm and LM head (the groups of
+  // grad_group_starts). E.g. the step runner makes the stream wait there for the deferred update
+  // of that group's parameters (an event of a second stream, captured with the step). Empty: off.
+  using ForwardHook = std::function<void(int64_t group)>;
+  void set_forward_hook(ForwardHook hook) { forward_hook_ = std::move(hook); }
+  // prepare_grads_for_step in pieces: zero the accumulating gradients at flat offsets [begin, end)
+  // on `stream` (a group's, after its deferred update read them), then, once every range was
+  // given, mark_grads_fresh() before the step's first backward.
+  void zero_accumulated_grads(int64_t begin, int64_t end, cuda::Stream stream);
+  void mark_grads_fresh();
 
  private:
   struct Impl;
@@ -226,6 +237,7 @@ class CudaModel {
   cuda::Stream stream_ = nullptr;
   cuda::EventTimer* timer_ = nullptr;
   GradsReadyHook grads_ready_;
+  ForwardHook forward_hook_;
   Recompute recompute_ = Recompute::kNone;
   bool fuse_head_backward_ = false;
   // Flat offsets where the gradients of the embedding [0], block l [l + 1] and the final norm and

@@ -99,7 +99,8 @@ nlohmann::json bench_settings(const Config& cfg, const RunPlan& plan, const std:
           {"ep", plan.sizes.ep},
           {"pp", plan.sizes.pp},
           {"zero", plan.zero},
-          {"overlap_grad_reduce", cfg.parallel.overlap_grad_reduce}};
+          {"overlap_grad_reduce", cfg.parallel.overlap_grad_reduce},
+          {"deferred_update", cfg.optim.deferred_update}};
 }
 
 }  // namespace

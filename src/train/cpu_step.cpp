@@ -410,6 +410,9 @@ std::unique_ptr<Step> make_step(const Config& cfg, const RunPlan& plan, const To
                                 std::ostream& out) {
   if (plan.device == "cuda") return make_gpu_step(cfg, plan, topo, state, out);
   MOE_CHECK(state != nullptr, "the CPU step trains a HostState: make one for the run plan first");
+  MOE_CHECK(!cfg.optim.deferred_update, "optim.deferred_update = true schedules the GPU step's update (on a second "
+            "stream, block by block in the next step); the CPU step applies it at the end of its step, with the "
+            "same values: set optim.deferred_update = false for train.device = \"", plan.device, "\"");
   return std::make_unique<CpuStep>(cfg, plan, topo, *state);
 }
 

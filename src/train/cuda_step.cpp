@@ -180,6 +180,18 @@ struct CudaStepRunner::Impl {
   // Data parallel with overlap (parallel.overlap_grad_reduce, no ep): during the last micro-batch's
   // backward, each group of gradients that became final (CudaModel's hook) is all-reduced on
   // comm_stream after an event of the model's stream; `reduced` joins the streams after backward.
+  // Deferred update (optim.deferred_update): each step ends with adamw_prepare; the next step
+  // applies the update group by group (the gradient groups of grad_group_starts: embedding, each
+  // block, head) on opt_stream, zeroing the group's accumulating gradients after it, while the
+  // first micro-batch's forward waits for each group's event before that group's forward.
+  bool deferred = false;
+  cuda::Stream opt_stream = nullptr;
+  cuda::Event opt_fork = nullptr;
+  std::vector<cuda::Event> group_updated;
+  std::vector<FlatRange> groups;  // flat range of each group
+  std::vector<std::unique_ptr<cuda::ParamSegmentTable>> group_segments;
+  bool wait_for_updates = false;  // set while the first micro-batch's forward is enqueued
+
   cuda::Stream comm_stream = nullptr;
   std::vector<cuda::Event> ready_events;
   cuda::Event reduced = nullptr;
@@ -199,6 +211,9 @@ struct CudaStepRunner::Impl {
     model.set_recompute(parse_recompute(cfg.train.recompute));
     model.set_fuse_head_backward(true);  // every step's forward is followed by its backward
     zero = use_zero;
+    MOE_CHECK(!(zero && cfg.optim.deferred_update), "optim.deferred_update = true: the deferred update needs "
+              "replicated AdamW moments; it does not run with ZeRO-1 (set parallel.zero = false, or "
+              "optim.deferred_update = false)");
     bf16_reduce = dp != nullptr && cfg.parallel.grad_reduce_dtype == "bf16";
     const ParamLayout& layout = model.layout();
     if (zero) {
@@ -220,6 +235,25 @@ struct CudaStepRunner::Impl {
       segments = std::make_unique<cuda::ParamSegmentTable>(std::move(segs), layout.total_numel(), shards->state_numel());
     } else {
       segments = std::make_unique<cuda::ParamSegmentTable>(layout);
+    }
+    if (cfg.optim.deferred_update) {
+      deferred = true;
+      const std::vector<int64_t> starts = grad_group_starts(layout, cfg.model.n_layers);
+      for (size_t g = 0; g < starts.size(); ++g)
+        groups.push_back({starts[g], g + 1 < starts.size() ? starts[g + 1] : layout.total_numel()});
+      for (const FlatRange& r : groups) {
+        std::vector<cuda::ParamSegment> segs;
+        for (const cuda::ParamSegment& x : segments->segments())
+          if (x.offset >= r.begin && x.offset < r.end) segs.push_back(x);
+        group_segments.push_back(std::make_unique<cuda::ParamSegmentTable>(std::move(segs), layout.total_numel()));
+      }
+      opt_stream = cuda::stream_create();
+      opt_fork = cuda::event_create();
+      group_updated.resize(groups.size());
+      for (cuda::Event& e : group_updated) e = cuda::event_create();
+      model.set_forward_hook([this](int64_t g) {
+        if (wait_for_updates) cuda::stream_wait_event(stream(), group_updated[size_t(g)]);
+      });
     }
     if (bf16_reduce) {
       const int64_t stage = zero ? shards->max_bucket_numel() : std::min(kGradBucketElements, layout.total_numel());
@@ -390,12 +424,18 @@ struct CudaStepRunner::Impl {
     const int32_t* targets = inputs + sh.micro * n;
     const auto* seeds = reinterpret_cast<const uint64_t*>(inputs + 2 * sh.micro * n);  // staged after the ids
     model.reset_stats();
-    model.prepare_grads_for_step();  // the first backward writes the GEMM-produced gradients whole
+    if (deferred) {
+      enqueue_deferred_update();
+    } else {
+      model.prepare_grads_for_step();  // the first backward writes the GEMM-produced gradients whole
+    }
     reduced_from = -1;  // the overlap hook waits for the last micro-batch
     for (int64_t m = 0; m < sh.micro; ++m) {
       // The routing seed is read on the device (stage_inputs staged it with the ids), so a replayed
       // graph routes anew.
+      wait_for_updates = deferred && m == 0;
       model.forward_device(inputs + m * n, targets + m * n, sh.batch, sh.seq, /*routing_seed=*/0, seeds + m);
+      wait_for_updates = false;
       if (m + 1 == sh.micro) {
         reduced_from = total;
         next_ready_event = 0;
@@ -441,9 +481,13 @@ struct CudaStepRunner::Impl {
       cuda::sqrt_of_sum(sq, 2, &opt()->grad_norm, st);
     }
     cuda::step_guard_nonfinite_loss(rec, opt(), st);
-    // ZeRO-1: this rank's pieces only (moments of its shard), then the gather and the BF16 copy.
-    cuda::adamw_step(*segments, cfg.optim, model.params(), model.grads(), exp_avg.as<float>(),
-                     exp_avg_sq.as<float>(), zero ? nullptr : model.params_bf16(), opt(), st);
+    if (deferred) {
+      cuda::adamw_prepare(cfg.optim, opt(), st);  // the next step (or flush_update) applies it
+    } else {
+      // ZeRO-1: this rank's pieces only (moments of its shard), then the gather and the BF16 copy.
+      cuda::adamw_step(*segments, cfg.optim, model.params(), model.grads(), exp_avg.as<float>(),
+                       exp_avg_sq.as<float>(), zero ? nullptr : model.params_bf16(), opt(), st);
+    }
     if (zero) all_gather_params(st);
     if (cfg.moe.bias_update_rate > 0 && model.num_moe_layers() > 0) {
       cuda::expert_bias_update(cuda::step_stats_counts(rec), model.num_moe_layers(), cfg.moe.num_experts,
@@ -451,6 +495,36 @@ struct CudaStepRunner::Impl {
     }
     cuda::step_stats_finish(opt(), rec, st);
     if (timer) timer->close();
+  }
+
+  // The update prepared at the end of the previous step (a no-op when none is pending), group by
+  // group on opt_stream, forked from the model's stream here; each group's accumulating gradients
+  // are zeroed once its update read them, then its event lets that group's forward go. The last
+  // group's event follows the pending flag's reset, so the first micro-batch's forward joins
+  // every piece of opt_stream's work back into the model's stream.
+  void enqueue_deferred_update() {
+    const cuda::Stream st = stream();
+    cuda::event_record(opt_fork, st);
+    cuda::stream_wait_event(opt_stream, opt_fork);
+    for (size_t g = 0; g < groups.size(); ++g) {
+      cuda::adamw_apply(*group_segments[g], cfg.optim, model.params(), model.grads(), exp_avg.as<float>(),
+                        exp_avg_sq.as<float>(), model.params_bf16(), opt(), /*deferred=*/true, opt_stream);
+      model.zero_accumulated_grads(groups[g].begin, groups[g].end, opt_stream);
+      if (g + 1 == groups.size()) cuda::adamw_clear_pending(opt(), opt_stream);
+      cuda::event_record(group_updated[g], opt_stream);
+    }
+    model.mark_grads_fresh();
+  }
+
+  // Applies a pending deferred update now, on the model's stream after the submitted steps (the
+  // next step's update then finds nothing pending). Before anything reads the parameters or
+  // moments, or overwrites the gradients outside a step.
+  void flush_update() {
+    if (!deferred || num_submitted == 0) return;
+    const cuda::Stream st = stream();
+    cuda::adamw_apply(*segments, cfg.optim, model.params(), model.grads(), exp_avg.as<float>(), exp_avg_sq.as<float>(),
+                      model.params_bf16(), opt(), /*deferred=*/true, st);
+    cuda::adamw_clear_pending(opt(), st);
   }
 
   // Checks the micro-batches, stages their ids and the step's scalars in pinned memory and copies
@@ -634,6 +708,15 @@ CudaStepRunner::~CudaStepRunner() {
     }
     cuda::stream_destroy(I.comm_stream);
   }
+  if (I.opt_stream) {
+    try {
+      cuda::stream_sync(I.opt_stream);
+    } catch (...) {
+    }
+    cuda::stream_destroy(I.opt_stream);
+  }
+  cuda::event_destroy(I.opt_fork);
+  for (cuda::Event e : I.group_updated) cuda::event_destroy(e);
   for (cuda::Event e : I.ready_events) cuda::event_destroy(e);
   cuda::event_destroy(I.reduced);
   for (Impl::Staging& s : I.staging) cuda::event_destroy(s.copied);
@@ -650,6 +733,7 @@ double CudaStepRunner::time_grad_all_reduce(double* bytes) {
     *bytes = (I.bf16_reduce ? 2.0 : 4.0) * double(elements);
   }
   while (I.num_pending > 0) collect();
+  I.flush_update();  // the reduction overwrites the gradients a pending update would read
   cuda::EventTimer timer(I.stream());
   timer.mark(cuda::Phase::kGradReduce);
   I.all_reduce_grads(I.stream());
@@ -668,6 +752,8 @@ double CudaStepRunner::time_grad_all_reduce(double* bytes) {
 }
 
 CudaModel& CudaStepRunner::model() { return impl_->model; }
+void CudaStepRunner::flush_update() { impl_->flush_update(); }
+bool CudaStepRunner::deferred_update() const { return impl_->deferred; }
 int64_t CudaStepRunner::pending() const { return impl_->num_pending; }
 int64_t CudaStepRunner::dp_size() const { return impl_->dp_size; }
 int64_t CudaStepRunner::dp_rank() const { return impl_->dp_rank; }
@@ -725,6 +811,7 @@ void CudaStepRunner::download_state(float* params, float* exp_avg, float* exp_av
   Impl& I = *impl_;
   const cuda::Stream st = I.stream();
   const size_t bytes = size_t(I.model.layout().total_numel()) * sizeof(float);
+  I.flush_update();  // the state after the last submitted step's update
   cuda::stream_sync(st);
   if (params != nullptr) cuda::copy_d2h(params, I.model.params(), bytes, st);
   // ZeRO-1: each bucket's chunks all-gathered into a device scratch bucket (the layout's order),
@@ -837,6 +924,7 @@ StepStats CudaStepRunner::collect() {
 
 ForwardStats CudaStepRunner::evaluate(const Batch& b, uint64_t routing_seed) {
   CudaModel& m = impl_->model;
+  impl_->flush_update();  // evaluate the weights after the last submitted step
   // A forward without backward: the LM head computes losses only (no gradient into dW_head).
   m.set_fuse_head_backward(false);
   try {

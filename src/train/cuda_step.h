@@ -72,7 +72,16 @@ class CudaStepRunner {
   CudaStepRunner(const CudaStepRunner&) = delete;
   CudaStepRunner& operator=(const CudaStepRunner&) = delete;
 
+  // The model; with optim.deferred_update its parameters lag the last submitted step's update
+  // until flush_update() (download_state, evaluate and time_grad_all_reduce flush first).
   CudaModel& model();
+  // optim.deferred_update: each step ends by preparing its AdamW update (norm, clip, skip, step
+  // count, coefficients: its statistics are complete), and the next step applies it block by block
+  // on a second stream, each block's just before its forward (the first micro-batch's forward
+  // waits for it), so the memory-bound update runs beside the forward's GEMMs. The same values
+  // bit for bit as the update at the end of the step. flush_update() applies a pending one now.
+  bool deferred_update() const;
+  void flush_update();
   // Host state in: FP32 params and moments [layout().total_numel()] (moments may be null: zero),
   // optimizer steps taken, expert bias [MoE layers x E]. Waits for every submitted step, then
   // for the copies. ZeRO-1: every rank takes the whole moments and keeps its shard of them.

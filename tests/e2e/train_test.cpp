@@ -80,6 +80,23 @@ TEST(Train, CheckpointsOffWritesNone) {
   EXPECT_FALSE(fs::exists(tmp.root() / "cli" / "checkpoints"));
 }
 
+// The deferred update schedules the GPU step; the CPU step refuses it, naming the key, before
+// anything is written.
+TEST(Train, CpuRefusesTheDeferredUpdate) {
+  const TempDir tmp("deferred-cpu");
+  Config c = small_config(tmp.root() / "run");
+  c.train.device = "cpu";
+  c.optim.deferred_update = true;
+  std::ostringstream log;
+  try {
+    train(c, log);
+    FAIL() << "the CPU step accepted optim.deferred_update = true";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("optim.deferred_update"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(tmp.root() / "run" / "checkpoints"));
+}
+
 TEST(Train, ResumeAutoContinuesFromLatest) {
   const TempDir tmp("auto");
   const fs::path root = tmp.root();

@@ -287,6 +287,57 @@ TEST(CudaStep, EvaluationBetweenStepsAndReallocation) {
   expect_same_runs(grown, eager, "after reallocation");
 }
 
+// optim.deferred_update: each step's update applied block by block in the next step on a second
+// stream, flushed before an evaluation and before the state is downloaded: losses, grad norms,
+// parameters, moments and bias bitwise those of the update at the end of each step, in the graph
+// and eagerly, with an evaluation between steps and with full recomputation.
+TEST(CudaStep, DeferredUpdateMatchesTheUpdateAtTheEndBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  Config c = step_config();
+  c.moe.bias_update_rate = 0.01;
+  constexpr int64_t kSteps = 5;
+  auto eval_at_3 = [&](double* out) {
+    return [&c, out](CudaStepRunner& r, int64_t step) {
+      if (step == 3) *out = r.evaluate(step_batch(c, 100, 0), 5).ce_sum;
+    };
+  };
+  for (const char* recompute : {"none", "full"}) {
+    c.train.recompute = recompute;
+    for (bool graph : {true, false}) {
+      c.optim.deferred_update = false;
+      double eval_end = 0, eval_deferred = 0;
+      const RunResult at_end = run_steps(c, graph, kSteps, eval_at_3(&eval_end));
+      c.optim.deferred_update = true;
+      const RunResult deferred = run_steps(c, graph, kSteps, eval_at_3(&eval_deferred));
+      const std::string what = std::string(recompute) + (graph ? ", graph" : ", eager");
+      expect_same_runs(deferred, at_end, what.c_str());
+      EXPECT_EQ(deferred.graph_launches, at_end.graph_launches) << what;
+      EXPECT_EQ(deferred.params, at_end.params) << what << ": parameters not bitwise equal";
+      EXPECT_EQ(deferred.exp_avg, at_end.exp_avg) << what;
+      EXPECT_EQ(deferred.exp_avg_sq, at_end.exp_avg_sq) << what;
+      EXPECT_EQ(eval_deferred, eval_end) << what << ": the evaluation saw other weights";
+      for (size_t i = 0; i < deferred.steps.size(); ++i) {
+        EXPECT_EQ(deferred.steps[i].ce_sum, at_end.steps[i].ce_sum) << what << " step " << i + 1;
+        EXPECT_EQ(deferred.steps[i].grad_norm, at_end.steps[i].grad_norm) << what << " step " << i + 1;
+      }
+    }
+  }
+}
+
+TEST(CudaStep, DeferredUpdateRefusesZeroOne) {
+  MOE_SKIP_WITHOUT_GPU();
+  Config c = step_config();
+  c.optim.deferred_update = true;
+  RunPlan plan = make_run_plan(c, 1, "cuda");
+  plan.zero = true;
+  try {
+    CudaStepRunner runner(c, plan, nullptr, nullptr, nullptr);
+    FAIL() << "a deferred update with ZeRO-1 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("optim.deferred_update"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CudaStep, ExpertBiasUpdateIsTheHostFormula) {
   MOE_SKIP_WITHOUT_GPU();
   Config c = step_config();
@@ -313,7 +364,10 @@ TEST(CudaStep, ExpertBiasUpdateIsTheHostFormula) {
 // expert bias unchanged; the next step trains again.
 TEST(CudaStep, NonFiniteLossSkipsTheStep) {
   MOE_SKIP_WITHOUT_GPU();
-  const Config c = step_config();
+  for (bool deferred : {false, true}) {
+  SCOPED_TRACE(deferred ? "deferred update" : "update at the end of the step");
+  Config c = step_config();
+  c.optim.deferred_update = deferred;
   Model<float> host(c.model, c.moe);
   host.init_params(7);
   CudaStepRunner runner(c);
@@ -344,6 +398,7 @@ TEST(CudaStep, NonFiniteLossSkipsTheStep) {
   EXPECT_EQ(steps2, 1);
   EXPECT_EQ(b2, b1);
   EXPECT_EQ(std::memcmp(p2.data(), poisoned.data(), total * sizeof(float)), 0);
+  }
 }
 
 TEST(CudaStep, CollectReturnsStepsInOrder) {

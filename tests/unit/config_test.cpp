@@ -46,8 +46,8 @@ TEST(ConfigKeys, EveryKeyHasItsOwnFieldAndDescription) {
     EXPECT_FALSE(k.description.empty()) << k.name;
     EXPECT_EQ(find_config_key(k.name), &k);
   }
-  // 11 model + 11 moe + 10 train + 9 optim + 7 data + 11 parallel + 5 checkpoint + 1 run + 3 log.
-  EXPECT_EQ(config_keys().size(), 68u);
+  // 11 model + 11 moe + 10 train + 10 optim + 7 data + 11 parallel + 5 checkpoint + 1 run + 3 log.
+  EXPECT_EQ(config_keys().size(), 69u);
   EXPECT_EQ(find_config_key("moe.topk"), nullptr);
   EXPECT_EQ(find_config_key("model.dense_layers")->type, ConfigType::kIntList);
   EXPECT_EQ(find_config_key("train.seed")->type, ConfigType::kUint);

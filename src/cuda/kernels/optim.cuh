@@ -86,6 +86,9 @@ __global__ void __launch_bounds__(kNormThreads)
   if (threadIdx.x == 0) *sum = total;
 }
 
+// One thread: the deferred update is applied (or dropped).
+__global__ void adamw_clear_pending_kernel(OptimStepScalars* __restrict__ s) { s->pending = 0; }
+
 // Constants of the run, as AdamW::step rounds them.
 struct AdamWConstants {
   double beta1, beta2, weight_decay, grad_clip;  // the config's values (for the bias corrections, decay, clip)
@@ -99,6 +102,7 @@ __global__ void adamw_prepare_step(OptimStepScalars* __restrict__ s, AdamWConsta
   const double norm = s->grad_norm;
   if (!isfinite(norm)) {
     s->skipped = 1;
+    s->pending = 0;
     s->num_skipped += 1;
     s->clip_factor = 1.0;
     return;
@@ -110,6 +114,7 @@ __global__ void adamw_prepare_step(OptimStepScalars* __restrict__ s, AdamWConsta
   const double bc2 = __dadd_rn(1.0, -pow(c.beta2, static_cast<double>(t)));
   s->step = t;
   s->skipped = 0;
+  s->pending = 1;
   s->clip_factor = factor;
   s->step_size = static_cast<float>(lr / bc1);
   s->inv_sqrt_bc2 = static_cast<float>(1.0 / sqrt(bc2));
@@ -181,19 +186,19 @@ __device__ __forceinline__ int first_segment_ending_after(const ParamSegment* __
   return lo;
 }
 
-// Block b handles chunks b, b + grid, ... of kAdamWChunk elements; within a chunk, each segment's
-// overlap [lo, hi) is updated by the block's threads (kVec4: scalar head up to a multiple of 4,
-// float4 body, scalar tail). Does nothing when the prepare kernel marked the step skipped.
+// Block b handles chunks first_chunk + b, + grid, ... (below end_chunk) of kAdamWChunk elements;
+// within a chunk, each segment's overlap [lo, hi) is updated by the block's threads (kVec4: scalar
+// head up to a multiple of 4, float4 body, scalar tail). Does nothing when the prepare kernel
+// marked the step skipped, or (deferred) when no update is pending.
 template <bool kVec4>
 __global__ void __launch_bounds__(kAdamWThreads)
     adamw_update_segments(const ParamSegment* __restrict__ segs, int num_segs, int64_t total_numel,
-                          float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                          float* __restrict__ v, uint16_t* __restrict__ p_bf16, const OptimStepScalars* __restrict__ s,
-                          AdamWConstants c) {
-  if (s->skipped != 0) return;
+                          int64_t first_chunk, int64_t end_chunk, float* __restrict__ p, const float* __restrict__ g,
+                          float* __restrict__ m, float* __restrict__ v, uint16_t* __restrict__ p_bf16,
+                          const OptimStepScalars* __restrict__ s, AdamWConstants c, bool deferred) {
+  if (s->skipped != 0 || (deferred && s->pending == 0)) return;
   const AdamWCoefficients k{s->step_size, s->inv_sqrt_bc2, s->decay, s->grad_scale};
-  const int64_t num_chunks = (total_numel + kAdamWChunk - 1) / kAdamWChunk;
-  for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
+  for (int64_t chunk = first_chunk + blockIdx.x; chunk < end_chunk; chunk += gridDim.x) {
     const int64_t c0 = chunk * kAdamWChunk;
     const int64_t c1 = c0 + kAdamWChunk < total_numel ? c0 + kAdamWChunk : total_numel;
     for (int si = first_segment_ending_after(segs, num_segs, c0); si < num_segs; ++si) {

@@ -138,21 +138,15 @@ ParamSegmentTable::~ParamSegmentTable() {
   if (device_) cudaFree(device_);
 }
 
-void adamw_step(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
-                float* exp_avg, float* exp_avg_sq, uint16_t* params_bf16, OptimStepScalars* scalars, Stream stream) {
-  const char* op = "cuda::adamw_step";
+namespace {
+
+void check_betas(const char* op, const OptimConfig& cfg) {
   MOE_CHECK(cfg.beta1 >= 0.0 && cfg.beta1 < 1.0 && cfg.beta2 >= 0.0 && cfg.beta2 < 1.0, op,
             ": expected beta1, beta2 in [0, 1), got beta1=", cfg.beta1, " beta2=", cfg.beta2);
   MOE_CHECK(cfg.eps >= 0.0, op, ": expected eps >= 0, got ", cfg.eps);
-  detail::check_ptrs(op, {{"scalars", scalars}}, alignof(OptimStepScalars));
-  const int64_t total = segments.total_numel();
-  const int num_segs = static_cast<int>(segments.segments().size());
-  if (total > 0 && num_segs > 0) {
-    detail::check_ptrs(op, {{"params", params}, {"grads", grads}, {"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}},
-                       sizeof(float));
-    if (params_bf16 != nullptr) detail::check_ptrs(op, {{"params_bf16", params_bf16}}, 2);
-  }
+}
 
+kernels::AdamWConstants adamw_constants(const OptimConfig& cfg) {
   kernels::AdamWConstants c{};
   c.beta1 = cfg.beta1;
   c.beta2 = cfg.beta2;
@@ -163,24 +157,64 @@ void adamw_step(const ParamSegmentTable& segments, const OptimConfig& cfg, float
   c.one_minus_b1 = 1.0f - c.b1;
   c.one_minus_b2 = 1.0f - c.b2;
   c.eps = static_cast<float>(cfg.eps);
+  return c;
+}
 
-  kernels::adamw_prepare_step<<<1, 1, 0, stream>>>(scalars, c);
+}  // namespace
+
+void adamw_prepare(const OptimConfig& cfg, OptimStepScalars* scalars, Stream stream) {
+  const char* op = "cuda::adamw_prepare";
+  check_betas(op, cfg);
+  detail::check_ptrs(op, {{"scalars", scalars}}, alignof(OptimStepScalars));
+  kernels::adamw_prepare_step<<<1, 1, 0, stream>>>(scalars, adamw_constants(cfg));
   check_launch("adamw_prepare_step");
-  if (total == 0 || num_segs == 0) return;
+}
 
-  const int64_t chunks = (total + kAdamWChunk - 1) / kAdamWChunk;
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(chunks, detail::kMaxGridX));
+void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
+                 float* exp_avg, float* exp_avg_sq, uint16_t* params_bf16, const OptimStepScalars* scalars,
+                 bool deferred, Stream stream) {
+  const char* op = "cuda::adamw_apply";
+  check_betas(op, cfg);
+  detail::check_ptrs(op, {{"scalars", scalars}}, alignof(OptimStepScalars));
+  const int64_t total = segments.total_numel();
+  const std::vector<ParamSegment>& host = segments.segments();
+  const int num_segs = static_cast<int>(host.size());
+  if (total == 0 || num_segs == 0) return;
+  detail::check_ptrs(op, {{"params", params}, {"grads", grads}, {"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}},
+                     sizeof(float));
+  if (params_bf16 != nullptr) detail::check_ptrs(op, {{"params_bf16", params_bf16}}, 2);
+  // Only the chunks the segments touch (a group's table covers part of the flat buffers).
+  const int64_t first_chunk = host.front().offset / kAdamWChunk;
+  const int64_t end_chunk = (host.back().offset + host.back().numel + kAdamWChunk - 1) / kAdamWChunk;
+  if (end_chunk <= first_chunk) return;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(end_chunk - first_chunk, detail::kMaxGridX));
   const bool vec4 = segments.states_vec4() && detail::aligned16(params) && detail::aligned16(grads) &&
                     detail::aligned16(exp_avg) && detail::aligned16(exp_avg_sq) &&
                     (params_bf16 == nullptr || aligned_to(params_bf16, 8));
+  const kernels::AdamWConstants c = adamw_constants(cfg);
   if (vec4) {
     kernels::adamw_update_segments<true><<<blocks, kAdamWThreads, 0, stream>>>(
-        segments.device_segments(), num_segs, total, params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, c);
+        segments.device_segments(), num_segs, total, first_chunk, end_chunk, params, grads, exp_avg, exp_avg_sq,
+        params_bf16, scalars, c, deferred);
   } else {
     kernels::adamw_update_segments<false><<<blocks, kAdamWThreads, 0, stream>>>(
-        segments.device_segments(), num_segs, total, params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, c);
+        segments.device_segments(), num_segs, total, first_chunk, end_chunk, params, grads, exp_avg, exp_avg_sq,
+        params_bf16, scalars, c, deferred);
   }
   check_launch("adamw_update_segments");
+}
+
+void adamw_clear_pending(OptimStepScalars* scalars, Stream stream) {
+  detail::check_ptrs("cuda::adamw_clear_pending", {{"scalars", scalars}}, alignof(OptimStepScalars));
+  kernels::adamw_clear_pending_kernel<<<1, 1, 0, stream>>>(scalars);
+  check_launch("adamw_clear_pending");
+}
+
+void adamw_step(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
+                float* exp_avg, float* exp_avg_sq, uint16_t* params_bf16, OptimStepScalars* scalars, Stream stream) {
+  adamw_prepare(cfg, scalars, stream);
+  adamw_apply(segments, cfg, params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, /*deferred=*/false, stream);
+  adamw_clear_pending(scalars, stream);
 }
 
 }  // namespace moe::cuda

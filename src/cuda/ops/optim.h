@@ -74,9 +74,22 @@ class ParamSegmentTable {
 // on the CPU). params_bf16 (may be null) receives bf16(params) of every updated element. params,
 // grads and params_bf16 have segments.total_numel() elements, exp_avg and exp_avg_sq
 // segments.state_numel() (element offset + i of a segment uses moment state_offset + i), FP32
-// ones 4-byte and BF16 2-byte aligned (16 and 8, with states_vec4(), take the vector path). Two
+// ones 4-byte and BF16 2-byte aligned (16 and 8, with states_vec4(), take the vector path). Three
 // launches, no host synchronisation: capturable in a CUDA graph.
 void adamw_step(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
                 float* exp_avg, float* exp_avg_sq, uint16_t* params_bf16, OptimStepScalars* scalars, Stream stream);
+
+// adamw_step in parts, for an update deferred into the next step (optim.deferred_update): adamw_prepare
+// is its first launch (skip or clip factor, step count, coefficients) and sets scalars->pending
+// unless the step is skipped; adamw_apply is its update of the table's segments (only the chunks
+// they touch, so one table per group of tensors costs what its tensors do), a no-op when skipped
+// and, with deferred, when nothing is pending; adamw_clear_pending marks the update applied.
+// adamw_step = prepare, apply (not deferred), clear: the same values bit for bit however the
+// segments are split into tables.
+void adamw_prepare(const OptimConfig& cfg, OptimStepScalars* scalars, Stream stream);
+void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
+                 float* exp_avg, float* exp_avg_sq, uint16_t* params_bf16, const OptimStepScalars* scalars,
+                 bool deferred, Stream stream);
+void adamw_clear_pending(OptimStepScalars* scalars, Stream stream);
 
 }  // namespace moe::cuda
