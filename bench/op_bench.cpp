@@ -7,10 +7,11 @@
 // Then causal attention forward and backward on one layer's shape (default olmoe-8l: B 4, S 4096,
 // 16/16 heads, hd 128) for each attention backend (own, cudnn), FLOPs 4*B*Hq*S*S*D/2 forward and
 // 2.5x that backward; diff against the own kernels (out; dq, dk, dv together, both backwards fed
-// the own forward's out and lse). JSON key "attention".
+// the own forward's out and lse). JSON key "attention". --ops fp8_gemm alone: the dense
+// block-scaled FP8 GEMM against BF16 on olmoe-8l and scaling-e8 dense shapes (JSON key "fp8_gemm").
 // usage: moecore_op_bench [--tokens T] [--top-k K] [--experts E] [--d-model D] [--hidden I]
 //                         [--warmup N] [--iters N] [--backend mma|wgmma|all] [--out FILE.json]
-//                         [--ops all|grouped_gemm|attention] [--attn-batch B] [--attn-seq S]
+//                         [--ops all|grouped_gemm|attention|fp8_gemm] [--attn-batch B] [--attn-seq S]
 //                         [--attn-heads Hq] [--attn-kv-heads Hkv] [--attn-head-dim D]
 //                         [--attn-backend own|cudnn|all]
 #include <cuda_runtime.h>
@@ -31,6 +32,8 @@
 #include "cuda/common.h"
 #include "cuda/ops/attention.h"
 #include "cuda/ops/attention_cudnn.h"
+#include "cuda/ops/fp8.h"
+#include "cuda/ops/gemm.h"
 #include "cuda/ops/grouped_gemm.h"
 
 namespace {
@@ -124,6 +127,78 @@ nlohmann::json time_op(const std::string& op, GroupedGemmBackend backend, double
 
 // Causal attention forward and backward of one layer on each requested backend; returns the
 // JSON record of the section.
+nlohmann::json attention_section(const Args& a, cudaStream_t s);
+
+// Dense block-scaled FP8 GEMM (cuda::fp8_gemm: 1 x 128 activation scales, 128 x 128 weight scales,
+// E4M3) against the BF16 GEMM (cuda::gemm) on one problem y[m, n] = x[m, k] w[n, k]^T: the GEMM
+// alone on quantised operands, and with the activation's quantisation counted (BF16 x -> codes and
+// scales, the scales put K-block-major); the weight's quantisation (once per optimizer step in
+// training) timed on its own. diff = ||y_fp8 - y_bf16|| / ||y_bf16||.
+nlohmann::json fp8_gemm_section(const Args& a, cudaStream_t s) {
+  using namespace moe::cuda;
+  struct Shape {
+    const char* name;
+    int64_t m, n, k;
+  };
+  const std::vector<Shape> shapes = {{"olmoe-8l projection", 16384, 2048, 2048},
+                                     {"olmoe-8l LM head", 16384, 50304, 2048},
+                                     {"scaling-e8 projection", 8192, 4096, 4096},
+                                     {"scaling-e8 dense MLP up", 8192, 20480, 4096}};
+  nlohmann::json out = nlohmann::json::array();
+  GemmHandle gemm;
+  std::printf("\nblock-scaled FP8 GEMM (E4M3, 1x128 x 128x128) vs BF16, TFLOP/s\n");
+  std::printf("%-24s | %5s x %5s x %5s | %8s | %8s | %8s | %11s | %9s\n", "shape", "m", "n", "k", "bf16", "fp8",
+              "fp8+q(x)", "q(w) us", "diff");
+  for (const Shape& sh : shapes) {
+    const int64_t m = sh.m, n = sh.n, k = sh.k, kb = k / 128, nb = (n + 127) / 128, ldsb = (kb + 3) / 4 * 4;
+    auto* x = device_copy(random_bf16(m * k, "fp8 x", 1.f));
+    auto* w = device_copy(random_bf16(n * k, "fp8 w", 0.02f));
+    uint16_t *y16 = nullptr, *y8 = nullptr;
+    uint8_t *qx = nullptr, *qw = nullptr;
+    float *sx = nullptr, *sx_t = nullptr, *sw = nullptr, *sw_pad = nullptr;
+    MOE_CUDA_CHECK(cudaMalloc(&y16, m * n * 2));
+    MOE_CUDA_CHECK(cudaMalloc(&y8, m * n * 2));
+    MOE_CUDA_CHECK(cudaMalloc(&qx, m * k));
+    MOE_CUDA_CHECK(cudaMalloc(&qw, n * k));
+    MOE_CUDA_CHECK(cudaMalloc(&sx, m * kb * 4));
+    MOE_CUDA_CHECK(cudaMalloc(&sx_t, m * kb * 4));
+    MOE_CUDA_CHECK(cudaMalloc(&sw, nb * kb * 4));
+    MOE_CUDA_CHECK(cudaMalloc(&sw_pad, nb * ldsb * 4));
+    MOE_CUDA_CHECK(cudaMemset(sw_pad, 0, nb * ldsb * 4));
+    const moe::Fp8Format e4 = moe::Fp8Format::kE4M3;
+    auto quantize_w = [&] {
+      fp8_quantize_blocks(w, n, k, moe::kFp8WeightBlock, e4, qw, sw, nullptr, s);
+      // [nb, kb] -> rows of ldsb (kb a multiple of 4 here, so one copy).
+      MOE_CUDA_CHECK(cudaMemcpy2DAsync(sw_pad, ldsb * 4, sw, kb * 4, kb * 4, nb, cudaMemcpyDeviceToDevice, s));
+    };
+    auto quantize_x = [&] {
+      fp8_quantize_blocks(x, m, k, moe::kFp8ActivationBlock, e4, qx, sx, nullptr, s);
+      fp8_scales_k_major(sx, m, kb, m, sx_t, s);
+    };
+    auto run_fp8 = [&] { fp8_gemm(gemm, qx, sx_t, m, e4, qw, sw_pad, ldsb, e4, Fp8BScaling::kBlock128x128, m, n, k, y8, s); };
+    auto run_bf16 = [&] { moe::cuda::gemm(gemm, false, true, m, n, k, 1.f, x, k, w, k, 0.f, y16, n, s); };
+    quantize_w();
+    quantize_x();
+    const double flops = 2.0 * m * n * k;
+    const Timing tb = time_ms(a, s, run_bf16), t8 = time_ms(a, s, run_fp8);
+    const Timing tq = time_ms(a, s, [&] { quantize_x(); run_fp8(); }), tw = time_ms(a, s, quantize_w);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+    const double diff = relative_difference(download(y8, m * n, true), download(y16, m * n, true));
+    auto tf = [&](const Timing& t) { return flops / (t.med_ms * 1e-3) / 1e12; };
+    std::printf("%-24s | %5lld x %5lld x %5lld | %8.1f | %8.1f | %8.1f | %11.1f | %9.3e\n", sh.name, (long long)m,
+                (long long)n, (long long)k, tf(tb), tf(t8), tf(tq), tw.med_ms * 1e3, diff);
+    out.push_back({{"shape", sh.name}, {"m", m}, {"n", n}, {"k", k}, {"bf16_tflops", tf(tb)},
+                   {"fp8_tflops", tf(t8)}, {"fp8_with_x_quantise_tflops", tf(tq)},
+                   {"bf16_us", tb.med_ms * 1e3}, {"fp8_us", t8.med_ms * 1e3},
+                   {"fp8_with_x_quantise_us", tq.med_ms * 1e3}, {"w_quantise_us", tw.med_ms * 1e3},
+                   {"diff_vs_bf16", diff}});
+    for (void* p : {(void*)x, (void*)w, (void*)y16, (void*)y8, (void*)qx, (void*)qw, (void*)sx, (void*)sx_t,
+                    (void*)sw, (void*)sw_pad})
+      cudaFree(p);
+  }
+  return out;
+}
+
 nlohmann::json attention_section(const Args& a, cudaStream_t s) {
   using moe::cuda::AttentionBackend;
   const int64_t B = a.attn_batch, S = a.attn_seq, Hq = a.attn_heads, Hkv = a.attn_kv_heads, D = a.attn_head_dim;
@@ -262,8 +337,8 @@ int main(int argc, char** argv) {
     else if (k == "--attn-backend") a.attn_backend = next();
     else { std::fprintf(stderr, "error: unknown argument '%s'\n", k.c_str()); return 2; }
   }
-  if (a.ops != "all" && a.ops != "grouped_gemm" && a.ops != "attention") {
-    std::fprintf(stderr, "error: --ops %s: expected all, grouped_gemm or attention\n", a.ops.c_str());
+  if (a.ops != "all" && a.ops != "grouped_gemm" && a.ops != "attention" && a.ops != "fp8_gemm") {
+    std::fprintf(stderr, "error: --ops %s: expected all, grouped_gemm, attention or fp8_gemm\n", a.ops.c_str());
     return 2;
   }
   if (a.attn_backend != "all" && a.attn_backend != "own" && a.attn_backend != "cudnn") {
@@ -284,6 +359,11 @@ int main(int argc, char** argv) {
 
     cudaStream_t s;
     MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    if (a.ops == "fp8_gemm") {
+      const nlohmann::json fp8 = fp8_gemm_section(a, s);
+      if (!a.out.empty()) std::ofstream(a.out) << nlohmann::json{{"fp8_gemm", fp8}}.dump(2) << "\n";
+      return 0;
+    }
     auto* x = device_copy(random_bf16(rows * D, "x", 1.f));
     auto* h = device_copy(random_bf16(rows * I, "h", 1.f));
     auto* w_gu = device_copy(random_bf16(E * 2 * I * D, "w_gate_up", 0.02f));

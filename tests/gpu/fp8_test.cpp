@@ -2,7 +2,9 @@
 // CPU twins (cpu/fp8.h): the same FP8 codes and scales bit for bit on FP32 and BF16 inputs, in
 // both formats, for 1 x 128, 128 x 128 and MX 1 x 32 blocks with partial edge blocks; values over
 // many binades (subnormal blocks, zero blocks, the largest magnitudes); the dequantised values
-// equal the CPU's bitwise; non-finite inputs are counted, never trap.
+// equal the CPU's bitwise; non-finite inputs are counted, never trap. cuda::fp8_gemm (cuBLASLt's
+// block-scaled FP8) against cpu::fp8_gemm_block_scaled / fp8_gemm_rowwise_scaled on the same codes
+// and scales, within FP32 summation-order tolerance, BF16 and FP32 outputs, accumulating.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -15,6 +17,7 @@
 #include "core/dtype.h"
 #include "cpu/fp8.h"
 #include "cuda/ops/fp8.h"
+#include "cuda/ops/gemm.h"
 #include "gpu/gpu_test_util.h"
 #include "support/test_util.h"
 
@@ -191,6 +194,128 @@ TEST(Fp8Gpu, RefusesBadShapes) {
     cuda::mx_quantize(x.data(), -1, 4, Fp8Format::kE4M3, MxScale::kOcp, q.data(), q.data(), nullptr, stream.get());
   });
   EXPECT_NE(neg.find("rows and cols must be >= 0"), std::string::npos) << neg;
+}
+
+// One FP8 GEMM case: A [m, k] in 1 x 128 blocks, B [n, k] in 128 x 128 blocks (weights) or 1 x 128
+// blocks (the weight-gradient GEMM), quantised on the CPU; the GPU product from the same codes and
+// scales (A's scales and a 1 x 128 B's put K-block-major by cuda::fp8_scales_k_major) against the
+// CPU's block-scaled product: |gpu - cpu| <= 2^-17 * sum_k |a_ik b_jk| (FP32 sums in another
+// order; products of FP8 codes are exact) for FP32 C, and the BF16 C within one BF16 rounding of it.
+void check_fp8_gemm(int64_t m, int64_t n, int64_t k, Fp8Format fa, Fp8Format fb, cuda::Fp8BScaling bs,
+                    uint64_t seed) {
+  const std::string what = "fp8_gemm " + std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) +
+                           (bs == cuda::Fp8BScaling::kBlock128x128 ? " B 128x128" : " B 1x128");
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> a(size_t(m * k)), b(size_t(n * k)), c0(size_t(m * n));
+  for (size_t i = 0; i < a.size(); ++i) a[i] = dist(gen) * (1.0f + float(i % 7));
+  for (float& x : b) x = dist(gen) * 0.05f;
+  for (float& x : c0) x = dist(gen);
+  const Fp8Block bblock = bs == cuda::Fp8BScaling::kBlock128x128 ? kFp8WeightBlock : kFp8ActivationBlock;
+  const int64_t kb = k / 128;
+  std::vector<uint8_t> qa(a.size()), qb(b.size());
+  std::vector<float> sa(size_t(m * kb)), sb(size_t(cpu::fp8_scale_rows(n, bblock) * kb));
+  cpu::fp8_quantize_blocks(a.data(), m, k, kFp8ActivationBlock, fa, qa.data(), sa.data());
+  cpu::fp8_quantize_blocks(b.data(), n, k, bblock, fb, qb.data(), sb.data());
+  std::vector<float> want(c0.size());
+  if (bs == cuda::Fp8BScaling::kBlock128x128) {
+    cpu::fp8_gemm_block_scaled(qa.data(), sa.data(), fa, qb.data(), sb.data(), fb, m, n, k, want.data(), false);
+  } else {
+    cpu::fp8_gemm_rowwise_scaled(qa.data(), sa.data(), fa, qb.data(), sb.data(), fb, m, n, k, want.data(), false);
+  }
+  // Bound per element from the dequantised operands.
+  std::vector<float> da(a.size()), db(b.size());
+  cpu::fp8_dequantize_blocks(qa.data(), sa.data(), m, k, kFp8ActivationBlock, fa, da.data());
+  cpu::fp8_dequantize_blocks(qb.data(), sb.data(), n, k, bblock, fb, db.data());
+  std::vector<double> bound(c0.size());
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double t = 0;
+      for (int64_t p = 0; p < k; ++p) t += std::fabs(double(da[size_t(i * k + p)]) * double(db[size_t(j * k + p)]));
+      bound[size_t(i * n + j)] = std::ldexp(t, -17) + 1e-30;
+    }
+
+  // The GPU's scale layouts: A's K-block-major; B's 128 x 128 as [n/128, kb] padded to 4 columns,
+  // a 1 x 128 B's K-block-major.
+  const int64_t lds_b = bs == cuda::Fp8BScaling::kBlock128x128 ? (kb + 3) / 4 * 4 : n;
+  std::vector<float> sb_dev(size_t(bs == cuda::Fp8BScaling::kBlock128x128 ? cpu::fp8_scale_rows(n, bblock) * lds_b
+                                                                           : kb * n), 0.0f);
+  GuardedBuffer<uint8_t> d_qa(qa), d_qb(qb);
+  GuardedBuffer<float> d_sa(sa), d_sa_t(kb * m), d_sb_rows(sb), d_sb(int64_t(sb_dev.size()));
+  TestStream stream;
+  if (bs == cuda::Fp8BScaling::kBlock128x128) {
+    for (int64_t r = 0; r < cpu::fp8_scale_rows(n, bblock); ++r)
+      for (int64_t c = 0; c < kb; ++c) sb_dev[size_t(r * lds_b + c)] = sb[size_t(r * kb + c)];
+    d_sb.upload(sb_dev);
+  } else {
+    cuda::fp8_scales_k_major(d_sb_rows.data(), n, kb, n, d_sb.data(), stream.get());
+  }
+  cuda::fp8_scales_k_major(d_sa.data(), m, kb, m, d_sa_t.data(), stream.get());
+  stream.sync();
+  {  // fp8_scales_k_major is a transposition
+    const std::vector<float> t = d_sa_t.download();
+    size_t bad = 0;
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c = 0; c < kb; ++c) bad += t[size_t(c * m + r)] != sa[size_t(r * kb + c)];
+    EXPECT_EQ(bad, 0u) << what << ": scales transposed wrongly";
+  }
+  cuda::GemmHandle gemm;
+  GuardedBuffer<float> c32(std::vector<float>(c0.size(), NAN)), cacc(c0);
+  GuardedBuffer<uint16_t> c16(m * n);
+  cuda::fp8_gemm(gemm, d_qa.data(), d_sa_t.data(), m, fa, d_qb.data(), d_sb.data(), lds_b, fb, bs, m, n, k,
+                 c32.data(), false, stream.get());
+  cuda::fp8_gemm(gemm, d_qa.data(), d_sa_t.data(), m, fa, d_qb.data(), d_sb.data(), lds_b, fb, bs, m, n, k,
+                 cacc.data(), true, stream.get());
+  cuda::fp8_gemm(gemm, d_qa.data(), d_sa_t.data(), m, fa, d_qb.data(), d_sb.data(), lds_b, fb, bs, m, n, k,
+                 c16.data(), stream.get());
+  stream.sync();
+  const std::vector<float> got = c32.download(), acc = cacc.download();
+  const std::vector<uint16_t> got16 = c16.download();
+  size_t bad = 0, bad_acc = 0, bad16 = 0;
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double e = std::fabs(double(got[i]) - double(want[i]));
+    worst = std::max(worst, e / bound[i]);
+    if (!(e <= bound[i]) && bad++ < 3)
+      ADD_FAILURE() << what << ": C[" << i << "] = " << got[i] << ", CPU " << want[i] << ", bound " << bound[i];
+    const double ea = std::fabs(double(acc[i]) - (double(c0[i]) + double(want[i])));
+    if (!(ea <= bound[i] + std::ldexp(std::fabs(double(c0[i]) + double(want[i])), -23))) ++bad_acc;
+    const double b16 = ::moe::bf16_to_f32(got16[i]);
+    if (!(std::fabs(b16 - double(want[i])) <= bound[i] + std::ldexp(std::fabs(double(want[i])), -8))) ++bad16;
+  }
+  EXPECT_EQ(bad, 0u) << what << " (FP32 C)";
+  EXPECT_EQ(bad_acc, 0u) << what << " (FP32 C accumulated)";
+  EXPECT_EQ(bad16, 0u) << what << " (BF16 C)";
+  std::printf("%s: worst |gpu - cpu| / bound %.3f\n", what.c_str(), worst);
+  c32.expect_guards_intact(what + " C");
+}
+
+TEST(Fp8Gpu, BlockScaledGemmMatchesCpuOnTheSameCodes) {
+  MOE_SKIP_WITHOUT_GPU();
+  // Forward / data gradient (weights in 128 x 128 blocks), K blocks not a multiple of 4 (padded scales).
+  check_fp8_gemm(256, 384, 1024, Fp8Format::kE4M3, Fp8Format::kE4M3, cuda::Fp8BScaling::kBlock128x128, 1);
+  check_fp8_gemm(132, 272, 384, Fp8Format::kE4M3, Fp8Format::kE4M3, cuda::Fp8BScaling::kBlock128x128, 2);
+  check_fp8_gemm(64, 128, 256, Fp8Format::kE5M2, Fp8Format::kE4M3, cuda::Fp8BScaling::kBlock128x128, 3);
+  // The weight-gradient GEMM: both operands in 1 x 128 blocks.
+  check_fp8_gemm(256, 256, 512, Fp8Format::kE4M3, Fp8Format::kE4M3, cuda::Fp8BScaling::kRow1x128, 4);
+}
+
+TEST(Fp8Gpu, BlockScaledGemmRefusesBadShapes) {
+  MOE_SKIP_WITHOUT_GPU();
+  cuda::GemmHandle gemm;
+  GuardedBuffer<uint8_t> q(64 * 256);
+  GuardedBuffer<float> s(64 * 4), c(64 * 64);
+  TestStream stream;
+  auto call = [&](int64_t m, int64_t n, int64_t k, int64_t lds_a, int64_t lds_b, Fp8Format fa, Fp8Format fb) {
+    cuda::fp8_gemm(gemm, q.data(), s.data(), lds_a, fa, q.data(), s.data(), lds_b, fb,
+                   cuda::Fp8BScaling::kBlock128x128, m, n, k, c.data(), false, stream.get());
+  };
+  EXPECT_THROW(call(64, 64, 200, 64, 4, Fp8Format::kE4M3, Fp8Format::kE4M3), Error);   // k not a multiple of 128
+  EXPECT_THROW(call(64, 60, 256, 64, 4, Fp8Format::kE4M3, Fp8Format::kE4M3), Error);   // n not a multiple of 16
+  EXPECT_THROW(call(64, 64, 256, 60, 4, Fp8Format::kE4M3, Fp8Format::kE4M3), Error);   // lds_a < m
+  EXPECT_THROW(call(64, 64, 256, 64, 2, Fp8Format::kE4M3, Fp8Format::kE4M3), Error);   // lds_b not padded to 4
+  EXPECT_THROW(call(64, 64, 256, 64, 4, Fp8Format::kE5M2, Fp8Format::kE5M2), Error);   // E5M2 x E5M2
+  EXPECT_NO_THROW(call(0, 64, 256, 0, 4, Fp8Format::kE4M3, Fp8Format::kE4M3));         // nothing to do
 }
 
 }  // namespace

@@ -126,4 +126,14 @@ __global__ void mx_dequantize_kernel(const uint8_t* __restrict__ q, const uint8_
   }
 }
 
+// out[b * ld + r] = s[r * kb + b] for r < rows, 0 for rows <= r < ld (grid-stride over kb * ld).
+__global__ void fp8_scales_k_major_kernel(const float* __restrict__ s, int64_t rows, int64_t kb, int64_t ld,
+                                          float* __restrict__ out) {
+  const int64_t total = kb * ld;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t b = i / ld, r = i % ld;
+    out[i] = r < rows ? s[r * kb + b] : 0.0f;
+  }
+}
+
 }  // namespace moe::cuda::kernels

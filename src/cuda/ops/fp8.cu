@@ -103,4 +103,15 @@ void mx_dequantize(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, i
   check_launch("mx_dequantize_kernel");
 }
 
+void fp8_scales_k_major(const float* s, int64_t rows, int64_t kb, int64_t ld, float* out, Stream stream) {
+  const char* op = "cuda::fp8_scales_k_major";
+  MOE_CHECK(rows >= 0 && kb >= 0 && ld >= rows, op, ": expected rows, kb >= 0 and ld >= rows, got rows ", rows,
+            ", kb ", kb, ", ld ", ld);
+  if (kb == 0 || ld == 0) return;
+  if (rows > 0) detail::check_ptrs(op, {{"s", s}}, sizeof(float));
+  detail::check_ptrs(op, {{"out", out}}, sizeof(float));
+  kernels::fp8_scales_k_major_kernel<<<elementwise_blocks(kb * ld), 256, 0, stream>>>(s, rows, kb, ld, out);
+  check_launch("fp8_scales_k_major_kernel");
+}
+
 }  // namespace moe::cuda

@@ -35,4 +35,9 @@ void mx_quantize(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Format f
 void mx_dequantize(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f, float* x,
                    Stream stream);
 
+// The FP8 GEMM's layout of 1 x 128 scales (cuda::fp8_gemm): s [rows, kb] as the quantiser writes
+// them (row-major) -> out [kb, ld] (K-block-major, rows contiguous), ld >= rows, entries
+// [rows, ld) of each K block zero. Bitwise copies.
+void fp8_scales_k_major(const float* s, int64_t rows, int64_t kb, int64_t ld, float* out, Stream stream);
+
 }  // namespace moe::cuda

@@ -51,6 +51,9 @@ std::string describe(const GemmKey& g) {
                                                    describe(key)));
 }
 
+[[noreturn]] void throw_gemm_cublas_error(const char* file, int line, const char* call, cublasStatus_t st,
+                                          const struct Fp8GemmKey& key);
+
 #define MOE_GEMM_CUBLAS_CHECK(expr, key)                                                           \
   do {                                                                                             \
     const cublasStatus_t moe_gemm_st_ = (expr);                                                    \
@@ -83,7 +86,31 @@ void destroy_plan(Plan& p) {
 
 }  // namespace detail
 
+namespace detail {
+// What an FP8 plan depends on (pointers are 16-byte aligned by contract).
+struct Fp8GemmKey {
+  int64_t m, n, k;
+  int32_t fa, fb, b_scaling;
+  bool c_f32;
+  auto operator<=>(const Fp8GemmKey&) const = default;
+};
+
+std::string describe(const Fp8GemmKey& g) {
+  return ::moe::detail::concat("fp8_gemm m=", g.m, " n=", g.n, " k=", g.k, " A=", g.fa ? "e5m2" : "e4m3",
+                               " B=", g.fb ? "e5m2" : "e4m3", " B scales=", g.b_scaling ? "1x128" : "128x128",
+                               " C=", g.c_f32 ? "f32" : "bf16");
+}
+
+void throw_gemm_cublas_error(const char* file, int line, const char* call, cublasStatus_t st, const Fp8GemmKey& key) {
+  ::moe::detail::throw_error(file, line, nullptr,
+                             ::moe::detail::concat("cuBLAS error ", cublasLtGetStatusName(st), " (",
+                                                   cublasLtGetStatusString(st), ") from ", call, " for ",
+                                                   describe(key)));
+}
+}  // namespace detail
+
 using detail::describe;
+using detail::Fp8GemmKey;
 using detail::GemmKey;
 using detail::Plan;
 
@@ -91,14 +118,17 @@ struct GemmHandle::Impl {
   cublasLtHandle_t lt = nullptr;
   void* workspace = nullptr;
   std::map<GemmKey, Plan> plans;
+  std::map<Fp8GemmKey, Plan> fp8_plans;
 
   ~Impl() {
     for (auto& [key, plan] : plans) destroy_plan(plan);
+    for (auto& [key, plan] : fp8_plans) destroy_plan(plan);
     if (workspace) cudaFree(workspace);
     if (lt) cublasLtDestroy(lt);
   }
 
   const Plan& plan_for(const GemmKey& key);
+  const Plan& fp8_plan_for(const Fp8GemmKey& key);
 };
 
 namespace {
@@ -174,6 +204,108 @@ Plan build_plan(cublasLtHandle_t lt, const GemmKey& key) {
     throw;
   }
   return p;
+}
+
+// cuBLASLt's A is our B (k x n column-major: B[n, k] row-major, transposed), its B our A (k x m
+// column-major, not transposed): the "TN" form FP8 needs, both operands K-major. The scale
+// pointers are set per call (scale_pointers).
+Plan build_fp8_plan(cublasLtHandle_t lt, const Fp8GemmKey& key) {
+  Plan p;
+  cublasLtMatmulPreference_t pref = nullptr;
+  try {
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), key);
+    const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)), key);
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)), key);
+    const int8_t fast = 0;
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)),
+                          key);
+    const int32_t mode_b_ours = key.b_scaling == 0 ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+                                                   : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    const int32_t mode_a_ours = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_b_ours,
+                                                         sizeof(mode_b_ours)),
+                          key);
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_a_ours,
+                                                         sizeof(mode_a_ours)),
+                          key);
+    const cudaDataType_t ta = key.fa ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
+    const cudaDataType_t tb = key.fb ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
+    const auto k = static_cast<uint64_t>(key.k), m = static_cast<uint64_t>(key.m), n = static_cast<uint64_t>(key.n);
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.layout_b, tb, k, n, key.k), key);
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.layout_a, ta, k, m, key.k), key);
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.layout_c, key.c_f32 ? CUDA_R_32F : CUDA_R_16BF, n, m, key.n),
+                          key);
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref), key);
+    const uint64_t ws = GemmHandle::kWorkspaceBytes;
+    MOE_GEMM_CUBLAS_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)), key);
+    const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                                               &reduction, sizeof(reduction)),
+                          key);
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.layout_b, p.layout_a, p.layout_c, p.layout_c,
+                                                         pref, 1, &result, &found),
+                          key);
+    MOE_CHECK(found > 0 && result.state == CUBLAS_STATUS_SUCCESS, "cuda::fp8_gemm: cuBLASLt has no algorithm for ",
+              describe(key), " on this GPU (block-scaled FP8 needs compute capability 9.0 and CUDA 12.9 or later)");
+    p.algo = result.algo;
+    cublasLtMatmulPreferenceDestroy(pref);
+  } catch (...) {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    destroy_plan(p);
+    throw;
+  }
+  return p;
+}
+
+template <typename T>
+void run_fp8_gemm(GemmHandle& handle, const uint8_t* qa, const float* sa_t, int64_t lds_a, Fp8Format fa,
+                  const uint8_t* qb, const float* sb, int64_t lds_b, Fp8Format fb, Fp8BScaling b_scaling, int64_t m,
+                  int64_t n, int64_t k, T* c, bool accumulate, Stream stream) {
+  const char* op = "cuda::fp8_gemm";
+  constexpr bool c_f32 = sizeof(T) == 4;
+  const Fp8GemmKey key{m, n, k, fa == Fp8Format::kE5M2 ? 1 : 0, fb == Fp8Format::kE5M2 ? 1 : 0,
+                       b_scaling == Fp8BScaling::kRow1x128 ? 1 : 0, c_f32};
+  MOE_CHECK(m >= 0 && n >= 0 && k >= 0, op, ": expected m, n, k >= 0, got ", describe(key));
+  if (m == 0 || n == 0) return;
+  MOE_CHECK(k > 0 && k % 128 == 0, op, ": k must be a positive multiple of 128 (whole 1 x 128 scaling blocks), got ",
+            describe(key));
+  MOE_CHECK(n % 16 == 0 && m % 4 == 0, op, ": n must be a multiple of 16 and m of 4, got ", describe(key));
+  MOE_CHECK(!(fa == Fp8Format::kE5M2 && fb == Fp8Format::kE5M2), op, ": E5M2 x E5M2 has no tensor-core kernel; ",
+            "make one operand E4M3 (", describe(key), ")");
+  const int64_t kb = k / 128;
+  MOE_CHECK(lds_a >= m && lds_a % 4 == 0, op, ": lds_a must be >= m and a multiple of 4, got ", lds_a, " for ",
+            describe(key));
+  if (b_scaling == Fp8BScaling::kBlock128x128) {
+    MOE_CHECK(lds_b >= kb && lds_b % 4 == 0, op, ": lds_b must be >= k / 128 = ", kb,
+              " and a multiple of 4 for 128 x 128 scales, got ", lds_b, " for ", describe(key));
+  } else {
+    MOE_CHECK(lds_b >= n && lds_b % 4 == 0, op, ": lds_b must be >= n and a multiple of 4 for 1 x 128 scales, got ",
+              lds_b, " for ", describe(key));
+  }
+  detail::check_ptrs(op, {{"qa", qa}, {"qb", qb}, {"sa_t", sa_t}, {"sb", sb}, {"c", c}}, 16);
+  GemmHandle::Impl& h = handle.impl();
+  auto it = h.fp8_plans.find(key);
+  if (it == h.fp8_plans.end()) it = h.fp8_plans.emplace(key, build_fp8_plan(h.lt, key)).first;
+  const Plan& p = it->second;
+  // cuBLASLt's A is our B: its scales are sb; its B our A: sa_t. The scale tensors' leading
+  // dimensions are implied by the shapes; lds_a / lds_b beyond them are not expressible, so they
+  // must equal the minimum (checked here).
+  const int64_t want_a = (m + 3) / 4 * 4;
+  const int64_t want_b = b_scaling == Fp8BScaling::kBlock128x128 ? (kb + 3) / 4 * 4 : (n + 3) / 4 * 4;
+  MOE_CHECK(lds_a == want_a && lds_b == want_b, op, ": the scale tensors' leading dimensions must be the padded ",
+            "minimum (lds_a = ", want_a, ", lds_b = ", want_b, "), got ", lds_a, " and ", lds_b, " for ", describe(key));
+  MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)),
+                        key);
+  MOE_GEMM_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa_t, sizeof(sa_t)), key);
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  MOE_GEMM_CUBLAS_CHECK(cublasLtMatmul(h.lt, p.desc, &alpha, qb, p.layout_b, qa, p.layout_a, &beta, c, p.layout_c, c,
+                                       p.layout_c, &p.algo, h.workspace, GemmHandle::kWorkspaceBytes, stream),
+                        key);
 }
 
 }  // namespace
@@ -273,6 +405,18 @@ void gemm_strided_batched(GemmHandle& handle, bool trans_a, bool trans_b, int64_
                           int64_t batch, Stream stream) {
   run_gemm<float>(handle, "cuda::gemm_strided_batched", trans_a, trans_b, m, n, k, alpha, a, lda, stride_a, b, ldb,
                   stride_b, beta, c, ldc, stride_c, batch, stream);
+}
+
+void fp8_gemm(GemmHandle& handle, const uint8_t* qa, const float* sa_t, int64_t lds_a, Fp8Format fa,
+              const uint8_t* qb, const float* sb, int64_t lds_b, Fp8Format fb, Fp8BScaling b_scaling, int64_t m,
+              int64_t n, int64_t k, uint16_t* c, Stream stream) {
+  run_fp8_gemm<uint16_t>(handle, qa, sa_t, lds_a, fa, qb, sb, lds_b, fb, b_scaling, m, n, k, c, false, stream);
+}
+
+void fp8_gemm(GemmHandle& handle, const uint8_t* qa, const float* sa_t, int64_t lds_a, Fp8Format fa,
+              const uint8_t* qb, const float* sb, int64_t lds_b, Fp8Format fb, Fp8BScaling b_scaling, int64_t m,
+              int64_t n, int64_t k, float* c, bool accumulate, Stream stream) {
+  run_fp8_gemm<float>(handle, qa, sa_t, lds_a, fa, qb, sb, lds_b, fb, b_scaling, m, n, k, c, accumulate, stream);
 }
 
 }  // namespace moe::cuda

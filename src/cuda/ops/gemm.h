@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "core/fp8_types.h"
 #include "cuda/device.h"
 
 namespace moe::cuda {
@@ -61,5 +62,29 @@ void gemm_strided_batched(GemmHandle& handle, bool trans_a, bool trans_b, int64_
                           float alpha, const uint16_t* a, int64_t lda, int64_t stride_a, const uint16_t* b,
                           int64_t ldb, int64_t stride_b, float beta, float* c, int64_t ldc, int64_t stride_c,
                           int64_t batch, Stream stream);
+
+// Block-scaled FP8 GEMM on Hopper's tensor cores through cuBLASLt (FP32 accumulation, each 128-wide
+// K block's partial sum promoted by its two scales; no fast accumulation), the contract of
+// cpu::fp8_gemm_block_scaled (b_scaling kBlock128x128) and cpu::fp8_gemm_rowwise_scaled (kRow1x128):
+//   C[m, n] (=, or += with accumulate) A[m, k] B[n, k]^T
+// qa, qb: FP8 codes (fa, fb: E4M3 or E5M2, not both E5M2), row-major, K contiguous.
+// sa_t: A's 1 x 128 scales K-block-major: scale of A[i, 128 kb ...] at sa_t[kb * lds_a + i],
+//   lds_a >= m and a multiple of 4 (fp8_scales_k_major writes it from the quantiser's [m, k/128]).
+// sb: kBlock128x128: one scale per 128 x 128 block of B at sb[nb * lds_b + kb], lds_b >= k / 128
+//   and a multiple of 4 (the quantiser's [ceil(n/128), k/128] when k/128 is a multiple of 4);
+//   kRow1x128: one per 1 x 128 block, K-block-major as A's: sb[kb * lds_b + j], lds_b >= n, a
+//   multiple of 4. Scales are dequantisation factors (x ~ code * scale), FP32, on the device.
+// C: BF16 (overwritten) or FP32 (overwritten, or accumulate: C += the product). k a positive
+// multiple of 128, n a multiple of 16, m of 4, every pointer 16-byte aligned. cuBLASLt takes no
+// leading dimension for scales: lds_a must be m and lds_b k / 128 rounded up to a multiple of 4
+// (128 x 128) or n (1 x 128); they are passed so that the call states the layout it hands over. Plans are cached in the
+// handle like gemm's (first call of a shape outside capture).
+enum class Fp8BScaling { kBlock128x128, kRow1x128 };
+void fp8_gemm(GemmHandle& handle, const uint8_t* qa, const float* sa_t, int64_t lds_a, Fp8Format fa,
+              const uint8_t* qb, const float* sb, int64_t lds_b, Fp8Format fb, Fp8BScaling b_scaling, int64_t m,
+              int64_t n, int64_t k, uint16_t* c, Stream stream);
+void fp8_gemm(GemmHandle& handle, const uint8_t* qa, const float* sa_t, int64_t lds_a, Fp8Format fa,
+              const uint8_t* qb, const float* sb, int64_t lds_b, Fp8Format fb, Fp8BScaling b_scaling, int64_t m,
+              int64_t n, int64_t k, float* c, bool accumulate, Stream stream);
 
 }  // namespace moe::cuda
