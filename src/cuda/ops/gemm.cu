@@ -209,7 +209,7 @@ Plan build_plan(cublasLtHandle_t lt, const GemmKey& key) {
 // cuBLASLt's A is our B (k x n column-major: B[n, k] row-major, transposed), its B our A (k x m
 // column-major, not transposed): the "TN" form FP8 needs, both operands K-major. The scale
 // pointers are set per call (scale_pointers).
-Plan build_fp8_plan(cublasLtHandle_t lt, const Fp8GemmKey& key) {
+Plan build_fp8_plan(cublasLtHandle_t lt, const Fp8GemmKey& key, const float* sb, const float* sa_t) {
   Plan p;
   cublasLtMatmulPreference_t pref = nullptr;
   try {
@@ -217,9 +217,12 @@ Plan build_fp8_plan(cublasLtHandle_t lt, const Fp8GemmKey& key) {
     const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
     MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)), key);
     MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)), key);
-    const int8_t fast = 0;
-    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)),
+    // Block scaling promotes every K block (no fast accumulation, the descriptor's default). The
+    // heuristic checks the scale pointers, so they are set before it (and again at every call).
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)),
                           key);
+    MOE_GEMM_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa_t, sizeof(sa_t)), key);
     const int32_t mode_b_ours = key.b_scaling == 0 ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
                                                    : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
     const int32_t mode_a_ours = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
@@ -249,6 +252,15 @@ Plan build_fp8_plan(cublasLtHandle_t lt, const Fp8GemmKey& key) {
     MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.layout_b, p.layout_a, p.layout_c, p.layout_c,
                                                          pref, 1, &result, &found),
                           key);
+    if (found == 0) {
+      // No kernel that reduces split-K partials in FP32 in the workspace: take the library's choice.
+      const uint32_t any = CUBLASLT_REDUCTION_SCHEME_MASK;
+      MOE_GEMM_CUBLAS_CHECK(
+          cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &any, sizeof(any)), key);
+      MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.layout_b, p.layout_a, p.layout_c, p.layout_c,
+                                                           pref, 1, &result, &found),
+                            key);
+    }
     MOE_CHECK(found > 0 && result.state == CUBLAS_STATUS_SUCCESS, "cuda::fp8_gemm: cuBLASLt has no algorithm for ",
               describe(key), " on this GPU (block-scaled FP8 needs compute capability 9.0 and CUDA 12.9 or later)");
     p.algo = result.algo;
@@ -289,7 +301,7 @@ void run_fp8_gemm(GemmHandle& handle, const uint8_t* qa, const float* sa_t, int6
   detail::check_ptrs(op, {{"qa", qa}, {"qb", qb}, {"sa_t", sa_t}, {"sb", sb}, {"c", c}}, 16);
   GemmHandle::Impl& h = handle.impl();
   auto it = h.fp8_plans.find(key);
-  if (it == h.fp8_plans.end()) it = h.fp8_plans.emplace(key, build_fp8_plan(h.lt, key)).first;
+  if (it == h.fp8_plans.end()) it = h.fp8_plans.emplace(key, build_fp8_plan(h.lt, key, sb, sa_t)).first;
   const Plan& p = it->second;
   // cuBLASLt's A is our B: its scales are sb; its B our A: sa_t. The scale tensors' leading
   // dimensions are implied by the shapes; lds_a / lds_b beyond them are not expressible, so they
