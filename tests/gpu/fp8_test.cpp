@@ -199,8 +199,12 @@ TEST(Fp8Gpu, RefusesBadShapes) {
 // One FP8 GEMM case: A [m, k] in 1 x 128 blocks, B [n, k] in 128 x 128 blocks (weights) or 1 x 128
 // blocks (the weight-gradient GEMM), quantised on the CPU; the GPU product from the same codes and
 // scales (A's scales and a 1 x 128 B's put K-block-major by cuda::fp8_scales_k_major) against the
-// CPU's block-scaled product: |gpu - cpu| <= 2^-17 * sum_k |a_ik b_jk| (FP32 sums in another
-// order; products of FP8 codes are exact) for FP32 C, and the BF16 C within one BF16 rounding of it.
+// CPU's block-scaled product: |gpu - cpu| <= 2^-11 * sum_k |a_ik b_jk| for FP32 C, and the BF16 C
+// within one BF16 rounding of that. The products of FP8 codes are exact, but Hopper's FP8 tensor
+// cores add them within a 128-wide K block in an accumulator of about 14 mantissa bits (the
+// limitation DeepSeek-V3 describes, which is why the partial sums are promoted to FP32 per block):
+// measured up to 16.6 x 2^-17 = 2^-13 of sum |a b| on these cases. A wrong scale layout errs by
+// O(1) of it.
 void check_fp8_gemm(int64_t m, int64_t n, int64_t k, Fp8Format fa, Fp8Format fb, cuda::Fp8BScaling bs,
                     uint64_t seed) {
   const std::string what = "fp8_gemm " + std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) +
@@ -232,7 +236,7 @@ void check_fp8_gemm(int64_t m, int64_t n, int64_t k, Fp8Format fa, Fp8Format fb,
     for (int64_t j = 0; j < n; ++j) {
       double t = 0;
       for (int64_t p = 0; p < k; ++p) t += std::fabs(double(da[size_t(i * k + p)]) * double(db[size_t(j * k + p)]));
-      bound[size_t(i * n + j)] = std::ldexp(t, -17) + 1e-30;
+      bound[size_t(i * n + j)] = std::ldexp(t, -11) + 1e-30;
     }
 
   // The GPU's scale layouts: A's K-block-major; B's 128 x 128 as [n/128, kb] padded to 4 columns,

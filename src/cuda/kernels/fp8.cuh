@@ -126,6 +126,59 @@ __global__ void mx_dequantize_kernel(const uint8_t* __restrict__ q, const uint8_
   }
 }
 
+// The 1 x 128 blocks of a tensor whose rows are whole blocks (cols a multiple of 128), one warp per
+// block, 8 blocks per CTA: lane l loads elements 4l..4l+3 in one 8-byte (BF16) or 16-byte (FP32)
+// access, the warp's max of |x| by shuffles (order-free: the generic kernel's scale bit for bit),
+// the same division and conversion, and the four codes stored as one 32-bit word. x 8/16-byte
+// and q 4-byte aligned (the launcher checks).
+constexpr int kFp8RowWarps = 8;
+
+template <typename T>
+__device__ __forceinline__ void fp8_load4(const T* x, int64_t at, float (&v)[4]);
+template <>
+__device__ __forceinline__ void fp8_load4<float>(const float* x, int64_t at, float (&v)[4]) {
+  const float4 f = *reinterpret_cast<const float4*>(x + at);
+  v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+}
+template <>
+__device__ __forceinline__ void fp8_load4<uint16_t>(const uint16_t* x, int64_t at, float (&v)[4]) {
+  const uint2 u = *reinterpret_cast<const uint2*>(x + at);
+  v[0] = __uint_as_float(u.x << 16), v[1] = __uint_as_float(u.x & 0xffff0000u);
+  v[2] = __uint_as_float(u.y << 16), v[3] = __uint_as_float(u.y & 0xffff0000u);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(32 * kFp8RowWarps)
+    fp8_quantize_rows128_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, Fp8Format f,
+                                uint8_t* __restrict__ q, float* __restrict__ scales, uint32_t* num_nonfinite) {
+  const int64_t scale_cols = cols / 128;
+  const int64_t b = int64_t{blockIdx.x} * kFp8RowWarps + threadIdx.x / 32;
+  if (b >= rows * scale_cols) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t at = (b / scale_cols) * cols + (b % scale_cols) * 128 + 4 * lane;
+  float v[4];
+  fp8_load4(x, at, v);
+  float local = 0.0f;
+  uint32_t bad = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    bad += isfinite(v[j]) ? 0u : 1u;
+    local = fmaxf(local, fabsf(v[j]));
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, o));
+    bad += __shfl_xor_sync(0xffffffffu, bad, o);
+  }
+  if (lane == 0 && bad != 0 && num_nonfinite != nullptr) atomicAdd(num_nonfinite, bad);
+  float s = __fdiv_rn(local, fp8_max_of(f));
+  if (!(s > 0.0f)) s = 1.0f;
+  if (lane == 0) scales[b] = s;
+  uint32_t word = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) word |= uint32_t{fp8_encode_dev(__fdiv_rn(v[j], s), f)} << (8 * j);
+  *reinterpret_cast<uint32_t*>(q + at) = word;
+}
+
 // out[b * ld + r] = s[r * kb + b] for r < rows, 0 for rows <= r < ld (grid-stride over kb * ld).
 __global__ void fp8_scales_k_major_kernel(const float* __restrict__ s, int64_t rows, int64_t kb, int64_t ld,
                                           float* __restrict__ out) {

@@ -33,6 +33,17 @@ void quantize_blocks(const char* op, const T* x, int64_t rows, int64_t cols, Fp8
   detail::check_ptrs(op, {{"x", x}}, sizeof(T));
   detail::check_ptrs(op, {{"q", q}}, 1);
   detail::check_ptrs(op, {{"scales", scales}}, sizeof(float));
+  const size_t vec = sizeof(T) == 4 ? 16 : 8;
+  if (block.rows == 1 && block.cols == 128 && cols % 128 == 0 && reinterpret_cast<uintptr_t>(x) % vec == 0 &&
+      reinterpret_cast<uintptr_t>(q) % 4 == 0) {
+    // Whole 1 x 128 blocks: a warp per block (the same codes and scales as the generic kernel).
+    const int64_t blocks = rows * (cols / 128), grid = (blocks + kernels::kFp8RowWarps - 1) / kernels::kFp8RowWarps;
+    MOE_CHECK(grid < kMaxGrid, op, ": ", blocks, " scaling blocks exceed one launch's grid");
+    kernels::fp8_quantize_rows128_kernel<T><<<static_cast<unsigned>(grid), 32 * kernels::kFp8RowWarps, 0, stream>>>(
+        x, rows, cols, f, q, scales, num_nonfinite);
+    check_launch("fp8_quantize_rows128_kernel");
+    return;
+  }
   const kernels::Fp8BlockArgs a = block_args(rows, cols, block);
   const int64_t grid = ((rows + block.rows - 1) / block.rows) * a.scale_cols;
   MOE_CHECK(grid < kMaxGrid, op, ": ", grid, " scaling blocks exceed one launch's grid");
