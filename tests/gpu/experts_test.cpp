@@ -118,10 +118,6 @@ bool bitwise_equal_f32(const std::vector<float>& a, const std::vector<float>& b)
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-// GuardedBuffer fills and uploads run on the legacy default stream, which the non-blocking test
-// stream does not wait for: settle them before an op runs.
-void settle_uploads() { MOE_CUDA_CHECK(cudaDeviceSynchronize()); }
-
 void expect_rows_unwritten(const std::string& what, const std::vector<uint16_t>& v, int64_t width, int64_t from) {
   for (size_t i = size_t(from * width); i < v.size(); ++i) {
     if (v[i] != kUnwritten) {
@@ -167,7 +163,6 @@ GpuRun run_gpu(const ExpertsCase& c, const Inputs& a, Backend backend, bool in_p
   const size_t ws_bytes = cuda::experts_backward_workspace_bytes(r, in);
   GuardedBuffer<uint8_t> ws(static_cast<int64_t>(ws_bytes));
   TestStream stream;
-  settle_uploads();
   const cudaStream_t s = stream.get();
   cuda::experts_forward(x.data(), off.data(), wgu.data(), wd.data(), r, e, d, in, gate_up.data(), h.data(), y.data(),
                         s, backend);
@@ -309,7 +304,6 @@ TEST(ExpertsOp, MatchesItsGroupedGemmSequenceBitwise) {
   const size_t ws_bytes = cuda::experts_backward_workspace_bytes(r, in);
   GuardedBuffer<uint8_t> ws(static_cast<int64_t>(ws_bytes));
   TestStream stream;
-  settle_uploads();
   const cudaStream_t s = stream.get();
   cuda::experts_forward(x.data(), off.data(), wgu.data(), wd.data(), r, e, d, in, gu1.data(), h1.data(), y1.data(), s);
   cuda::experts_backward(x.data(), off.data(), wgu.data(), wd.data(), gu1.data(), h1.data(), dy.data(), r, e, d, in,
@@ -353,7 +347,6 @@ TEST(ExpertsOp, OverwrittenWeightGradientsEqualAccumulatedIntoZeros) {
   const size_t ws_bytes = cuda::experts_backward_workspace_bytes(r, in);
   GuardedBuffer<uint8_t> ws(static_cast<int64_t>(ws_bytes));
   TestStream stream;
-  settle_uploads();
   const cudaStream_t s = stream.get();
   cuda::experts_forward(x.data(), off.data(), wgu.data(), wd.data(), r, e, d, in, gu.data(), h.data(), y.data(), s);
   cuda::experts_backward(x.data(), off.data(), wgu.data(), wd.data(), gu.data(), h.data(), dy.data(), r, e, d, in,

@@ -56,6 +56,10 @@ class GuardedBuffer {
   void upload(const std::vector<T>& host) {
     ASSERT_EQ(static_cast<int64_t>(host.size()), n_);
     MOE_CUDA_CHECK(cudaMemcpy(data(), host.data(), bytes(), cudaMemcpyHostToDevice));
+    // From pageable memory cudaMemcpy may return before the DMA into the buffer is done, and the
+    // tests' non-blocking streams do not wait for it: a kernel could read the old bytes (seen
+    // under a loaded GPU with the suite run in parallel).
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
   }
   std::vector<T> download() const {
     std::vector<T> host(static_cast<size_t>(n_));

@@ -167,11 +167,6 @@ void reference_wgrad(const GroupedCase& c, const std::vector<int32_t>& off, cons
   }
 }
 
-// GuardedBuffer fills and uploads run on the legacy default stream (cudaMemset is asynchronous and
-// a pageable cudaMemcpy may return before its DMA lands), which the non-blocking test stream does
-// not wait for: settle them before the op runs.
-void settle_uploads() { MOE_CUDA_CHECK(cudaDeviceSynchronize()); }
-
 std::vector<float> head(const std::vector<float>& v, int64_t count) {
   return std::vector<float>(v.begin(), v.begin() + count);
 }
@@ -276,7 +271,6 @@ TEST_P(GroupedGemmParity, Forward) {
   GuardedBuffer<uint16_t> d_x(in.x), d_w(in.w), d_y(c.max_rows() * c.n);
   GuardedBuffer<int32_t> d_off(off);
   TestStream stream;
-  settle_uploads();
   cuda::grouped_gemm_forward(d_x.data(), d_w.data(), d_off.data(), d_y.data(), c.max_rows(), c.num_experts(), c.n,
                              c.k, stream.get(), backend());
   stream.sync();
@@ -301,7 +295,6 @@ TEST_P(GroupedGemmParity, Dgrad) {
   GuardedBuffer<uint16_t> d_dy(in.dy), d_w(in.w), d_dx(c.max_rows() * c.k);
   GuardedBuffer<int32_t> d_off(off);
   TestStream stream;
-  settle_uploads();
   cuda::grouped_gemm_dgrad(d_dy.data(), d_w.data(), d_off.data(), d_dx.data(), c.max_rows(), c.num_experts(), c.n,
                            c.k, stream.get(), backend());
   stream.sync();
@@ -324,7 +317,6 @@ void run_wgrad_case(const GroupedCase& c, Backend backend, bool accumulate) {
   GuardedBuffer<float> d_dw(dw0);
   GuardedBuffer<int32_t> d_off(off);
   TestStream stream;
-  settle_uploads();
   cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw.data(), c.max_rows(), c.num_experts(), c.n,
                            c.k, accumulate, stream.get(), backend);
   stream.sync();
@@ -342,7 +334,6 @@ void run_wgrad_case(const GroupedCase& c, Backend backend, bool accumulate) {
 
   // Same inputs, same start: bitwise the same dw (fixed reduction order).
   d_dw.upload(dw0);
-  settle_uploads();
   cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw.data(), c.max_rows(), c.num_experts(), c.n,
                            c.k, accumulate, stream.get(), backend);
   stream.sync();
@@ -405,7 +396,6 @@ TEST_P(GroupedGemmBackends, IntegerInputsMatchBitwise) {
   GuardedBuffer<float> d_dw_acc(dw0), d_dw_new(dw0);
   GuardedBuffer<int32_t> d_off(off);
   TestStream stream;
-  settle_uploads();
   const cudaStream_t s = stream.get();
   cuda::grouped_gemm_forward(d_x.data(), d_w.data(), d_off.data(), d_y.data(), c.max_rows(), c.num_experts(), c.n,
                              c.k, s, backend);
@@ -491,7 +481,6 @@ TEST(GroupedGemm, ZeroMaxRows) {
   const auto dw0 = random_f32(2 * 16 * 24, 601);
   GuardedBuffer<float> d_dw(dw0);
   TestStream stream;
-  settle_uploads();
   cuda::grouped_gemm_wgrad(nullptr, nullptr, nullptr, d_dw.data(), 0, 2, 16, 24, false, stream.get());
   stream.sync();
   EXPECT_EQ(d_dw.download(), std::vector<float>(dw0.size(), 0.0f));
@@ -543,7 +532,6 @@ TEST_P(GroupedGemmBackends, GraphReplaysWithOffsetsChangedOnDevice) {
   GraphBuffers b;
   b.backend = backend;
   TestStream stream;
-  settle_uploads();
   const std::vector<std::vector<int32_t>> offset_sets = {
       {0, 100, 100, 350, 351, 450, 450, 650, 700},  // mixed, two empty experts, one single row
       {0, 0, 700, 700, 700, 700, 700, 700, 700},    // every row in expert 1
@@ -551,7 +539,6 @@ TEST_P(GroupedGemmBackends, GraphReplaysWithOffsetsChangedOnDevice) {
       {0, 100, 100, 350, 351, 450, 450, 650, 700},  // the first set again
   };
   b.offsets.upload(offset_sets[0]);
-  settle_uploads();
   cudaGraph_t graph = nullptr;
   MOE_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
   b.run(stream.get());
@@ -562,8 +549,7 @@ TEST_P(GroupedGemmBackends, GraphReplaysWithOffsetsChangedOnDevice) {
   std::vector<GraphSnapshot> replays;
   for (size_t i = 0; i < offset_sets.size(); ++i) {
     b.offsets.upload(offset_sets[i]);  // the graph's kernels read the offsets at replay time
-    settle_uploads();
-    b.run(stream.get());
+      b.run(stream.get());
     stream.sync();
     const GraphSnapshot eager = snapshot(b);
     MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
