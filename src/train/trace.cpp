@@ -16,11 +16,22 @@ std::string trace_path(const std::string& run_dir, int rank, int world_size) {
 }
 
 void StepTrace::add_step(int64_t step, const std::vector<PhaseInterval>& intervals, double start_s, double end_s) {
+  const double measured_ms = 1e3 * std::max(0.0, end_s - start_s);
+  if (!intervals.empty()) {
+    // The step bar spans its phases: the loop collects a GPU step one submit later, so its
+    // measured span lags the device's work by a step.
+    start_s = intervals.front().start_s;
+    end_s = intervals.front().end_s;
+    for (const PhaseInterval& iv : intervals) {
+      start_s = std::min(start_s, iv.start_s);
+      end_s = std::max(end_s, iv.end_s);
+    }
+  }
   for (const PhaseInterval& iv : intervals)
     events_.push_back({phase_name(iv.phase), "phase", 1e6 * (iv.start_s - origin_s_),
-                       std::max(0.0, 1e6 * (iv.end_s - iv.start_s)), 0, step});
+                       std::max(0.0, 1e6 * (iv.end_s - iv.start_s)), 0, step, -1});
   events_.push_back({"step " + std::to_string(step), "step", 1e6 * (start_s - origin_s_),
-                     std::max(0.0, 1e6 * (end_s - start_s)), 1, step});
+                     std::max(0.0, 1e6 * (end_s - start_s)), 1, step, measured_ms});
 }
 
 int64_t StepTrace::write() const {
@@ -41,7 +52,8 @@ int64_t StepTrace::write() const {
                       {"dur", e.dur_us},
                       {"pid", rank_},
                       {"tid", e.tid},
-                      {"args", {{"step", e.step}}}});
+                      {"args", e.measured_ms >= 0 ? nlohmann::json{{"step", e.step}, {"step_ms", e.measured_ms}}
+                                                  : nlohmann::json{{"step", e.step}}}});
     phases += e.cat == "phase";
   }
   const nlohmann::json doc = {{"traceEvents", events}, {"displayTimeUnit", "ms"}};

@@ -2,7 +2,8 @@
 // open): every phase interval of the traced steps (log.trace) as a complete event
 //   {"name": "attention", "cat": "phase", "ph": "X", "ts": us, "dur": us, "pid": rank, "tid": 0,
 //    "args": {"step": s}}
-// plus one "step" event per step on tid 1 (the loop's measured step time, host clock), and
+// plus one "step" event per step on tid 1 spanning its phases (args.step_ms: the loop's measured
+// step time; a GPU step is collected one submit later, so its measured span is not drawn), and
 // metadata events naming the process ("rank R") and the two threads. Timestamps are microseconds
 // since the run's clock started (steady clock; ranks of one host share it). One file per rank:
 // RUN_DIR/trace.json on one rank, RUN_DIR/trace.rank<R>.json on each rank of a job; written
@@ -38,6 +39,7 @@ class StepTrace {
     double ts_us, dur_us;
     int tid;
     int64_t step;
+    double measured_ms;  // step events: the loop's measured step time; -1 for phases
   };
   std::string path_;
   int rank_;

@@ -236,6 +236,8 @@ TEST(Train, TraceWindowHoldsEveryPhaseOfItsSteps) {
   const nlohmann::json doc = nlohmann::json::parse(f);  // throws when not JSON
   ASSERT_TRUE(doc.contains("traceEvents"));
   std::map<int64_t, std::map<std::string, double>> dur;  // step -> phase -> summed us
+  std::map<int64_t, std::pair<double, double>> step_bar, phase_span;  // step -> [begin, end) us
+  for (const int64_t step : {2, 3}) phase_span[step] = {1e300, -1e300};
   double last_ts = -1;
   bool named = false;
   for (const auto& e : doc["traceEvents"]) {
@@ -251,7 +253,20 @@ TEST(Train, TraceWindowHoldsEveryPhaseOfItsSteps) {
     EXPECT_GE(d, 0.0);
     const int64_t step = e["args"]["step"].get<int64_t>();
     EXPECT_TRUE(step == 2 || step == 3) << "event of step " << step << " outside the window";
-    if (e["cat"] == "phase") dur[step][e["name"].get<std::string>()] += d;
+    if (e["cat"] == "phase") {
+      dur[step][e["name"].get<std::string>()] += d;
+      phase_span[step].first = std::min(phase_span[step].first, ts);
+      phase_span[step].second = std::max(phase_span[step].second, ts + d);
+    } else {
+      step_bar[step] = {ts, ts + d};
+      EXPECT_GT(e["args"]["step_ms"].get<double>(), 0.0) << "step " << step;
+    }
+  }
+  // Each step's bar spans exactly its phases (what a viewer lines up).
+  for (const int64_t step : {2, 3}) {
+    ASSERT_TRUE(step_bar.count(step)) << "no step event for step " << step;
+    EXPECT_NEAR(step_bar[step].first, phase_span[step].first, 1e-3) << "step " << step;
+    EXPECT_NEAR(step_bar[step].second, phase_span[step].second, 1e-3) << "step " << step;
   }
   EXPECT_TRUE(named) << "no process_name metadata event";
   ASSERT_EQ(dur.size(), 2u);

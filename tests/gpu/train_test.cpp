@@ -117,6 +117,7 @@ TEST(CudaTrain, TraceWindowRecordsEagerSteps) {
   ASSERT_TRUE(f.good());
   const nlohmann::json doc = nlohmann::json::parse(f);
   std::map<int64_t, double> phase_us, step_us;
+  std::map<int64_t, std::pair<double, double>> bar, span;  // step -> [begin, end) us
   std::set<std::string> names;
   double last_ts = -1;
   for (const auto& e : doc["traceEvents"]) {
@@ -130,9 +131,19 @@ TEST(CudaTrain, TraceWindowRecordsEagerSteps) {
     if (e["cat"] == "phase") {
       phase_us[step] += d;
       names.insert(e["name"].get<std::string>());
+      auto& sp = span.try_emplace(step, ts, ts + d).first->second;
+      sp.first = std::min(sp.first, ts);
+      sp.second = std::max(sp.second, ts + d);
     } else {
       step_us[step] = d;
+      bar[step] = {ts, ts + d};
     }
+  }
+  // The step bars line up with the device's phases of the same step (the loop collects a GPU step
+  // one submit later, which must not shift them).
+  for (const auto& [step, sp] : span) {
+    EXPECT_NEAR(bar[step].first, sp.first, 1e-3) << "step " << step;
+    EXPECT_NEAR(bar[step].second, sp.second, 1e-3) << "step " << step;
   }
   for (const char* p : {"embedding", "attention", "router", "dispatch", "experts", "combine", "lm_head", "optimizer"})
     EXPECT_TRUE(names.count(p)) << p;
