@@ -28,6 +28,7 @@
 #include "train/checkpointing.h"
 #include "train/device.h"
 #include "train/metrics.h"
+#include "train/phase_ceilings.h"
 #include "train/run_plan.h"
 #include "train/step.h"
 
@@ -314,6 +315,34 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
                         {"total_params", plan.counts.total_params},
                         {"active_params", plan.counts.active_params}};
   rec.update(details);
+  // Each phase against its ceiling (GPU steps: the H200 figures of train/ceilings.h).
+  std::string ceiling_line;
+  if (gpu && !phases.empty()) {
+    nlohmann::json cj = nlohmann::json::object();
+    double ideal_sum = 0, measured_sum = 0;
+    for (const PhaseCeiling& c : phase_ceilings(cfg, plan)) {
+      double measured = 0;
+      for (const auto& [name, ms] : phases)
+        if (name == c.phase) measured = ms;
+      if (measured <= 0) continue;
+      const double fraction = c.ideal_ms / measured;
+      cj[c.phase] = {{"ideal_ms", c.ideal_ms}, {"measured_ms", measured}, {"fraction", fraction},
+                     {"flops", c.flops},       {"bytes", c.bytes},        {"ceiling", c.ceiling}};
+      ideal_sum += c.ideal_ms;
+      measured_sum += measured;
+      char part[64];
+      std::snprintf(part, sizeof part, "%s%s %.0f%%", ceiling_line.empty() ? "" : " | ", c.phase.c_str(),
+                    100.0 * fraction);
+      ceiling_line += part;
+    }
+    rec["phase_ceilings"] = cj;
+    rec["phase_ceilings_source"] = "ideal_ms: the phase's FLOPs or bytes of one step at the H200 ceilings of "
+                                   "train/ceilings.h (docs/benchmarks.md); measured_ms: phase_ms";
+    char tail[160];
+    std::snprintf(tail, sizeof tail, " (these phases: %.1f ms at their ceilings, %.1f ms measured)", ideal_sum,
+                  measured_sum);
+    ceiling_line = "of ceiling: " + ceiling_line + tail + "\n";
+  }
 
   char buf[640];
   if (gpu) {
@@ -348,6 +377,7 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
   std::snprintf(buf, sizeof buf, "  %-12s %12.2f %7.1f%% %14.2f   (profiled step %.2f ms wall; timed step %.2f ms)\n",
                 "sum", phase_sum, 100.0, step_ms, profiled_ms, step_ms);
   out << buf;
+  out << ceiling_line;
   if (gpu) {
     std::snprintf(buf, sizeof buf, "tokens/s/GPU %.0f | TFLOP/s/GPU %.1f | MFU %.1f%% (of %.0f) | step %.2f ms\n", tps_dev,
                   tflops, 100.0 * mfu, kGpuPeakTflops, step_ms);

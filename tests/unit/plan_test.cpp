@@ -14,6 +14,7 @@
 #include "model/layout.h"
 #include "support/test_util.h"
 #include "train/memory_plan.h"
+#include "train/phase_ceilings.h"
 #include "train/planner.h"
 #include "train/run_plan.h"
 
@@ -184,6 +185,41 @@ TEST(Planner, ExpertScalingSweepNearMeasured) {
     last_experts = t.experts;
   }
   EXPECT_GT(last_experts, 1.8 * 13.9);  // e128's experts phase: 33.1 ms measured, 13.9 at e8
+}
+
+// The bench's per-phase ceilings: the phases' GEMM FLOPs add up to the model's FLOPs per step
+// (docs/architecture.md) less the router's gate GEMM, with the attention core counted as the cuDNN
+// rates are (backward 2.5 x forward, where the formula counts 2 x); the optimizer at 34 bytes per
+// parameter; the experts bound by their weight traffic once each expert sees few rows.
+TEST(PhaseCeilings, WorkAddsUpToTheModelFlops) {
+  const Config c = load_config(kOlmoe8l, {});
+  const RunPlan plan = make_run_plan(c, 1, "cuda");
+  const std::vector<PhaseCeiling> ph = phase_ceilings(c, plan);
+  double flops = 0, optimizer_ms = 0;
+  std::string experts_ceiling;
+  for (const PhaseCeiling& p : ph) {
+    flops += p.flops;
+    EXPECT_GT(p.ideal_ms, 0.0) << p.phase;
+    if (p.phase == "optimizer") optimizer_ms = p.ideal_ms;
+    if (p.phase == "experts") experts_ceiling = p.ceiling;
+  }
+  const double n = double(plan.tokens_per_step), d = double(c.model.d_model), layers = double(c.model.n_layers);
+  const double router = 6.0 * n * d * double(c.moe.num_experts) * layers;  // no dense layers in olmoe-8l
+  const double core_formula = 6.0 * double(c.model.n_heads * c.model.head_dim()) * double(plan.seq_len) * n * layers;
+  const double want = plan.flops_per_step - router + core_formula / 6.0;  // 7 x instead of 6 x
+  EXPECT_NEAR(flops, want, 1e-9 * want);
+  EXPECT_NEAR(optimizer_ms, 1e3 * 34.0 * double(plan.memory.local_params) / 4.3e12, 1e-9);
+  EXPECT_GT(optimizer_ms, 27.0);  // 3.56B parameters: about 28 ms
+  EXPECT_NE(experts_ceiling.find("TFLOP/s"), std::string::npos) << experts_ceiling;
+
+  // scaling1-e128, one micro-batch of 8192 tokens: 256 rows per expert; 12 bytes per expert
+  // parameter outweigh the GEMMs' FLOPs.
+  const Config e128 = load_config(std::string(MOECORE_SOURCE_DIR) + "/configs/scaling1-e128.toml", {});
+  for (const PhaseCeiling& p : phase_ceilings(e128, make_run_plan(e128, 1, "cuda"))) {
+    if (p.phase == "experts") {
+      EXPECT_NE(p.ceiling.find("weight traffic"), std::string::npos) << p.ceiling;
+    }
+  }
 }
 
 // ZeRO-1: dense moments over dp, expert moments over ep-dp; the collectives' bytes follow.

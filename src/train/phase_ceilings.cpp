@@ -1,0 +1,94 @@
+// phase_ceilings: FLOPs and bytes per phase from the model's shapes (the counts of
+// docs/architecture.md split by phase), each over its ceiling rate.
+#include "train/phase_ceilings.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "model/layout.h"
+
+namespace moe {
+
+std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan, const GpuCeilings& gpu) {
+  const ModelConfig& m = cfg.model;
+  const MoeConfig& e = cfg.moe;
+  const double micro = double(plan.micro_steps);
+  const double n = double(plan.tokens_per_micro_batch), b = double(plan.micro_batch), s = double(plan.seq_len);
+  const double d = double(m.d_model), hd = double(m.head_dim());
+  const double q = double(m.n_heads) * hd, kv = double(m.n_kv_heads) * hd;
+  const double dense_rate = 1e12 * gpu.dense_gemm_tflops;
+  char what[96];
+  std::snprintf(what, sizeof what, "%.0f TFLOP/s dense BF16 GEMM", gpu.dense_gemm_tflops);
+  const std::string gemm_ceiling = what;
+  int64_t moe_layers = 0, dense_layers = 0;
+  for (int64_t l = 0; l < m.n_layers; ++l) (is_dense_layer(m, l) ? dense_layers : moe_layers) += 1;
+  std::vector<PhaseCeiling> out;
+
+  // Attention: Q, K, V, O projections (forward, dgrad, wgrad) and the causal core.
+  {
+    PhaseCeiling c;
+    c.phase = "attention";
+    const double proj = 6.0 * n * d * (2.0 * q + 2.0 * kv);
+    const double core_fwd = 2.0 * b * double(m.n_heads) * s * s * hd;  // 4 B H S^2 hd / 2 (causal)
+    const double core_bwd = 2.5 * core_fwd;
+    c.flops = micro * double(m.n_layers) * (proj + core_fwd + core_bwd);
+    c.ideal_ms = 1e3 * micro * double(m.n_layers) *
+                 (proj / dense_rate + core_fwd / (1e12 * gpu.attention_fwd_tflops) +
+                  core_bwd / (1e12 * gpu.attention_bwd_tflops));
+    std::snprintf(what, sizeof what, "%s; core %.0f / %.0f TFLOP/s (cuDNN fwd / bwd)", gemm_ceiling.c_str(),
+                  gpu.attention_fwd_tflops, gpu.attention_bwd_tflops);
+    c.ceiling = what;
+    out.push_back(c);
+  }
+  // Dense MLPs and shared experts: three SwiGLU GEMMs, forward and backward.
+  {
+    const double f_dense = double(m.dense_hidden), f_shared = double(e.shared_experts * e.expert_hidden);
+    PhaseCeiling c;
+    c.phase = "mlp";
+    c.flops = micro * 6.0 * n * 3.0 * d * (double(dense_layers) * f_dense + double(moe_layers) * f_shared);
+    c.ideal_ms = 1e3 * c.flops / dense_rate;
+    c.ceiling = gemm_ceiling;
+    if (c.flops > 0) out.push_back(c);
+  }
+  // Routed experts: the grouped GEMMs over n x top_k rows, or their weight traffic.
+  if (moe_layers > 0) {
+    PhaseCeiling c;
+    c.phase = "experts";
+    const double rows = n * double(e.top_k), inner = double(e.expert_hidden);
+    c.flops = micro * double(moe_layers) * 6.0 * rows * 3.0 * d * inner;
+    c.bytes = micro * gpu.expert_weight_bytes_per_param * double(plan.memory.expert_params);
+    const double by_flops = c.flops / dense_rate, by_bytes = c.bytes / gpu.expert_weight_bytes_per_s;
+    c.ideal_ms = 1e3 * std::max(by_flops, by_bytes);
+    if (by_bytes > by_flops) {
+      std::snprintf(what, sizeof what, "weight traffic, %.0f B/param at %.1f TB/s", gpu.expert_weight_bytes_per_param,
+                    gpu.expert_weight_bytes_per_s / 1e12);
+      c.ceiling = what;
+    } else {
+      c.ceiling = gemm_ceiling;
+    }
+    out.push_back(c);
+  }
+  // LM head: logits, their data and weight gradients.
+  {
+    PhaseCeiling c;
+    c.phase = "lm_head";
+    c.flops = micro * 6.0 * n * d * double(m.vocab_size);
+    c.ideal_ms = 1e3 * c.flops / dense_rate;
+    c.ceiling = gemm_ceiling;
+    out.push_back(c);
+  }
+  // Optimizer: the gradient norm's read (4 bytes) and AdamW's update (FP32 weight, gradient and two
+  // moments read, weight and moments written, the BF16 copy written: 30 bytes) per parameter.
+  {
+    PhaseCeiling c;
+    c.phase = "optimizer";
+    c.bytes = 34.0 * double(plan.memory.local_params);
+    c.ideal_ms = 1e3 * c.bytes / gpu.expert_weight_bytes_per_s;
+    std::snprintf(what, sizeof what, "34 B/param at %.1f TB/s", gpu.expert_weight_bytes_per_s / 1e12);
+    c.ceiling = what;
+    out.push_back(c);
+  }
+  return out;
+}
+
+}  // namespace moe
