@@ -143,10 +143,49 @@ void set_layout_batch(cublasLtMatrixLayout_t layout, int64_t batch, int64_t stri
       key);
 }
 
+// The heuristic's first algorithm for p's descriptor and layouts into p.algo, within the handle's
+// workspace, split-K partials reduced only as reduction_mask allows (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE:
+// FP32 partials in the workspace, reduced in a fixed order, so a BF16 C is rounded once); aligns:
+// the minimum alignments of cuBLASLt's A, B, C, D in bytes, or null for its default. False when no
+// algorithm fits.
+template <typename Key>
+bool choose_algorithm(cublasLtHandle_t lt, Plan& p, const uint32_t* aligns, uint32_t reduction_mask, const Key& key) {
+  cublasLtMatmulPreference_t pref = nullptr;
+  MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref), key);
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  try {
+    const uint64_t ws = GemmHandle::kWorkspaceBytes;
+    MOE_GEMM_CUBLAS_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)), key);
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                                               &reduction_mask, sizeof(reduction_mask)),
+                          key);
+    if (aligns != nullptr) {
+      const cublasLtMatmulPreferenceAttributes_t attrs[4] = {
+          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+      for (int i = 0; i < 4; ++i) {
+        MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attrs[i], &aligns[i], sizeof(aligns[i])),
+                              key);
+      }
+    }
+    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.layout_b, p.layout_a, p.layout_c, p.layout_c,
+                                                         pref, 1, &result, &found),
+                          key);
+  } catch (...) {
+    cublasLtMatmulPreferenceDestroy(pref);
+    throw;
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (found <= 0 || result.state != CUBLAS_STATUS_SUCCESS) return false;
+  p.algo = result.algo;
+  return true;
+}
+
 // Descriptors, layouts and the heuristic's first choice for `key`; on failure everything built is destroyed.
 Plan build_plan(cublasLtHandle_t lt, const GemmKey& key) {
   Plan p;
-  cublasLtMatmulPreference_t pref = nullptr;
   try {
     MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), key);
     const cublasOperation_t op_first = key.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -171,35 +210,10 @@ Plan build_plan(cublasLtHandle_t lt, const GemmKey& key) {
     set_layout_batch(p.layout_a, key.batch, key.stride_a, key);
     set_layout_batch(p.layout_c, key.batch, key.stride_c, key);
 
-    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref), key);
-    const uint64_t ws = GemmHandle::kWorkspaceBytes;
-    MOE_GEMM_CUBLAS_CHECK(
-        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)), key);
-    // Split-K only with FP32 partials in the workspace, reduced in a fixed order: no partial sums
-    // rounded to a BF16 C (the in-place and output-type schemes), so C is rounded once.
-    const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-                                                               &reduction, sizeof(reduction)),
-                          key);
     const uint32_t aligns[4] = {key.align_b, key.align_a, key.align_c, key.align_c};  // cuBLASLt's A, B, C, D
-    const cublasLtMatmulPreferenceAttributes_t attrs[4] = {
-        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
-    for (int i = 0; i < 4; ++i) {
-      MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attrs[i], &aligns[i], sizeof(aligns[i])), key);
-    }
-
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.layout_b, p.layout_a, p.layout_c, p.layout_c,
-                                                         pref, 1, &result, &found),
-                          key);
-    MOE_CHECK(found > 0 && result.state == CUBLAS_STATUS_SUCCESS, "cuda::gemm: cuBLASLt has no algorithm for ",
-              describe(key), ": check the leading dimensions and alignments");
-    p.algo = result.algo;
-    cublasLtMatmulPreferenceDestroy(pref);
+    MOE_CHECK(choose_algorithm(lt, p, aligns, CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE, key),
+              "cuda::gemm: cuBLASLt has no algorithm for ", describe(key), ": check the leading dimensions and alignments");
   } catch (...) {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
     destroy_plan(p);
     throw;
   }
@@ -211,7 +225,6 @@ Plan build_plan(cublasLtHandle_t lt, const GemmKey& key) {
 // pointers are set per call (scale_pointers).
 Plan build_fp8_plan(cublasLtHandle_t lt, const Fp8GemmKey& key, const float* sb, const float* sa_t) {
   Plan p;
-  cublasLtMatmulPreference_t pref = nullptr;
   try {
     MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), key);
     const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
@@ -239,34 +252,12 @@ Plan build_fp8_plan(cublasLtHandle_t lt, const Fp8GemmKey& key, const float* sb,
     MOE_GEMM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.layout_a, ta, k, m, key.k), key);
     MOE_GEMM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.layout_c, key.c_f32 ? CUDA_R_32F : CUDA_R_16BF, n, m, key.n),
                           key);
-    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref), key);
-    const uint64_t ws = GemmHandle::kWorkspaceBytes;
-    MOE_GEMM_CUBLAS_CHECK(
-        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)), key);
-    const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-                                                               &reduction, sizeof(reduction)),
-                          key);
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.layout_b, p.layout_a, p.layout_c, p.layout_c,
-                                                         pref, 1, &result, &found),
-                          key);
-    if (found == 0) {
-      // No kernel that reduces split-K partials in FP32 in the workspace: take the library's choice.
-      const uint32_t any = CUBLASLT_REDUCTION_SCHEME_MASK;
-      MOE_GEMM_CUBLAS_CHECK(
-          cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &any, sizeof(any)), key);
-      MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.layout_b, p.layout_a, p.layout_c, p.layout_c,
-                                                           pref, 1, &result, &found),
-                            key);
-    }
-    MOE_CHECK(found > 0 && result.state == CUBLAS_STATUS_SUCCESS, "cuda::fp8_gemm: cuBLASLt has no algorithm for ",
-              describe(key), " on this GPU (block-scaled FP8 needs compute capability 9.0 and CUDA 12.9 or later)");
-    p.algo = result.algo;
-    cublasLtMatmulPreferenceDestroy(pref);
+    // Split-K partials reduced in FP32 where a kernel allows it; else the library's choice.
+    MOE_CHECK(choose_algorithm(lt, p, nullptr, CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE, key) ||
+                  choose_algorithm(lt, p, nullptr, CUBLASLT_REDUCTION_SCHEME_MASK, key),
+              "cuda::fp8_gemm: cuBLASLt has no algorithm for ", describe(key),
+              " on this GPU (block-scaled FP8 needs compute capability 9.0 and CUDA 12.9 or later)");
   } catch (...) {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
     destroy_plan(p);
     throw;
   }
