@@ -1,7 +1,7 @@
 // What one NVIDIA H200 does, as `moecore plan` uses it: per-op rates measured on one H200 and the
 // olmoe-8l step's phases, with the source of every figure. Measured figures come from committed
 // results: bench/results/gpu-check-20261201T230245Z (grouped_gemm.json: grouped GEMM and cuDNN
-// attention; bench-olmoe-8l.json: the step's phases), bench/results/memory-check-20261201T2315Z and
+// attention), bench/results/deferred-update-20261202 (the step's phases), bench/results/memory-check-20261201T2315Z and
 // docs/benchmarks.md (NCCL all-reduce, expert exchange); the dense GEMM rate was measured on the
 // same kind of GPU but is not in a committed result file (docs/planning.md says so). Nominal
 // figures are the vendor's datasheet values and say so.
@@ -26,13 +26,17 @@ struct GpuCeilings {
   // H200 of the same host (project performance notes; no committed result file holds it).
   double dense_gemm_tflops = 784.0;
 
-  // The experts' weight traffic of each micro-step, besides their FLOPs: the BF16 weights read by
-  // forward and dgrad (2 + 2 bytes per expert parameter) and the FP32 weight gradient read and
-  // written by the accumulating wgrad (8): 12 bytes per expert parameter, at 4.3e12 bytes/s, the
-  // rate fitted to the one-GPU expert-scaling sweep (bench/results/experiments-20261202T022232Z/
-  // sweep-scaling1.json, one micro-batch of 8192 tokens): the experts phase grows 6.9 ms (13.9 ->
-  // 20.8 ms, e8 -> e64) for 29.6 GB more of this traffic.
-  double expert_weight_bytes_per_param = 12.0;
+  // What the experts phase costs per expert parameter and micro-step besides the GEMMs' FLOPs (the
+  // BF16 weights read by forward and dgrad, the FP32 weight gradient stored or accumulated by
+  // wgrad, smaller per-expert GEMMs), as bytes at the HBM rate (4.3e12 bytes/s, also the rate of
+  // the optimizer's traffic): fitted to the one-GPU expert-scaling sweeps of
+  // bench/results/experiments-20261202T045008Z, where e8 -> e128 (5.28e9 more expert parameters)
+  // adds 10.3 ms per micro-step at one micro-step of 8192 tokens (experts 13.5 -> 23.8 ms) and
+  // 10.8 ms per micro-step at 16 micro-steps of 4 x 8192 (881 -> 1053 ms per step): 8.4 and 8.8
+  // bytes per parameter. The first micro-step writes its weight gradients without reading them
+  // and later ones read and write them, yet both grow alike: the growth is not the gradient's bytes
+  // alone.
+  double expert_weight_bytes_per_param = 8.6;
   double expert_weight_bytes_per_s = 4.3e12;
 
   // HBM3e bandwidth, nominal (datasheet): 4.8 TB/s. NVLink 4 between two H200s, nominal: 450 GB/s
@@ -51,12 +55,15 @@ struct GpuCeilings {
   // count reads and regroups included; docs/benchmarks.md).
   double ep_exchange_bytes_per_s = 128.5e9;
 
-  // The olmoe-8l step on one H200, recompute none, CUDA graph (bench-olmoe-8l.json,
-  // phase_ms_scaled_to_step; 178.02 ms): the phases the model scales from.
-  double ref_embedding_ms = 0.316, ref_attention_ms = 45.01, ref_mlp_ms = 3.47, ref_router_ms = 1.40;
-  double ref_dispatch_ms = 4.15, ref_experts_ms = 68.18, ref_combine_ms = 3.79, ref_lm_head_ms = 21.35;
-  double ref_optimizer_ms = 30.35;
-  double ref_step_ms = 178.02;
+  // The olmoe-8l step on one H200, recompute none, CUDA graph: the mean of the two rounds of
+  // bench/results/deferred-update-20261202/olmoe-8l-deferred-false-{1,2}.json
+  // (phase_ms_scaled_to_step; 173.45 ms): the phases the model scales from. That step writes the
+  // weight gradients on its first backward (no zeroing pass) and does the LM head's backward GEMMs
+  // in its forward (three vocabulary GEMMs per micro-step).
+  double ref_embedding_ms = 0.323, ref_attention_ms = 45.79, ref_mlp_ms = 3.424, ref_router_ms = 1.417;
+  double ref_dispatch_ms = 4.134, ref_experts_ms = 68.94, ref_combine_ms = 3.743, ref_lm_head_ms = 15.58;
+  double ref_optimizer_ms = 30.09;
+  double ref_step_ms = 173.45;
 };
 
 inline const GpuCeilings& h200_ceilings() {

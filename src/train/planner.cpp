@@ -144,12 +144,13 @@ StepTime estimate_step(const LayoutPlan& p, Recompute mode, const GpuCeilings& g
                            s.moe_layers * (eg.gate_up_fwd + eg.down_fwd) + experts_glue / 3.0 +
                            (g.ref_dispatch_ms + g.ref_combine_ms) * route_scale / 2.0);
   }
-  // The optimizer: 38 bytes per parameter in the reference (grad-norm read and gradient zeroing,
-  // 8, over every local parameter; the AdamW update, 30, over this GPU's moment shard).
+  // The optimizer: 34 bytes per parameter in the reference (the grad norm's read, 4, over every
+  // local parameter; the AdamW update, 30, over this GPU's moment shard; the gradients are not
+  // zeroed: the first backward writes them).
   const MemoryEstimate& m = p.run.memory;
   const double local = double(m.local_params);
   const double shard = p.zero ? p.moments / 8.0 : local;
-  t.optimizer = g.ref_optimizer_ms * (8.0 * local + 30.0 * shard) / (38.0 * r.params);
+  t.optimizer = g.ref_optimizer_ms * (4.0 * local + 30.0 * shard) / (34.0 * r.params);
   // Collectives.
   // The gradient reduction (all-reduce, or ZeRO-1's reduce-scatter) overlaps backward under
   // parallel.overlap_grad_reduce without ep; ZeRO-1's all-gather follows the update.
