@@ -177,9 +177,6 @@ struct CudaStepRunner::Impl {
   std::vector<FlatRange> dense_ranges, expert_ranges;
   cuda::DeviceBuffer range_norms, squares;
 
-  // Data parallel with overlap (parallel.overlap_grad_reduce, no ep): during the last micro-batch's
-  // backward, each group of gradients that became final (CudaModel's hook) is all-reduced on
-  // comm_stream after an event of the model's stream; `reduced` joins the streams after backward.
   // Deferred update (optim.deferred_update): each step ends with adamw_prepare; the next step
   // applies the update group by group (the gradient groups of grad_group_starts: embedding, each
   // block, head) on opt_stream, zeroing the group's accumulating gradients after it, while the
@@ -192,6 +189,9 @@ struct CudaStepRunner::Impl {
   std::vector<std::unique_ptr<cuda::ParamSegmentTable>> group_segments;
   bool wait_for_updates = false;  // set while the first micro-batch's forward is enqueued
 
+  // Data parallel with overlap (parallel.overlap_grad_reduce, no ep): during the last micro-batch's
+  // backward, each group of gradients that became final (CudaModel's hook) is all-reduced on
+  // comm_stream after an event of the model's stream; `reduced` joins the streams after backward.
   cuda::Stream comm_stream = nullptr;
   std::vector<cuda::Event> ready_events;
   cuda::Event reduced = nullptr;
