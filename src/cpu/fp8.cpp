@@ -109,12 +109,12 @@ void mx_dequantize(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, i
 
 namespace {
 
-// C = A B^T over K blocks of 128, B's scale of (row j, K block t) from b_scale(j, t).
-template <typename BScale>
-void gemm_k_blocks(const char* op, const uint8_t* qa, const float* sa, Fp8Format fa, const uint8_t* qb, Fp8Format fb,
-                   int64_t m, int64_t n, int64_t k, float* c, bool accumulate, BScale b_scale) {
+// C = A B^T over K blocks of kb, A's scale of (row i, K block t) from a_scale(i, t, kblocks), B's
+// of (row j, K block t) from b_scale(j, t, kblocks).
+template <typename AScale, typename BScale>
+void gemm_k_blocks(const char* op, const uint8_t* qa, AScale a_scale, Fp8Format fa, const uint8_t* qb, Fp8Format fb,
+                   int64_t m, int64_t n, int64_t k, float* c, bool accumulate, BScale b_scale, int64_t kb = 128) {
   MOE_CHECK(m >= 0 && n >= 0 && k >= 0, op, ": m, n, k must be >= 0, got ", m, ", ", n, ", ", k);
-  constexpr int64_t kb = 128;
   const int64_t kblocks = (k + kb - 1) / kb;
   std::vector<float> a(static_cast<size_t>(m * k)), b(static_cast<size_t>(n * k));
   for (int64_t i = 0; i < m * k; ++i) a[size_t(i)] = fp8_decode(qa[i], fa);
@@ -126,7 +126,7 @@ void gemm_k_blocks(const char* op, const uint8_t* qa, const float* sa, Fp8Format
         const int64_t k0 = t * kb, k1 = std::min(k, k0 + kb);
         float partial = 0.0f;
         for (int64_t p = k0; p < k1; ++p) partial += a[size_t(i * k + p)] * b[size_t(j * k + p)];
-        acc += partial * sa[i * kblocks + t] * b_scale(j, t, kblocks);
+        acc += partial * a_scale(i, t, kblocks) * b_scale(j, t, kblocks);
       }
       c[i * n + j] = acc;
     }
@@ -159,7 +159,8 @@ Quantised quantise(const float* x, int64_t rows, int64_t cols, Fp8Block block, F
 
 void fp8_gemm_rowwise_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, const uint8_t* qb, const float* sb,
                              Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate) {
-  gemm_k_blocks("cpu::fp8_gemm_rowwise_scaled", qa, sa, fa, qb, fb, m, n, k, c, accumulate,
+  gemm_k_blocks("cpu::fp8_gemm_rowwise_scaled", qa, [sa](int64_t i, int64_t t, int64_t kb) { return sa[i * kb + t]; },
+                fa, qb, fb, m, n, k, c, accumulate,
                 [sb](int64_t j, int64_t t, int64_t kblocks) { return sb[j * kblocks + t]; });
 }
 
@@ -192,8 +193,54 @@ void fp8_linear_wgrad(const float* dy, const float* x, int64_t m, int64_t n, int
 void fp8_gemm_block_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, const uint8_t* qb, const float* sb,
                            Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate) {
   // B's 128 x 128 blocks: row j's scale in K block t is its row block's.
-  gemm_k_blocks("cpu::fp8_gemm_block_scaled", qa, sa, fa, qb, fb, m, n, k, c, accumulate,
+  gemm_k_blocks("cpu::fp8_gemm_block_scaled", qa, [sa](int64_t i, int64_t t, int64_t kb) { return sa[i * kb + t]; },
+                fa, qb, fb, m, n, k, c, accumulate,
                 [sb](int64_t j, int64_t t, int64_t kblocks) { return sb[(j / 128) * kblocks + t]; });
+}
+
+namespace {
+// 2^(code - 127) of an E8M0 scale code; the NaN code is refused.
+float e8m0_value(const char* op, uint8_t code) {
+  MOE_CHECK(code != 0xFF, op, ": an E8M0 scale holds the NaN code 0xFF");
+  return std::ldexp(1.0f, int(code) - 127);
+}
+}  // namespace
+
+void mx_gemm(const uint8_t* qa, const uint8_t* sa_e8m0, Fp8Format fa, const uint8_t* qb, const uint8_t* sb_e8m0,
+             Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate) {
+  const char* op = "cpu::mx_gemm";
+  gemm_k_blocks(op, qa, [=](int64_t i, int64_t t, int64_t kb) { return e8m0_value(op, sa_e8m0[i * kb + t]); }, fa, qb,
+                fb, m, n, k, c, accumulate,
+                [=](int64_t j, int64_t t, int64_t kb) { return e8m0_value(op, sb_e8m0[j * kb + t]); }, kMxBlock);
+}
+
+int64_t mx_to_blocks128(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f,
+                        uint8_t* q_out, float* scales_out) {
+  const char* op = "cpu::mx_to_blocks128";
+  MOE_CHECK(rows >= 0 && cols >= 0, op, ": rows and cols must be >= 0, got ", rows, " x ", cols);
+  const int64_t mx_cols = fp8_scale_cols(cols, {1, kMxBlock}), out_cols = fp8_scale_cols(cols, kFp8ActivationBlock);
+  int64_t changed = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < out_cols; ++b) {
+      const int64_t c0 = b * 128, c1 = std::min(cols, c0 + 128);
+      int top = 0;
+      for (int64_t c = c0; c < c1; c += kMxBlock) {
+        const uint8_t code = scales_e8m0[r * mx_cols + c / kMxBlock];
+        MOE_CHECK(code != 0xFF, op, ": scale [", r, ", ", c / kMxBlock, "] is the E8M0 NaN code 0xFF");
+        top = std::max(top, int(code));
+      }
+      scales_out[r * out_cols + b] = std::ldexp(1.0f, top - 127);
+      for (int64_t c = c0; c < c1; ++c) {
+        const int shift = int(scales_e8m0[r * mx_cols + c / kMxBlock]) - top;  // <= 0
+        const double v = std::ldexp(double(fp8_decode(q[r * cols + c], f)), shift);  // exact in FP64
+        // FP32 is exact for every v the format can hold; smaller ones encode to 0 either way.
+        const uint8_t code = fp8_encode(float(v), f);
+        q_out[r * cols + c] = code;
+        changed += double(fp8_decode(code, f)) != v;
+      }
+    }
+  }
+  return changed;
 }
 
 }  // namespace moe::cpu

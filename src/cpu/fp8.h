@@ -76,6 +76,24 @@ void fp8_gemm_block_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, con
 void fp8_gemm_rowwise_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, const uint8_t* qb, const float* sb,
                              Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate);
 
+// C [M, N] (+)= A [M, K] B [N, K]^T with both operands MX (1 x 32 blocks along K, E8M0 scales
+// [rows, ceil(K/32)]): the products of each 32-wide K block summed in FP32, then promoted with the
+// two power-of-two scales (exact). MXFP8's GEMM as Blackwell's tensor cores compute it, and what
+// a Hopper kernel promoting every 32 K elements would: the reference for MX scaling on either.
+void mx_gemm(const uint8_t* qa, const uint8_t* sa_e8m0, Fp8Format fa, const uint8_t* qb, const uint8_t* sb_e8m0,
+             Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate);
+
+// MX codes re-blocked into 1 x 128 blocks with FP32 scales, the other way to run MX-quantised
+// tensors on Hopper's block-scaled GEMM (cuBLASLt has no 1 x 32 mode there): each 128 block takes
+// its largest MX scale 2^e_max as its scale, and every code of a sub-block with scale 2^e is
+// re-encoded as its value times 2^(e - e_max), round to nearest even. That is exact only while the
+// shifted values stay within the format's precision: a sub-block whose scale is 2^k below the
+// block's loses up to k low bits of its codes (into subnormals, or to zero). Returns the number of
+// codes whose value changed; 0 means the 1 x 128 GEMM on the output equals mx_gemm up to FP32
+// summation order.
+int64_t mx_to_blocks128(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f,
+                        uint8_t* q_out, float* scales_out);
+
 // The FP8 recipe of a linear layer's three GEMMs, emulated on FP32 tensors (the CPU twin of the GPU
 // FP8 path: the operands quantised as the GPU quantises them, then the block-scaled GEMM above):
 //   forward  y [M, N]  = x [M, K] W [N, K]^T : x in `forward` format, 1 x 128 along K; W in

@@ -286,9 +286,73 @@ TEST(Fp8, LinearPassesFollowTheRecipe) {
       for (float& v : want) v += 1.0f;
       expect_parity("fp8 wgrad " + at, dw, want, kFP32Reduction);
     }
-    if (s.m * s.n * s.k > 1000) EXPECT_GT(err_e5, err_e4) << at << ": E5M2 gradients round coarser";
+    if (s.m * s.n * s.k > 1000) {
+      EXPECT_GT(err_e5, err_e4) << at << ": E5M2 gradients round coarser";
+    }
   }
 }
 
 }  // namespace
+// MXFP8's GEMM (1 x 32 blocks, E8M0 scales, promoted per 32-wide K block) equals the FP32 product
+// of the dequantised operands; the same codes re-blocked to 1 x 128 (mx_to_blocks128) give the same
+// product when a block's four MX scales agree, and lose low bits of the codes of the sub-blocks
+// whose scale is far below the block's largest, which the count reports.
+TEST(Fp8, MxGemmAndItsReblockingToOneBy128) {
+  const int64_t m = 5, n = 6, k = 256;
+  const std::vector<float> a = randn(m * k, 21), b = randn(n * k, 22, 0.05f);
+  std::vector<uint8_t> qa(size_t(m * k)), qb(size_t(n * k)), sa(size_t(m * k / 32)), sb(size_t(n * k / 32));
+  cpu::mx_quantize(a.data(), m, k, Fp8Format::kE4M3, MxScale::kOcp, qa.data(), sa.data());
+  cpu::mx_quantize(b.data(), n, k, Fp8Format::kE4M3, MxScale::kOcp, qb.data(), sb.data());
+  std::vector<float> da(a.size()), db(b.size());
+  cpu::mx_dequantize(qa.data(), sa.data(), m, k, Fp8Format::kE4M3, da.data());
+  cpu::mx_dequantize(qb.data(), sb.data(), n, k, Fp8Format::kE4M3, db.data());
+  std::vector<float> c(size_t(m * n));
+  cpu::mx_gemm(qa.data(), sa.data(), Fp8Format::kE4M3, qb.data(), sb.data(), Fp8Format::kE4M3, m, n, k, c.data(),
+               false);
+  expect_parity("mx_gemm", c, gemm_abt(da, db, m, n, k), kFP32Reduction);
+
+  // One scale per 128 block (every element of a row the same magnitude class): re-blocking is exact.
+  std::vector<float> flat(size_t(m * k));
+  for (size_t i = 0; i < flat.size(); ++i) flat[i] = (i % 3 == 0 ? -1.0f : 1.0f) * (1.0f + float(i % 8) / 8.0f);
+  std::vector<uint8_t> qf(flat.size()), sf(size_t(m * k / 32)), q128(flat.size());
+  std::vector<float> s128(size_t(m * k / 128));
+  cpu::mx_quantize(flat.data(), m, k, Fp8Format::kE4M3, MxScale::kOcp, qf.data(), sf.data());
+  EXPECT_EQ(cpu::mx_to_blocks128(qf.data(), sf.data(), m, k, Fp8Format::kE4M3, q128.data(), s128.data()), 0);
+  std::vector<float> d_mx(flat.size()), d_128(flat.size());
+  cpu::mx_dequantize(qf.data(), sf.data(), m, k, Fp8Format::kE4M3, d_mx.data());
+  cpu::fp8_dequantize_blocks(q128.data(), s128.data(), m, k, cpu::kFp8ActivationBlock, Fp8Format::kE4M3, d_128.data());
+  EXPECT_EQ(d_128, d_mx) << "equal MX scales: the re-blocked codes are the same values";
+
+  // The random operands: their sub-blocks' scales differ by a few binades, which shifts codes
+  // within E4M3's normal range: nothing changes and the 1 x 128 product is the MX one.
+  std::vector<uint8_t> qa128(qa.size()), qb128(qb.size());
+  std::vector<float> sa128(size_t(m * k / 128)), sb128(size_t(n * k / 128));
+  const int64_t ca = cpu::mx_to_blocks128(qa.data(), sa.data(), m, k, Fp8Format::kE4M3, qa128.data(), sa128.data());
+  const int64_t cb = cpu::mx_to_blocks128(qb.data(), sb.data(), n, k, Fp8Format::kE4M3, qb128.data(), sb128.data());
+  EXPECT_EQ(ca + cb, 0);
+  std::vector<float> c128(c.size());
+  cpu::fp8_gemm_rowwise_scaled(qa128.data(), sa128.data(), Fp8Format::kE4M3, qb128.data(), sb128.data(),
+                               Fp8Format::kE4M3, m, n, k, c128.data(), false);
+  expect_parity("re-blocked MX product", c128, c, kFP32Reduction);
+
+  // A sub-block 2^15 below its block's largest scale lands in E4M3's subnormals (steps of 2^-9 of
+  // the block scale): the codes needing a finer step round (those of 288, 352 and 416 units; 480
+  // saturated to 448 already under the OCP rule, which shifts exactly): 12 of its 32; 2^19 below,
+  // every code rounds to zero.
+  for (const int gap : {15, 19}) {
+    std::vector<float> far(128, 256.0f);
+    for (int i = 32; i < 64; ++i) far[size_t(i)] = std::ldexp(256.0f * (1.0f + float(i % 8) / 8.0f), -gap);
+    std::vector<uint8_t> qfar(128), sfar(4), qfar128(128);
+    float sfar128 = 0;
+    cpu::mx_quantize(far.data(), 1, 128, Fp8Format::kE4M3, MxScale::kOcp, qfar.data(), sfar.data());
+    const int64_t changed =
+        cpu::mx_to_blocks128(qfar.data(), sfar.data(), 1, 128, Fp8Format::kE4M3, qfar128.data(), &sfar128);
+    EXPECT_EQ(sfar128, 1.0f) << gap;  // the block's largest MX scale, 2^0 for elements of 256
+    EXPECT_EQ(changed, gap == 15 ? 12 : 32) << gap;
+    if (gap == 19) {
+      for (int i = 32; i < 64; ++i) EXPECT_EQ(cpu::fp8_decode(qfar128[size_t(i)], Fp8Format::kE4M3), 0.0f) << i;
+    }
+  }
+}
+
 }  // namespace moe::testing
