@@ -615,6 +615,7 @@ int cmd_logits(const ParsedArgs& a) {
     ids.push_back(static_cast<int32_t>(tokens[i]));
   }
   Model<float> model(cfg.model, cfg.moe);
+  model.set_matmul_precision(cfg.train.precision);
   load_model_state(ck, model);
   std::vector<int32_t> targets(ids.size(), -1);
   for (size_t i = 0; i + 1 < ids.size(); ++i) targets[i] = ids[i + 1];
@@ -697,6 +698,7 @@ int cmd_generate(const ParsedArgs& a) {
   }
   MOE_CHECK(!ids.empty(), "--prompt '", prompt, "' encodes to no tokens");
   Model<float> model(cfg.model, cfg.moe);
+  model.set_matmul_precision(cfg.train.precision);
   load_model_state(ck, model);
   const Generation g = generate(model, ids, max_new, cfg.data.eos_id, so, !logits_out.empty());
   std::string text;

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "cpu/linear.h"
+#include "cpu/linear_precision.h"
 #include "cpu/swiglu.h"
 
 namespace moe::cpu {
@@ -26,20 +27,21 @@ void check_offsets(const char* op, const int32_t* offsets, int64_t num_experts, 
 template <typename T>
 void experts_forward(const T* x_sorted, const int32_t* expert_offsets, const T* w_gate_up,
                      const T* w_down, int64_t num_experts, int64_t d, int64_t inner, T* gate_up,
-                     T* h, T* y) {
+                     T* h, T* y, const Fp8Recipe* fp8) {
   check_offsets("experts_forward", expert_offsets, num_experts, d, inner);
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t row0 = expert_offsets[e];
     const int64_t n = expert_offsets[e + 1] - row0;
     if (n == 0) continue;
-    linear_forward(x_sorted + row0 * d, w_gate_up + e * 2 * inner * d, gate_up + row0 * 2 * inner, n, d, 2 * inner);
+    linear_forward_at(fp8, x_sorted + row0 * d, w_gate_up + e * 2 * inner * d, gate_up + row0 * 2 * inner, n, d,
+                      2 * inner);
   }
-  experts_down_forward(expert_offsets, gate_up, w_down, num_experts, d, inner, h, y);
+  experts_down_forward(expert_offsets, gate_up, w_down, num_experts, d, inner, h, y, fp8);
 }
 
 template <typename T>
 void experts_down_forward(const int32_t* expert_offsets, const T* gate_up, const T* w_down, int64_t num_experts,
-                          int64_t d, int64_t inner, T* h, T* y) {
+                          int64_t d, int64_t inner, T* h, T* y, const Fp8Recipe* fp8) {
   check_offsets("experts_down_forward", expert_offsets, num_experts, d, inner);
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t row0 = expert_offsets[e];
@@ -47,7 +49,7 @@ void experts_down_forward(const int32_t* expert_offsets, const T* gate_up, const
     if (n == 0) continue;
     T* he = h + row0 * inner;
     swiglu_forward(gate_up + row0 * 2 * inner, he, n, inner);
-    linear_forward(he, w_down + e * d * inner, y + row0 * d, n, inner, d);
+    linear_forward_at(fp8, he, w_down + e * d * inner, y + row0 * d, n, inner, d);
   }
 }
 
@@ -55,7 +57,7 @@ template <typename T>
 void experts_backward(const T* x_sorted, const int32_t* expert_offsets, const T* w_gate_up,
                       const T* w_down, const T* gate_up, const T* h, const T* dy,
                       int64_t num_experts, int64_t d, int64_t inner, T* dx_sorted, T* dw_gate_up,
-                      T* dw_down, T* scratch) {
+                      T* dw_down, T* scratch, const Fp8Recipe* fp8) {
   check_offsets("experts_backward", expert_offsets, num_experts, d, inner);
   const int64_t rows = expert_offsets[num_experts];
   T* dgate_up_all = scratch;                 // [R, 2I]
@@ -66,27 +68,27 @@ void experts_backward(const T* x_sorted, const int32_t* expert_offsets, const T*
     if (n == 0) continue;
     T* dgu = dgate_up_all + row0 * 2 * inner;
     T* dh = dh_all + row0 * inner;
-    linear_backward(h + row0 * inner, w_down + e * d * inner, dy + row0 * d, dh,
+    linear_backward_at(fp8, h + row0 * inner, w_down + e * d * inner, dy + row0 * d, dh,
                     dw_down ? dw_down + e * d * inner : nullptr, n, inner, d);
     swiglu_backward(gate_up + row0 * 2 * inner, dh, dgu, n, inner);
-    linear_backward(x_sorted + row0 * d, w_gate_up + e * 2 * inner * d, dgu, dx_sorted + row0 * d,
+    linear_backward_at(fp8, x_sorted + row0 * d, w_gate_up + e * 2 * inner * d, dgu, dx_sorted + row0 * d,
                     dw_gate_up ? dw_gate_up + e * 2 * inner * d : nullptr, n, d, 2 * inner);
   }
 }
 
 template void experts_forward<float>(const float*, const int32_t*, const float*, const float*,
-                                     int64_t, int64_t, int64_t, float*, float*, float*);
+                                     int64_t, int64_t, int64_t, float*, float*, float*, const Fp8Recipe*);
 template void experts_forward<double>(const double*, const int32_t*, const double*, const double*,
-                                      int64_t, int64_t, int64_t, double*, double*, double*);
+                                      int64_t, int64_t, int64_t, double*, double*, double*, const Fp8Recipe*);
 template void experts_down_forward<float>(const int32_t*, const float*, const float*, int64_t, int64_t, int64_t,
-                                          float*, float*);
+                                          float*, float*, const Fp8Recipe*);
 template void experts_down_forward<double>(const int32_t*, const double*, const double*, int64_t, int64_t,
-                                           int64_t, double*, double*);
+                                           int64_t, double*, double*, const Fp8Recipe*);
 template void experts_backward<float>(const float*, const int32_t*, const float*, const float*,
                                       const float*, const float*, const float*, int64_t, int64_t,
-                                      int64_t, float*, float*, float*, float*);
+                                      int64_t, float*, float*, float*, float*, const Fp8Recipe*);
 template void experts_backward<double>(const double*, const int32_t*, const double*, const double*,
                                        const double*, const double*, const double*, int64_t,
-                                       int64_t, int64_t, double*, double*, double*, double*);
+                                       int64_t, int64_t, double*, double*, double*, double*, const Fp8Recipe*);
 
 }  // namespace moe::cpu

@@ -7,6 +7,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "cpu/linear.h"
 
 namespace moe::cpu {
 
@@ -241,6 +242,48 @@ int64_t mx_to_blocks128(const uint8_t* q, const uint8_t* scales_e8m0, int64_t ro
     }
   }
   return changed;
+}
+
+namespace {
+
+// x [rows, cols] quantised in `block` blocks of format f, dequantised.
+std::vector<float> fake_quantised(const float* x, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f) {
+  const Quantised q = quantise(x, rows, cols, block, f);
+  std::vector<float> d(size_t(rows * cols));
+  fp8_dequantize_blocks(q.q.data(), q.s.data(), rows, cols, block, f, d.data());
+  return d;
+}
+
+// The same in 1 x 128 blocks down the columns (128 rows of one column per block).
+std::vector<float> fake_quantised_columns(const float* x, int64_t rows, int64_t cols, Fp8Format f) {
+  const std::vector<float> t = transposed(x, rows, cols);
+  const std::vector<float> tq = fake_quantised(t.data(), cols, rows, kFp8ActivationBlock, f);
+  return transposed(tq.data(), cols, rows);
+}
+
+}  // namespace
+
+void fp8_emulated_linear_forward(const float* x, const float* w, float* y, int64_t n, int64_t k, int64_t m,
+                                 bool accumulate, const Fp8Recipe& r) {
+  const std::vector<float> xq = fake_quantised(x, n, k, kFp8ActivationBlock, r.forward);
+  const std::vector<float> wq = fake_quantised(w, m, k, kFp8WeightBlock, r.forward);
+  linear_forward(xq.data(), wq.data(), y, n, k, m, accumulate);
+}
+
+void fp8_emulated_linear_backward(const float* x, const float* w, const float* dy, float* dx, float* dw, int64_t n,
+                                  int64_t k, int64_t m, bool accumulate_dx, const Fp8Recipe& r) {
+  if (dx != nullptr) {
+    const std::vector<float> dyq = fake_quantised(dy, n, m, kFp8ActivationBlock, r.grad);
+    const std::vector<float> wq = fake_quantised(w, m, k, kFp8WeightBlock, r.forward);
+    linear_backward(static_cast<const float*>(nullptr), wq.data(), dyq.data(), dx, static_cast<float*>(nullptr), n, k,
+                    m, accumulate_dx);
+  }
+  if (dw != nullptr) {
+    const std::vector<float> dyc = fake_quantised_columns(dy, n, m, r.grad);
+    const std::vector<float> xc = fake_quantised_columns(x, n, k, r.forward);
+    linear_backward(xc.data(), static_cast<const float*>(nullptr), dyc.data(), static_cast<float*>(nullptr), dw, n, k,
+                    m, false);
+  }
 }
 
 }  // namespace moe::cpu

@@ -114,4 +114,14 @@ void fp8_linear_dgrad(const float* dy, const float* w, int64_t m, int64_t n, int
 void fp8_linear_wgrad(const float* dy, const float* x, int64_t m, int64_t n, int64_t k, const Fp8Recipe& r,
                       float* dw);
 
+// The recipe's linear passes as the CPU reference trains with them (train.precision = "fp8" on the
+// cpu backend): each operand quantised as above and dequantised (fake quantisation), then the FP32
+// GEMM of cpu::linear: the same values as fp8_linear_* up to FP32 summation order, at BLAS speed.
+// y [n, m] (+)= x [n, k] W [m, k]^T; backward dx [n, k] (+)= dy W (dy along m, W in 128 x 128
+// blocks) and dW += dy^T x (both along n, the token dimension); dx or dw may be null.
+void fp8_emulated_linear_forward(const float* x, const float* w, float* y, int64_t n, int64_t k, int64_t m,
+                                 bool accumulate, const Fp8Recipe& r);
+void fp8_emulated_linear_backward(const float* x, const float* w, const float* dy, float* dx, float* dw, int64_t n,
+                                  int64_t k, int64_t m, bool accumulate_dx, const Fp8Recipe& r);
+
 }  // namespace moe::cpu

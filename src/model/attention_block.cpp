@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "cpu/attention.h"
 #include "cpu/linear.h"
+#include "cpu/linear_precision.h"
 #include "cpu/rmsnorm.h"
 #include "cpu/rope.h"
 
@@ -39,9 +40,9 @@ void attention_block_forward(const AttentionConfig& c, const AttentionTensors<co
   s.q_raw_NQ.resize(n * q);
   s.k_raw_NC.resize(n * kv);
   s.v_NC.resize(n * kv);
-  cpu::linear_forward(s.norm_ND.data(), w.q_proj, s.q_raw_NQ.data(), n, d, q);
-  cpu::linear_forward(s.norm_ND.data(), w.k_proj, s.k_raw_NC.data(), n, d, kv);
-  cpu::linear_forward(s.norm_ND.data(), w.v_proj, s.v_NC.data(), n, d, kv);
+  cpu::linear_forward_at(c.fp8, s.norm_ND.data(), w.q_proj, s.q_raw_NQ.data(), n, d, q);
+  cpu::linear_forward_at(c.fp8, s.norm_ND.data(), w.k_proj, s.k_raw_NC.data(), n, d, kv);
+  cpu::linear_forward_at(c.fp8, s.norm_ND.data(), w.v_proj, s.v_NC.data(), n, d, kv);
   if (c.qk_norm) {
     s.q_NQ.resize(n * q);
     s.k_NC.resize(n * kv);
@@ -59,7 +60,7 @@ void attention_block_forward(const AttentionConfig& c, const AttentionTensors<co
   s.lse_BHS.resize(batch * hq * seq);
   cpu::attention_forward(s.q_NQ.data(), s.k_NC.data(), s.v_NC.data(), s.attn_NQ.data(), s.lse_BHS.data(), batch,
                          seq, hq, hkv, hd);
-  cpu::linear_forward(s.attn_NQ.data(), w.o_proj, x, n, q, d, /*accumulate=*/true);
+  cpu::linear_forward_at(c.fp8, s.attn_NQ.data(), w.o_proj, x, n, q, d, /*accumulate=*/true);
 }
 
 template <typename T>
@@ -69,7 +70,7 @@ void attention_block_backward(const AttentionConfig& c, const AttentionTensors<c
   const int64_t hq = c.n_heads, hkv = c.n_kv_heads, q = hq * hd, kv = hkv * hd;
   if (timer) timer->lap(Phase::kAttention);
   std::vector<T> dattn(n * q), dq(n * q), dk(n * kv), dv(n * kv), dq_raw, dk_raw, dnorm(n * d), dtmp(n * d);
-  cpu::linear_backward(s.attn_NQ.data(), w.o_proj, dx, dattn.data(), dw.o_proj, n, q, d);
+  cpu::linear_backward_at(c.fp8, s.attn_NQ.data(), w.o_proj, dx, dattn.data(), dw.o_proj, n, q, d);
   cpu::attention_backward(s.q_NQ.data(), s.k_NC.data(), s.v_NC.data(), s.attn_NQ.data(), s.lse_BHS.data(),
                           dattn.data(), dq.data(), dk.data(), dv.data(), batch, seq, hq, hkv, hd);
   cpu::rope_backward(dq.data(), batch, seq, hq, hd, c.rope_theta);
@@ -84,9 +85,9 @@ void attention_block_backward(const AttentionConfig& c, const AttentionTensors<c
     gq = dq_raw.data();
     gk = dk_raw.data();
   }
-  cpu::linear_backward(s.norm_ND.data(), w.q_proj, gq, dnorm.data(), dw.q_proj, n, d, q);
-  cpu::linear_backward(s.norm_ND.data(), w.k_proj, gk, dnorm.data(), dw.k_proj, n, d, kv, /*accumulate_dx=*/true);
-  cpu::linear_backward(s.norm_ND.data(), w.v_proj, dv.data(), dnorm.data(), dw.v_proj, n, d, kv, /*accumulate_dx=*/true);
+  cpu::linear_backward_at(c.fp8, s.norm_ND.data(), w.q_proj, gq, dnorm.data(), dw.q_proj, n, d, q);
+  cpu::linear_backward_at(c.fp8, s.norm_ND.data(), w.k_proj, gk, dnorm.data(), dw.k_proj, n, d, kv, /*accumulate_dx=*/true);
+  cpu::linear_backward_at(c.fp8, s.norm_ND.data(), w.v_proj, dv.data(), dnorm.data(), dw.v_proj, n, d, kv, /*accumulate_dx=*/true);
   cpu::rmsnorm_backward(s.x_in_ND.data(), w.attn_norm, s.rstd_N.data(), dnorm.data(), dtmp.data(), dw.attn_norm, n, d);
   for (int64_t i = 0; i < n * d; ++i) dx[i] += dtmp[i];
 }
@@ -102,9 +103,9 @@ void attention_block_decode(const AttentionConfig& c, const AttentionTensors<con
   const int64_t pos0 = int64_t(k_cache.size()) / kv;
   std::vector<T> norm(n * d), rstd(n), q_raw(n * q), k_raw(n * kv), v_new(n * kv), qv(n * q), kn(n * kv), rq(n), rk(n);
   cpu::rmsnorm_forward(x, w.attn_norm, norm.data(), rstd.data(), n, d, c.norm_eps);
-  cpu::linear_forward(norm.data(), w.q_proj, q_raw.data(), n, d, q);
-  cpu::linear_forward(norm.data(), w.k_proj, k_raw.data(), n, d, kv);
-  cpu::linear_forward(norm.data(), w.v_proj, v_new.data(), n, d, kv);
+  cpu::linear_forward_at(c.fp8, norm.data(), w.q_proj, q_raw.data(), n, d, q);
+  cpu::linear_forward_at(c.fp8, norm.data(), w.k_proj, k_raw.data(), n, d, kv);
+  cpu::linear_forward_at(c.fp8, norm.data(), w.v_proj, v_new.data(), n, d, kv);
   if (c.qk_norm) {
     cpu::rmsnorm_forward(q_raw.data(), w.q_norm, qv.data(), rq.data(), n, q, c.norm_eps);
     cpu::rmsnorm_forward(k_raw.data(), w.k_norm, kn.data(), rk.data(), n, kv, c.norm_eps);
@@ -118,7 +119,7 @@ void attention_block_decode(const AttentionConfig& c, const AttentionTensors<con
   v_cache.insert(v_cache.end(), v_new.begin(), v_new.end());
   std::vector<T> attn(n * q);
   cpu::attention_decode(qv.data(), k_cache.data(), v_cache.data(), attn.data(), n, pos0, hq, hkv, hd);
-  cpu::linear_forward(attn.data(), w.o_proj, x, n, q, d, /*accumulate=*/true);
+  cpu::linear_forward_at(c.fp8, attn.data(), w.o_proj, x, n, q, d, /*accumulate=*/true);
 }
 
 template <typename T>
@@ -155,9 +156,9 @@ void attention_block_recompute(const AttentionConfig& c, const AttentionTensors<
   s.q_raw_NQ.resize(n * q);
   s.k_raw_NC.resize(n * kv);
   s.v_NC.resize(n * kv);
-  cpu::linear_forward(s.norm_ND.data(), w.q_proj, s.q_raw_NQ.data(), n, d, q);
-  cpu::linear_forward(s.norm_ND.data(), w.k_proj, s.k_raw_NC.data(), n, d, kv);
-  cpu::linear_forward(s.norm_ND.data(), w.v_proj, s.v_NC.data(), n, d, kv);
+  cpu::linear_forward_at(c.fp8, s.norm_ND.data(), w.q_proj, s.q_raw_NQ.data(), n, d, q);
+  cpu::linear_forward_at(c.fp8, s.norm_ND.data(), w.k_proj, s.k_raw_NC.data(), n, d, kv);
+  cpu::linear_forward_at(c.fp8, s.norm_ND.data(), w.v_proj, s.v_NC.data(), n, d, kv);
   if (c.qk_norm) {
     s.q_NQ.resize(n * q);
     s.k_NC.resize(n * kv);

@@ -13,6 +13,7 @@
 #include "core/config.h"
 #include "core/phase_timer.h"
 #include "core/recompute.h"
+#include "cpu/fp8.h"
 #include "model/layout.h"
 
 namespace moe {
@@ -21,6 +22,7 @@ struct AttentionConfig {
   int64_t d_model = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
   bool qk_norm = true;
   double norm_eps = 1e-5, rope_theta = 10000.0;
+  const cpu::Fp8Recipe* fp8 = nullptr;  // the Q/K/V/O projections in the FP8 recipe (emulated); null: FP32
 };
 AttentionConfig attention_config(const ModelConfig& m);
 

@@ -17,7 +17,7 @@ void LocalExperts<T>::forward(const T* x_sorted_RD, const int32_t* offsets_E1, c
   s.gate_up_G2I.resize(rows * 2 * inner_);
   s.h_GI.resize(rows * inner_);
   cpu::experts_forward(s.x_GD.data(), s.offsets_L1.data(), w_gate_up_L2ID, w_down_LDI, num_experts_, d_, inner_,
-                       s.gate_up_G2I.data(), s.h_GI.data(), y_sorted_RD);
+                       s.gate_up_G2I.data(), s.h_GI.data(), y_sorted_RD, this->fp8_);
 }
 
 template <typename T>
@@ -29,11 +29,11 @@ void LocalExperts<T>::recompute(const T* x_sorted_RD, const T* w_gate_up_L2ID, c
   s.h_GI.resize(rows * inner_);
   if (gate_up_kept) {
     cpu::experts_down_forward(s.offsets_L1.data(), s.gate_up_G2I.data(), w_down_LDI, num_experts_, d_, inner_,
-                              s.h_GI.data(), y_sorted_RD);
+                              s.h_GI.data(), y_sorted_RD, this->fp8_);
   } else {
     s.gate_up_G2I.resize(rows * 2 * inner_);
     cpu::experts_forward(s.x_GD.data(), s.offsets_L1.data(), w_gate_up_L2ID, w_down_LDI, num_experts_, d_, inner_,
-                         s.gate_up_G2I.data(), s.h_GI.data(), y_sorted_RD);
+                         s.gate_up_G2I.data(), s.h_GI.data(), y_sorted_RD, this->fp8_);
   }
 }
 
@@ -46,7 +46,7 @@ void LocalExperts<T>::backward(const ExpertsSaved<T>& s, const T* w_gate_up_L2ID
   if (timer) timer->lap(Phase::kExperts);
   cpu::experts_backward(s.x_GD.data(), s.offsets_L1.data(), w_gate_up_L2ID, w_down_LDI, s.gate_up_G2I.data(),
                         s.h_GI.data(), dy_sorted_RD, num_experts_, d_, inner_, dx_sorted_RD, dw_gate_up_L2ID,
-                        dw_down_LDI, scratch.data());
+                        dw_down_LDI, scratch.data(), this->fp8_);
 }
 
 template class LocalExperts<float>;

@@ -12,6 +12,7 @@
 
 #include "core/phase_timer.h"
 #include "core/recompute.h"
+#include "cpu/fp8.h"
 #include "parallel/expert_parallel.h"
 
 namespace moe {
@@ -56,6 +57,11 @@ class Experts {
   virtual void backward(const ExpertsSaved<T>& saved, const T* w_gate_up_L2ID, const T* w_down_LDI,
                         const T* dy_sorted_RD, T* dx_sorted_RD, T* dw_gate_up_L2ID, T* dw_down_LDI,
                         PhaseTimer* timer) const = 0;
+  // The expert GEMMs in the FP8 recipe, emulated (null: FP32); the local experts only.
+  void set_fp8(const cpu::Fp8Recipe* fp8) { fp8_ = fp8; }
+
+ protected:
+  const cpu::Fp8Recipe* fp8_ = nullptr;
 };
 
 // Every expert on this rank (L = E): cpu::experts_forward/backward on the sorted rows.

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu/fp8.h"
 #include "core/phase_timer.h"
 #include "core/recompute.h"
 #include "model/layout.h"
@@ -20,23 +21,25 @@ struct MlpSaved {
   std::vector<T> h_NF;
 };
 
-// out (+= when accumulate) = MLP(x).
+// out (+= when accumulate) = MLP(x). fp8 (every function here; null: FP32): the three projections
+// in the FP8 recipe, emulated (cpu/linear_precision.h).
 template <typename T>
 void mlp_forward(const T* x_ND, const T* w_gate_FD, const T* w_up_FD, const T* w_down_DF, int64_t n,
-                 int64_t d, int64_t f, MlpSaved<T>& saved, T* out_ND, bool accumulate);
+                 int64_t d, int64_t f, MlpSaved<T>& saved, T* out_ND, bool accumulate,
+                 const cpu::Fp8Recipe* fp8 = nullptr);
 
 // What mlp_forward saves (gate/up projection, unless gate_up_kept: saved.gate_up_N2F is kept; the
 // SwiGLU output) with the same calls, bitwise its values; the down projection is not formed
 // (activation recomputation: backward does not read it).
 template <typename T>
 void mlp_recompute(const T* x_ND, const T* w_gate_FD, const T* w_up_FD, int64_t n, int64_t d, int64_t f,
-                   bool gate_up_kept, MlpSaved<T>& saved);
+                   bool gate_up_kept, MlpSaved<T>& saved, const cpu::Fp8Recipe* fp8 = nullptr);
 
 // dx += ..., parameter gradients += ...
 template <typename T>
 void mlp_backward(const T* x_ND, const T* w_gate_FD, const T* w_up_FD, const T* w_down_DF,
                   const MlpSaved<T>& saved, const T* dout_ND, int64_t n, int64_t d, int64_t f,
-                  T* dx_ND, T* dw_gate, T* dw_up, T* dw_down);
+                  T* dx_ND, T* dw_gate, T* dw_up, T* dw_down, const cpu::Fp8Recipe* fp8 = nullptr);
 
 // The dense block's tensors in a flat buffer: P = const T* (weights) or T* (gradients).
 template <typename P>
@@ -61,7 +64,7 @@ struct MlpBlockSaved {
 // accumulate). Saves what backward needs, x_in_ND included.
 template <typename T>
 void mlp_block_forward(const MlpTensors<const T*>& w, int64_t n, int64_t d, int64_t f, double eps, T* x_ND,
-                       MlpBlockSaved<T>& saved, PhaseTimer* timer = nullptr);
+                       MlpBlockSaved<T>& saved, PhaseTimer* timer = nullptr, const cpu::Fp8Recipe* fp8 = nullptr);
 
 // Bytes the saved tensors hold (core/recompute.h: held_bytes).
 template <typename T>
@@ -85,11 +88,12 @@ void swap_recomputed(Recompute mode, MlpBlockSaved<T>& a, MlpBlockSaved<T>& b);
 // SwiGLU output, bitwise the forward's values. The block's output is not formed again.
 template <typename T>
 void mlp_block_recompute(const MlpTensors<const T*>& w, Recompute mode, int64_t d, int64_t f, double eps,
-                         MlpBlockSaved<T>& saved, PhaseTimer* timer = nullptr);
+                         MlpBlockSaved<T>& saved, PhaseTimer* timer = nullptr, const cpu::Fp8Recipe* fp8 = nullptr);
 
 // dx_ND [N, D] in place: the gradient at the block's output in, at its input out. dw += ...
 template <typename T>
 void mlp_block_backward(const MlpTensors<const T*>& w, const MlpBlockSaved<T>& saved, int64_t d, int64_t f,
-                        T* dx_ND, const MlpTensors<T*>& dw, PhaseTimer* timer = nullptr);
+                        T* dx_ND, const MlpTensors<T*>& dw, PhaseTimer* timer = nullptr,
+                        const cpu::Fp8Recipe* fp8 = nullptr);
 
 }  // namespace moe

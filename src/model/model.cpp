@@ -159,7 +159,7 @@ std::vector<T> Model<T>::decode(const int32_t* tokens, int64_t n, KvCache<T>& ca
     attention_block_decode(attn_cfg_, attention_tensors(P, p), n, x.data(), cache.k_LPC[l], cache.v_LPC[l]);
     if (p.dense) {
       MlpBlockSaved<T> scratch;
-      mlp_block_forward(mlp_tensors(P, p), n, d, p.mlp_hidden, mcfg_.norm_eps, x.data(), scratch);
+      mlp_block_forward(mlp_tensors(P, p), n, d, p.mlp_hidden, mcfg_.norm_eps, x.data(), scratch, nullptr, fp8_ptr());
     } else {
       MoeLayerSaved<T> scratch;
       const float* bias = expert_bias_.data() + p.moe_index * ecfg_.num_experts;
@@ -237,11 +237,33 @@ MoeLayerStats Model<T>::forward_block(int64_t l, int64_t batch, int64_t seq, uin
   const int64_t n = batch * seq;
   attention_block_forward(attn_cfg_, attention_tensors(P, p), batch, seq, x, s.attn, &timer_);
   if (p.dense) {
-    mlp_block_forward(mlp_tensors(P, p), n, mcfg_.d_model, p.mlp_hidden, mcfg_.norm_eps, x, s.mlp, &timer_);
+    mlp_block_forward(mlp_tensors(P, p), n, mcfg_.d_model, p.mlp_hidden, mcfg_.norm_eps, x, s.mlp, &timer_, fp8_ptr());
     return {};
   }
   const float* bias = expert_bias_.data() + p.moe_index * ecfg_.num_experts;
   return moe_layer_forward(moe_cfg_, moe_tensors(P, p), *experts_, bias, n, layer_seed, x, s.moe, &timer_);
+}
+
+template <typename T>
+void Model<T>::set_fp8(const cpu::Fp8Recipe* recipe) {
+  if (recipe != nullptr) {
+    MOE_CHECK((std::is_same_v<T, float>), "train.precision = \"fp8\": the CPU model emulates the FP8 recipe on "
+              "FP32 tensors only");
+    MOE_CHECK(!ep_, "train.precision = \"fp8\" on the cpu backend: the FP8 recipe is not emulated under expert "
+              "parallelism yet (parallel.ep = ", ep_ ? ep_->size() : 1, "); use parallel.ep = 1 or train.precision = "
+              "\"fp32\"");
+    fp8_recipe_ = *recipe;
+  }
+  fp8_on_ = recipe != nullptr;
+  attn_cfg_.fp8 = fp8_ptr();
+  moe_cfg_.fp8 = fp8_ptr();
+  experts_->set_fp8(fp8_ptr());
+}
+
+template <typename T>
+void Model<T>::set_matmul_precision(const std::string& train_precision) {
+  const cpu::Fp8Recipe recipe;
+  set_fp8(train_precision == "fp8" ? &recipe : nullptr);
 }
 
 template <typename T>
@@ -284,7 +306,8 @@ void Model<T>::recompute_saved(int64_t l, Recompute mode) {
     attention_block_recompute(attn_cfg_, attention_tensors(P, p), s.attn, &timer_);
   }
   if (p.dense) {
-    mlp_block_recompute(mlp_tensors(P, p), mode, mcfg_.d_model, p.mlp_hidden, mcfg_.norm_eps, s.mlp, &timer_);
+    mlp_block_recompute(mlp_tensors(P, p), mode, mcfg_.d_model, p.mlp_hidden, mcfg_.norm_eps, s.mlp, &timer_,
+                        fp8_ptr());
   } else {
     moe_layer_recompute(moe_cfg_, moe_tensors(P, p), *experts_, mode, s.moe, &timer_);
   }
@@ -338,7 +361,8 @@ void Model<T>::backward_blocks(int64_t first, int64_t last, const LossScales& sc
       recompute_saved(l, mode);
     }
     if (p.dense) {
-      mlp_block_backward(mlp_tensors(P, p), s.mlp, mcfg_.d_model, p.mlp_hidden, dx, mlp_tensors(G, p), &timer_);
+      mlp_block_backward(mlp_tensors(P, p), s.mlp, mcfg_.d_model, p.mlp_hidden, dx, mlp_tensors(G, p), &timer_,
+                         fp8_ptr());
     } else {
       moe_layer_backward(moe_cfg_, moe_tensors(P, p), *experts_, s.moe, dlb, dz, dx, moe_tensors(G, p), &timer_);
     }

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "core/arena.h"
@@ -196,6 +197,15 @@ class Model {
   // or counts again) and, under expert parallelism, exchanges the rows again (a collective, in
   // backward's block order on every rank). Gradients are bitwise those of kNone.
   void set_recompute(Recompute mode);
+  // train.precision = "fp8" on the CPU: the attention projections, dense and shared MLPs and the
+  // routed experts' GEMMs in the FP8 recipe, emulated (cpu/linear_precision.h: operands quantised
+  // as the recipe says, FP32 GEMMs); the router, the attention core and the LM head stay FP32. For
+  // float models without expert parallelism (refused otherwise, naming the reason); null: FP32.
+  void set_fp8(const cpu::Fp8Recipe* recipe);
+  // set_fp8 from train.precision: "fp8" the default recipe (E4M3 forward and gradients), any other
+  // FP32 (a checkpoint trained in bf16 on the GPU runs in FP32 here).
+  void set_matmul_precision(const std::string& train_precision);
+  bool fp8() const { return fp8_on_; }
   Recompute recompute() const { return recompute_; }
   // Bytes the blocks' saved activations hold now (every block's plus the pool's; vector capacity,
   // so released memory counts as released), not the LM head's. After a forward: smaller under
@@ -246,6 +256,9 @@ class Model {
   // Activation recomputation: the mode of the next forward; per block, the mode its last forward
   // released under (kNone: it holds everything); the pooled buffers of what is recomputed.
   Recompute recompute_ = Recompute::kNone;
+  bool fp8_on_ = false;
+  cpu::Fp8Recipe fp8_recipe_;
+  const cpu::Fp8Recipe* fp8_ptr() const { return fp8_on_ ? &fp8_recipe_ : nullptr; }
   std::vector<Recompute> released_;
   BlockSaved<T> pool_;
 };

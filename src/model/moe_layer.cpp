@@ -87,7 +87,7 @@ MoeLayerStats moe_layer_forward(const MoeLayerConfig& c, const MoeTensors<const 
   if (c.shared_hidden > 0) {
     if (timer) timer->lap(Phase::kMlp);
     mlp_forward(s.norm_ND.data(), w.mlp_gate, w.mlp_up, w.mlp_down, n, d, c.shared_hidden, s.shared, branch.data(),
-                /*accumulate=*/true);
+                /*accumulate=*/true, c.fp8);
   }
   for (int64_t i = 0; i < n * d; ++i) x[i] += branch[i];
   return stats;
@@ -102,7 +102,7 @@ void moe_layer_backward(const MoeLayerConfig& c, const MoeTensors<const T*>& w, 
   if (c.shared_hidden > 0) {
     if (timer) timer->lap(Phase::kMlp);
     mlp_backward(s.norm_ND.data(), w.mlp_gate, w.mlp_up, w.mlp_down, s.shared, dx, n, d, c.shared_hidden,
-                 dnorm.data(), dw.mlp_gate, dw.mlp_up, dw.mlp_down);
+                 dnorm.data(), dw.mlp_gate, dw.mlp_up, dw.mlp_down, c.fp8);
   }
   if (timer) timer->lap(Phase::kCombine);
   std::vector<T> dy_sorted(kept * d), dtopk_w(n * k), dx_sorted(kept * d);
@@ -171,7 +171,7 @@ void moe_layer_recompute(const MoeLayerConfig& c, const MoeTensors<const T*>& w,
   if (c.shared_hidden > 0) {
     if (timer) timer->lap(Phase::kMlp);
     mlp_recompute(s.norm_ND.data(), w.mlp_gate, w.mlp_up, n, d, c.shared_hidden,
-                  /*gate_up_kept=*/mode == Recompute::kSelective, s.shared);
+                  /*gate_up_kept=*/mode == Recompute::kSelective, s.shared, c.fp8);
   }
 }
 

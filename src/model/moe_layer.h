@@ -27,6 +27,7 @@ struct MoeLayerConfig {
   int64_t shared_hidden = 0;  // F = shared_experts * I; 0: no shared expert
   double capacity_factor = 0; // 0: dropless
   double norm_eps = 1e-5;
+  const cpu::Fp8Recipe* fp8 = nullptr;  // the shared expert's projections in the FP8 recipe (emulated); null: FP32
 };
 MoeLayerConfig moe_layer_config(const ModelConfig& m, const MoeConfig& e);
 

@@ -20,13 +20,17 @@ bool gpu_available() {
 
 std::string resolve_device(const TrainConfig& t) {
   if (t.device == "cpu") {
-    MOE_CHECK(t.precision == "fp32", "train.precision = \"", t.precision,
-              "\" is not available on the cpu backend (train.device = \"cpu\"): use \"fp32\"");
+    MOE_CHECK(t.precision == "fp32" || t.precision == "fp8", "train.precision = \"", t.precision,
+              "\" is not available on the cpu backend (train.device = \"cpu\"): use \"fp32\" (or \"fp8\", the "
+              "FP8 recipe emulated on FP32)");
     return "cpu";
   }
   if (t.device == "auto") {
     if (gpu_available() && t.precision == "bf16") return "cuda";
-    MOE_CHECK(t.precision == "fp32", "train.precision = \"", t.precision,
+    MOE_CHECK(!(gpu_available() && t.precision == "fp8"), "train.precision = \"fp8\" runs only on the cpu backend so "
+              "far (the FP8 recipe emulated on FP32); the GPU trains in bf16: set train.device = \"cpu\" or "
+              "train.precision = \"bf16\"");
+    MOE_CHECK(t.precision == "fp32" || t.precision == "fp8", "train.precision = \"", t.precision,
               "\" needs a GPU, and train.device = \"auto\" found none (",
               gpu_available() ? "" : "no CUDA device in this build or machine",
               "): set --train.precision=fp32 to train on the cpu backend");
@@ -38,7 +42,7 @@ std::string resolve_device(const TrainConfig& t) {
 #else
   MOE_CHECK(gpu_available(), "train.device = \"cuda\" but no CUDA device is visible");
   MOE_CHECK(t.precision == "bf16", "train.precision = \"", t.precision,
-            "\" is not available on cuda yet: use \"bf16\" (fp32 runs on train.device = \"cpu\")");
+            "\" is not available on cuda yet: use \"bf16\" (fp32, and fp8 emulated, run on train.device = \"cpu\")");
   return "cuda";
 #endif
 }

@@ -26,6 +26,7 @@
 #include "core/phase.h"
 #include "model/layout.h"
 #include "support/test_util.h"
+#include "train/device.h"
 #include "train/model_state.h"
 #include "train/run_plan.h"
 #include "train/trainer.h"
@@ -95,6 +96,34 @@ TEST(Train, CpuRefusesTheDeferredUpdate) {
     EXPECT_NE(std::string(e.what()).find("optim.deferred_update"), std::string::npos) << e.what();
   }
   EXPECT_FALSE(fs::exists(tmp.root() / "run" / "checkpoints"));
+}
+
+// train.precision = "fp8" on the CPU: the FP8 recipe emulated; the run trains and its losses are
+// not the FP32 run's. fp8 resolves to the cpu backend; bf16 does not run there.
+TEST(Train, Fp8EmulationOnTheCpuTrains) {
+  TrainConfig t;
+  t.device = "cpu";
+  t.precision = "fp8";
+  EXPECT_EQ(resolve_device(t), "cpu");
+  t.precision = "bf16";
+  EXPECT_THROW(resolve_device(t), Error);
+  const TempDir tmp("fp8-cpu");
+  Config a = small_config(tmp.root() / "fp8");
+  a.train.device = "cpu";
+  a.train.precision = "fp8";
+  a.train.steps = 6;
+  a.checkpoint.enabled = false;
+  std::ostringstream log;
+  const TrainSummary s8 = train(a, log);
+  Config b = a;
+  b.train.precision = "fp32";
+  b.run.dir = (tmp.root() / "fp32").string();
+  const TrainSummary s32 = train(b, log);
+  ASSERT_EQ(s8.losses.size(), 6u);
+  EXPECT_TRUE(std::isfinite(s8.last_loss));
+  EXPECT_LT(s8.last_loss, s8.first_loss);
+  EXPECT_EQ(s8.first_loss == s32.first_loss, false) << "the FP8 recipe changed nothing";
+  EXPECT_NEAR(s8.last_loss, s32.last_loss, 0.1 * s32.last_loss);
 }
 
 TEST(Train, ResumeAutoContinuesFromLatest) {

@@ -355,4 +355,28 @@ TEST(Fp8, MxGemmAndItsReblockingToOneBy128) {
   }
 }
 
+// The CPU reference's FP8 training passes (fake quantisation + FP32 BLAS GEMM) equal the recipe's
+// block-scaled passes on the same values up to FP32 summation order.
+TEST(Fp8, EmulatedLinearPassesEqualTheRecipe) {
+  const int64_t n = 150, k = 260, m = 140;  // partial blocks on every side
+  const std::vector<float> x = randn(n * k, 31), w = randn(m * k, 32, 0.05f), dy = randn(n * m, 33, 0.01f);
+  const cpu::Fp8Recipe r;
+  std::vector<float> y(size_t(n * m)), want_y(size_t(n * m));
+  cpu::fp8_emulated_linear_forward(x.data(), w.data(), y.data(), n, k, m, false, r);
+  cpu::fp8_linear_forward(x.data(), w.data(), n, m, k, r, want_y.data());
+  expect_parity("emulated fp8 forward", y, want_y, kFP32Reduction);
+  std::vector<float> dx(size_t(n * k)), want_dx(size_t(n * k)), dw(size_t(m * k), 0.25f), want_dw(size_t(m * k), 0.25f);
+  cpu::fp8_emulated_linear_backward(x.data(), w.data(), dy.data(), dx.data(), dw.data(), n, k, m, false, r);
+  cpu::fp8_linear_dgrad(dy.data(), w.data(), n, m, k, r, want_dx.data());
+  cpu::fp8_linear_wgrad(dy.data(), x.data(), n, m, k, r, want_dw.data());
+  expect_parity("emulated fp8 dgrad", dx, want_dx, kFP32Reduction);
+  expect_parity("emulated fp8 wgrad (accumulated onto 0.25)", dw, want_dw, kFP32Reduction);
+  // accumulate / accumulate_dx add onto what the outputs held.
+  std::vector<float> y2 = y, dx2 = dx;
+  cpu::fp8_emulated_linear_forward(x.data(), w.data(), y2.data(), n, k, m, true, r);
+  cpu::fp8_emulated_linear_backward(x.data(), w.data(), dy.data(), dx2.data(), nullptr, n, k, m, true, r);
+  for (size_t i = 0; i < y.size(); ++i) EXPECT_NEAR(y2[i], 2.0f * y[i], 1e-5f * (1.0f + std::fabs(y[i])));
+  for (size_t i = 0; i < dx.size(); ++i) EXPECT_NEAR(dx2[i], 2.0f * dx[i], 1e-5f * (1.0f + std::fabs(dx[i])));
+}
+
 }  // namespace moe::testing

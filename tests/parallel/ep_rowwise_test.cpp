@@ -86,7 +86,9 @@ TEST(EpRowwisePlacement, BuffersAreTiledAndCapacityHolds) {
           }
         }
         EXPECT_EQ(dropped, pl[r].num_dropped);
-        if (capacity == 0) EXPECT_EQ(dropped, 0);
+        if (capacity == 0) {
+          EXPECT_EQ(dropped, 0);
+        }
       }
       for (int64_t e = 0; e < E; ++e) {
         int64_t kept = 0, routed = 0;
