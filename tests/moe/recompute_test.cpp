@@ -20,6 +20,7 @@
 #include "core/recompute.h"
 #include "model/model.h"
 #include "support/block_cases.h"
+#include "support/parity.h"
 
 namespace moe::testing {
 namespace {
@@ -112,15 +113,6 @@ TEST(Recompute, GradientsBitwiseEqualToNoneFloat) {
   for (const Case& c : cases()) check_bitwise<float>(c);
 }
 
-double normwise_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
-
 // train.precision = "fp8" on the CPU (the recipe emulated): recomputation stays bitwise (the same
 // quantised GEMMs on the same inputs), and the model stays near its FP32 self, yet not equal (the
 // quantisation is there). Each FP8 GEMM is within a few percent of its FP32 product
@@ -141,7 +133,8 @@ TEST(Recompute, Fp8EmulationRecomputesBitwiseAndStaysNearFp32) {
     }
     const ModelRun<float> fp32 = run<float>(c, Recompute::kNone);
     EXPECT_FALSE(same_bits(ref.grads, fp32.grads)) << c.name << ": the FP8 recipe changed nothing";
-    const double dl = normwise_diff(ref.logits[0], fp32.logits[0]), dg = normwise_diff(ref.grads, fp32.grads);
+    const double dl = normwise_difference(ref.logits[0], fp32.logits[0]);
+    const double dg = normwise_difference(ref.grads, fp32.grads);
     std::printf("%s: fp8 vs fp32 logits %.3e, gradients %.3e normwise\n", c.name.c_str(), dl, dg);
     EXPECT_LT(dl, 0.5) << c.name;
     EXPECT_LT(dg, 2.0) << c.name;

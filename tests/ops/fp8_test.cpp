@@ -239,15 +239,6 @@ std::vector<float> gemm_abt(const std::vector<float>& a, const std::vector<float
   return c;
 }
 
-double normwise(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    den += double(want[i]) * want[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
-
 // The three passes of the FP8 linear recipe: each equals the FP32 product of its operands
 // quantised as the recipe says (1 x 128 along the reduced dimension, W in 128 x 128 blocks, dgrad
 // reading W's blocks transposed, wgrad both operands along M), and stays within FP8's rounding of
@@ -268,13 +259,13 @@ TEST(Fp8, LinearPassesFollowTheRecipe) {
       const std::vector<float> xq = fake_quant(x, s.m, s.k, cpu::kFp8ActivationBlock, r.forward);
       const std::vector<float> wq = fake_quant(w, s.n, s.k, cpu::kFp8WeightBlock, r.forward);
       expect_parity("fp8 forward " + at, y, gemm_abt(xq, wq, s.m, s.n, s.k), kFP32Reduction);
-      EXPECT_LT(normwise(y, gemm_abt(x, w, s.m, s.n, s.k)), 0.08) << at;
+      EXPECT_LT(normwise_difference(y, gemm_abt(x, w, s.m, s.n, s.k)), 0.08) << at;
       // dgrad: dx = dy W = dy (W^T)^T.
       std::vector<float> dx(size_t(s.m * s.k));
       cpu::fp8_linear_dgrad(dy.data(), w.data(), s.m, s.n, s.k, r, dx.data());
       const std::vector<float> dyq = fake_quant(dy, s.m, s.n, cpu::kFp8ActivationBlock, g);
       expect_parity("fp8 dgrad " + at, dx, gemm_abt(dyq, transpose(wq, s.n, s.k), s.m, s.k, s.n), kFP32Reduction);
-      const double e = normwise(dx, gemm_abt(dy, transpose(w, s.n, s.k), s.m, s.k, s.n));
+      const double e = normwise_difference(dx, gemm_abt(dy, transpose(w, s.n, s.k), s.m, s.k, s.n));
       EXPECT_LT(e, 0.15) << at;
       (g == Fp8Format::kE4M3 ? err_e4 : err_e5) = e;
       // wgrad accumulates: dW += dy^T x.

@@ -141,6 +141,16 @@ void expect_parity_n(const std::string& what, const T* got, const T* ref, int64_
   }
 }
 
+// ||got - ref||_2 / ||ref||_2 in double (how far a whole tensor moved, e.g. under FP8).
+inline double normwise_difference(const std::vector<float>& got, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size() && i < ref.size(); ++i) {
+    num += (double(got[i]) - ref[i]) * (double(got[i]) - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
 inline void expect_parity(const std::string& what, const std::vector<float>& got, const std::vector<float>& ref,
                           const Tolerance& tol) {
   ASSERT_EQ(got.size(), ref.size()) << what << ": result and reference sizes differ";
