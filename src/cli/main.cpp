@@ -640,14 +640,16 @@ const CommandSpec kGenerate{
      {"--top-p", "P", "sample from the smallest set of tokens holding probability P (default 1)"},
      {"--seed", "S", "the sampling seed (default 0): a seed gives the same text every run"},
      {"--logits-out", "FILE", "write the logits [new tokens, V] each token was chosen from (float32)"},
+     {"--device", "auto|cpu|cuda", "where the model runs (default auto: cuda for a checkpoint trained in bf16 when a GPU is visible)"},
      {"--json", "", "print one JSON object: prompt ids, new ids, text"}},
-    "Runs the checkpoint's model (FP32, CPU) on the prompt once, then one position per new token with\n"
-    "a KV cache (each MoE layer routes every new token on its own; dropless). The prompt is encoded\n"
-    "with the tokenizer: --tokenizer, else the run's recorded one (data.tokenizer, or summary.json\n"
-    "beside its token files), else as bytes (id = byte value: the embedded corpus's byte-level\n"
-    "vocabulary; id data.eos_id is EOS). Generation stops at data.eos_id. Prints the prompt and the\n"
-    "continuation (ids the byte vocabulary has no byte for print as <|id|>). Runs on the CPU for\n"
-    "every train.device (docs/data.md).\n"};
+    "Runs the checkpoint's model on the prompt once, then one position per new token with a KV\n"
+    "cache (each MoE layer routes every new token on its own; dropless). --device cpu: the FP32\n"
+    "reference model (train.precision = fp8 emulates the FP8 recipe, as in training); cuda: the GPU\n"
+    "model in BF16 (the training GPU path's numerics). The prompt is encoded with the tokenizer:\n"
+    "--tokenizer, else the run's recorded one (data.tokenizer, or summary.json beside its token\n"
+    "files), else as bytes (id = byte value: the embedded corpus's byte-level vocabulary; id\n"
+    "data.eos_id is EOS). Generation stops at data.eos_id. Prints the prompt and the continuation\n"
+    "(ids the byte vocabulary has no byte for print as <|id|>) (docs/data.md).\n"};
 
 // A finite number from flag `flag`.
 double parse_number(const std::string& flag, const std::string& text) {
@@ -697,10 +699,16 @@ int cmd_generate(const ParsedArgs& a) {
     for (unsigned char c : prompt) ids.push_back(c);
   }
   MOE_CHECK(!ids.empty(), "--prompt '", prompt, "' encodes to no tokens");
+  const std::string device = a.value_or("--device", "auto");
+  if (device != "auto" && device != "cpu" && device != "cuda")
+    usage_fail("--device: expected auto, cpu or cuda, got '", device, "'");
+  const bool on_gpu = device == "cuda" || (device == "auto" && cfg.train.precision == "bf16" && gpu_available());
   Model<float> model(cfg.model, cfg.moe);
   model.set_matmul_precision(cfg.train.precision);
   load_model_state(ck, model);
-  const Generation g = generate(model, ids, max_new, cfg.data.eos_id, so, !logits_out.empty());
+  const Generation g =
+      on_gpu ? generate(cuda_decoder(model), cfg.model.vocab_size, ids, max_new, cfg.data.eos_id, so, !logits_out.empty())
+             : generate(model, ids, max_new, cfg.data.eos_id, so, !logits_out.empty());
   std::string text;
   if (decode_ids) {
     std::vector<uint32_t> u(g.ids.begin(), g.ids.end());
@@ -718,7 +726,8 @@ int cmd_generate(const ParsedArgs& a) {
                       std::string_view(reinterpret_cast<const char*>(g.logits.data()), g.logits.size() * sizeof(float)));
   if (a.has("--json")) {
     const nlohmann::json j = {{"prompt_ids", ids}, {"ids", g.ids}, {"eos", g.hit_eos},
-                              {"text", text}, {"tokenizer", tok_path.empty() ? "bytes" : tok_path}};
+                              {"text", text}, {"tokenizer", tok_path.empty() ? "bytes" : tok_path},
+                              {"device", on_gpu ? "cuda" : "cpu"}};
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
     return 0;
   }

@@ -99,7 +99,7 @@ void CudaAttentionBlock::reserve_scratch(const ModelConfig& m, int64_t batch, in
   s.ws_attn_bytes = ws;
 }
 
-void CudaAttentionBlock::project(const CudaBlockContext& c) {
+void CudaAttentionBlock::project(const CudaBlockContext& c, int64_t pos0) {
   const cuda::Stream st = c.stream;
   cuda::GemmHandle& G = *c.gemm;
   const uint16_t* P = c.params;
@@ -124,8 +124,14 @@ void CudaAttentionBlock::project(const CudaBlockContext& c) {
     cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.k_proj, d, 0.f, kb, kv, st);
   }
   cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.v_proj, d, 0.f, vb, kv, st);
-  cuda::rope_forward(qb, batch, seq, hq, hd, rope_theta_, st);
-  cuda::rope_forward(kb, batch, seq, hkv, hd, rope_theta_, st);
+  if (pos0 == 0) {
+    cuda::rope_forward(qb, batch, seq, hq, hd, rope_theta_, st);
+    cuda::rope_forward(kb, batch, seq, hkv, hd, rope_theta_, st);
+  } else {
+    MOE_CHECK(batch == 1, "CudaAttentionBlock: rows at a position offset are one sequence, got batch ", batch);
+    cuda::rope_forward_at(qb, n, pos0, hq, hd, rope_theta_, st);
+    cuda::rope_forward_at(kb, n, pos0, hkv, hd, rope_theta_, st);
+  }
 }
 
 void CudaAttentionBlock::forward(const CudaBlockContext& c, CudaResidual& res, uint16_t* out_ND, bool recomputing) {
@@ -139,6 +145,24 @@ void CudaAttentionBlock::forward(const CudaBlockContext& c, CudaResidual& res, u
   uint16_t* attn = s.attn->as<uint16_t>();
   cuda::attention_forward(s.q->as<uint16_t>(), s.k->as<uint16_t>(), s.v->as<uint16_t>(), attn, s.lse->as<float>(),
                           batch, seq, hq, hkv, hd, st);
+  uint16_t* branch = res.branch();
+  cuda::gemm(*c.gemm, false, true, n, d, q, 1.f, attn, q, c.params + p_.o_proj, q, 0.f, branch, d, st);
+  cuda::residual_add(res.x32(), branch, out_ND, n * d, st);
+}
+
+void CudaAttentionBlock::decode(const CudaBlockContext& c, CudaResidual& res, uint16_t* out_ND, uint16_t* k_cache,
+                                uint16_t* v_cache, int64_t pos0) {
+  MOE_CHECK(c.batch == 1 && pos0 >= 0, "CudaAttentionBlock::decode: expected one sequence at a position >= 0, got "
+            "batch ", c.batch, " pos0 ", pos0);
+  const cuda::Stream st = c.stream;
+  const int64_t n = c.tokens(), d = d_, q = q_, kv = kv_;
+  const Slots& s = slots_;
+  project(c, pos0);
+  const size_t rows_bytes = size_t(n * kv) * sizeof(uint16_t);
+  cuda::copy_d2d(k_cache + pos0 * kv, s.k->data(), rows_bytes, st);
+  cuda::copy_d2d(v_cache + pos0 * kv, s.v->data(), rows_bytes, st);
+  uint16_t* attn = s.attn->as<uint16_t>();
+  cuda::attention_decode(s.q->as<uint16_t>(), k_cache, v_cache, attn, n, pos0, hq_, hkv_, hd_, st);
   uint16_t* branch = res.branch();
   cuda::gemm(*c.gemm, false, true, n, d, q, 1.f, attn, q, c.params + p_.o_proj, q, 0.f, branch, d, st);
   cuda::residual_add(res.x32(), branch, out_ND, n * d, st);

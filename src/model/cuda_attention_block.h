@@ -66,6 +66,12 @@ class CudaAttentionBlock {
   // Under full recompute it first keeps res.x32 (the layer's FP32 input) in x32_ND, except when
   // `recomputing` (the re-run after restore_residual, whose input is that copy).
   void forward(const CudaBlockContext& c, CudaResidual& res, uint16_t* out_ND, bool recomputing = false);
+  // Decoding (CudaModel::decode): the branch for c.tokens() new tokens (batch 1) at positions
+  // pos0 .., their keys and values written into rows [pos0, pos0 + n) of k_cache and v_cache
+  // ([capacity, C]), attention over rows [0, pos0 + n) (cuda::attention_decode); res.x32 += the
+  // branch, out_ND its BF16 copy. The saved activations serve as scratch (nothing for backward).
+  void decode(const CudaBlockContext& c, CudaResidual& res, uint16_t* out_ND, uint16_t* k_cache, uint16_t* v_cache,
+              int64_t pos0);
   // Full recompute: res.x32 = the FP32 residual this block's forward started from, and the saved
   // input (pooled under full recompute) its BF16 rounding again.
   void restore_residual(const CudaBlockContext& c, CudaResidual& res) const;
@@ -80,8 +86,9 @@ class CudaAttentionBlock {
   struct Slots {
     cuda::DeviceBuffer *x, *x32, *norm, *rstd, *q_raw, *k_raw, *q_rstd, *k_rstd, *q, *k, *v, *attn, *lse;
   };
-  // Norm, projections, QK-norm and RoPE: the part of forward selective recompute re-runs.
-  void project(const CudaBlockContext& c);
+  // Norm, projections, QK-norm and RoPE: the part of forward selective recompute re-runs. pos0 > 0
+  // (decoding, batch 1): the rows sit at positions pos0 ...
+  void project(const CudaBlockContext& c, int64_t pos0 = 0);
 
   LayerParams p_;
   int64_t d_, hq_, hkv_, hd_, q_, kv_;

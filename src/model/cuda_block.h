@@ -34,6 +34,9 @@ struct CudaBlockContext {
   bool overwrite_grads = false;
   cuda::EventTimer* timer = nullptr;  // phase marks while set (eager profiling only)
   int64_t batch = 0, seq = 0;
+  // Decoding (CudaModel::decode): MoE layers keep every route (moe.capacity_factor is not applied),
+  // as Model<float>::decode does.
+  bool dropless = false;
 
   int64_t tokens() const { return batch * seq; }
   // The beta of a whole-tensor weight-gradient GEMM: 0 on the step's first backward, else 1.

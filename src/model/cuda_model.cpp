@@ -78,6 +78,10 @@ struct CudaModel::Impl {
   DeviceBuffer scalars;
   float host_scalars[4] = {0, 0, 0, 1};
   DeviceBuffer ws_emb;  // embedding_backward workspace
+  // decode(): the last row's final norm (BF16 [D]), its rstd and its FP32 logits [V]; the final
+  // norm's and the LM head's flat offsets.
+  DeviceBuffer decode_norm, decode_rstd, decode_logits;
+  int64_t final_norm = 0, lm_head = 0;
 
   // The blocks, their shared buffers, the LM head.
   CudaResidual res;
@@ -193,8 +197,9 @@ CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaE
   } else {
     I.moe.experts = std::make_unique<CudaLocalExperts>(ecfg_, mcfg_.d_model, num_moe_layers_);
   }
-  I.head = std::make_unique<CudaLmHead>(mcfg_, layout_.find("model.norm.weight").offset,
-                                        layout_.find("lm_head.weight").offset, kHeadChunkRows);
+  I.final_norm = layout_.find("model.norm.weight").offset;
+  I.lm_head = layout_.find("lm_head.weight").offset;
+  I.head = std::make_unique<CudaLmHead>(mcfg_, I.final_norm, I.lm_head, kHeadChunkRows);
   // The gradients a GEMM writes whole on the step's first backward (CudaBlockContext::overwrite_grads);
   // prepare_grads_for_step zeroes the rest, in runs between them.
   std::vector<int64_t> written;
@@ -329,31 +334,23 @@ void CudaModel::set_recompute(Recompute mode) {
   if (I.moe.experts) I.moe.experts->bind(mode);
 }
 
-void CudaModel::reserve(int64_t batch, int64_t seq) {
-  MOE_CHECK(batch > 0 && seq > 0, "CudaModel::reserve: batch and sequence must be positive, got batch=", batch,
-            " seq=", seq);
+void CudaModel::reserve_forward(int64_t batch, int64_t seq) {
   Impl& I = *impl_;
   I.reserved = true;
   CudaBufferGrower& g = I.grower;
-  const int64_t n = batch * seq, d = mcfg_.d_model, hd = mcfg_.head_dim();
-  const int64_t hq = mcfg_.n_heads, hkv = mcfg_.n_kv_heads, q = hq * hd, kv = hkv * hd;
-  const int64_t v = mcfg_.vocab_size, rows = n * ecfg_.top_k;
-
-  // Forward: ids, residual stream, every block's saved activations, the MoE layers' shared buffers
-  // and the experts' rows.
+  const int64_t n = batch * seq, d = mcfg_.d_model, rows = n * ecfg_.top_k;
+  // Ids, residual stream, every block's saved activations, the MoE layers' shared buffers and the
+  // experts' rows.
   g.grow<int32_t>(I.inputs_N, n, "inputs");
   g.grow<int32_t>(I.targets_N, n, "targets");
   g.grow<float>(I.res.x32_ND, n * d, "x32");
   g.grow<uint16_t>(I.res.branch_ND, n * d, "branch");
-  int64_t widest_mlp = 0;
   for (Impl::Layer& layer : I.layers) {
     layer.attention->reserve(batch, seq, g);
     if (layer.mlp) {
       layer.mlp->reserve(batch, seq, g);
-      widest_mlp = std::max(widest_mlp, layer.mlp->hidden());
     } else {
       layer.moe->reserve(batch, seq, g);
-      widest_mlp = std::max(widest_mlp, layer.moe->shared_hidden());
     }
   }
   I.head->reserve(batch, seq, g);
@@ -361,6 +358,20 @@ void CudaModel::reserve(int64_t batch, int64_t seq) {
     CudaMoeLayer::reserve_shared(ecfg_, d, batch, seq, I.moe, g);
     I.moe.experts->reserve(rows, g);
   }
+}
+
+void CudaModel::reserve(int64_t batch, int64_t seq) {
+  MOE_CHECK(batch > 0 && seq > 0, "CudaModel::reserve: batch and sequence must be positive, got batch=", batch,
+            " seq=", seq);
+  Impl& I = *impl_;
+  reserve_forward(batch, seq);
+  CudaBufferGrower& g = I.grower;
+  const int64_t n = batch * seq, d = mcfg_.d_model, hd = mcfg_.head_dim();
+  const int64_t hq = mcfg_.n_heads, hkv = mcfg_.n_kv_heads, q = hq * hd, kv = hkv * hd;
+  const int64_t v = mcfg_.vocab_size;
+  int64_t widest_mlp = 0;
+  for (const Impl::Layer& layer : I.layers)
+    widest_mlp = std::max(widest_mlp, layer.mlp ? layer.mlp->hidden() : layer.moe->shared_hidden());
 
   // Backward.
   const int64_t widest = std::max({d, q, kv});
@@ -639,6 +650,77 @@ ForwardStats CudaModel::read_stats() {
   s.num_routes = I.num_routes;
   s.num_dropped = rec.num_dropped;
   return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decoding.
+
+std::vector<float> CudaModel::decode(const int32_t* tokens, int64_t n, CudaKvCache& cache) {
+  MOE_CHECK(ep_size_ == 1, "CudaModel::decode: incremental decoding runs on one GPU; this model shards its experts "
+            "over ", ep_size_, " expert-parallel ranks");
+  MOE_CHECK(n > 0 && tokens != nullptr, "CudaModel::decode: expected at least one token, got ", n);
+  MOE_CHECK(!cuda::stream_is_capturing(stream_), "CudaModel::decode: eager only (it reads the logits back)");
+  Impl& I = *impl_;
+  const int64_t d = mcfg_.d_model, v = mcfg_.vocab_size, nl = mcfg_.n_layers, kv = mcfg_.n_kv_heads * mcfg_.head_dim();
+  for (int64_t i = 0; i < n; ++i)
+    MOE_CHECK(tokens[i] >= 0 && tokens[i] < v, "decode: token ", i, " is ", tokens[i], ", not an id of this model: ",
+              "expected [0, ", v, ") (model.vocab_size)");
+  MOE_CHECK(cache.length >= 0 && cache.length <= cache.capacity && int64_t(cache.k.size()) == (cache.capacity ? nl : 0) &&
+                cache.k.size() == cache.v.size(),
+            "CudaModel::decode: a KV cache of length ", cache.length, " and capacity ", cache.capacity, " with ",
+            cache.k.size(), " layers does not belong to this ", nl, "-layer model");
+  const int64_t pos0 = cache.length;
+  if (pos0 + n > cache.capacity) {  // grow: double, keep the rows held
+    const int64_t cap = std::max({pos0 + n, 2 * cache.capacity, int64_t{256}});
+    std::vector<DeviceBuffer> k(static_cast<size_t>(nl)), vb(static_cast<size_t>(nl));
+    for (int64_t l = 0; l < nl; ++l) {
+      k[size_t(l)].reserve(size_t(cap * kv) * sizeof(uint16_t));
+      vb[size_t(l)].reserve(size_t(cap * kv) * sizeof(uint16_t));
+      if (pos0 > 0) {
+        cuda::copy_d2d(k[size_t(l)].data(), cache.k[size_t(l)].data(), size_t(pos0 * kv) * sizeof(uint16_t), stream_);
+        cuda::copy_d2d(vb[size_t(l)].data(), cache.v[size_t(l)].data(), size_t(pos0 * kv) * sizeof(uint16_t), stream_);
+      }
+    }
+    cuda::stream_sync(stream_);  // the old buffers are freed below
+    cache.k = std::move(k);
+    cache.v = std::move(vb);
+    cache.capacity = cap;
+  }
+  reserve_forward(1, n);
+  CudaBufferGrower& g = I.grower;
+  g.grow<uint16_t>(I.decode_norm, d, "decode norm row");
+  g.grow<float>(I.decode_rstd, 1, "decode rstd");
+  g.grow<float>(I.decode_logits, v, "decode logits");
+  cuda::copy_h2d(I.inputs_N.data(), tokens, size_t(n) * sizeof(int32_t), stream_);
+  CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), nullptr, nullptr, 1, n, false);
+  c.dropless = true;
+  uint16_t* x16 = I.layers.empty() ? I.head->input() : I.layers[0].attention->input();
+  cuda::embedding_forward(I.inputs_N.as<int32_t>(), c.params + I.emb, x16, n, v, d, I.bwd_bad.as<uint32_t>(), stream_);
+  float* x32 = I.res.x32();
+  cuda::device_memset(x32, 0, size_t(n * d) * sizeof(float), stream_);
+  cuda::residual_add(x32, x16, nullptr, n * d, stream_);
+  const CudaRoutingSeed seed{0, nullptr};
+  for (int64_t l = 0; l < nl; ++l) {
+    Impl::Layer& layer = I.layers[size_t(l)];
+    uint16_t* next = l + 1 < nl ? I.layers[size_t(l + 1)].attention->input() : I.head->input();
+    layer.attention->decode(c, I.res, layer.mlp_input(), cache.k[size_t(l)].as<uint16_t>(),
+                            cache.v[size_t(l)].as<uint16_t>(), pos0);
+    if (layer.mlp) {
+      layer.mlp->forward(c, I.res, next);
+    } else {
+      layer.moe->forward(c, I.res, I.moe, seed, next);
+    }
+  }
+  // The final norm and the LM head on the last row, logits in FP32.
+  const uint16_t* last = I.head->input() + (n - 1) * d;
+  uint16_t* norm = I.decode_norm.as<uint16_t>();
+  cuda::rmsnorm_forward(last, c.params + I.final_norm, norm, I.decode_rstd.as<float>(), 1, d, mcfg_.norm_eps, stream_);
+  float* logits = I.decode_logits.as<float>();
+  cuda::gemm(*I.gemm, false, true, 1, v, d, 1.f, norm, d, c.params + I.lm_head, d, 0.f, logits, v, stream_);
+  std::vector<float> out(static_cast<size_t>(v));
+  cuda::copy_d2h(out.data(), logits, size_t(v) * sizeof(float), stream_);
+  cache.length = pos0 + n;
+  return out;
 }
 
 }  // namespace moe

@@ -37,6 +37,7 @@
 #include "core/config.h"
 #include "core/recompute.h"
 #include "cuda/device.h"
+#include "cuda/ops/memory.h"
 #include "model/cuda_experts.h"
 #include "model/model.h"
 #include "parallel/topology.h"
@@ -53,6 +54,13 @@ struct StepStatsRecord;
 // made on the model's device; it must outlive the model. E must be divisible by the group size.
 struct CudaExpertParallel {
   cuda::NcclComm* comm = nullptr;
+};
+
+// The keys and values CudaModel::decode has run: per layer k[l], v[l] BF16 [capacity, C] on the
+// model's device, rows [0, length) filled. Grows (doubling, contents kept) as decode needs.
+struct CudaKvCache {
+  int64_t length = 0, capacity = 0;
+  std::vector<cuda::DeviceBuffer> k, v;
 };
 
 class CudaModel {
@@ -136,6 +144,15 @@ class CudaModel {
   // Device bytes of the model's own buffers (parameters, gradients, activations, scratch; not the
   // GEMM and cuDNN libraries' workspaces), as sized now.
   int64_t device_bytes() const;
+
+  // Incremental decoding (generation), as Model<float>::decode: runs n new tokens (host ids, one
+  // sequence) at positions cache.length .., appending their keys and values to `cache`, and
+  // returns the FP32 logits [V] of the last one (final norm and LM head on that row only). Every
+  // MoE layer routes the new tokens on their own and keeps every route (no capacity); random
+  // routing draws with seed 0, as the CPU decode. Eager (not for capture), synchronises the stream
+  // to return the logits; one GPU (refused with expert parallelism). Sizes the forward buffers
+  // for n tokens (nothing for backward) and leaves the statistics record as it was.
+  std::vector<float> decode(const int32_t* tokens, int64_t n, CudaKvCache& cache);
 
   // inputs/targets: host [B, S] token ids (targets < 0 do not count). Resets the statistics, copies
   // the ids into the model's own device buffers, then runs forward_device. Not for capture.
@@ -226,6 +243,7 @@ class CudaModel {
  private:
   struct Impl;
   void check_forward(const char* op) const;  // a forward was begun
+  void reserve_forward(int64_t batch, int64_t seq);  // reserve's forward buffers
   ModelConfig mcfg_;
   MoeConfig ecfg_;
   cuda::NcclComm* ep_comm_ = nullptr;

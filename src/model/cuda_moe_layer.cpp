@@ -142,7 +142,7 @@ void CudaMoeLayer::route(const CudaBlockContext& c, CudaMoeShared& shared, const
   // The dispatch map: expert offsets, the route of each sorted row, the row of each route.
   c.mark(cuda::Phase::kDispatch);
   // With a capacity the tail of each expert's routes is dropped (num_dropped into the statistics).
-  const int64_t capacity = capacity_factor_ > 0 ? cpu::expert_capacity(capacity_factor_, n, k, e) : 0;
+  const int64_t capacity = capacity_factor_ > 0 && !c.dropless ? cpu::expert_capacity(capacity_factor_, n, k, e) : 0;
   cuda::build_dispatch_map(topk_idx, n, k, e, capacity, counts, s.dispatch.offsets_E1.as<int32_t>(),
                            s.dispatch.sorted_route_R.as<int32_t>(), s.dispatch.route_to_row_R.as<int32_t>(),
                            shared.dropped_M.as<int32_t>() + m, shared.ws_dispatch.data(), shared.ws_dispatch.bytes(),

@@ -3,10 +3,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <numeric>
 
 #include "core/error.h"
 #include "core/rng.h"
+
+#ifdef MOECORE_HAS_CUDA
+#include "cuda/device.h"
+#include "model/cuda_model.h"
+#endif
 
 namespace moe {
 
@@ -45,27 +51,55 @@ int32_t sample_token(const float* logits, int64_t v, const SamplingOptions& o, i
   return order[keep - 1];  // u within rounding of 1
 }
 
-Generation generate(Model<float>& model, const std::vector<int32_t>& prompt, int64_t max_new, int64_t eos_id,
-                    const SamplingOptions& o, bool keep_logits) {
+Generation generate(const DecodeStep& step, int64_t v, const std::vector<int32_t>& prompt, int64_t max_new,
+                    int64_t eos_id, const SamplingOptions& o, bool keep_logits) {
   MOE_CHECK(!prompt.empty(), "generate: the prompt has no tokens; give at least one");
   MOE_CHECK(max_new >= 0, "--max-new-tokens must be >= 0, got ", max_new);
-  const int64_t v = model.model_config().vocab_size;
-  KvCache<float> cache;
   Generation g;
   if (max_new == 0) return g;
-  std::vector<float> logits = model.decode(prompt.data(), int64_t(prompt.size()), cache);
+  std::vector<float> logits = step(prompt.data(), int64_t(prompt.size()));
   for (int64_t k = 0; k < max_new; ++k) {
-    const float* last = logits.data() + (int64_t(logits.size()) / v - 1) * v;
-    const int32_t id = sample_token(last, v, o, k);
+    MOE_CHECK(int64_t(logits.size()) == v, "generate: the decoder returned ", logits.size(), " logits, expected ", v);
+    const int32_t id = sample_token(logits.data(), v, o, k);
     g.ids.push_back(id);
-    if (keep_logits) g.logits.insert(g.logits.end(), last, last + v);
+    if (keep_logits) g.logits.insert(g.logits.end(), logits.begin(), logits.end());
     if (id == eos_id) {
       g.hit_eos = true;
       break;
     }
-    if (k + 1 < max_new) logits = model.decode(&id, 1, cache);
+    if (k + 1 < max_new) logits = step(&id, 1);
   }
   return g;
+}
+
+DecodeStep cuda_decoder(const Model<float>& model) {
+#ifdef MOECORE_HAS_CUDA
+  MOE_CHECK(cuda::cuda_device_count() > 0, "generate on the GPU: no CUDA device is visible; use the CPU (--device cpu)");
+  MOE_CHECK(model.expert_parallel() == nullptr, "generate on the GPU: the model must hold every expert");
+  struct State {
+    std::unique_ptr<CudaModel> gpu;
+    CudaKvCache cache;
+  };
+  auto st = std::make_shared<State>();
+  st->gpu = std::make_unique<CudaModel>(model.model_config(), model.moe_config());
+  st->gpu->load_params(model.params());
+  if (st->gpu->num_moe_layers() > 0) st->gpu->load_expert_bias(model.expert_bias());
+  return [st](const int32_t* tokens, int64_t n) { return st->gpu->decode(tokens, n, st->cache); };
+#else
+  (void)model;
+  MOE_FAIL("generate on the GPU: this build has no CUDA backend; use the CPU (--device cpu)");
+#endif
+}
+
+Generation generate(Model<float>& model, const std::vector<int32_t>& prompt, int64_t max_new, int64_t eos_id,
+                    const SamplingOptions& o, bool keep_logits) {
+  const int64_t v = model.model_config().vocab_size;
+  auto cache = std::make_shared<KvCache<float>>();
+  const DecodeStep step = [&model, cache, v](const int32_t* tokens, int64_t n) {
+    std::vector<float> all = model.decode(tokens, n, *cache);
+    return std::vector<float>(all.end() - v, all.end());
+  };
+  return generate(step, v, prompt, max_new, eos_id, o, keep_logits);
 }
 
 }  // namespace moe

@@ -1,4 +1,5 @@
-// Text generation on the CPU model with its KV cache (Model<float>::decode): the prompt runs
+// Text generation over a KV-cached decoder (Model<float>::decode on the CPU, CudaModel::decode on a
+// GPU: generate() takes the decoder as a DecodeStep): the prompt runs
 // once (one decode of all its positions), then each new token costs one position. The next token
 // is the argmax of the last logits at temperature 0 (the lowest id among equal maxima), else a
 // draw from softmax(logits / temperature) cut to its top-p nucleus: ids sorted by probability
@@ -9,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "model/model.h"
@@ -31,8 +33,20 @@ struct Generation {
   bool hit_eos = false;       // ended on eos_id before max_new tokens
 };
 
-// Up to max_new tokens after `prompt` (non-empty); stops after eos_id (< 0: never). Keeps every
-// step's logits when keep_logits.
+// One step of a decoder with its own KV cache: runs n new tokens after those it ran before and
+// returns the logits [V] of the last one.
+using DecodeStep = std::function<std::vector<float>(const int32_t* tokens, int64_t n)>;
+
+// Up to max_new tokens after `prompt` (non-empty) from `step` (vocabulary v); stops after eos_id
+// (< 0: never). Keeps every step's logits when keep_logits.
+Generation generate(const DecodeStep& step, int64_t v, const std::vector<int32_t>& prompt, int64_t max_new,
+                    int64_t eos_id, const SamplingOptions& o, bool keep_logits);
+// A DecodeStep on the current GPU: a CudaModel (BF16 weights) holding a copy of `model`'s
+// parameters and expert bias, made now, with its own KV cache (CudaModel::decode). Throws in a
+// build without CUDA, or without a GPU.
+DecodeStep cuda_decoder(const Model<float>& model);
+
+// The same on the CPU model (its decode with a fresh KvCache).
 Generation generate(Model<float>& model, const std::vector<int32_t>& prompt, int64_t max_new, int64_t eos_id,
                     const SamplingOptions& o, bool keep_logits);
 

@@ -126,6 +126,7 @@ class Model {
   int64_t num_moe_layers() const { return num_moe_layers_; }
   // Selection-only expert bias (aux-loss-free balancing): [num_moe_layers, E], FP32.
   std::vector<float>& expert_bias() { return expert_bias_; }
+  const std::vector<float>& expert_bias() const { return expert_bias_; }
 
   // Weights ~ truncated N(0, init_std) by (seed, name, global index); norm weights = 1. A local
   // expert slice gets exactly the values of the same rows of the global tensor.

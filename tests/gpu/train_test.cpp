@@ -2,6 +2,7 @@
 // config, data, initial weights and schedule for 20 steps.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -12,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "e2e/cli_util.h"
 #include "gpu/gpu_test_util.h"
 #include "support/test_util.h"
 #include "train/device.h"
@@ -169,6 +171,69 @@ TEST(CudaTrain, DeviceResolution) {
     t.precision = "fp8";  // the emulated recipe runs on the cpu backend only: auto refuses to pick it
     EXPECT_NE(error_of([&] { resolve_device(t); }).find("train.device = \"cpu\""), std::string::npos);
   }
+}
+
+std::vector<float> read_f32(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::vector<float> v(std::filesystem::file_size(p) / sizeof(float));
+  in.read(reinterpret_cast<char*>(v.data()), std::streamsize(v.size() * sizeof(float)));
+  return v;
+}
+
+nlohmann::json last_json(const std::string& out) {
+  std::istringstream in(out);
+  std::string line, last;
+  while (std::getline(in, line))
+    if (!line.empty() && line[0] == '{') last = line;
+  return last.empty() ? nlohmann::json() : nlohmann::json::parse(last);
+}
+
+// `moecore generate` on a checkpoint the GPU trained (bf16): auto runs it on the GPU, greedy is
+// deterministic there, every id is the argmax of its logits, and the first logits (the prompt's
+// last position) follow the CPU model's (--device cpu) to BF16 accuracy.
+TEST(CudaGenerate, CliRunsOnTheGpuAndFollowsTheCpu) {
+  MOE_SKIP_WITHOUT_GPU();
+  const TempDir tmp("cuda_generate");
+  std::ostringstream log;
+  const TrainSummary s = train(small(tmp / "gpu", "cuda", "bf16"), log);
+  ASSERT_FALSE(s.last_checkpoint.empty());
+  auto gen = [&](const std::string& extra, const std::string& name) -> std::pair<nlohmann::json, std::vector<float>> {
+    const std::filesystem::path out = tmp / name;
+    const CmdResult r = run_cli("generate " + s.last_checkpoint + " --prompt 'The cat' --max-new-tokens 16 --json " +
+                                "--logits-out " + out.string() + " " + extra);
+    EXPECT_EQ(r.status, 0) << r.output;
+    if (r.status != 0) return {};
+    return {last_json(r.output), read_f32(out)};
+  };
+  const auto [a, la] = gen("", "a.f32");
+  const auto [b, lb] = gen("--device cuda", "b.f32");
+  const auto [c, lc] = gen("--device cpu", "c.f32");
+  ASSERT_FALSE(a.is_null());
+  ASSERT_FALSE(c.is_null());
+  EXPECT_EQ(a["device"], "cuda");
+  EXPECT_EQ(c["device"], "cpu");
+  EXPECT_EQ(a["ids"], b["ids"]);
+  EXPECT_EQ(la, lb);
+  const int64_t v = 256;
+  const size_t n = a["ids"].size();
+  ASSERT_EQ(la.size(), n * v);
+  for (size_t k = 0; k < n; ++k) {
+    const float* row = la.data() + k * v;
+    EXPECT_EQ(a["ids"][k].get<int64_t>(), std::max_element(row, row + v) - row);
+  }
+  const std::vector<float> g(la.begin(), la.begin() + v), want(lc.begin(), lc.begin() + v);
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < v; ++i) {
+    num += (double(g[i]) - want[i]) * (double(g[i]) - want[i]);
+    den += double(want[i]) * want[i];
+  }
+  const double diff = std::sqrt(num / den);
+  std::printf("first logits GPU vs CPU: normwise %.3e; ids gpu %s cpu %s\n", diff, a["ids"].dump().c_str(),
+              c["ids"].dump().c_str());
+  EXPECT_LE(diff, 3e-2);
+  const CmdResult bad = run_cli("generate " + s.last_checkpoint + " --prompt x --device tpu");
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_NE(bad.output.find("--device: expected auto, cpu or cuda, got 'tpu'"), std::string::npos) << bad.output;
 }
 
 }  // namespace

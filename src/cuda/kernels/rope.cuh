@@ -1,4 +1,5 @@
-// RoPE in place on x[B, S, H, hd], HF rotate_half pairs (i, i + hd/2), angle s * theta^(-2i/hd).
+// RoPE in place on x[B, S, H, hd], HF rotate_half pairs (i, i + hd/2), angle (pos0 + s) * theta^(-2i/hd)
+// (pos0: the position of row s = 0; 0 in training, the KV cache's length in decoding).
 // Forward (a, b) -> (a cos - b sin, b cos + a sin); backward the transpose (a cos + b sin,
 // b cos - a sin). A block per (position s, batch slice) fills a shared (cos, sin) table for s
 // (angle formed and reduced to [-pi, pi] in double, then sincosf: |error| < 3e-7), then rotates
@@ -13,15 +14,15 @@ constexpr int kRopeThreads = 128;
 
 template <int V, bool kBackward>
 __global__ void __launch_bounds__(kRopeThreads)
-    rope_rotate_pairs(uint16_t* __restrict__ x, int64_t batch, int64_t seq, int heads, int head_dim,
-                      double log2_theta) {
+    rope_rotate_pairs(uint16_t* __restrict__ x, int64_t batch, int64_t seq, int64_t pos0, int heads,
+                      int head_dim, double log2_theta) {
   extern __shared__ float2 s_cos_sin[];  // [head_dim / 2]
   constexpr double kTwoPi = 6.283185307179586476925;
   const int half = head_dim / 2;
   const int64_t s = blockIdx.x;
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
     const double inv_freq = exp2(-(2.0 * i / head_dim) * log2_theta);
-    const double angle = static_cast<double>(s) * inv_freq;
+    const double angle = static_cast<double>(s + pos0) * inv_freq;
     const double reduced = fma(-rint(angle * (1.0 / kTwoPi)), kTwoPi, angle);
     float sn, cs;
     sincosf(static_cast<float>(reduced), &sn, &cs);

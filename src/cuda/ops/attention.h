@@ -60,4 +60,11 @@ void attention_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                         void* workspace, size_t workspace_bytes, Stream stream,
                         AttentionBackend backend = AttentionBackend::kAuto);
 
+// Decoding over a KV cache (as cpu::attention_decode): q and out [n, Hq, hd] are the new rows at
+// positions pos0 .. pos0 + n - 1; k_cache and v_cache [pos0 + n, Hkv, hd] hold every position's
+// keys (after RoPE) and values, the new rows' included; row i sees keys 0 .. pos0 + i. Any head_dim
+// up to 256; own kernel (attention_decode.cuh) on every backend; out overwritten; deterministic.
+void attention_decode(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, uint16_t* out, int64_t n,
+                      int64_t pos0, int64_t q_heads, int64_t kv_heads, int64_t head_dim, Stream stream);
+
 }  // namespace moe::cuda

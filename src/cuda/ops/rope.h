@@ -14,6 +14,11 @@ namespace moe::cuda {
 void rope_forward(uint16_t* x, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double theta,
                   Stream stream);
 
+// Rows x[n, heads, head_dim] at positions pos0 .. pos0 + n - 1 (as cpu::rope_forward_at): the
+// new tokens of a KV-cached decode, whose cache holds pos0 positions.
+void rope_forward_at(uint16_t* x, int64_t n, int64_t pos0, int64_t heads, int64_t head_dim, double theta,
+                     Stream stream);
+
 void rope_backward(uint16_t* dx, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double theta,
                    Stream stream);
 
