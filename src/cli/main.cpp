@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
@@ -706,9 +707,11 @@ int cmd_generate(const ParsedArgs& a) {
   Model<float> model(cfg.model, cfg.moe);
   model.set_matmul_precision(cfg.train.precision);
   load_model_state(ck, model);
-  const Generation g =
-      on_gpu ? generate(cuda_decoder(model), cfg.model.vocab_size, ids, max_new, cfg.data.eos_id, so, !logits_out.empty())
-             : generate(model, ids, max_new, cfg.data.eos_id, so, !logits_out.empty());
+  const DecodeStep decoder = on_gpu ? cuda_decoder(model) : DecodeStep();
+  const auto t0 = std::chrono::steady_clock::now();
+  const Generation g = on_gpu ? generate(decoder, cfg.model.vocab_size, ids, max_new, cfg.data.eos_id, so, !logits_out.empty())
+                              : generate(model, ids, max_new, cfg.data.eos_id, so, !logits_out.empty());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::string text;
   if (decode_ids) {
     std::vector<uint32_t> u(g.ids.begin(), g.ids.end());
@@ -727,7 +730,8 @@ int cmd_generate(const ParsedArgs& a) {
   if (a.has("--json")) {
     const nlohmann::json j = {{"prompt_ids", ids}, {"ids", g.ids}, {"eos", g.hit_eos},
                               {"text", text}, {"tokenizer", tok_path.empty() ? "bytes" : tok_path},
-                              {"device", on_gpu ? "cuda" : "cpu"}};
+                              {"device", on_gpu ? "cuda" : "cpu"}, {"seconds", seconds},
+                              {"tokens_per_s", seconds > 0 ? double(g.ids.size()) / seconds : 0.0}};
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
     return 0;
   }
