@@ -8,9 +8,13 @@
 #include "model/cuda_experts.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "core/error.h"
+#include "cuda/ops/ep_placement.h"
+#include "cuda/ops/ep_rowwise.h"
 #include "cuda/ops/experts.h"
+#include "cuda/ops/nvshmem_world.h"
 #include "cuda/ops/nccl.h"
 
 namespace moe {
@@ -203,6 +207,158 @@ void CudaEpExperts::count_traffic(const cuda::EpHandle& h, int64_t elem_bytes) {
   t.rows_sent += out + in;
   t.bytes_sent += (out + in) * d_ * elem_bytes;
   t.bytes_received += (in + out) * d_ * elem_bytes;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rowwise exchange.
+
+CudaRowwiseExperts::CudaRowwiseExperts(const MoeConfig& e, int64_t d, int64_t num_moe_layers,
+                                       cuda::NvshmemWorld& world, double capacity_factor)
+    : d_(d),
+      e_(e.num_experts),
+      inner_(e.expert_hidden),
+      local_(e.num_experts / world.npes()),
+      ep_(world.npes()),
+      rank_(world.pe()),
+      capacity_factor_(capacity_factor),
+      world_(world),
+      saved_(static_cast<size_t>(num_moe_layers)) {
+  MOE_CHECK(e_ % ep_ == 0, "CudaRowwiseExperts: ", e_, " experts over ", ep_, " PEs: E must be divisible by ep");
+}
+
+CudaRowwiseExperts::~CudaRowwiseExperts() {
+  try {
+    free_symmetric();
+  } catch (...) {
+  }
+}
+
+void CudaRowwiseExperts::free_symmetric() {
+  for (CudaRowwiseExpertsSaved& s : saved_) {
+    if (s.x_GD) world_.free(s.x_GD);
+    s.x_GD = nullptr;
+  }
+  if (counts_all_) world_.free(counts_all_);
+  if (y_GD_) world_.free(y_GD_);
+  if (dy_GD_) world_.free(dy_GD_);
+  counts_all_ = y_GD_ = dy_GD_ = nullptr;
+}
+
+int64_t CudaRowwiseExperts::capacity(int64_t rows) const {
+  if (capacity_factor_ <= 0) return 0;
+  return static_cast<int64_t>(std::ceil(capacity_factor_ * double(rows * ep_) / double(e_)));
+}
+
+int64_t CudaRowwiseExperts::receive_rows(int64_t rows) const {
+  const int64_t cap = capacity(rows);
+  return cap > 0 ? std::min(local_ * cap, rows * ep_) : rows * ep_;
+}
+
+int64_t CudaRowwiseExperts::symmetric_bytes(const MoeConfig& e, int64_t d, int64_t num_moe_layers, int64_t ep,
+                                            double cf, int64_t rows) {
+  const int64_t cap = cf > 0 ? static_cast<int64_t>(std::ceil(cf * double(rows * ep) / double(e.num_experts))) : 0;
+  const int64_t g = cap > 0 ? std::min(e.num_experts / ep * cap, rows * ep) : rows * ep;
+  auto up = [](int64_t b) { return (b + 511) / 512 * 512; };  // NVSHMEM's allocation alignment
+  return up(ep * e.num_experts * 4) + (num_moe_layers + 2) * up(g * d * 2);
+}
+
+void CudaRowwiseExperts::reserve(int64_t rows, CudaBufferGrower& g) {
+  if (saved_.empty()) return;
+  const int64_t d = d_, inner = inner_, G = receive_rows(rows);
+  for (int64_t m = 0; m < int64_t(saved_.size()); ++m) {
+    CudaRowwiseExpertsSaved& s = saved_[size_t(m)];
+    g.grow<uint16_t>(gate_up_rows(m), G * 2 * inner, "expert gate_up");
+    g.grow<uint16_t>(h_rows(m), G * inner, "expert h");
+    g.grow<int32_t>(s.dest_row_R, rows, "rowwise destination rows");
+    g.grow<int32_t>(s.local_offsets_L1, local_ + 1, "local expert offsets");
+  }
+  g.grow<int32_t>(kept_PE_, ep_ * e_, "rowwise kept counts");
+  g.grow<int32_t>(dropped_scratch_, 1, "rowwise dropped rows");
+  g.grow_bytes(ws_, cuda::experts_backward_workspace_bytes(G, inner), "expert dgate_up and dh");
+  if (rows <= reserved_rows_) return;
+  // The symmetric buffers, the same sizes on every PE (collective), then their peers' addresses.
+  // The table is made anew through the grower first: that refuses to run under capture and counts
+  // a reallocation (a captured graph holding the old addresses is then stale).
+  const size_t slots = 3 + saved_.size();
+  g.release(peer_table_);
+  g.grow<void*>(peer_table_, int64_t(slots) * ep_, "rowwise peer addresses");
+  free_symmetric();
+  counts_all_ = world_.malloc(size_t(ep_ * e_) * sizeof(int32_t));
+  y_GD_ = world_.malloc(size_t(G * d) * sizeof(uint16_t));
+  dy_GD_ = world_.malloc(size_t(G * d) * sizeof(uint16_t));
+  for (CudaRowwiseExpertsSaved& s : saved_) s.x_GD = world_.malloc(size_t(G * d) * sizeof(uint16_t));
+  std::vector<void*> table(slots * size_t(ep_));
+  for (int64_t q = 0; q < ep_; ++q) {
+    table[0 * ep_ + q] = world_.peer(counts_all_, int(q));
+    table[1 * ep_ + q] = world_.peer(y_GD_, int(q));
+    table[2 * ep_ + q] = world_.peer(dy_GD_, int(q));
+    for (size_t m = 0; m < saved_.size(); ++m) table[(3 + m) * ep_ + q] = world_.peer(saved_[m].x_GD, int(q));
+  }
+  cuda::copy_h2d(peer_table_.data(), table.data(), table.size() * sizeof(void*), nullptr);
+  cuda::stream_sync(nullptr);
+  reserved_rows_ = rows;
+}
+
+void CudaRowwiseExperts::forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
+                                 const int32_t* counts_E, const int32_t* offsets_E1, const uint16_t* x_sorted_RD,
+                                 int64_t rows, uint16_t* y_sorted_RD) {
+  MOE_CHECK(rows <= reserved_rows_, "CudaRowwiseExperts: ", rows, " rows, the buffers hold ", reserved_rows_,
+            "; reserve first");
+  CudaRowwiseExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
+  const cuda::Stream st = c.stream;
+  const int64_t G = receive_rows(reserved_rows_);
+  const uint16_t* P = c.params;
+  c.mark(cuda::Phase::kDispatch);
+  cuda::ep_rowwise_share_counts(counts_E, e_, rank_, reinterpret_cast<int32_t* const*>(peers(0)), ep_, st);
+  world_.barrier(st);
+  int32_t* dropped = dropped_M_ ? dropped_M_ + moe_index : dropped_scratch_.as<int32_t>();
+  cuda::ep_rowwise_placement(static_cast<const int32_t*>(counts_all_), ep_, rank_, e_, capacity(rows), rows,
+                             kept_PE_.as<int32_t>(), s.dest_row_R.as<int32_t>(), s.local_offsets_L1.as<int32_t>(),
+                             dropped, st);
+  cuda::ep_rowwise_scatter(x_sorted_RD, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, d_,
+                           peers(3 + size_t(moe_index)), ep_, st);
+  world_.barrier(st);
+  c.mark(cuda::Phase::kExperts);
+  cuda::experts_forward(static_cast<const uint16_t*>(s.x_GD), s.local_offsets_L1.as<int32_t>(), P + p.experts_gate_up,
+                        P + p.experts_down, G, local_, d_, inner_, gate_up_rows(moe_index).as<uint16_t>(),
+                        h_rows(moe_index).as<uint16_t>(), static_cast<uint16_t*>(y_GD_), st);
+  world_.barrier(st);  // every rank's outputs written
+  c.mark(cuda::Phase::kCombine);
+  cuda::ep_rowwise_gather(peers(1), offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, d_, ep_, y_sorted_RD, st);
+  world_.barrier(st);  // every rank has read the outputs before the next layer writes them
+}
+
+void CudaRowwiseExperts::recompute(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
+                                   const int32_t* /*offsets_E1*/, int64_t /*rows*/, uint16_t* /*y_sorted_RD*/) {
+  const CudaRowwiseExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
+  cuda::experts_recompute(gate_up_rows(moe_index).as<uint16_t>(), s.local_offsets_L1.as<int32_t>(),
+                          c.params + p.experts_down, receive_rows(reserved_rows_), local_, d_, inner_,
+                          h_rows(moe_index).as<uint16_t>(), nullptr, c.stream);
+}
+
+void CudaRowwiseExperts::backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
+                                  const int32_t* offsets_E1, const uint16_t* /*x_sorted_RD*/,
+                                  const uint16_t* dy_sorted_RD, int64_t rows, uint16_t* dx_sorted_RD) {
+  const CudaRowwiseExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
+  const cuda::Stream st = c.stream;
+  const int64_t G = receive_rows(reserved_rows_);
+  const uint16_t* P = c.params;
+  float* Gr = c.grads;
+  c.mark(cuda::Phase::kCombine);
+  cuda::ep_rowwise_scatter(dy_sorted_RD, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, d_, peers(2), ep_,
+                           st);
+  world_.barrier(st);
+  c.mark(cuda::Phase::kExperts);
+  uint16_t* dy = static_cast<uint16_t*>(dy_GD_);
+  cuda::experts_backward(static_cast<const uint16_t*>(s.x_GD), s.local_offsets_L1.as<int32_t>(), P + p.experts_gate_up,
+                         P + p.experts_down, gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(),
+                         dy, G, local_, d_, inner_, dy, Gr + p.experts_gate_up, Gr + p.experts_down, ws_.data(),
+                         ws_.bytes(), st, cuda::GroupedGemmBackend::kAuto, !c.overwrite_grads);
+  world_.barrier(st);  // every rank's input gradients written (in place of dy)
+  c.mark(cuda::Phase::kDispatch);
+  cuda::ep_rowwise_gather(peers(2), offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, d_, ep_, dx_sorted_RD,
+                          st);
+  world_.barrier(st);  // read before the next layer's gradients are pushed
 }
 
 }  // namespace moe

@@ -24,6 +24,7 @@ namespace moe {
 
 namespace cuda {
 class NcclComm;
+class NvshmemWorld;
 }
 
 // Rows and bytes the all-to-all exchanges moved since reset_ep_traffic() (forward and backward,
@@ -159,6 +160,79 @@ class CudaEpExperts final : public CudaExperts {
   cuda::DeviceBuffer recv_counts_E, pm_GD, work_GD, ws_;
   std::vector<int32_t> host_counts_;
   EpTraffic traffic_;
+};
+
+// What the rowwise experts keep per MoE layer: the rows this rank's experts received (symmetric:
+// every rank of the group writes into it), their gate/up and SwiGLU outputs, this rank's rows'
+// places in their expert ranks' buffers [R] and its local expert offsets [L + 1].
+struct CudaRowwiseExpertsSaved {
+  void* x_GD = nullptr;  // symmetric [G, D]
+  CudaExpertsSaved experts;
+  cuda::DeviceBuffer dest_row_R, local_offsets_L1;
+};
+
+// The rowwise exchange (parallel.ep_backend = "rowwise", docs/expert_parallel.md): the experts
+// split over the PEs of `world` (L = E / ep, this rank's at [pe L, (pe + 1) L); one PE: all of them,
+// the exchange local). Per MoE layer: counts stored into every PE's symmetric [ep, E] table, a
+// barrier, every rank computes the same placement (cuda::ep_rowwise_placement: each row's row in
+// its expert rank's receive buffer, grouped by local expert, under the static per-expert capacity
+// ceil(capacity_factor x R x ep / E), 0: dropless), each row stored straight into that buffer
+// (cuda::ep_rowwise_scatter), a barrier, the grouped GEMMs on the received rows with the device
+// offsets, a barrier, each rank loads its rows' outputs back (ep_rowwise_gather); backward pushes
+// the output gradients the same way and loads the input gradients back. No host read anywhere:
+// forward and backward are capturable (collectives over the world's PEs, in the same order on every
+// rank). Dropped rows give zero output and zero input gradient; their count per layer goes to
+// dropped_M (set_dropped_counter). Receive buffers are sized for the worst case (every row of
+// every rank, or L x capacity) when reserve runs (collective: the same sizes on every PE).
+class CudaRowwiseExperts final : public CudaExperts {
+ public:
+  CudaRowwiseExperts(const MoeConfig& e, int64_t d, int64_t num_moe_layers, cuda::NvshmemWorld& world,
+                     double capacity_factor);
+  ~CudaRowwiseExperts() override;
+  void bind(Recompute mode) override { mode_ = mode; }
+  bool recomputes_outputs() const override { return false; }
+  void recompute(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* offsets_E1,
+                 int64_t rows, uint16_t* y_sorted_RD) override;
+  void reserve(int64_t rows, CudaBufferGrower& g) override;
+  void forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* counts_E,
+               const int32_t* offsets_E1, const uint16_t* x_sorted_RD, int64_t rows,
+               uint16_t* y_sorted_RD) override;
+  void backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* offsets_E1,
+                const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD, int64_t rows,
+                uint16_t* dx_sorted_RD) override;
+  // Where layer m's dropped rows are written (device int32 [M]; the MoE layers' counter).
+  void set_dropped_counter(int32_t* dropped_M) { dropped_M_ = dropped_M; }
+  // Received rows each expert rank's buffer holds at most, for R rows per rank.
+  int64_t receive_rows(int64_t rows) const;
+  // Per-expert capacity for R rows per rank (0: dropless).
+  int64_t capacity(int64_t rows) const;
+  // Symmetric heap bytes reserve(rows) allocates.
+  static int64_t symmetric_bytes(const MoeConfig& e, int64_t d, int64_t num_moe_layers, int64_t ep, double cf,
+                                 int64_t rows);
+
+ private:
+  cuda::DeviceBuffer& gate_up_rows(int64_t m) {
+    return mode_ == Recompute::kFull ? pool_.gate_up_R2I : saved_[size_t(m)].experts.gate_up_R2I;
+  }
+  cuda::DeviceBuffer& h_rows(int64_t m) { return mode_ != Recompute::kNone ? pool_.h_RI : saved_[size_t(m)].experts.h_RI; }
+  uint16_t* const* peers(size_t slot) const { return peer_table_.as<uint16_t* const>() + slot * size_t(ep_); }
+  void free_symmetric();
+
+  int64_t d_, e_, inner_, local_, ep_, rank_;
+  double capacity_factor_;
+  cuda::NvshmemWorld& world_;
+  Recompute mode_ = Recompute::kNone;
+  CudaExpertsSaved pool_;
+  std::vector<CudaRowwiseExpertsSaved> saved_;  // [M]
+  int64_t reserved_rows_ = 0;                   // R the buffers are sized for
+  // Symmetric: the counts table [ep, E] int32, the expert outputs [G, D] and the gradient rows
+  // [G, D] (dy in, dx out in place) every layer shares; the peers' addresses of each symmetric
+  // buffer (slot 0 counts, 1 outputs, 2 gradients, 3 + m layer m's received rows), ep each.
+  void* counts_all_ = nullptr;
+  void* y_GD_ = nullptr;
+  void* dy_GD_ = nullptr;
+  cuda::DeviceBuffer peer_table_, kept_PE_, dropped_scratch_, ws_;
+  int32_t* dropped_M_ = nullptr;
 };
 
 }  // namespace moe

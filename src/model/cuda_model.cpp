@@ -27,6 +27,7 @@
 #include "cuda/ops/memory.h"
 #include "cuda/ops/moe_routing.h"
 #include "cuda/ops/nccl.h"
+#include "cuda/ops/nvshmem_world.h"
 #include "cuda/ops/rmsnorm.h"
 #include "cuda/ops/step_stats.h"
 #include "model/cuda_attention_block.h"
@@ -99,13 +100,27 @@ struct CudaModel::Impl {
 
 namespace {
 
+// The ep group's size and this rank's index: the NCCL group's, or the NVSHMEM world's for a
+// rowwise exchange without one (one PE).
+int64_t ep_group_size(const CudaExpertParallel* ep) {
+  if (ep == nullptr) return 1;
+  if (ep->comm != nullptr) return ep->comm->size();
+  return ep->rowwise != nullptr ? ep->rowwise->npes() : 1;
+}
+
+int64_t ep_group_rank(const CudaExpertParallel* ep) {
+  if (ep == nullptr) return 0;
+  if (ep->comm != nullptr) return ep->comm->rank();
+  return ep->rowwise != nullptr ? ep->rowwise->pe() : 0;
+}
+
 ExpertSlice ep_slice(const MoeConfig& moe, const CudaExpertParallel* ep) {
-  if (ep == nullptr || ep->comm == nullptr || ep->comm->size() <= 1) return {};
-  const int64_t n = ep->comm->size();
+  const int64_t n = ep_group_size(ep);
+  if (n <= 1) return {};
   MOE_CHECK(moe.num_experts >= n && moe.num_experts % n == 0, "CudaModel: expert parallelism over ", n,
             " GPUs needs moe.num_experts divisible by ", n, ", got ", moe.num_experts);
   const int64_t local = moe.num_experts / n;
-  return {ep->comm->rank() * local, local};
+  return {ep_group_rank(ep) * local, local};
 }
 
 }  // namespace
@@ -114,18 +129,29 @@ CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaE
     : mcfg_(model),
       ecfg_(moe),
       ep_comm_(ep && ep->comm && ep->comm->size() > 1 ? ep->comm : nullptr),
-      ep_size_(ep_comm_ ? ep_comm_->size() : 1),
-      ep_rank_(ep_comm_ ? ep_comm_->rank() : 0),
+      ep_size_(ep_group_size(ep)),
+      ep_rank_(ep_group_rank(ep)),
+      rowwise_(ep != nullptr && ep->rowwise != nullptr),
       slice_(ep_slice(moe, ep)),
       layout_(build_param_layout(model, moe, slice_)),
       impl_(std::make_unique<Impl>()) {
   for (const ParamEntry& entry : layout_.entries()) placements_.push_back(global_placement(entry, ep_size_, ep_rank_));
+  if (rowwise_) {
+    MOE_CHECK(ep->rowwise->npes() == ep_size_ && ep->rowwise->pe() == ep_rank_, "CudaModel: the rowwise exchange's ",
+              "NVSHMEM world has ", ep->rowwise->npes(), " PEs (this one ", ep->rowwise->pe(), ") but the ep group ",
+              ep_size_, " ranks (this one ", ep_rank_, "): one PE per ep rank, PE = ep rank");
+  } else {
+    MOE_CHECK(ep == nullptr || ep->capacity_factor == 0.0, "CudaModel: an expert capacity (parallel.ep_capacity_factor = ",
+              ep ? ep->capacity_factor : 0.0, ") applies to the rowwise exchange only");
+  }
   if (ep_comm_) {
     MOE_CHECK(ep_comm_->device() == cuda::current_device(), "CudaModel: the expert-parallel NCCL communicator was "
               "made on GPU ", ep_comm_->device(), " but the current GPU is ", cuda::current_device());
   }
   MOE_CHECK(ecfg_.capacity_factor == 0.0 || ecfg_.capacity_factor >= 1.0, "CudaModel: moe.capacity_factor must be "
             "0 (dropless) or >= 1, got ", ecfg_.capacity_factor);
+  MOE_CHECK(ecfg_.capacity_factor == 0.0 || !rowwise_, "CudaModel: moe.capacity_factor = ", ecfg_.capacity_factor,
+            " with the rowwise exchange: its capacity is parallel.ep_capacity_factor; set moe.capacity_factor = 0");
   MOE_CHECK(ecfg_.capacity_factor == 0.0 || ep_size_ == 1, "CudaModel: expert parallelism is dropless only; set "
             "moe.capacity_factor = 0 with parallel.ep = ", ep_size_, " (got ", ecfg_.capacity_factor, ")");
   const cuda::AttentionBackend attention_backend = cuda::attention_resolve_backend();
@@ -191,7 +217,12 @@ CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaE
     }
     I.layers.push_back(std::move(layer));
   }
-  if (ep_comm_) {
+  if (rowwise_) {
+    auto rw = std::make_unique<CudaRowwiseExperts>(ecfg_, mcfg_.d_model, num_moe_layers_, *ep->rowwise,
+                                                   ep->capacity_factor);
+    rw->set_dropped_counter(I.moe.dropped_M.as<int32_t>());
+    I.moe.experts = std::move(rw);
+  } else if (ep_comm_) {
     I.moe.experts = std::make_unique<CudaEpExperts>(ecfg_, mcfg_.d_model, num_moe_layers_, *ep_comm_, slice_.count,
                                                     I.grower);
   } else {

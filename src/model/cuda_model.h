@@ -47,13 +47,20 @@ namespace moe {
 namespace cuda {
 class EventTimer;
 class NcclComm;
+class NvshmemWorld;
 struct StepStatsRecord;
 }  // namespace cuda
 
 // Expert parallelism of a CudaModel: the ep group (comm->size() ranks, this rank comm->rank()),
 // made on the model's device; it must outlive the model. E must be divisible by the group size.
+// rowwise (parallel.ep_backend = "rowwise"): the NVSHMEM world of the ep group (one PE per rank,
+// PE = ep rank; with one PE comm may be null and every expert is local), whose symmetric buffers
+// carry the rows (CudaRowwiseExperts, cuda_experts.h) instead of the all-to-all: sync-free and
+// capturable. capacity_factor: parallel.ep_capacity_factor (rowwise only; 0: dropless).
 struct CudaExpertParallel {
   cuda::NcclComm* comm = nullptr;
+  cuda::NvshmemWorld* rowwise = nullptr;
+  double capacity_factor = 0.0;
 };
 
 // The keys and values CudaModel::decode has run: per layer k[l], v[l] BF16 [capacity, C] on the
@@ -84,6 +91,8 @@ class CudaModel {
   // layout entry sits in its global tensor (as Model<float>::placements(): global_placement of
   // parallel/topology.h; every entry whole at offset 0 without expert parallelism).
   int64_t ep_size() const { return ep_size_; }
+  // Whether the experts exchange rows through the rowwise backend (no host reads: capturable).
+  bool rowwise() const { return rowwise_; }
   int64_t ep_rank() const { return ep_rank_; }
   const ExpertSlice& expert_slice() const { return slice_; }
   const std::vector<GlobalPlacement>& placements() const { return placements_; }
@@ -248,6 +257,7 @@ class CudaModel {
   MoeConfig ecfg_;
   cuda::NcclComm* ep_comm_ = nullptr;
   int64_t ep_size_ = 1, ep_rank_ = 0;
+  bool rowwise_ = false;
   ExpertSlice slice_;
   ParamLayout layout_;
   std::vector<GlobalPlacement> placements_;

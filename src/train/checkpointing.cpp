@@ -28,9 +28,6 @@ namespace {
 
 std::optional<ExpertParallel> expert_parallel_of(const Config& cfg, const RunPlan& plan, const Topology& topo) {
   if (topo.sizes.ep <= 1) return std::nullopt;
-  MOE_CHECK(cfg.parallel.ep_backend == "alltoall" || plan.device == "cpu", "parallel.ep_backend = \"",
-            cfg.parallel.ep_backend, "\": the GPU trainer exchanges tokens by all-to-all (NCCL); the rowwise "
-            "exchange runs on the cpu backend so far; set parallel.ep_backend = \"alltoall\"");
   ExpertParallel ep = make_expert_parallel(*topo.ep_comm, cfg.moe.num_experts);
   ep.rowwise = cfg.parallel.ep_backend == "rowwise";
   ep.capacity_factor = cfg.parallel.ep_capacity_factor;

@@ -33,8 +33,10 @@
 #include "cuda/ops/ep_exchange.h"
 #include "cuda/ops/memory.h"
 #include "cuda/ops/nccl.h"
+#include "cuda/ops/nvshmem_world.h"
 #include "cuda/ops/optim.h"
 #include "cuda/ops/step_stats.h"
+#include "model/cuda_experts.h"
 #include "model/layout.h"
 #include "optim/flat_shards.h"
 #include "train/routing_seed.h"
@@ -72,9 +74,6 @@ const Config& checked_config(const Config& cfg, cuda::NcclComm* dp, cuda::NcclCo
     const int64_t ep_dp_size = ep_dp ? ep_dp->size() : 1;
     MOE_CHECK(ep_dp_size * ep_size == dp->size(), "CudaStepRunner: the ep-dp group has ", ep_dp_size,
               " rank(s) but dp / ep = ", dp->size(), " / ", ep_size, " = ", dp->size() / ep_size);
-    MOE_CHECK(cfg.parallel.ep_backend == "alltoall", "parallel.ep_backend = \"", cfg.parallel.ep_backend,
-              "\": the GPU trainer exchanges tokens by all-to-all (NCCL); the rowwise exchange runs on the cpu "
-              "backend so far; set parallel.ep_backend = \"alltoall\"");
     MOE_CHECK(cfg.moe.capacity_factor == 0.0, "moe.capacity_factor = ", cfg.moe.capacity_factor,
               ": expert parallelism is dropless only; set moe.capacity_factor = 0");
   }
@@ -198,16 +197,28 @@ struct CudaStepRunner::Impl {
   int64_t reduced_from = 0;  // gradients at offsets >= this are reduced (or enqueued)
   size_t next_ready_event = 0;
 
-  static CudaExpertParallel make_ctx(cuda::NcclComm* e) {
-    CudaExpertParallel c;
-    c.comm = e;
-    return c;
+  // The experts' exchange: NCCL all-to-all over ep, or the rowwise exchange over the ep group's
+  // NVSHMEM world (this process's one-PE world at ep = 1).
+  static CudaExpertParallel make_ctx(const Config& c, cuda::NcclComm* e, cuda::NvshmemWorld* rowwise) {
+    CudaExpertParallel x;
+    x.comm = e;
+    if (c.parallel.ep_backend == "rowwise") {
+      MOE_CHECK(rowwise != nullptr || e == nullptr, "CudaStepRunner: parallel.ep_backend = \"rowwise\" over ",
+                e ? e->size() : 1, " GPUs needs the ep group's NVSHMEM world");
+      const int64_t rows = c.train.micro_batch * c.train.seq_len * c.moe.top_k;
+      x.rowwise = rowwise ? rowwise
+                          : &cuda::NvshmemWorld::one_pe(size_t(CudaRowwiseExperts::symmetric_bytes(
+                                c.moe, c.model.d_model, num_moe_layers(c.model), 1, 0.0, rows)) + (size_t(64) << 20));
+      x.capacity_factor = c.parallel.ep_capacity_factor;
+    }
+    return x;
   }
 
-  Impl(const Config& c, bool use_zero, cuda::NcclComm* d, cuda::NcclComm* e, cuda::NcclComm* edp)
+  Impl(const Config& c, bool use_zero, cuda::NcclComm* d, cuda::NcclComm* e, cuda::NcclComm* edp,
+       cuda::NvshmemWorld* rowwise)
       : cfg(c), dp(d), dp_size(d ? d->size() : 1), dp_rank(d ? d->rank() : 0),
         ep(e && e->size() > 1 ? e : nullptr), ep_dp(ep && edp && edp->size() > 1 ? edp : nullptr),
-        ep_ctx(make_ctx(ep)), model(c.model, c.moe, ep ? &ep_ctx : nullptr) {
+        ep_ctx(make_ctx(c, ep, rowwise)), model(c.model, c.moe, ep || ep_ctx.rowwise ? &ep_ctx : nullptr) {
     model.set_recompute(parse_recompute(cfg.train.recompute));
     model.set_fuse_head_backward(true);  // every step's forward is followed by its backward
     zero = use_zero;
@@ -281,7 +292,7 @@ struct CudaStepRunner::Impl {
   int64_t moment_numel() const { return zero ? shards->state_numel() : model.layout().total_numel(); }
   bool overlap_grad_reduce() const { return comm_stream != nullptr; }
   bool graph_allowed() const {
-    return use_graph && timer == nullptr && ep == nullptr;
+    return use_graph && timer == nullptr && (ep == nullptr || model.rowwise());
   }
 
   // Waits for work recorded before `e`; with a data-parallel group, fails instead of hanging.
@@ -649,8 +660,8 @@ CudaStepRunner::CudaStepRunner(const Config& cfg, cuda::NcclComm* dp, cuda::Nccl
                      ep_dp) {}
 
 CudaStepRunner::CudaStepRunner(const Config& cfg, const RunPlan& plan, cuda::NcclComm* dp, cuda::NcclComm* ep,
-                               cuda::NcclComm* ep_dp)
-    : impl_(std::make_unique<Impl>(checked_config(cfg, dp, ep, ep_dp), plan.zero, dp, ep, ep_dp)) {
+                               cuda::NcclComm* ep_dp, cuda::NvshmemWorld* rowwise)
+    : impl_(std::make_unique<Impl>(checked_config(cfg, dp, ep, ep_dp), plan.zero, dp, ep, ep_dp, rowwise)) {
   Impl& I = *impl_;
   MOE_CHECK(plan.sizes.dp == I.dp_size && plan.micro_steps > 0, "CudaStepRunner: the run plan is for dp = ",
             plan.sizes.dp, " but the data-parallel NCCL group has ", I.dp_size, " rank(s)");
@@ -758,7 +769,7 @@ int64_t CudaStepRunner::pending() const { return impl_->num_pending; }
 int64_t CudaStepRunner::dp_size() const { return impl_->dp_size; }
 int64_t CudaStepRunner::dp_rank() const { return impl_->dp_rank; }
 bool CudaStepRunner::uses_graph() const {
-  return impl_->use_graph && impl_->ep == nullptr;
+  return impl_->use_graph && (impl_->ep == nullptr || impl_->model.rowwise());
 }
 int64_t CudaStepRunner::graph_launches() const { return impl_->launches; }
 

@@ -40,6 +40,7 @@ namespace moe {
 namespace cuda {
 class EventTimer;
 class NcclComm;
+class NvshmemWorld;
 }
 
 class CudaStepRunner {
@@ -63,8 +64,10 @@ class CudaStepRunner {
   // plan: the run plan of cfg over the dp group's ranks (micro-steps per rank size the buffers).
   // plan.zero selects ZeRO-1 (it needs the dp group; make_run_plan sets it for dp > 1, and a plan
   // set to zero with a one-rank group runs the sharded path over that group, as the tests do).
+  // rowwise (parallel.ep_backend = "rowwise"): the ep group's NVSHMEM world (PE = ep rank); null
+  // with ep = 1: this process's one-PE world (NvshmemWorld::one_pe).
   CudaStepRunner(const Config& cfg, const RunPlan& plan, cuda::NcclComm* dp, cuda::NcclComm* ep,
-                 cuda::NcclComm* ep_dp);
+                 cuda::NcclComm* ep_dp, cuda::NvshmemWorld* rowwise = nullptr);
   // The same with make_run_plan(cfg, dp ranks, "cuda").
   explicit CudaStepRunner(const Config& cfg, cuda::NcclComm* dp = nullptr, cuda::NcclComm* ep = nullptr,
                           cuda::NcclComm* ep_dp = nullptr);

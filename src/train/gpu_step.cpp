@@ -14,12 +14,15 @@
 #ifdef MOECORE_HAS_CUDA
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <map>
 
 #include "cuda/event_timer.h"
 #include "cuda/ops/device_info.h"
 #include "cuda/ops/memory.h"
 #include "cuda/ops/nccl.h"
+#include "cuda/ops/nvshmem_world.h"
+#include "model/cuda_experts.h"
 #include "model/cuda_model.h"
 #include "parallel/comm.h"
 #include "parallel/nccl_comm.h"
@@ -57,6 +60,7 @@ std::string gib(double bytes) {
 struct GpuGroups {
   LocalRank local;
   std::unique_ptr<cuda::NcclComm> dp, ep, ep_dp;
+  std::unique_ptr<cuda::NvshmemWorld> rowwise;  // parallel.ep_backend = "rowwise" with ep > 1
 };
 
 GpuGroups make_gpu_groups(const Config& cfg, const RunPlan& plan, const Topology& topo, std::ostream& out) {
@@ -84,9 +88,28 @@ GpuGroups make_gpu_groups(const Config& cfg, const RunPlan& plan, const Topology
   if (plan.sizes.ep > 1) {
     g.ep = make_nccl_comm(*topo.ep_comm);
     if (plan.ep_dp > 1) g.ep_dp = make_nccl_comm(*topo.ep_dp_comm);
+    const bool rowwise = cfg.parallel.ep_backend == "rowwise";
+    if (rowwise) {
+      // NVSHMEM over the ep group: its rank 0's unique id, broadcast as int64 words over the group.
+      Comm& epc = *topo.ep_comm;
+      std::vector<uint8_t> id = epc.rank() == 0 ? cuda::nvshmem_unique_id() : std::vector<uint8_t>();
+      int64_t size = int64_t(id.size());
+      epc.broadcast(&size, 1, 0);
+      std::vector<int64_t> words(size_t((size + 7) / 8), 0);
+      if (epc.rank() == 0) std::memcpy(words.data(), id.data(), id.size());
+      epc.broadcast(words.data(), int64_t(words.size()), 0);
+      id.resize(size_t(size));
+      std::memcpy(id.data(), words.data(), id.size());
+      const int64_t rows = cfg.train.micro_batch * cfg.train.seq_len * cfg.moe.top_k;
+      const int64_t heap = CudaRowwiseExperts::symmetric_bytes(cfg.moe, cfg.model.d_model, num_moe_layers(cfg.model),
+                                                               plan.sizes.ep, cfg.parallel.ep_capacity_factor, rows);
+      g.rowwise = std::make_unique<cuda::NvshmemWorld>(epc.rank(), epc.size(), id, size_t(heap) + (size_t(64) << 20));
+    }
     out << "expert parallel over " << plan.sizes.ep << " GPUs per group (" << cfg.moe.num_experts / plan.sizes.ep
-        << " experts each, ep-dp " << plan.ep_dp << "): NCCL all-to-all of token rows per MoE layer, "
-        << "counts read on the host (no CUDA graph)\n"
+        << " experts each, ep-dp " << plan.ep_dp << "): "
+        << (rowwise ? "rowwise exchange (rows stored into the expert ranks' NVSHMEM buffers, no host read, CUDA graph "
+                      "on)\n"
+                    : "NCCL all-to-all of token rows per MoE layer, counts read on the host (no CUDA graph)\n")
         << std::flush;
   }
   return g;
@@ -119,7 +142,8 @@ class GpuStep final : public Step {
       : cfg_(cfg), plan_(plan), topo_(topo), state_(state), groups_(make_gpu_groups(cfg, plan, topo, out)),
         dev_(cuda::device_info()), used_before_((check_fits(plan, dev_), cuda::device_used_bytes())) {
     cuda::reset_device_peak_bytes();
-    runner_ = std::make_unique<CudaStepRunner>(cfg, plan, groups_.dp.get(), groups_.ep.get(), groups_.ep_dp.get());
+    runner_ = std::make_unique<CudaStepRunner>(cfg, plan, groups_.dp.get(), groups_.ep.get(), groups_.ep_dp.get(),
+                                               groups_.rowwise.get());
     CudaModel& model = runner_->model();
     if (state_ != nullptr && state_->initialised) {
       runner_->load_state(state_->model.params(), state_->opt.exp_avg().data(), state_->opt.exp_avg_sq().data(),

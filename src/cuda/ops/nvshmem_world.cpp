@@ -3,7 +3,10 @@
 // putmem/barrier on a stream. Compiled with the NVSHMEM headers only when the build found them.
 #include "cuda/ops/nvshmem_world.h"
 
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <string>
 
 #include "core/error.h"
 
@@ -25,14 +28,16 @@ namespace {
 
 bool nvshmem_available() { return false; }
 std::vector<uint8_t> nvshmem_unique_id() { missing("nvshmem_unique_id"); }
-NvshmemWorld::NvshmemWorld(int, int, const std::vector<uint8_t>&) { missing("NvshmemWorld"); }
+NvshmemWorld::NvshmemWorld(int, int, const std::vector<uint8_t>&, size_t) { missing("NvshmemWorld"); }
 NvshmemWorld::~NvshmemWorld() = default;
+NvshmemWorld& NvshmemWorld::one_pe(size_t) { missing("NvshmemWorld::one_pe"); }
 int NvshmemWorld::pe() const { missing("NvshmemWorld::pe"); }
 int NvshmemWorld::npes() const { missing("NvshmemWorld::npes"); }
 void* NvshmemWorld::malloc(size_t) { missing("NvshmemWorld::malloc"); }
 void NvshmemWorld::free(void*) { missing("NvshmemWorld::free"); }
 void NvshmemWorld::put(void*, const void*, size_t, int, Stream) { missing("NvshmemWorld::put"); }
 void NvshmemWorld::barrier(Stream) { missing("NvshmemWorld::barrier"); }
+void* NvshmemWorld::peer(void*, int) const { missing("NvshmemWorld::peer"); }
 
 #else
 
@@ -47,8 +52,10 @@ std::vector<uint8_t> nvshmem_unique_id() {
   return bytes;
 }
 
-NvshmemWorld::NvshmemWorld(int rank, int npes, const std::vector<uint8_t>& unique_id) {
+NvshmemWorld::NvshmemWorld(int rank, int npes, const std::vector<uint8_t>& unique_id, size_t heap_bytes) {
   MOE_CHECK(npes >= 1 && rank >= 0 && rank < npes, "NvshmemWorld: rank ", rank, " of ", npes, " PEs");
+  if (heap_bytes > 0 && std::getenv("NVSHMEM_SYMMETRIC_SIZE") == nullptr)
+    setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap_bytes).c_str(), 1);
   MOE_CHECK(unique_id.size() == sizeof(nvshmemx_uniqueid_t), "NvshmemWorld: the unique id has ", unique_id.size(),
             " bytes, NVSHMEM's has ", sizeof(nvshmemx_uniqueid_t), " (ids from another NVSHMEM version?)");
   nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
@@ -68,6 +75,18 @@ NvshmemWorld::NvshmemWorld(int rank, int npes, const std::vector<uint8_t>& uniqu
 
 NvshmemWorld::~NvshmemWorld() { nvshmemx_hostlib_finalize(); }
 
+NvshmemWorld& NvshmemWorld::one_pe(size_t heap_bytes) {
+  static std::unique_ptr<NvshmemWorld> world;
+  static size_t heap = 0;
+  if (!world) {
+    heap = heap_bytes;
+    world = std::make_unique<NvshmemWorld>(0, 1, nvshmem_unique_id(), heap_bytes);
+  }
+  MOE_CHECK(heap_bytes <= heap || heap == 0, "NvshmemWorld::one_pe: this process's NVSHMEM heap was made for ", heap,
+            " bytes; ", heap_bytes, " are asked for now (one NVSHMEM initialisation per process)");
+  return *world;
+}
+
 int NvshmemWorld::pe() const { return nvshmem_my_pe(); }
 int NvshmemWorld::npes() const { return nvshmem_n_pes(); }
 
@@ -86,6 +105,16 @@ void NvshmemWorld::put(void* dst, const void* src, size_t bytes, int pe, Stream 
 }
 
 void NvshmemWorld::barrier(Stream stream) { nvshmemx_barrier_all_on_stream(reinterpret_cast<cudaStream_t>(stream)); }
+
+void* NvshmemWorld::peer(void* sym, int pe) const {
+  MOE_CHECK(pe >= 0 && pe < nvshmem_n_pes(), "NvshmemWorld::peer: PE ", pe, " outside ", nvshmem_n_pes(), " PEs");
+  if (pe == nvshmem_my_pe()) return sym;
+  void* p = nvshmem_ptr(sym, pe);
+  MOE_CHECK(p != nullptr, "NvshmemWorld::peer: PE ", pe, "'s symmetric memory cannot be loaded from or stored to by ",
+            "this GPU (no NVLink or PCIe peer path: another node?); the rowwise exchange needs every PE of the ",
+            "expert-parallel group on one node");
+  return p;
+}
 
 #endif
 

@@ -21,13 +21,19 @@ bool nvshmem_available();
 std::vector<uint8_t> nvshmem_unique_id();
 
 // NVSHMEM initialised on this process's current GPU as PE `rank` of `npes`, from the unique id's
-// bytes; finalised by the destructor. One per process.
+// bytes; finalised by the destructor. One per process. heap_bytes > 0 sizes the symmetric heap
+// (NVSHMEM_SYMMETRIC_SIZE, unless the environment sets it already); 0 keeps NVSHMEM's default.
 class NvshmemWorld {
  public:
-  NvshmemWorld(int rank, int npes, const std::vector<uint8_t>& unique_id);
+  NvshmemWorld(int rank, int npes, const std::vector<uint8_t>& unique_id, size_t heap_bytes = 0);
   ~NvshmemWorld();
   NvshmemWorld(const NvshmemWorld&) = delete;
   NvshmemWorld& operator=(const NvshmemWorld&) = delete;
+
+  // This process's world of one PE (the rowwise exchange with every expert local), made on the
+  // first call on the current GPU with a heap of at least heap_bytes and kept until the process
+  // exits (NVSHMEM initialises once per process). Throws when a later call needs a larger heap.
+  static NvshmemWorld& one_pe(size_t heap_bytes);
 
   int pe() const;
   int npes() const;
@@ -38,6 +44,10 @@ class NvshmemWorld {
   void put(void* dst, const void* src, size_t bytes, int pe, Stream stream);
   // Every PE's puts so far complete and visible, ordered on `stream` (collective).
   void barrier(Stream stream);
+  // The address through which this GPU's kernels load and store PE `pe`'s copy of the symmetric
+  // buffer `sym` (its own for pe(); a peer's through NVLink or PCIe peer mappings). Throws when
+  // NVSHMEM cannot map it (a PE on another node: no load/store path).
+  void* peer(void* sym, int pe) const;
 };
 
 }  // namespace moe::cuda

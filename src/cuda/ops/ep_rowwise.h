@@ -1,0 +1,36 @@
+// The rowwise expert exchange's data movement on the GPU (parallel.ep_backend = "rowwise"): every
+// routed row written straight into its expert rank's receive buffer at the row the placement gave
+// it (cuda::ep_rowwise_placement), and read back from there, by plain loads and stores through the
+// peers' addresses of symmetric buffers (NvshmemWorld::peer: NVLink / PCIe peer mappings of the
+// NVSHMEM heap; one PE: this GPU's own). No host reads, no layout passes: capturable. The
+// caller orders them with NvshmemWorld::barrier (a row written by scatter is read after the next
+// barrier). No CUDA headers.
+// Legend: ep ranks, E experts, L = E / ep local experts, R rows of this rank (sorted by global
+// expert: expert e's at [offsets_E1[e], offsets_E1[e + 1])), D row width (BF16).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/device.h"
+
+namespace moe::cuda {
+
+// counts_E [E] int32 (this rank's rows per global expert) -> row `rank` of every PE's counts_all
+// [ep, E]: peer_counts [ep] is a device array of those buffers' addresses as this GPU sees them.
+void ep_rowwise_share_counts(const int32_t* counts_E, int64_t num_experts, int64_t rank, int32_t* const* peer_counts,
+                             int64_t ep, Stream stream);
+
+// Row r < offsets_E1[E] with dest_row[r] >= 0 (-1: dropped) goes to rank e(r) / L, row dest_row[r]
+// of its receive buffer: peer_bufs [ep] (device array of addresses) [*, D]. rows: R, the bound of
+// rows_RD and dest_row. D a multiple of 8, every row buffer 16-byte aligned.
+void ep_rowwise_scatter(const uint16_t* rows_RD, const int32_t* offsets_E1, const int32_t* dest_row, int64_t rows,
+                        int64_t num_experts, int64_t local_experts, int64_t d, uint16_t* const* peer_bufs, int64_t ep,
+                        Stream stream);
+
+// The reverse: out_RD[r] = row dest_row[r] of rank e(r) / L's buffer peer_bufs[e(r) / L], zeros
+// for a dropped row and for r >= offsets_E1[E] (every one of the R rows written).
+void ep_rowwise_gather(const uint16_t* const* peer_bufs, const int32_t* offsets_E1, const int32_t* dest_row,
+                       int64_t rows, int64_t num_experts, int64_t local_experts, int64_t d, int64_t ep,
+                       uint16_t* out_RD, Stream stream);
+
+}  // namespace moe::cuda
