@@ -6,10 +6,12 @@
 // experts against the matching rows; normwise 1e-3), and every loss of 6 steps follows within the
 // BF16 tolerance (rel 2e-2); experts without tokens (all routes forced onto rank 0's experts, so
 // rank 1 receives no rows); the trainer with ep = 2 against one GPU and its sliced checkpoint
-// resumed on one GPU. Every test is skipped, never passed, unless the job has 2 ranks and 2 GPUs.
+// resumed on one GPU; the rowwise exchange (NVSHMEM) bitwise against the all-to-all one, in the CUDA
+// graph, and with a capacity. Every test is skipped, never passed, unless the job has 2 ranks and 2 GPUs.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -19,6 +21,7 @@
 
 #include "cuda/common.h"
 #include "cuda/ops/nccl.h"
+#include "cuda/ops/nvshmem_world.h"
 #include "gpu/dp_test_util.h"
 #include "gpu/two_gpu_main.h"
 #include "parallel/comm.h"
@@ -31,6 +34,7 @@ namespace moe::testing {
 namespace {
 
 std::unique_ptr<cuda::NcclComm> g_dp, g_ep;  // both over the world of 2 ranks
+std::unique_ptr<cuda::NvshmemWorld> g_nvshmem;  // PE = world rank (builds with NVSHMEM)
 std::string g_skip_reason;
 
 class ExpertParallelGpu : public ::testing::Test {
@@ -208,6 +212,51 @@ TEST_F(ExpertParallelGpu, ExpertsWithoutTokens) {
           }
 }
 
+// The rowwise exchange over the two GPUs (NVSHMEM symmetric buffers) against the all-to-all one:
+// dropless, both place every row in the same grouped layout, so the experts see the same rows in
+// the same order and the runs are bitwise equal (losses, counts, gradients, bias), the rowwise one
+// captured in the step's CUDA graph; with parallel.ep_capacity_factor = 1 rows are dropped,
+// counted (dropped_frac) and the run goes on.
+TEST_F(ExpertParallelGpu, RowwiseEqualsAllToAllAndRunsInTheGraph) {
+  if (!g_nvshmem) GTEST_SKIP() << "this build has no NVSHMEM: the rowwise case did not run";
+  Config c = dp_step_config();
+  c.parallel.ep = 2;
+  Model<float> m(c.model, c.moe);
+  const std::vector<float> bias(m.expert_bias().size(), 0.0f);
+  CudaStepRunner a2a(c, g_dp.get(), g_ep.get(), nullptr);
+  const EpRun ref = ep_run(c, a2a, 4, bias);
+  Config cr = c;
+  cr.parallel.ep_backend = "rowwise";
+  CudaStepRunner rw(cr, make_run_plan(cr, 2, "cuda"), g_dp.get(), g_ep.get(), nullptr, g_nvshmem.get());
+  EXPECT_TRUE(rw.model().rowwise());
+  const EpRun got = ep_run(cr, rw, 4, bias);
+  ASSERT_EQ(got.steps.size(), ref.steps.size());
+  EXPECT_TRUE(same_bits(got.grads_step1, ref.grads_step1)) << "gradients of step 1";
+  EXPECT_TRUE(same_bits(got.bias, ref.bias));
+  for (size_t i = 0; i < ref.steps.size(); ++i) {
+    EXPECT_EQ(got.steps[i].ce_sum, ref.steps[i].ce_sum) << "step " << i + 1;
+    EXPECT_EQ(got.steps[i].grad_norm, ref.steps[i].grad_norm) << "step " << i + 1;
+    EXPECT_EQ(got.steps[i].tokens_per_expert, ref.steps[i].tokens_per_expert) << "step " << i + 1;
+    EXPECT_EQ(got.steps[i].num_dropped, 0) << "step " << i + 1;
+  }
+  // In the graph: the same losses again (ep_run turns the graph off; this loop keeps it on).
+  CudaStepRunner graph(cr, make_run_plan(cr, 2, "cuda"), g_dp.get(), g_ep.get(), nullptr, g_nvshmem.get());
+  EXPECT_TRUE(graph.uses_graph());
+  const DpRun on = dp_run(cr, graph, true, 4);
+  CudaStepRunner eager(cr, make_run_plan(cr, 2, "cuda"), g_dp.get(), g_ep.get(), nullptr, g_nvshmem.get());
+  const DpRun off = dp_run(cr, eager, false, 4);
+  expect_same_steps(on, off, "rowwise ep = 2, graph on against off");
+  EXPECT_EQ(on.graph_launches, 3);
+  // A capacity: rows dropped and counted on every rank's statistics.
+  Config cc = cr;
+  cc.parallel.ep_capacity_factor = 1.0;
+  CudaStepRunner capped(cc, make_run_plan(cc, 2, "cuda"), g_dp.get(), g_ep.get(), nullptr, g_nvshmem.get());
+  const EpRun cap = ep_run(cc, capped, 2, bias);
+  ASSERT_EQ(cap.steps.size(), 2u);
+  EXPECT_GT(cap.steps[0].num_dropped, 0);
+  EXPECT_TRUE(std::isfinite(dp_loss(cap.steps[1])));
+}
+
 Config trainer_config(const std::filesystem::path& run) {
   Config c = dp_step_config();
   c.train.steps = 6;
@@ -270,8 +319,20 @@ int main(int argc, char** argv) {
       [](moe::Comm& world) {
         g_dp = moe::make_nccl_comm(world);
         g_ep = moe::make_nccl_comm(world);
+        if (moe::cuda::nvshmem_available()) {  // rank 0's unique id, broadcast as int64 words
+          std::vector<uint8_t> id = world.rank() == 0 ? moe::cuda::nvshmem_unique_id() : std::vector<uint8_t>();
+          int64_t n = int64_t(id.size());
+          world.broadcast(&n, 1, 0);
+          std::vector<int64_t> words(size_t((n + 7) / 8), 0);
+          if (world.rank() == 0) std::memcpy(words.data(), id.data(), id.size());
+          world.broadcast(words.data(), int64_t(words.size()), 0);
+          id.resize(size_t(n));
+          std::memcpy(id.data(), words.data(), id.size());
+          g_nvshmem = std::make_unique<moe::cuda::NvshmemWorld>(world.rank(), world.size(), id, size_t(512) << 20);
+        }
       },
       [] {
+        g_nvshmem.reset();
         g_ep.reset();
         g_dp.reset();
       });

@@ -89,7 +89,8 @@ void ep_rowwise_share_counts(const int32_t* counts_E, int64_t num_experts, int64
   constexpr const char* op = "cuda::ep_rowwise_share_counts";
   MOE_CHECK(ep >= 1 && rank >= 0 && rank < ep && num_experts >= 1 && ep * num_experts <= (int64_t{1} << 24), op,
             ": rank ", rank, " of ", ep, " with ", num_experts, " experts");
-  detail::check_ptrs(op, {{"counts_E", counts_E}, {"peer_counts", peer_counts}}, 4);
+  detail::check_ptrs(op, {{"counts_E", counts_E}}, 4);
+  detail::check_ptrs(op, {{"peer_counts", peer_counts}}, 8);
   share_counts_kernel<<<1, 256, 0, stream>>>(counts_E, int(num_experts), int(rank), peer_counts, int(ep));
   check_launch("ep_rowwise_share_counts");
 }
@@ -100,7 +101,8 @@ void ep_rowwise_scatter(const uint16_t* rows_RD, const int32_t* offsets_E1, cons
   constexpr const char* op = "cuda::ep_rowwise_scatter";
   check_shape(op, rows, num_experts, local_experts, d, ep);
   if (rows == 0) return;
-  detail::check_ptrs(op, {{"rows_RD", rows_RD}, {"peer_bufs", peer_bufs}}, 16);
+  detail::check_ptrs(op, {{"rows_RD", rows_RD}}, 16);
+  detail::check_ptrs(op, {{"peer_bufs", peer_bufs}}, 8);
   detail::check_ptrs(op, {{"offsets_E1", offsets_E1}, {"dest_row", dest_row}}, 4);
   const size_t smem = size_t(num_experts + 1) * sizeof(int32_t);
   rowwise_move_kernel<true><<<grid_for(rows), kThreads, smem, stream>>>(rows_RD, nullptr, nullptr, peer_bufs,
@@ -115,7 +117,8 @@ void ep_rowwise_gather(const uint16_t* const* peer_bufs, const int32_t* offsets_
   constexpr const char* op = "cuda::ep_rowwise_gather";
   check_shape(op, rows, num_experts, local_experts, d, ep);
   if (rows == 0) return;
-  detail::check_ptrs(op, {{"out_RD", out_RD}, {"peer_bufs", peer_bufs}}, 16);
+  detail::check_ptrs(op, {{"out_RD", out_RD}}, 16);
+  detail::check_ptrs(op, {{"peer_bufs", peer_bufs}}, 8);
   detail::check_ptrs(op, {{"offsets_E1", offsets_E1}, {"dest_row", dest_row}}, 4);
   const size_t smem = size_t(num_experts + 1) * sizeof(int32_t);
   rowwise_move_kernel<false><<<grid_for(rows), kThreads, smem, stream>>>(nullptr, out_RD, peer_bufs, nullptr,

@@ -76,11 +76,13 @@ NvshmemWorld::NvshmemWorld(int rank, int npes, const std::vector<uint8_t>& uniqu
 NvshmemWorld::~NvshmemWorld() { nvshmemx_hostlib_finalize(); }
 
 NvshmemWorld& NvshmemWorld::one_pe(size_t heap_bytes) {
-  static std::unique_ptr<NvshmemWorld> world;
+  // Never finalised: at exit the CUDA runtime may already be torn down, and NVSHMEM's finalisation
+  // then faults; the process's end releases the heap.
+  static NvshmemWorld* world = nullptr;
   static size_t heap = 0;
-  if (!world) {
+  if (world == nullptr) {
     heap = heap_bytes;
-    world = std::make_unique<NvshmemWorld>(0, 1, nvshmem_unique_id(), heap_bytes);
+    world = new NvshmemWorld(0, 1, nvshmem_unique_id(), heap_bytes);
   }
   MOE_CHECK(heap_bytes <= heap || heap == 0, "NvshmemWorld::one_pe: this process's NVSHMEM heap was made for ", heap,
             " bytes; ", heap_bytes, " are asked for now (one NVSHMEM initialisation per process)");

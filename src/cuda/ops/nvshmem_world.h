@@ -32,7 +32,8 @@ class NvshmemWorld {
 
   // This process's world of one PE (the rowwise exchange with every expert local), made on the
   // first call on the current GPU with a heap of at least heap_bytes and kept until the process
-  // exits (NVSHMEM initialises once per process). Throws when a later call needs a larger heap.
+  // exits, never finalised (NVSHMEM initialises once per process; at exit its finalisation would
+  // run after the CUDA runtime's teardown). Throws when a later call needs a larger heap.
   static NvshmemWorld& one_pe(size_t heap_bytes);
 
   int pe() const;
