@@ -19,6 +19,16 @@
 
 namespace moe {
 
+void CudaExperts::forward_tokens(const CudaBlockContext&, int64_t, const LayerParams&, const int32_t*, const int32_t*,
+                                 const uint16_t*, const int32_t*, int64_t, int64_t, uint16_t*) {
+  MOE_FAIL("CudaExperts::forward_tokens: these experts read sorted rows (takes_token_rows() is false)");
+}
+
+void CudaExperts::backward_tokens(const CudaBlockContext&, int64_t, const LayerParams&, const int32_t*,
+                                  const uint16_t*, const int32_t*, int64_t, int64_t, int64_t, uint16_t*) {
+  MOE_FAIL("CudaExperts::backward_tokens: these experts write sorted rows (takes_token_rows() is false)");
+}
+
 CudaLocalExperts::CudaLocalExperts(const MoeConfig& e, int64_t d, int64_t num_moe_layers)
     : d_(d), e_(e.num_experts), inner_(e.expert_hidden), saved_(static_cast<size_t>(num_moe_layers)) {}
 
@@ -302,6 +312,20 @@ void CudaRowwiseExperts::reserve(int64_t rows, CudaBufferGrower& g) {
 void CudaRowwiseExperts::forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                                  const int32_t* counts_E, const int32_t* offsets_E1, const uint16_t* x_sorted_RD,
                                  int64_t rows, uint16_t* y_sorted_RD) {
+  forward_rows(c, moe_index, p, counts_E, offsets_E1, x_sorted_RD, nullptr, 1, rows, y_sorted_RD);
+}
+
+void CudaRowwiseExperts::forward_tokens(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
+                                        const int32_t* counts_E, const int32_t* offsets_E1, const uint16_t* tokens_TD,
+                                        const int32_t* sorted_route_R, int64_t top_k, int64_t rows,
+                                        uint16_t* y_sorted_RD) {
+  forward_rows(c, moe_index, p, counts_E, offsets_E1, tokens_TD, sorted_route_R, top_k, rows, y_sorted_RD);
+}
+
+void CudaRowwiseExperts::forward_rows(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
+                                      const int32_t* counts_E, const int32_t* offsets_E1, const uint16_t* x,
+                                      const int32_t* sorted_route, int64_t top_k, int64_t rows,
+                                      uint16_t* y_sorted_RD) {
   MOE_CHECK(rows <= reserved_rows_, "CudaRowwiseExperts: ", rows, " rows, the buffers hold ", reserved_rows_,
             "; reserve first");
   CudaRowwiseExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
@@ -315,8 +339,8 @@ void CudaRowwiseExperts::forward(const CudaBlockContext& c, int64_t moe_index, c
   cuda::ep_rowwise_placement(static_cast<const int32_t*>(counts_all_), ep_, rank_, e_, capacity(rows), rows,
                              kept_PE_.as<int32_t>(), s.dest_row_R.as<int32_t>(), s.local_offsets_L1.as<int32_t>(),
                              dropped, st);
-  cuda::ep_rowwise_scatter(x_sorted_RD, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, d_,
-                           peers(3 + size_t(moe_index)), ep_, st);
+  cuda::ep_rowwise_scatter(x, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, d_, peers(3 + size_t(moe_index)),
+                           ep_, st, sorted_route, top_k);
   world_.barrier(st);
   c.mark(cuda::Phase::kExperts);
   cuda::experts_forward(static_cast<const uint16_t*>(s.x_GD), s.local_offsets_L1.as<int32_t>(), P + p.experts_gate_up,
@@ -336,9 +360,8 @@ void CudaRowwiseExperts::recompute(const CudaBlockContext& c, int64_t moe_index,
                           h_rows(moe_index).as<uint16_t>(), nullptr, c.stream);
 }
 
-void CudaRowwiseExperts::backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
-                                  const int32_t* offsets_E1, const uint16_t* /*x_sorted_RD*/,
-                                  const uint16_t* dy_sorted_RD, int64_t rows, uint16_t* dx_sorted_RD) {
+void CudaRowwiseExperts::backward_experts(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
+                                          const int32_t* offsets_E1, const uint16_t* dy_sorted_RD, int64_t rows) {
   const CudaRowwiseExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
   const cuda::Stream st = c.stream;
   const int64_t G = receive_rows(reserved_rows_);
@@ -355,10 +378,29 @@ void CudaRowwiseExperts::backward(const CudaBlockContext& c, int64_t moe_index, 
                          dy, G, local_, d_, inner_, dy, Gr + p.experts_gate_up, Gr + p.experts_down, ws_.data(),
                          ws_.bytes(), st, cuda::GroupedGemmBackend::kAuto, !c.overwrite_grads);
   world_.barrier(st);  // every rank's input gradients written (in place of dy)
+}
+
+void CudaRowwiseExperts::backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
+                                  const int32_t* offsets_E1, const uint16_t* /*x_sorted_RD*/,
+                                  const uint16_t* dy_sorted_RD, int64_t rows, uint16_t* dx_sorted_RD) {
+  backward_experts(c, moe_index, p, offsets_E1, dy_sorted_RD, rows);
+  const CudaRowwiseExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
   c.mark(cuda::Phase::kDispatch);
   cuda::ep_rowwise_gather(peers(2), offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, d_, ep_, dx_sorted_RD,
-                          st);
-  world_.barrier(st);  // read before the next layer's gradients are pushed
+                          c.stream);
+  world_.barrier(c.stream);  // read before the next layer's gradients are pushed
+}
+
+void CudaRowwiseExperts::backward_tokens(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
+                                         const int32_t* offsets_E1, const uint16_t* dy_sorted_RD,
+                                         const int32_t* route_to_row, int64_t num_tokens, int64_t top_k, int64_t rows,
+                                         uint16_t* dx_TD) {
+  backward_experts(c, moe_index, p, offsets_E1, dy_sorted_RD, rows);
+  const CudaRowwiseExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
+  c.mark(cuda::Phase::kDispatch);
+  cuda::ep_rowwise_gather_add(peers(2), route_to_row, offsets_E1, s.dest_row_R.as<int32_t>(), num_tokens, top_k, e_,
+                              local_, d_, ep_, dx_TD, c.stream);
+  world_.barrier(c.stream);  // read before the next layer's gradients are pushed
 }
 
 }  // namespace moe

@@ -68,6 +68,21 @@ class CudaExperts {
                         const int32_t* offsets_E1, const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD,
                         int64_t rows, uint16_t* dx_sorted_RD) = 0;
 
+  // Whether forward_tokens and backward_tokens run: the experts read the token rows through the
+  // dispatch map themselves and add the input gradients into the tokens' rows, so the MoE layer
+  // runs neither permute pass nor keeps x_sorted (the rowwise exchange: rows stored from the token
+  // rows and loaded back into them).
+  virtual bool takes_token_rows() const { return false; }
+  // forward with x_sorted row r = tokens_TD[sorted_route_R[r] / top_k].
+  virtual void forward_tokens(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
+                              const int32_t* counts_E, const int32_t* offsets_E1, const uint16_t* tokens_TD,
+                              const int32_t* sorted_route_R, int64_t top_k, int64_t rows, uint16_t* y_sorted_RD);
+  // backward, the input gradients added into dx_TD [T, D] (dx_TD[t] += the sum over the token's
+  // routes, as cuda::permute_backward) instead of written as dx_sorted.
+  virtual void backward_tokens(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
+                               const int32_t* offsets_E1, const uint16_t* dy_sorted_RD, const int32_t* route_to_row,
+                               int64_t num_tokens, int64_t top_k, int64_t rows, uint16_t* dx_TD);
+
   virtual EpTraffic traffic() const { return {}; }
   virtual void reset_traffic() {}
 };
@@ -200,6 +215,13 @@ class CudaRowwiseExperts final : public CudaExperts {
   void backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* offsets_E1,
                 const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD, int64_t rows,
                 uint16_t* dx_sorted_RD) override;
+  bool takes_token_rows() const override { return true; }
+  void forward_tokens(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* counts_E,
+                      const int32_t* offsets_E1, const uint16_t* tokens_TD, const int32_t* sorted_route_R,
+                      int64_t top_k, int64_t rows, uint16_t* y_sorted_RD) override;
+  void backward_tokens(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* offsets_E1,
+                       const uint16_t* dy_sorted_RD, const int32_t* route_to_row, int64_t num_tokens, int64_t top_k,
+                       int64_t rows, uint16_t* dx_TD) override;
   // Where layer m's dropped rows are written (device int32 [M]; the MoE layers' counter).
   void set_dropped_counter(int32_t* dropped_M) { dropped_M_ = dropped_M; }
   // Received rows each expert rank's buffer holds at most, for R rows per rank.
@@ -216,6 +238,13 @@ class CudaRowwiseExperts final : public CudaExperts {
   }
   cuda::DeviceBuffer& h_rows(int64_t m) { return mode_ != Recompute::kNone ? pool_.h_RI : saved_[size_t(m)].experts.h_RI; }
   uint16_t* const* peers(size_t slot) const { return peer_table_.as<uint16_t* const>() + slot * size_t(ep_); }
+  // Forward from x (rows, or token rows through sorted_route); backward's exchange and experts,
+  // the input gradients left in the symmetric gradient buffer.
+  void forward_rows(const CudaBlockContext& c, int64_t m, const LayerParams& p, const int32_t* counts_E,
+                    const int32_t* offsets_E1, const uint16_t* x, const int32_t* sorted_route, int64_t top_k,
+                    int64_t rows, uint16_t* y_sorted_RD);
+  void backward_experts(const CudaBlockContext& c, int64_t m, const LayerParams& p, const int32_t* offsets_E1,
+                        const uint16_t* dy_sorted_RD, int64_t rows);
   void free_symmetric();
 
   int64_t d_, e_, inner_, local_, ep_, rank_;

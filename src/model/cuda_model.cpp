@@ -222,6 +222,8 @@ CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaE
                                                    ep->capacity_factor);
     rw->set_dropped_counter(I.moe.dropped_M.as<int32_t>());
     I.moe.experts = std::move(rw);
+    for (Impl::Layer& layer : I.layers)
+      if (layer.moe) layer.moe->set_token_rows(I.moe.experts->takes_token_rows());
   } else if (ep_comm_) {
     I.moe.experts = std::make_unique<CudaEpExperts>(ecfg_, mcfg_.d_model, num_moe_layers_, *ep_comm_, slice_.count,
                                                     I.grower);

@@ -60,7 +60,7 @@ void CudaMoeLayer::reserve(int64_t batch, int64_t seq, CudaBufferGrower& g) {
   g.grow<int32_t>(s.dispatch.offsets_E1, e + 1, "expert offsets");
   g.grow<int32_t>(s.dispatch.sorted_route_R, rows, "sorted_route");
   g.grow<int32_t>(s.dispatch.route_to_row_R, rows, "route_to_row");
-  g.grow<uint16_t>(*sl.x_sorted, rows * d, "x_sorted");
+  if (!token_rows_) g.grow<uint16_t>(*sl.x_sorted, rows * d, "x_sorted");
   g.grow<uint16_t>(*sl.y_sorted, rows * d, "y_sorted");
 }
 
@@ -97,14 +97,17 @@ void CudaMoeLayer::forward(const CudaBlockContext& c, CudaResidual& res, CudaMoe
   float* topk_w = s.topk_w_NK.as<float>();
   if (!reuse_routing) route(c, shared, seed, norm);
 
-  // The rows sorted by expert.
+  // The rows sorted by expert (or read by the experts from the token rows), the experts, combine,
+  // shared expert.
   c.mark(cuda::Phase::kDispatch);
-  uint16_t* xs = sl.x_sorted->as<uint16_t>();
-  cuda::permute_forward(norm, sorted_route, n, k, d, xs, st);
-
-  // Experts, combine, shared expert.
   uint16_t* ys = sl.y_sorted->as<uint16_t>();
-  shared.experts->forward(c, m, p_, counts, offsets, xs, rows, ys);
+  if (token_rows_) {
+    shared.experts->forward_tokens(c, m, p_, counts, offsets, norm, sorted_route, k, rows, ys);
+  } else {
+    uint16_t* xs = sl.x_sorted->as<uint16_t>();
+    cuda::permute_forward(norm, sorted_route, n, k, d, xs, st);
+    shared.experts->forward(c, m, p_, counts, offsets, xs, rows, ys);
+  }
   c.mark(cuda::Phase::kCombine);
   uint16_t* branch = res.branch();
   cuda::unpermute_forward(ys, route_to_row, topk_w, n, k, d, branch, st);
@@ -157,7 +160,8 @@ void CudaMoeLayer::recompute_selective(const CudaBlockContext& c, CudaMoeShared&
   const Slots& sl = slots_;
   uint16_t* norm = sl.norm->as<uint16_t>();
   cuda::rmsnorm_forward(sl.x->as<uint16_t>(), c.params + p_.mlp_norm, norm, sl.rstd->as<float>(), n, d, norm_eps_, st);
-  cuda::permute_forward(norm, s.dispatch.sorted_route_R.as<int32_t>(), n, k, d, sl.x_sorted->as<uint16_t>(), st);
+  if (!token_rows_)
+    cuda::permute_forward(norm, s.dispatch.sorted_route_R.as<int32_t>(), n, k, d, sl.x_sorted->as<uint16_t>(), st);
   shared.experts->recompute(c, p_.moe_index, p_, s.dispatch.offsets_E1.as<int32_t>(), rows,
                             pooled_y_ ? sl.y_sorted->as<uint16_t>() : nullptr);
   if (p_.shared) mlp_recompute_h_gpu(sl.shared_gate_up->as<uint16_t>(), sl.shared_h->as<uint16_t>(), n, p_.mlp_hidden, st);
@@ -195,10 +199,14 @@ void CudaMoeLayer::backward(const CudaBlockContext& c, CudaResidual& res, CudaMo
                            s.topk_w_NK.as<float>(), n, k, d, dys, dtopk_w, st);
 
   // Experts, dispatch.
-  uint16_t* dxs = dys;  // in place: the experts read dy in full before they write dx
-  shared.experts->backward(c, m, p_, offsets, sl.x_sorted->as<uint16_t>(), dys, rows, dxs);
-  c.mark(cuda::Phase::kDispatch);
-  cuda::permute_backward(dxs, route_to_row, n, k, d, dbranch, st);
+  if (token_rows_) {
+    shared.experts->backward_tokens(c, m, p_, offsets, dys, route_to_row, n, k, rows, dbranch);
+  } else {
+    uint16_t* dxs = dys;  // in place: the experts read dy in full before they write dx
+    shared.experts->backward(c, m, p_, offsets, sl.x_sorted->as<uint16_t>(), dys, rows, dxs);
+    c.mark(cuda::Phase::kDispatch);
+    cuda::permute_backward(dxs, route_to_row, n, k, d, dbranch, st);
+  }
 
   // Router, through the gate GEMM.
   c.mark(cuda::Phase::kRouter);

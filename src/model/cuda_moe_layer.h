@@ -84,6 +84,9 @@ class CudaMoeLayer {
   // outputs (when `experts_recompute_outputs`: local experts) and the shared expert's h; full also
   // the input, rstd and the shared expert's gate/up output. The experts bind their own rows.
   void bind(Recompute mode, CudaMoeSaved* pool, bool experts_recompute_outputs);
+  // The experts read the token rows and add into the tokens' gradient themselves
+  // (CudaExperts::takes_token_rows): no permute passes, no x_sorted. Call before reserve.
+  void set_token_rows(bool on) { token_rows_ = on; }
   void reserve(int64_t batch, int64_t seq, CudaBufferGrower& g);
   // The shared buffers but the experts (sized by the caller: experts->reserve(N*K)).
   static void reserve_shared(const MoeConfig& e, int64_t d, int64_t batch, int64_t seq, CudaMoeShared& s,
@@ -119,6 +122,7 @@ class CudaMoeLayer {
   CudaRouterChoice router_;
   Recompute mode_ = Recompute::kNone;
   bool pooled_y_ = false;
+  bool token_rows_ = false;
   CudaMoeSaved saved_;
   Slots slots_;
 };

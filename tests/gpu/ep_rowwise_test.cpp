@@ -14,6 +14,7 @@
 #include "cuda/ops/ep_placement.h"
 #include "cuda/ops/ep_rowwise.h"
 #include "cuda/ops/memory.h"
+#include "cuda/ops/moe_routing.h"
 #include "cuda/ops/nvshmem_world.h"
 #include "gpu/dp_test_util.h"
 #include "gpu/gpu_test_util.h"
@@ -161,6 +162,77 @@ TEST(EpRowwiseGpu, ScatterAndGatherFollowTheCpuPlacementOverVirtualRanks) {
   }
 }
 
+// The permute fused into the store and its backward into the load, for rank 0 of groups of 1, 2
+// and 4 (the other ranks only give counts): the rows stored from the token rows through the
+// dispatch map land bitwise where the stored sorted rows land, and ep_rowwise_gather_add equals
+// cuda::permute_backward on the gathered rows bit for bit.
+TEST(EpRowwiseGpu, TokenRowsFusePermuteAndItsBackwardBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  for (const int64_t ep : {1, 2, 4}) {
+    SCOPED_TRACE(param_name("ep", ep));
+    const int64_t E = 8, L = E / ep, k = 2, T = 57, D = 72, R = T * k;
+    std::mt19937_64 gen(uint64_t(100 + ep));
+    // Each token picks k distinct experts; routes sorted by expert (stable: token-major within).
+    std::vector<int32_t> expert_of_route(static_cast<size_t>(R));
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<int32_t> all(static_cast<size_t>(E));
+      for (int32_t e = 0; e < E; ++e) all[size_t(e)] = e;
+      std::shuffle(all.begin(), all.end(), gen);
+      for (int64_t j = 0; j < k; ++j) expert_of_route[size_t(t * k + j)] = all[size_t(j)];
+    }
+    std::vector<int32_t> sorted_route, route_to_row(static_cast<size_t>(R)), off(static_cast<size_t>(E + 1), 0);
+    for (int32_t e = 0; e < E; ++e) {
+      for (int64_t i = 0; i < R; ++i)
+        if (expert_of_route[size_t(i)] == e) {
+          route_to_row[size_t(i)] = int32_t(sorted_route.size());
+          sorted_route.push_back(int32_t(i));
+        }
+      off[size_t(e + 1)] = int32_t(sorted_route.size());
+    }
+    std::vector<int64_t> counts_all(static_cast<size_t>(ep * E));
+    std::uniform_int_distribution<int> other(0, 20);
+    for (int64_t q = 0; q < ep; ++q)
+      for (int64_t e = 0; e < E; ++e)
+        counts_all[size_t(q * E + e)] = q == 0 ? off[size_t(e + 1)] - off[size_t(e)] : other(gen);
+    const EpPlacement pl = ep_rowwise_placement(counts_all, ep, 0, E, 0);
+    const std::vector<uint16_t> tokens = random_bf16(T * D, 7);
+    std::vector<uint16_t> x_sorted(static_cast<size_t>(R * D));
+    for (int64_t r = 0; r < R; ++r)
+      std::copy(tokens.begin() + (sorted_route[size_t(r)] / k) * D, tokens.begin() + (sorted_route[size_t(r)] / k + 1) * D,
+                x_sorted.begin() + r * D);
+    int64_t g = 0;
+    for (int64_t i = 0; i < ep * E; ++i) g += counts_all[size_t(i)];
+    TestStream stream;
+    GuardedBuffer<uint16_t> d_tokens(tokens), d_sorted(x_sorted);
+    GuardedBuffer<int32_t> d_route(sorted_route), d_r2r(route_to_row), d_off(off), d_dest(pl.dest_row);
+    std::vector<std::unique_ptr<GuardedBuffer<uint16_t>>> a, b;
+    std::vector<uint16_t*> pa, pb;
+    for (int64_t q = 0; q < ep; ++q) {
+      a.push_back(std::make_unique<GuardedBuffer<uint16_t>>(std::vector<uint16_t>(size_t(g * D), 0x7F7F)));
+      b.push_back(std::make_unique<GuardedBuffer<uint16_t>>(std::vector<uint16_t>(size_t(g * D), 0x7F7F)));
+      pa.push_back(a.back()->data());
+      pb.push_back(b.back()->data());
+    }
+    PtrTable<uint16_t> ta(pa), tb(pb);
+    cuda::ep_rowwise_scatter(d_sorted.data(), d_off.data(), d_dest.data(), R, E, L, D, ta.get(), ep, stream.get());
+    cuda::ep_rowwise_scatter(d_tokens.data(), d_off.data(), d_dest.data(), R, E, L, D, tb.get(), ep, stream.get(),
+                             d_route.data(), k);
+    stream.sync();
+    for (int64_t q = 0; q < ep; ++q) EXPECT_EQ(a[size_t(q)]->download(), b[size_t(q)]->download()) << "rank " << q;
+    // Backward: the rows in the receive buffers stand for input gradients.
+    const std::vector<uint16_t> dx0 = random_bf16(T * D, 8);
+    GuardedBuffer<uint16_t> fused(dx0), plain(dx0), gathered(R * D);
+    cuda::ep_rowwise_gather_add(ta.get(), d_r2r.data(), d_off.data(), d_dest.data(), T, k, E, L, D, ep, fused.data(),
+                                stream.get());
+    cuda::ep_rowwise_gather(ta.get(), d_off.data(), d_dest.data(), R, E, L, D, ep, gathered.data(), stream.get());
+    cuda::permute_backward(gathered.data(), d_r2r.data(), T, k, D, plain.data(), stream.get());
+    stream.sync();
+    EXPECT_EQ(fused.download(), plain.download());
+    EXPECT_NE(fused.download(), dx0);
+    fused.expect_guards_intact("gather_add");
+  }
+}
+
 TEST(EpRowwiseGpu, RefusesBadShapes) {
   MOE_SKIP_WITHOUT_GPU();
   GuardedBuffer<uint16_t> b(64);
@@ -215,7 +287,7 @@ TEST(CudaRowwise, OnePeModelEqualsLocalExpertsBitwise) {
   const int64_t batch = 2, seq = 64;
   std::mt19937_64 gen(4);
   std::uniform_int_distribution<int32_t> tok(0, 255);
-  std::vector<int32_t> in(size_t(batch * seq)), tg(size_t(batch * seq));
+  std::vector<int32_t> in(static_cast<size_t>(batch * seq)), tg(size_t(batch * seq));
   for (auto& t : in) t = tok(gen);
   for (auto& t : tg) t = tok(gen);
   for (const Recompute mode : {Recompute::kNone, Recompute::kSelective, Recompute::kFull}) {

@@ -8,10 +8,14 @@
 
 #include "core/error.h"
 #include "cuda/common.h"
+#include "cuda/kernels/vec.cuh"
 #include "cuda/ops/launch.h"
 
 namespace moe::cuda {
 namespace {
+
+using kernels::load_bf16;
+using kernels::store_bf16;
 
 constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int kMaxExperts = 4096;
@@ -45,7 +49,8 @@ template <bool kScatter>
 __global__ void __launch_bounds__(kThreads)
     rowwise_move_kernel(const uint16_t* __restrict__ src_rows, uint16_t* __restrict__ dst_rows,
                         const uint16_t* const* peer_src, uint16_t* const* peer_dst, const int32_t* __restrict__ offsets,
-                        const int32_t* __restrict__ dest_row, int64_t rows, int experts, int local, int64_t d) {
+                        const int32_t* __restrict__ dest_row, int64_t rows, int experts, int local, int64_t d,
+                        const int32_t* __restrict__ sorted_route, int top_k) {
   extern __shared__ int32_t s_off[];
   const int used = load_offsets(offsets, experts, s_off);
   const int lane = threadIdx.x % 32;
@@ -55,7 +60,8 @@ __global__ void __launch_bounds__(kThreads)
     if constexpr (kScatter) {
       if (at < 0) continue;
       const int q = expert_of(s_off, experts, static_cast<int>(r)) / local;
-      const uint4* from = reinterpret_cast<const uint4*>(src_rows + r * d);
+      const int64_t src = sorted_route ? int64_t(sorted_route[r] / top_k) : r;
+      const uint4* from = reinterpret_cast<const uint4*>(src_rows + src * d);
       uint4* to = reinterpret_cast<uint4*>(peer_dst[q] + int64_t(at) * d);
       for (int64_t v = lane; v < vecs; v += 32) to[v] = from[v];
     } else {
@@ -67,6 +73,46 @@ __global__ void __launch_bounds__(kThreads)
       const int q = expert_of(s_off, experts, static_cast<int>(r)) / local;
       const uint4* from = reinterpret_cast<const uint4*>(peer_src[q] + int64_t(at) * d);
       for (int64_t v = lane; v < vecs; v += 32) to[v] = from[v];
+    }
+  }
+}
+
+// A warp per token: lane j < top_k finds route j's rank and row, then the lanes walk the row's
+// 8-element packs, adding the routes' rows in slot order onto the token's row (FP32).
+__global__ void __launch_bounds__(kThreads)
+    gather_add_kernel(const uint16_t* const* peer_src, const int32_t* __restrict__ route_to_row,
+                      const int32_t* __restrict__ offsets, const int32_t* __restrict__ dest_row, int64_t tokens,
+                      int top_k, int experts, int local, int64_t d, uint16_t* __restrict__ dx) {
+  extern __shared__ int32_t s_off[];
+  const int used = load_offsets(offsets, experts, s_off);
+  const int lane = threadIdx.x % 32;
+  const int64_t packs = d / 8;
+  for (int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; t < tokens; t += int64_t(gridDim.x) * kWarps) {
+    int q = -1, at = -1;
+    if (lane < top_k) {
+      const int32_t r = route_to_row[t * top_k + lane];
+      if (r >= 0 && r < used) {
+        at = dest_row[r];
+        if (at >= 0) q = expert_of(s_off, experts, r) / local;
+      }
+    }
+    int qs[32], ats[32];  // every lane's copy of the routes' ranks and rows (all lanes shuffle)
+    for (int j = 0; j < top_k; ++j) {
+      qs[j] = __shfl_sync(0xffffffffu, q, j);
+      ats[j] = __shfl_sync(0xffffffffu, at, j);
+    }
+    for (int64_t v = lane; v < packs; v += 32) {
+      float acc[8];
+      load_bf16<8>(dx + t * d + v * 8, acc);
+      for (int j = 0; j < top_k; ++j) {
+        const int qj = qs[j], aj = ats[j];
+        if (qj < 0) continue;
+        float y[8];
+        load_bf16<8>(peer_src[qj] + int64_t(aj) * d + v * 8, y);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] += y[i];
+      }
+      store_bf16<8>(dx + t * d + v * 8, acc);
     }
   }
 }
@@ -97,8 +143,9 @@ void ep_rowwise_share_counts(const int32_t* counts_E, int64_t num_experts, int64
 
 void ep_rowwise_scatter(const uint16_t* rows_RD, const int32_t* offsets_E1, const int32_t* dest_row, int64_t rows,
                         int64_t num_experts, int64_t local_experts, int64_t d, uint16_t* const* peer_bufs, int64_t ep,
-                        Stream stream) {
+                        Stream stream, const int32_t* sorted_route, int64_t top_k) {
   constexpr const char* op = "cuda::ep_rowwise_scatter";
+  MOE_CHECK(top_k >= 1 && top_k <= 32, op, ": top_k must be in [1, 32], got ", top_k);
   check_shape(op, rows, num_experts, local_experts, d, ep);
   if (rows == 0) return;
   detail::check_ptrs(op, {{"rows_RD", rows_RD}}, 16);
@@ -107,7 +154,7 @@ void ep_rowwise_scatter(const uint16_t* rows_RD, const int32_t* offsets_E1, cons
   const size_t smem = size_t(num_experts + 1) * sizeof(int32_t);
   rowwise_move_kernel<true><<<grid_for(rows), kThreads, smem, stream>>>(rows_RD, nullptr, nullptr, peer_bufs,
                                                                         offsets_E1, dest_row, rows, int(num_experts),
-                                                                        int(local_experts), d);
+                                                                        int(local_experts), d, sorted_route, int(top_k));
   check_launch("rowwise_move_kernel<scatter>");
 }
 
@@ -123,8 +170,25 @@ void ep_rowwise_gather(const uint16_t* const* peer_bufs, const int32_t* offsets_
   const size_t smem = size_t(num_experts + 1) * sizeof(int32_t);
   rowwise_move_kernel<false><<<grid_for(rows), kThreads, smem, stream>>>(nullptr, out_RD, peer_bufs, nullptr,
                                                                          offsets_E1, dest_row, rows, int(num_experts),
-                                                                         int(local_experts), d);
+                                                                         int(local_experts), d, nullptr, 1);
   check_launch("rowwise_move_kernel<gather>");
+}
+
+void ep_rowwise_gather_add(const uint16_t* const* peer_bufs, const int32_t* route_to_row, const int32_t* offsets_E1,
+                           const int32_t* dest_row, int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                           int64_t local_experts, int64_t d, int64_t ep, uint16_t* dx_TD, Stream stream) {
+  constexpr const char* op = "cuda::ep_rowwise_gather_add";
+  check_shape(op, num_tokens * top_k, num_experts, local_experts, d, ep);
+  MOE_CHECK(top_k >= 1 && top_k <= 32, op, ": top_k must be in [1, 32], got ", top_k);
+  if (num_tokens == 0) return;
+  detail::check_ptrs(op, {{"dx_TD", dx_TD}}, 16);
+  detail::check_ptrs(op, {{"peer_bufs", peer_bufs}}, 8);
+  detail::check_ptrs(op, {{"route_to_row", route_to_row}, {"offsets_E1", offsets_E1}, {"dest_row", dest_row}}, 4);
+  const size_t smem = size_t(num_experts + 1) * sizeof(int32_t);
+  gather_add_kernel<<<grid_for(num_tokens), kThreads, smem, stream>>>(peer_bufs, route_to_row, offsets_E1, dest_row,
+                                                                       num_tokens, int(top_k), int(num_experts),
+                                                                       int(local_experts), d, dx_TD);
+  check_launch("ep_rowwise_gather_add");
 }
 
 }  // namespace moe::cuda

@@ -22,10 +22,20 @@ void ep_rowwise_share_counts(const int32_t* counts_E, int64_t num_experts, int64
 
 // Row r < offsets_E1[E] with dest_row[r] >= 0 (-1: dropped) goes to rank e(r) / L, row dest_row[r]
 // of its receive buffer: peer_bufs [ep] (device array of addresses) [*, D]. rows: R, the bound of
-// rows_RD and dest_row. D a multiple of 8, every row buffer 16-byte aligned.
+// dest_row. Row r is rows_RD[r], or with sorted_route (the dispatch map's [R]: the route of each
+// sorted row) token row rows_RD[sorted_route[r] / top_k] of the [T, D] token rows: the dispatch
+// permute fused into the store. D a multiple of 8, every row buffer 16-byte aligned.
 void ep_rowwise_scatter(const uint16_t* rows_RD, const int32_t* offsets_E1, const int32_t* dest_row, int64_t rows,
                         int64_t num_experts, int64_t local_experts, int64_t d, uint16_t* const* peer_bufs, int64_t ep,
-                        Stream stream);
+                        Stream stream, const int32_t* sorted_route = nullptr, int64_t top_k = 1);
+
+// The reverse of the permute fused into the load: dx_TD[t] += sum over j < top_k of the row of route
+// (t, j) (r = route_to_row[t * top_k + j], at rank e(r) / L, row dest_row[r]), in slot order, FP32,
+// one BF16 rounding (cuda::permute_backward on the loaded rows, bit for bit); routes outside
+// [0, offsets_E1[E]) or dropped add nothing.
+void ep_rowwise_gather_add(const uint16_t* const* peer_bufs, const int32_t* route_to_row, const int32_t* offsets_E1,
+                           const int32_t* dest_row, int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                           int64_t local_experts, int64_t d, int64_t ep, uint16_t* dx_TD, Stream stream);
 
 // The reverse: out_RD[r] = row dest_row[r] of rank e(r) / L's buffer peer_bufs[e(r) / L], zeros
 // for a dropped row and for r >= offsets_E1[E] (every one of the R rows written).
