@@ -284,6 +284,12 @@ void CudaRowwiseExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   }
   g.grow<int32_t>(kept_PE_, ep_ * e_, "rowwise kept counts");
   g.grow<int32_t>(dropped_scratch_, 1, "rowwise dropped rows");
+  if (traffic_total_.bytes() == 0) {
+    g.grow<int64_t>(traffic_slots_, 2 * int64_t(saved_.size()), "rowwise traffic slots");
+    g.grow<int64_t>(traffic_total_, 2, "rowwise traffic");
+    cuda::device_memset(traffic_total_.data(), 0, 2 * sizeof(int64_t), nullptr);
+    cuda::stream_sync(nullptr);
+  }
   g.grow_bytes(ws_, cuda::experts_backward_workspace_bytes(G, inner), "expert dgate_up and dh");
   if (rows <= reserved_rows_) return;
   // The symmetric buffers, the same sizes on every PE (collective), then their peers' addresses.
@@ -339,6 +345,10 @@ void CudaRowwiseExperts::forward_rows(const CudaBlockContext& c, int64_t moe_ind
   cuda::ep_rowwise_placement(static_cast<const int32_t*>(counts_all_), ep_, rank_, e_, capacity(rows), rows,
                              kept_PE_.as<int32_t>(), s.dest_row_R.as<int32_t>(), s.local_offsets_L1.as<int32_t>(),
                              dropped, st);
+  cuda::ep_rowwise_count_rows(kept_PE_.as<int32_t>(), ep_, rank_, e_, traffic_slots_.as<int64_t>() + 2 * moe_index,
+                              traffic_total_.as<int64_t>(), st);
+  exchanges_ += 2;
+  traffic_stream_ = st;
   cuda::ep_rowwise_scatter(x, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, d_, peers(3 + size_t(moe_index)),
                            ep_, st, sorted_route, top_k);
   world_.barrier(st);
@@ -368,6 +378,9 @@ void CudaRowwiseExperts::backward_experts(const CudaBlockContext& c, int64_t moe
   const uint16_t* P = c.params;
   float* Gr = c.grads;
   c.mark(cuda::Phase::kCombine);
+  cuda::ep_rowwise_count_rows(nullptr, ep_, rank_, e_, traffic_slots_.as<int64_t>() + 2 * moe_index,
+                              traffic_total_.as<int64_t>(), st);
+  exchanges_ += 2;
   cuda::ep_rowwise_scatter(dy_sorted_RD, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, d_, peers(2), ep_,
                            st);
   world_.barrier(st);
@@ -401,6 +414,27 @@ void CudaRowwiseExperts::backward_tokens(const CudaBlockContext& c, int64_t moe_
   cuda::ep_rowwise_gather_add(peers(2), route_to_row, offsets_E1, s.dest_row_R.as<int32_t>(), num_tokens, top_k, e_,
                               local_, d_, ep_, dx_TD, c.stream);
   world_.barrier(c.stream);  // read before the next layer's gradients are pushed
+}
+
+EpTraffic CudaRowwiseExperts::traffic() const {
+  EpTraffic t;
+  if (traffic_total_.bytes() == 0) return t;
+  int64_t rows[2] = {0, 0};
+  cuda::copy_d2h(rows, traffic_total_.data(), sizeof rows, traffic_stream_);
+  // Each exchange pair moves this rank's rows out (dispatch: stores into the peers) and the rows its
+  // experts received back (combine: the peers load them), forward and backward alike.
+  t.exchanges = exchanges_;
+  t.rows_sent = rows[0] + rows[1];
+  t.bytes_sent = t.rows_sent * d_ * int64_t(sizeof(uint16_t));
+  t.bytes_received = t.bytes_sent;
+  return t;
+}
+
+void CudaRowwiseExperts::reset_traffic() {
+  exchanges_ = 0;
+  if (traffic_total_.bytes() == 0) return;
+  cuda::device_memset(traffic_total_.data(), 0, 2 * sizeof(int64_t), traffic_stream_);
+  cuda::stream_sync(traffic_stream_);
 }
 
 }  // namespace moe

@@ -224,6 +224,11 @@ class CudaRowwiseExperts final : public CudaExperts {
                        int64_t rows, uint16_t* dx_TD) override;
   // Where layer m's dropped rows are written (device int32 [M]; the MoE layers' counter).
   void set_dropped_counter(int32_t* dropped_M) { dropped_M_ = dropped_M; }
+  // Rows and bytes crossing to and from the other PEs since reset_traffic (counted on the device
+  // per exchange; reading them waits for the model's stream): dispatch and combine of every
+  // forward and backward, as CudaEpExperts counts them.
+  EpTraffic traffic() const override;
+  void reset_traffic() override;
   // Received rows each expert rank's buffer holds at most, for R rows per rank.
   int64_t receive_rows(int64_t rows) const;
   // Per-expert capacity for R rows per rank (0: dropless).
@@ -262,6 +267,11 @@ class CudaRowwiseExperts final : public CudaExperts {
   void* dy_GD_ = nullptr;
   cuda::DeviceBuffer peer_table_, kept_PE_, dropped_scratch_, ws_;
   int32_t* dropped_M_ = nullptr;
+  // Traffic: per layer {rows out, rows in} of its last forward [M, 2] and the running totals [2]
+  // (int64), the exchanges counted on the host, the stream they were counted on.
+  cuda::DeviceBuffer traffic_slots_, traffic_total_;
+  int64_t exchanges_ = 0;
+  cuda::Stream traffic_stream_ = nullptr;
 };
 
 }  // namespace moe

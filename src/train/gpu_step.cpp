@@ -307,10 +307,13 @@ nlohmann::json GpuStep::bench_details() {
         {"bytes_sent_per_rank", traffic_.bytes_sent},
         {"bytes_received_per_rank", traffic_.bytes_received},
         {"row_exchanges", traffic_.exchanges},
+        {"backend", cfg_.parallel.ep_backend},
         {"alltoall_gbs", a2a_gbs},
         {"alltoall_source", "BF16 row bytes rank 0 sent to other GPUs in the profiled eager step (dispatch and "
-                            "combine, forward and backward) over its dispatch + combine phase time (which includes "
-                            "the host count read, the regroup gathers and waiting for the peer)"}};
+                            "combine, forward and backward; rowwise: its rows stored into the peers and the rows "
+                            "its experts received, loaded back by them) over its dispatch + combine phase time "
+                            "(all-to-all: with the host count read and the regroup gathers; rowwise: with the "
+                            "barriers; both: waiting for the peer)"}};
   }
   if (dp > 1) {
     const double algbw = full_reduce_ms > 0 ? reduce_bytes / (full_reduce_ms * 1e-3) / 1e9 : 0.0;

@@ -316,6 +316,11 @@ TEST(CudaRowwise, OnePeModelEqualsLocalExpertsBitwise) {
     EXPECT_EQ(a.tokens_per_expert, b.tokens_per_expert);
     EXPECT_EQ(b.num_dropped, 0);
     EXPECT_TRUE(same_bits(local.download_grads(), rowwise.download_grads()));
+    // One PE: every exchange stays on this GPU; each MoE layer's forward and backward count two each.
+    const EpTraffic t = rowwise.ep_traffic();
+    EXPECT_GE(t.exchanges, 2 * 2 * 2 * 2) << "2 MoE layers x 2 passes x (forward + backward) x 2 exchanges";
+    EXPECT_EQ(t.rows_sent, 0);
+    EXPECT_EQ(t.bytes_sent, 0);
   }
 }
 

@@ -117,6 +117,23 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+__global__ void count_rows_kernel(const int32_t* __restrict__ kept, int ep, int rank, int experts, int64_t* slot,
+                                  int64_t* total) {
+  if (kept != nullptr) {
+    const int local = experts / ep;
+    int64_t out = 0, in = 0;
+    for (int e = 0; e < experts; ++e)
+      if (e / local != rank) out += kept[rank * experts + e];
+    for (int p = 0; p < ep; ++p)
+      if (p != rank)
+        for (int j = 0; j < local; ++j) in += kept[p * experts + rank * local + j];
+    slot[0] = out;
+    slot[1] = in;
+  }
+  total[0] += slot[0];
+  total[1] += slot[1];
+}
+
 void check_shape(const char* op, int64_t rows, int64_t experts, int64_t local, int64_t d, int64_t ep) {
   MOE_CHECK(rows >= 0 && rows < (int64_t{1} << 31), op, ": rows ", rows, " outside [0, 2^31)");
   MOE_CHECK(experts >= 1 && experts <= kMaxExperts && ep >= 1 && local >= 1 && local * ep == experts, op,
@@ -189,6 +206,16 @@ void ep_rowwise_gather_add(const uint16_t* const* peer_bufs, const int32_t* rout
                                                                        num_tokens, int(top_k), int(num_experts),
                                                                        int(local_experts), d, dx_TD);
   check_launch("ep_rowwise_gather_add");
+}
+
+void ep_rowwise_count_rows(const int32_t* kept, int64_t ep, int64_t rank, int64_t num_experts, int64_t* slot_2,
+                           int64_t* total_2, Stream stream) {
+  constexpr const char* op = "cuda::ep_rowwise_count_rows";
+  MOE_CHECK(ep >= 1 && rank >= 0 && rank < ep && num_experts >= ep && num_experts % ep == 0, op, ": rank ", rank,
+            " of ", ep, " with ", num_experts, " experts");
+  detail::check_ptrs(op, {{"slot_2", slot_2}, {"total_2", total_2}}, 8);
+  count_rows_kernel<<<1, 1, 0, stream>>>(kept, int(ep), int(rank), int(num_experts), slot_2, total_2);
+  check_launch("ep_rowwise_count_rows");
 }
 
 }  // namespace moe::cuda

@@ -43,4 +43,11 @@ void ep_rowwise_gather(const uint16_t* const* peer_bufs, const int32_t* offsets_
                        int64_t rows, int64_t num_experts, int64_t local_experts, int64_t d, int64_t ep,
                        uint16_t* out_RD, Stream stream);
 
+// Traffic of the exchange for the bench (never read inside a step): with kept [ep, E] from the
+// placement, slot_2 = {this rank's kept rows stored to other ranks' experts, the rows other ranks
+// stored to this rank's experts}, then total_2 += slot_2 (int64). With kept null only
+// total_2 += slot_2 (backward, the forward's slot).
+void ep_rowwise_count_rows(const int32_t* kept, int64_t ep, int64_t rank, int64_t num_experts, int64_t* slot_2,
+                           int64_t* total_2, Stream stream);
+
 }  // namespace moe::cuda
