@@ -403,11 +403,13 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
   if (details.contains("expert_parallel")) {
     const nlohmann::json& e = details["expert_parallel"];
     std::snprintf(buf, sizeof buf,
-                  "expert parallel: ep %lld (%lld experts per GPU) | dispatch %.2f ms + combine %.2f ms of the eager "
-                  "step | %.3f GB sent per rank to other GPUs | all-to-all %.1f GB/s per rank (no CUDA graph)\n",
-                  (long long)plan.sizes.ep, (long long)e["experts_per_gpu"].get<int64_t>(), e["dispatch_ms"].get<double>(),
+                  "expert parallel: ep %lld (%lld experts per GPU, %s) | dispatch %.2f ms + combine %.2f ms of the "
+                  "eager step | %.3f GB sent per rank to other GPUs | exchange %.1f GB/s per rank | NCCL all-to-all "
+                  "busbw %.1f GB/s\n",
+                  (long long)plan.sizes.ep, (long long)e["experts_per_gpu"].get<int64_t>(),
+                  e.value("backend", std::string("alltoall")).c_str(), e["dispatch_ms"].get<double>(),
                   e["combine_ms"].get<double>(), double(e["bytes_sent_per_rank"].get<int64_t>()) / 1e9,
-                  e["alltoall_gbs"].get<double>());
+                  e["alltoall_gbs"].get<double>(), e.value("nccl_alltoall_busbw_gbs", 0.0));
     out << buf;
   }
   if (gpu) {

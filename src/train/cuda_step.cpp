@@ -762,6 +762,37 @@ double CudaStepRunner::time_grad_all_reduce(double* bytes) {
   return timer.collect()[int(cuda::Phase::kGradReduce)];
 }
 
+double CudaStepRunner::time_ep_all_to_all(int64_t bytes_per_rank) {
+  Impl& I = *impl_;
+  MOE_CHECK(I.ep != nullptr, "CudaStepRunner::time_ep_all_to_all: no expert-parallel group (parallel.ep = 1)");
+  while (I.num_pending > 0) collect();
+  const int64_t n = I.ep->size();
+  const int64_t each = std::max<int64_t>(1, bytes_per_rank / int64_t(sizeof(uint16_t)) / n);  // BF16 per peer
+  cuda::DeviceBuffer send(size_t(each * n) * sizeof(uint16_t)), recv(size_t(each * n) * sizeof(uint16_t));
+  std::vector<int64_t> counts(static_cast<size_t>(n), each), offsets(static_cast<size_t>(n));
+  for (int64_t p = 0; p < n; ++p) offsets[size_t(p)] = p * each;
+  cuda::device_memset(send.data(), 0, send.bytes(), I.stream());
+  double ms = 0;
+  for (int pass = 0; pass < 2; ++pass) {  // the first warms the connections up
+    cuda::EventTimer timer(I.stream());
+    timer.mark(cuda::Phase::kDispatch);
+    I.ep->all_to_all_v(send.data(), counts.data(), offsets.data(), recv.data(), counts.data(), offsets.data(),
+                       cuda::NcclDType::kBF16, I.stream());
+    timer.close();
+    cuda::Event done = cuda::event_create();
+    cuda::event_record(done, I.stream());
+    try {
+      I.ep->wait(done, "the timed expert-parallel all-to-all");
+    } catch (...) {
+      cuda::event_destroy(done);
+      throw;
+    }
+    cuda::event_destroy(done);
+    ms = timer.collect()[int(cuda::Phase::kDispatch)];
+  }
+  return ms;
+}
+
 CudaModel& CudaStepRunner::model() { return impl_->model; }
 void CudaStepRunner::flush_update() { impl_->flush_update(); }
 bool CudaStepRunner::deferred_update() const { return impl_->deferred; }

@@ -139,6 +139,11 @@ class CudaStepRunner {
   // them first). For the bench's bandwidth figure; needs a dp group. bytes (may be null): the
   // bytes each rank reduced (4 per element, 2 with BF16 reduction).
   double time_grad_all_reduce(double* bytes = nullptr);
+  // Milliseconds of one NCCL all-to-all over the ep group moving bytes_per_rank bytes from each
+  // rank (an equal share to every rank), after one untimed call: the bench's reference for the
+  // expert exchange's bandwidth. Needs an ep group (parallel.ep > 1), after the submitted steps
+  // are collected.
+  double time_ep_all_to_all(int64_t bytes_per_rank);
 
  private:
   struct Impl;

@@ -280,6 +280,12 @@ nlohmann::json GpuStep::bench_details() {
   // as the step without overlap runs it, for the bandwidth figure.
   double full_reduce_ms = 0, reduce_bytes = 0;
   if (dp > 1) full_reduce_ms = runner_->time_grad_all_reduce(&reduce_bytes);
+  // NCCL's all-to-all of one exchange's rows (a micro-batch's routed rows), the reference for the
+  // exchange's bandwidth (nccl-tests' busbw for all-to-all: algbw x (n - 1) / n).
+  const int64_t exchange_bytes = ep > 1 ? cfg_.train.micro_batch * cfg_.train.seq_len * cfg_.moe.top_k *
+                                              cfg_.model.d_model * int64_t(sizeof(uint16_t))
+                                        : 0;
+  const double nccl_a2a_ms = ep > 1 ? runner_->time_ep_all_to_all(exchange_bytes) : 0.0;
   const size_t used_after = cuda::device_used_bytes();
   double peak_bytes = double(cuda::device_peak_bytes());
   if (world.size() > 1) world.all_reduce(&peak_bytes, 1, ReduceOp::kMax);  // the fullest GPU
@@ -308,6 +314,14 @@ nlohmann::json GpuStep::bench_details() {
         {"bytes_received_per_rank", traffic_.bytes_received},
         {"row_exchanges", traffic_.exchanges},
         {"backend", cfg_.parallel.ep_backend},
+        {"nccl_alltoall_bytes_per_rank", exchange_bytes},
+        {"nccl_alltoall_ms", nccl_a2a_ms},
+        {"nccl_alltoall_busbw_gbs", nccl_a2a_ms > 0 ? double(exchange_bytes) / (nccl_a2a_ms * 1e-3) / 1e9 *
+                                                          double(ep - 1) / double(ep)
+                                                    : 0.0},
+        {"nccl_alltoall_source", "CUDA events around one NCCL all-to-all of nccl_alltoall_bytes_per_rank bytes from "
+                                 "each rank over the ep group (equal shares), after one untimed call; busbw as "
+                                 "nccl-tests: algbw x (ep - 1) / ep"},
         {"alltoall_gbs", a2a_gbs},
         {"alltoall_source", "BF16 row bytes rank 0 sent to other GPUs in the profiled eager step (dispatch and "
                             "combine, forward and backward; rowwise: its rows stored into the peers and the rows "
