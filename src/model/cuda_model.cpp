@@ -79,6 +79,7 @@ struct CudaModel::Impl {
   DeviceBuffer scalars;
   float host_scalars[4] = {0, 0, 0, 1};
   DeviceBuffer ws_emb;  // embedding_backward workspace
+  DeviceBuffer stage_out_ND;  // a stage without the LM head: the BF16 copy of its output residual
   // decode(): the last row's final norm (BF16 [D]), its rstd and its FP32 logits [V]; the final
   // norm's and the LM head's flat offsets.
   DeviceBuffer decode_norm, decode_rstd, decode_logits;
@@ -96,6 +97,19 @@ struct CudaModel::Impl {
   bool reserved = false;  // reserve ran (set_recompute is refused after)
   std::vector<Layer> layers;
   std::unique_ptr<CudaLmHead> head;
+
+  // The BF16 input buffer of layer l (l == layers.size(): the LM head's), or the stage's output
+  // buffer when this model does not hold that layer (or the head).
+  uint16_t* input_of(size_t l) {
+    if (l < layers.size()) return layers[l].attention ? layers[l].attention->input() : stage_out_ND.as<uint16_t>();
+    return head ? head->input() : stage_out_ND.as<uint16_t>();
+  }
+  // The first held layer's input (the embedding writes it; a stage's input lands there).
+  uint16_t* first_input() {
+    for (size_t l = 0; l < layers.size(); ++l)
+      if (layers[l].attention) return layers[l].attention->input();
+    return input_of(layers.size());
+  }
 };
 
 namespace {
@@ -123,17 +137,41 @@ ExpertSlice ep_slice(const MoeConfig& moe, const CudaExpertParallel* ep) {
   return {ep_group_rank(ep) * local, local};
 }
 
+// grad_group_starts for any layout part: a group the part does not hold starts where the next held
+// group does (its range is empty), the final group at the end of the layout when absent.
+std::vector<int64_t> stage_group_starts(const ParamLayout& layout, int64_t n_layers) {
+  const std::string block = "model.layers.";
+  std::vector<int64_t> start(size_t(n_layers + 2), -1);
+  for (const ParamEntry& e : layout.entries()) {
+    int64_t g = n_layers + 1;
+    if (e.name.rfind("model.embed_tokens.", 0) == 0) {
+      g = 0;
+    } else if (e.name.rfind(block, 0) == 0) {
+      g = 1 + std::stoll(e.name.substr(block.size()));
+    }
+    if (start[size_t(g)] < 0) start[size_t(g)] = e.offset;
+  }
+  int64_t next = layout.total_numel();
+  for (int64_t g = n_layers + 1; g >= 0; --g) {
+    if (start[size_t(g)] < 0) start[size_t(g)] = next;
+    next = start[size_t(g)];
+  }
+  return start;
+}
+
 }  // namespace
 
-CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaExpertParallel* ep)
+CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaExpertParallel* ep,
+                     const LayoutPart& part)
     : mcfg_(model),
       ecfg_(moe),
+      part_(part),
       ep_comm_(ep && ep->comm && ep->comm->size() > 1 ? ep->comm : nullptr),
       ep_size_(ep_group_size(ep)),
       ep_rank_(ep_group_rank(ep)),
       rowwise_(ep != nullptr && ep->rowwise != nullptr),
       slice_(ep_slice(moe, ep)),
-      layout_(build_param_layout(model, moe, slice_)),
+      layout_(build_param_layout(model, moe, slice_, part)),
       impl_(std::make_unique<Impl>()) {
   for (const ParamEntry& entry : layout_.entries()) placements_.push_back(global_placement(entry, ep_size_, ep_rank_));
   if (rowwise_) {
@@ -203,12 +241,18 @@ CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaE
   g.grow<float>(I.scalars, 4, "scalars");
   cuda::copy_h2d(I.scalars.data(), I.host_scalars, sizeof(I.host_scalars), stream_);
 
-  I.emb = layout_.find("model.embed_tokens.weight").offset;
-  grads_ready_from_ = grad_group_starts(layout_, mcfg_.n_layers);
+  MOE_CHECK(part_.layers.empty() || int64_t(part_.layers.size()) == mcfg_.n_layers, "CudaModel: the layout part "
+            "names ", part_.layers.size(), " layers, the model has ", mcfg_.n_layers);
+  I.emb = part_.embed ? layout_.find("model.embed_tokens.weight").offset : -1;
+  grads_ready_from_ = stage_group_starts(layout_, mcfg_.n_layers);
   const std::vector<LayerParams> layer_list = layer_params(layout_, mcfg_, ecfg_);
   for (size_t l = 0; l < layer_list.size(); ++l) {
     const LayerParams& p = layer_list[l];
     Impl::Layer layer;
+    if (!p.present) {  // another pipeline stage's layer
+      I.layers.push_back(std::move(layer));
+      continue;
+    }
     layer.attention = std::make_unique<CudaAttentionBlock>(mcfg_, p);
     if (p.dense) {
       layer.mlp = std::make_unique<CudaMlpBlock>(mcfg_, p);
@@ -230,9 +274,11 @@ CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaE
   } else {
     I.moe.experts = std::make_unique<CudaLocalExperts>(ecfg_, mcfg_.d_model, num_moe_layers_);
   }
-  I.final_norm = layout_.find("model.norm.weight").offset;
-  I.lm_head = layout_.find("lm_head.weight").offset;
-  I.head = std::make_unique<CudaLmHead>(mcfg_, I.final_norm, I.lm_head, kHeadChunkRows);
+  if (part_.head) {
+    I.final_norm = layout_.find("model.norm.weight").offset;
+    I.lm_head = layout_.find("lm_head.weight").offset;
+    I.head = std::make_unique<CudaLmHead>(mcfg_, I.final_norm, I.lm_head, kHeadChunkRows);
+  }
   // The gradients a GEMM writes whole on the step's first backward (CudaBlockContext::overwrite_grads);
   // prepare_grads_for_step zeroes the rest, in runs between them.
   std::vector<int64_t> written;
@@ -242,7 +288,7 @@ CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaE
                       p.experts_gate_up, p.experts_down})
       if (o >= 0) written.push_back(o);
   }
-  written.push_back(layout_.find("lm_head.weight").offset);
+  if (part_.head) written.push_back(layout_.find("lm_head.weight").offset);
   std::sort(written.begin(), written.end());
   int64_t from = 0;
   for (const ParamEntry& en : layout_.entries()) {  // layout order: increasing offsets
@@ -360,6 +406,7 @@ void CudaModel::set_recompute(Recompute mode) {
   const bool pooled = mode != Recompute::kNone;
   const bool local_experts = I.moe.experts != nullptr && I.moe.experts->recomputes_outputs();
   for (Impl::Layer& layer : I.layers) {
+    if (!layer.attention) continue;  // another stage's
     layer.attention->bind(mode, pooled ? &I.attention_pool : nullptr);
     if (layer.mlp) layer.mlp->bind(mode, pooled ? &I.mlp_pool : nullptr);
     if (layer.moe) layer.moe->bind(mode, pooled ? &I.moe_pool : nullptr, local_experts);
@@ -379,6 +426,7 @@ void CudaModel::reserve_forward(int64_t batch, int64_t seq) {
   g.grow<float>(I.res.x32_ND, n * d, "x32");
   g.grow<uint16_t>(I.res.branch_ND, n * d, "branch");
   for (Impl::Layer& layer : I.layers) {
+    if (!layer.attention) continue;  // another stage's
     layer.attention->reserve(batch, seq, g);
     if (layer.mlp) {
       layer.mlp->reserve(batch, seq, g);
@@ -386,7 +434,11 @@ void CudaModel::reserve_forward(int64_t batch, int64_t seq) {
       layer.moe->reserve(batch, seq, g);
     }
   }
-  I.head->reserve(batch, seq, g);
+  if (I.head) {
+    I.head->reserve(batch, seq, g);
+  } else {
+    g.grow<uint16_t>(I.stage_out_ND, n * d, "stage output (BF16)");
+  }
   if (num_moe_layers_ > 0) {
     CudaMoeLayer::reserve_shared(ecfg_, d, batch, seq, I.moe, g);
     I.moe.experts->reserve(rows, g);
@@ -404,7 +456,7 @@ void CudaModel::reserve(int64_t batch, int64_t seq) {
   const int64_t v = mcfg_.vocab_size;
   int64_t widest_mlp = 0;
   for (const Impl::Layer& layer : I.layers)
-    widest_mlp = std::max(widest_mlp, layer.mlp ? layer.mlp->hidden() : layer.moe->shared_hidden());
+    if (layer.attention) widest_mlp = std::max(widest_mlp, layer.mlp ? layer.mlp->hidden() : layer.moe->shared_hidden());
 
   // Backward.
   const int64_t widest = std::max({d, q, kv});
@@ -446,6 +498,7 @@ void CudaModel::forward(const int32_t* inputs, const int32_t* targets, int64_t b
 
 void CudaModel::forward_device(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                                uint64_t routing_seed, const uint64_t* routing_seed_device) {
+  check_whole("CudaModel::forward");
   begin_forward(inputs, targets, batch, seq, routing_seed, routing_seed_device);
   embedding_forward();
   forward_blocks(0, mcfg_.n_layers);
@@ -469,6 +522,7 @@ void CudaModel::set_loss_scales(const LossScales& scales) {
 
 void CudaModel::backward() {
   check_forward("CudaModel::backward");
+  check_whole("CudaModel::backward");
   lm_head_backward();
   backward_blocks(0, mcfg_.n_layers);
   embedding_backward();
@@ -497,6 +551,33 @@ CudaBlockContext block_context(cuda::Stream stream, cuda::GemmHandle& gemm, cons
 
 }  // namespace
 
+void CudaModel::check_whole(const char* op) const {
+  MOE_CHECK(part_.whole(), op, ": this model holds one pipeline stage's tensors; run its stage calls (forward_blocks, "
+            "backward_blocks, set_stage_input, set_stage_output_grad) instead");
+}
+
+void CudaModel::check_layers(const char* op, int64_t first, int64_t last) const {
+  for (int64_t l = first; l < last; ++l)
+    MOE_CHECK(part_.holds(l), op, ": layer ", l, " belongs to another pipeline stage; this model's layers are those "
+              "its layout part holds");
+}
+
+void CudaModel::set_stage_input(const float* x32_ND) {
+  check_forward("CudaModel::set_stage_input");
+  Impl& I = *impl_;
+  const int64_t nd = I.batch * I.seq * mcfg_.d_model;
+  cuda::copy_d2d(I.res.x32(), x32_ND, size_t(nd) * sizeof(float), stream_);
+  cuda::cast_f32_to_bf16(I.res.x32(), I.first_input(), nd, stream_);
+}
+
+void CudaModel::set_stage_output_grad(const float* dx32_ND) {
+  check_forward("CudaModel::set_stage_output_grad");
+  Impl& I = *impl_;
+  const int64_t nd = I.batch * I.seq * mcfg_.d_model;
+  cuda::copy_d2d(I.res.dx32(), dx32_ND, size_t(nd) * sizeof(float), stream_);
+  cuda::cast_f32_to_bf16(I.res.dx32(), I.res.dx(), nd, stream_);
+}
+
 void CudaModel::check_forward(const char* op) const {
   MOE_CHECK(impl_->batch > 0, op, " called before forward");
 }
@@ -524,9 +605,10 @@ void CudaModel::embedding_forward() {
   const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
   const int64_t n = c.tokens(), d = mcfg_.d_model;
   // Embedding into the first block's saved input (BF16), then x32 = float(x).
+  MOE_CHECK(I.emb >= 0, "CudaModel::embedding_forward: this pipeline stage's model does not hold the embedding");
   if (forward_hook_) forward_hook_(0);
   c.mark(cuda::Phase::kEmbedding);
-  uint16_t* x16 = I.layers.empty() ? I.head->input() : I.layers[0].attention->input();
+  uint16_t* x16 = I.first_input();
   cuda::embedding_forward(I.cur_inputs, c.params + I.emb, x16, n, mcfg_.vocab_size, d, &stats_record()->bad_ids,
                           c.stream);
   float* x32 = I.res.x32();
@@ -539,11 +621,12 @@ void CudaModel::forward_blocks(int64_t first, int64_t last) {
   const int64_t layers = mcfg_.n_layers;
   MOE_CHECK(0 <= first && first <= last && last <= layers, "CudaModel::forward_blocks: layers [", first, ", ", last,
             ") are not a range of [0, ", layers, ")");
+  check_layers("CudaModel::forward_blocks", first, last);
   Impl& I = *impl_;
   const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
   for (int64_t l = first; l < last; ++l) {
     Impl::Layer& layer = I.layers[size_t(l)];
-    uint16_t* next = l + 1 < layers ? I.layers[size_t(l + 1)].attention->input() : I.head->input();
+    uint16_t* next = I.input_of(size_t(l + 1));
     if (forward_hook_) forward_hook_(l + 1);
     layer.attention->forward(c, I.res, layer.mlp_input());
     if (layer.mlp) {
@@ -556,6 +639,7 @@ void CudaModel::forward_blocks(int64_t first, int64_t last) {
 
 void CudaModel::lm_head_forward() {
   check_forward("CudaModel::lm_head_forward");
+  MOE_CHECK(impl_->head != nullptr, "CudaModel::lm_head_forward: this pipeline stage's model does not hold the LM head");
   Impl& I = *impl_;
   const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
   cuda::StepStatsRecord* rec = stats_record();
@@ -571,7 +655,7 @@ void CudaModel::end_forward() {
   if (num_moe_layers_ > 0) {
     if (timer_) timer_->mark(cuda::Phase::kRouter);
     cuda::step_stats_accumulate_router(I.moe.losses_M2.as<float>(), I.moe.counts_ME.as<int32_t>(),
-                                       ecfg_.capacity_factor > 0 ? I.moe.dropped_M.as<int32_t>() : nullptr,
+                                       ecfg_.capacity_factor > 0 || rowwise_ ? I.moe.dropped_M.as<int32_t>() : nullptr,
                                        num_moe_layers_, ecfg_.num_experts, stats_record(), stream_);
   }
   if (timer_) timer_->close();
@@ -579,6 +663,8 @@ void CudaModel::end_forward() {
 
 void CudaModel::lm_head_backward() {
   check_forward("CudaModel::lm_head_backward");
+  MOE_CHECK(impl_->head != nullptr, "CudaModel::lm_head_backward: this pipeline stage's model does not hold the LM "
+            "head; give the stage's output gradient with set_stage_output_grad");
   Impl& I = *impl_;
   const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
   uint32_t* bad_targets_bwd = I.bwd_bad.as<uint32_t>() + 1;
@@ -589,6 +675,7 @@ void CudaModel::lm_head_backward() {
 
 void CudaModel::backward_blocks(int64_t first, int64_t last) {
   check_forward("CudaModel::backward_blocks");
+  check_layers("CudaModel::backward_blocks", first, last);
   const int64_t layers = mcfg_.n_layers;
   MOE_CHECK(0 <= first && first <= last && last <= layers, "CudaModel::backward_blocks: layers [", first, ", ", last,
             ") are not a range of [0, ", layers, ")");
@@ -635,6 +722,7 @@ void CudaModel::backward_blocks(int64_t first, int64_t last) {
 
 void CudaModel::embedding_backward() {
   check_forward("CudaModel::embedding_backward");
+  MOE_CHECK(impl_->emb >= 0, "CudaModel::embedding_backward: this pipeline stage's model does not hold the embedding");
   Impl& I = *impl_;
   const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
   uint32_t* bad_ids_bwd = I.bwd_bad.as<uint32_t>();
@@ -689,6 +777,7 @@ ForwardStats CudaModel::read_stats() {
 // Decoding.
 
 std::vector<float> CudaModel::decode(const int32_t* tokens, int64_t n, CudaKvCache& cache) {
+  check_whole("CudaModel::decode");
   MOE_CHECK(ep_size_ == 1, "CudaModel::decode: incremental decoding runs on one GPU; this model shards its experts "
             "over ", ep_size_, " expert-parallel ranks");
   MOE_CHECK(n > 0 && tokens != nullptr, "CudaModel::decode: expected at least one token, got ", n);
@@ -727,7 +816,7 @@ std::vector<float> CudaModel::decode(const int32_t* tokens, int64_t n, CudaKvCac
   cuda::copy_h2d(I.inputs_N.data(), tokens, size_t(n) * sizeof(int32_t), stream_);
   CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), nullptr, nullptr, 1, n, false);
   c.dropless = true;
-  uint16_t* x16 = I.layers.empty() ? I.head->input() : I.layers[0].attention->input();
+  uint16_t* x16 = I.first_input();
   cuda::embedding_forward(I.inputs_N.as<int32_t>(), c.params + I.emb, x16, n, v, d, I.bwd_bad.as<uint32_t>(), stream_);
   float* x32 = I.res.x32();
   cuda::device_memset(x32, 0, size_t(n * d) * sizeof(float), stream_);
@@ -735,7 +824,7 @@ std::vector<float> CudaModel::decode(const int32_t* tokens, int64_t n, CudaKvCac
   const CudaRoutingSeed seed{0, nullptr};
   for (int64_t l = 0; l < nl; ++l) {
     Impl::Layer& layer = I.layers[size_t(l)];
-    uint16_t* next = l + 1 < nl ? I.layers[size_t(l + 1)].attention->input() : I.head->input();
+    uint16_t* next = I.input_of(size_t(l + 1));
     layer.attention->decode(c, I.res, layer.mlp_input(), cache.k[size_t(l)].as<uint16_t>(),
                             cache.v[size_t(l)].as<uint16_t>(), pos0);
     if (layer.mlp) {

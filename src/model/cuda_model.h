@@ -77,12 +77,19 @@ class CudaModel {
   // Allocates parameters (zero), gradients (zero) and the expert bias (zero) on the current device.
   // ep (may be null or of size 1: every expert here) splits the experts over the ep group;
   // refused with fewer experts than ranks or E not divisible by the group size.
-  CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaExpertParallel* ep = nullptr);
+  // part (model/layout.h): the tensors this model holds; a pipeline stage's model holds its layers
+  // (and the embedding / the final norm and LM head when it is the first / last stage) and runs
+  // only those pieces: forward_blocks / backward_blocks on held layers, the stage's input through
+  // set_stage_input and its output gradient through set_stage_output_grad; forward(), backward()
+  // and decode() need the whole model.
+  CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaExpertParallel* ep = nullptr,
+            const LayoutPart& part = {});
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
 
   const ModelConfig& model_config() const { return mcfg_; }
+  const LayoutPart& part() const { return part_; }
   const MoeConfig& moe_config() const { return ecfg_; }
   const ParamLayout& layout() const { return layout_; }
   int64_t num_moe_layers() const { return num_moe_layers_; }
@@ -213,6 +220,14 @@ class CudaModel {
   // at the output of the next layer down).
   float* residual_device();
   float* residual_grad_device();
+  // Pipeline stages (after begin_forward of the micro-batch): the stage's input, the FP32 residual
+  // stream [N, D] the stage before produced (device, ordered before this model's stream reaches
+  // the copy: the caller synchronises or waits on an event), as the residual and as the BF16 input
+  // of the first held layer; and before backward_blocks of a stage without the LM head, the FP32
+  // gradient [N, D] at its output (the next stage's residual_grad_device()), as dx32 and its BF16
+  // copy. residual_device() after the stage's last forward_blocks is its output.
+  void set_stage_input(const float* x32_ND);
+  void set_stage_output_grad(const float* dx32_ND);
 
   // Enqueues zeroing of the statistics record (stats_record(), stats_bytes() bytes: a
   // cuda::StepStatsRecord followed by int64 counts [M, E]).
@@ -252,9 +267,12 @@ class CudaModel {
  private:
   struct Impl;
   void check_forward(const char* op) const;  // a forward was begun
+  void check_whole(const char* op) const;    // the model holds every tensor
+  void check_layers(const char* op, int64_t first, int64_t last) const;  // [first, last) held
   void reserve_forward(int64_t batch, int64_t seq);  // reserve's forward buffers
   ModelConfig mcfg_;
   MoeConfig ecfg_;
+  LayoutPart part_;
   cuda::NcclComm* ep_comm_ = nullptr;
   int64_t ep_size_ = 1, ep_rank_ = 0;
   bool rowwise_ = false;
