@@ -675,10 +675,10 @@ void CudaModel::lm_head_backward() {
 
 void CudaModel::backward_blocks(int64_t first, int64_t last) {
   check_forward("CudaModel::backward_blocks");
-  check_layers("CudaModel::backward_blocks", first, last);
   const int64_t layers = mcfg_.n_layers;
   MOE_CHECK(0 <= first && first <= last && last <= layers, "CudaModel::backward_blocks: layers [", first, ", ", last,
             ") are not a range of [0, ", layers, ")");
+  check_layers("CudaModel::backward_blocks", first, last);
   Impl& I = *impl_;
   const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
   const float* dlb = I.scalars.as<float>() + 1;
