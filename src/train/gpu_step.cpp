@@ -355,8 +355,13 @@ nlohmann::json GpuStep::bench_details() {
 
 std::string gpu_fit_problem(const RunPlan& plan) { return fit_problem(plan, cuda::device_info()); }
 
+// A pipeline stage's step (parallel.pp > 1; train/gpu_pipeline_step.cpp).
+std::unique_ptr<Step> make_gpu_pipeline_step(const Config& cfg, const RunPlan& plan, const Topology& topo,
+                                             HostState* state, std::ostream& out);
+
 std::unique_ptr<Step> make_gpu_step(const Config& cfg, const RunPlan& plan, const Topology& topo, HostState* state,
                                     std::ostream& out) {
+  if (plan.sizes.pp > 1) return make_gpu_pipeline_step(cfg, plan, topo, state, out);
   return std::make_unique<GpuStep>(cfg, plan, topo, state, out);
 }
 

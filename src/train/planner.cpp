@@ -235,8 +235,8 @@ LayoutRequest parse_layout(const std::string& text, int64_t gpus) {
     if (comma == std::string::npos) break;
     start = comma + 1;
   }
-  MOE_CHECK(r.pp == 1, "--layout '", text, "': pp = ", r.pp, ": GPU pipeline stages are not built yet (pipeline "
-            "parallelism runs on the CPU backend), so the planner plans pp = 1 only (set pp=1 or leave it out)");
+  MOE_CHECK(r.pp == 1, "--layout '", text, "': pp = ", r.pp, ": the planner does not plan pipeline stages yet "
+            "(their step time and memory per stage are not modelled), so it plans pp = 1 only (set pp=1 or leave it out)");
   if (!seen[0]) r.dp = gpus > 0 ? gpus / r.pp : 1;
   MOE_CHECK(gpus <= 0 || r.dp * r.pp == gpus, "--layout '", text, "': dp x pp = ", r.dp, " x ", r.pp, " = ",
             r.dp * r.pp, " GPUs, but --gpus is ", gpus);
@@ -244,8 +244,8 @@ LayoutRequest parse_layout(const std::string& text, int64_t gpus) {
 }
 
 LayoutPlan plan_layout(const Config& cfg, const LayoutRequest& layout, double gpu_memory_gib, const GpuCeilings& g) {
-  MOE_CHECK(layout.pp == 1, "layout pp = ", layout.pp, ": GPU pipeline stages are not built yet (pipeline "
-            "parallelism runs on the CPU backend); the planner plans pp = 1 only");
+  MOE_CHECK(layout.pp == 1, "layout pp = ", layout.pp, ": the planner does not plan pipeline stages yet "
+            "(their step time and memory per stage are not modelled); it plans pp = 1 only");
   MOE_CHECK(gpu_memory_gib > 0 && std::isfinite(gpu_memory_gib), "--gpu-memory must be a positive number of GiB, got ",
             gpu_memory_gib);
   LayoutPlan p;
@@ -292,8 +292,8 @@ LayoutPlan plan_layout(const Config& cfg, const LayoutRequest& layout, double gp
 
 Enumeration enumerate_layouts(const Config& cfg, int64_t gpus, double gpu_memory_gib, const GpuCeilings& g) {
   MOE_CHECK(gpus >= 1, "--gpus must be >= 1, got ", gpus);
-  MOE_CHECK(cfg.parallel.pp == 1, "parallel.pp = ", cfg.parallel.pp, ": GPU pipeline stages are not built yet (pipeline "
-            "parallelism runs on the CPU backend); the planner enumerates pp = 1 layouts only");
+  MOE_CHECK(cfg.parallel.pp == 1, "parallel.pp = ", cfg.parallel.pp, ": the planner does not plan pipeline stages yet "
+            "(their step time and memory per stage are not modelled); it enumerates pp = 1 layouts only");
   Enumeration out;
   const int64_t experts = num_moe_layers(cfg.model) > 0 ? cfg.moe.num_experts : 1;
   for (int64_t ep = 1; ep <= gpus; ++ep) {

@@ -37,9 +37,7 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   RunPlan p;
   p.device = device;
   p.sizes = resolve_parallel(cfg, world_size);
-  MOE_CHECK(device == "cpu" || p.sizes.pp == 1, "parallel.pp = ", p.sizes.pp, " on train.device = \"cuda\": ",
-            "pipeline stages run on the CPU backend only (GPU pipeline stages are not built yet); set parallel.pp = 1 ",
-            "or train.device = \"cpu\"");
+
   MOE_CHECK(device == "cuda" || cfg.parallel.grad_reduce_dtype == "fp32", "parallel.grad_reduce_dtype = \"",
             cfg.parallel.grad_reduce_dtype, "\" on train.device = \"cpu\": BF16 gradient sums are a GPU option (the CPU ",
             "backend sums gradients in FP32); set parallel.grad_reduce_dtype = \"fp32\" or train.device = \"cuda\"");

@@ -332,7 +332,9 @@ TrainSummary train(const Config& cfg, std::ostream& console, Comm& world) {
   if (data.eval) eval.emplace(*data.eval, plan.seq_len, plan.micro_batch, plan.micro_batch, cfg.train.seed, 0, 1);
 
   // On the GPU a fresh run initialises on the device: the host mirror waits for a checkpoint.
-  HostState state(cfg, plan, topo, /*init=*/plan.device == "cpu");
+  // The GPU step initialises a fresh run on the device; a GPU pipeline stage starts from the host's
+  // values (each stage's tensors as the whole model's).
+  HostState state(cfg, plan, topo, /*init=*/plan.device == "cpu" || plan.sizes.pp > 1);
   TrainSummary summary;
   summary.run_dir = cfg.run.dir;
   summary.start_step = summary.steps_done = resume_run(cfg, state, loader, out);

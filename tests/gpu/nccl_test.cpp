@@ -7,7 +7,8 @@
 // resumes on 1 GPU (same next loss) and on 2 GPUs (bitwise the same run) — with ZeRO-1, the
 // default for dp = 2, so the checkpoint holds the gathered moment shards; ZeRO-1 against the
 // replicated optimizer (step 1 within 1e-6, losses, whole-state download and reload, BF16
-// reduction); expert parallelism is tests/gpu/ep_gpu_test.cpp. Every test is skipped,
+// reduction); pipeline stages (pp = 2, 1F1B over NCCL send/recv) against one GPU and their
+// checkpoint resumed on one GPU; expert parallelism is tests/gpu/ep_gpu_test.cpp. Every test is skipped,
 // never passed, unless the job has 2 ranks and 2 GPUs are visible. With 2 ranks an FP32 sum a + b
 // is the same in any order, so the NCCL algorithm cannot change results between graph and eager.
 #include <gtest/gtest.h>
@@ -428,6 +429,42 @@ TEST_F(NcclDataParallel, TrainerFollowsOneGpuAndResumesOnOneAndTwoGpus) {
   const TrainSummary r2 = train(resume2, log, world());
   if (complete) {
     EXPECT_EQ(r2.losses, std::vector<double>(two.losses.begin() + 3, two.losses.end()));
+  }
+  if (HasFailure()) std::fprintf(stderr, "[rank %d] trainer output:\n%s\n", r, log.str().c_str());
+}
+
+// Pipeline stages over the two GPUs (parallel.pp = 2, 1F1B over NCCL send/recv) against one GPU:
+// the same step-1 loss (the stages compute the whole model's values bit for bit), the rest within
+// 1e-4 (the grad norm sums the stages' squares in another order), the same first eval; the pp = 2
+// checkpoint resumed on one GPU gives the next loss.
+TEST_F(NcclDataParallel, PipelineStagesFollowOneGpuAndResumeOnOneGpu) {
+  SharedDir dir(world(), "nccl_pipeline");
+  const int r = world().rank();
+  auto self = make_self_comm();
+  std::ostringstream log;
+  const TrainSummary one = train(trainer_config(dir / ("one_r" + std::to_string(r))), log, *self);
+  Config cp = trainer_config(dir / "pp2");
+  cp.parallel.pp = 2;
+  const TrainSummary two = train(cp, log, world());
+  const bool complete = one.losses.size() == 6u && two.losses.size() == 6u;
+  EXPECT_TRUE(complete) << one.losses.size() << " and " << two.losses.size() << " losses";
+  if (complete) {
+    EXPECT_NEAR(two.losses[0], one.losses[0], 1e-9 * one.losses[0]);
+    EXPECT_LE(worst_relative_difference(two.losses, one.losses), 1e-4);
+    for (size_t i = 0; i < 6; ++i)
+      std::printf("[rank %d] step %zu loss one GPU %.7f pp=2 %.7f\n", r, i + 1, one.losses[i], two.losses[i]);
+  }
+  EXPECT_NEAR(two.initial_eval_loss, one.initial_eval_loss, 1e-9 * one.initial_eval_loss);
+  const std::filesystem::path step3 = dir / "pp2" / "checkpoints" / "step_3";
+  EXPECT_TRUE(std::filesystem::exists(step3 / "train_state.json")) << step3;
+  Config resume1 = trainer_config(dir / ("pp_resume1_r" + std::to_string(r)));
+  resume1.checkpoint.resume = step3.string();
+  const TrainSummary r1 = train(resume1, log, *self);
+  EXPECT_EQ(r1.start_step, 3);
+  if (complete && r1.losses.size() == 3u) {
+    EXPECT_NEAR(r1.losses[0], two.losses[3], 1e-9 * two.losses[3]);
+  } else {
+    ADD_FAILURE() << "resumed on one GPU: " << r1.losses.size() << " losses, expected 3";
   }
   if (HasFailure()) std::fprintf(stderr, "[rank %d] trainer output:\n%s\n", r, log.str().c_str());
 }

@@ -193,6 +193,24 @@ void NcclComm::all_to_all_v(const void* send, const int64_t* send_counts, const 
   MOE_NCCL_CHECK(ncclGroupEnd());
 }
 
+void NcclComm::send(const void* data, int64_t count, NcclDType type, int peer, Stream stream) {
+  Impl& I = *impl_;
+  I.check_usable("send");
+  MOE_CHECK(peer >= 0 && peer < I.size && peer != I.rank && count >= 0 && (count == 0 || data != nullptr),
+            "NcclComm::send on rank ", I.rank, " of ", I.size, ": peer ", peer, ", ", count, " elements");
+  if (count == 0) return;
+  MOE_NCCL_CHECK(ncclSend(data, size_t(count), nccl_type(type), peer, I.comm, static_cast<cudaStream_t>(stream)));
+}
+
+void NcclComm::recv(void* data, int64_t count, NcclDType type, int peer, Stream stream) {
+  Impl& I = *impl_;
+  I.check_usable("recv");
+  MOE_CHECK(peer >= 0 && peer < I.size && peer != I.rank && count >= 0 && (count == 0 || data != nullptr),
+            "NcclComm::recv on rank ", I.rank, " of ", I.size, ": peer ", peer, ", ", count, " elements");
+  if (count == 0) return;
+  MOE_NCCL_CHECK(ncclRecv(data, size_t(count), nccl_type(type), peer, I.comm, static_cast<cudaStream_t>(stream)));
+}
+
 void NcclComm::group_start() {
   impl_->check_usable("group_start");
   MOE_NCCL_CHECK(ncclGroupStart());

@@ -69,6 +69,12 @@ class NcclComm {
   // send_counts[this rank] on p).
   void all_to_all_v(const void* send, const int64_t* send_counts, const int64_t* send_offsets, void* recv,
                     const int64_t* recv_counts, const int64_t* recv_offsets, NcclDType type, Stream stream);
+  // Point to point: `count` elements to / from rank `peer` of the group (not this rank), enqueued
+  // on `stream` (capturable). A send completes only with the peer's matching recv: issue a send
+  // and the next recv inside one group_start() / group_end() where each could wait on the other
+  // (the pipeline's send-forward-receive-backward pairs).
+  void send(const void* data, int64_t count, NcclDType type, int peer, Stream stream);
+  void recv(void* data, int64_t count, NcclDType type, int peer, Stream stream);
   // Collectives issued between group_start() and group_end() are launched together.
   void group_start();
   void group_end();
