@@ -102,6 +102,17 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
         p.pipeline_held_layers = std::max(p.pipeline_held_layers, held);
       }
     }
+    // The GPU pipeline step holds one micro-batch's activations of its stage (it runs a forward
+    // again before a backward that does not follow it) and the FP32 stage input of each of the
+    // step's micro-batches.
+    if (gpu) {
+      int64_t widest = 0;
+      for (size_t k = 0; k + 1 < p.stage_bounds.size(); ++k)
+        widest = std::max(widest, p.stage_bounds[k + 1] - p.stage_bounds[k]);
+      p.pipeline_held_layers = widest;
+      m.activation.scratch.push_back(
+          {"stage inputs of the step's micro-batches (FP32)", 4.0 * double(p.micro_steps) * double(p.tokens_per_micro_batch) * d});
+    }
     const double share = double(p.pipeline_held_layers) / double(cfg.model.n_layers);
     for (MemoryItem& item : m.activation.kept) item.bytes *= share;
   }
