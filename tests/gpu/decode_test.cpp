@@ -17,6 +17,7 @@
 #include "cuda/ops/attention.h"
 #include "cuda/ops/rope.h"
 #include "gpu/op_case_gpu.h"
+#include "gpu/small_model.h"
 #include "model/cuda_model.h"
 #include "model/generate.h"
 #include "model/model.h"
@@ -144,28 +145,7 @@ TEST(RopeAt, EqualsTheRowsOfALongerSequenceBitwise) {
 // ---------------------------------------------------------------------------------------------
 // The model.
 
-ModelConfig decode_model_config() {
-  ModelConfig m;
-  m.vocab_size = 256;
-  m.d_model = 256;
-  m.n_layers = 3;
-  m.n_heads = 4;  // head_dim 64
-  m.n_kv_heads = 2;
-  m.qk_norm = true;
-  m.dense_layers = {0};
-  m.dense_hidden = 256;
-  m.init_std = 0.02;
-  return m;
-}
 
-MoeConfig decode_moe_config() {
-  MoeConfig e;
-  e.num_experts = 8;
-  e.top_k = 2;
-  e.expert_hidden = 128;
-  e.shared_experts = 1;
-  return e;
-}
 
 // Model<float> with BF16-representable weights (the GPU's BF16 copy is then exact) and a non-zero
 // expert bias, so the selection bias is exercised too. The router gates are scaled by 16: at the
@@ -223,19 +203,19 @@ void check_decode_against_cpu(const ModelConfig& mc, const MoeConfig& ec) {
 
 TEST(CudaDecode, MatchesCpuDecode) {
   MOE_SKIP_WITHOUT_GPU();
-  check_decode_against_cpu(decode_model_config(), decode_moe_config());
+  check_decode_against_cpu(small_gpu_model_config(), small_gpu_moe_config());
 }
 
 // head_dim 128 without QK-norm, sigmoid router, no shared expert, and a capacity factor that
 // training would apply: decoding keeps every route on both backends.
 TEST(CudaDecode, MatchesCpuDecodeSigmoidDroplessUnderCapacity) {
   MOE_SKIP_WITHOUT_GPU();
-  ModelConfig mc = decode_model_config();
+  ModelConfig mc = small_gpu_model_config();
   mc.n_heads = 2;
   mc.n_kv_heads = 1;
   mc.qk_norm = false;
   mc.dense_layers = {};
-  MoeConfig ec = decode_moe_config();
+  MoeConfig ec = small_gpu_moe_config();
   ec.router = "sigmoid";
   ec.norm_topk_prob = true;
   ec.shared_experts = 0;
@@ -247,8 +227,8 @@ TEST(CudaDecode, MatchesCpuDecodeSigmoidDroplessUnderCapacity) {
 // GEMM shapes, so to BF16 rounding), and the cache grows past its first capacity (256 rows).
 TEST(CudaDecode, PromptAtOnceEqualsOneByOne) {
   MOE_SKIP_WITHOUT_GPU();
-  const ModelConfig mc = decode_model_config();
-  const MoeConfig ec = decode_moe_config();
+  const ModelConfig mc = small_gpu_model_config();
+  const MoeConfig ec = small_gpu_moe_config();
   Model<float> cpu(mc, ec);
   init_model(cpu, 77);
   CudaModel gpu(mc, ec);
@@ -271,8 +251,8 @@ TEST(CudaDecode, PromptAtOnceEqualsOneByOne) {
 // Greedy generation on the GPU: two runs give the same tokens; and a bad token id is refused by name.
 TEST(CudaDecode, GreedyGenerationIsDeterministic) {
   MOE_SKIP_WITHOUT_GPU();
-  const ModelConfig mc = decode_model_config();
-  const MoeConfig ec = decode_moe_config();
+  const ModelConfig mc = small_gpu_model_config();
+  const MoeConfig ec = small_gpu_moe_config();
   Model<float> cpu(mc, ec);
   init_model(cpu, 8);
   const std::vector<int32_t> prompt = random_tokens(9, mc.vocab_size, 3);

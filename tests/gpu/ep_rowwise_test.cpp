@@ -18,6 +18,7 @@
 #include "cuda/ops/nvshmem_world.h"
 #include "gpu/dp_test_util.h"
 #include "gpu/gpu_test_util.h"
+#include "gpu/small_model.h"
 #include "model/cuda_model.h"
 #include "model/model.h"
 #include "parallel/expert_parallel.h"
@@ -252,36 +253,14 @@ TEST(EpRowwiseGpu, RefusesBadShapes) {
 // ---------------------------------------------------------------------------------------------
 // One PE: the whole path against the local experts.
 
-ModelConfig rowwise_model_config() {
-  ModelConfig m;
-  m.vocab_size = 256;
-  m.d_model = 256;
-  m.n_layers = 3;
-  m.n_heads = 4;
-  m.n_kv_heads = 2;
-  m.qk_norm = true;
-  m.dense_layers = {0};
-  m.dense_hidden = 256;
-  return m;
-}
 
-MoeConfig rowwise_moe_config() {
-  MoeConfig e;
-  e.num_experts = 8;
-  e.top_k = 2;
-  e.expert_hidden = 128;
-  e.shared_experts = 1;
-  e.lb_loss_weight = 0.01;
-  e.z_loss_weight = 0.001;
-  return e;
-}
 
 cuda::NvshmemWorld& test_world() { return cuda::NvshmemWorld::one_pe(size_t(256) << 20); }
 
 TEST(CudaRowwise, OnePeModelEqualsLocalExpertsBitwise) {
   MOE_SKIP_WITHOUT_NVSHMEM();
-  const ModelConfig mc = rowwise_model_config();
-  const MoeConfig ec = rowwise_moe_config();
+  const ModelConfig mc = small_gpu_model_config();
+  const MoeConfig ec = small_gpu_moe_config();
   Model<float> cpu(mc, ec);
   cpu.init_params(31);
   const int64_t batch = 2, seq = 64;

@@ -16,6 +16,7 @@
 #include "core/dtype.h"
 #include "cuda/ops/optim.h"
 #include "gpu_test_util.h"
+#include "gpu/small_model.h"
 #include "support/test_util.h"
 #include "model/cuda_model.h"
 #include "model/layout.h"
@@ -25,30 +26,7 @@
 namespace moe::testing {
 namespace {
 
-ModelConfig gpu_model_config() {
-  ModelConfig m;
-  m.vocab_size = 256;
-  m.d_model = 256;
-  m.n_layers = 3;
-  m.n_heads = 4;  // head_dim 64
-  m.n_kv_heads = 2;
-  m.qk_norm = true;
-  m.dense_layers = {0};
-  m.dense_hidden = 256;
-  m.init_std = 0.02;
-  return m;
-}
 
-MoeConfig gpu_moe_config() {
-  MoeConfig e;
-  e.num_experts = 8;
-  e.top_k = 2;
-  e.expert_hidden = 128;
-  e.shared_experts = 1;
-  e.lb_loss_weight = 0.01;
-  e.z_loss_weight = 0.001;
-  return e;
-}
 
 constexpr int64_t kBatch = 2, kSeq = 64;
 
@@ -86,9 +64,9 @@ void init_bf16_weights(Model<float>& cpu) {
 
 TEST(CudaModel, RefusesCapacityFactorBelowOne) {
   MOE_SKIP_WITHOUT_GPU();
-  MoeConfig e = gpu_moe_config();
+  MoeConfig e = small_gpu_moe_config();
   e.capacity_factor = 0.5;
-  const std::string msg = error_of([&] { CudaModel(gpu_model_config(), e); });
+  const std::string msg = error_of([&] { CudaModel(small_gpu_model_config(), e); });
   EXPECT_NE(msg.find("moe.capacity_factor must be 0 (dropless) or >= 1, got 0.5"), std::string::npos) << msg;
 }
 
@@ -165,19 +143,19 @@ void check_against_cpu(const ModelConfig& mc, const MoeConfig& ec) {
 // GQA with head_dim 64, QK-norm, a dense layer, softmax router, one shared expert.
 TEST(CudaModel, ForwardAndGradientsMatchCpuModel) {
   MOE_SKIP_WITHOUT_GPU();
-  check_against_cpu(gpu_model_config(), gpu_moe_config());
+  check_against_cpu(small_gpu_model_config(), small_gpu_moe_config());
 }
 
 // head_dim 128, no QK-norm, MoE only, sigmoid router with normalised top-k, no shared expert.
 TEST(CudaModel, ForwardAndGradientsMatchCpuModelSigmoidNoSharedExpert) {
   MOE_SKIP_WITHOUT_GPU();
-  ModelConfig mc = gpu_model_config();
+  ModelConfig mc = small_gpu_model_config();
   mc.n_layers = 2;
   mc.n_heads = 2;
   mc.n_kv_heads = 1;
   mc.qk_norm = false;
   mc.dense_layers = {};
-  MoeConfig ec = gpu_moe_config();
+  MoeConfig ec = small_gpu_moe_config();
   ec.shared_experts = 0;
   ec.router = "sigmoid";
   ec.norm_topk_prob = true;
@@ -190,18 +168,18 @@ TEST(CudaModel, ForwardAndGradientsMatchCpuModelSigmoidNoSharedExpert) {
 TEST(CudaModel, CapacityDropsAsTheCpuModel) {
   MOE_SKIP_WITHOUT_GPU();
   for (const double cf : {1.0, 1.25}) {
-    MoeConfig ec = gpu_moe_config();
+    MoeConfig ec = small_gpu_moe_config();
     ec.routing = "random";
     ec.capacity_factor = cf;
     std::printf("capacity_factor %.2f\n", cf);
-    check_against_cpu(gpu_model_config(), ec);
+    check_against_cpu(small_gpu_model_config(), ec);
   }
 }
 
 TEST(CudaModel, AdamWStepsTrackCpuModel) {
   MOE_SKIP_WITHOUT_GPU();
-  const ModelConfig mc = gpu_model_config();
-  const MoeConfig ec = gpu_moe_config();
+  const ModelConfig mc = small_gpu_model_config();
+  const MoeConfig ec = small_gpu_moe_config();
   OptimConfig oc;
   oc.lr = 2e-3;
   oc.weight_decay = 0.1;
@@ -285,8 +263,8 @@ class CudaModelPieces : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     MOE_SKIP_WITHOUT_GPU();
-    mc_ = gpu_model_config();  // 3 layers: dense, MoE, MoE; one shared expert; QK-norm
-    ec_ = gpu_moe_config();
+    mc_ = small_gpu_model_config();  // 3 layers: dense, MoE, MoE; one shared expert; QK-norm
+    ec_ = small_gpu_moe_config();
     ec_.routing = GetParam();
     cpu_ = std::make_unique<Model<float>>(mc_, ec_);
     init_bf16_weights(*cpu_);

@@ -11,6 +11,7 @@
 
 #include "cuda/ops/memory.h"
 #include "gpu/gpu_test_util.h"
+#include "gpu/small_model.h"
 #include "model/cuda_model.h"
 #include "model/model.h"
 #include "support/test_util.h"
@@ -18,29 +19,7 @@
 namespace moe::testing {
 namespace {
 
-ModelConfig stage_model_config() {
-  ModelConfig m;
-  m.vocab_size = 256;
-  m.d_model = 256;
-  m.n_layers = 3;
-  m.n_heads = 4;
-  m.n_kv_heads = 2;
-  m.qk_norm = true;
-  m.dense_layers = {0};
-  m.dense_hidden = 256;
-  return m;
-}
 
-MoeConfig stage_moe_config() {
-  MoeConfig e;
-  e.num_experts = 8;
-  e.top_k = 2;
-  e.expert_hidden = 128;
-  e.shared_experts = 1;
-  e.lb_loss_weight = 0.01;
-  e.z_loss_weight = 0.001;
-  return e;
-}
 
 // Copies the whole model's values into a stage's layout, tensor by tensor (by name).
 std::vector<float> stage_values(const ParamLayout& whole, const float* values, const ParamLayout& stage) {
@@ -62,8 +41,8 @@ std::vector<int32_t> random_ids(int64_t n, uint64_t seed) {
 
 TEST(CudaPipelineStage, TwoStagesEqualTheWholeModelBitwise) {
   MOE_SKIP_WITHOUT_GPU();
-  const ModelConfig mc = stage_model_config();
-  const MoeConfig ec = stage_moe_config();
+  const ModelConfig mc = small_gpu_model_config();
+  const MoeConfig ec = small_gpu_moe_config();
   Model<float> cpu(mc, ec);
   cpu.init_params(17);
   const int64_t batch = 2, seq = 64, n = batch * seq;
@@ -138,7 +117,7 @@ TEST(CudaPipelineStage, RefusesWhatTheStageDoesNotHold) {
   LayoutPart second;
   second.layers = {0, 0, 1};
   second.embed = false;
-  CudaModel s1(stage_model_config(), stage_moe_config(), nullptr, second);
+  CudaModel s1(small_gpu_model_config(), small_gpu_moe_config(), nullptr, second);
   GuardedBuffer<int32_t> ids(std::vector<int32_t>(128, 1));
   const std::string whole = error_of([&] { s1.forward_device(ids.data(), ids.data(), 2, 64); });
   EXPECT_NE(whole.find("holds one pipeline stage's tensors"), std::string::npos) << whole;
