@@ -17,6 +17,7 @@
 // with pp on the GPU (say so), phase times and traces.
 #ifdef MOECORE_HAS_CUDA
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -68,6 +69,8 @@ class GpuPipelineStep final : public Step {
     MOE_CHECK(state == nullptr || state->initialised, "the GPU pipeline step starts from the HostState's values "
               "(initialised on the host from train.seed, or resumed)");
     if (topo.world->size() > 1) bind_local_gpu(*topo.world);
+    used_before_ = cuda::device_used_bytes();
+    cuda::reset_device_peak_bytes();
     pp_ = make_nccl_comm(*topo.pp_comm);
     if (plan.sizes.dp > 1) dp_ = make_nccl_comm(*topo.dp_comm);
     const PipelineStage& st = topo.stage;
@@ -313,10 +316,17 @@ class GpuPipelineStep final : public Step {
   }
   nlohmann::json bench_details() override {
     const cuda::DeviceInfo dev = cuda::device_info();
-    return {{"device", {{"name", dev.name}, {"sm_count", dev.sm_count}, {"memory_gib", double(dev.total_bytes) / kGiB}}},
+    const size_t used_after = cuda::device_used_bytes();
+    double peak_bytes = double(cuda::device_peak_bytes());
+    if (topo_.world->size() > 1) topo_.world->all_reduce(&peak_bytes, 1, ReduceOp::kMax);  // the fullest GPU
+    return {{"gpu", {{"name", dev.name}, {"sm_count", dev.sm_count}, {"memory_gib", double(dev.total_bytes) / kGiB}}},
             {"num_gpus", plan_.sizes.dp * plan_.sizes.pp},
             {"cuda_graph", false},
-            {"mem_peak_gib", double(cuda::device_peak_bytes()) / kGiB},
+            {"graph_launches", 0},
+            {"mem_peak_gib", peak_bytes / kGiB},
+            {"mem_peak_source", "high-water mark of moecore's device allocations, largest over GPUs"},
+            {"mem_used_gib", double(used_after) / kGiB},
+            {"mem_bench_gib", double(used_after - std::min(used_after, used_before_)) / kGiB},
             {"pipeline",
              {{"pp", plan_.sizes.pp},
               {"stage", topo_.pp_rank},
@@ -450,7 +460,7 @@ class GpuPipelineStep final : public Step {
   std::unique_ptr<CudaModel> model_;
   std::unique_ptr<cuda::ParamSegmentTable> segments_;
   cuda::DeviceBuffer exp_avg_, exp_avg_sq_, opt_, norm_ws_, squares_, ids_, x_in_, dx_in_;
-  size_t norm_ws_bytes_ = 0;
+  size_t norm_ws_bytes_ = 0, used_before_ = 0;
   cuda::OptimStepScalars scalars_{};
   std::vector<float> bias_;
   int64_t moe_layers_here_ = 0;
