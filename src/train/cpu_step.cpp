@@ -164,7 +164,7 @@ class CpuStep final : public Step {
       st.num_dropped += f.num_dropped;
       for (size_t l = 0; l < f.tokens_per_expert.size(); ++l) add_layer_stats(st, l, f, l, micro_total);
     }
-    reduce_stats(st, *topo_.dp_comm);
+    sum_step_stats(st, *topo_.dp_comm);
     return st;
   }
 
@@ -183,30 +183,6 @@ class CpuStep final : public Step {
     st.layer_lb_loss[l] += f.layer_lb_loss[j] / micro_total;
     st.layer_z_loss[l] += f.layer_z_loss[j] / micro_total;
     st.layer_dropped[l] += f.layer_dropped[j];
-  }
-
-  // Sums the step's statistics over `comm` (no-op on one rank): global figures on every rank, so
-  // that every rank takes the same decisions.
-  static void reduce_stats(StepStats& st, Comm& comm) {
-    if (comm.size() > 1) {
-      std::vector<double> sums = {st.ce_sum, st.lb_loss, st.z_loss};
-      sums.insert(sums.end(), st.layer_lb_loss.begin(), st.layer_lb_loss.end());
-      sums.insert(sums.end(), st.layer_z_loss.begin(), st.layer_z_loss.end());
-      comm.all_reduce(sums.data(), int64_t(sums.size()), ReduceOp::kSum);
-      st.ce_sum = sums[0], st.lb_loss = sums[1], st.z_loss = sums[2];
-      size_t at = 3;
-      for (double& v : st.layer_lb_loss) v = sums[at++];
-      for (double& v : st.layer_z_loss) v = sums[at++];
-      std::vector<int64_t> ints = {st.num_routes, st.num_dropped};
-      for (const auto& layer : st.tokens_per_expert) ints.insert(ints.end(), layer.begin(), layer.end());
-      ints.insert(ints.end(), st.layer_dropped.begin(), st.layer_dropped.end());
-      comm.all_reduce(ints.data(), int64_t(ints.size()), ReduceOp::kSum);
-      st.num_routes = ints[0], st.num_dropped = ints[1];
-      at = 2;
-      for (auto& layer : st.tokens_per_expert)
-        for (int64_t& c : layer) c = ints[at++];
-      for (int64_t& c : st.layer_dropped) c = ints[at++];
-    }
   }
 
   bool pipelined() const { return plan_.sizes.pp > 1; }
@@ -315,8 +291,8 @@ class CpuStep final : public Step {
     topo_.pp_comm->flush_sends();
     const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     compute_s_ += total - (idle_s_ - idle_before);
-    reduce_stats(st, *topo_.pp_comm);
-    reduce_stats(st, *topo_.dp_comm);
+    sum_step_stats(st, *topo_.pp_comm);
+    sum_step_stats(st, *topo_.dp_comm);
     return st;
   }
 
@@ -406,6 +382,31 @@ class CpuStep final : public Step {
 }  // namespace
 
 double StepStats::loss() const { return ce_sum / double(std::max<int64_t>(1, num_targets)); }
+
+// Sums the step's statistics over `comm` (no-op on one rank): global figures on every rank, so
+// that every rank takes the same decisions.
+void sum_step_stats(StepStats& st, Comm& comm) {
+  if (comm.size() > 1) {
+    std::vector<double> sums = {st.ce_sum, st.lb_loss, st.z_loss};
+    sums.insert(sums.end(), st.layer_lb_loss.begin(), st.layer_lb_loss.end());
+    sums.insert(sums.end(), st.layer_z_loss.begin(), st.layer_z_loss.end());
+    comm.all_reduce(sums.data(), int64_t(sums.size()), ReduceOp::kSum);
+    st.ce_sum = sums[0], st.lb_loss = sums[1], st.z_loss = sums[2];
+    size_t at = 3;
+    for (double& v : st.layer_lb_loss) v = sums[at++];
+    for (double& v : st.layer_z_loss) v = sums[at++];
+    std::vector<int64_t> ints = {st.num_routes, st.num_dropped};
+    for (const auto& layer : st.tokens_per_expert) ints.insert(ints.end(), layer.begin(), layer.end());
+    ints.insert(ints.end(), st.layer_dropped.begin(), st.layer_dropped.end());
+    comm.all_reduce(ints.data(), int64_t(ints.size()), ReduceOp::kSum);
+    st.num_routes = ints[0], st.num_dropped = ints[1];
+    at = 2;
+    for (auto& layer : st.tokens_per_expert)
+      for (int64_t& c : layer) c = ints[at++];
+    for (int64_t& c : st.layer_dropped) c = ints[at++];
+  }
+}
+
 
 std::unique_ptr<Step> make_step(const Config& cfg, const RunPlan& plan, const Topology& topo, HostState* state,
                                 std::ostream& out) {

@@ -410,26 +410,8 @@ class GpuPipelineStep final : public Step {
     }
     st.num_routes = moe_layers_here_ * n * cfg_.moe.top_k * plan_.micro_steps;
     st.num_dropped = f.num_dropped;
-    for (Comm* c : {topo_.pp_comm.get(), topo_.dp_comm.get()}) {
-      if (c == nullptr || c->size() <= 1) continue;
-      std::vector<double> sums = {st.ce_sum, st.lb_loss, st.z_loss};
-      sums.insert(sums.end(), st.layer_lb_loss.begin(), st.layer_lb_loss.end());
-      sums.insert(sums.end(), st.layer_z_loss.begin(), st.layer_z_loss.end());
-      c->all_reduce(sums.data(), int64_t(sums.size()), ReduceOp::kSum);
-      st.ce_sum = sums[0], st.lb_loss = sums[1], st.z_loss = sums[2];
-      size_t at = 3;
-      for (double& v : st.layer_lb_loss) v = sums[at++];
-      for (double& v : st.layer_z_loss) v = sums[at++];
-      std::vector<int64_t> ints = {st.num_routes, st.num_dropped};
-      for (const auto& layer : st.tokens_per_expert) ints.insert(ints.end(), layer.begin(), layer.end());
-      ints.insert(ints.end(), st.layer_dropped.begin(), st.layer_dropped.end());
-      c->all_reduce(ints.data(), int64_t(ints.size()), ReduceOp::kSum);
-      st.num_routes = ints[0], st.num_dropped = ints[1];
-      at = 2;
-      for (auto& layer : st.tokens_per_expert)
-        for (int64_t& v : layer) v = ints[at++];
-      for (int64_t& v : st.layer_dropped) v = ints[at++];
-    }
+    for (Comm* c : {topo_.pp_comm.get(), topo_.dp_comm.get()})
+      if (c != nullptr) sum_step_stats(st, *c);
     return st;
   }
 

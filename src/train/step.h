@@ -51,6 +51,11 @@ struct StepStats {
   double loss() const;       // ce_sum / max(1, num_targets)
 };
 
+// Sums a step's statistics over `comm` (CE sum, router losses and per-layer figures, routes, drops,
+// expert counts; no-op on one rank): global figures on every rank, so every rank decides alike.
+class Comm;
+void sum_step_stats(StepStats& st, Comm& comm);
+
 // One step's inputs: this rank's micro-batches (plan.micro_steps of them, one shape), the
 // targets of the whole step over every rank (the CE scale is 1 / global_targets), the learning
 // rate. Micro-batch m of dp rank r routes with routing_seed(train.seed, step - 1,
