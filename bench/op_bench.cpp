@@ -9,9 +9,13 @@
 // 2.5x that backward; diff against the own kernels (out; dq, dk, dv together, both backwards fed
 // the own forward's out and lse). JSON key "attention". --ops fp8_gemm alone: the dense
 // block-scaled FP8 GEMM against BF16 on olmoe-8l and scaling-e8 dense shapes (JSON key "fp8_gemm").
+// --ops grouped_fp8: the experts' FP8 grouped GEMM (cuda::grouped_gemm_fp8) against the BF16 wgmma
+// kernels on the expert shapes, forward and data gradient of both projections, with and without
+// the activation's quantisation, and the weights' quantisation with the transposed copy (JSON key
+// "grouped_fp8").
 // usage: moecore_op_bench [--tokens T] [--top-k K] [--experts E] [--d-model D] [--hidden I]
 //                         [--warmup N] [--iters N] [--backend mma|wgmma|all] [--out FILE.json]
-//                         [--ops all|grouped_gemm|attention|fp8_gemm] [--attn-batch B] [--attn-seq S]
+//                         [--ops all|grouped_gemm|attention|fp8_gemm|grouped_fp8] [--attn-batch B] [--attn-seq S]
 //                         [--attn-heads Hq] [--attn-kv-heads Hkv] [--attn-head-dim D]
 //                         [--attn-backend own|cudnn|all]
 #include <cuda_runtime.h>
@@ -123,6 +127,81 @@ nlohmann::json time_op(const std::string& op, GroupedGemmBackend backend, double
   const double tflops = flops / (t.med_ms * 1e-3) / 1e12;
   return {{"op", op}, {"backend", moe::cuda::grouped_gemm_backend_name(backend)}, {"us_median", t.med_ms * 1e3},
           {"us_min", t.min_ms * 1e3}, {"us_max", t.max_ms * 1e3}, {"tflops", tflops}, {"flops", flops}};
+}
+
+// The experts' GEMMs in FP8 (cuda::grouped_gemm_fp8) against BF16 (the wgmma kernels) on the
+// same rows and experts: forward of gate_up (x [rows, D] -> [rows, 2I]) and down (h [rows, I] -> D)
+// on the weights' codes, data gradients (dy_gu -> [rows, D], dy_dn -> [rows, I]) on their
+// transposed copies. "fp8" times the GEMM alone, "fp8+q" adds the 1 x 128 quantisation of its BF16
+// input; "q(w) us" is the weights' quantisation with the transposed copy (once per step for both
+// GEMMs of a weight). diff = ||y_fp8 - y_bf16|| / ||y_bf16||.
+nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, int64_t E, int64_t D, int64_t I,
+                                   const int32_t* off, const uint16_t* x, const uint16_t* h, const uint16_t* w_gu,
+                                   const uint16_t* w_dn, const uint16_t* dy_gu, const uint16_t* dy_dn) {
+  using namespace moe::cuda;
+  const moe::Fp8Format e4 = moe::Fp8Format::kE4M3;
+  const int64_t widest = std::max(2 * I, D);
+  uint8_t *qa = nullptr, *qw = nullptr, *qwt = nullptr;
+  float *sa = nullptr, *sw = nullptr, *swt = nullptr;
+  uint16_t *y8 = nullptr, *y16 = nullptr;
+  const int64_t wmax = E * 2 * I * D;
+  MOE_CUDA_CHECK(cudaMalloc(&qa, rows * widest));
+  MOE_CUDA_CHECK(cudaMalloc(&sa, rows * ((widest + 127) / 128) * 4));
+  MOE_CUDA_CHECK(cudaMalloc(&qw, wmax));
+  MOE_CUDA_CHECK(cudaMalloc(&qwt, wmax));
+  const auto blocks = [](int64_t n) { return (n + 127) / 128; };
+  const int64_t wscales = E * std::max(blocks(2 * I) * blocks(D), blocks(D) * blocks(I));
+  MOE_CUDA_CHECK(cudaMalloc(&sw, wscales * 4));
+  MOE_CUDA_CHECK(cudaMalloc(&swt, wscales * 4));
+  MOE_CUDA_CHECK(cudaMalloc(&y8, rows * widest * 2));
+  MOE_CUDA_CHECK(cudaMalloc(&y16, rows * widest * 2));
+  struct Case {
+    const char* op;
+    const uint16_t* in;   // the GEMM's BF16 input [rows, k_red]
+    const uint16_t* w;    // the BF16 weights [E, n_w, k_w]
+    int64_t n_w, k_w;
+    bool dgrad;
+  };
+  const std::vector<Case> cases = {{"gate_up forward", x, w_gu, 2 * I, D, false},
+                                   {"gate_up dgrad", dy_gu, w_gu, 2 * I, D, true},
+                                   {"down forward", h, w_dn, D, I, false},
+                                   {"down dgrad", dy_dn, w_dn, D, I, true}};
+  std::printf("\nexperts' grouped GEMM, FP8 (E4M3, 1x128 x 128x128, wgmma) vs BF16 (wgmma), %lld rows, %lld experts\n",
+              (long long)rows, (long long)E);
+  std::printf("%-16s | %8s | %8s | %8s | %9s | %9s\n", "op", "bf16", "fp8", "fp8+q", "q(w) us", "diff");
+  nlohmann::json out = nlohmann::json::array();
+  for (const Case& c : cases) {
+    const int64_t n_out = c.dgrad ? c.k_w : c.n_w, k_red = c.dgrad ? c.n_w : c.k_w;
+    auto quantize_w = [&] { fp8_quantize_weights(c.w, E, c.n_w, c.k_w, e4, qw, sw, qwt, swt, nullptr, s); };
+    auto quantize_a = [&] { fp8_quantize_blocks(c.in, rows, k_red, moe::kFp8ActivationBlock, e4, qa, sa, nullptr, s); };
+    auto run_fp8 = [&] {
+      grouped_gemm_fp8(qa, sa, c.dgrad ? qwt : qw, c.dgrad ? swt : sw, off, y8, rows, E, n_out, k_red, s);
+    };
+    auto run_bf16 = [&] {
+      if (c.dgrad) {
+        grouped_gemm_dgrad(c.in, c.w, off, y16, rows, E, c.n_w, c.k_w, s, GroupedGemmBackend::kWgmma);
+      } else {
+        grouped_gemm_forward(c.in, c.w, off, y16, rows, E, c.n_w, c.k_w, s, GroupedGemmBackend::kWgmma);
+      }
+    };
+    quantize_w();
+    quantize_a();
+    const double flops = 2.0 * rows * n_out * k_red;
+    const Timing tb = time_ms(a, s, run_bf16), t8 = time_ms(a, s, run_fp8);
+    const Timing tq = time_ms(a, s, [&] { quantize_a(); run_fp8(); }), tw = time_ms(a, s, quantize_w);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+    const double diff = relative_difference(download(y8, rows * n_out, true), download(y16, rows * n_out, true));
+    auto tf = [&](const Timing& t) { return flops / (t.med_ms * 1e-3) / 1e12; };
+    std::printf("%-16s | %8.1f | %8.1f | %8.1f | %9.1f | %9.3e\n", c.op, tf(tb), tf(t8), tf(tq), tw.med_ms * 1e3,
+                diff);
+    out.push_back({{"op", c.op}, {"n", n_out}, {"k", k_red}, {"bf16_tflops", tf(tb)}, {"fp8_tflops", tf(t8)},
+                   {"fp8_with_quantise_tflops", tf(tq)}, {"bf16_us", tb.med_ms * 1e3}, {"fp8_us", t8.med_ms * 1e3},
+                   {"fp8_with_quantise_us", tq.med_ms * 1e3}, {"w_quantise_us", tw.med_ms * 1e3},
+                   {"diff_vs_bf16", diff}});
+  }
+  for (void* p : {(void*)qa, (void*)qw, (void*)qwt, (void*)sa, (void*)sw, (void*)swt, (void*)y8, (void*)y16})
+    cudaFree(p);
+  return out;
 }
 
 // Causal attention forward and backward of one layer on each requested backend; returns the
@@ -337,8 +416,10 @@ int main(int argc, char** argv) {
     else if (k == "--attn-backend") a.attn_backend = next();
     else { std::fprintf(stderr, "error: unknown argument '%s'\n", k.c_str()); return 2; }
   }
-  if (a.ops != "all" && a.ops != "grouped_gemm" && a.ops != "attention" && a.ops != "fp8_gemm") {
-    std::fprintf(stderr, "error: --ops %s: expected all, grouped_gemm, attention or fp8_gemm\n", a.ops.c_str());
+  if (a.ops != "all" && a.ops != "grouped_gemm" && a.ops != "attention" && a.ops != "fp8_gemm" &&
+      a.ops != "grouped_fp8") {
+    std::fprintf(stderr, "error: --ops %s: expected all, grouped_gemm, attention, fp8_gemm or grouped_fp8\n",
+                 a.ops.c_str());
     return 2;
   }
   if (a.attn_backend != "all" && a.attn_backend != "own" && a.attn_backend != "cudnn") {
@@ -422,6 +503,15 @@ int main(int argc, char** argv) {
         {"down wgrad", f_dn, dw, E * D * I, false,
          [&](GroupedGemmBackend b, bool timed) { grouped_gemm_wgrad(dy_dn, h, off, dw, rows, E, D, I, timed, s, b); }},
     };
+    if (a.ops == "grouped_fp8") {
+      const nlohmann::json g = grouped_fp8_section(a, s, rows, E, D, I, off, x, h, w_gu, w_dn, dy_gu, dy_dn);
+      if (!a.out.empty()) {
+        std::ofstream(a.out) << nlohmann::json{{"gpu", prop.name}, {"rows", rows}, {"experts", E}, {"d_model", D},
+                                               {"hidden", I}, {"grouped_fp8", g}}.dump(2)
+                             << "\n";
+      }
+      return 0;
+    }
     nlohmann::json results = nlohmann::json::array();
     if (run_gemm) {
       std::printf("%-18s | %-7s | %10s | %9s | %s\n", "op", "backend", "us", "TFLOP/s", "diff vs mma");

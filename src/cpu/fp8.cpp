@@ -199,6 +199,37 @@ void fp8_gemm_block_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, con
                 [sb](int64_t j, int64_t t, int64_t kblocks) { return sb[(j / 128) * kblocks + t]; });
 }
 
+void fp8_quantize_weights(const float* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q, float* s,
+                          uint8_t* qt, float* st) {
+  const char* op = "cpu::fp8_quantize_weights";
+  MOE_CHECK(experts >= 0, op, ": experts must be >= 0, got ", experts);
+  check_shape(op, n, k, kFp8WeightBlock);
+  const int64_t nb = fp8_scale_rows(n, kFp8WeightBlock), kb = fp8_scale_cols(k, kFp8WeightBlock);
+  for (int64_t e = 0; e < experts; ++e) {
+    uint8_t* qe = q + e * n * k;
+    float* se = s + e * nb * kb;
+    fp8_quantize_blocks(w + e * n * k, n, k, kFp8WeightBlock, f, qe, se);
+    if (qt == nullptr) continue;
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t c = 0; c < k; ++c) qt[e * n * k + c * n + r] = qe[r * k + c];
+    for (int64_t i = 0; i < nb; ++i)
+      for (int64_t j = 0; j < kb; ++j) st[e * nb * kb + j * nb + i] = se[i * kb + j];
+  }
+}
+
+void fp8_grouped_gemm_block_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, const uint8_t* qb,
+                                   const float* sb, Fp8Format fb, const int32_t* offsets, int64_t max_rows,
+                                   int64_t experts, int64_t n, int64_t k, float* c) {
+  const int64_t kb = fp8_scale_cols(k, kFp8WeightBlock), nb = fp8_scale_rows(n, kFp8WeightBlock);
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t start = std::clamp<int64_t>(offsets[e], 0, max_rows);
+    const int64_t end = std::clamp<int64_t>(offsets[e + 1], start, max_rows);
+    if (end == start) continue;
+    fp8_gemm_block_scaled(qa + start * k, sa + start * kb, fa, qb + e * n * k, sb + e * nb * kb, fb, end - start, n,
+                          k, c + start * n, false);
+  }
+}
+
 namespace {
 // 2^(code - 127) of an E8M0 scale code; the NaN code is refused.
 float e8m0_value(const char* op, uint8_t code) {

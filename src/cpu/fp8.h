@@ -76,6 +76,22 @@ void fp8_gemm_block_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, con
 void fp8_gemm_rowwise_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, const uint8_t* qb, const float* sb,
                              Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate);
 
+// The experts' weights w [E, n, k] in 128 x 128 blocks per expert: q [E, n, k] and scales
+// s [E, ceil(n/128), ceil(k/128)] (fp8_quantize_blocks of each w[e]); when qt is not null also the
+// transposed copy qt [E, k, n] (qt[e][c][r] = q[e][r][c]) with st [E, ceil(k/128), ceil(n/128)]
+// (st[e][j][i] = s[e][i][j]): the B operand of the data-gradient GEMM dx = dy W_e.
+void fp8_quantize_weights(const float* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q, float* s,
+                          uint8_t* qt, float* st);
+
+// The M-grouped block-scaled FP8 GEMM of the experts (cuda::grouped_gemm_fp8's contract, FP32 C):
+// for the rows r of expert e (offsets[e] .. offsets[e+1], host offsets, clamped to [0, max_rows]),
+//   c[r, :] = fp8_gemm_block_scaled(qa[r, :] with sa[r, :], qb[e] with sb[e]);
+// qa [max_rows, k], sa [max_rows, ceil(k/128)], qb [E, n, k], sb [E, ceil(n/128), ceil(k/128)],
+// c [max_rows, n]; rows outside the groups are not written.
+void fp8_grouped_gemm_block_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, const uint8_t* qb,
+                                   const float* sb, Fp8Format fb, const int32_t* offsets, int64_t max_rows,
+                                   int64_t experts, int64_t n, int64_t k, float* c);
+
 // C [M, N] (+)= A [M, K] B [N, K]^T with both operands MX (1 x 32 blocks along K, E8M0 scales
 // [rows, ceil(K/32)]): the products of each 32-wide K block summed in FP32, then promoted with the
 // two power-of-two scales (exact). MXFP8's GEMM as Blackwell's tensor cores compute it, and what

@@ -5,6 +5,10 @@
 // equal the CPU's bitwise; non-finite inputs are counted, never trap. cuda::fp8_gemm (cuBLASLt's
 // block-scaled FP8) against cpu::fp8_gemm_block_scaled / fp8_gemm_rowwise_scaled on the same codes
 // and scales, within FP32 summation-order tolerance, BF16 and FP32 outputs, accumulating.
+// cuda::fp8_quantize_weights (the experts' 128 x 128 codes and their transposed copy in one pass)
+// bitwise its CPU twin; cuda::grouped_gemm_fp8 (the experts' FP8 wgmma kernel, forward on the codes
+// and data gradient on the transposed copy) against cpu::fp8_grouped_gemm_block_scaled on the same
+// codes, with empty experts, partial tiles, a dropped tail, and n / k not multiples of 128.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -17,7 +21,9 @@
 #include "core/dtype.h"
 #include "cpu/fp8.h"
 #include "cuda/ops/fp8.h"
+#include "cuda/ops/experts.h"
 #include "cuda/ops/gemm.h"
+#include "cuda/ops/grouped_gemm.h"
 #include "gpu/gpu_test_util.h"
 #include "support/test_util.h"
 
@@ -322,5 +328,248 @@ TEST(Fp8Gpu, BlockScaledGemmRefusesBadShapes) {
   EXPECT_NO_THROW(call(0, 64, 256, 0, 4, Fp8Format::kE4M3, Fp8Format::kE4M3));         // nothing to do
 }
 
+// Experts' weights [E, n, k] in 128 x 128 blocks with the transposed copy: the CPU's codes and
+// scales bitwise, from FP32 and BF16 weights, partial edge blocks included.
+TEST(Fp8Gpu, WeightQuantiseWithTransposeMatchesCpuBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  TestStream stream;
+  for (const Shape s : std::vector<Shape>{{256, 384}, {200, 136}, {128, 2048}}) {
+    const int64_t e = 3, n = s.rows, k = s.cols, numel = e * n * k;
+    const int64_t ns = e * cpu::fp8_scale_rows(n, kFp8WeightBlock) * cpu::fp8_scale_cols(k, kFp8WeightBlock);
+    const std::vector<uint16_t> w16 = random_bf16(numel, 5 + uint64_t(n), 0.02f);
+    const std::vector<float> w32 = wide_values(e * n, k, 9 + uint64_t(k));
+    for (int input = 0; input < 2; ++input) {
+      const std::vector<float> w = input == 0 ? w32 : bf16_values(w16);
+      std::vector<uint8_t> q_ref(static_cast<size_t>(numel)), qt_ref(static_cast<size_t>(numel));
+      std::vector<float> s_ref(static_cast<size_t>(ns)), st_ref(static_cast<size_t>(ns));
+      cpu::fp8_quantize_weights(w.data(), e, n, k, Fp8Format::kE4M3, q_ref.data(), s_ref.data(), qt_ref.data(),
+                                st_ref.data());
+      GuardedBuffer<uint8_t> q(numel), qt(numel);
+      GuardedBuffer<float> sc(ns), sct(ns);
+      GuardedBuffer<uint32_t> bad(std::vector<uint32_t>{0});
+      if (input == 0) {
+        GuardedBuffer<float> dw(w32);
+        cuda::fp8_quantize_weights(dw.data(), e, n, k, Fp8Format::kE4M3, q.data(), sc.data(), qt.data(), sct.data(),
+                                   bad.data(), stream.get());
+        stream.sync();
+      } else {
+        GuardedBuffer<uint16_t> dw(w16);
+        cuda::fp8_quantize_weights(dw.data(), e, n, k, Fp8Format::kE4M3, q.data(), sc.data(), qt.data(), sct.data(),
+                                   bad.data(), stream.get());
+        stream.sync();
+      }
+      const std::string w_what = std::string("fp8 weights ") + (input == 0 ? "f32 " : "bf16 ") +
+                                 std::to_string(e) + "x" + std::to_string(n) + "x" + std::to_string(k);
+      expect_equal(q.download(), q_ref, w_what + " codes");
+      expect_equal(sc.download(), s_ref, w_what + " scales");
+      expect_equal(qt.download(), qt_ref, w_what + " transposed codes");
+      expect_equal(sct.download(), st_ref, w_what + " transposed scales");
+      EXPECT_EQ(bad.download()[0], 0u) << w_what;
+      qt.expect_guards_intact(w_what + " qt");
+      sct.expect_guards_intact(w_what + " st");
+    }
+  }
+}
+
+// One grouped FP8 GEMM case: activations [max_rows, k_in] in 1 x 128 blocks and weights [E, n_w, k_w]
+// quantised on the CPU; forward (out = a W_e^T: n_out = n_w, k_red = k_w, B = the codes) or data
+// gradient (out = a W_e: n_out = k_w, k_red = n_w, B = the transposed copy), against the CPU's
+// grouped block-scaled product on the same codes: |gpu - cpu| <= 2^-11 sum |a b| plus one BF16
+// rounding (the bound of check_fp8_gemm), rows outside the groups never written.
+// The GPU's BF16 output of one grouped FP8 GEMM against the CPU on the same codes: `in` [max_rows,
+// k_red] (the GEMM's input before quantisation, FP32 values) quantised by the CPU in 1 x 128 blocks,
+// qb / sb the weights' codes and scales as B ([E, n_out, k_red]); |gpu - cpu| <= 2^-11 sum |a b|
+// plus one BF16 rounding (the bound of check_fp8_gemm) on the grouped rows; rows outside them keep
+// `sentinel` when given. Returns the worst error / bound.
+double compare_grouped_fp8(const std::string& what, const std::vector<float>& in, const std::vector<uint8_t>& qb,
+                           const std::vector<float>& sb, const std::vector<int32_t>& offsets, int64_t max_rows,
+                           int64_t n_out, int64_t k_red, const std::vector<uint16_t>& got, const uint16_t* sentinel) {
+  const int64_t e = int64_t(offsets.size()) - 1, kb = (k_red + 127) / 128, per_w = n_out * k_red;
+  const int64_t per_s = ((n_out + 127) / 128) * kb;
+  std::vector<uint8_t> qa(in.size());
+  std::vector<float> sa(static_cast<size_t>(max_rows * kb)), da(in.size()), db(qb.size());
+  cpu::fp8_quantize_blocks(in.data(), max_rows, k_red, kFp8ActivationBlock, Fp8Format::kE4M3, qa.data(), sa.data());
+  cpu::fp8_dequantize_blocks(qa.data(), sa.data(), max_rows, k_red, kFp8ActivationBlock, Fp8Format::kE4M3, da.data());
+  for (int64_t x = 0; x < e; ++x)
+    cpu::fp8_dequantize_blocks(qb.data() + x * per_w, sb.data() + x * per_s, n_out, k_red, kFp8WeightBlock,
+                               Fp8Format::kE4M3, db.data() + x * per_w);
+  const float kUnset = 12345.0f;
+  std::vector<float> want(static_cast<size_t>(max_rows * n_out), kUnset);
+  cpu::fp8_grouped_gemm_block_scaled(qa.data(), sa.data(), Fp8Format::kE4M3, qb.data(), sb.data(), Fp8Format::kE4M3,
+                                     offsets.data(), max_rows, e, n_out, k_red, want.data());
+  size_t bad = 0, written_outside = 0;
+  double worst = 0;
+  for (int64_t x = 0; x < e; ++x) {
+    const int64_t start = std::clamp<int64_t>(offsets[size_t(x)], 0, max_rows);
+    const int64_t end = std::clamp<int64_t>(offsets[size_t(x) + 1], start, max_rows);
+    for (int64_t r = start; r < end; ++r)
+      for (int64_t j = 0; j < n_out; ++j) {
+        double t = 0;
+        for (int64_t p = 0; p < k_red; ++p)
+          t += std::fabs(double(da[size_t(r * k_red + p)]) * double(db[size_t(x * per_w + j * k_red + p)]));
+        const double ref = want[size_t(r * n_out + j)];
+        const double bound = std::ldexp(t, -11) + std::ldexp(std::fabs(ref), -8) + 1e-30;
+        const double v = ::moe::bf16_to_f32(got[size_t(r * n_out + j)]);
+        const double err = std::fabs(v - ref);
+        worst = std::max(worst, err / bound);
+        if (!(err <= bound) && bad++ < 3)
+          ADD_FAILURE() << what << ": out[" << r << ", " << j << "] = " << v << ", CPU " << ref << ", bound " << bound;
+      }
+  }
+  if (sentinel != nullptr)
+    for (size_t i = 0; i < want.size(); ++i)
+      if (want[i] == kUnset) written_outside += got[i] != *sentinel;
+  EXPECT_EQ(bad, 0u) << what;
+  EXPECT_EQ(written_outside, 0u) << what << ": rows outside the groups were written";
+  std::printf("%s: worst |gpu - cpu| / bound %.3f\n", what.c_str(), worst);
+  return worst;
+}
+
+// One grouped FP8 GEMM case: activations [max_rows, k_red] and weights [E, n_w, k_w] quantised on
+// the CPU; forward (out = a W_e^T: n_out = n_w, k_red = k_w, B = the codes) or data gradient (out =
+// a W_e: n_out = k_w, k_red = n_w, B = the transposed copy), compare_grouped_fp8 on the output.
+void check_grouped_fp8(const std::vector<int32_t>& offsets, int64_t max_rows, int64_t n_w, int64_t k_w, bool dgrad,
+                       uint64_t seed) {
+  const int64_t e = int64_t(offsets.size()) - 1;
+  const int64_t n_out = dgrad ? k_w : n_w, k_red = dgrad ? n_w : k_w, kb = (k_red + 127) / 128;
+  const std::string what = std::string("grouped_gemm_fp8 ") + (dgrad ? "dgrad" : "forward") + " E=" +
+                           std::to_string(e) + " rows=" + std::to_string(max_rows) + " n=" + std::to_string(n_out) +
+                           " k=" + std::to_string(k_red);
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> a(size_t(max_rows * k_red)), w(size_t(e * n_w * k_w));
+  for (size_t i = 0; i < a.size(); ++i) a[i] = dist(gen) * (1.0f + float(i % 7));
+  for (float& x : w) x = dist(gen) * 0.05f;
+  std::vector<uint8_t> qa(a.size()), qw(w.size()), qwt(w.size());
+  const int64_t nws = e * ((n_w + 127) / 128) * ((k_w + 127) / 128);
+  std::vector<float> sa(size_t(max_rows * kb)), sw(static_cast<size_t>(nws)), swt(static_cast<size_t>(nws));
+  cpu::fp8_quantize_blocks(a.data(), max_rows, k_red, kFp8ActivationBlock, Fp8Format::kE4M3, qa.data(), sa.data());
+  cpu::fp8_quantize_weights(w.data(), e, n_w, k_w, Fp8Format::kE4M3, qw.data(), sw.data(), qwt.data(), swt.data());
+  const std::vector<uint8_t>& qb = dgrad ? qwt : qw;
+  const std::vector<float>& sb = dgrad ? swt : sw;
+  GuardedBuffer<uint8_t> d_qa(qa), d_qb(qb);
+  GuardedBuffer<float> d_sa(sa), d_sb(sb);
+  GuardedBuffer<int32_t> d_off(offsets);
+  const uint16_t kSentinel = 0x7fc1;
+  GuardedBuffer<uint16_t> out(std::vector<uint16_t>(size_t(max_rows * n_out), kSentinel));
+  TestStream stream;
+  cuda::grouped_gemm_fp8(d_qa.data(), d_sa.data(), d_qb.data(), d_sb.data(), d_off.data(), out.data(), max_rows, e,
+                         n_out, k_red, stream.get());
+  stream.sync();
+  compare_grouped_fp8(what, a, qb, sb, offsets, max_rows, n_out, k_red, out.download(), &kSentinel);
+  out.expect_guards_intact(what + " out");
+}
+
+TEST(Fp8Gpu, GroupedGemmMatchesCpuOnTheSameCodes) {
+  MOE_SKIP_WITHOUT_GPU();
+  if (!cuda::grouped_gemm_wgmma_available()) GTEST_SKIP() << "the FP8 grouped GEMM needs a compute capability 9.0 GPU";
+  // Five experts: 130 rows (a whole tile and 2 rows), none, 256, 77, 1; a dropped tail of 40 rows.
+  const std::vector<int32_t> offsets = {0, 130, 130, 386, 463, 464};
+  for (const bool dgrad : {false, true}) {
+    check_grouped_fp8(offsets, 504, 384, 512, dgrad, 11 + dgrad);
+    check_grouped_fp8(offsets, 504, 272, 400, dgrad, 13 + dgrad);  // partial weight blocks, K tail
+  }
+  // One expert over many rows (several M tiles per CTA) at an expert shape.
+  check_grouped_fp8({0, 700}, 700, 1024, 256, false, 17);
+}
+
+TEST(Fp8Gpu, GroupedGemmRefusesBadShapes) {
+  MOE_SKIP_WITHOUT_GPU();
+  GuardedBuffer<uint8_t> q(64 * 256);
+  GuardedBuffer<float> s(64);
+  GuardedBuffer<int32_t> off(std::vector<int32_t>{0, 64});
+  GuardedBuffer<uint16_t> out(64 * 64);
+  TestStream stream;
+  const std::string msg = error_of([&] {
+    cuda::grouped_gemm_fp8(q.data(), s.data(), q.data(), s.data(), off.data(), out.data(), 64, 1, 64, 24,
+                           stream.get());
+  });
+  EXPECT_NE(msg.find("cuda::grouped_gemm_fp8: k=24 must be a multiple of 16"), std::string::npos) << msg;
+}
+
+// The FP8 recipe's experts (cuda::experts_forward_fp8 / experts_backward_fp8) stage by stage
+// against the CPU on the same codes: gate_up from x, y from the saved h, dh from dy (the down
+// weights' transposed codes), dx from dgate_up (the gate_up weights' transposed codes); the weight
+// gradients bitwise the BF16 grouped wgrad of the same saved tensors; a dropped tail and an empty
+// expert; the weights quantised on the GPU from FP32 (bitwise the CPU's codes, tested above).
+TEST(Fp8Gpu, ExpertsFp8FollowTheCpuStageByStage) {
+  MOE_SKIP_WITHOUT_GPU();
+  if (!cuda::grouped_gemm_wgmma_available()) GTEST_SKIP() << "the FP8 grouped GEMM needs a compute capability 9.0 GPU";
+  const int64_t R = 384, E = 3, D = 256, I = 192;
+  const std::vector<int32_t> offsets = {0, 150, 150, 340};
+  std::mt19937_64 gen(21);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> w_gu(static_cast<size_t>(E * 2 * I * D)), w_dn(static_cast<size_t>(E * D * I));
+  for (float& v : w_gu) v = dist(gen) * 0.05f;
+  for (float& v : w_dn) v = dist(gen) * 0.05f;
+  const std::vector<uint16_t> x = random_bf16(R * D, 31, 1.0f), dy = random_bf16(R * D, 32, 1.0f);
+  // CPU codes of the weights (the GPU's, bitwise).
+  const auto nsc = [](int64_t a, int64_t b) { return static_cast<size_t>(E * ((a + 127) / 128) * ((b + 127) / 128)); };
+  std::vector<uint8_t> q_gu(w_gu.size()), qt_gu(w_gu.size()), q_dn(w_dn.size()), qt_dn(w_dn.size());
+  std::vector<float> s_gu(nsc(2 * I, D)), st_gu(nsc(2 * I, D)), s_dn(nsc(D, I)), st_dn(nsc(D, I));
+  cpu::fp8_quantize_weights(w_gu.data(), E, 2 * I, D, Fp8Format::kE4M3, q_gu.data(), s_gu.data(), qt_gu.data(),
+                            st_gu.data());
+  cpu::fp8_quantize_weights(w_dn.data(), E, D, I, Fp8Format::kE4M3, q_dn.data(), s_dn.data(), qt_dn.data(),
+                            st_dn.data());
+  TestStream stream;
+  GuardedBuffer<float> d_wgu(w_gu), d_wdn(w_dn);
+  GuardedBuffer<uint8_t> g_qgu(static_cast<int64_t>(q_gu.size())), g_qtgu(static_cast<int64_t>(q_gu.size())), g_qdn(static_cast<int64_t>(q_dn.size())),
+      g_qtdn(static_cast<int64_t>(q_dn.size()));
+  GuardedBuffer<float> g_sgu(static_cast<int64_t>(s_gu.size())), g_stgu(static_cast<int64_t>(s_gu.size())), g_sdn(static_cast<int64_t>(s_dn.size())),
+      g_stdn(static_cast<int64_t>(s_dn.size()));
+  cuda::fp8_quantize_weights(d_wgu.data(), E, 2 * I, D, Fp8Format::kE4M3, g_qgu.data(), g_sgu.data(), g_qtgu.data(),
+                             g_stgu.data(), nullptr, stream.get());
+  cuda::fp8_quantize_weights(d_wdn.data(), E, D, I, Fp8Format::kE4M3, g_qdn.data(), g_sdn.data(), g_qtdn.data(),
+                             g_stdn.data(), nullptr, stream.get());
+  const cuda::Fp8ExpertWeights fw{g_qgu.data(), g_sgu.data(), g_qtgu.data(), g_stgu.data(),
+                                  g_qdn.data(), g_sdn.data(), g_qtdn.data(), g_stdn.data()};
+  GuardedBuffer<uint16_t> d_x(x), d_dy(dy), gate_up(R * 2 * I), h(R * I), y(R * D), dx(R * D);
+  GuardedBuffer<int32_t> d_off(offsets);
+  const size_t ws_bytes = cuda::experts_backward_workspace_bytes(R, I), f8_bytes = cuda::experts_fp8_workspace_bytes(R, D, I);
+  GuardedBuffer<uint8_t> ws(static_cast<int64_t>(ws_bytes)), f8(static_cast<int64_t>(f8_bytes));
+  GuardedBuffer<float> dw_gu(E * 2 * I * D), dw_dn(E * D * I), ref_gu(E * 2 * I * D), ref_dn(E * D * I);
+  cuda::experts_forward_fp8(d_x.data(), d_off.data(), fw, R, E, D, I, gate_up.data(), h.data(), y.data(), f8.data(),
+                            f8_bytes, stream.get());
+  cuda::experts_backward_fp8(d_x.data(), d_off.data(), fw, gate_up.data(), h.data(), d_dy.data(), R, E, D, I,
+                             dx.data(), dw_gu.data(), dw_dn.data(), ws.data(), ws_bytes, f8.data(), f8_bytes,
+                             stream.get(), /*accumulate_dw=*/false);
+  stream.sync();
+  const std::vector<uint16_t> g_gate_up = gate_up.download(), g_h = h.download(), g_y = y.download(),
+                              g_dx = dx.download(), g_ws16 = [&] {
+                                const std::vector<uint8_t> b = ws.download();
+                                std::vector<uint16_t> v(b.size() / 2);
+                                std::memcpy(v.data(), b.data(), v.size() * 2);
+                                return v;
+                              }();
+  const std::vector<uint16_t> g_dgate_up(g_ws16.begin(), g_ws16.begin() + R * 2 * I),
+      g_dh(g_ws16.begin() + R * 2 * I, g_ws16.begin() + R * 3 * I);
+  // Rows past the groups hold what SwiGLU made of unwritten memory: only the grouped rows feed the checks.
+  auto grouped_only = [&](const std::vector<uint16_t>& v, int64_t cols) {
+    std::vector<float> f = bf16_values(v);
+    for (int64_t r = offsets.back(); r < R; ++r)
+      for (int64_t c = 0; c < cols; ++c) f[size_t(r * cols + c)] = 0.0f;
+    return f;
+  };
+  compare_grouped_fp8("experts fp8 gate_up", bf16_values(x), q_gu, s_gu, offsets, R, 2 * I, D, g_gate_up, nullptr);
+  compare_grouped_fp8("experts fp8 down", grouped_only(g_h, I), q_dn, s_dn, offsets, R, D, I, g_y, nullptr);
+  compare_grouped_fp8("experts fp8 dh", bf16_values(dy), qt_dn, st_dn, offsets, R, I, D, g_dh, nullptr);
+  compare_grouped_fp8("experts fp8 dx", grouped_only(g_dgate_up, 2 * I), qt_gu, st_gu, offsets, R, D, 2 * I, g_dx,
+                      nullptr);
+  // The weight gradients: the BF16 grouped wgrad of the saved tensors, bitwise.
+  cuda::grouped_gemm_wgrad(d_dy.data(), h.data(), d_off.data(), ref_dn.data(), R, E, D, I, false, stream.get());
+  GuardedBuffer<uint16_t> d_dgate_up(g_dgate_up);
+  cuda::grouped_gemm_wgrad(d_dgate_up.data(), d_x.data(), d_off.data(), ref_gu.data(), R, E, 2 * I, D, false,
+                           stream.get());
+  stream.sync();
+  expect_equal(dw_dn.download(), ref_dn.download(), "experts fp8 dw_down");
+  expect_equal(dw_gu.download(), ref_gu.download(), "experts fp8 dw_gate_up");
+  const std::string msg = error_of([&] {
+    cuda::experts_forward_fp8(d_x.data(), d_off.data(), fw, R, E, D, I, gate_up.data(), h.data(), y.data(), f8.data(),
+                              f8_bytes - 16, stream.get());
+  });
+  EXPECT_NE(msg.find("cuda::experts_forward_fp8: FP8 workspace of"), std::string::npos) << msg;
+}
+
 }  // namespace
 }  // namespace moe::testing
+

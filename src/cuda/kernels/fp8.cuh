@@ -179,6 +179,54 @@ __global__ void __launch_bounds__(32 * kFp8RowWarps)
   *reinterpret_cast<uint32_t*>(q + at) = word;
 }
 
+// The experts' weights w [E, n, k] in 128 x 128 blocks, one CTA of 256 threads per block (blockIdx.x
+// over E x nb x kb, kb fastest): the block's max |w| (the generic kernel's reduction), its scale
+// into s and (transposed) st, the codes into q, and through a shared-memory tile into qt [E, k, n]
+// (qt[e][c][r] = q[e][r][c]) when qt is not null: one pass over the FP32 master weights makes both
+// operands of the experts' FP8 GEMMs (forward and data gradient).
+constexpr int kFp8WeightThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kFp8WeightThreads)
+    fp8_quantize_weights_kernel(const T* __restrict__ w, int64_t n, int64_t k, int64_t nb, int64_t kb, Fp8Format f,
+                                uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qt,
+                                float* __restrict__ st, uint32_t* num_nonfinite) {
+  __shared__ uint8_t tile[128][129];
+  const int64_t b = blockIdx.x, e = b / (nb * kb), bi = b / kb % nb, bj = b % kb;
+  const int64_t r0 = bi * 128, c0 = bj * 128;
+  const int nr = static_cast<int>(min(n - r0, int64_t{128})), nc = static_cast<int>(min(k - c0, int64_t{128}));
+  const T* we = w + e * n * k;
+  float local = 0.0f;
+  uint32_t bad = 0;
+  for (int i = threadIdx.x; i < nr * nc; i += blockDim.x) {
+    const float v = fp8_load(we, (r0 + i / nc) * k + c0 + i % nc);
+    bad += isfinite(v) ? 0u : 1u;
+    local = fmaxf(local, fabsf(v));
+  }
+  const float amax = fp8_block_amax(local, bad, num_nonfinite);
+  float sc = __fdiv_rn(amax, fp8_max_of(f));
+  if (!(sc > 0.0f)) sc = 1.0f;
+  if (threadIdx.x == 0) {
+    s[(e * nb + bi) * kb + bj] = sc;
+    if (st != nullptr) st[(e * kb + bj) * nb + bi] = sc;
+  }
+  uint8_t* qe = q + e * n * k;
+  for (int i = threadIdx.x; i < nr * nc; i += blockDim.x) {
+    const int r = i / nc, c = i % nc;
+    const int64_t at = (r0 + r) * k + c0 + c;
+    const uint8_t code = fp8_encode_dev(__fdiv_rn(fp8_load(we, at), sc), f);
+    qe[at] = code;
+    tile[r][c] = code;
+  }
+  if (qt == nullptr) return;
+  __syncthreads();
+  uint8_t* qte = qt + e * n * k;
+  for (int i = threadIdx.x; i < nr * nc; i += blockDim.x) {
+    const int c = i / nr, r = i % nr;  // consecutive threads: consecutive rows of w, one row of qt
+    qte[(c0 + c) * n + r0 + r] = tile[r][c];
+  }
+}
+
 // out[b * ld + r] = s[r * kb + b] for r < rows, 0 for rows <= r < ld (grid-stride over kb * ld).
 __global__ void fp8_scales_k_major_kernel(const float* __restrict__ s, int64_t rows, int64_t kb, int64_t ld,
                                           float* __restrict__ out) {

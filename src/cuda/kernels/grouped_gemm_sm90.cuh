@@ -36,8 +36,10 @@ constexpr int kConsumerWarps = kConsumerThreads / kWarpSize;
 // Dynamic shared memory for kStages ring stages: alignment slack, the ring, the epilogue staging,
 // the full/empty barriers and, for the M-grouped kernels (schedule), the per-expert row starts
 // and M-tile prefix sums (E + 1 ints each).
-__host__ __device__ constexpr int64_t smem_bytes(int stages, int64_t num_experts, bool schedule) {
-  return kSmemAlign + int64_t{stages} * kStageBytes + kStagingBytes + 16 * stages +
+// stage_bytes: the ring stage's size (kStageBytes for the BF16 kernels).
+__host__ __device__ constexpr int64_t smem_bytes(int stages, int64_t num_experts, bool schedule,
+                                                 int64_t stage_bytes = kStageBytes) {
+  return kSmemAlign + int64_t{stages} * stage_bytes + kStagingBytes + 16 * stages +
          (schedule ? 2 * (num_experts + 1) * 4 : 0);
 }
 
@@ -262,9 +264,10 @@ __device__ __forceinline__ void warpgroup_barrier(int wg) {
 }
 
 // Keeps the compiler from moving accumulator reads or writes across a wgmma wait.
-__device__ __forceinline__ void fence_accumulators(float (&d)[128]) {
+template <int kN>
+__device__ __forceinline__ void fence_accumulators(float (&d)[kN]) {
 #pragma unroll
-  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // ---- Schedule ------------------------------------------------------------------------------
@@ -310,9 +313,9 @@ struct MTile {
 };
 
 // Tile t of the M-grouped list: M-tile t / n_tiles (found by binary search over the prefix sums:
-// the largest e with s_tile[e] <= mt, an expert with rows), N-tile t % n_tiles.
+// the largest e with s_tile[e] <= mt, an expert with rows), N-tile t % n_tiles of bn columns.
 __device__ __forceinline__ MTile m_tile(int64_t t, int n_tiles, const int* s_start, const int* s_tile,
-                                        int num_experts) {
+                                        int num_experts, int bn = kBN) {
   const int mt = static_cast<int>(t / n_tiles);
   int lo = 0, hi = num_experts - 1;
   while (lo < hi) {
@@ -323,20 +326,21 @@ __device__ __forceinline__ MTile m_tile(int64_t t, int n_tiles, const int* s_sta
       hi = mid - 1;
     }
   }
-  return {lo, s_start[lo] + (mt - s_tile[lo]) * kBM, expert_end(s_start, lo), static_cast<int>(t % n_tiles) * kBN};
+  return {lo, s_start[lo] + (mt - s_tile[lo]) * kBM, expert_end(s_start, lo), static_cast<int>(t % n_tiles) * bn};
 }
 
 // Shared-memory layout of both kernels: the 1 KiB-aligned ring (stage s: A at s * kStageBytes,
 // B kABytes later), the epilogue staging (consumer warpgroup w, buffer b: 8 KiB at (2 w + b) *
-// kBoxBytes), full[s] and empty[s] barriers, then the M-grouped schedule.
-template <int kStages>
+// kBoxBytes), full[s] and empty[s] barriers, then the M-grouped schedule. kStage: the bytes of a
+// ring stage (kStageBytes for the BF16 kernels).
+template <int kStages, int kStage = kStageBytes>
 struct Smem {
-  static constexpr int kRingBytes = kStages * kStageBytes;
+  static constexpr int kRingBytes = kStages * kStage;
   unsigned char* ring;  // generic pointer to the aligned ring
   uint32_t ring_u32;    // its shared-window address
   int* s_start;
   int* s_tile;
-  __device__ __forceinline__ uint32_t stage(int s) const { return ring_u32 + s * kStageBytes; }
+  __device__ __forceinline__ uint32_t stage(int s) const { return ring_u32 + s * kStage; }
   __device__ __forceinline__ uint32_t staging(int wg, int b) const {
     return ring_u32 + kRingBytes + (2 * wg + b) * kBoxBytes;
   }
@@ -352,15 +356,15 @@ struct Smem {
 // Aligns the dynamic shared memory, initialises the barriers (full: one arrival, the producer's,
 // plus the TMA bytes; empty: one arrival per consumer warp) and, with `schedule`, builds the
 // M-grouped schedule. Ends with a block barrier.
-template <int kStages>
-__device__ __forceinline__ Smem<kStages> setup_smem(unsigned char* raw, const int32_t* __restrict__ offsets,
-                                                    int num_experts, int max_rows, bool schedule) {
+template <int kStages, int kStage = kStageBytes>
+__device__ __forceinline__ Smem<kStages, kStage> setup_smem(unsigned char* raw, const int32_t* __restrict__ offsets,
+                                                            int num_experts, int max_rows, bool schedule) {
   const uint32_t raw_u32 = smem_u32(raw);
   const uint32_t aligned = (raw_u32 + kSmemAlign - 1) & ~static_cast<uint32_t>(kSmemAlign - 1);
-  Smem<kStages> s;
+  Smem<kStages, kStage> s;
   s.ring = raw + (aligned - raw_u32);
   s.ring_u32 = aligned;
-  s.s_start = reinterpret_cast<int*>(s.ring + Smem<kStages>::kRingBytes + kStagingBytes + 16 * kStages);
+  s.s_start = reinterpret_cast<int*>(s.ring + Smem<kStages, kStage>::kRingBytes + kStagingBytes + 16 * kStages);
   s.s_tile = s.s_start + num_experts + 1;
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -400,7 +404,8 @@ __device__ __forceinline__ void mma_k_step(float (&acc)[128], uint32_t a, uint32
 // u of row r at unit u ^ (r % 8)), the layout the output tensor map's TMA store reads; the
 // stores of a warp then hit 32 different banks. BF16 chunk c = columns [64 c, 64 c + 64) of the
 // warpgroup's 64 x 256 fragment, FP32 chunk c = columns [32 c, 32 c + 32).
-__device__ __forceinline__ void stage_bf16_chunk(uint32_t buf, const float (&acc)[128], int c, int warp, int lane) {
+template <int kN>
+__device__ __forceinline__ void stage_bf16_chunk(uint32_t buf, const float (&acc)[kN], int c, int warp, int lane) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = warp * 16 + lane / 4 + 8 * h;  // r % 8 == lane / 4

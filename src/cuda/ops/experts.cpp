@@ -3,10 +3,13 @@
 // down dgrad and wgrad, SwiGLU backward, gate_up dgrad and wgrad. Host code only.
 #include "cuda/ops/experts.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <utility>
 
 #include "core/error.h"
+#include "cuda/ops/fp8.h"
 #include "cuda/ops/swiglu.h"
 
 namespace moe::cuda {
@@ -124,6 +127,110 @@ void experts_backward(const uint16_t* x_sorted, const int32_t* expert_offsets, c
   if (dw_gate_up != nullptr) {
     grouped_gemm_wgrad(dgate_up, x_sorted, expert_offsets, dw_gate_up, max_rows, num_experts, 2 * inner, d,
                        accumulate_dw, stream, backend);
+  }
+}
+
+namespace {
+
+// The FP8 workspace's two parts: codes [R, max(D, 2I)], then (16-byte aligned) the scales.
+struct Fp8Workspace {
+  uint8_t* codes;
+  float* scales;
+};
+
+size_t fp8_codes_bytes(int64_t max_rows, int64_t d, int64_t inner) {
+  return (static_cast<size_t>(max_rows) * static_cast<size_t>(std::max(d, 2 * inner)) + 15) / 16 * 16;
+}
+
+Fp8Workspace split_fp8_workspace(const char* op, void* ws, size_t bytes, int64_t max_rows, int64_t d, int64_t inner) {
+  const size_t need = experts_fp8_workspace_bytes(max_rows, d, inner);
+  MOE_CHECK(bytes >= need, op, ": FP8 workspace of ", bytes, " bytes, ", need,
+            " needed: size it with experts_fp8_workspace_bytes(max_rows, d, inner)");
+  MOE_CHECK(ws != nullptr && reinterpret_cast<uintptr_t>(ws) % 16 == 0, op,
+            ": the FP8 workspace must be a non-null 16-byte aligned device pointer");
+  uint8_t* base = static_cast<uint8_t*>(ws);
+  return {base, reinterpret_cast<float*>(base + fp8_codes_bytes(max_rows, d, inner))};
+}
+
+void check_fp8_weights(const char* op, const Fp8ExpertWeights& w) {
+  for (const auto& [name, p] : {std::pair<const char*, const void*>{"gate_up", w.gate_up}, {"s_gate_up", w.s_gate_up},
+                                {"gate_up_t", w.gate_up_t}, {"s_gate_up_t", w.s_gate_up_t}, {"down", w.down},
+                                {"s_down", w.s_down}, {"down_t", w.down_t}, {"s_down_t", w.s_down_t}}) {
+    MOE_CHECK(p != nullptr, op, ": the FP8 weights' '", name, "' is a null device pointer");
+  }
+}
+
+// out = in @ B_e^T in FP8: in [R, k_red] BF16 quantised into the workspace, then the grouped GEMM.
+void fp8_grouped(const uint16_t* in, const uint8_t* qb, const float* sb, const int32_t* offsets, uint16_t* out,
+                 int64_t max_rows, int64_t num_experts, int64_t n_out, int64_t k_red, const Fp8Workspace& ws,
+                 Stream stream) {
+  fp8_quantize_blocks(in, max_rows, k_red, kFp8ActivationBlock, Fp8Format::kE4M3, ws.codes, ws.scales, nullptr,
+                      stream);
+  grouped_gemm_fp8(ws.codes, ws.scales, qb, sb, offsets, out, max_rows, num_experts, n_out, k_red, stream);
+}
+
+}  // namespace
+
+size_t experts_fp8_workspace_bytes(int64_t max_rows, int64_t d, int64_t inner) {
+  MOE_CHECK(max_rows >= 0 && d >= 0 && inner >= 0, "cuda::experts_fp8_workspace_bytes: sizes must be >= 0, got ",
+            max_rows, ", ", d, ", ", inner);
+  const int64_t widest = std::max(d, 2 * inner);
+  return fp8_codes_bytes(max_rows, d, inner) +
+         static_cast<size_t>(max_rows) * static_cast<size_t>((widest + 127) / 128) * sizeof(float);
+}
+
+void experts_forward_fp8(const uint16_t* x_sorted, const int32_t* expert_offsets, const Fp8ExpertWeights& w,
+                         int64_t max_rows, int64_t num_experts, int64_t d, int64_t inner, uint16_t* gate_up,
+                         uint16_t* h, uint16_t* y, void* fp8_workspace, size_t fp8_workspace_bytes, Stream stream) {
+  const char* op = "cuda::experts_forward_fp8";
+  check_sizes(op, max_rows, num_experts, d, inner);
+  if (max_rows == 0) return;
+  check_ptrs(op, {{"x_sorted", x_sorted, 0}, {"gate_up", gate_up, 0}, {"h", h, 0}, {"y", y, 0}});
+  check_fp8_weights(op, w);
+  MOE_CHECK(expert_offsets != nullptr, op, ": argument 'expert_offsets' is a null device pointer");
+  const Fp8Workspace ws = split_fp8_workspace(op, fp8_workspace, fp8_workspace_bytes, max_rows, d, inner);
+  fp8_grouped(x_sorted, w.gate_up, w.s_gate_up, expert_offsets, gate_up, max_rows, num_experts, 2 * inner, d, ws,
+              stream);
+  swiglu_forward(gate_up, h, max_rows, inner, stream);
+  fp8_grouped(h, w.down, w.s_down, expert_offsets, y, max_rows, num_experts, d, inner, ws, stream);
+}
+
+void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offsets, const Fp8ExpertWeights& w,
+                          const uint16_t* gate_up, const uint16_t* h, const uint16_t* dy, int64_t max_rows,
+                          int64_t num_experts, int64_t d, int64_t inner, uint16_t* dx_sorted, float* dw_gate_up,
+                          float* dw_down, void* workspace, size_t workspace_bytes, void* fp8_workspace,
+                          size_t fp8_workspace_bytes, Stream stream, bool accumulate_dw) {
+  const char* op = "cuda::experts_backward_fp8";
+  check_sizes(op, max_rows, num_experts, d, inner);
+  if (max_rows == 0) {
+    if (!accumulate_dw) {
+      if (dw_down != nullptr) grouped_gemm_wgrad(nullptr, nullptr, nullptr, dw_down, 0, num_experts, d, inner, false, stream);
+      if (dw_gate_up != nullptr)
+        grouped_gemm_wgrad(nullptr, nullptr, nullptr, dw_gate_up, 0, num_experts, 2 * inner, d, false, stream);
+    }
+    return;
+  }
+  const size_t need = experts_backward_workspace_bytes(max_rows, inner);
+  MOE_CHECK(workspace_bytes >= need, op, ": workspace of ", workspace_bytes, " bytes, ", need,
+            " needed: size it with experts_backward_workspace_bytes(max_rows, inner)");
+  check_ptrs(op, {{"x_sorted", x_sorted, 0}, {"gate_up", gate_up, 0}, {"h", h, 0}, {"dy", dy, 0},
+                  {"dx_sorted", dx_sorted, 0}, {"workspace", workspace, 0}});
+  check_fp8_weights(op, w);
+  MOE_CHECK(expert_offsets != nullptr, op, ": argument 'expert_offsets' is a null device pointer");
+  const Fp8Workspace ws = split_fp8_workspace(op, fp8_workspace, fp8_workspace_bytes, max_rows, d, inner);
+  const size_t rows = static_cast<size_t>(max_rows);
+  uint16_t* dgate_up = static_cast<uint16_t*>(workspace);           // [R, 2I]
+  uint16_t* dh = dgate_up + rows * 2 * static_cast<size_t>(inner);  // [R, I]
+  // dh = dy @ W_down[e]: the transposed codes [E, I, D] as B (n_out = I, k_red = D).
+  fp8_grouped(dy, w.down_t, w.s_down_t, expert_offsets, dh, max_rows, num_experts, inner, d, ws, stream);
+  if (dw_down != nullptr) grouped_gemm_wgrad(dy, h, expert_offsets, dw_down, max_rows, num_experts, d, inner, accumulate_dw, stream);
+  swiglu_backward(gate_up, dh, dgate_up, max_rows, inner, stream);
+  // dx = dgate_up @ W_gate_up[e] (B: [E, D, 2I]); dy (which dx may be) was read in full above.
+  fp8_grouped(dgate_up, w.gate_up_t, w.s_gate_up_t, expert_offsets, dx_sorted, max_rows, num_experts, d, 2 * inner,
+              ws, stream);
+  if (dw_gate_up != nullptr) {
+    grouped_gemm_wgrad(dgate_up, x_sorted, expert_offsets, dw_gate_up, max_rows, num_experts, 2 * inner, d,
+                       accumulate_dw, stream);
   }
 }
 

@@ -63,4 +63,38 @@ void experts_backward(const uint16_t* x_sorted /*[R,D]*/, const int32_t* expert_
                       size_t workspace_bytes, Stream stream,
                       GroupedGemmBackend backend = GroupedGemmBackend::kAuto, bool accumulate_dw = true);
 
+// ---- The FP8 recipe (train.precision = "fp8") ------------------------------------------------
+// The experts' forward GEMMs and data gradients in block-scaled FP8 (cuda::grouped_gemm_fp8, E4M3
+// codes, 1 x 128 activation / gradient blocks, 128 x 128 weight blocks), the weight gradients in
+// BF16 (grouped_gemm_wgrad on the BF16 tensors the forward saved): each GEMM input is quantised
+// over its R rows just before its GEMM (cuda::fp8_quantize_blocks into the FP8 workspace), the
+// weights once per step by cuda::fp8_quantize_weights (codes and the transposed copy the data
+// gradient reads). Outputs, saved tensors and row rules as experts_forward / experts_backward.
+struct Fp8ExpertWeights {
+  const uint8_t* gate_up = nullptr;    // [E, 2I, D] codes, scales s_gate_up [E, 2I/128, D/128] (rounded up)
+  const float* s_gate_up = nullptr;
+  const uint8_t* gate_up_t = nullptr;  // [E, D, 2I], scales [E, D/128, 2I/128]
+  const float* s_gate_up_t = nullptr;
+  const uint8_t* down = nullptr;       // [E, D, I], scales [E, D/128, I/128]
+  const float* s_down = nullptr;
+  const uint8_t* down_t = nullptr;     // [E, I, D], scales [E, I/128, D/128]
+  const float* s_down_t = nullptr;
+};
+
+// Bytes of the FP8 activation workspace: the codes of the widest GEMM input [R, max(D, 2I)] and
+// their 1 x 128 scales.
+size_t experts_fp8_workspace_bytes(int64_t max_rows, int64_t d, int64_t inner);
+
+void experts_forward_fp8(const uint16_t* x_sorted /*[R,D]*/, const int32_t* expert_offsets /*[E+1]*/,
+                         const Fp8ExpertWeights& w, int64_t max_rows, int64_t num_experts, int64_t d, int64_t inner,
+                         uint16_t* gate_up /*[R,2I], saved*/, uint16_t* h /*[R,I], saved*/, uint16_t* y /*[R,D]*/,
+                         void* fp8_workspace, size_t fp8_workspace_bytes, Stream stream);
+
+void experts_backward_fp8(const uint16_t* x_sorted /*[R,D]*/, const int32_t* expert_offsets /*[E+1]*/,
+                          const Fp8ExpertWeights& w, const uint16_t* gate_up /*[R,2I]*/, const uint16_t* h /*[R,I]*/,
+                          const uint16_t* dy /*[R,D]*/, int64_t max_rows, int64_t num_experts, int64_t d,
+                          int64_t inner, uint16_t* dx_sorted /*[R,D], may be dy*/, float* dw_gate_up /*+=*/,
+                          float* dw_down /*+=*/, void* workspace, size_t workspace_bytes, void* fp8_workspace,
+                          size_t fp8_workspace_bytes, Stream stream, bool accumulate_dw = true);
+
 }  // namespace moe::cuda

@@ -68,6 +68,22 @@ void mx_quantize_impl(const char* op, const T* x, int64_t rows, int64_t cols, Fp
   check_launch("mx_quantize_kernel");
 }
 
+template <typename T>
+void quantize_weights(const char* op, const T* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q,
+                      float* s, uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream) {
+  MOE_CHECK(experts >= 0 && n >= 0 && k >= 0, op, ": experts, n and k must be >= 0, got ", experts, ", ", n, ", ", k);
+  MOE_CHECK((qt == nullptr) == (st == nullptr), op, ": the transposed codes and their scales come together (qt ",
+            qt == nullptr ? "null" : "set", ", st ", st == nullptr ? "null" : "set", ")");
+  if (experts == 0 || n == 0 || k == 0) return;
+  detail::check_ptrs(op, {{"w", w}}, sizeof(T));
+  detail::check_ptrs(op, {{"s", s}}, sizeof(float));
+  const int64_t nb = (n + 127) / 128, kb = (k + 127) / 128, grid = experts * nb * kb;
+  MOE_CHECK(grid < kMaxGrid, op, ": ", grid, " scaling blocks exceed one launch's grid");
+  kernels::fp8_quantize_weights_kernel<T><<<static_cast<unsigned>(grid), kernels::kFp8WeightThreads, 0, stream>>>(
+      w, n, k, nb, kb, f, q, s, qt, st, num_nonfinite);
+  check_launch("fp8_quantize_weights_kernel");
+}
+
 }  // namespace
 
 void fp8_quantize_blocks(const float* x, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f, uint8_t* q,
@@ -112,6 +128,17 @@ void mx_dequantize(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, i
   kernels::mx_dequantize_kernel<<<elementwise_blocks(rows * cols), 256, 0, stream>>>(
       q, scales_e8m0, rows, cols, (cols + kMxBlock - 1) / kMxBlock, f, x);
   check_launch("mx_dequantize_kernel");
+}
+
+void fp8_quantize_weights(const float* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q, float* s,
+                          uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream) {
+  quantize_weights("cuda::fp8_quantize_weights", w, experts, n, k, f, q, s, qt, st, num_nonfinite, stream);
+}
+
+void fp8_quantize_weights(const uint16_t* w_bf16, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q,
+                          float* s, uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream) {
+  quantize_weights("cuda::fp8_quantize_weights (bf16)", w_bf16, experts, n, k, f, q, s, qt, st, num_nonfinite,
+                   stream);
 }
 
 void fp8_scales_k_major(const float* s, int64_t rows, int64_t kb, int64_t ld, float* out, Stream stream) {

@@ -37,6 +37,14 @@ void mx_quantize(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Format f
 void mx_dequantize(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f, float* x,
                    Stream stream);
 
+// The experts' weights w [E, n, k] (FP32 or BF16) in 128 x 128 blocks per expert, the contract of
+// cpu::fp8_quantize_weights: q [E, n, k] with scales s [E, ceil(n/128), ceil(k/128)] and, when qt
+// is not null, the transposed codes qt [E, k, n] with st [E, ceil(k/128), ceil(n/128)], in one pass.
+void fp8_quantize_weights(const float* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q, float* s,
+                          uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream);
+void fp8_quantize_weights(const uint16_t* w_bf16, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q,
+                          float* s, uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream);
+
 // The FP8 GEMM's layout of 1 x 128 scales (cuda::fp8_gemm): s [rows, kb] as the quantiser writes
 // them (row-major) -> out [kb, ld] (K-block-major, rows contiguous), ld >= rows, entries
 // [rows, ld) of each K block zero. Bitwise copies.

@@ -17,6 +17,7 @@
 
 #include "cuda/common.h"
 #include "cuda/kernels/grouped_gemm.cuh"
+#include "cuda/kernels/grouped_gemm_fp8_sm90.cuh"
 #include "cuda/kernels/grouped_gemm_sm90.cuh"
 #include "cuda/ops/launch.h"
 
@@ -139,6 +140,7 @@ CUtensorMap tensor_map(const char* op, const char* operand, CUtensorMapDataType 
 
 constexpr CUtensorMapDataType kMapBf16 = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
 constexpr CUtensorMapDataType kMapF32 = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+constexpr CUtensorMapDataType kMapU8 = CU_TENSOR_MAP_DATA_TYPE_UINT8;
 
 int max_shared_memory_per_block(int device) {
   int bytes = 0;
@@ -203,6 +205,22 @@ void launch_m_contiguous_sm90(const char* op, const uint16_t* a, const uint16_t*
     launch_m_contiguous_sm90_stages<kBMn, 3>(map_a, map_b, map_out, op, expert_offsets, out, max_rows, num_experts,
                                              n_out, k_red, stream);
   }
+}
+
+template <int kStages>
+void launch_fp8_m_contiguous_sm90_stages(const CUtensorMap& map_a, const CUtensorMap& map_b,
+                                         const CUtensorMap& map_out, const char* op, const int32_t* expert_offsets,
+                                         const float* sa, const float* sb, uint16_t* out, int64_t max_rows,
+                                         int64_t num_experts, int64_t n_out, int64_t k_red, Stream stream) {
+  namespace k90 = kernels::sm90;
+  const auto kernel = k90::grouped_gemm_fp8_m_contiguous_sm90<kStages>;
+  const size_t smem = static_cast<size_t>(k90::smem_bytes(kStages, num_experts, true, k90::kFp8StageBytes));
+  const int64_t max_tiles = (ceil_div(max_rows, k90::kBM) + num_experts) * ceil_div(n_out, k90::kFp8BN);
+  const int grid = sm90_grid(op, kernel, smem, max_tiles);
+  kernel<<<grid, k90::kThreads, smem, stream>>>(map_a, map_b, map_out, expert_offsets, sa, sb, out,
+                                                static_cast<int>(max_rows), static_cast<int>(num_experts),
+                                                static_cast<int>(n_out), static_cast<int>(k_red));
+  check_launch("grouped_gemm_fp8_m_contiguous_sm90");
 }
 
 void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t* x, const int32_t* expert_offsets,
@@ -329,6 +347,38 @@ void grouped_gemm_wgrad(const uint16_t* dy, const uint16_t* x, const int32_t* ex
   kernel<<<grid, kGemmThreads, smem, stream>>>(dy, x, expert_offsets, dw, static_cast<int>(max_rows),
                                                static_cast<int>(n), static_cast<int>(k), accumulate);
   check_launch("grouped_gemm_k_contiguous");
+}
+
+void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, const float* sb,
+                      const int32_t* expert_offsets, uint16_t* out, int64_t max_rows, int64_t num_experts, int64_t n,
+                      int64_t k, Stream stream) {
+  const char* op = "cuda::grouped_gemm_fp8";
+  check_sizes(op, max_rows, num_experts, n, k);
+  MOE_CHECK(k % 16 == 0, op, ": k=", k, " must be a multiple of 16 (rows of FP8 codes are read in 16-byte chunks)");
+  if (max_rows == 0) return;
+  int major = 0, minor = 0;
+  MOE_CHECK(device_is_sm90(current_device(), major, minor), op, ": the FP8 grouped GEMM runs on wgmma and needs a ",
+            "compute capability 9.0 device, this one is ", major, ".", minor);
+  detail::check_ptrs(op, {{"qa", qa}, {"qb", qb}, {"out", out}}, 16);
+  detail::check_ptrs(op, {{"sa", sa}, {"sb", sb}, {"expert_offsets", expert_offsets}}, 4);
+  namespace k90 = kernels::sm90;
+  const auto u64 = [](int64_t v) { return static_cast<uint64_t>(v); };
+  const CUtensorMap map_a = tensor_map(op, "qa", kMapU8, qa, {u64(k), u64(max_rows)}, {u64(k)},
+                                       {k90::kFp8BK, k90::kBM});
+  const CUtensorMap map_b = tensor_map(op, "qb", kMapU8, qb, {u64(k), u64(n), u64(num_experts)},
+                                       {u64(k), u64(n * k)}, {k90::kFp8BK, k90::kFp8BN, 1});
+  const CUtensorMap map_out = tensor_map(op, "out", kMapBf16, out, {u64(n), u64(max_rows)}, {u64(n * 2)}, {64, 64});
+  const int limit = max_shared_memory_per_block(current_device());
+  if (k90::smem_bytes(5, num_experts, true, k90::kFp8StageBytes) <= limit) {
+    launch_fp8_m_contiguous_sm90_stages<5>(map_a, map_b, map_out, op, expert_offsets, sa, sb, out, max_rows,
+                                           num_experts, n, k, stream);
+  } else {
+    MOE_CHECK(k90::smem_bytes(3, num_experts, true, k90::kFp8StageBytes) <= limit, op, ": the schedule of ",
+              num_experts, " experts needs ", k90::smem_bytes(3, num_experts, true, k90::kFp8StageBytes),
+              " bytes of shared memory, the device has ", limit);
+    launch_fp8_m_contiguous_sm90_stages<3>(map_a, map_b, map_out, op, expert_offsets, sa, sb, out, max_rows,
+                                           num_experts, n, k, stream);
+  }
 }
 
 }  // namespace moe::cuda

@@ -55,6 +55,18 @@ void grouped_gemm_wgrad(const uint16_t* dy, const uint16_t* x, const int32_t* ex
                         int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, bool accumulate,
                         Stream stream, GroupedGemmBackend backend = GroupedGemmBackend::kAuto);
 
+// Block-scaled FP8 (E4M3 x E4M3), M-grouped contiguous, sm_90 only: for the rows r of expert e,
+//   out[r, j] = sum over K blocks b of (sum_{p in b} qa[r, p] qb[e, j, p]) * sa[r, b] * sb[e, j / 128, b]
+// (FP32 partial sums promoted per block of 128 K elements, cpu::fp8_gemm_block_scaled per expert).
+// qa [max_rows, k] codes with 1 x 128 scales sa [max_rows, ceil(k / 128)] (cuda::fp8_quantize_blocks'
+// row-major layout); qb [E, n, k] codes with 128 x 128 scales sb [E, ceil(n / 128), ceil(k / 128)];
+// out [max_rows, n] BF16 on the grouped rows only. The forward (qb: W's codes) and the data gradient
+// (qb: the transposed copy of W's codes and scales, cuda::fp8_transpose_blocks). n a multiple of 8,
+// k of 16; 16-byte aligned code and output pointers.
+void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, const float* sb,
+                      const int32_t* expert_offsets, uint16_t* out, int64_t max_rows, int64_t num_experts, int64_t n,
+                      int64_t k, Stream stream);
+
 // Largest num_experts the entry points accept (the M-grouped schedule lives in shared memory).
 inline constexpr int64_t kGroupedGemmMaxExperts = 4096;
 
