@@ -126,57 +126,79 @@ __global__ void mx_dequantize_kernel(const uint8_t* __restrict__ q, const uint8_
   }
 }
 
-// The 1 x 128 blocks of a tensor whose rows are whole blocks (cols a multiple of 128), one warp per
-// block, 8 blocks per CTA: lane l loads elements 4l..4l+3 in one 8-byte (BF16) or 16-byte (FP32)
-// access, the warp's max of |x| by shuffles (order-free: the generic kernel's scale bit for bit),
-// the same division and conversion, and the four codes stored as one 32-bit word. x 8/16-byte
-// and q 4-byte aligned (the launcher checks).
+// The 1 x 128 blocks of a tensor whose rows are whole blocks (cols a multiple of 128, so block b
+// is the 128 elements at b * 128): a half-warp per block, lane l of the half loading elements
+// 8l..8l+7 (one 16-byte access for BF16, two for FP32); each warp takes 2 x kFp8RowUnroll blocks,
+// all loads issued before any reduction so that enough bytes are in flight to reach the memory
+// bandwidth. The half-warp's max of |x| by shuffles (order-free: the generic kernel's scale bit for
+// bit), the same division and conversion, eight codes stored as one 8-byte word. x 16-byte and q
+// 8-byte aligned (the launcher checks).
 constexpr int kFp8RowWarps = 8;
+constexpr int kFp8RowUnroll = 4;
+constexpr int64_t kFp8RowBlocksPerCta = int64_t{kFp8RowWarps} * 2 * kFp8RowUnroll;
 
 template <typename T>
-__device__ __forceinline__ void fp8_load4(const T* x, int64_t at, float (&v)[4]);
+__device__ __forceinline__ void fp8_load8(const T* x, int64_t at, float (&v)[8]);
 template <>
-__device__ __forceinline__ void fp8_load4<float>(const float* x, int64_t at, float (&v)[4]) {
-  const float4 f = *reinterpret_cast<const float4*>(x + at);
-  v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+__device__ __forceinline__ void fp8_load8<float>(const float* x, int64_t at, float (&v)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(x + at), b = *reinterpret_cast<const float4*>(x + at + 4);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 template <>
-__device__ __forceinline__ void fp8_load4<uint16_t>(const uint16_t* x, int64_t at, float (&v)[4]) {
-  const uint2 u = *reinterpret_cast<const uint2*>(x + at);
-  v[0] = __uint_as_float(u.x << 16), v[1] = __uint_as_float(u.x & 0xffff0000u);
-  v[2] = __uint_as_float(u.y << 16), v[3] = __uint_as_float(u.y & 0xffff0000u);
+__device__ __forceinline__ void fp8_load8<uint16_t>(const uint16_t* x, int64_t at, float (&v)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(x + at);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(w[i] << 16);
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
 }
 
 template <typename T>
 __global__ void __launch_bounds__(32 * kFp8RowWarps)
-    fp8_quantize_rows128_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, Fp8Format f,
-                                uint8_t* __restrict__ q, float* __restrict__ scales, uint32_t* num_nonfinite) {
-  const int64_t scale_cols = cols / 128;
-  const int64_t b = int64_t{blockIdx.x} * kFp8RowWarps + threadIdx.x / 32;
-  if (b >= rows * scale_cols) return;
-  const int lane = threadIdx.x % 32;
-  const int64_t at = (b / scale_cols) * cols + (b % scale_cols) * 128 + 4 * lane;
-  float v[4];
-  fp8_load4(x, at, v);
-  float local = 0.0f;
-  uint32_t bad = 0;
+    fp8_quantize_rows128_kernel(const T* __restrict__ x, int64_t blocks, Fp8Format f, uint8_t* __restrict__ q,
+                                float* __restrict__ scales, uint32_t* num_nonfinite) {
+  const int lane = threadIdx.x % 32, half = lane / 16, sub = lane % 16;
+  const int64_t first = int64_t{blockIdx.x} * kFp8RowBlocksPerCta + (threadIdx.x / 32) * 2 * kFp8RowUnroll + half;
+  float v[kFp8RowUnroll][8];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    bad += isfinite(v[j]) ? 0u : 1u;
-    local = fmaxf(local, fabsf(v[j]));
-  }
-  for (int o = 16; o > 0; o >>= 1) {
-    local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, o));
-    bad += __shfl_xor_sync(0xffffffffu, bad, o);
-  }
-  if (lane == 0 && bad != 0 && num_nonfinite != nullptr) atomicAdd(num_nonfinite, bad);
-  float s = __fdiv_rn(local, fp8_max_of(f));
-  if (!(s > 0.0f)) s = 1.0f;
-  if (lane == 0) scales[b] = s;
-  uint32_t word = 0;
+  for (int u = 0; u < kFp8RowUnroll; ++u) {
+    const int64_t b = first + 2 * u;
+    if (b < blocks) {
+      fp8_load8(x, b * 128 + 8 * sub, v[u]);
+    } else {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) word |= uint32_t{fp8_encode_dev(__fdiv_rn(v[j], s), f)} << (8 * j);
-  *reinterpret_cast<uint32_t*>(q + at) = word;
+      for (int j = 0; j < 8; ++j) v[u][j] = 0.0f;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kFp8RowUnroll; ++u) {
+    const int64_t b = first + 2 * u;
+    float local = 0.0f;
+    uint32_t bad = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      bad += isfinite(v[u][j]) ? 0u : 1u;
+      local = fmaxf(local, fabsf(v[u][j]));
+    }
+    for (int o = 8; o > 0; o >>= 1) {  // within the half-warp
+      local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, o));
+      bad += __shfl_xor_sync(0xffffffffu, bad, o);
+    }
+    if (b >= blocks) continue;
+    if (sub == 0 && bad != 0 && num_nonfinite != nullptr) atomicAdd(num_nonfinite, bad);
+    float s = __fdiv_rn(local, fp8_max_of(f));
+    if (!(s > 0.0f)) s = 1.0f;
+    if (sub == 0) scales[b] = s;
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      lo |= uint32_t{fp8_encode_dev(__fdiv_rn(v[u][j], s), f)} << (8 * j);
+      hi |= uint32_t{fp8_encode_dev(__fdiv_rn(v[u][j + 4], s), f)} << (8 * j);
+    }
+    *reinterpret_cast<uint2*>(q + b * 128 + 8 * sub) = make_uint2(lo, hi);
+  }
 }
 
 // The experts' weights w [E, n, k] in 128 x 128 blocks, one CTA of 256 threads per block (blockIdx.x
@@ -224,6 +246,80 @@ __global__ void __launch_bounds__(kFp8WeightThreads)
   for (int i = threadIdx.x; i < nr * nc; i += blockDim.x) {
     const int c = i / nr, r = i % nr;  // consecutive threads: consecutive rows of w, one row of qt
     qte[(c0 + c) * n + r0 + r] = tile[r][c];
+  }
+}
+
+// The experts' weights when n and k are multiples of 128 (whole blocks; w 16-byte, q and qt
+// 16-byte aligned): thread t of the block's 256 holds row t / 2, elements 64 (t % 2) .. + 63, in
+// registers (vector loads), the block's max |w| by shuffles and shared memory (order-free: the
+// generic kernel's scale bit for bit), its 64 codes stored as four 16-byte words into q and into a
+// shared tile, then column t / 2 of the tile, rows 64 (t % 2) .. + 63, stored the same way into qt.
+template <typename T>
+__global__ void __launch_bounds__(kFp8WeightThreads)
+    fp8_quantize_weights_whole_kernel(const T* __restrict__ w, int64_t n, int64_t k, Fp8Format f,
+                                      uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qt,
+                                      float* __restrict__ st, uint32_t* num_nonfinite) {
+  __shared__ __align__(16) uint8_t tile[128][128 + 16];
+  __shared__ float s_max[kFp8WeightThreads / 32];
+  __shared__ uint32_t s_bad[kFp8WeightThreads / 32];
+  const int64_t nb = n / 128, kb = k / 128;
+  const int64_t b = blockIdx.x, e = b / (nb * kb), bi = b / kb % nb, bj = b % kb;
+  const int t = threadIdx.x, r = t / 2, c0 = 64 * (t % 2);
+  const int64_t at = e * n * k + (bi * 128 + r) * k + bj * 128 + c0;
+  float v[64];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) fp8_load8(w, at + 8 * i, *reinterpret_cast<float(*)[8]>(v + 8 * i));
+  float local = 0.0f;
+  uint32_t bad = 0;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    bad += isfinite(v[i]) ? 0u : 1u;
+    local = fmaxf(local, fabsf(v[i]));
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, o));
+    bad += __shfl_xor_sync(0xffffffffu, bad, o);
+  }
+  if (t % 32 == 0) s_max[t / 32] = local, s_bad[t / 32] = bad;
+  __syncthreads();
+  float amax = 0.0f;
+  uint32_t bad_all = 0;
+#pragma unroll
+  for (int i = 0; i < kFp8WeightThreads / 32; ++i) amax = fmaxf(amax, s_max[i]), bad_all += s_bad[i];
+  float sc = __fdiv_rn(amax, fp8_max_of(f));
+  if (!(sc > 0.0f)) sc = 1.0f;
+  if (t == 0) {
+    s[(e * nb + bi) * kb + bj] = sc;
+    if (st != nullptr) st[(e * kb + bj) * nb + bi] = sc;
+    if (bad_all != 0 && num_nonfinite != nullptr) atomicAdd(num_nonfinite, bad_all);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint32_t word[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      word[j] = 0;
+#pragma unroll
+      for (int x = 0; x < 4; ++x) word[j] |= uint32_t{fp8_encode_dev(__fdiv_rn(v[16 * i + 4 * j + x], sc), f)} << (8 * x);
+    }
+    const uint4 packed = make_uint4(word[0], word[1], word[2], word[3]);
+    *reinterpret_cast<uint4*>(q + at + 16 * i) = packed;
+    *reinterpret_cast<uint4*>(&tile[r][c0 + 16 * i]) = packed;
+  }
+  if (qt == nullptr) return;
+  __syncthreads();
+  // Column r of the block (row bj * 128 + r of qt[e]), its rows c0 .. c0 + 63 (columns of qt).
+  const int64_t at_t = e * n * k + (bj * 128 + r) * n + bi * 128 + c0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint32_t word[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      word[j] = 0;
+#pragma unroll
+      for (int x = 0; x < 4; ++x) word[j] |= uint32_t{tile[c0 + 16 * i + 4 * j + x][r]} << (8 * x);
+    }
+    *reinterpret_cast<uint4*>(qt + at_t + 16 * i) = make_uint4(word[0], word[1], word[2], word[3]);
   }
 }
 

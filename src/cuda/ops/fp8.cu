@@ -33,14 +33,14 @@ void quantize_blocks(const char* op, const T* x, int64_t rows, int64_t cols, Fp8
   detail::check_ptrs(op, {{"x", x}}, sizeof(T));
   detail::check_ptrs(op, {{"q", q}}, 1);
   detail::check_ptrs(op, {{"scales", scales}}, sizeof(float));
-  const size_t vec = sizeof(T) == 4 ? 16 : 8;
-  if (block.rows == 1 && block.cols == 128 && cols % 128 == 0 && reinterpret_cast<uintptr_t>(x) % vec == 0 &&
-      reinterpret_cast<uintptr_t>(q) % 4 == 0) {
-    // Whole 1 x 128 blocks: a warp per block (the same codes and scales as the generic kernel).
-    const int64_t blocks = rows * (cols / 128), grid = (blocks + kernels::kFp8RowWarps - 1) / kernels::kFp8RowWarps;
+  if (block.rows == 1 && block.cols == 128 && cols % 128 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(q) % 8 == 0) {
+    // Whole 1 x 128 blocks: a half-warp per block (the same codes and scales as the generic kernel).
+    const int64_t blocks = rows * (cols / 128);
+    const int64_t grid = (blocks + kernels::kFp8RowBlocksPerCta - 1) / kernels::kFp8RowBlocksPerCta;
     MOE_CHECK(grid < kMaxGrid, op, ": ", blocks, " scaling blocks exceed one launch's grid");
     kernels::fp8_quantize_rows128_kernel<T><<<static_cast<unsigned>(grid), 32 * kernels::kFp8RowWarps, 0, stream>>>(
-        x, rows, cols, f, q, scales, num_nonfinite);
+        x, blocks, f, q, scales, num_nonfinite);
     check_launch("fp8_quantize_rows128_kernel");
     return;
   }
@@ -79,6 +79,15 @@ void quantize_weights(const char* op, const T* w, int64_t experts, int64_t n, in
   detail::check_ptrs(op, {{"s", s}}, sizeof(float));
   const int64_t nb = (n + 127) / 128, kb = (k + 127) / 128, grid = experts * nb * kb;
   MOE_CHECK(grid < kMaxGrid, op, ": ", grid, " scaling blocks exceed one launch's grid");
+  const auto aligned = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (n % 128 == 0 && k % 128 == 0 && aligned(w) && aligned(q) && aligned(qt)) {
+    // Whole blocks: vector loads and stores (the same codes and scales as the generic kernel).
+    kernels::fp8_quantize_weights_whole_kernel<T>
+        <<<static_cast<unsigned>(grid), kernels::kFp8WeightThreads, 0, stream>>>(w, n, k, f, q, s, qt, st,
+                                                                                 num_nonfinite);
+    check_launch("fp8_quantize_weights_whole_kernel");
+    return;
+  }
   kernels::fp8_quantize_weights_kernel<T><<<static_cast<unsigned>(grid), kernels::kFp8WeightThreads, 0, stream>>>(
       w, n, k, nb, kb, f, q, s, qt, st, num_nonfinite);
   check_launch("fp8_quantize_weights_kernel");
