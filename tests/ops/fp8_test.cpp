@@ -370,4 +370,55 @@ TEST(Fp8, EmulatedLinearPassesEqualTheRecipe) {
   for (size_t i = 0; i < dx.size(); ++i) EXPECT_NEAR(dx2[i], 2.0f * dx[i], 1e-5f * (1.0f + std::fabs(dx[i])));
 }
 
+// The experts' weights: per expert the codes and scales of fp8_quantize_blocks in 128 x 128
+// blocks, the transposed codes and scale grid exactly their transpose (partial edge blocks).
+TEST(Fp8, ExpertWeightsAndTheirTransposedCopy) {
+  const int64_t e = 2, n = 200, k = 136, nb = 2, kb = 2;
+  const std::vector<float> w = randn(e * n * k, 8, 0.05f);
+  std::vector<uint8_t> q(w.size()), qt(w.size()), q1(static_cast<size_t>(n * k));
+  std::vector<float> s(static_cast<size_t>(e * nb * kb)), st(s.size()), s1(static_cast<size_t>(nb * kb));
+  cpu::fp8_quantize_weights(w.data(), e, n, k, Fp8Format::kE4M3, q.data(), s.data(), qt.data(), st.data());
+  for (int64_t x = 0; x < e; ++x) {
+    cpu::fp8_quantize_blocks(w.data() + x * n * k, n, k, cpu::kFp8WeightBlock, Fp8Format::kE4M3, q1.data(), s1.data());
+    size_t bad = 0;
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t c = 0; c < k; ++c) {
+        const uint8_t code = q1[size_t(r * k + c)];
+        bad += q[size_t(x * n * k + r * k + c)] != code;
+        bad += qt[size_t(x * n * k + c * n + r)] != code;
+      }
+    for (int64_t i = 0; i < nb; ++i)
+      for (int64_t j = 0; j < kb; ++j) {
+        bad += s[size_t(x * nb * kb + i * kb + j)] != s1[size_t(i * kb + j)];
+        bad += st[size_t(x * nb * kb + j * nb + i)] != s1[size_t(i * kb + j)];
+      }
+    EXPECT_EQ(bad, 0u) << "expert " << x;
+  }
+}
+
+// The grouped block-scaled GEMM: each expert's rows through its own weights, equal to
+// fp8_gemm_block_scaled per expert; rows outside the groups (an empty expert, a tail) untouched.
+TEST(Fp8, GroupedBlockScaledGemmRunsEachExpertOnItsRows) {
+  const int64_t e = 3, rows = 20, n = 130, k = 256, kb = 2, nb = 2;
+  const std::vector<int32_t> offsets = {0, 7, 7, 16};
+  const std::vector<float> a = randn(rows * k, 9), w = randn(e * n * k, 10, 0.05f);
+  std::vector<uint8_t> qa(a.size()), qw(w.size());
+  std::vector<float> sa(static_cast<size_t>(rows * kb)), sw(static_cast<size_t>(e * nb * kb));
+  cpu::fp8_quantize_blocks(a.data(), rows, k, cpu::kFp8ActivationBlock, Fp8Format::kE4M3, qa.data(), sa.data());
+  cpu::fp8_quantize_weights(w.data(), e, n, k, Fp8Format::kE4M3, qw.data(), sw.data(), nullptr, nullptr);
+  std::vector<float> c(static_cast<size_t>(rows * n), -7.0f), want(c.size(), -7.0f);
+  cpu::fp8_grouped_gemm_block_scaled(qa.data(), sa.data(), Fp8Format::kE4M3, qw.data(), sw.data(), Fp8Format::kE4M3,
+                                     offsets.data(), rows, e, n, k, c.data());
+  for (int64_t x = 0; x < e; ++x) {
+    const int64_t r0 = offsets[size_t(x)], r1 = offsets[size_t(x) + 1];
+    if (r1 > r0)
+      cpu::fp8_gemm_block_scaled(qa.data() + r0 * k, sa.data() + r0 * kb, Fp8Format::kE4M3, qw.data() + x * n * k,
+                                 sw.data() + x * nb * kb, Fp8Format::kE4M3, r1 - r0, n, k, want.data() + r0 * n, false);
+  }
+  size_t bad = 0;
+  for (size_t i = 0; i < c.size(); ++i) bad += c[i] != want[i];
+  EXPECT_EQ(bad, 0u);
+  EXPECT_EQ(c[size_t(16 * n)], -7.0f) << "the tail past offsets[E] was written";
+}
+
 }  // namespace moe::testing

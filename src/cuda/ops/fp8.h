@@ -6,8 +6,8 @@
 // quantises as its FP32 copy would). Inputs that are not finite never trap: they are counted into
 // *num_nonfinite (when non-null, atomically added; a caller checks it later, off the hot path) and
 // the codes and scale of their block are then unspecified. Rows x cols of any size >= 0; one CTA
-// per scaling block, or one warp per block for 1 x 128 blocks when cols is a multiple of 128 (x
-// 16-byte (FP32) / 8-byte (BF16) and q 4-byte aligned: vector loads, near the memory bandwidth);
+// per scaling block, or a half-warp per block for 1 x 128 blocks when cols is a multiple of 128 (x
+// 16-byte and q 8-byte aligned: vector loads, several blocks per warp in flight);
 // no host synchronisation (capturable in a CUDA graph).
 #pragma once
 
