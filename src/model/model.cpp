@@ -385,22 +385,29 @@ void Model<T>::recompute_block(int64_t l, T* x_out) {
   if (x_out) std::copy(x.begin(), x.end(), x_out);
 }
 
-template <typename T>
-void Model<T>::update_expert_bias(const std::vector<std::vector<int64_t>>& counts, double rate) {
-  MOE_CHECK(static_cast<int64_t>(counts.size()) == num_moe_layers_, "expert-bias update: expected counts for ",
-            num_moe_layers_, " MoE layers, got ", counts.size());
-  const int64_t e = ecfg_.num_experts;
-  for (int64_t m = 0; m < num_moe_layers_; ++m) {
+void apply_expert_bias_update(std::vector<float>& bias, const std::vector<std::vector<int64_t>>& counts,
+                              int64_t num_experts, double rate) {
+  MOE_CHECK(bias.size() == counts.size() * static_cast<size_t>(num_experts), "expert-bias update: ", bias.size(),
+            " biases for ", counts.size(), " MoE layers of ", num_experts, " experts");
+  const int64_t e = num_experts;
+  for (size_t m = 0; m < counts.size(); ++m) {
     MOE_CHECK(static_cast<int64_t>(counts[m].size()) == e, "expert-bias update: expected ", e, " counts");
     double mean = 0;
     for (int64_t c : counts[m]) mean += double(c);
     mean /= double(e);
     for (int64_t i = 0; i < e; ++i) {
-      const double diff = mean - double(counts[m][i]);
+      const double diff = mean - double(counts[m][size_t(i)]);
       const double sign = diff > 0 ? 1.0 : (diff < 0 ? -1.0 : 0.0);
-      expert_bias_[m * e + i] += static_cast<float>(rate * sign);
+      bias[m * size_t(e) + size_t(i)] += static_cast<float>(rate * sign);
     }
   }
+}
+
+template <typename T>
+void Model<T>::update_expert_bias(const std::vector<std::vector<int64_t>>& counts, double rate) {
+  MOE_CHECK(static_cast<int64_t>(counts.size()) == num_moe_layers_, "expert-bias update: expected counts for ",
+            num_moe_layers_, " MoE layers, got ", counts.size());
+  apply_expert_bias_update(expert_bias_, counts, ecfg_.num_experts, rate);
 }
 
 template class Model<float>;

@@ -415,20 +415,10 @@ class GpuPipelineStep final : public Step {
     return st;
   }
 
-  // The aux-loss-free bias of every MoE layer (the host formula of Model::update_expert_bias),
-  // the same on every rank, uploaded to the stage's model.
+  // The aux-loss-free bias of every MoE layer (Model::update_expert_bias's formula), the same on
+  // every rank, uploaded to the stage's model.
   void update_bias(const std::vector<std::vector<int64_t>>& counts) {
-    const int64_t e = cfg_.moe.num_experts;
-    for (size_t l = 0; l < counts.size(); ++l) {
-      double mean = 0;
-      for (int64_t c : counts[l]) mean += double(c);
-      mean /= double(e);
-      for (int64_t i = 0; i < e; ++i) {
-        const double diff = mean - double(counts[l][size_t(i)]);
-        const double sign = diff > 0 ? 1.0 : (diff < 0 ? -1.0 : 0.0);
-        bias_[l * size_t(e) + size_t(i)] += static_cast<float>(cfg_.moe.bias_update_rate * sign);
-      }
-    }
+    apply_expert_bias_update(bias_, counts, cfg_.moe.num_experts, cfg_.moe.bias_update_rate);
     model_->load_expert_bias(bias_);
   }
 
