@@ -93,6 +93,12 @@ struct KvCache {
   std::vector<std::vector<T>> k_LPC, v_LPC;
 };
 
+// The aux-loss-free bias update of every MoE layer: bias[m * E + e] += rate * sign(mean_m - count_m,e)
+// from the step's token counts per expert (the formula of Model::update_expert_bias, shared with the
+// GPU pipeline step, which keeps its own copy of the biases).
+void apply_expert_bias_update(std::vector<float>& bias, const std::vector<std::vector<int64_t>>& counts,
+                              int64_t num_experts, double rate);
+
 template <typename T>
 class Model {
  public:
