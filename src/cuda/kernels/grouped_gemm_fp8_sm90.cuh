@@ -159,21 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     } else {
       // The expert's last tile: BF16 pairs from registers, rows past its end skipped.
-      const int col_lo = tile.col0 + 2 * (lane % 4);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = row_lo + 8 * h;
-        if (row >= tile.row_end) continue;
-        uint16_t* orow = out + int64_t{row} * n_out;
-#pragma unroll
-        for (int j = 0; j < kFp8BN / 8; ++j) {
-          const int col = col_lo + 8 * j;
-          if (col >= n_out) continue;
-          const uint32_t packed = static_cast<uint32_t>(f32_to_bf16_bits(acc[4 * j + 2 * h])) |
-                                  (static_cast<uint32_t>(f32_to_bf16_bits(acc[4 * j + 2 * h + 1])) << 16);
-          *reinterpret_cast<uint32_t*>(orow + col) = packed;
-        }
-      }
+      store_fragment_rows_bf16(acc, out, row_lo, tile.row_end, tile.col0 + 2 * (lane % 4), n_out);
     }
   }
   if (leader) bulk_wait_all();

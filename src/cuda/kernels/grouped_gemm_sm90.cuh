@@ -434,6 +434,29 @@ __device__ __forceinline__ void stage_f32_chunk(uint32_t buf, const float (&acc)
   }
 }
 
+// A consumer warpgroup's fragment (kN accumulators: 64 rows x 2 kN columns) stored from registers
+// as BF16 pairs: this thread's rows row_lo and row_lo + 8 (those below row_end), columns col_lo +
+// 8 j + {0, 1} (those below n_out; n_out is a multiple of 8 and columns come in even pairs). The
+// store of an expert's last, partial M tile.
+template <int kN>
+__device__ __forceinline__ void store_fragment_rows_bf16(const float (&acc)[kN], uint16_t* __restrict__ out,
+                                                         int row_lo, int row_end, int col_lo, int n_out) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_lo + 8 * h;
+    if (row >= row_end) continue;
+    uint16_t* orow = out + int64_t{row} * n_out;
+#pragma unroll
+    for (int j = 0; j < kN / 4; ++j) {
+      const int col = col_lo + 8 * j;
+      if (col >= n_out) continue;
+      const uint32_t packed = static_cast<uint32_t>(f32_to_bf16_bits(acc[4 * j + 2 * h])) |
+                              (static_cast<uint32_t>(f32_to_bf16_bits(acc[4 * j + 2 * h + 1])) << 16);
+      *reinterpret_cast<uint32_t*>(orow + col) = packed;
+    }
+  }
+}
+
 // Hands chunk `c` of a consumer warpgroup's fragment to the TMA: waits until the store that last
 // used buffer c % 2 has read it, fills it (stage(buf)), makes it visible to the async proxy and
 // lets the leader issue store(buf). Two buffers: filling one overlaps the other's store.
@@ -535,24 +558,9 @@ __global__ void __launch_bounds__(kThreads, 1)
             [&](uint32_t buf) { tma_store_2d(&map_out, buf, tile.col0 + 64 * c, tile.row0 + 64 * wg); });
       }
     } else {
-      // The expert's last tile: BF16 pairs straight from registers, rows past its end skipped
-      // (n_out is a multiple of 8 and columns come in even pairs).
-      const int row_lo = tile.row0 + wg * 64 + warp * 16 + lane / 4;
-      const int col_lo = tile.col0 + 2 * (lane % 4);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = row_lo + 8 * h;
-        if (row >= tile.row_end) continue;
-        uint16_t* orow = out + int64_t{row} * n_out;
-#pragma unroll
-        for (int j = 0; j < kBN / 8; ++j) {
-          const int col = col_lo + 8 * j;
-          if (col >= n_out) continue;
-          const uint32_t packed = static_cast<uint32_t>(f32_to_bf16_bits(acc[4 * j + 2 * h])) |
-                                  (static_cast<uint32_t>(f32_to_bf16_bits(acc[4 * j + 2 * h + 1])) << 16);
-          *reinterpret_cast<uint32_t*>(orow + col) = packed;
-        }
-      }
+      // The expert's last tile: BF16 pairs straight from registers, rows past its end skipped.
+      store_fragment_rows_bf16(acc, out, tile.row0 + wg * 64 + warp * 16 + lane / 4, tile.row_end,
+                               tile.col0 + 2 * (lane % 4), n_out);
     }
   }
   if (leader) bulk_wait_all();
