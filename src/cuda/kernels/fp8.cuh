@@ -249,6 +249,19 @@ __global__ void __launch_bounds__(kFp8WeightThreads)
   }
 }
 
+// Sixteen bytes byte_at(0) .. byte_at(15) as one 16-byte word, byte 0 lowest.
+template <typename F>
+__device__ __forceinline__ uint4 pack16(F&& byte_at) {
+  uint32_t word[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    word[j] = 0;
+#pragma unroll
+    for (int x = 0; x < 4; ++x) word[j] |= uint32_t{static_cast<uint8_t>(byte_at(4 * j + x))} << (8 * x);
+  }
+  return make_uint4(word[0], word[1], word[2], word[3]);
+}
+
 // The experts' weights when n and k are multiples of 128 (whole blocks; w 16-byte, q and qt
 // 16-byte aligned): thread t of the block's 256 holds row t / 2, elements 64 (t % 2) .. + 63, in
 // registers (vector loads), the block's max |w| by shuffles and shared memory (order-free: the
@@ -295,14 +308,7 @@ __global__ void __launch_bounds__(kFp8WeightThreads)
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    uint32_t word[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      word[j] = 0;
-#pragma unroll
-      for (int x = 0; x < 4; ++x) word[j] |= uint32_t{fp8_encode_dev(__fdiv_rn(v[16 * i + 4 * j + x], sc), f)} << (8 * x);
-    }
-    const uint4 packed = make_uint4(word[0], word[1], word[2], word[3]);
+    const uint4 packed = pack16([&](int x) { return fp8_encode_dev(__fdiv_rn(v[16 * i + x], sc), f); });
     *reinterpret_cast<uint4*>(q + at + 16 * i) = packed;
     *reinterpret_cast<uint4*>(&tile[r][c0 + 16 * i]) = packed;
   }
@@ -312,14 +318,7 @@ __global__ void __launch_bounds__(kFp8WeightThreads)
   const int64_t at_t = e * n * k + (bj * 128 + r) * n + bi * 128 + c0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    uint32_t word[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      word[j] = 0;
-#pragma unroll
-      for (int x = 0; x < 4; ++x) word[j] |= uint32_t{tile[c0 + 16 * i + 4 * j + x][r]} << (8 * x);
-    }
-    *reinterpret_cast<uint4*>(qt + at_t + 16 * i) = make_uint4(word[0], word[1], word[2], word[3]);
+    *reinterpret_cast<uint4*>(qt + at_t + 16 * i) = pack16([&](int x) { return tile[c0 + 16 * i + x][r]; });
   }
 }
 
