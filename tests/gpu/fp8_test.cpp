@@ -24,6 +24,7 @@
 #include "cuda/ops/experts.h"
 #include "cuda/ops/gemm.h"
 #include "cuda/ops/grouped_gemm.h"
+#include "cuda/ops/swiglu.h"
 #include "gpu/gpu_test_util.h"
 #include "support/test_util.h"
 
@@ -492,10 +493,9 @@ TEST(Fp8Gpu, GroupedGemmRefusesBadShapes) {
 // weights' transposed codes), dx from dgate_up (the gate_up weights' transposed codes); the weight
 // gradients bitwise the BF16 grouped wgrad of the same saved tensors; a dropped tail and an empty
 // expert; the weights quantised on the GPU from FP32 (bitwise the CPU's codes, tested above).
-TEST(Fp8Gpu, ExpertsFp8FollowTheCpuStageByStage) {
-  MOE_SKIP_WITHOUT_GPU();
-  if (!cuda::grouped_gemm_wgmma_available()) GTEST_SKIP() << "the FP8 grouped GEMM needs a compute capability 9.0 GPU";
-  const int64_t R = 384, E = 3, D = 256, I = 192;
+// I = 192: h and dgate_up quantised by their own pass; I = 256: by the SwiGLU kernels (fused).
+void check_experts_fp8(const int64_t I) {
+  const int64_t R = 384, E = 3, D = 256;
   const std::vector<int32_t> offsets = {0, 150, 150, 340};
   std::mt19937_64 gen(21);
   std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -568,6 +568,61 @@ TEST(Fp8Gpu, ExpertsFp8FollowTheCpuStageByStage) {
                               f8_bytes - 16, stream.get());
   });
   EXPECT_NE(msg.find("cuda::experts_forward_fp8: FP8 workspace of"), std::string::npos) << msg;
+}
+
+TEST(Fp8Gpu, ExpertsFp8FollowTheCpuStageByStage) {
+  MOE_SKIP_WITHOUT_GPU();
+  if (!cuda::grouped_gemm_wgmma_available()) GTEST_SKIP() << "the FP8 grouped GEMM needs a compute capability 9.0 GPU";
+  check_experts_fp8(192);
+  check_experts_fp8(256);
+}
+
+// The SwiGLU kernels with the quantisation fused in: h / dgate_up bitwise swiglu_forward /
+// swiglu_backward's, their codes and scales bitwise fp8_quantize_blocks' of those BF16 outputs
+// (whose CPU parity is tested above and in swiglu_test.cpp); rows not a multiple of the CTA's 16
+// blocks; inner not a multiple of 128 refused.
+TEST(Fp8Gpu, SwigluWritesItsOutputsCodesBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  TestStream stream;
+  for (const int64_t inner : {int64_t{128}, int64_t{384}}) {
+    const int64_t n = 37;
+    const std::string what = "swiglu fp8 n=" + std::to_string(n) + " inner=" + std::to_string(inner);
+    GuardedBuffer<uint16_t> gu(random_bf16(n * 2 * inner, 41 + uint64_t(inner), 2.0f)),
+        dh(random_bf16(n * inner, 43 + uint64_t(inner), 1.0f));
+    GuardedBuffer<uint16_t> h(n * inner), h_ref(n * inner), dgu(n * 2 * inner), dgu_ref(n * 2 * inner);
+    GuardedBuffer<uint8_t> q(n * 2 * inner), q_ref(n * 2 * inner);
+    GuardedBuffer<float> sc(n * 2 * inner / 128), sc_ref(n * 2 * inner / 128);
+    cuda::swiglu_forward_fp8(gu.data(), h.data(), q.data(), sc.data(), n, inner, stream.get());
+    cuda::swiglu_forward(gu.data(), h_ref.data(), n, inner, stream.get());
+    cuda::fp8_quantize_blocks(h_ref.data(), n, inner, kFp8ActivationBlock, Fp8Format::kE4M3, q_ref.data(),
+                              sc_ref.data(), nullptr, stream.get());
+    stream.sync();
+    expect_equal(h.download(), h_ref.download(), what + " h");
+    const std::vector<uint8_t> qf = q.download(), qr = q_ref.download();
+    const std::vector<float> sf = sc.download(), sr = sc_ref.download();
+    expect_equal(std::vector<uint8_t>(qf.begin(), qf.begin() + n * inner),
+                 std::vector<uint8_t>(qr.begin(), qr.begin() + n * inner), what + " h codes");
+    expect_equal(std::vector<float>(sf.begin(), sf.begin() + n * inner / 128),
+                 std::vector<float>(sr.begin(), sr.begin() + n * inner / 128), what + " h scales");
+    cuda::swiglu_backward_fp8(gu.data(), dh.data(), dgu.data(), q.data(), sc.data(), n, inner, stream.get());
+    cuda::swiglu_backward(gu.data(), dh.data(), dgu_ref.data(), n, inner, stream.get());
+    cuda::fp8_quantize_blocks(dgu_ref.data(), n, 2 * inner, kFp8ActivationBlock, Fp8Format::kE4M3, q_ref.data(),
+                              sc_ref.data(), nullptr, stream.get());
+    stream.sync();
+    expect_equal(dgu.download(), dgu_ref.download(), what + " dgate_up");
+    expect_equal(q.download(), q_ref.download(), what + " dgate_up codes");
+    expect_equal(sc.download(), sc_ref.download(), what + " dgate_up scales");
+    q.expect_guards_intact(what + " q");
+    sc.expect_guards_intact(what + " scales");
+  }
+  const std::string msg = error_of([&] {
+    GuardedBuffer<uint16_t> b(64 * 2 * 96);
+    GuardedBuffer<uint8_t> c(64 * 96);
+    GuardedBuffer<float> s(64);
+    cuda::swiglu_forward_fp8(b.data(), b.data(), c.data(), s.data(), 64, 96, stream.get());
+  });
+  EXPECT_NE(msg.find("cuda::swiglu_forward_fp8: expected n >= 0 and inner a multiple of 128"), std::string::npos)
+      << msg;
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "core/fp8_types.h"
+#include "cuda/kernels/fp8_codes.cuh"
 
 namespace moe::cuda::kernels {
 
@@ -26,16 +27,6 @@ __device__ __forceinline__ float fp8_load<uint16_t>(const uint16_t* x, int64_t i
   return __uint_as_float(static_cast<uint32_t>(x[i]) << 16);
 }
 
-__device__ __forceinline__ uint8_t fp8_encode_dev(float v, Fp8Format f) {
-  return static_cast<uint8_t>(
-      __nv_cvt_float_to_fp8(v, __NV_SATFINITE, f == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2));
-}
-
-__device__ __forceinline__ float fp8_decode_dev(uint8_t q, Fp8Format f) {
-  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(q),
-                                               f == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2);
-  return __half2float(__half(h));
-}
 
 // max |x| over the CTA's elements (all threads get it); adds the threads' non-finite counts to
 // *num_nonfinite.

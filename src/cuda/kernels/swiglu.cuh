@@ -10,6 +10,14 @@ namespace moe::cuda::kernels {
 
 __device__ __forceinline__ float sigmoid_f32(float g) { return 1.0f / (1.0f + expf(-g)); }
 
+// The element math every SwiGLU kernel shares (the fused FP8 kernels' values are these, bitwise).
+__device__ __forceinline__ float swiglu_value(float g, float u) { return g * sigmoid_f32(g) * u; }
+__device__ __forceinline__ void swiglu_grads(float g, float u, float d, float& dg, float& du) {
+  const float s = sigmoid_f32(g);
+  dg = d * u * s * (1.0f + g * (1.0f - s));
+  du = d * (g * s);
+}
+
 template <int V>
 __global__ void swiglu_forward_rows(const uint16_t* __restrict__ gate_up, uint16_t* __restrict__ h,
                                     int64_t n, int64_t inner) {
@@ -24,7 +32,7 @@ __global__ void swiglu_forward_rows(const uint16_t* __restrict__ gate_up, uint16
       load_bf16<V>(g_row + v * V, g);
       load_bf16<V>(u_row + v * V, u);
 #pragma unroll
-      for (int i = 0; i < V; ++i) out[i] = g[i] * sigmoid_f32(g[i]) * u[i];
+      for (int i = 0; i < V; ++i) out[i] = swiglu_value(g[i], u[i]);
       store_bf16<V>(h_row + v * V, out);
     }
   }
@@ -47,11 +55,7 @@ __global__ void swiglu_backward_rows(const uint16_t* __restrict__ gate_up, const
       load_bf16<V>(u_row + v * V, u);
       load_bf16<V>(dh_row + v * V, d);
 #pragma unroll
-      for (int i = 0; i < V; ++i) {
-        const float s = sigmoid_f32(g[i]);
-        dg[i] = d[i] * u[i] * s * (1.0f + g[i] * (1.0f - s));
-        du[i] = d[i] * (g[i] * s);
-      }
+      for (int i = 0; i < V; ++i) swiglu_grads(g[i], u[i], d[i], dg[i], du[i]);
       store_bf16<V>(dg_row + v * V, dg);
       store_bf16<V>(du_row + v * V, du);
     }

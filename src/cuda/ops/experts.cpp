@@ -191,8 +191,14 @@ void experts_forward_fp8(const uint16_t* x_sorted, const int32_t* expert_offsets
   const Fp8Workspace ws = split_fp8_workspace(op, fp8_workspace, fp8_workspace_bytes, max_rows, d, inner);
   fp8_grouped(x_sorted, w.gate_up, w.s_gate_up, expert_offsets, gate_up, max_rows, num_experts, 2 * inner, d, ws,
               stream);
-  swiglu_forward(gate_up, h, max_rows, inner, stream);
-  fp8_grouped(h, w.down, w.s_down, expert_offsets, y, max_rows, num_experts, d, inner, ws, stream);
+  if (inner % 128 == 0) {  // SwiGLU writes h's codes too: no quantisation pass over h
+    swiglu_forward_fp8(gate_up, h, ws.codes, ws.scales, max_rows, inner, stream);
+    grouped_gemm_fp8(ws.codes, ws.scales, w.down, w.s_down, expert_offsets, y, max_rows, num_experts, d, inner,
+                     stream);
+  } else {
+    swiglu_forward(gate_up, h, max_rows, inner, stream);
+    fp8_grouped(h, w.down, w.s_down, expert_offsets, y, max_rows, num_experts, d, inner, ws, stream);
+  }
 }
 
 void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offsets, const Fp8ExpertWeights& w,
@@ -224,10 +230,16 @@ void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offset
   // dh = dy @ W_down[e]: the transposed codes [E, I, D] as B (n_out = I, k_red = D).
   fp8_grouped(dy, w.down_t, w.s_down_t, expert_offsets, dh, max_rows, num_experts, inner, d, ws, stream);
   if (dw_down != nullptr) grouped_gemm_wgrad(dy, h, expert_offsets, dw_down, max_rows, num_experts, d, inner, accumulate_dw, stream);
-  swiglu_backward(gate_up, dh, dgate_up, max_rows, inner, stream);
   // dx = dgate_up @ W_gate_up[e] (B: [E, D, 2I]); dy (which dx may be) was read in full above.
-  fp8_grouped(dgate_up, w.gate_up_t, w.s_gate_up_t, expert_offsets, dx_sorted, max_rows, num_experts, d, 2 * inner,
-              ws, stream);
+  if (inner % 128 == 0) {  // the SwiGLU backward writes dgate_up's codes too
+    swiglu_backward_fp8(gate_up, dh, dgate_up, ws.codes, ws.scales, max_rows, inner, stream);
+    grouped_gemm_fp8(ws.codes, ws.scales, w.gate_up_t, w.s_gate_up_t, expert_offsets, dx_sorted, max_rows,
+                     num_experts, d, 2 * inner, stream);
+  } else {
+    swiglu_backward(gate_up, dh, dgate_up, max_rows, inner, stream);
+    fp8_grouped(dgate_up, w.gate_up_t, w.s_gate_up_t, expert_offsets, dx_sorted, max_rows, num_experts, d,
+                2 * inner, ws, stream);
+  }
   if (dw_gate_up != nullptr) {
     grouped_gemm_wgrad(dgate_up, x_sorted, expert_offsets, dw_gate_up, max_rows, num_experts, 2 * inner, d,
                        accumulate_dw, stream);

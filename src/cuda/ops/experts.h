@@ -67,7 +67,8 @@ void experts_backward(const uint16_t* x_sorted /*[R,D]*/, const int32_t* expert_
 // The experts' forward GEMMs and data gradients in block-scaled FP8 (cuda::grouped_gemm_fp8, E4M3
 // codes, 1 x 128 activation / gradient blocks, 128 x 128 weight blocks), the weight gradients in
 // BF16 (grouped_gemm_wgrad on the BF16 tensors the forward saved): each GEMM input is quantised
-// over its R rows just before its GEMM (cuda::fp8_quantize_blocks into the FP8 workspace), the
+// over its R rows just before its GEMM (cuda::fp8_quantize_blocks into the FP8 workspace; h and
+// dgate_up by the SwiGLU kernels that write them, swiglu_*_fp8, when I is a multiple of 128), the
 // weights once per step by cuda::fp8_quantize_weights (codes and the transposed copy the data
 // gradient reads). Outputs, saved tensors and row rules as experts_forward / experts_backward.
 struct Fp8ExpertWeights {

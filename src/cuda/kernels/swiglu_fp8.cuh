@@ -1,0 +1,96 @@
+// SwiGLU with the 1 x 128 FP8 quantisation of its output fused in (the FP8 experts' producers):
+// the BF16 outputs of swiglu.cuh's kernels, bitwise, plus the E4M3 codes and FP32 scales that
+// fp8_quantize_blocks would write for those BF16 outputs (the block's max |x| over the rounded
+// values, the same division and conversion), so the next grouped FP8 GEMM needs no quantisation
+// pass. A half-warp per 128-column block of h (inner a multiple of 128), lane l of the half its
+// elements 8l .. 8l + 7 (16-byte loads and stores); 8 warps, 16 blocks per CTA.
+#pragma once
+
+#include "cuda/kernels/fp8_codes.cuh"
+#include "cuda/kernels/swiglu.cuh"
+#include "cuda/kernels/vec.cuh"
+
+namespace moe::cuda::kernels {
+
+constexpr int kSwigluFp8Warps = 8;
+constexpr int64_t kSwigluFp8BlocksPerCta = 2 * kSwigluFp8Warps;
+
+// The half-warp's 1 x 128 block of BF16-rounded values v[8] (each lane's eight): its scale into
+// *scale (lane 0 of the half) and the eight codes into q (8 bytes). Every lane of the warp calls it.
+__device__ __forceinline__ void quantize_half_warp_block(const float (&v)[8], bool valid, uint8_t* q, float* scale) {
+  float local = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) local = fmaxf(local, fabsf(v[j]));
+  for (int o = 8; o > 0; o >>= 1) local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, o));
+  if (!valid) return;
+  float s = __fdiv_rn(local, fp8_max_of(Fp8Format::kE4M3));
+  if (!(s > 0.0f)) s = 1.0f;
+  if (threadIdx.x % 16 == 0) *scale = s;
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    lo |= uint32_t{fp8_encode_dev(__fdiv_rn(v[j], s), Fp8Format::kE4M3)} << (8 * j);
+    hi |= uint32_t{fp8_encode_dev(__fdiv_rn(v[j + 4], s), Fp8Format::kE4M3)} << (8 * j);
+  }
+  *reinterpret_cast<uint2*>(q) = make_uint2(lo, hi);
+}
+
+// Rounds v to BF16 values in place (what store_bf16 writes), returning nothing.
+__device__ __forceinline__ void round_to_bf16(float (&v)[8]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = bf16_bits_to_f32(f32_to_bf16_bits(v[j]));
+}
+
+// h [n, inner] = silu(gate) * up, and its codes q_h [n, inner] with scales s_h [n, inner / 128].
+__global__ void __launch_bounds__(32 * kSwigluFp8Warps)
+    swiglu_forward_fp8_rows(const uint16_t* __restrict__ gate_up, uint16_t* __restrict__ h, uint8_t* __restrict__ q_h,
+                            float* __restrict__ s_h, int64_t n, int64_t inner) {
+  const int64_t per_row = inner / 128, blocks = n * per_row;
+  const int sub = threadIdx.x % 16;
+  const int64_t b = int64_t{blockIdx.x} * kSwigluFp8BlocksPerCta + threadIdx.x / 16;
+  const bool valid = b < blocks;
+  float out[8] = {};
+  const int64_t row = valid ? b / per_row : 0, col = valid ? (b % per_row) * 128 + 8 * sub : 0;
+  if (valid) {
+    float g[8], u[8];
+    load_bf16<8>(gate_up + row * 2 * inner + col, g);
+    load_bf16<8>(gate_up + row * 2 * inner + inner + col, u);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = swiglu_value(g[j], u[j]);
+    round_to_bf16(out);
+    store_bf16<8>(h + row * inner + col, out);
+  }
+  quantize_half_warp_block(out, valid, q_h + row * inner + col, s_h + b);
+}
+
+// dgate_up [n, 2 inner] from dh, and its codes q_dgu [n, 2 inner] with scales s_dgu [n, 2 inner / 128]
+// (the gate half's blocks first, then the up half's, as fp8_quantize_blocks lays out the row).
+__global__ void __launch_bounds__(32 * kSwigluFp8Warps)
+    swiglu_backward_fp8_rows(const uint16_t* __restrict__ gate_up, const uint16_t* __restrict__ dh,
+                             uint16_t* __restrict__ dgate_up, uint8_t* __restrict__ q_dgu, float* __restrict__ s_dgu,
+                             int64_t n, int64_t inner) {
+  const int64_t per_row = inner / 128, blocks = n * per_row;
+  const int sub = threadIdx.x % 16;
+  const int64_t b = int64_t{blockIdx.x} * kSwigluFp8BlocksPerCta + threadIdx.x / 16;
+  const bool valid = b < blocks;
+  float dg[8] = {}, du[8] = {};
+  const int64_t row = valid ? b / per_row : 0, cb = valid ? b % per_row : 0, col = cb * 128 + 8 * sub;
+  const int64_t at = row * 2 * inner + col;
+  if (valid) {
+    float g[8], u[8], d[8];
+    load_bf16<8>(gate_up + at, g);
+    load_bf16<8>(gate_up + at + inner, u);
+    load_bf16<8>(dh + row * inner + col, d);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) swiglu_grads(g[j], u[j], d[j], dg[j], du[j]);
+    round_to_bf16(dg);
+    round_to_bf16(du);
+    store_bf16<8>(dgate_up + at, dg);
+    store_bf16<8>(dgate_up + at + inner, du);
+  }
+  float* srow = s_dgu + row * 2 * per_row;
+  quantize_half_warp_block(dg, valid, q_dgu + at, srow + cb);
+  quantize_half_warp_block(du, valid, q_dgu + at + inner, srow + per_row + cb);
+}
+
+}  // namespace moe::cuda::kernels
