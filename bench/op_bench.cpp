@@ -12,7 +12,7 @@
 // --ops grouped_fp8: the experts' FP8 grouped GEMM (cuda::grouped_gemm_fp8) against the BF16 wgmma
 // kernels on the expert shapes, forward and data gradient of both projections, with and without
 // the activation's quantisation, and the weights' quantisation with the transposed copy (JSON key
-// "grouped_fp8").
+// "grouped_fp8"), then the whole experts of one MoE layer, BF16 against the FP8 recipe.
 // usage: moecore_op_bench [--tokens T] [--top-k K] [--experts E] [--d-model D] [--hidden I]
 //                         [--warmup N] [--iters N] [--backend mma|wgmma|all] [--out FILE.json]
 //                         [--ops all|grouped_gemm|attention|fp8_gemm|grouped_fp8] [--attn-batch B] [--attn-seq S]
@@ -36,6 +36,7 @@
 #include "cuda/common.h"
 #include "cuda/ops/attention.h"
 #include "cuda/ops/attention_cudnn.h"
+#include "cuda/ops/experts.h"
 #include "cuda/ops/fp8.h"
 #include "cuda/ops/gemm.h"
 #include "cuda/ops/grouped_gemm.h"
@@ -200,6 +201,71 @@ nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, 
                    {"diff_vs_bf16", diff}});
   }
   for (void* p : {(void*)qa, (void*)qw, (void*)qwt, (void*)sa, (void*)sw, (void*)swt, (void*)y8, (void*)y16})
+    cudaFree(p);
+
+  // The whole experts of one MoE layer: cuda::experts_forward / _backward (BF16) against
+  // experts_forward_fp8 / _backward_fp8 (every quantisation of an input counted, h and dgate_up
+  // quantised by the SwiGLU kernels when I is a multiple of 128; the weights quantised beforehand,
+  // their cost in the last column, once per step for both passes). FLOPs of the three GEMMs (forward)
+  // or six (backward: the FP8 data gradients and the BF16 weight gradients).
+  Fp8ExpertWeights fw;
+  uint8_t *c_gu = nullptr, *c_gut = nullptr, *c_dn = nullptr, *c_dnt = nullptr;
+  float *s_gu = nullptr, *s_gut = nullptr, *s_dn = nullptr, *s_dnt = nullptr;
+  for (uint8_t** c : {&c_gu, &c_gut}) MOE_CUDA_CHECK(cudaMalloc(c, E * 2 * I * D));
+  for (uint8_t** c : {&c_dn, &c_dnt}) MOE_CUDA_CHECK(cudaMalloc(c, E * D * I));
+  for (float** f : {&s_gu, &s_gut}) MOE_CUDA_CHECK(cudaMalloc(f, E * blocks(2 * I) * blocks(D) * 4));
+  for (float** f : {&s_dn, &s_dnt}) MOE_CUDA_CHECK(cudaMalloc(f, E * blocks(D) * blocks(I) * 4));
+  fw = {c_gu, s_gu, c_gut, s_gut, c_dn, s_dn, c_dnt, s_dnt};
+  auto quantize_weights = [&] {
+    fp8_quantize_weights(w_gu, E, 2 * I, D, e4, c_gu, s_gu, c_gut, s_gut, nullptr, s);
+    fp8_quantize_weights(w_dn, E, D, I, e4, c_dn, s_dn, c_dnt, s_dnt, nullptr, s);
+  };
+  uint16_t *gate_up = nullptr, *hh = nullptr, *y = nullptr, *dx = nullptr;
+  float *dw_gu = nullptr, *dw_dn = nullptr;
+  void *ws = nullptr, *f8 = nullptr;
+  const size_t ws_bytes = experts_backward_workspace_bytes(rows, I), f8_bytes = experts_fp8_workspace_bytes(rows, D, I);
+  MOE_CUDA_CHECK(cudaMalloc(&gate_up, rows * 2 * I * 2));
+  MOE_CUDA_CHECK(cudaMalloc(&hh, rows * I * 2));
+  MOE_CUDA_CHECK(cudaMalloc(&y, rows * D * 2));
+  MOE_CUDA_CHECK(cudaMalloc(&dx, rows * D * 2));
+  MOE_CUDA_CHECK(cudaMalloc(&dw_gu, E * 2 * I * D * 4));
+  MOE_CUDA_CHECK(cudaMalloc(&dw_dn, E * D * I * 4));
+  MOE_CUDA_CHECK(cudaMalloc(&ws, ws_bytes));
+  MOE_CUDA_CHECK(cudaMalloc(&f8, f8_bytes));
+  quantize_weights();
+  const Timing tqw = time_ms(a, s, quantize_weights);
+  auto fwd16 = [&] { experts_forward(x, off, w_gu, w_dn, rows, E, D, I, gate_up, hh, y, s); };
+  auto fwd8 = [&] { experts_forward_fp8(x, off, fw, rows, E, D, I, gate_up, hh, y, f8, f8_bytes, s); };
+  auto bwd16 = [&] {
+    experts_backward(x, off, w_gu, w_dn, gate_up, hh, dy_dn, rows, E, D, I, dx, dw_gu, dw_dn, ws, ws_bytes, s,
+                     GroupedGemmBackend::kAuto, true);
+  };
+  auto bwd8 = [&] {
+    experts_backward_fp8(x, off, fw, gate_up, hh, dy_dn, rows, E, D, I, dx, dw_gu, dw_dn, ws, ws_bytes, f8, f8_bytes,
+                         s, true);
+  };
+  const double f_fwd = 2.0 * rows * (2 * I) * D + 2.0 * rows * D * I, f_bwd = 2.0 * f_fwd;
+  const Timing tf16 = time_ms(a, s, fwd16), tf8 = time_ms(a, s, fwd8);
+  fwd16();  // the backward reads the forward's saved tensors
+  const Timing tb16 = time_ms(a, s, bwd16);
+  fwd8();
+  const Timing tb8 = time_ms(a, s, bwd8);
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::printf("\nthe experts of one MoE layer (%s): BF16 vs the FP8 recipe, quantisations counted\n",
+              I % 128 == 0 ? "SwiGLU writes the FP8 codes of h and dgate_up" : "h and dgate_up quantised by a pass");
+  std::printf("%-16s | %9s | %9s | %7s | %9s\n", "pass", "bf16 us", "fp8 us", "ratio", "q(w) us");
+  std::printf("%-16s | %9.1f | %9.1f | %6.2fx | %9.1f\n", "experts forward", tf16.med_ms * 1e3, tf8.med_ms * 1e3,
+              tf16.med_ms / tf8.med_ms, tqw.med_ms * 1e3);
+  std::printf("%-16s | %9.1f | %9.1f | %6.2fx | %9s\n", "experts backward", tb16.med_ms * 1e3, tb8.med_ms * 1e3,
+              tb16.med_ms / tb8.med_ms, "-");
+  out.push_back({{"op", "experts forward"}, {"bf16_us", tf16.med_ms * 1e3}, {"fp8_us", tf8.med_ms * 1e3},
+                 {"bf16_tflops", f_fwd / (tf16.med_ms * 1e-3) / 1e12}, {"fp8_tflops", f_fwd / (tf8.med_ms * 1e-3) / 1e12},
+                 {"w_quantise_us", tqw.med_ms * 1e3}, {"swiglu_fused", I % 128 == 0}});
+  out.push_back({{"op", "experts backward"}, {"bf16_us", tb16.med_ms * 1e3}, {"fp8_us", tb8.med_ms * 1e3},
+                 {"bf16_tflops", f_bwd / (tb16.med_ms * 1e-3) / 1e12}, {"fp8_tflops", f_bwd / (tb8.med_ms * 1e-3) / 1e12},
+                 {"swiglu_fused", I % 128 == 0}});
+  for (void* p : {(void*)c_gu, (void*)c_gut, (void*)c_dn, (void*)c_dnt, (void*)s_gu, (void*)s_gut, (void*)s_dn,
+                  (void*)s_dnt, (void*)gate_up, (void*)hh, (void*)y, (void*)dx, (void*)dw_gu, (void*)dw_dn, ws, f8})
     cudaFree(p);
   return out;
 }
