@@ -166,29 +166,9 @@ __global__ void __launch_bounds__(32 * kFp8RowWarps)
 #pragma unroll
   for (int u = 0; u < kFp8RowUnroll; ++u) {
     const int64_t b = first + 2 * u;
-    float local = 0.0f;
-    uint32_t bad = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      bad += isfinite(v[u][j]) ? 0u : 1u;
-      local = fmaxf(local, fabsf(v[u][j]));
-    }
-    for (int o = 8; o > 0; o >>= 1) {  // within the half-warp
-      local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, o));
-      bad += __shfl_xor_sync(0xffffffffu, bad, o);
-    }
-    if (b >= blocks) continue;
-    if (sub == 0 && bad != 0 && num_nonfinite != nullptr) atomicAdd(num_nonfinite, bad);
-    float s = __fdiv_rn(local, fp8_max_of(f));
-    if (!(s > 0.0f)) s = 1.0f;
-    if (sub == 0) scales[b] = s;
-    uint32_t lo = 0, hi = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      lo |= uint32_t{fp8_encode_dev(__fdiv_rn(v[u][j], s), f)} << (8 * j);
-      hi |= uint32_t{fp8_encode_dev(__fdiv_rn(v[u][j + 4], s), f)} << (8 * j);
-    }
-    *reinterpret_cast<uint2*>(q + b * 128 + 8 * sub) = make_uint2(lo, hi);
+    const bool valid = b < blocks;
+    fp8_quantize_half_warp_block(v[u], valid, f, q + (valid ? b : 0) * 128 + 8 * sub, scales + (valid ? b : 0),
+                                 num_nonfinite);
   }
 }
 

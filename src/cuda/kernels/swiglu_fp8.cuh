@@ -1,8 +1,8 @@
 // SwiGLU with the 1 x 128 FP8 quantisation of its output fused in (the FP8 experts' producers):
 // the BF16 outputs of swiglu.cuh's kernels, bitwise, plus the E4M3 codes and FP32 scales that
-// fp8_quantize_blocks would write for those BF16 outputs (the block's max |x| over the rounded
-// values, the same division and conversion), so the next grouped FP8 GEMM needs no quantisation
-// pass. A half-warp per 128-column block of h (inner a multiple of 128), lane l of the half its
+// fp8_quantize_blocks would write for those BF16 outputs (fp8_quantize_half_warp_block of the
+// rounded values, the quantiser's own block step), so the next grouped FP8 GEMM needs no
+// quantisation pass. A half-warp per 128-column block of h (inner a multiple of 128), lane l of the half its
 // elements 8l .. 8l + 7 (16-byte loads and stores); 8 warps, 16 blocks per CTA.
 #pragma once
 
@@ -14,26 +14,6 @@ namespace moe::cuda::kernels {
 
 constexpr int kSwigluFp8Warps = 8;
 constexpr int64_t kSwigluFp8BlocksPerCta = 2 * kSwigluFp8Warps;
-
-// The half-warp's 1 x 128 block of BF16-rounded values v[8] (each lane's eight): its scale into
-// *scale (lane 0 of the half) and the eight codes into q (8 bytes). Every lane of the warp calls it.
-__device__ __forceinline__ void quantize_half_warp_block(const float (&v)[8], bool valid, uint8_t* q, float* scale) {
-  float local = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) local = fmaxf(local, fabsf(v[j]));
-  for (int o = 8; o > 0; o >>= 1) local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, o));
-  if (!valid) return;
-  float s = __fdiv_rn(local, fp8_max_of(Fp8Format::kE4M3));
-  if (!(s > 0.0f)) s = 1.0f;
-  if (threadIdx.x % 16 == 0) *scale = s;
-  uint32_t lo = 0, hi = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    lo |= uint32_t{fp8_encode_dev(__fdiv_rn(v[j], s), Fp8Format::kE4M3)} << (8 * j);
-    hi |= uint32_t{fp8_encode_dev(__fdiv_rn(v[j + 4], s), Fp8Format::kE4M3)} << (8 * j);
-  }
-  *reinterpret_cast<uint2*>(q) = make_uint2(lo, hi);
-}
 
 // Rounds v to BF16 values in place (what store_bf16 writes), returning nothing.
 __device__ __forceinline__ void round_to_bf16(float (&v)[8]) {
@@ -60,7 +40,7 @@ __global__ void __launch_bounds__(32 * kSwigluFp8Warps)
     round_to_bf16(out);
     store_bf16<8>(h + row * inner + col, out);
   }
-  quantize_half_warp_block(out, valid, q_h + row * inner + col, s_h + b);
+  fp8_quantize_half_warp_block(out, valid, Fp8Format::kE4M3, q_h + row * inner + col, s_h + b, nullptr);
 }
 
 // dgate_up [n, 2 inner] from dh, and its codes q_dgu [n, 2 inner] with scales s_dgu [n, 2 inner / 128]
@@ -89,8 +69,8 @@ __global__ void __launch_bounds__(32 * kSwigluFp8Warps)
     store_bf16<8>(dgate_up + at + inner, du);
   }
   float* srow = s_dgu + row * 2 * per_row;
-  quantize_half_warp_block(dg, valid, q_dgu + at, srow + cb);
-  quantize_half_warp_block(du, valid, q_dgu + at + inner, srow + per_row + cb);
+  fp8_quantize_half_warp_block(dg, valid, Fp8Format::kE4M3, q_dgu + at, srow + cb, nullptr);
+  fp8_quantize_half_warp_block(du, valid, Fp8Format::kE4M3, q_dgu + at + inner, srow + per_row + cb, nullptr);
 }
 
 }  // namespace moe::cuda::kernels

@@ -43,6 +43,46 @@ void check_ptrs(const char* op, std::initializer_list<Span> spans) {
   }
 }
 
+// What both backwards do first: the size checks; with no rows, the weight gradients left as they
+// are (accumulate) or zeroed, and false (nothing more to do); else the workspace size, the
+// activation pointers, and dx_sorted either dy itself (in place) or overlapping nothing the
+// backward still reads. The weights are the caller's to check (BF16 tensors or FP8 codes).
+bool backward_prologue(const char* op, const uint16_t* x_sorted, const int32_t* expert_offsets,
+                       const uint16_t* gate_up, const uint16_t* h, const uint16_t* dy, int64_t max_rows,
+                       int64_t num_experts, int64_t d, int64_t inner, const uint16_t* dx_sorted, float* dw_gate_up,
+                       float* dw_down, const void* workspace, size_t workspace_bytes, Stream stream,
+                       bool accumulate_dw, GroupedGemmBackend backend) {
+  check_sizes(op, max_rows, num_experts, d, inner);
+  if (max_rows == 0) {
+    // No rows: accumulate leaves the weight gradients as they are, overwrite zeroes them.
+    if (!accumulate_dw) {
+      if (dw_down != nullptr)
+        grouped_gemm_wgrad(nullptr, nullptr, nullptr, dw_down, 0, num_experts, d, inner, false, stream, backend);
+      if (dw_gate_up != nullptr)
+        grouped_gemm_wgrad(nullptr, nullptr, nullptr, dw_gate_up, 0, num_experts, 2 * inner, d, false, stream, backend);
+    }
+    return false;
+  }
+  const size_t need = experts_backward_workspace_bytes(max_rows, inner);
+  MOE_CHECK(workspace_bytes >= need, op, ": workspace of ", workspace_bytes, " bytes, ", need,
+            " needed: size it with experts_backward_workspace_bytes(max_rows, inner)");
+  check_ptrs(op, {{"x_sorted", x_sorted, 0}, {"gate_up", gate_up, 0}, {"h", h, 0}, {"dy", dy, 0},
+                  {"dx_sorted", dx_sorted, 0}, {"workspace", workspace, 0}});
+  MOE_CHECK(expert_offsets != nullptr, op, ": argument 'expert_offsets' is a null device pointer");
+  const size_t rows = static_cast<size_t>(max_rows), bf16 = sizeof(uint16_t);
+  const Span dx{"dx_sorted", dx_sorted, rows * d * bf16};
+  if (dx_sorted != dy) {
+    const Span dys{"dy", dy, rows * d * bf16};
+    MOE_CHECK(!overlap(dx, dys), op,
+              ": dx_sorted overlaps dy without being equal to it (in place means dx_sorted == dy)");
+  }
+  for (const Span& s : {Span{"x_sorted", x_sorted, rows * d * bf16}, Span{"gate_up", gate_up, rows * 2 * inner * bf16},
+                        Span{"h", h, rows * inner * bf16}, Span{"workspace", workspace, need}}) {
+    MOE_CHECK(!overlap(dx, s), op, ": dx_sorted overlaps '", s.name, "', which the backward still reads");
+  }
+  return true;
+}
+
 }  // namespace
 
 void experts_forward(const uint16_t* x_sorted, const int32_t* expert_offsets, const uint16_t* w_gate_up,
@@ -86,34 +126,12 @@ void experts_backward(const uint16_t* x_sorted, const int32_t* expert_offsets, c
                       float* dw_gate_up, float* dw_down, void* workspace, size_t workspace_bytes, Stream stream,
                       GroupedGemmBackend backend, bool accumulate_dw) {
   const char* op = "cuda::experts_backward";
-  check_sizes(op, max_rows, num_experts, d, inner);
-  if (max_rows == 0) {
-    // No rows: accumulate leaves the weight gradients as they are, overwrite zeroes them.
-    if (!accumulate_dw) {
-      if (dw_down != nullptr) grouped_gemm_wgrad(nullptr, nullptr, nullptr, dw_down, 0, num_experts, d, inner, false, stream, backend);
-      if (dw_gate_up != nullptr)
-        grouped_gemm_wgrad(nullptr, nullptr, nullptr, dw_gate_up, 0, num_experts, 2 * inner, d, false, stream, backend);
-    }
+  if (!backward_prologue(op, x_sorted, expert_offsets, gate_up, h, dy, max_rows, num_experts, d, inner, dx_sorted,
+                         dw_gate_up, dw_down, workspace, workspace_bytes, stream, accumulate_dw, backend)) {
     return;
   }
-  const size_t need = experts_backward_workspace_bytes(max_rows, inner);
-  MOE_CHECK(workspace_bytes >= need, op, ": workspace of ", workspace_bytes, " bytes, ", need,
-            " needed: size it with experts_backward_workspace_bytes(max_rows, inner)");
-  check_ptrs(op, {{"x_sorted", x_sorted, 0}, {"w_gate_up", w_gate_up, 0}, {"w_down", w_down, 0},
-                  {"gate_up", gate_up, 0}, {"h", h, 0}, {"dy", dy, 0}, {"dx_sorted", dx_sorted, 0},
-                  {"workspace", workspace, 0}});
-  MOE_CHECK(expert_offsets != nullptr, op, ": argument 'expert_offsets' is a null device pointer");
-  const size_t rows = static_cast<size_t>(max_rows), bf16 = sizeof(uint16_t);
-  const Span dx{"dx_sorted", dx_sorted, rows * d * bf16};
-  if (dx_sorted != dy) {
-    const Span dys{"dy", dy, rows * d * bf16};
-    MOE_CHECK(!overlap(dx, dys), op,
-              ": dx_sorted overlaps dy without being equal to it (in place means dx_sorted == dy)");
-  }
-  for (const Span& s : {Span{"x_sorted", x_sorted, rows * d * bf16}, Span{"gate_up", gate_up, rows * 2 * inner * bf16},
-                        Span{"h", h, rows * inner * bf16}, Span{"workspace", workspace, need}}) {
-    MOE_CHECK(!overlap(dx, s), op, ": dx_sorted overlaps '", s.name, "', which the backward still reads");
-  }
+  check_ptrs(op, {{"w_gate_up", w_gate_up, 0}, {"w_down", w_down, 0}});
+  const size_t rows = static_cast<size_t>(max_rows);
   uint16_t* dgate_up = static_cast<uint16_t*>(workspace);   // [R, 2I]
   uint16_t* dh = dgate_up + rows * 2 * static_cast<size_t>(inner);  // [R, I]
   grouped_gemm_dgrad(dy, w_down, expert_offsets, dh, max_rows, num_experts, d, inner, stream, backend);
@@ -207,22 +225,12 @@ void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offset
                           float* dw_down, void* workspace, size_t workspace_bytes, void* fp8_workspace,
                           size_t fp8_workspace_bytes, Stream stream, bool accumulate_dw) {
   const char* op = "cuda::experts_backward_fp8";
-  check_sizes(op, max_rows, num_experts, d, inner);
-  if (max_rows == 0) {
-    if (!accumulate_dw) {
-      if (dw_down != nullptr) grouped_gemm_wgrad(nullptr, nullptr, nullptr, dw_down, 0, num_experts, d, inner, false, stream);
-      if (dw_gate_up != nullptr)
-        grouped_gemm_wgrad(nullptr, nullptr, nullptr, dw_gate_up, 0, num_experts, 2 * inner, d, false, stream);
-    }
+  if (!backward_prologue(op, x_sorted, expert_offsets, gate_up, h, dy, max_rows, num_experts, d, inner, dx_sorted,
+                         dw_gate_up, dw_down, workspace, workspace_bytes, stream, accumulate_dw,
+                         GroupedGemmBackend::kAuto)) {
     return;
   }
-  const size_t need = experts_backward_workspace_bytes(max_rows, inner);
-  MOE_CHECK(workspace_bytes >= need, op, ": workspace of ", workspace_bytes, " bytes, ", need,
-            " needed: size it with experts_backward_workspace_bytes(max_rows, inner)");
-  check_ptrs(op, {{"x_sorted", x_sorted, 0}, {"gate_up", gate_up, 0}, {"h", h, 0}, {"dy", dy, 0},
-                  {"dx_sorted", dx_sorted, 0}, {"workspace", workspace, 0}});
   check_fp8_weights(op, w);
-  MOE_CHECK(expert_offsets != nullptr, op, ": argument 'expert_offsets' is a null device pointer");
   const Fp8Workspace ws = split_fp8_workspace(op, fp8_workspace, fp8_workspace_bytes, max_rows, d, inner);
   const size_t rows = static_cast<size_t>(max_rows);
   uint16_t* dgate_up = static_cast<uint16_t*>(workspace);           // [R, 2I]
