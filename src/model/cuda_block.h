@@ -37,6 +37,10 @@ struct CudaBlockContext {
   // Decoding (CudaModel::decode): MoE layers keep every route (moe.capacity_factor is not applied),
   // as Model<float>::decode does.
   bool dropless = false;
+  // The version of the parameters (CudaModel counts every change to the BF16 copy): a block that
+  // keeps a copy derived from its weights (the FP8 experts' codes) rebuilds it when this differs
+  // from the version it was built at.
+  int64_t params_version = 0;
 
   int64_t tokens() const { return batch * seq; }
   // The beta of a whole-tensor weight-gradient GEMM: 0 on the step's first backward, else 1.

@@ -14,6 +14,7 @@
 #include "cuda/ops/ep_placement.h"
 #include "cuda/ops/ep_rowwise.h"
 #include "cuda/ops/experts.h"
+#include "cuda/ops/fp8.h"
 #include "cuda/ops/nvshmem_world.h"
 #include "cuda/ops/nccl.h"
 
@@ -29,8 +30,39 @@ void CudaExperts::backward_tokens(const CudaBlockContext&, int64_t, const LayerP
   MOE_FAIL("CudaExperts::backward_tokens: these experts write sorted rows (takes_token_rows() is false)");
 }
 
+void CudaExperts::set_fp8(bool on) {
+  MOE_CHECK(!on, "train.precision = \"fp8\" on the GPU runs the FP8 experts on one GPU or data parallel; the "
+            "expert-parallel exchanges (parallel.ep > 1, or parallel.ep_backend = \"rowwise\") carry BF16 rows "
+            "only so far: set parallel.ep = 1 and parallel.ep_backend = \"alltoall\", or train.precision = \"bf16\"");
+}
+
+namespace {
+
+cuda::Fp8ExpertWeights fp8_view(const CudaFp8ExpertCodes& q) {
+  cuda::Fp8ExpertWeights w;
+  w.gate_up = q.gate_up.as<uint8_t>();
+  w.s_gate_up = q.s_gate_up.as<float>();
+  w.gate_up_t = q.gate_up_t.as<uint8_t>();
+  w.s_gate_up_t = q.s_gate_up_t.as<float>();
+  w.down = q.down.as<uint8_t>();
+  w.s_down = q.s_down.as<float>();
+  w.down_t = q.down_t.as<uint8_t>();
+  w.s_down_t = q.s_down_t.as<float>();
+  return w;
+}
+
+int64_t blocks128(int64_t n) { return (n + 127) / 128; }
+
+}  // namespace
+
 CudaLocalExperts::CudaLocalExperts(const MoeConfig& e, int64_t d, int64_t num_moe_layers)
     : d_(d), e_(e.num_experts), inner_(e.expert_hidden), saved_(static_cast<size_t>(num_moe_layers)) {}
+
+void CudaLocalExperts::set_fp8(bool on) {
+  MOE_CHECK(!on || (d_ % 16 == 0 && inner_ % 16 == 0), "train.precision = \"fp8\": the FP8 expert GEMMs read rows of ",
+            "16 codes, so model.d_model (", d_, ") and moe.expert_hidden (", inner_, ") must be multiples of 16");
+  fp8_on_ = on;
+}
 
 void CudaLocalExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   if (saved_.empty()) return;
@@ -39,6 +71,33 @@ void CudaLocalExperts::reserve(int64_t rows, CudaBufferGrower& g) {
     g.grow<uint16_t>(h_rows(m), rows * inner_, "expert h");
   }
   g.grow_bytes(ws_, cuda::experts_backward_workspace_bytes(rows, inner_), "expert dgate_up and dh");
+  if (!fp8_on_) return;
+  fp8_.resize(saved_.size());
+  const int64_t E = e_, D = d_, I2 = 2 * inner_, I = inner_;
+  for (CudaFp8ExpertCodes& q : fp8_) {
+    g.grow<uint8_t>(q.gate_up, E * I2 * D, "FP8 expert gate_up codes");
+    g.grow<float>(q.s_gate_up, E * blocks128(I2) * blocks128(D), "FP8 expert gate_up scales");
+    g.grow<uint8_t>(q.gate_up_t, E * D * I2, "FP8 expert gate_up transposed codes");
+    g.grow<float>(q.s_gate_up_t, E * blocks128(D) * blocks128(I2), "FP8 expert gate_up transposed scales");
+    g.grow<uint8_t>(q.down, E * D * I, "FP8 expert down codes");
+    g.grow<float>(q.s_down, E * blocks128(D) * blocks128(I), "FP8 expert down scales");
+    g.grow<uint8_t>(q.down_t, E * I * D, "FP8 expert down transposed codes");
+    g.grow<float>(q.s_down_t, E * blocks128(I) * blocks128(D), "FP8 expert down transposed scales");
+  }
+  g.grow_bytes(fp8_ws_, cuda::experts_fp8_workspace_bytes(rows, d_, inner_), "FP8 expert activation codes");
+}
+
+void CudaLocalExperts::refresh_fp8_codes(const CudaBlockContext& c, int64_t m, const LayerParams& p) {
+  MOE_CHECK(m < int64_t(fp8_.size()), "CudaLocalExperts: the FP8 codes of MoE layer ", m, " are not reserved");
+  CudaFp8ExpertCodes& q = fp8_[size_t(m)];
+  if (q.version == c.params_version) return;
+  const uint16_t* P = c.params;
+  cuda::fp8_quantize_weights(P + p.experts_gate_up, e_, 2 * inner_, d_, Fp8Format::kE4M3, q.gate_up.as<uint8_t>(),
+                             q.s_gate_up.as<float>(), q.gate_up_t.as<uint8_t>(), q.s_gate_up_t.as<float>(), nullptr,
+                             c.stream);
+  cuda::fp8_quantize_weights(P + p.experts_down, e_, d_, inner_, Fp8Format::kE4M3, q.down.as<uint8_t>(),
+                             q.s_down.as<float>(), q.down_t.as<uint8_t>(), q.s_down_t.as<float>(), nullptr, c.stream);
+  q.version = c.params_version;
 }
 
 void CudaLocalExperts::forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
@@ -46,12 +105,26 @@ void CudaLocalExperts::forward(const CudaBlockContext& c, int64_t moe_index, con
                                int64_t rows, uint16_t* y_sorted_RD) {
   const uint16_t* P = c.params;
   c.mark(cuda::Phase::kExperts);
+  if (fp8_on_) {
+    refresh_fp8_codes(c, moe_index, p);
+    cuda::experts_forward_fp8(x_sorted_RD, offsets_E1, fp8_view(fp8_[size_t(moe_index)]), rows, e_, d_, inner_,
+                              gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), y_sorted_RD,
+                              fp8_ws_.data(), fp8_ws_.bytes(), c.stream);
+    return;
+  }
   cuda::experts_forward(x_sorted_RD, offsets_E1, P + p.experts_gate_up, P + p.experts_down, rows, e_, d_, inner_,
                         gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), y_sorted_RD, c.stream);
 }
 
 void CudaLocalExperts::recompute(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                                  const int32_t* offsets_E1, int64_t rows, uint16_t* y_sorted_RD) {
+  if (fp8_on_) {  // the codes the forward used (the parameters do not change between the two)
+    cuda::experts_recompute_fp8(gate_up_rows(moe_index).as<uint16_t>(), offsets_E1,
+                                fp8_view(fp8_[size_t(moe_index)]), rows, e_, d_, inner_,
+                                h_rows(moe_index).as<uint16_t>(), y_sorted_RD, fp8_ws_.data(), fp8_ws_.bytes(),
+                                c.stream);
+    return;
+  }
   cuda::experts_recompute(gate_up_rows(moe_index).as<uint16_t>(), offsets_E1, c.params + p.experts_down, rows, e_, d_,
                           inner_, h_rows(moe_index).as<uint16_t>(), y_sorted_RD, c.stream);
 }
@@ -62,6 +135,13 @@ void CudaLocalExperts::backward(const CudaBlockContext& c, int64_t moe_index, co
   const uint16_t* P = c.params;
   float* Gr = c.grads;
   c.mark(cuda::Phase::kExperts);
+  if (fp8_on_) {
+    cuda::experts_backward_fp8(x_sorted_RD, offsets_E1, fp8_view(fp8_[size_t(moe_index)]),
+                               gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), dy_sorted_RD,
+                               rows, e_, d_, inner_, dx_sorted_RD, Gr + p.experts_gate_up, Gr + p.experts_down,
+                               ws_.data(), ws_.bytes(), fp8_ws_.data(), fp8_ws_.bytes(), c.stream, !c.overwrite_grads);
+    return;
+  }
   cuda::experts_backward(x_sorted_RD, offsets_E1, P + p.experts_gate_up, P + p.experts_down,
                          gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), dy_sorted_RD, rows, e_, d_, inner_,
                          dx_sorted_RD, Gr + p.experts_gate_up, Gr + p.experts_down, ws_.data(), ws_.bytes(),

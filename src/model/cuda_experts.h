@@ -51,6 +51,12 @@ class CudaExperts {
   virtual void recompute(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                          const int32_t* offsets_E1, int64_t rows, uint16_t* y_sorted_RD) = 0;
 
+  // train.precision = "fp8" (CudaModel::set_fp8): the forward GEMMs and data gradients in
+  // block-scaled FP8, the weight codes rebuilt at a layer's first forward under a new
+  // CudaBlockContext::params_version. Call before reserve. Refused by experts without it (the
+  // expert-parallel exchanges).
+  virtual void set_fp8(bool on);
+
   // Saved rows of every MoE layer and the scratch for `rows` (R = N*K) routed rows per layer.
   virtual void reserve(int64_t rows, CudaBufferGrower& g) = 0;
 
@@ -93,11 +99,21 @@ struct CudaExpertsSaved {
   cuda::DeviceBuffer gate_up_R2I, h_RI;
 };
 
-// Every expert on this GPU: cuda::experts_* on the dispatched rows, sync-free and capturable.
+// One MoE layer's expert weights in FP8 (cuda::Fp8ExpertWeights): gate_up [E, 2I, D] and down
+// [E, D, I] as E4M3 codes with their 128 x 128 block scales, and their transposed copies (the
+// data gradients' B), quantised from the BF16 copy at parameter version `version` (-1: never).
+struct CudaFp8ExpertCodes {
+  cuda::DeviceBuffer gate_up, s_gate_up, gate_up_t, s_gate_up_t, down, s_down, down_t, s_down_t;
+  int64_t version = -1;
+};
+
+// Every expert on this GPU: cuda::experts_* on the dispatched rows, sync-free and capturable;
+// under set_fp8, cuda::experts_*_fp8 with each layer's CudaFp8ExpertCodes.
 class CudaLocalExperts final : public CudaExperts {
  public:
   CudaLocalExperts(const MoeConfig& e, int64_t d, int64_t num_moe_layers);
   void bind(Recompute mode) override { mode_ = mode; }
+  void set_fp8(bool on) override;
   bool recomputes_outputs() const override { return true; }
   void recompute(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* offsets_E1,
                  int64_t rows, uint16_t* y_sorted_RD) override;
@@ -115,11 +131,17 @@ class CudaLocalExperts final : public CudaExperts {
   }
   cuda::DeviceBuffer& h_rows(int64_t m) { return mode_ != Recompute::kNone ? pool_.h_RI : saved_[size_t(m)].h_RI; }
 
+  // Layer m's FP8 codes, quantised from the BF16 weights at p when c.params_version is newer.
+  void refresh_fp8_codes(const CudaBlockContext& c, int64_t m, const LayerParams& p);
+
   int64_t d_, e_, inner_;
   Recompute mode_ = Recompute::kNone;
+  bool fp8_on_ = false;
   std::vector<CudaExpertsSaved> saved_;  // [M]
   CudaExpertsSaved pool_;                // the recomputed rows of every layer
   cuda::DeviceBuffer ws_;                // experts_backward workspace (shared by the layers)
+  std::vector<CudaFp8ExpertCodes> fp8_;  // [M] under set_fp8
+  cuda::DeviceBuffer fp8_ws_;            // experts_fp8_workspace_bytes (shared by the layers)
 };
 
 // What the expert-parallel experts save per MoE layer: the exchange handle, the received rows

@@ -352,7 +352,10 @@ void CudaModel::init_params_device(uint64_t seed, double std) {
 EpTraffic CudaModel::ep_traffic() const { return impl_->moe.experts->traffic(); }
 void CudaModel::reset_ep_traffic() { impl_->moe.experts->reset_traffic(); }
 
-void CudaModel::refresh_bf16() { cuda::cast_f32_to_bf16(params(), params_bf16(), layout_.total_numel(), stream_); }
+void CudaModel::refresh_bf16() {
+  cuda::cast_f32_to_bf16(params(), params_bf16(), layout_.total_numel(), stream_);
+  mark_params_changed();
+}
 
 std::vector<float> CudaModel::download_params() {
   std::vector<float> h(static_cast<size_t>(layout_.total_numel()));
@@ -412,6 +415,14 @@ void CudaModel::set_recompute(Recompute mode) {
     if (layer.moe) layer.moe->bind(mode, pooled ? &I.moe_pool : nullptr, local_experts);
   }
   if (I.moe.experts) I.moe.experts->bind(mode);
+}
+
+void CudaModel::set_fp8(bool on) {
+  Impl& I = *impl_;
+  if (on == fp8_) return;
+  MOE_CHECK(!I.reserved, "CudaModel::set_fp8: the precision is set before the first forward or reserve");
+  if (I.moe.experts) I.moe.experts->set_fp8(on);
+  fp8_ = on;
 }
 
 void CudaModel::reserve_forward(int64_t batch, int64_t seq) {
@@ -536,8 +547,10 @@ void CudaModel::backward() {
 namespace {
 
 CudaBlockContext block_context(cuda::Stream stream, cuda::GemmHandle& gemm, const uint16_t* params, float* grads,
-                               cuda::EventTimer* timer, int64_t batch, int64_t seq, bool overwrite_grads) {
+                               cuda::EventTimer* timer, int64_t batch, int64_t seq, bool overwrite_grads,
+                               int64_t params_version) {
   CudaBlockContext c;
+  c.params_version = params_version;
   c.overwrite_grads = overwrite_grads;
   c.stream = stream;
   c.gemm = &gemm;
@@ -602,7 +615,7 @@ void CudaModel::begin_forward(const int32_t* inputs, const int32_t* targets, int
 void CudaModel::embedding_forward() {
   check_forward("CudaModel::embedding_forward");
   Impl& I = *impl_;
-  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
+  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh, params_version_);
   const int64_t n = c.tokens(), d = mcfg_.d_model;
   // Embedding into the first block's saved input (BF16), then x32 = float(x).
   MOE_CHECK(I.emb >= 0, "CudaModel::embedding_forward: this pipeline stage's model does not hold the embedding");
@@ -623,7 +636,7 @@ void CudaModel::forward_blocks(int64_t first, int64_t last) {
             ") are not a range of [0, ", layers, ")");
   check_layers("CudaModel::forward_blocks", first, last);
   Impl& I = *impl_;
-  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
+  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh, params_version_);
   for (int64_t l = first; l < last; ++l) {
     Impl::Layer& layer = I.layers[size_t(l)];
     uint16_t* next = I.input_of(size_t(l + 1));
@@ -641,7 +654,7 @@ void CudaModel::lm_head_forward() {
   check_forward("CudaModel::lm_head_forward");
   MOE_CHECK(impl_->head != nullptr, "CudaModel::lm_head_forward: this pipeline stage's model does not hold the LM head");
   Impl& I = *impl_;
-  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
+  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh, params_version_);
   cuda::StepStatsRecord* rec = stats_record();
   if (forward_hook_) forward_hook_(mcfg_.n_layers + 1);
   // Losses only, or (fused) the backward's chunk work as well.
@@ -666,7 +679,7 @@ void CudaModel::lm_head_backward() {
   MOE_CHECK(impl_->head != nullptr, "CudaModel::lm_head_backward: this pipeline stage's model does not hold the LM "
             "head; give the stage's output gradient with set_stage_output_grad");
   Impl& I = *impl_;
-  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
+  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh, params_version_);
   uint32_t* bad_targets_bwd = I.bwd_bad.as<uint32_t>() + 1;
   // Chunk by chunk: logits again, fused CE gradient in place, dnorm and dW_head; dx starts here.
   I.head->backward(c, I.cur_targets, I.scalars.as<float>(), bad_targets_bwd, I.res);
@@ -680,7 +693,7 @@ void CudaModel::backward_blocks(int64_t first, int64_t last) {
             ") are not a range of [0, ", layers, ")");
   check_layers("CudaModel::backward_blocks", first, last);
   Impl& I = *impl_;
-  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
+  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh, params_version_);
   const float* dlb = I.scalars.as<float>() + 1;
   const float* dz = I.scalars.as<float>() + 2;
   for (int64_t l = last - 1; l >= first; --l) {
@@ -724,7 +737,7 @@ void CudaModel::embedding_backward() {
   check_forward("CudaModel::embedding_backward");
   MOE_CHECK(impl_->emb >= 0, "CudaModel::embedding_backward: this pipeline stage's model does not hold the embedding");
   Impl& I = *impl_;
-  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh);
+  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh, params_version_);
   uint32_t* bad_ids_bwd = I.bwd_bad.as<uint32_t>();
   c.mark(cuda::Phase::kEmbedding);
   cuda::embedding_backward(I.cur_inputs, I.res.dx(), c.grads + I.emb, c.tokens(), mcfg_.vocab_size, mcfg_.d_model,
@@ -814,7 +827,7 @@ std::vector<float> CudaModel::decode(const int32_t* tokens, int64_t n, CudaKvCac
   g.grow<float>(I.decode_rstd, 1, "decode rstd");
   g.grow<float>(I.decode_logits, v, "decode logits");
   cuda::copy_h2d(I.inputs_N.data(), tokens, size_t(n) * sizeof(int32_t), stream_);
-  CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), nullptr, nullptr, 1, n, false);
+  CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), nullptr, nullptr, 1, n, false, params_version_);
   c.dropless = true;
   uint16_t* x16 = I.first_input();
   cuda::embedding_forward(I.inputs_N.as<int32_t>(), c.params + I.emb, x16, n, v, d, I.bwd_bad.as<uint32_t>(), stream_);

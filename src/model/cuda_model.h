@@ -148,6 +148,22 @@ class CudaModel {
   // per micro-batch, the same values bit for bit. Every forward must then be followed by its
   // backward (with the scales set before the forward); evaluation forwards run with it off.
   void set_fuse_head_backward(bool on) { fuse_head_backward_ = on; }
+
+  // train.precision = "fp8": the routed experts' forward GEMMs and data gradients in block-scaled
+  // FP8 (cuda::experts_forward_fp8 / _backward_fp8: E4M3 codes, 1 x 128 activation and gradient
+  // blocks, 128 x 128 weight blocks, the weight gradients in BF16; docs/numerics.md), everything
+  // else as in BF16. Each MoE layer keeps the FP8 codes of its expert weights and their transposed
+  // copy (2 bytes per expert parameter) and quantises them from the BF16 copy at its first forward
+  // after the parameters changed (params_version()), so a captured step quantises once per step,
+  // in its first micro-batch's forward. Local experts only (refused with expert parallelism).
+  // Before the first forward or reserve (refused after).
+  void set_fp8(bool on);
+  bool fp8() const { return fp8_; }
+  // Counts changes to the BF16 copy: load_params, refresh_bf16 and init_params_device bump it
+  // themselves; whoever updates the BF16 copy on the device otherwise (the optimizer step) calls
+  // mark_params_changed() once that update is enqueued, and before any forward that must see it.
+  int64_t params_version() const { return params_version_; }
+  void mark_params_changed() { ++params_version_; }
   bool fuse_head_backward() const { return fuse_head_backward_; }
   Recompute recompute() const { return recompute_; }
 
@@ -286,6 +302,8 @@ class CudaModel {
   ForwardHook forward_hook_;
   Recompute recompute_ = Recompute::kNone;
   bool fuse_head_backward_ = false;
+  bool fp8_ = false;
+  int64_t params_version_ = 0;
   // Flat offsets where the gradients of the embedding [0], block l [l + 1] and the final norm and
   // LM head [n_layers + 1] begin (the layout holds them in this order).
   std::vector<int64_t> grads_ready_from_;

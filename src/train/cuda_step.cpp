@@ -220,6 +220,7 @@ struct CudaStepRunner::Impl {
         ep(e && e->size() > 1 ? e : nullptr), ep_dp(ep && edp && edp->size() > 1 ? edp : nullptr),
         ep_ctx(make_ctx(c, ep, rowwise)), model(c.model, c.moe, ep || ep_ctx.rowwise ? &ep_ctx : nullptr) {
     model.set_recompute(parse_recompute(cfg.train.recompute));
+    model.set_fp8(cfg.train.precision == "fp8");  // refused with expert parallelism
     model.set_fuse_head_backward(true);  // every step's forward is followed by its backward
     zero = use_zero;
     MOE_CHECK(!(zero && cfg.optim.deferred_update), "optim.deferred_update = true: the deferred update needs "
@@ -435,6 +436,7 @@ struct CudaStepRunner::Impl {
     const int32_t* targets = inputs + sh.micro * n;
     const auto* seeds = reinterpret_cast<const uint64_t*>(inputs + 2 * sh.micro * n);  // staged after the ids
     model.reset_stats();
+    model.mark_params_changed();  // the last step's update (or this step's deferred one) is in the BF16 copy
     if (deferred) {
       enqueue_deferred_update();
     } else {
@@ -536,6 +538,7 @@ struct CudaStepRunner::Impl {
     cuda::adamw_apply(*segments, cfg.optim, model.params(), model.grads(), exp_avg.as<float>(), exp_avg_sq.as<float>(),
                       model.params_bf16(), opt(), /*deferred=*/true, st);
     cuda::adamw_clear_pending(opt(), st);
+    model.mark_params_changed();
   }
 
   // Checks the micro-batches, stages their ids and the step's scalars in pinned memory and copies
@@ -623,6 +626,7 @@ struct CudaStepRunner::Impl {
       eager_shape = sh;
       eager_generation = generation();
     }
+    model.mark_params_changed();  // the step's update: a forward after it (evaluation) sees new weights
   }
 
   // The step's statistics into the next ring slot: one asynchronous copy and an event.

@@ -26,10 +26,7 @@ std::string resolve_device(const TrainConfig& t) {
     return "cpu";
   }
   if (t.device == "auto") {
-    if (gpu_available() && t.precision == "bf16") return "cuda";
-    MOE_CHECK(!(gpu_available() && t.precision == "fp8"), "train.precision = \"fp8\" runs only on the cpu backend so "
-              "far (the FP8 recipe emulated on FP32); the GPU trains in bf16: set train.device = \"cpu\" or "
-              "train.precision = \"bf16\"");
+    if (gpu_available() && (t.precision == "bf16" || t.precision == "fp8")) return "cuda";
     MOE_CHECK(t.precision == "fp32" || t.precision == "fp8", "train.precision = \"", t.precision,
               "\" needs a GPU, and train.device = \"auto\" found none (",
               gpu_available() ? "" : "no CUDA device in this build or machine",
@@ -41,8 +38,8 @@ std::string resolve_device(const TrainConfig& t) {
   MOE_FAIL("train.device = \"cuda\" needs a build with the CUDA backend (cmake --preset cuda)");
 #else
   MOE_CHECK(gpu_available(), "train.device = \"cuda\" but no CUDA device is visible");
-  MOE_CHECK(t.precision == "bf16", "train.precision = \"", t.precision,
-            "\" is not available on cuda yet: use \"bf16\" (fp32, and fp8 emulated, run on train.device = \"cpu\")");
+  MOE_CHECK(t.precision == "bf16" || t.precision == "fp8", "train.precision = \"", t.precision,
+            "\" is not available on cuda: use \"bf16\" or \"fp8\" (fp32 runs on train.device = \"cpu\")");
   return "cuda";
 #endif
 }

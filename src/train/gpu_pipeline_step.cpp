@@ -94,6 +94,7 @@ class GpuPipelineStep final : public Step {
     model_ = std::make_unique<CudaModel>(cfg.model, cfg.moe, nullptr, part);
     // The last stage's backward follows its forward: the LM head's backward GEMMs run in its forward.
     model_->set_fuse_head_backward(st.head);
+    model_->set_fp8(cfg.train.precision == "fp8");
     MOE_CHECK(model_->layout().total_numel() == host.layout().total_numel(), "GPU pipeline step: the stage's ",
               "device layout holds ", model_->layout().total_numel(), " elements, its host mirror ",
               host.layout().total_numel());
@@ -213,6 +214,7 @@ class GpuPipelineStep final : public Step {
     cuda::copy_h2d(opt_.data(), &scalars_, sizeof(scalars_), s);
     cuda::adamw_step(*segments_, cfg_.optim, model.params(), model.grads(), exp_avg_.as<float>(),
                      exp_avg_sq_.as<float>(), model.params_bf16(), opt_.as<cuda::OptimStepScalars>(), s);
+    model.mark_params_changed();
     cuda::copy_d2h(&scalars_, opt_.data(), sizeof(scalars_), s);
     if (!st.skipped && cfg_.moe.bias_update_rate > 0) update_bias(st.tokens_per_expert);
     st.optimizer_steps = scalars_.step;

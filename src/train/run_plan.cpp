@@ -2,7 +2,7 @@
 // Memory per rank (bytes): cpu holds FP32 weights, gradients and moments (4 + 4 + 8 per local
 // parameter; ZeRO-1 keeps 8 per parameter of this rank's shard: dense / dp + experts / ep-dp)
 // and FP32 activations; cuda holds FP32 master, BF16 copy, FP32 gradients and moments (18 per
-// parameter; ZeRO-1 moments 8 per parameter of the shard, as on cpu), BF16 activations, and with ep > 1 the exchange buffers CudaModel adds (received
+// parameter; under train.precision = "fp8" 2 more per expert parameter, the FP8 codes; ZeRO-1 moments 8 per parameter of the shard, as on cpu), BF16 activations, and with ep > 1 the exchange buffers CudaModel adds (received
 // BF16 rows and two int32 maps per MoE layer, two row buffers), plus a host mirror of 16 per parameter.
 // Activations: activation_memory (train/memory_plan.h) for train.recompute.
 #include "train/run_plan.h"
@@ -119,6 +119,14 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   // GPU data parallel with BF16 gradient sums: the staging buffer of one bucket (64 Mi elements at most).
   if (gpu && dp > 1 && cfg.parallel.grad_reduce_dtype == "bf16")
     m.activation.scratch.push_back({"BF16 gradient reduce stage", 2.0 * std::min(n, double(int64_t(64) << 20))});
+  // FP8 experts (cuda::experts_fp8_workspace_bytes): the codes and 1 x 128 scales of the widest
+  // GEMM input [R, max(D, 2I)], one buffer every MoE layer shares.
+  const bool fp8_experts = gpu && cfg.train.precision == "fp8" && moe_layers > 0;
+  if (fp8_experts) {
+    const double widest = double(std::max(cfg.model.d_model, 2 * cfg.moe.expert_hidden));
+    m.activation.scratch.push_back(
+        {"FP8 expert activation codes and scales", rows * widest + rows * std::ceil(widest / 128.0) * 4.0});
+  }
   m.activations_kept = m.activation.kept_bytes();
   m.activations_pool = m.activation.pool_bytes();
   m.scratch = m.activation.scratch_bytes();
@@ -129,6 +137,9 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
     if (ep > 1) m.exchange = 2.0 * rows * d * 4.0;  // the send and receive row blocks of one exchange
   } else {
     m.params = 6.0 * n;  // FP32 master + BF16 copy (whole on every rank, also under ZeRO-1)
+    // FP8 experts: each expert weight's E4M3 codes and their transposed copy, and both copies'
+    // 128 x 128 block scales (FP32).
+    if (fp8_experts) m.params += double(m.expert_params) * (2.0 + 2.0 * 4.0 / (128.0 * 128.0));
     if (ep > 1) m.exchange = moe_layers * rows * (2.0 * d + 8.0) + 2.0 * rows * 2.0 * d;
     m.host_mirror = 12.0 * n;  // FP32 weights and the two moments (no host gradients)
   }

@@ -168,8 +168,12 @@ TEST(CudaTrain, DeviceResolution) {
   if (gpu_available()) {
     t.precision = "bf16";
     EXPECT_EQ(resolve_device(t), "cuda");
-    t.precision = "fp8";  // the emulated recipe runs on the cpu backend only: auto refuses to pick it
-    EXPECT_NE(error_of([&] { resolve_device(t); }).find("train.device = \"cpu\""), std::string::npos);
+    t.precision = "fp8";  // the FP8 recipe runs on the GPU when there is one
+    EXPECT_EQ(resolve_device(t), "cuda");
+    t.device = "cuda";
+    EXPECT_EQ(resolve_device(t), "cuda");
+    t.precision = "fp32";
+    EXPECT_NE(error_of([&] { resolve_device(t); }).find("train.precision"), std::string::npos);
   }
 }
 

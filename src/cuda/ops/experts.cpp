@@ -187,6 +187,19 @@ void fp8_grouped(const uint16_t* in, const uint8_t* qb, const float* sb, const i
   grouped_gemm_fp8(ws.codes, ws.scales, qb, sb, offsets, out, max_rows, num_experts, n_out, k_red, stream);
 }
 
+// h = SwiGLU(gate_up) and y = h @ W_down[e]^T in FP8: forward and recompute run exactly this.
+void swiglu_down_fp8(const uint16_t* gate_up, const int32_t* offsets, const Fp8ExpertWeights& w, int64_t max_rows,
+                     int64_t num_experts, int64_t d, int64_t inner, uint16_t* h, uint16_t* y, const Fp8Workspace& ws,
+                     Stream stream) {
+  if (inner % 128 == 0) {  // SwiGLU writes h's codes too: no quantisation pass over h
+    swiglu_forward_fp8(gate_up, h, ws.codes, ws.scales, max_rows, inner, stream);
+    grouped_gemm_fp8(ws.codes, ws.scales, w.down, w.s_down, offsets, y, max_rows, num_experts, d, inner, stream);
+  } else {
+    swiglu_forward(gate_up, h, max_rows, inner, stream);
+    fp8_grouped(h, w.down, w.s_down, offsets, y, max_rows, num_experts, d, inner, ws, stream);
+  }
+}
+
 }  // namespace
 
 size_t experts_fp8_workspace_bytes(int64_t max_rows, int64_t d, int64_t inner) {
@@ -209,14 +222,25 @@ void experts_forward_fp8(const uint16_t* x_sorted, const int32_t* expert_offsets
   const Fp8Workspace ws = split_fp8_workspace(op, fp8_workspace, fp8_workspace_bytes, max_rows, d, inner);
   fp8_grouped(x_sorted, w.gate_up, w.s_gate_up, expert_offsets, gate_up, max_rows, num_experts, 2 * inner, d, ws,
               stream);
-  if (inner % 128 == 0) {  // SwiGLU writes h's codes too: no quantisation pass over h
-    swiglu_forward_fp8(gate_up, h, ws.codes, ws.scales, max_rows, inner, stream);
-    grouped_gemm_fp8(ws.codes, ws.scales, w.down, w.s_down, expert_offsets, y, max_rows, num_experts, d, inner,
-                     stream);
-  } else {
+  swiglu_down_fp8(gate_up, expert_offsets, w, max_rows, num_experts, d, inner, h, y, ws, stream);
+}
+
+void experts_recompute_fp8(const uint16_t* gate_up, const int32_t* expert_offsets, const Fp8ExpertWeights& w,
+                           int64_t max_rows, int64_t num_experts, int64_t d, int64_t inner, uint16_t* h, uint16_t* y,
+                           void* fp8_workspace, size_t fp8_workspace_bytes, Stream stream) {
+  const char* op = "cuda::experts_recompute_fp8";
+  check_sizes(op, max_rows, num_experts, d, inner);
+  if (max_rows == 0) return;
+  check_ptrs(op, {{"gate_up", gate_up, 0}, {"h", h, 0}});
+  if (y == nullptr) {  // h alone: swiglu_forward_fp8's h is swiglu_forward's, bitwise
     swiglu_forward(gate_up, h, max_rows, inner, stream);
-    fp8_grouped(h, w.down, w.s_down, expert_offsets, y, max_rows, num_experts, d, inner, ws, stream);
+    return;
   }
+  check_ptrs(op, {{"y", y, 0}});
+  MOE_CHECK(w.down != nullptr && w.s_down != nullptr, op, ": the FP8 weights' 'down' codes and scales are needed for y");
+  MOE_CHECK(expert_offsets != nullptr, op, ": argument 'expert_offsets' is a null device pointer");
+  const Fp8Workspace ws = split_fp8_workspace(op, fp8_workspace, fp8_workspace_bytes, max_rows, d, inner);
+  swiglu_down_fp8(gate_up, expert_offsets, w, max_rows, num_experts, d, inner, h, y, ws, stream);
 }
 
 void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offsets, const Fp8ExpertWeights& w,

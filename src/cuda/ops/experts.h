@@ -91,6 +91,14 @@ void experts_forward_fp8(const uint16_t* x_sorted /*[R,D]*/, const int32_t* expe
                          uint16_t* gate_up /*[R,2I], saved*/, uint16_t* h /*[R,I], saved*/, uint16_t* y /*[R,D]*/,
                          void* fp8_workspace, size_t fp8_workspace_bytes, Stream stream);
 
+// experts_recompute in the FP8 recipe: h again from gate_up (the SwiGLU experts_forward_fp8 ran,
+// bitwise) and, when y is not null, y = h @ w_down[e]^T through the same quantisation and FP8
+// grouped GEMM, bitwise as experts_forward_fp8 wrote it. w.down and w.s_down are read only for y.
+void experts_recompute_fp8(const uint16_t* gate_up /*[R,2I]*/, const int32_t* expert_offsets /*[E+1]*/,
+                           const Fp8ExpertWeights& w, int64_t max_rows, int64_t num_experts, int64_t d, int64_t inner,
+                           uint16_t* h /*[R,I]*/, uint16_t* y /*[R,D] or null*/, void* fp8_workspace,
+                           size_t fp8_workspace_bytes, Stream stream);
+
 void experts_backward_fp8(const uint16_t* x_sorted /*[R,D]*/, const int32_t* expert_offsets /*[E+1]*/,
                           const Fp8ExpertWeights& w, const uint16_t* gate_up /*[R,2I]*/, const uint16_t* h /*[R,I]*/,
                           const uint16_t* dy /*[R,D]*/, int64_t max_rows, int64_t num_experts, int64_t d,
