@@ -58,6 +58,12 @@ int64_t blocks128(int64_t n) { return (n + 127) / 128; }
 CudaLocalExperts::CudaLocalExperts(const MoeConfig& e, int64_t d, int64_t num_moe_layers)
     : d_(d), e_(e.num_experts), inner_(e.expert_hidden), saved_(static_cast<size_t>(num_moe_layers)) {}
 
+CudaLocalExperts::~CudaLocalExperts() {
+  for (cuda::Event ev : ready_) cuda::event_destroy(ev);
+  cuda::event_destroy(fork_);
+  if (side_ != nullptr) cuda::stream_destroy(side_);
+}
+
 void CudaLocalExperts::set_fp8(bool on) {
   MOE_CHECK(!on || (d_ % 16 == 0 && inner_ % 16 == 0), "train.precision = \"fp8\": the FP8 expert GEMMs read rows of ",
             "16 codes, so model.d_model (", d_, ") and moe.expert_hidden (", inner_, ") must be multiples of 16");
@@ -85,19 +91,39 @@ void CudaLocalExperts::reserve(int64_t rows, CudaBufferGrower& g) {
     g.grow<float>(q.s_down_t, E * blocks128(I) * blocks128(D), "FP8 expert down transposed scales");
   }
   g.grow_bytes(fp8_ws_, cuda::experts_fp8_workspace_bytes(rows, d_, inner_), "FP8 expert activation codes");
+  if (side_ == nullptr) {
+    side_ = cuda::stream_create();
+    fork_ = cuda::event_create();
+  }
+  while (ready_.size() < saved_.size()) ready_.push_back(cuda::event_create());
+  pending_.resize(saved_.size(), 0);
 }
 
-void CudaLocalExperts::refresh_fp8_codes(const CudaBlockContext& c, int64_t m, const LayerParams& p) {
+bool CudaLocalExperts::refresh_fp8_codes(const CudaBlockContext& c, int64_t m, const LayerParams& p,
+                                         cuda::Stream stream) {
   MOE_CHECK(m < int64_t(fp8_.size()), "CudaLocalExperts: the FP8 codes of MoE layer ", m, " are not reserved");
   CudaFp8ExpertCodes& q = fp8_[size_t(m)];
-  if (q.version == c.params_version) return;
+  if (q.version == c.params_version) return false;
   const uint16_t* P = c.params;
   cuda::fp8_quantize_weights(P + p.experts_gate_up, e_, 2 * inner_, d_, Fp8Format::kE4M3, q.gate_up.as<uint8_t>(),
                              q.s_gate_up.as<float>(), q.gate_up_t.as<uint8_t>(), q.s_gate_up_t.as<float>(), nullptr,
-                             c.stream);
+                             stream);
   cuda::fp8_quantize_weights(P + p.experts_down, e_, d_, inner_, Fp8Format::kE4M3, q.down.as<uint8_t>(),
-                             q.s_down.as<float>(), q.down_t.as<uint8_t>(), q.s_down_t.as<float>(), nullptr, c.stream);
+                             q.s_down.as<float>(), q.down_t.as<uint8_t>(), q.s_down_t.as<float>(), nullptr, stream);
   q.version = c.params_version;
+  return true;
+}
+
+void CudaLocalExperts::prepare(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p) {
+  if (!fp8_on_ || side_ == nullptr || pending_[size_t(moe_index)]) return;
+  if (moe_index >= int64_t(fp8_.size()) || fp8_[size_t(moe_index)].version == c.params_version) return;
+  // The side stream starts after everything c.stream holds so far: the BF16 weights' update (or
+  // the wait for it) and every earlier reader of this layer's codes.
+  cuda::event_record(fork_, c.stream);
+  cuda::stream_wait_event(side_, fork_);
+  refresh_fp8_codes(c, moe_index, p, side_);
+  cuda::event_record(ready_[size_t(moe_index)], side_);
+  pending_[size_t(moe_index)] = 1;
 }
 
 void CudaLocalExperts::forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
@@ -106,7 +132,11 @@ void CudaLocalExperts::forward(const CudaBlockContext& c, int64_t moe_index, con
   const uint16_t* P = c.params;
   c.mark(cuda::Phase::kExperts);
   if (fp8_on_) {
-    refresh_fp8_codes(c, moe_index, p);
+    if (pending_[size_t(moe_index)]) {  // prepare quantised the codes on the side stream: join it
+      cuda::stream_wait_event(c.stream, ready_[size_t(moe_index)]);
+      pending_[size_t(moe_index)] = 0;
+    }
+    refresh_fp8_codes(c, moe_index, p, c.stream);  // without prepare (or after a newer version)
     cuda::experts_forward_fp8(x_sorted_RD, offsets_E1, fp8_view(fp8_[size_t(moe_index)]), rows, e_, d_, inner_,
                               gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), y_sorted_RD,
                               fp8_ws_.data(), fp8_ws_.bytes(), c.stream);

@@ -57,6 +57,13 @@ class CudaExperts {
   // expert-parallel exchanges).
   virtual void set_fp8(bool on);
 
+  // What layer moe_index's forward needs that can start before it, enqueued where the layer's block
+  // begins (before its attention block): the FP8 weight codes when they are stale, quantised on a
+  // side stream forked from c.stream here, so that the memory-bound pass runs beside the attention
+  // block's GEMMs; the layer's forward joins it. Optional: without it the forward quantises on
+  // c.stream itself. Nothing by default.
+  virtual void prepare(const CudaBlockContext& /*c*/, int64_t /*moe_index*/, const LayerParams& /*p*/) {}
+
   // Saved rows of every MoE layer and the scratch for `rows` (R = N*K) routed rows per layer.
   virtual void reserve(int64_t rows, CudaBufferGrower& g) = 0;
 
@@ -112,7 +119,11 @@ struct CudaFp8ExpertCodes {
 class CudaLocalExperts final : public CudaExperts {
  public:
   CudaLocalExperts(const MoeConfig& e, int64_t d, int64_t num_moe_layers);
+  ~CudaLocalExperts() override;
+  CudaLocalExperts(const CudaLocalExperts&) = delete;
+  CudaLocalExperts& operator=(const CudaLocalExperts&) = delete;
   void bind(Recompute mode) override { mode_ = mode; }
+  void prepare(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p) override;
   void set_fp8(bool on) override;
   bool recomputes_outputs() const override { return true; }
   void recompute(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* offsets_E1,
@@ -131,8 +142,9 @@ class CudaLocalExperts final : public CudaExperts {
   }
   cuda::DeviceBuffer& h_rows(int64_t m) { return mode_ != Recompute::kNone ? pool_.h_RI : saved_[size_t(m)].h_RI; }
 
-  // Layer m's FP8 codes, quantised from the BF16 weights at p when c.params_version is newer.
-  void refresh_fp8_codes(const CudaBlockContext& c, int64_t m, const LayerParams& p);
+  // Layer m's FP8 codes, quantised from the BF16 weights at p on `stream` when c.params_version is
+  // newer; false when they were current.
+  bool refresh_fp8_codes(const CudaBlockContext& c, int64_t m, const LayerParams& p, cuda::Stream stream);
 
   int64_t d_, e_, inner_;
   Recompute mode_ = Recompute::kNone;
@@ -142,6 +154,12 @@ class CudaLocalExperts final : public CudaExperts {
   cuda::DeviceBuffer ws_;                // experts_backward workspace (shared by the layers)
   std::vector<CudaFp8ExpertCodes> fp8_;  // [M] under set_fp8
   cuda::DeviceBuffer fp8_ws_;            // experts_fp8_workspace_bytes (shared by the layers)
+  // prepare's side stream, its fork event and each layer's codes-ready event (made by reserve
+  // under set_fp8, outside any capture); pending_[m]: layer m's forward is to wait for ready_[m].
+  cuda::Stream side_ = nullptr;
+  cuda::Event fork_ = nullptr;
+  std::vector<cuda::Event> ready_;
+  std::vector<char> pending_;
 };
 
 // What the expert-parallel experts save per MoE layer: the exchange handle, the received rows

@@ -641,6 +641,7 @@ void CudaModel::forward_blocks(int64_t first, int64_t last) {
     Impl::Layer& layer = I.layers[size_t(l)];
     uint16_t* next = I.input_of(size_t(l + 1));
     if (forward_hook_) forward_hook_(l + 1);
+    if (layer.moe) layer.moe->prepare_experts(c, I.moe);  // FP8 codes beside the attention block
     layer.attention->forward(c, I.res, layer.mlp_input());
     if (layer.mlp) {
       layer.mlp->forward(c, I.res, next);

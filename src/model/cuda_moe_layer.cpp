@@ -152,6 +152,10 @@ void CudaMoeLayer::route(const CudaBlockContext& c, CudaMoeShared& shared, const
                            st);
 }
 
+void CudaMoeLayer::prepare_experts(const CudaBlockContext& c, CudaMoeShared& shared) {
+  shared.experts->prepare(c, p_.moe_index, p_);
+}
+
 void CudaMoeLayer::recompute_selective(const CudaBlockContext& c, CudaMoeShared& shared) {
   MOE_CHECK(mode_ == Recompute::kSelective, "CudaMoeLayer::recompute_selective: only under selective recompute");
   const cuda::Stream st = c.stream;

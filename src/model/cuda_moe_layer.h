@@ -101,6 +101,9 @@ class CudaMoeLayer {
   // and losses of this layer's last forward are used as they are.
   void forward(const CudaBlockContext& c, CudaResidual& res, CudaMoeShared& shared, const CudaRoutingSeed& seed,
                uint16_t* out_ND, bool reuse_routing = false);
+  // Where the layer's block begins (before its attention block): CudaExperts::prepare for this
+  // layer (the FP8 weight codes on a side stream).
+  void prepare_experts(const CudaBlockContext& c, CudaMoeShared& shared);
   // Selective recompute: the norm output, the dispatched rows, the experts' h (and outputs) and
   // the shared expert's h again, bitwise as the forward wrote them.
   void recompute_selective(const CudaBlockContext& c, CudaMoeShared& shared);

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -141,6 +142,30 @@ TEST(RunPlan, Olmoe8lGpuEstimateMatchesMeasuredPeaks) {
     const RunPlan p = make_run_plan(c, 1, "cuda");
     EXPECT_NEAR(p.memory.total() / kGiB, k.peak_gib, 0.01) << k.mode;
   }
+}
+
+// train.precision = "fp8" on cuda: each expert parameter's two FP8 code copies and their scales
+// on top of the BF16 plan, and the FP8 activation workspace in the scratch; on cpu nothing changes
+// (the emulation keeps FP32 tensors). The olmoe-8l figure is the measured device_alloc peak of
+// bench/results/fp8-model-20261202/olmoe-8l-fp8.log (one H200).
+TEST(RunPlan, Fp8AddsTheExpertCodesAndTheirWorkspace) {
+  Config c = load_config(kOlmoe8l, {});
+  const RunPlan bf16 = make_run_plan(c, 1, "cuda");
+  c.train.precision = "fp8";
+  const RunPlan fp8 = make_run_plan(c, 1, "cuda");
+  const double experts = double(fp8.memory.expert_params);
+  EXPECT_GT(experts, 0.0);
+  EXPECT_DOUBLE_EQ(fp8.memory.params - bf16.memory.params, experts * (2.0 + 8.0 / (128.0 * 128.0)));
+  const double rows = double(fp8.tokens_per_micro_batch) * double(c.moe.top_k);
+  const double widest = double(std::max(c.model.d_model, 2 * c.moe.expert_hidden));
+  EXPECT_DOUBLE_EQ(fp8.memory.scratch - bf16.memory.scratch, rows * widest + rows * std::ceil(widest / 128.0) * 4.0);
+  EXPECT_NEAR(fp8.memory.total() / kGiB, 89.40, 0.01);
+  c.train.device = "cpu";
+  EXPECT_DOUBLE_EQ(make_run_plan(c, 1, "cpu").memory.total(), [&] {
+    Config f = c;
+    f.train.precision = "fp32";
+    return make_run_plan(f, 1, "cpu").memory.total();
+  }());
 }
 
 // Measured olmoe-8l steps on one H200: 178.02 ms (the reference the phases come from), and two
