@@ -6,7 +6,10 @@
 
 #include "model/cuda_mlp_block.h"
 
+#include <algorithm>
+
 #include "core/error.h"
+#include "cuda/ops/fp8.h"
 #include "cuda/ops/gemm.h"
 #include "cuda/ops/rmsnorm.h"
 #include "cuda/ops/swiglu.h"
@@ -16,6 +19,106 @@ namespace moe {
 void CudaMlpScratch::reserve(int64_t n, int64_t f, CudaBufferGrower& g) {
   g.grow<uint16_t>(dh_NF, n * f, "mlp_dh");
   g.grow<uint16_t>(dgate_up_N2F, n * 2 * f, "mlp_dgu");
+}
+
+void CudaMlpScratch::reserve_fp8(int64_t n, int64_t d, int64_t f, CudaBufferGrower& g) {
+  const int64_t widest = std::max(d, 2 * f), kb = (widest + 127) / 128;
+  g.grow<uint8_t>(fp8_q, n * widest, "mlp FP8 activation codes");
+  g.grow<float>(fp8_s, n * kb, "mlp FP8 activation scales");
+  g.grow<float>(fp8_s_t, kb * n, "mlp FP8 activation scales, K-block-major");
+  // A weight refresh's block scales before their padding: the widest grid is the stacked gate/up's.
+  g.grow<float>(fp8_s_tmp, 3 * (2 * f / 128) * (d / 128), "mlp FP8 weight scale scratch");
+  g.grow<uint16_t>(fp8_out_ND, n * d, "mlp FP8 output");
+}
+
+namespace {
+
+int64_t pad4(int64_t x) { return (x + 3) / 4 * 4; }
+
+// w [rows, cols] BF16 -> codes q [rows, cols] with block scales s [rows/128, pad4(cols/128)] and the
+// transposed codes qt [cols, rows] with st [cols/128, pad4(rows/128)] (cuda::fp8_gemm's B layout).
+void quantize_weight_padded(const uint16_t* w, int64_t rows, int64_t cols, uint8_t* q, float* s, uint8_t* qt,
+                            float* st, float* tmp, cuda::Stream stream) {
+  const int64_t rb = rows / 128, cb = cols / 128;
+  const bool direct = cb % 4 == 0 && rb % 4 == 0;
+  float* s_raw = direct ? s : tmp;                 // [rb, cb]
+  float* st_raw = direct ? st : tmp + rb * cb;     // [cb, rb]
+  cuda::fp8_quantize_weights(w, 1, rows, cols, Fp8Format::kE4M3, q, s_raw, qt, st_raw, nullptr, stream);
+  if (direct) return;
+  // Pad each row of block scales to a multiple of 4: [rb, cb] -> [cb, rb] -> [rb, pad4(cb)] through
+  // two K-major re-layouts (bitwise copies, zeros in the padding); likewise the transposed grid.
+  float* t = tmp + 2 * rb * cb;
+  cuda::fp8_scales_k_major(s_raw, rb, cb, rb, t, stream);        // t [cb, rb]
+  cuda::fp8_scales_k_major(t, cb, rb, pad4(cb), s, stream);      // s [rb, pad4(cb)]
+  cuda::fp8_scales_k_major(st_raw, cb, rb, cb, t, stream);       // t [rb, cb]
+  cuda::fp8_scales_k_major(t, rb, cb, pad4(rb), st, stream);     // st [cb, pad4(rb)]
+}
+
+// x [n, k] BF16 -> the scratch's codes and K-block-major 1 x 128 scales (fp8_gemm's A).
+void quantize_rows(const uint16_t* x, int64_t n, int64_t k, CudaMlpScratch& sc, cuda::Stream st) {
+  cuda::fp8_quantize_blocks(x, n, k, kFp8ActivationBlock, Fp8Format::kE4M3, sc.fp8_q.as<uint8_t>(),
+                            sc.fp8_s.as<float>(), nullptr, st);
+  cuda::fp8_scales_k_major(sc.fp8_s.as<float>(), n, k / 128, n, sc.fp8_s_t.as<float>(), st);
+}
+
+// c [n, m] = A (the scratch's codes of [n, k]) B^T, B [m, k] codes with padded 128 x 128 scales.
+void fp8_gemm_a_scratch(cuda::GemmHandle& g, CudaMlpScratch& sc, const uint8_t* qb, const float* sb, int64_t n,
+                        int64_t m, int64_t k, uint16_t* c, cuda::Stream st) {
+  cuda::fp8_gemm(g, sc.fp8_q.as<uint8_t>(), sc.fp8_s_t.as<float>(), n, Fp8Format::kE4M3, qb, sb, pad4(k / 128),
+                 Fp8Format::kE4M3, cuda::Fp8BScaling::kBlock128x128, n, m, k, c, st);
+}
+
+}  // namespace
+
+bool mlp_fp8_shapes(int64_t d, int64_t f) { return d > 0 && f > 0 && d % 128 == 0 && f % 128 == 0; }
+
+void CudaFp8MlpWeights::reserve(int64_t d, int64_t f, CudaBufferGrower& g) {
+  const int64_t db = d / 128, fb = f / 128;
+  g.grow<uint8_t>(gu, 2 * f * d, "mlp FP8 gate/up codes");
+  g.grow<float>(s_gu, 2 * fb * pad4(db), "mlp FP8 gate/up scales");
+  g.grow<uint8_t>(gu_t, d * 2 * f, "mlp FP8 gate/up transposed codes");
+  g.grow<float>(s_gu_t, db * pad4(2 * fb), "mlp FP8 gate/up transposed scales");
+  g.grow<uint8_t>(down, d * f, "mlp FP8 down codes");
+  g.grow<float>(s_down, db * pad4(fb), "mlp FP8 down scales");
+  g.grow<uint8_t>(down_t, f * d, "mlp FP8 down transposed codes");
+  g.grow<float>(s_down_t, fb * pad4(db), "mlp FP8 down transposed scales");
+}
+
+void CudaFp8MlpWeights::refresh(const CudaBlockContext& c, const uint16_t* w_gate_FD, const uint16_t* w_down_DF,
+                                int64_t d, int64_t f, CudaMlpScratch& scratch) {
+  if (version == c.params_version) return;
+  float* tmp = scratch.fp8_s_tmp.as<float>();
+  quantize_weight_padded(w_gate_FD, 2 * f, d, gu.as<uint8_t>(), s_gu.as<float>(), gu_t.as<uint8_t>(),
+                         s_gu_t.as<float>(), tmp, c.stream);
+  quantize_weight_padded(w_down_DF, d, f, down.as<uint8_t>(), s_down.as<float>(), down_t.as<uint8_t>(),
+                         s_down_t.as<float>(), tmp, c.stream);
+  version = c.params_version;
+}
+
+void mlp_forward_fp8(cuda::GemmHandle& g, const uint16_t* x, const CudaFp8MlpWeights& w, int64_t n, int64_t d,
+                     int64_t f, uint16_t* gu, uint16_t* h, uint16_t* out, CudaMlpScratch& sc, cuda::Stream st) {
+  MOE_CHECK(mlp_fp8_shapes(d, f) && n % 4 == 0, "mlp_forward_fp8: D (", d, ") and F (", f,
+            ") must be multiples of 128 and the tokens (", n, ") of 4");
+  quantize_rows(x, n, d, sc, st);
+  fp8_gemm_a_scratch(g, sc, w.gu.as<uint8_t>(), w.s_gu.as<float>(), n, 2 * f, d, gu, st);
+  cuda::swiglu_forward_fp8(gu, h, sc.fp8_q.as<uint8_t>(), sc.fp8_s.as<float>(), n, f, st);
+  cuda::fp8_scales_k_major(sc.fp8_s.as<float>(), n, f / 128, n, sc.fp8_s_t.as<float>(), st);
+  fp8_gemm_a_scratch(g, sc, w.down.as<uint8_t>(), w.s_down.as<float>(), n, d, f, out, st);
+}
+
+void mlp_backward_fp8(cuda::GemmHandle& g, const uint16_t* x, const CudaFp8MlpWeights& w, const uint16_t* gu,
+                      const uint16_t* h, const uint16_t* dout, int64_t n, int64_t d, int64_t f, CudaMlpScratch& sc,
+                      uint16_t* dx, float* dwg, float* dwu, float* dwd, float dw_beta, cuda::Stream st) {
+  uint16_t* dh = sc.dh_NF.as<uint16_t>();
+  uint16_t* dgu = sc.dgate_up_N2F.as<uint16_t>();
+  quantize_rows(dout, n, d, sc, st);
+  fp8_gemm_a_scratch(g, sc, w.down_t.as<uint8_t>(), w.s_down_t.as<float>(), n, f, d, dh, st);  // dh = dout Wd
+  cuda::gemm(g, true, false, d, f, n, 1.f, dout, d, h, f, dw_beta, dwd, f, st);
+  cuda::swiglu_backward_fp8(gu, dh, dgu, sc.fp8_q.as<uint8_t>(), sc.fp8_s.as<float>(), n, f, st);
+  cuda::fp8_scales_k_major(sc.fp8_s.as<float>(), n, 2 * f / 128, n, sc.fp8_s_t.as<float>(), st);
+  cuda::gemm(g, true, false, f, d, n, 1.f, dgu, 2 * f, x, d, dw_beta, dwg, d, st);
+  cuda::gemm(g, true, false, f, d, n, 1.f, dgu + f, 2 * f, x, d, dw_beta, dwu, d, st);
+  fp8_gemm_a_scratch(g, sc, w.gu_t.as<uint8_t>(), w.s_gu_t.as<float>(), n, d, 2 * f, dx, st);  // dx = dgu Wgu
 }
 
 void mlp_forward_gpu(cuda::GemmHandle& g, const uint16_t* x, const uint16_t* wg, const uint16_t* wu,
@@ -61,8 +164,17 @@ void CudaMlpBlock::bind(Recompute mode, CudaMlpBlockSaved* pool) {
   slots_.h = at(&CudaMlpBlockSaved::h_NF, sel);
 }
 
+void CudaMlpBlock::set_fp8(bool on, CudaMlpScratch* scratch) {
+  fp8_ = on && mlp_fp8_shapes(d_, p_.mlp_hidden);
+  fp8_scratch_ = fp8_ ? scratch : nullptr;
+  MOE_CHECK(!fp8_ || scratch != nullptr, "CudaMlpBlock::set_fp8: the FP8 MLP needs the model's MLP scratch");
+  MOE_CHECK(!fp8_ || p_.mlp_up == p_.mlp_gate + p_.mlp_hidden * d_, "CudaMlpBlock::set_fp8: the FP8 MLP reads the "
+            "gate and up weights as one [2F, D] matrix, but the layout does not keep them adjacent");
+}
+
 void CudaMlpBlock::reserve(int64_t batch, int64_t seq, CudaBufferGrower& g) {
   const int64_t n = batch * seq, d = d_, f = p_.mlp_hidden;
+  if (fp8_) fp8_w_.reserve(d, f, g);
   g.grow<uint16_t>(*slots_.x, n * d, "x_mid");
   g.grow<uint16_t>(*slots_.norm, n * d, "norm2");
   g.grow<float>(*slots_.rstd, n, "rstd2");
@@ -79,8 +191,14 @@ void CudaMlpBlock::forward(const CudaBlockContext& c, CudaResidual& res, uint16_
   uint16_t* norm = s.norm->as<uint16_t>();
   cuda::rmsnorm_forward(s.x->as<uint16_t>(), P + p_.mlp_norm, norm, s.rstd->as<float>(), n, d, norm_eps_, st);
   uint16_t* branch = res.branch();
-  mlp_forward_gpu(*c.gemm, norm, P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down, n, d, p_.mlp_hidden,
-                  s.gate_up->as<uint16_t>(), s.h->as<uint16_t>(), branch, false, st);
+  if (fp8_) {
+    fp8_w_.refresh(c, P + p_.mlp_gate, P + p_.mlp_down, d, p_.mlp_hidden, *fp8_scratch_);
+    mlp_forward_fp8(*c.gemm, norm, fp8_w_, n, d, p_.mlp_hidden, s.gate_up->as<uint16_t>(), s.h->as<uint16_t>(),
+                    branch, *fp8_scratch_, st);
+  } else {
+    mlp_forward_gpu(*c.gemm, norm, P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down, n, d, p_.mlp_hidden,
+                    s.gate_up->as<uint16_t>(), s.h->as<uint16_t>(), branch, false, st);
+  }
   cuda::residual_add(res.x32(), branch, out_ND, n * d, st);
 }
 
@@ -100,9 +218,15 @@ void CudaMlpBlock::backward(const CudaBlockContext& c, CudaResidual& res, CudaMl
   const Slots& s = slots_;
   uint16_t* dbranch = res.dbranch();
   c.mark(cuda::Phase::kMlp);
-  mlp_backward_gpu(*c.gemm, s.norm->as<uint16_t>(), P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down,
-                   s.gate_up->as<uint16_t>(), s.h->as<uint16_t>(), res.dx(), n, d, p_.mlp_hidden, w, dbranch, false,
-                   Gr + p_.mlp_gate, Gr + p_.mlp_up, Gr + p_.mlp_down, c.wgrad_beta(), st);
+  if (fp8_) {
+    mlp_backward_fp8(*c.gemm, s.norm->as<uint16_t>(), fp8_w_, s.gate_up->as<uint16_t>(), s.h->as<uint16_t>(), res.dx(),
+                     n, d, p_.mlp_hidden, w, dbranch, Gr + p_.mlp_gate, Gr + p_.mlp_up, Gr + p_.mlp_down,
+                     c.wgrad_beta(), st);
+  } else {
+    mlp_backward_gpu(*c.gemm, s.norm->as<uint16_t>(), P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down,
+                     s.gate_up->as<uint16_t>(), s.h->as<uint16_t>(), res.dx(), n, d, p_.mlp_hidden, w, dbranch, false,
+                     Gr + p_.mlp_gate, Gr + p_.mlp_up, Gr + p_.mlp_down, c.wgrad_beta(), st);
+  }
   uint16_t* dtmp = res.dtmp();
   cuda::rmsnorm_backward(s.x->as<uint16_t>(), P + p_.mlp_norm, s.rstd->as<float>(), dbranch, dtmp, Gr + p_.mlp_norm,
                          n, d, res.ws_rms.data(), res.ws_rms.bytes(), st);

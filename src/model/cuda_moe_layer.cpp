@@ -49,6 +49,7 @@ void CudaMoeLayer::reserve(int64_t batch, int64_t seq, CudaBufferGrower& g) {
   g.grow<uint16_t>(*sl.x, n * d, "x_mid");
   g.grow<uint16_t>(*sl.norm, n * d, "norm2");
   g.grow<float>(*sl.rstd, n, "rstd2");
+  if (fp8_shared_) shared_fp8_w_.reserve(d, p_.mlp_hidden, g);
   if (p_.shared) {
     g.grow<uint16_t>(*sl.shared_gate_up, n * 2 * p_.mlp_hidden, "shared_gate_up");
     g.grow<uint16_t>(*sl.shared_h, n * p_.mlp_hidden, "shared_h");
@@ -112,6 +113,18 @@ void CudaMoeLayer::forward(const CudaBlockContext& c, CudaResidual& res, CudaMoe
   uint16_t* branch = res.branch();
   cuda::unpermute_forward(ys, route_to_row, topk_w, n, k, d, branch, st);
   c.mark(cuda::Phase::kMlp);
+  if (p_.shared && fp8_shared_) {
+    // The FP8 GEMM overwrites its output: the shared expert's output and the routed one are added
+    // into the residual stream one after the other.
+    CudaMlpScratch& sc = *fp8_scratch_;
+    shared_fp8_w_.refresh(c, P + p_.mlp_gate, P + p_.mlp_down, d, p_.mlp_hidden, sc);
+    uint16_t* shared_out = sc.fp8_out_ND.as<uint16_t>();
+    mlp_forward_fp8(G, norm, shared_fp8_w_, n, d, p_.mlp_hidden, sl.shared_gate_up->as<uint16_t>(),
+                    sl.shared_h->as<uint16_t>(), shared_out, sc, st);
+    cuda::residual_add(res.x32(), branch, nullptr, n * d, st);
+    cuda::residual_add(res.x32(), shared_out, out_ND, n * d, st);
+    return;
+  }
   if (p_.shared) {
     mlp_forward_gpu(G, norm, P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down, n, d, p_.mlp_hidden,
                     sl.shared_gate_up->as<uint16_t>(), sl.shared_h->as<uint16_t>(), branch, true, st);
@@ -152,6 +165,15 @@ void CudaMoeLayer::route(const CudaBlockContext& c, CudaMoeShared& shared, const
                            st);
 }
 
+void CudaMoeLayer::set_fp8(bool on, CudaMlpScratch* scratch) {
+  fp8_shared_ = on && p_.shared && mlp_fp8_shapes(d_, p_.mlp_hidden);
+  fp8_scratch_ = fp8_shared_ ? scratch : nullptr;
+  MOE_CHECK(!fp8_shared_ || scratch != nullptr, "CudaMoeLayer::set_fp8: the FP8 shared expert needs the model's MLP "
+            "scratch");
+  MOE_CHECK(!fp8_shared_ || p_.mlp_up == p_.mlp_gate + p_.mlp_hidden * d_, "CudaMoeLayer::set_fp8: the FP8 shared "
+            "expert reads the gate and up weights as one [2F, D] matrix, but the layout does not keep them adjacent");
+}
+
 void CudaMoeLayer::prepare_experts(const CudaBlockContext& c, CudaMoeShared& shared) {
   shared.experts->prepare(c, p_.moe_index, p_);
 }
@@ -185,7 +207,11 @@ void CudaMoeLayer::backward(const CudaBlockContext& c, CudaResidual& res, CudaMo
   uint16_t* dbranch = res.dbranch();
   // dbranch = d(branch)/d(norm) applied to dx: the shared expert writes it, or it starts at 0.
   c.mark(cuda::Phase::kMlp);
-  if (p_.shared) {
+  if (p_.shared && fp8_shared_) {
+    mlp_backward_fp8(G, norm, shared_fp8_w_, sl.shared_gate_up->as<uint16_t>(), sl.shared_h->as<uint16_t>(), dx, n, d,
+                     p_.mlp_hidden, mlp, dbranch, Gr + p_.mlp_gate, Gr + p_.mlp_up, Gr + p_.mlp_down, c.wgrad_beta(),
+                     st);
+  } else if (p_.shared) {
     mlp_backward_gpu(G, norm, P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down, sl.shared_gate_up->as<uint16_t>(),
                      sl.shared_h->as<uint16_t>(), dx, n, d, p_.mlp_hidden, mlp, dbranch, false, Gr + p_.mlp_gate,
                      Gr + p_.mlp_up, Gr + p_.mlp_down, c.wgrad_beta(), st);

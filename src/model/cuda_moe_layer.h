@@ -101,6 +101,11 @@ class CudaMoeLayer {
   // and losses of this layer's last forward are used as they are.
   void forward(const CudaBlockContext& c, CudaResidual& res, CudaMoeShared& shared, const CudaRoutingSeed& seed,
                uint16_t* out_ND, bool reuse_routing = false);
+  // train.precision = "fp8": the shared expert's GEMMs in FP8 when it has one and
+  // mlp_fp8_shapes(D, F) (cuda_mlp_block.h; else BF16), with the model's MLP scratch (which must
+  // outlive the layer); before reserve. The routed experts follow CudaExperts::set_fp8.
+  void set_fp8(bool on, CudaMlpScratch* scratch);
+  bool shared_fp8() const { return fp8_shared_; }
   // Where the layer's block begins (before its attention block): CudaExperts::prepare for this
   // layer (the FP8 weight codes on a side stream).
   void prepare_experts(const CudaBlockContext& c, CudaMoeShared& shared);
@@ -126,6 +131,9 @@ class CudaMoeLayer {
   Recompute mode_ = Recompute::kNone;
   bool pooled_y_ = false;
   bool token_rows_ = false;
+  bool fp8_shared_ = false;
+  CudaFp8MlpWeights shared_fp8_w_;
+  CudaMlpScratch* fp8_scratch_ = nullptr;
   CudaMoeSaved saved_;
   Slots slots_;
 };

@@ -2,7 +2,7 @@
 // Memory per rank (bytes): cpu holds FP32 weights, gradients and moments (4 + 4 + 8 per local
 // parameter; ZeRO-1 keeps 8 per parameter of this rank's shard: dense / dp + experts / ep-dp)
 // and FP32 activations; cuda holds FP32 master, BF16 copy, FP32 gradients and moments (18 per
-// parameter; under train.precision = "fp8" 2 more per expert parameter, the FP8 codes; ZeRO-1 moments 8 per parameter of the shard, as on cpu), BF16 activations, and with ep > 1 the exchange buffers CudaModel adds (received
+// parameter; under train.precision = "fp8" 2 more per expert and FP8 MLP parameter, the FP8 codes; ZeRO-1 moments 8 per parameter of the shard, as on cpu), BF16 activations, and with ep > 1 the exchange buffers CudaModel adds (received
 // BF16 rows and two int32 maps per MoE layer, two row buffers), plus a host mirror of 16 per parameter.
 // Activations: activation_memory (train/memory_plan.h) for train.recompute.
 #include "train/run_plan.h"
@@ -15,6 +15,7 @@
 
 #include "core/checked_math.h"
 #include "core/error.h"
+#include "model/layout.h"
 #include "parallel/pipeline_schedule.h"
 
 namespace moe {
@@ -127,6 +128,26 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
     m.activation.scratch.push_back(
         {"FP8 expert activation codes and scales", rows * widest + rows * std::ceil(widest / 128.0) * 4.0});
   }
+  // FP8 MLPs (dense blocks and shared experts whose D and F are multiples of 128: cuda_mlp_block.h):
+  // their weights' two code copies (fp8_mlp_params, below) and the model's one set of activation
+  // codes, row-major and K-major scales, weight-scale scratch and shared-expert output.
+  double fp8_mlp_params = 0, widest_fp8_mlp = 0;
+  if (gpu && cfg.train.precision == "fp8") {
+    for (int64_t l = 0; l < cfg.model.n_layers; ++l) {
+      const int64_t f = is_dense_layer(cfg.model, l) ? cfg.model.dense_hidden : cfg.moe.shared_experts * cfg.moe.expert_hidden;
+      if (f > 0 && cfg.model.d_model % 128 == 0 && f % 128 == 0) {
+        fp8_mlp_params += 3.0 * double(f) * d;
+        widest_fp8_mlp = std::max(widest_fp8_mlp, double(f));
+      }
+    }
+  }
+  if (widest_fp8_mlp > 0) {
+    const double tokens = double(p.tokens_per_micro_batch), widest = std::max(d, 2.0 * widest_fp8_mlp);
+    const double kb = std::ceil(widest / 128.0);
+    m.activation.scratch.push_back({"FP8 MLP activation codes, scales and output",
+                                    tokens * widest + 2.0 * tokens * kb * 4.0 +
+                                        3.0 * (2.0 * widest_fp8_mlp / 128.0) * (d / 128.0) * 4.0 + tokens * d * 2.0});
+  }
   m.activations_kept = m.activation.kept_bytes();
   m.activations_pool = m.activation.pool_bytes();
   m.scratch = m.activation.scratch_bytes();
@@ -140,6 +161,7 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
     // FP8 experts: each expert weight's E4M3 codes and their transposed copy, and both copies'
     // 128 x 128 block scales (FP32).
     if (fp8_experts) m.params += double(m.expert_params) * (2.0 + 2.0 * 4.0 / (128.0 * 128.0));
+    m.params += fp8_mlp_params * (2.0 + 2.0 * 4.0 / (128.0 * 128.0));  // scales: padding not counted
     if (ep > 1) m.exchange = moe_layers * rows * (2.0 * d + 8.0) + 2.0 * rows * 2.0 * d;
     m.host_mirror = 12.0 * n;  // FP32 weights and the two moments (no host gradients)
   }
