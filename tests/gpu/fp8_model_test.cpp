@@ -15,6 +15,7 @@
 #include "gpu_test_util.h"
 #include "model/cuda_model.h"
 #include "model/model.h"
+#include "small_model.h"
 #include "support/test_util.h"
 
 namespace moe::testing {
@@ -22,28 +23,11 @@ namespace {
 
 constexpr int64_t kBatch = 2, kSeq = 64;
 
-ModelConfig fp8_model_config() {
-  ModelConfig m;
-  m.vocab_size = 256;
-  m.d_model = 256;
-  m.n_layers = 3;
-  m.n_heads = 4;  // head_dim 64
-  m.n_kv_heads = 2;
-  m.qk_norm = true;
-  m.dense_layers = {0};
-  m.dense_hidden = 256;
-  m.init_std = 0.02;
-  return m;
-}
-
+// The GPU tests' small model (small_model.h: a dense first layer, 8 experts top-2, a shared
+// expert) with experts of hidden `inner`.
 MoeConfig fp8_moe_config(int64_t inner) {
-  MoeConfig e;
-  e.num_experts = 8;
-  e.top_k = 2;
+  MoeConfig e = small_gpu_moe_config();
   e.expert_hidden = inner;
-  e.shared_experts = 1;
-  e.lb_loss_weight = 0.01;
-  e.z_loss_weight = 0.001;
   return e;
 }
 
@@ -105,7 +89,7 @@ class CudaFp8Model : public ::testing::TestWithParam<int64_t> {};
 // before each GEMM (a partial last 1 x 128 block).
 TEST_P(CudaFp8Model, FollowsTheBf16ModelAndRecomputesBitwise) {
   MOE_SKIP_WITHOUT_GPU();
-  const ModelConfig mc = fp8_model_config();
+  const ModelConfig mc = small_gpu_model_config();
   const MoeConfig ec = fp8_moe_config(GetParam());
   const std::vector<float> w = bf16_weights(mc, ec, 4321);
   const Result bf16 = run(mc, ec, false, Recompute::kNone, w, 5);
@@ -146,7 +130,7 @@ INSTANTIATE_TEST_SUITE_P(Inner, CudaFp8Model, ::testing::Values(int64_t(128), in
 // changed behind the model's back keeps the old codes until mark_params_changed().
 TEST(CudaFp8ModelCodes, FollowTheParametersVersion) {
   MOE_SKIP_WITHOUT_GPU();
-  const ModelConfig mc = fp8_model_config();
+  const ModelConfig mc = small_gpu_model_config();
   const MoeConfig ec = fp8_moe_config(128);
   const std::vector<float> p1 = bf16_weights(mc, ec, 11), p2 = bf16_weights(mc, ec, 12);
   CudaModel fresh(mc, ec);
@@ -182,7 +166,7 @@ TEST(CudaFp8ModelCodes, FollowTheParametersVersion) {
 
 TEST(CudaFp8ModelCodes, PrecisionIsSetBeforeReserveAndShapesAreChecked) {
   MOE_SKIP_WITHOUT_GPU();
-  const ModelConfig mc = fp8_model_config();
+  const ModelConfig mc = small_gpu_model_config();
   CudaModel gpu(mc, fp8_moe_config(128));
   gpu.reserve(kBatch, kSeq);
   EXPECT_NO_THROW(gpu.set_fp8(false));  // unchanged
