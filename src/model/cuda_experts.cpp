@@ -31,7 +31,7 @@ void CudaExperts::backward_tokens(const CudaBlockContext&, int64_t, const LayerP
 }
 
 void CudaExperts::set_fp8(bool on) {
-  MOE_CHECK(!on, "train.precision = \"fp8\" on the GPU runs the FP8 experts on one GPU or data parallel; the "
+  MOE_CHECK(!on, "train.precision = \"fp8\" on the GPU runs the FP8 experts on one GPU, data parallel or in pipeline stages; the "
             "expert-parallel exchanges (parallel.ep > 1, or parallel.ep_backend = \"rowwise\") carry BF16 rows "
             "only so far: set parallel.ep = 1 and parallel.ep_backend = \"alltoall\", or train.precision = \"bf16\"");
 }
@@ -99,11 +99,11 @@ void CudaLocalExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   pending_.resize(saved_.size(), 0);
 }
 
-bool CudaLocalExperts::refresh_fp8_codes(const CudaBlockContext& c, int64_t m, const LayerParams& p,
+void CudaLocalExperts::refresh_fp8_codes(const CudaBlockContext& c, int64_t m, const LayerParams& p,
                                          cuda::Stream stream) {
   MOE_CHECK(m < int64_t(fp8_.size()), "CudaLocalExperts: the FP8 codes of MoE layer ", m, " are not reserved");
   CudaFp8ExpertCodes& q = fp8_[size_t(m)];
-  if (q.version == c.params_version) return false;
+  if (q.version == c.params_version) return;
   const uint16_t* P = c.params;
   cuda::fp8_quantize_weights(P + p.experts_gate_up, e_, 2 * inner_, d_, Fp8Format::kE4M3, q.gate_up.as<uint8_t>(),
                              q.s_gate_up.as<float>(), q.gate_up_t.as<uint8_t>(), q.s_gate_up_t.as<float>(), nullptr,
@@ -111,7 +111,6 @@ bool CudaLocalExperts::refresh_fp8_codes(const CudaBlockContext& c, int64_t m, c
   cuda::fp8_quantize_weights(P + p.experts_down, e_, d_, inner_, Fp8Format::kE4M3, q.down.as<uint8_t>(),
                              q.s_down.as<float>(), q.down_t.as<uint8_t>(), q.s_down_t.as<float>(), nullptr, stream);
   q.version = c.params_version;
-  return true;
 }
 
 void CudaLocalExperts::prepare(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p) {

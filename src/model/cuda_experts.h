@@ -143,8 +143,8 @@ class CudaLocalExperts final : public CudaExperts {
   cuda::DeviceBuffer& h_rows(int64_t m) { return mode_ != Recompute::kNone ? pool_.h_RI : saved_[size_t(m)].h_RI; }
 
   // Layer m's FP8 codes, quantised from the BF16 weights at p on `stream` when c.params_version is
-  // newer; false when they were current.
-  bool refresh_fp8_codes(const CudaBlockContext& c, int64_t m, const LayerParams& p, cuda::Stream stream);
+  // newer (nothing when they are current).
+  void refresh_fp8_codes(const CudaBlockContext& c, int64_t m, const LayerParams& p, cuda::Stream stream);
 
   int64_t d_, e_, inner_;
   Recompute mode_ = Recompute::kNone;

@@ -123,7 +123,11 @@ TEST_P(CudaFp8Model, FollowsTheBf16ModelAndRecomputesBitwise) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Inner, CudaFp8Model, ::testing::Values(int64_t(128), int64_t(192)),
-                         [](const auto& info) { return "I" + std::to_string(info.param); });
+                         [](const auto& info) {
+                           char name[32];
+                           std::snprintf(name, sizeof name, "I%lld", static_cast<long long>(info.param));
+                           return std::string(name);
+                         });
 
 // The codes are rebuilt from the BF16 copy when the parameters' version moves: a model that ran on
 // weights p1 and then loaded p2 gives what a fresh model on p2 gives, bit for bit. A BF16 copy
