@@ -42,6 +42,18 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   MOE_CHECK(device == "cuda" || cfg.parallel.grad_reduce_dtype == "fp32", "parallel.grad_reduce_dtype = \"",
             cfg.parallel.grad_reduce_dtype, "\" on train.device = \"cpu\": BF16 gradient sums are a GPU option (the CPU ",
             "backend sums gradients in FP32); set parallel.grad_reduce_dtype = \"fp32\" or train.device = \"cuda\"");
+  // The FP8 recipe on the GPU (docs/numerics.md) runs local experts on rows of 16 codes: refused
+  // here, before anything is allocated, where CudaModel::set_fp8 would refuse it.
+  if (device == "cuda" && cfg.train.precision == "fp8") {
+    MOE_CHECK(p.sizes.ep == 1 && cfg.parallel.ep_backend == "alltoall", "train.precision = \"fp8\" on train.device = ",
+              "\"cuda\" with parallel.ep = ", p.sizes.ep, " and parallel.ep_backend = \"", cfg.parallel.ep_backend,
+              "\": the expert-parallel exchanges carry BF16 rows only so far; set parallel.ep = 1 and "
+              "parallel.ep_backend = \"alltoall\", or train.precision = \"bf16\"");
+    MOE_CHECK(num_moe_layers(cfg.model) == 0 || (cfg.model.d_model % 16 == 0 && cfg.moe.expert_hidden % 16 == 0),
+              "train.precision = \"fp8\" on train.device = \"cuda\": the FP8 expert GEMMs read rows of 16 codes, so "
+              "model.d_model (", cfg.model.d_model, ") and moe.expert_hidden (", cfg.moe.expert_hidden,
+              ") must be multiples of 16");
+  }
   p.virtual_stages = cfg.parallel.virtual_stages;
   p.stage_bounds = stage_bounds(cfg);
   const int64_t dp = p.sizes.dp, ep = p.sizes.ep;

@@ -22,6 +22,7 @@
 namespace moe {
 namespace {
 
+using testing::error_of;
 using testing::run_cli;
 
 const std::string kOlmoe8l = std::string(MOECORE_SOURCE_DIR) + "/configs/olmoe-8l.toml";
@@ -176,6 +177,33 @@ TEST(RunPlan, Fp8AddsTheExpertCodesAndTheirWorkspace) {
     f.train.precision = "fp32";
     return make_run_plan(f, 1, "cpu").memory.total();
   }());
+}
+
+// The GPU's FP8 recipe is refused by the run plan (before anything is allocated) with expert
+// parallelism, with the rowwise exchange and with expert rows that are not whole 16-code chunks,
+// naming the key; the cpu run plan takes them (the CPU model itself refuses the emulated recipe
+// under expert parallelism, model.h).
+TEST(RunPlan, Fp8OnCudaRefusesWhatItCannotRunNamingTheKey) {
+  Config c = small();
+  c.model.d_model = 16;
+  c.model.n_heads = 2;
+  c.moe.expert_hidden = 16;
+  c.train.precision = "fp8";
+  EXPECT_NO_THROW(make_run_plan(c, 1, "cuda"));
+  Config ep = c;
+  ep.parallel.dp = 2;
+  ep.parallel.ep = 2;
+  ep.train.global_batch = 4;
+  EXPECT_NE(error_of([&] { make_run_plan(ep, 2, "cuda"); }).find("parallel.ep = 2"), std::string::npos);
+  Config rowwise = c;
+  rowwise.parallel.ep_backend = "rowwise";
+  EXPECT_NE(error_of([&] { make_run_plan(rowwise, 1, "cuda"); }).find("parallel.ep_backend = \"rowwise\""),
+            std::string::npos);
+  Config odd = c;
+  odd.moe.expert_hidden = 24;
+  EXPECT_NE(error_of([&] { make_run_plan(odd, 1, "cuda"); }).find("moe.expert_hidden (24)"), std::string::npos);
+  EXPECT_NO_THROW(make_run_plan(ep, 2, "cpu"));
+  EXPECT_NO_THROW(make_run_plan(odd, 1, "cpu"));
 }
 
 // Measured olmoe-8l steps on one H200: 178.02 ms (the reference the phases come from), and two
@@ -336,12 +364,12 @@ TEST(Planner, LayoutParsing) {
   EXPECT_EQ(l.ep, 4);
   EXPECT_EQ(l.pp, 1);
   EXPECT_EQ(parse_layout("ep=2", 8).dp, 8);
-  EXPECT_NE(testing::error_of([] { parse_layout("dp=8,xp=2", 0); }).find("unknown key 'xp'"), std::string::npos);
-  EXPECT_NE(testing::error_of([] { parse_layout("dp=two", 0); }).find("got 'two'"), std::string::npos);
-  EXPECT_NE(testing::error_of([] { parse_layout("dp=2,pp=2", 0); }).find("the planner does not plan pipeline stages yet"),
+  EXPECT_NE(error_of([] { parse_layout("dp=8,xp=2", 0); }).find("unknown key 'xp'"), std::string::npos);
+  EXPECT_NE(error_of([] { parse_layout("dp=two", 0); }).find("got 'two'"), std::string::npos);
+  EXPECT_NE(error_of([] { parse_layout("dp=2,pp=2", 0); }).find("the planner does not plan pipeline stages yet"),
             std::string::npos);
-  EXPECT_NE(testing::error_of([] { parse_layout("dp=4", 8); }).find("--gpus is 8"), std::string::npos);
-  EXPECT_NE(testing::error_of([] { parse_layout("dp=2,dp=2", 0); }).find("given twice"), std::string::npos);
+  EXPECT_NE(error_of([] { parse_layout("dp=4", 8); }).find("--gpus is 8"), std::string::npos);
+  EXPECT_NE(error_of([] { parse_layout("dp=2,dp=2", 0); }).find("given twice"), std::string::npos);
 }
 
 TEST(PlanCli, PrintsAllThreeModes) {
