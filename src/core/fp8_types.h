@@ -28,4 +28,11 @@ inline constexpr int64_t kMxBlock = 32;
 MOE_HOST_DEVICE inline constexpr float fp8_max_of(Fp8Format f) { return f == Fp8Format::kE4M3 ? 448.0f : 57344.0f; }
 MOE_HOST_DEVICE inline constexpr int fp8_emax_of(Fp8Format f) { return f == Fp8Format::kE4M3 ? 8 : 15; }
 
+// The shapes the GPU's FP8 training path (train.precision = "fp8" on cuda) runs, one rule for the
+// model and the run plan: the routed experts' grouped FP8 GEMMs read rows of 16 codes (D and the
+// expert hidden I multiples of 16); a dense MLP or shared expert runs its GEMMs on cuBLASLt's
+// block-scaled FP8 when D and its hidden F are whole 128-wide scaling blocks (else it stays BF16).
+inline constexpr bool fp8_experts_shapes(int64_t d, int64_t inner) { return d % 16 == 0 && inner % 16 == 0; }
+inline constexpr bool fp8_mlp_shapes(int64_t d, int64_t f) { return d > 0 && f > 0 && d % 128 == 0 && f % 128 == 0; }
+
 }  // namespace moe

@@ -65,7 +65,7 @@ CudaLocalExperts::~CudaLocalExperts() {
 }
 
 void CudaLocalExperts::set_fp8(bool on) {
-  MOE_CHECK(!on || (d_ % 16 == 0 && inner_ % 16 == 0), "train.precision = \"fp8\": the FP8 expert GEMMs read rows of ",
+  MOE_CHECK(!on || fp8_experts_shapes(d_, inner_), "train.precision = \"fp8\": the FP8 expert GEMMs read rows of ",
             "16 codes, so model.d_model (", d_, ") and moe.expert_hidden (", inner_, ") must be multiples of 16");
   fp8_on_ = on;
 }

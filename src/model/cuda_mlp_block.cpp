@@ -70,8 +70,6 @@ void fp8_gemm_a_scratch(cuda::GemmHandle& g, CudaMlpScratch& sc, const uint8_t* 
 
 }  // namespace
 
-bool mlp_fp8_shapes(int64_t d, int64_t f) { return d > 0 && f > 0 && d % 128 == 0 && f % 128 == 0; }
-
 void CudaFp8MlpWeights::reserve(int64_t d, int64_t f, CudaBufferGrower& g) {
   const int64_t db = d / 128, fb = f / 128;
   g.grow<uint8_t>(gu, 2 * f * d, "mlp FP8 gate/up codes");
@@ -97,7 +95,7 @@ void CudaFp8MlpWeights::refresh(const CudaBlockContext& c, const uint16_t* w_gat
 
 void mlp_forward_fp8(cuda::GemmHandle& g, const uint16_t* x, const CudaFp8MlpWeights& w, int64_t n, int64_t d,
                      int64_t f, uint16_t* gu, uint16_t* h, uint16_t* out, CudaMlpScratch& sc, cuda::Stream st) {
-  MOE_CHECK(mlp_fp8_shapes(d, f) && n % 4 == 0, "mlp_forward_fp8: D (", d, ") and F (", f,
+  MOE_CHECK(fp8_mlp_shapes(d, f) && n % 4 == 0, "mlp_forward_fp8: D (", d, ") and F (", f,
             ") must be multiples of 128 and the tokens (", n, ") of 4");
   quantize_rows(x, n, d, sc, st);
   fp8_gemm_a_scratch(g, sc, w.gu.as<uint8_t>(), w.s_gu.as<float>(), n, 2 * f, d, gu, st);
@@ -165,7 +163,7 @@ void CudaMlpBlock::bind(Recompute mode, CudaMlpBlockSaved* pool) {
 }
 
 void CudaMlpBlock::set_fp8(bool on, CudaMlpScratch* scratch) {
-  fp8_ = on && mlp_fp8_shapes(d_, p_.mlp_hidden);
+  fp8_ = on && fp8_mlp_shapes(d_, p_.mlp_hidden);
   fp8_scratch_ = fp8_ ? scratch : nullptr;
   MOE_CHECK(!fp8_ || scratch != nullptr, "CudaMlpBlock::set_fp8: the FP8 MLP needs the model's MLP scratch");
   MOE_CHECK(!fp8_ || p_.mlp_up == p_.mlp_gate + p_.mlp_hidden * d_, "CudaMlpBlock::set_fp8: the FP8 MLP reads the "

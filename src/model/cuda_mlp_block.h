@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "core/config.h"
+#include "core/fp8_types.h"
 #include "core/recompute.h"
 #include "cuda/device.h"
 #include "cuda/ops/memory.h"
@@ -30,15 +31,14 @@ struct CudaMlpScratch {
 };
 
 // The FP8 recipe of an MLP (train.precision = "fp8"), where D and F are multiples of 128
-// (mlp_fp8_shapes): the gate and up weights as one stacked [2F, D] matrix (they are adjacent in
-// the layout) and the down weight [D, F], each as E4M3 codes in 128 x 128 blocks with the
+// (fp8_mlp_shapes, core/fp8_types.h): the gate and up weights as one stacked [2F, D] matrix
+// (they are adjacent in the layout) and the down weight [D, F], each as E4M3 codes in 128 x 128 blocks with the
 // transposed copy the data gradient reads ([D, 2F], [F, D]); scales FP32 in cuda::fp8_gemm's
 // layout (rows of block scales padded to a multiple of 4). Rebuilt from the BF16 copy when
 // c.params_version moves (refresh, on c.stream). The forward GEMMs (gate/up, down) and the data
 // gradients (dh, dx) run on cuBLASLt's block-scaled FP8 (cuda::fp8_gemm) with the activations and
 // gradients quantised in 1 x 128 blocks (h and dgate_up by the SwiGLU kernels that write them); the
 // weight gradients stay BF16.
-bool mlp_fp8_shapes(int64_t d, int64_t f);
 struct CudaFp8MlpWeights {
   cuda::DeviceBuffer gu, s_gu, gu_t, s_gu_t, down, s_down, down_t, s_down_t;
   int64_t version = -1;
@@ -97,7 +97,7 @@ class CudaMlpBlock {
   // Selective recompute: the norm output and h again from the saved input and gate/up output.
   void recompute_selective(const CudaBlockContext& c);
   void backward(const CudaBlockContext& c, CudaResidual& res, CudaMlpScratch& s);
-  // train.precision = "fp8": the MLP's GEMMs in FP8 when mlp_fp8_shapes(D, F) (else BF16), with
+  // train.precision = "fp8": the MLP's GEMMs in FP8 when fp8_mlp_shapes(D, F) (else BF16), with
   // the model's MLP scratch (which must outlive the block); before reserve. fp8(): whether this
   // block runs them in FP8.
   void set_fp8(bool on, CudaMlpScratch* scratch);

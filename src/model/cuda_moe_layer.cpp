@@ -113,7 +113,7 @@ void CudaMoeLayer::forward(const CudaBlockContext& c, CudaResidual& res, CudaMoe
   uint16_t* branch = res.branch();
   cuda::unpermute_forward(ys, route_to_row, topk_w, n, k, d, branch, st);
   c.mark(cuda::Phase::kMlp);
-  if (p_.shared && fp8_shared_) {
+  if (fp8_shared_) {
     // The FP8 GEMM overwrites its output: the shared expert's output and the routed one are added
     // into the residual stream one after the other.
     CudaMlpScratch& sc = *fp8_scratch_;
@@ -166,7 +166,7 @@ void CudaMoeLayer::route(const CudaBlockContext& c, CudaMoeShared& shared, const
 }
 
 void CudaMoeLayer::set_fp8(bool on, CudaMlpScratch* scratch) {
-  fp8_shared_ = on && p_.shared && mlp_fp8_shapes(d_, p_.mlp_hidden);
+  fp8_shared_ = on && p_.shared && fp8_mlp_shapes(d_, p_.mlp_hidden);
   fp8_scratch_ = fp8_shared_ ? scratch : nullptr;
   MOE_CHECK(!fp8_shared_ || scratch != nullptr, "CudaMoeLayer::set_fp8: the FP8 shared expert needs the model's MLP "
             "scratch");
@@ -207,7 +207,7 @@ void CudaMoeLayer::backward(const CudaBlockContext& c, CudaResidual& res, CudaMo
   uint16_t* dbranch = res.dbranch();
   // dbranch = d(branch)/d(norm) applied to dx: the shared expert writes it, or it starts at 0.
   c.mark(cuda::Phase::kMlp);
-  if (p_.shared && fp8_shared_) {
+  if (fp8_shared_) {
     mlp_backward_fp8(G, norm, shared_fp8_w_, sl.shared_gate_up->as<uint16_t>(), sl.shared_h->as<uint16_t>(), dx, n, d,
                      p_.mlp_hidden, mlp, dbranch, Gr + p_.mlp_gate, Gr + p_.mlp_up, Gr + p_.mlp_down, c.wgrad_beta(),
                      st);

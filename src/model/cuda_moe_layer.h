@@ -102,7 +102,7 @@ class CudaMoeLayer {
   void forward(const CudaBlockContext& c, CudaResidual& res, CudaMoeShared& shared, const CudaRoutingSeed& seed,
                uint16_t* out_ND, bool reuse_routing = false);
   // train.precision = "fp8": the shared expert's GEMMs in FP8 when it has one and
-  // mlp_fp8_shapes(D, F) (cuda_mlp_block.h; else BF16), with the model's MLP scratch (which must
+  // fp8_mlp_shapes(D, F) (core/fp8_types.h; else BF16), with the model's MLP scratch (which must
   // outlive the layer); before reserve. The routed experts follow CudaExperts::set_fp8.
   void set_fp8(bool on, CudaMlpScratch* scratch);
   bool shared_fp8() const { return fp8_shared_; }

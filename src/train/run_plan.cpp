@@ -15,6 +15,7 @@
 
 #include "core/checked_math.h"
 #include "core/error.h"
+#include "core/fp8_types.h"
 #include "model/layout.h"
 #include "parallel/pipeline_schedule.h"
 
@@ -49,7 +50,7 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
               "\"cuda\" with parallel.ep = ", p.sizes.ep, " and parallel.ep_backend = \"", cfg.parallel.ep_backend,
               "\": the expert-parallel exchanges carry BF16 rows only so far; set parallel.ep = 1 and "
               "parallel.ep_backend = \"alltoall\", or train.precision = \"bf16\"");
-    MOE_CHECK(num_moe_layers(cfg.model) == 0 || (cfg.model.d_model % 16 == 0 && cfg.moe.expert_hidden % 16 == 0),
+    MOE_CHECK(num_moe_layers(cfg.model) == 0 || fp8_experts_shapes(cfg.model.d_model, cfg.moe.expert_hidden),
               "train.precision = \"fp8\" on train.device = \"cuda\": the FP8 expert GEMMs read rows of 16 codes, so "
               "model.d_model (", cfg.model.d_model, ") and moe.expert_hidden (", cfg.moe.expert_hidden,
               ") must be multiples of 16");
@@ -147,7 +148,7 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   if (gpu && cfg.train.precision == "fp8") {
     for (int64_t l = 0; l < cfg.model.n_layers; ++l) {
       const int64_t f = is_dense_layer(cfg.model, l) ? cfg.model.dense_hidden : cfg.moe.shared_experts * cfg.moe.expert_hidden;
-      if (f > 0 && cfg.model.d_model % 128 == 0 && f % 128 == 0) {
+      if (fp8_mlp_shapes(cfg.model.d_model, f)) {
         fp8_mlp_params += 3.0 * double(f) * d;
         widest_fp8_mlp = std::max(widest_fp8_mlp, double(f));
       }
