@@ -616,7 +616,7 @@ int cmd_logits(const ParsedArgs& a) {
     ids.push_back(static_cast<int32_t>(tokens[i]));
   }
   Model<float> model(cfg.model, cfg.moe);
-  model.set_matmul_precision(cfg.train.precision);
+  model.set_matmul_precision(cfg.train.precision, cfg.train.fp8_scaling);
   load_model_state(ck, model);
   std::vector<int32_t> targets(ids.size(), -1);
   for (size_t i = 0; i + 1 < ids.size(); ++i) targets[i] = ids[i + 1];
@@ -705,7 +705,7 @@ int cmd_generate(const ParsedArgs& a) {
     usage_fail("--device: expected auto, cpu or cuda, got '", device, "'");
   const bool on_gpu = device == "cuda" || (device == "auto" && cfg.train.precision == "bf16" && gpu_available());
   Model<float> model(cfg.model, cfg.moe);
-  model.set_matmul_precision(cfg.train.precision);
+  model.set_matmul_precision(cfg.train.precision, cfg.train.fp8_scaling);
   load_model_state(ck, model);
   const DecodeStep decoder = on_gpu ? cuda_decoder(model) : DecodeStep();
   const auto t0 = std::chrono::steady_clock::now();

@@ -45,6 +45,7 @@ struct TrainConfig {
   int64_t steps = 100;
   uint64_t seed = 1234;
   std::string precision = "fp32";  // "fp32" | "bf16" | "fp8"
+  std::string fp8_scaling = "blocks";  // "blocks" | "mx" | "mx_no_saturation" (precision "fp8")
   std::string recompute = "none";  // "none" | "selective" | "full"
   std::string device = "auto";     // "auto" | "cpu" | "cuda"
   int64_t eval_interval = 25;

@@ -105,8 +105,12 @@ std::vector<ConfigKey> build_keys() {
       entry("train.steps", &C::train, &T::steps, "optimizer steps to run"),
       entry("train.seed", &C::train, &T::seed, "seed of initialisation, data order and random routing"),
       entry("train.precision", &C::train, &T::precision,
-            "matmul precision (master weights stay fp32): fp32 (cpu), bf16 (cuda), fp8 (cpu: the FP8 recipe emulated)",
+            "matmul precision (master weights stay fp32): fp32 (cpu), bf16 (cuda), fp8 (cuda: block-scaled FP8 GEMMs; cpu: the FP8 recipe emulated)",
             {"fp32", "bf16", "fp8"}),
+      entry("train.fp8_scaling", &C::train, &T::fp8_scaling,
+            "scaling of train.precision = \"fp8\": blocks (1 x 128 activations, 128 x 128 weights, FP32 scales), "
+            "mx (MXFP8: 1 x 32 blocks, E8M0 scales, OCP floor rule; cpu only) or mx_no_saturation (E8M0 rounded up)",
+            {"blocks", "mx", "mx_no_saturation"}),
       entry("train.recompute", &C::train, &T::recompute, "activation recomputation in backward",
             {"none", "selective", "full"}),
       entry("train.device", &C::train, &T::device, "where to run; auto: cuda when a GPU is present, else cpu",
@@ -939,6 +943,9 @@ void validate_config(const Config& c) {
   bounded("train.steps", t.steps, 0, kMaxSteps, "no run takes that many optimizer steps");
   p.need(t.seed <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
          "train.seed must be <= 9223372036854775807 (it is written as a TOML integer), got ", t.seed);
+  p.need(t.fp8_scaling == "blocks" || t.precision == "fp8", "train.fp8_scaling = \"", t.fp8_scaling,
+         "\" scales FP8 operands, so it needs train.precision = \"fp8\", got \"", t.precision,
+         "\"; leave train.fp8_scaling = \"blocks\" for other precisions");
   p.need(t.eval_interval >= 0, "train.eval_interval must be >= 0 (0: no evaluation), got ", t.eval_interval);
   bounded("train.eval_batches", t.eval_batches, 0, kMaxEvalBatches, "no evaluation reads that many micro-batches");
   if (t.eval_interval > 0 && t.eval_batches == 0)

@@ -165,7 +165,40 @@ void fp8_gemm_rowwise_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, c
                 [sb](int64_t j, int64_t t, int64_t kblocks) { return sb[j * kblocks + t]; });
 }
 
+namespace {
+
+struct MxQuantised {
+  std::vector<uint8_t> q;
+  std::vector<uint8_t> s;
+};
+
+// x [rows, cols] in 1 x 32 blocks along its rows, E8M0 scales [rows, ceil(cols / 32)].
+MxQuantised mx_quantised(const float* x, int64_t rows, int64_t cols, Fp8Format f, MxScale rule) {
+  MxQuantised out;
+  out.q.resize(size_t(rows * cols));
+  out.s.resize(size_t(rows * fp8_scale_cols(cols, {1, kMxBlock})));
+  mx_quantize(x, rows, cols, f, rule, out.q.data(), out.s.data());
+  return out;
+}
+
+}  // namespace
+
+Fp8Recipe fp8_recipe_named(const std::string& scaling) {
+  Fp8Recipe r;
+  if (scaling == "blocks") return r;
+  MOE_CHECK(scaling == "mx" || scaling == "mx_no_saturation", "train.fp8_scaling: expected \"blocks\", \"mx\" or ",
+            "\"mx_no_saturation\", got \"", scaling, "\"");
+  r.scaling = Fp8Scaling::kMx;
+  r.mx_rule = scaling == "mx" ? MxScale::kOcp : MxScale::kNoSaturation;
+  return r;
+}
+
 void fp8_linear_forward(const float* x, const float* w, int64_t m, int64_t n, int64_t k, const Fp8Recipe& r, float* y) {
+  if (r.scaling == Fp8Scaling::kMx) {
+    const MxQuantised qx = mx_quantised(x, m, k, r.forward, r.mx_rule);
+    const MxQuantised qw = mx_quantised(w, n, k, r.forward, r.mx_rule);
+    return mx_gemm(qx.q.data(), qx.s.data(), r.forward, qw.q.data(), qw.s.data(), r.forward, m, n, k, y, false);
+  }
   const Quantised qx = quantise(x, m, k, kFp8ActivationBlock, r.forward);
   const Quantised qw = quantise(w, n, k, kFp8WeightBlock, r.forward);
   fp8_gemm_block_scaled(qx.q.data(), qx.s.data(), r.forward, qw.q.data(), qw.s.data(), r.forward, m, n, k, y, false);
@@ -173,6 +206,13 @@ void fp8_linear_forward(const float* x, const float* w, int64_t m, int64_t n, in
 
 void fp8_linear_dgrad(const float* dy, const float* w, int64_t m, int64_t n, int64_t k, const Fp8Recipe& r,
                       float* dx) {
+  if (r.scaling == Fp8Scaling::kMx) {
+    // W's column-wise copy: 1 x 32 blocks along N, the contraction dimension of dx = dy W.
+    const std::vector<float> wt = transposed(w, n, k);
+    const MxQuantised qdy = mx_quantised(dy, m, n, r.grad, r.mx_rule);
+    const MxQuantised qwt = mx_quantised(wt.data(), k, n, r.forward, r.mx_rule);
+    return mx_gemm(qdy.q.data(), qdy.s.data(), r.grad, qwt.q.data(), qwt.s.data(), r.forward, m, k, n, dx, false);
+  }
   const Quantised qdy = quantise(dy, m, n, kFp8ActivationBlock, r.grad);
   // W's own 128 x 128 blocks (as the forward quantised them), codes and scale grid transposed.
   const Quantised qw = quantise(w, n, k, kFp8WeightBlock, r.forward);
@@ -185,6 +225,11 @@ void fp8_linear_dgrad(const float* dy, const float* w, int64_t m, int64_t n, int
 void fp8_linear_wgrad(const float* dy, const float* x, int64_t m, int64_t n, int64_t k, const Fp8Recipe& r,
                       float* dw) {
   const std::vector<float> dyt = transposed(dy, m, n), xt = transposed(x, m, k);
+  if (r.scaling == Fp8Scaling::kMx) {
+    const MxQuantised qdyt = mx_quantised(dyt.data(), n, m, r.grad, r.mx_rule);
+    const MxQuantised qxt = mx_quantised(xt.data(), k, m, r.forward, r.mx_rule);
+    return mx_gemm(qdyt.q.data(), qdyt.s.data(), r.grad, qxt.q.data(), qxt.s.data(), r.forward, n, k, m, dw, true);
+  }
   const Quantised qdyt = quantise(dyt.data(), n, m, kFp8ActivationBlock, r.grad);
   const Quantised qxt = quantise(xt.data(), k, m, kFp8ActivationBlock, r.forward);
   fp8_gemm_rowwise_scaled(qdyt.q.data(), qdyt.s.data(), r.grad, qxt.q.data(), qxt.s.data(), r.forward, n, k, m, dw,
@@ -292,26 +337,57 @@ std::vector<float> fake_quantised_columns(const float* x, int64_t rows, int64_t 
   return transposed(tq.data(), cols, rows);
 }
 
+
+// x [rows, cols] in MX blocks (1 x 32 along each row), dequantised.
+std::vector<float> fake_quantised_mx(const float* x, int64_t rows, int64_t cols, Fp8Format f, MxScale rule) {
+  const MxQuantised q = mx_quantised(x, rows, cols, f, rule);
+  std::vector<float> d(size_t(rows * cols));
+  mx_dequantize(q.q.data(), q.s.data(), rows, cols, f, d.data());
+  return d;
+}
+
+// The same in blocks of 32 down the columns.
+std::vector<float> fake_quantised_mx_columns(const float* x, int64_t rows, int64_t cols, Fp8Format f, MxScale rule) {
+  const std::vector<float> t = transposed(x, rows, cols);
+  const std::vector<float> tq = fake_quantised_mx(t.data(), cols, rows, f, rule);
+  return transposed(tq.data(), cols, rows);
+}
+
+// An operand quantised and dequantised as the recipe's scaling says, in blocks along its rows:
+// `block` under block scaling (1 x 128 or 128 x 128), 1 x 32 under MX.
+std::vector<float> fake_quantised_rows(const float* x, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f,
+                                       const Fp8Recipe& r) {
+  return r.scaling == Fp8Scaling::kMx ? fake_quantised_mx(x, rows, cols, f, r.mx_rule)
+                                      : fake_quantised(x, rows, cols, block, f);
+}
+
+// In blocks down the columns: 1 x 128 (block scaling) or 1 x 32 (MX) along the rows' dimension.
+std::vector<float> fake_quantised_cols(const float* x, int64_t rows, int64_t cols, Fp8Format f, const Fp8Recipe& r) {
+  return r.scaling == Fp8Scaling::kMx ? fake_quantised_mx_columns(x, rows, cols, f, r.mx_rule)
+                                      : fake_quantised_columns(x, rows, cols, f);
+}
 }  // namespace
 
 void fp8_emulated_linear_forward(const float* x, const float* w, float* y, int64_t n, int64_t k, int64_t m,
                                  bool accumulate, const Fp8Recipe& r) {
-  const std::vector<float> xq = fake_quantised(x, n, k, kFp8ActivationBlock, r.forward);
-  const std::vector<float> wq = fake_quantised(w, m, k, kFp8WeightBlock, r.forward);
+  const std::vector<float> xq = fake_quantised_rows(x, n, k, kFp8ActivationBlock, r.forward, r);
+  const std::vector<float> wq = fake_quantised_rows(w, m, k, kFp8WeightBlock, r.forward, r);
   linear_forward(xq.data(), wq.data(), y, n, k, m, accumulate);
 }
 
 void fp8_emulated_linear_backward(const float* x, const float* w, const float* dy, float* dx, float* dw, int64_t n,
                                   int64_t k, int64_t m, bool accumulate_dx, const Fp8Recipe& r) {
   if (dx != nullptr) {
-    const std::vector<float> dyq = fake_quantised(dy, n, m, kFp8ActivationBlock, r.grad);
-    const std::vector<float> wq = fake_quantised(w, m, k, kFp8WeightBlock, r.forward);
+    const std::vector<float> dyq = fake_quantised_rows(dy, n, m, kFp8ActivationBlock, r.grad, r);
+    // W's 128 x 128 blocks serve both passes; MX quantises a column-wise copy (along m) for dx.
+    const std::vector<float> wq = r.scaling == Fp8Scaling::kMx ? fake_quantised_mx_columns(w, m, k, r.forward, r.mx_rule)
+                                                               : fake_quantised(w, m, k, kFp8WeightBlock, r.forward);
     linear_backward(static_cast<const float*>(nullptr), wq.data(), dyq.data(), dx, static_cast<float*>(nullptr), n, k,
                     m, accumulate_dx);
   }
   if (dw != nullptr) {
-    const std::vector<float> dyc = fake_quantised_columns(dy, n, m, r.grad);
-    const std::vector<float> xc = fake_quantised_columns(x, n, k, r.forward);
+    const std::vector<float> dyc = fake_quantised_cols(dy, n, m, r.grad, r);
+    const std::vector<float> xc = fake_quantised_cols(x, n, k, r.forward, r);
     linear_backward(xc.data(), static_cast<const float*>(nullptr), dyc.data(), static_cast<float*>(nullptr), dw, n, k,
                     m, false);
   }

@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "core/fp8_types.h"
 
@@ -121,10 +122,21 @@ int64_t mx_to_blocks128(const uint8_t* q, const uint8_t* scales_e8m0, int64_t ro
 // E4M3 for both by default: with one scale per 128 elements (or 128 x 128) E4M3's range is enough
 // for gradients too (as DeepSeek-V3 trains), and its extra mantissa bit halves the rounding error
 // of E5M2.
+//
+// MX scaling (scaling = kMx, train.fp8_scaling = "mx" / "mx_no_saturation"): every operand in
+// 1 x 32 blocks with E8M0 scales (mx_rule) along its GEMM's contraction dimension, as MXFP8
+// trains: x and W along K for the forward, dy and W's columns (a column-wise copy of W) along N
+// for dgrad, dy^T and x^T along M for wgrad; the GEMMs promote every 32 K elements (mx_gemm).
+enum class Fp8Scaling { kBlocks, kMx };
 struct Fp8Recipe {
   Fp8Format forward = Fp8Format::kE4M3;
   Fp8Format grad = Fp8Format::kE4M3;
+  Fp8Scaling scaling = Fp8Scaling::kBlocks;
+  MxScale mx_rule = MxScale::kOcp;
 };
+// The recipe train.fp8_scaling names: "blocks" (1 x 128 / 128 x 128, FP32 scales), "mx" (1 x 32,
+// E8M0, the OCP floor rule) or "mx_no_saturation" (1 x 32, E8M0 rounded up); anything else is refused.
+Fp8Recipe fp8_recipe_named(const std::string& scaling);
 void fp8_linear_forward(const float* x, const float* w, int64_t m, int64_t n, int64_t k, const Fp8Recipe& r, float* y);
 void fp8_linear_dgrad(const float* dy, const float* w, int64_t m, int64_t n, int64_t k, const Fp8Recipe& r, float* dx);
 void fp8_linear_wgrad(const float* dy, const float* x, int64_t m, int64_t n, int64_t k, const Fp8Recipe& r,

@@ -261,8 +261,8 @@ void Model<T>::set_fp8(const cpu::Fp8Recipe* recipe) {
 }
 
 template <typename T>
-void Model<T>::set_matmul_precision(const std::string& train_precision) {
-  const cpu::Fp8Recipe recipe;
+void Model<T>::set_matmul_precision(const std::string& train_precision, const std::string& fp8_scaling) {
+  const cpu::Fp8Recipe recipe = cpu::fp8_recipe_named(fp8_scaling);
   set_fp8(train_precision == "fp8" ? &recipe : nullptr);
 }
 

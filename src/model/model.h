@@ -209,9 +209,10 @@ class Model {
   // as the recipe says, FP32 GEMMs); the router, the attention core and the LM head stay FP32. For
   // float models without expert parallelism (refused otherwise, naming the reason); null: FP32.
   void set_fp8(const cpu::Fp8Recipe* recipe);
-  // set_fp8 from train.precision: "fp8" the default recipe (E4M3 forward and gradients), any other
-  // FP32 (a checkpoint trained in bf16 on the GPU runs in FP32 here).
-  void set_matmul_precision(const std::string& train_precision);
+  // set_fp8 from train.precision and train.fp8_scaling: "fp8" the recipe of E4M3 forward and
+  // gradients in the scaling fp8_scaling names (cpu::fp8_recipe_named), any other precision FP32
+  // (a checkpoint trained in bf16 on the GPU runs in FP32 here).
+  void set_matmul_precision(const std::string& train_precision, const std::string& fp8_scaling = "blocks");
   bool fp8() const { return fp8_on_; }
   Recompute recompute() const { return recompute_; }
   // Bytes the blocks' saved activations hold now (every block's plus the pool's; vector capacity,

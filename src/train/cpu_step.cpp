@@ -55,7 +55,7 @@ class CpuStep final : public Step {
   CpuStep(const Config& cfg, const RunPlan& plan, const Topology& topo, HostState& state)
       : cfg_(cfg), plan_(plan), topo_(topo), s_(state) {
     s_.model.set_recompute(parse_recompute(cfg.train.recompute));
-    s_.model.set_matmul_precision(cfg.train.precision);  // "fp8": the FP8 recipe emulated
+    s_.model.set_matmul_precision(cfg.train.precision, cfg.train.fp8_scaling);  // "fp8": the recipe emulated
   }
 
   int64_t pending() const override { return int64_t(done_.size()); }

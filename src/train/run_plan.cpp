@@ -54,6 +54,10 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
               "train.precision = \"fp8\" on train.device = \"cuda\": the FP8 expert GEMMs read rows of 16 codes, so "
               "model.d_model (", cfg.model.d_model, ") and moe.expert_hidden (", cfg.moe.expert_hidden,
               ") must be multiples of 16");
+    MOE_CHECK(cfg.train.fp8_scaling == "blocks", "train.fp8_scaling = \"", cfg.train.fp8_scaling,
+              "\" on train.device = \"cuda\": the GPU's FP8 GEMMs take 1 x 128 and 128 x 128 blocks with FP32 "
+              "scales (Hopper's tensor cores and cuBLASLt have no 1 x 32 E8M0 mode); set train.fp8_scaling = "
+              "\"blocks\", or train.device = \"cpu\" to train with MX scaling emulated");
   }
   p.virtual_stages = cfg.parallel.virtual_stages;
   p.stage_bounds = stage_bounds(cfg);

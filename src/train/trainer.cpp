@@ -85,11 +85,13 @@ void check_host_memory(const RunPlan& plan) {
 }
 
 void print_header(const Config& cfg, const RunPlan& plan, const Comm& world, std::ostream& out) {
+  const std::string precision =
+      cfg.train.fp8_scaling == "blocks" ? cfg.train.precision : cfg.train.precision + ", " + cfg.train.fp8_scaling + " scaling";
   char head[256];
-  std::snprintf(head, sizeof head, "moecore train: %.2fM params (%.2fM active), %lld steps x %lld tokens on %s (%s), run dir %s\n",
+  std::snprintf(head, sizeof head, "moecore train: %.2fM params (%.2fM active), %lld steps x %lld tokens on %s (%s), ",
                 plan.counts.total_params / 1e6, plan.counts.active_params / 1e6, (long long)cfg.train.steps,
-                (long long)plan.tokens_per_step, plan.device.c_str(), cfg.train.precision.c_str(), cfg.run.dir.c_str());
-  out << head << std::flush;
+                (long long)plan.tokens_per_step, plan.device.c_str(), precision.c_str());
+  out << head << "run dir " << cfg.run.dir << "\n" << std::flush;
   if (world.size() > 1)
     out << "parallel: " << world.size() << " ranks (" << world.backend() << "), dp " << plan.sizes.dp << ", ep "
         << plan.sizes.ep << ", pp " << plan.sizes.pp << ", ZeRO-1 " << (plan.zero ? "on" : "off") << ", collective timeout " << world.timeout_s()

@@ -62,11 +62,11 @@ struct ModelRun {
 
 // between(model) runs after each forward, before its backward.
 template <typename T, typename F>
-ModelRun<T> run(const Case& c, Recompute mode, F&& between, bool fp8 = false) {
+ModelRun<T> run(const Case& c, Recompute mode, F&& between, bool fp8 = false, const char* fp8_scaling = "blocks") {
   Model<T> model(c.m, c.e);
   model.init_params(17);
   model.set_recompute(mode);
-  if (fp8) model.set_matmul_precision("fp8");
+  if (fp8) model.set_matmul_precision("fp8", fp8_scaling);
   EXPECT_EQ(model.recompute(), mode);
   model.zero_grads();
   ModelRun<T> r;
@@ -139,6 +139,14 @@ TEST(Recompute, Fp8EmulationRecomputesBitwiseAndStaysNearFp32) {
     EXPECT_LT(dl, 0.5) << c.name;
     EXPECT_LT(dg, 2.0) << c.name;
   }
+  // MX scaling (train.fp8_scaling = "mx"): recomputation bitwise too, and another quantisation.
+  const std::vector<Case> all = cases();
+  const Case& c = all[0];
+  const auto none = [](Model<float>&) {};
+  const ModelRun<float> mx = run<float>(c, Recompute::kNone, none, true, "mx");
+  EXPECT_TRUE(same_bits(run<float>(c, Recompute::kFull, none, true, "mx").grads, mx.grads)) << c.name << ": MX";
+  EXPECT_FALSE(same_bits(mx.grads, run<float>(c, Recompute::kNone, none, true).grads)) << c.name << ": MX = blocks";
+  EXPECT_LT(normwise_difference(mx.logits[0], run<float>(c, Recompute::kNone, none).logits[0]), 0.5) << c.name;
   Model<double> d(cases()[0].m, cases()[0].e);
   EXPECT_THROW(d.set_matmul_precision("fp8"), Error);
 }

@@ -346,12 +346,10 @@ TEST(Fp8, MxGemmAndItsReblockingToOneBy128) {
   }
 }
 
-// The CPU reference's FP8 training passes (fake quantisation + FP32 BLAS GEMM) equal the recipe's
-// block-scaled passes on the same values up to FP32 summation order.
-TEST(Fp8, EmulatedLinearPassesEqualTheRecipe) {
+// One train.fp8_scaling's emulated passes against its reference passes.
+static void check_emulated_linear_passes(const cpu::Fp8Recipe& r) {
   const int64_t n = 150, k = 260, m = 140;  // partial blocks on every side
   const std::vector<float> x = randn(n * k, 31), w = randn(m * k, 32, 0.05f), dy = randn(n * m, 33, 0.01f);
-  const cpu::Fp8Recipe r;
   std::vector<float> y(size_t(n * m)), want_y(size_t(n * m));
   cpu::fp8_emulated_linear_forward(x.data(), w.data(), y.data(), n, k, m, false, r);
   cpu::fp8_linear_forward(x.data(), w.data(), n, m, k, r, want_y.data());
@@ -369,6 +367,52 @@ TEST(Fp8, EmulatedLinearPassesEqualTheRecipe) {
   for (size_t i = 0; i < y.size(); ++i) EXPECT_NEAR(y2[i], 2.0f * y[i], 1e-5f * (1.0f + std::fabs(y[i])));
   for (size_t i = 0; i < dx.size(); ++i) EXPECT_NEAR(dx2[i], 2.0f * dx[i], 1e-5f * (1.0f + std::fabs(dx[i])));
 }
+
+// The CPU reference's FP8 training passes (fake quantisation + FP32 BLAS GEMM) equal the recipe's
+// block-scaled passes (or, under MX scaling, mx_gemm on MX codes) on the same values up to FP32
+// summation order, for each train.fp8_scaling.
+TEST(Fp8, EmulatedLinearPassesEqualTheRecipe) {
+  for (const char* scaling : {"blocks", "mx", "mx_no_saturation"}) {
+    SCOPED_TRACE(scaling);
+    check_emulated_linear_passes(cpu::fp8_recipe_named(scaling));
+  }
+}
+
+// MX scaling is not block scaling under another name: the MX forward is exactly the FP32 product
+// of the operands' MX dequantised values (1 x 32 blocks, E8M0 scales along K), which differs from
+// the 1 x 128 / 128 x 128 recipe's; the two MX rules differ where a block's largest element
+// saturates under the OCP rule. An unknown scaling is refused naming the key.
+TEST(Fp8, MxRecipeQuantisesInBlocksOf32AlongTheContraction) {
+  const int64_t n = 40, k = 96, m = 24;
+  const std::vector<float> x = randn(n * k, 41), w = randn(m * k, 42, 0.05f);
+  const cpu::Fp8Recipe mx = cpu::fp8_recipe_named("mx");
+  EXPECT_EQ(mx.scaling, cpu::Fp8Scaling::kMx);
+  EXPECT_EQ(mx.mx_rule, MxScale::kOcp);
+  EXPECT_EQ(cpu::fp8_recipe_named("mx_no_saturation").mx_rule, MxScale::kNoSaturation);
+  EXPECT_EQ(cpu::fp8_recipe_named("blocks").scaling, cpu::Fp8Scaling::kBlocks);
+  std::vector<uint8_t> qx(x.size()), sx(size_t(n * k / 32)), qw(w.size()), sw(size_t(m * k / 32));
+  cpu::mx_quantize(x.data(), n, k, Fp8Format::kE4M3, MxScale::kOcp, qx.data(), sx.data());
+  cpu::mx_quantize(w.data(), m, k, Fp8Format::kE4M3, MxScale::kOcp, qw.data(), sw.data());
+  std::vector<float> dxq(x.size()), dwq(w.size());
+  cpu::mx_dequantize(qx.data(), sx.data(), n, k, Fp8Format::kE4M3, dxq.data());
+  cpu::mx_dequantize(qw.data(), sw.data(), m, k, Fp8Format::kE4M3, dwq.data());
+  std::vector<float> y(size_t(n * m)), y_blocks(size_t(n * m));
+  cpu::fp8_emulated_linear_forward(x.data(), w.data(), y.data(), n, k, m, false, mx);
+  cpu::fp8_emulated_linear_forward(x.data(), w.data(), y_blocks.data(), n, k, m, false, cpu::Fp8Recipe{});
+  expect_parity("MX forward", y, gemm_abt(dxq, dwq, n, m, k), kFP32Reduction);
+  EXPECT_GT(normwise_difference(y, y_blocks), 1e-4) << "MX scaling gave the block-scaled product";
+  std::vector<float> y_ns(y.size());
+  cpu::fp8_emulated_linear_forward(x.data(), w.data(), y_ns.data(), n, k, m, false,
+                                   cpu::fp8_recipe_named("mx_no_saturation"));
+  EXPECT_NE(y_ns, y) << "the two MX scale rules quantised alike";
+  try {
+    cpu::fp8_recipe_named("mxfp8");
+    ADD_FAILURE() << "an unknown scaling was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("train.fp8_scaling"), std::string::npos) << e.what();
+  }
+}
+
 
 // The experts' weights: per expert the codes and scales of fp8_quantize_blocks in 128 x 128
 // blocks, the transposed codes and scale grid exactly their transpose (partial edge blocks).

@@ -47,7 +47,7 @@ TEST(ConfigKeys, EveryKeyHasItsOwnFieldAndDescription) {
     EXPECT_EQ(find_config_key(k.name), &k);
   }
   // 11 model + 11 moe + 10 train + 10 optim + 7 data + 11 parallel + 5 checkpoint + 1 run + 3 log.
-  EXPECT_EQ(config_keys().size(), 69u);
+  EXPECT_EQ(config_keys().size(), 70u);
   EXPECT_EQ(find_config_key("moe.topk"), nullptr);
   EXPECT_EQ(find_config_key("model.dense_layers")->type, ConfigType::kIntList);
   EXPECT_EQ(find_config_key("train.seed")->type, ConfigType::kUint);
@@ -298,6 +298,8 @@ INSTANTIATE_TEST_SUITE_P(
     ConfigRules, ConfigRule,
     ::testing::Values(
         over("vocab_size", {"model.vocab_size=0"}, {"model.vocab_size must be > 0, got 0"}),
+        over("fp8_scaling", {"train.fp8_scaling=mx"},
+             {"train.fp8_scaling = \"mx\" scales FP8 operands", "train.precision = \"fp8\", got \"fp32\""}),
         over("d_model", {"model.d_model=-8"}, {"model.d_model must be > 0, got -8"}),
         over("n_layers", {"model.n_layers=0", "model.dense_layers="}, {"model.n_layers must be > 0"}),
         over("n_heads", {"model.n_heads=0"}, {"model.n_heads must be > 0"}),
@@ -550,6 +552,7 @@ TEST(ConfigToToml, RoundTripOfNonDefaultConfigIsExact) {
              .steps = 0,
              .seed = 9223372036854775807ull,
              .precision = "fp8",
+             .fp8_scaling = "mx",
              .recompute = "full",
              .device = "cuda",
              .eval_interval = 0,

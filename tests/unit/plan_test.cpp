@@ -204,6 +204,10 @@ TEST(RunPlan, Fp8OnCudaRefusesWhatItCannotRunNamingTheKey) {
   EXPECT_NE(error_of([&] { make_run_plan(odd, 1, "cuda"); }).find("moe.expert_hidden (24)"), std::string::npos);
   EXPECT_NO_THROW(make_run_plan(ep, 2, "cpu"));
   EXPECT_NO_THROW(make_run_plan(odd, 1, "cpu"));
+  Config mx = c;
+  mx.train.fp8_scaling = "mx";
+  EXPECT_NE(error_of([&] { make_run_plan(mx, 1, "cuda"); }).find("train.fp8_scaling = \"mx\""), std::string::npos);
+  EXPECT_NO_THROW(make_run_plan(mx, 1, "cpu"));
 }
 
 // Measured olmoe-8l steps on one H200: 178.02 ms (the reference the phases come from), and two
