@@ -143,16 +143,26 @@ std::vector<T> transposed(const T* x, int64_t rows, int64_t cols) {
   return t;
 }
 
-struct Quantised {
+// A tensor's FP8 codes and its scales: FP32 (block scaling) or E8M0 codes (MX).
+template <typename Scale>
+struct Codes {
   std::vector<uint8_t> q;
-  std::vector<float> s;
+  std::vector<Scale> s;
+  Codes(int64_t rows, int64_t cols, int64_t scales) : q(size_t(rows * cols)), s(size_t(scales)) {}
 };
+using Quantised = Codes<float>;
+using MxQuantised = Codes<uint8_t>;
 
 Quantised quantise(const float* x, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f) {
-  Quantised out;
-  out.q.resize(size_t(rows * cols));
-  out.s.resize(size_t(fp8_scale_rows(rows, block) * fp8_scale_cols(cols, block)));
+  Quantised out(rows, cols, fp8_scale_rows(rows, block) * fp8_scale_cols(cols, block));
   fp8_quantize_blocks(x, rows, cols, block, f, out.q.data(), out.s.data());
+  return out;
+}
+
+// x [rows, cols] in 1 x 32 blocks along its rows, E8M0 scales [rows, ceil(cols / 32)].
+MxQuantised mx_quantised(const float* x, int64_t rows, int64_t cols, Fp8Format f, MxScale rule) {
+  MxQuantised out(rows, cols, rows * fp8_scale_cols(cols, {1, kMxBlock}));
+  mx_quantize(x, rows, cols, f, rule, out.q.data(), out.s.data());
   return out;
 }
 
@@ -164,24 +174,6 @@ void fp8_gemm_rowwise_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, c
                 fa, qb, fb, m, n, k, c, accumulate,
                 [sb](int64_t j, int64_t t, int64_t kblocks) { return sb[j * kblocks + t]; });
 }
-
-namespace {
-
-struct MxQuantised {
-  std::vector<uint8_t> q;
-  std::vector<uint8_t> s;
-};
-
-// x [rows, cols] in 1 x 32 blocks along its rows, E8M0 scales [rows, ceil(cols / 32)].
-MxQuantised mx_quantised(const float* x, int64_t rows, int64_t cols, Fp8Format f, MxScale rule) {
-  MxQuantised out;
-  out.q.resize(size_t(rows * cols));
-  out.s.resize(size_t(rows * fp8_scale_cols(cols, {1, kMxBlock})));
-  mx_quantize(x, rows, cols, f, rule, out.q.data(), out.s.data());
-  return out;
-}
-
-}  // namespace
 
 Fp8Recipe fp8_recipe_named(const std::string& scaling) {
   Fp8Recipe r;
