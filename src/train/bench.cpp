@@ -92,6 +92,7 @@ nlohmann::json bench_settings(const Config& cfg, const RunPlan& plan, const std:
   return {{"device", plan.device},
           {"inputs", inputs},
           {"precision", cfg.train.precision},
+          {"fp8_scaling", cfg.train.fp8_scaling},
           {"recompute", cfg.train.recompute},
           {"routing", cfg.moe.routing},
           {"capacity_factor", cfg.moe.capacity_factor},

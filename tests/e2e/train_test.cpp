@@ -494,7 +494,7 @@ TEST(Cli, BenchOnCpuRecordsSettingsAndPhases) {
   std::ifstream f(json);
   const nlohmann::json rec = nlohmann::json::parse(f);
   EXPECT_EQ(rec.at("device"), "cpu");
-  for (const char* key : {"device", "precision", "recompute", "routing", "capacity_factor", "ep_backend", "dp", "ep",
+  for (const char* key : {"device", "precision", "fp8_scaling", "recompute", "routing", "capacity_factor", "ep_backend", "dp", "ep",
                           "pp", "zero", "overlap_grad_reduce"})
     EXPECT_TRUE(rec.at("settings").contains(key)) << key;
   EXPECT_EQ(rec.at("cuda_graph"), false);
