@@ -1,6 +1,7 @@
 // CudaAttentionBlock: RMSNorm, Q/K/V projections (cuBLASLt, weights [out, in]), optional QK-norm,
 // RoPE, causal GQA attention, output projection and the residual add, then the same in reverse.
-// The Q/K/V weight gradients accumulate after the three data gradients into dbranch.
+// The Q/K/V weight gradients accumulate after the three data gradients into dbranch. Under
+// train.precision = "fp8" the projections' forward GEMMs and data gradients run in block-scaled FP8.
 // Legend: N = B*S tokens, D model width, Q = H*head_dim, C = n_kv_heads*head_dim. BF16 unless noted.
 #ifdef MOECORE_HAS_CUDA
 
@@ -9,6 +10,7 @@
 #include <cstdint>
 
 #include "core/error.h"
+#include "core/fp8_types.h"
 #include "cuda/ops/attention.h"
 #include "cuda/ops/gemm.h"
 #include "cuda/ops/rmsnorm.h"
@@ -53,9 +55,31 @@ void CudaAttentionBlock::bind(Recompute mode, CudaAttentionSaved* pool) {
   s.lse = at(&CudaAttentionSaved::lse_BHS, full);
 }
 
+void CudaAttentionBlock::set_fp8(bool on, CudaFp8Scratch* scratch) {
+  fp8_ = on && fp8_mlp_shapes(d_, q_) && kv_ % 128 == 0;
+  fp8_scratch_ = fp8_ ? scratch : nullptr;
+  MOE_CHECK(!fp8_ || scratch != nullptr, "CudaAttentionBlock::set_fp8: the FP8 projections need the model's FP8 "
+            "scratch");
+  MOE_CHECK(!fp8_ || (p_.k_proj == p_.q_proj + q_ * d_ && p_.v_proj == p_.k_proj + kv_ * d_),
+            "CudaAttentionBlock::set_fp8: the FP8 projections read the q, k and v weights as one [Q + 2C, D] "
+            "matrix, but the layout does not keep them adjacent");
+  fp8_version_ = -1;
+}
+
+void CudaAttentionBlock::refresh_fp8(const CudaBlockContext& c) {
+  if (fp8_version_ == c.params_version) return;
+  fp8_qkv_.quantize(c.params + p_.q_proj, *fp8_scratch_, c.stream);
+  fp8_o_.quantize(c.params + p_.o_proj, *fp8_scratch_, c.stream);
+  fp8_version_ = c.params_version;
+}
+
 void CudaAttentionBlock::reserve(int64_t batch, int64_t seq, CudaBufferGrower& g) {
   const int64_t n = batch * seq, d = d_, q = q_, kv = kv_;
   const Slots& s = slots_;
+  if (fp8_) {
+    fp8_qkv_.reserve(q + 2 * kv, d, g, "attention FP8 q/k/v weight codes");
+    fp8_o_.reserve(d, q, g, "attention FP8 output weight codes");
+  }
   g.grow<uint16_t>(*s.x, n * d, "x_in");
   if (mode_ == Recompute::kFull) g.grow<float>(*s.x32, n * d, "x32_in");
   g.grow<uint16_t>(*s.norm, n * d, "norm1");
@@ -99,7 +123,7 @@ void CudaAttentionBlock::reserve_scratch(const ModelConfig& m, int64_t batch, in
   s.ws_attn_bytes = ws;
 }
 
-void CudaAttentionBlock::project(const CudaBlockContext& c, int64_t pos0) {
+void CudaAttentionBlock::project(const CudaBlockContext& c, int64_t pos0, bool fp8) {
   const cuda::Stream st = c.stream;
   cuda::GemmHandle& G = *c.gemm;
   const uint16_t* P = c.params;
@@ -112,7 +136,19 @@ void CudaAttentionBlock::project(const CudaBlockContext& c, int64_t pos0) {
   uint16_t* qb = s.q->as<uint16_t>();
   uint16_t* kb = s.k->as<uint16_t>();
   uint16_t* vb = s.v->as<uint16_t>();
-  if (qk_norm_) {
+  if (fp8) {
+    // One quantisation of the norm output, three GEMMs on the row blocks of the stacked weight.
+    CudaFp8Scratch& sc = *fp8_scratch_;
+    refresh_fp8(c);
+    fp8_quantize_operand(norm, n, d, sc, st);
+    fp8_linear(G, sc, fp8_qkv_, false, 0, n, q, d, qk_norm_ ? s.q_raw->as<uint16_t>() : qb, st);
+    fp8_linear(G, sc, fp8_qkv_, false, q, n, kv, d, qk_norm_ ? s.k_raw->as<uint16_t>() : kb, st);
+    fp8_linear(G, sc, fp8_qkv_, false, q + kv, n, kv, d, vb, st);
+    if (qk_norm_) {
+      cuda::rmsnorm_forward(s.q_raw->as<uint16_t>(), P + p_.q_norm, qb, s.q_rstd->as<float>(), n, q, norm_eps_, st);
+      cuda::rmsnorm_forward(s.k_raw->as<uint16_t>(), P + p_.k_norm, kb, s.k_rstd->as<float>(), n, kv, norm_eps_, st);
+    }
+  } else if (qk_norm_) {
     uint16_t* q_raw = s.q_raw->as<uint16_t>();
     uint16_t* k_raw = s.k_raw->as<uint16_t>();
     cuda::gemm(G, false, true, n, q, d, 1.f, norm, d, P + p_.q_proj, d, 0.f, q_raw, q, st);
@@ -123,7 +159,7 @@ void CudaAttentionBlock::project(const CudaBlockContext& c, int64_t pos0) {
     cuda::gemm(G, false, true, n, q, d, 1.f, norm, d, P + p_.q_proj, d, 0.f, qb, q, st);
     cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.k_proj, d, 0.f, kb, kv, st);
   }
-  cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.v_proj, d, 0.f, vb, kv, st);
+  if (!fp8) cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.v_proj, d, 0.f, vb, kv, st);
   if (pos0 == 0) {
     cuda::rope_forward(qb, batch, seq, hq, hd, rope_theta_, st);
     cuda::rope_forward(kb, batch, seq, hkv, hd, rope_theta_, st);
@@ -141,12 +177,17 @@ void CudaAttentionBlock::forward(const CudaBlockContext& c, CudaResidual& res, u
   const Slots& s = slots_;
   c.mark(cuda::Phase::kAttention);
   if (mode_ == Recompute::kFull && !recomputing) cuda::copy_d2d(s.x32->data(), res.x32(), size_t(n * d) * sizeof(float), st);
-  project(c);
+  project(c, 0, fp8_);
   uint16_t* attn = s.attn->as<uint16_t>();
   cuda::attention_forward(s.q->as<uint16_t>(), s.k->as<uint16_t>(), s.v->as<uint16_t>(), attn, s.lse->as<float>(),
                           batch, seq, hq, hkv, hd, st);
   uint16_t* branch = res.branch();
-  cuda::gemm(*c.gemm, false, true, n, d, q, 1.f, attn, q, c.params + p_.o_proj, q, 0.f, branch, d, st);
+  if (fp8_) {
+    fp8_quantize_operand(attn, n, q, *fp8_scratch_, st);
+    fp8_linear(*c.gemm, *fp8_scratch_, fp8_o_, false, 0, n, d, q, branch, st);
+  } else {
+    cuda::gemm(*c.gemm, false, true, n, d, q, 1.f, attn, q, c.params + p_.o_proj, q, 0.f, branch, d, st);
+  }
   cuda::residual_add(res.x32(), branch, out_ND, n * d, st);
 }
 
@@ -175,7 +216,7 @@ void CudaAttentionBlock::restore_residual(const CudaBlockContext& c, CudaResidua
   cuda::cast_f32_to_bf16(slots_.x32->as<float>(), slots_.x->as<uint16_t>(), nd, c.stream);
 }
 
-void CudaAttentionBlock::recompute_projections(const CudaBlockContext& c) { project(c); }
+void CudaAttentionBlock::recompute_projections(const CudaBlockContext& c) { project(c, 0, fp8_); }
 
 void CudaAttentionBlock::backward(const CudaBlockContext& c, CudaResidual& res, CudaAttentionScratch& w) {
   const cuda::Stream st = c.stream;
@@ -194,7 +235,12 @@ void CudaAttentionBlock::backward(const CudaBlockContext& c, CudaResidual& res, 
   c.mark(cuda::Phase::kAttention);
   const uint16_t* attn = s.attn->as<uint16_t>();
   const uint16_t* norm = s.norm->as<uint16_t>();
-  cuda::gemm(G, false, false, n, q, d, 1.f, dx, d, P + p_.o_proj, q, 0.f, dattn, q, st);
+  if (fp8_) {
+    fp8_quantize_operand(dx, n, d, *fp8_scratch_, st);
+    fp8_linear(G, *fp8_scratch_, fp8_o_, true, 0, n, q, d, dattn, st);
+  } else {
+    cuda::gemm(G, false, false, n, q, d, 1.f, dx, d, P + p_.o_proj, q, 0.f, dattn, q, st);
+  }
   cuda::gemm(G, true, false, d, q, n, 1.f, dx, d, attn, q, c.wgrad_beta(), Gr + p_.o_proj, q, st);
   cuda::attention_backward(s.q->as<uint16_t>(), s.k->as<uint16_t>(), s.v->as<uint16_t>(), attn,
                            s.lse->as<float>(), dattn, dq, dk, dv, batch, seq, hq, hkv, hd, w.ws_attn,
@@ -213,9 +259,19 @@ void CudaAttentionBlock::backward(const CudaBlockContext& c, CudaResidual& res, 
     gq = dq_raw;
     gk = dk_raw;
   }
-  cuda::gemm(G, false, false, n, d, q, 1.f, gq, q, P + p_.q_proj, d, 0.f, dbranch, d, st);
-  cuda::gemm(G, false, false, n, d, kv, 1.f, gk, kv, P + p_.k_proj, d, 1.f, dbranch, d, st);
-  cuda::gemm(G, false, false, n, d, kv, 1.f, dv, kv, P + p_.v_proj, d, 1.f, dbranch, d, st);
+  if (fp8_) {
+    // dbranch = [gq | gk | dv] [Wq; Wk; Wv]: the three gradients' codes side by side along K.
+    CudaFp8Scratch& sc = *fp8_scratch_;
+    const int64_t w = q + 2 * kv;
+    fp8_quantize_operand_part(gq, n, q, w, 0, sc, st);
+    fp8_quantize_operand_part(gk, n, kv, w, q, sc, st);
+    fp8_quantize_operand_part(dv, n, kv, w, q + kv, sc, st);
+    fp8_linear(G, sc, fp8_qkv_, true, 0, n, d, w, dbranch, st);
+  } else {
+    cuda::gemm(G, false, false, n, d, q, 1.f, gq, q, P + p_.q_proj, d, 0.f, dbranch, d, st);
+    cuda::gemm(G, false, false, n, d, kv, 1.f, gk, kv, P + p_.k_proj, d, 1.f, dbranch, d, st);
+    cuda::gemm(G, false, false, n, d, kv, 1.f, dv, kv, P + p_.v_proj, d, 1.f, dbranch, d, st);
+  }
   cuda::gemm(G, true, false, q, d, n, 1.f, gq, q, norm, d, c.wgrad_beta(), Gr + p_.q_proj, d, st);
   cuda::gemm(G, true, false, kv, d, n, 1.f, gk, kv, norm, d, c.wgrad_beta(), Gr + p_.k_proj, d, st);
   cuda::gemm(G, true, false, kv, d, n, 1.f, dv, kv, norm, d, c.wgrad_beta(), Gr + p_.v_proj, d, st);

@@ -7,12 +7,14 @@
 // C = n_kv_heads*head_dim (kv width). BF16 unless noted.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "core/config.h"
 #include "core/recompute.h"
 #include "cuda/ops/memory.h"
 #include "model/cuda_block.h"
+#include "model/cuda_fp8_linear.h"
 #include "model/layout.h"
 
 namespace moe {
@@ -81,6 +83,20 @@ class CudaAttentionBlock {
   // From res.dx (dL/dx of the output residual): parameter gradients +=, res.dx32 += dL/d(input)
   // through the branch, res.dx refreshed.
   void backward(const CudaBlockContext& c, CudaResidual& res, CudaAttentionScratch& s);
+  // train.precision = "fp8": the Q/K/V and output projections' forward GEMMs and data gradients
+  // in block-scaled FP8 (cuBLASLt, cuda_fp8_linear.h) when D, Q and C are multiples of 128 (else
+  // BF16), with the model's FP8 scratch (which must outlive the block); before reserve. The
+  // weights' codes: the q/k/v weights as one stacked [Q + 2C, D] matrix (adjacent in the layout)
+  // and the output weight [D, Q], rebuilt when c.params_version moves. The data gradient of the
+  // input projections is one GEMM over the three gradients' codes side by side along K; weight
+  // gradients, QK-norm, RoPE and the attention core stay BF16; decoding runs BF16. fp8(): whether
+  // this block runs them in FP8.
+  void set_fp8(bool on, CudaFp8Scratch* scratch);
+  bool fp8() const { return fp8_; }
+  // The FP8 scratch this block needs: activation codes of width (fp8_width) and a weight refresh
+  // of (fp8_weight_elems) elements.
+  int64_t fp8_width() const { return std::max(d_, q_ + 2 * kv_); }
+  int64_t fp8_weight_elems() const { return (q_ + 2 * kv_) * d_; }
 
  private:
   struct Slots {
@@ -88,7 +104,8 @@ class CudaAttentionBlock {
   };
   // Norm, projections, QK-norm and RoPE: the part of forward selective recompute re-runs. pos0 > 0
   // (decoding, batch 1): the rows sit at positions pos0 ...
-  void project(const CudaBlockContext& c, int64_t pos0 = 0);
+  void project(const CudaBlockContext& c, int64_t pos0 = 0, bool fp8 = false);
+  void refresh_fp8(const CudaBlockContext& c);
 
   LayerParams p_;
   int64_t d_, hq_, hkv_, hd_, q_, kv_;
@@ -97,6 +114,10 @@ class CudaAttentionBlock {
   Recompute mode_ = Recompute::kNone;
   CudaAttentionSaved saved_;
   Slots slots_;
+  bool fp8_ = false;
+  CudaFp8Weight fp8_qkv_, fp8_o_;
+  int64_t fp8_version_ = -1;
+  CudaFp8Scratch* fp8_scratch_ = nullptr;
 };
 
 }  // namespace moe

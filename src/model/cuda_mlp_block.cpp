@@ -13,6 +13,7 @@
 #include "cuda/ops/gemm.h"
 #include "cuda/ops/rmsnorm.h"
 #include "cuda/ops/swiglu.h"
+#include "model/cuda_fp8_linear.h"
 
 namespace moe {
 
@@ -22,86 +23,32 @@ void CudaMlpScratch::reserve(int64_t n, int64_t f, CudaBufferGrower& g) {
 }
 
 void CudaMlpScratch::reserve_fp8(int64_t n, int64_t d, int64_t f, CudaBufferGrower& g) {
-  const int64_t widest = std::max(d, 2 * f), kb = (widest + 127) / 128;
-  g.grow<uint8_t>(fp8_q, n * widest, "mlp FP8 activation codes");
-  g.grow<float>(fp8_s, n * kb, "mlp FP8 activation scales");
-  g.grow<float>(fp8_s_t, kb * n, "mlp FP8 activation scales, K-block-major");
-  // A weight refresh's block scales before their padding: the widest grid is the stacked gate/up's.
-  g.grow<float>(fp8_s_tmp, 3 * (2 * f / 128) * (d / 128), "mlp FP8 weight scale scratch");
+  fp8.reserve(n, std::max(d, 2 * f), 2 * f * d, g);
   g.grow<uint16_t>(fp8_out_ND, n * d, "mlp FP8 output");
 }
 
-namespace {
-
-int64_t pad4(int64_t x) { return (x + 3) / 4 * 4; }
-
-// w [rows, cols] BF16 -> codes q [rows, cols] with block scales s [rows/128, pad4(cols/128)] and the
-// transposed codes qt [cols, rows] with st [cols/128, pad4(rows/128)] (cuda::fp8_gemm's B layout).
-void quantize_weight_padded(const uint16_t* w, int64_t rows, int64_t cols, uint8_t* q, float* s, uint8_t* qt,
-                            float* st, float* tmp, cuda::Stream stream) {
-  const int64_t rb = rows / 128, cb = cols / 128;
-  const bool direct = cb % 4 == 0 && rb % 4 == 0;
-  float* s_raw = direct ? s : tmp;                 // [rb, cb]
-  float* st_raw = direct ? st : tmp + rb * cb;     // [cb, rb]
-  cuda::fp8_quantize_weights(w, 1, rows, cols, Fp8Format::kE4M3, q, s_raw, qt, st_raw, nullptr, stream);
-  if (direct) return;
-  // Pad each row of block scales to a multiple of 4: [rb, cb] -> [cb, rb] -> [rb, pad4(cb)] through
-  // two K-major re-layouts (bitwise copies, zeros in the padding); likewise the transposed grid.
-  float* t = tmp + 2 * rb * cb;
-  cuda::fp8_scales_k_major(s_raw, rb, cb, rb, t, stream);        // t [cb, rb]
-  cuda::fp8_scales_k_major(t, cb, rb, pad4(cb), s, stream);      // s [rb, pad4(cb)]
-  cuda::fp8_scales_k_major(st_raw, cb, rb, cb, t, stream);       // t [rb, cb]
-  cuda::fp8_scales_k_major(t, rb, cb, pad4(rb), st, stream);     // st [cb, pad4(rb)]
-}
-
-// x [n, k] BF16 -> the scratch's codes and K-block-major 1 x 128 scales (fp8_gemm's A).
-void quantize_rows(const uint16_t* x, int64_t n, int64_t k, CudaMlpScratch& sc, cuda::Stream st) {
-  cuda::fp8_quantize_blocks(x, n, k, kFp8ActivationBlock, Fp8Format::kE4M3, sc.fp8_q.as<uint8_t>(),
-                            sc.fp8_s.as<float>(), nullptr, st);
-  cuda::fp8_scales_k_major(sc.fp8_s.as<float>(), n, k / 128, n, sc.fp8_s_t.as<float>(), st);
-}
-
-// c [n, m] = A (the scratch's codes of [n, k]) B^T, B [m, k] codes with padded 128 x 128 scales.
-void fp8_gemm_a_scratch(cuda::GemmHandle& g, CudaMlpScratch& sc, const uint8_t* qb, const float* sb, int64_t n,
-                        int64_t m, int64_t k, uint16_t* c, cuda::Stream st) {
-  cuda::fp8_gemm(g, sc.fp8_q.as<uint8_t>(), sc.fp8_s_t.as<float>(), n, Fp8Format::kE4M3, qb, sb, pad4(k / 128),
-                 Fp8Format::kE4M3, cuda::Fp8BScaling::kBlock128x128, n, m, k, c, st);
-}
-
-}  // namespace
-
 void CudaFp8MlpWeights::reserve(int64_t d, int64_t f, CudaBufferGrower& g) {
-  const int64_t db = d / 128, fb = f / 128;
-  g.grow<uint8_t>(gu, 2 * f * d, "mlp FP8 gate/up codes");
-  g.grow<float>(s_gu, 2 * fb * pad4(db), "mlp FP8 gate/up scales");
-  g.grow<uint8_t>(gu_t, d * 2 * f, "mlp FP8 gate/up transposed codes");
-  g.grow<float>(s_gu_t, db * pad4(2 * fb), "mlp FP8 gate/up transposed scales");
-  g.grow<uint8_t>(down, d * f, "mlp FP8 down codes");
-  g.grow<float>(s_down, db * pad4(fb), "mlp FP8 down scales");
-  g.grow<uint8_t>(down_t, f * d, "mlp FP8 down transposed codes");
-  g.grow<float>(s_down_t, fb * pad4(db), "mlp FP8 down transposed scales");
+  gu.reserve(2 * f, d, g, "mlp FP8 gate/up codes");
+  down.reserve(d, f, g, "mlp FP8 down codes");
 }
 
 void CudaFp8MlpWeights::refresh(const CudaBlockContext& c, const uint16_t* w_gate_FD, const uint16_t* w_down_DF,
-                                int64_t d, int64_t f, CudaMlpScratch& scratch) {
+                                CudaFp8Scratch& scratch) {
   if (version == c.params_version) return;
-  float* tmp = scratch.fp8_s_tmp.as<float>();
-  quantize_weight_padded(w_gate_FD, 2 * f, d, gu.as<uint8_t>(), s_gu.as<float>(), gu_t.as<uint8_t>(),
-                         s_gu_t.as<float>(), tmp, c.stream);
-  quantize_weight_padded(w_down_DF, d, f, down.as<uint8_t>(), s_down.as<float>(), down_t.as<uint8_t>(),
-                         s_down_t.as<float>(), tmp, c.stream);
+  gu.quantize(w_gate_FD, scratch, c.stream);
+  down.quantize(w_down_DF, scratch, c.stream);
   version = c.params_version;
 }
 
 void mlp_forward_fp8(cuda::GemmHandle& g, const uint16_t* x, const CudaFp8MlpWeights& w, int64_t n, int64_t d,
-                     int64_t f, uint16_t* gu, uint16_t* h, uint16_t* out, CudaMlpScratch& sc, cuda::Stream st) {
+                     int64_t f, uint16_t* gu, uint16_t* h, uint16_t* out, CudaFp8Scratch& sc, cuda::Stream st) {
   MOE_CHECK(fp8_mlp_shapes(d, f) && n % 4 == 0, "mlp_forward_fp8: D (", d, ") and F (", f,
             ") must be multiples of 128 and the tokens (", n, ") of 4");
-  quantize_rows(x, n, d, sc, st);
-  fp8_gemm_a_scratch(g, sc, w.gu.as<uint8_t>(), w.s_gu.as<float>(), n, 2 * f, d, gu, st);
-  cuda::swiglu_forward_fp8(gu, h, sc.fp8_q.as<uint8_t>(), sc.fp8_s.as<float>(), n, f, st);
-  cuda::fp8_scales_k_major(sc.fp8_s.as<float>(), n, f / 128, n, sc.fp8_s_t.as<float>(), st);
-  fp8_gemm_a_scratch(g, sc, w.down.as<uint8_t>(), w.s_down.as<float>(), n, d, f, out, st);
+  fp8_quantize_operand(x, n, d, sc, st);
+  fp8_linear(g, sc, w.gu, false, 0, n, 2 * f, d, gu, st);
+  cuda::swiglu_forward_fp8(gu, h, sc.q.as<uint8_t>(), sc.s.as<float>(), n, f, st);
+  cuda::fp8_scales_k_major(sc.s.as<float>(), n, f / 128, n, sc.s_t.as<float>(), st);
+  fp8_linear(g, sc, w.down, false, 0, n, d, f, out, st);
 }
 
 void mlp_backward_fp8(cuda::GemmHandle& g, const uint16_t* x, const CudaFp8MlpWeights& w, const uint16_t* gu,
@@ -109,14 +56,15 @@ void mlp_backward_fp8(cuda::GemmHandle& g, const uint16_t* x, const CudaFp8MlpWe
                       uint16_t* dx, float* dwg, float* dwu, float* dwd, float dw_beta, cuda::Stream st) {
   uint16_t* dh = sc.dh_NF.as<uint16_t>();
   uint16_t* dgu = sc.dgate_up_N2F.as<uint16_t>();
-  quantize_rows(dout, n, d, sc, st);
-  fp8_gemm_a_scratch(g, sc, w.down_t.as<uint8_t>(), w.s_down_t.as<float>(), n, f, d, dh, st);  // dh = dout Wd
+  CudaFp8Scratch& q8 = sc.fp8;
+  fp8_quantize_operand(dout, n, d, q8, st);
+  fp8_linear(g, q8, w.down, true, 0, n, f, d, dh, st);  // dh = dout Wd
   cuda::gemm(g, true, false, d, f, n, 1.f, dout, d, h, f, dw_beta, dwd, f, st);
-  cuda::swiglu_backward_fp8(gu, dh, dgu, sc.fp8_q.as<uint8_t>(), sc.fp8_s.as<float>(), n, f, st);
-  cuda::fp8_scales_k_major(sc.fp8_s.as<float>(), n, 2 * f / 128, n, sc.fp8_s_t.as<float>(), st);
+  cuda::swiglu_backward_fp8(gu, dh, dgu, q8.q.as<uint8_t>(), q8.s.as<float>(), n, f, st);
+  cuda::fp8_scales_k_major(q8.s.as<float>(), n, 2 * f / 128, n, q8.s_t.as<float>(), st);
   cuda::gemm(g, true, false, f, d, n, 1.f, dgu, 2 * f, x, d, dw_beta, dwg, d, st);
   cuda::gemm(g, true, false, f, d, n, 1.f, dgu + f, 2 * f, x, d, dw_beta, dwu, d, st);
-  fp8_gemm_a_scratch(g, sc, w.gu_t.as<uint8_t>(), w.s_gu_t.as<float>(), n, d, 2 * f, dx, st);  // dx = dgu Wgu
+  fp8_linear(g, q8, w.gu, true, 0, n, d, 2 * f, dx, st);  // dx = dgu Wgu
 }
 
 void mlp_forward_gpu(cuda::GemmHandle& g, const uint16_t* x, const uint16_t* wg, const uint16_t* wu,
@@ -190,9 +138,9 @@ void CudaMlpBlock::forward(const CudaBlockContext& c, CudaResidual& res, uint16_
   cuda::rmsnorm_forward(s.x->as<uint16_t>(), P + p_.mlp_norm, norm, s.rstd->as<float>(), n, d, norm_eps_, st);
   uint16_t* branch = res.branch();
   if (fp8_) {
-    fp8_w_.refresh(c, P + p_.mlp_gate, P + p_.mlp_down, d, p_.mlp_hidden, *fp8_scratch_);
+    fp8_w_.refresh(c, P + p_.mlp_gate, P + p_.mlp_down, fp8_scratch_->fp8);
     mlp_forward_fp8(*c.gemm, norm, fp8_w_, n, d, p_.mlp_hidden, s.gate_up->as<uint16_t>(), s.h->as<uint16_t>(),
-                    branch, *fp8_scratch_, st);
+                    branch, fp8_scratch_->fp8, st);
   } else {
     mlp_forward_gpu(*c.gemm, norm, P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down, n, d, p_.mlp_hidden,
                     s.gate_up->as<uint16_t>(), s.h->as<uint16_t>(), branch, false, st);

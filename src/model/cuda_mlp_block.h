@@ -14,17 +14,19 @@
 #include "cuda/device.h"
 #include "cuda/ops/memory.h"
 #include "model/cuda_block.h"
+#include "model/cuda_fp8_linear.h"
 #include "model/layout.h"
 
 namespace moe {
 
 // Backward scratch of every MLP (one per model, sized for the widest F); under the FP8 recipe also
-// the activation codes of the widest GEMM input [N, max(D, 2F)], their 1 x 128 scales row-major
-// and K-block-major (cuda::fp8_gemm's layout), the scale re-layout scratch of a weight refresh, and
-// an [N, D] output for an MLP whose output adds onto another (the shared expert).
+// the model's FP8 activation operand (cuda_fp8_linear.h; the MLPs need [N, max(D, 2F)], the
+// attention projections grow it to theirs) and an [N, D] output for an MLP whose output adds onto
+// another (the shared expert).
 struct CudaMlpScratch {
   cuda::DeviceBuffer dh_NF, dgate_up_N2F;
-  cuda::DeviceBuffer fp8_q, fp8_s, fp8_s_t, fp8_s_tmp, fp8_out_ND;
+  CudaFp8Scratch fp8;
+  cuda::DeviceBuffer fp8_out_ND;
   void reserve(int64_t n, int64_t f, CudaBufferGrower& g);
   // The FP8 buffers for N tokens of width D and hidden F (grows only).
   void reserve_fp8(int64_t n, int64_t d, int64_t f, CudaBufferGrower& g);
@@ -32,24 +34,23 @@ struct CudaMlpScratch {
 
 // The FP8 recipe of an MLP (train.precision = "fp8"), where D and F are multiples of 128
 // (fp8_mlp_shapes, core/fp8_types.h): the gate and up weights as one stacked [2F, D] matrix
-// (they are adjacent in the layout) and the down weight [D, F], each as E4M3 codes in 128 x 128 blocks with the
-// transposed copy the data gradient reads ([D, 2F], [F, D]); scales FP32 in cuda::fp8_gemm's
-// layout (rows of block scales padded to a multiple of 4). Rebuilt from the BF16 copy when
-// c.params_version moves (refresh, on c.stream). The forward GEMMs (gate/up, down) and the data
+// (they are adjacent in the layout) and the down weight [D, F], each a CudaFp8Weight (E4M3 codes
+// in 128 x 128 blocks with the transposed copy the data gradient reads). Rebuilt from the BF16
+// copy when c.params_version moves (refresh, on c.stream). The forward GEMMs (gate/up, down) and the data
 // gradients (dh, dx) run on cuBLASLt's block-scaled FP8 (cuda::fp8_gemm) with the activations and
 // gradients quantised in 1 x 128 blocks (h and dgate_up by the SwiGLU kernels that write them); the
 // weight gradients stay BF16.
 struct CudaFp8MlpWeights {
-  cuda::DeviceBuffer gu, s_gu, gu_t, s_gu_t, down, s_down, down_t, s_down_t;
+  CudaFp8Weight gu, down;
   int64_t version = -1;
   void reserve(int64_t d, int64_t f, CudaBufferGrower& g);
   // w_gate_FD: the gate weight, the up weight right after it (checked by the caller's layout).
-  void refresh(const CudaBlockContext& c, const uint16_t* w_gate_FD, const uint16_t* w_down_DF, int64_t d, int64_t f,
-               CudaMlpScratch& scratch);
+  void refresh(const CudaBlockContext& c, const uint16_t* w_gate_FD, const uint16_t* w_down_DF,
+               CudaFp8Scratch& scratch);
 };
 // mlp_forward_gpu in FP8: out_ND overwritten (no accumulate), gate_up_N2F and h_NF saved in BF16.
 void mlp_forward_fp8(cuda::GemmHandle& g, const uint16_t* x_ND, const CudaFp8MlpWeights& w, int64_t n, int64_t d,
-                     int64_t f, uint16_t* gate_up_N2F, uint16_t* h_NF, uint16_t* out_ND, CudaMlpScratch& scratch,
+                     int64_t f, uint16_t* gate_up_N2F, uint16_t* h_NF, uint16_t* out_ND, CudaFp8Scratch& scratch,
                      cuda::Stream st);
 // mlp_backward_gpu in FP8: dx_ND overwritten; the weight gradients as mlp_backward_gpu's (BF16 GEMMs).
 void mlp_backward_fp8(cuda::GemmHandle& g, const uint16_t* x_ND, const CudaFp8MlpWeights& w,

@@ -423,6 +423,7 @@ void CudaModel::set_fp8(bool on) {
   MOE_CHECK(!I.reserved, "CudaModel::set_fp8: the precision is set before the first forward or reserve");
   if (I.moe.experts) I.moe.experts->set_fp8(on);
   for (Impl::Layer& layer : I.layers) {
+    if (layer.attention) layer.attention->set_fp8(on, &I.mlp_scratch.fp8);
     if (layer.mlp) layer.mlp->set_fp8(on, &I.mlp_scratch);
     if (layer.moe) layer.moe->set_fp8(on, &I.mlp_scratch);
   }
@@ -495,17 +496,21 @@ void CudaModel::reserve(int64_t batch, int64_t seq) {
   g.grow<uint16_t>(I.res.dx_ND, n * d, "dx");
   g.grow<uint16_t>(I.res.dbranch_ND, n * d, "dbranch");
   if (widest_mlp > 0) I.mlp_scratch.reserve(n, widest_mlp, g);
-  // The FP8 MLPs' activation codes and scales (dense blocks and shared experts that run in FP8).
+  // The FP8 activation codes and scales of the MLPs (dense blocks and shared experts that run in
+  // FP8) and of the attention projections.
   int64_t widest_fp8 = 0;
+  bool fp8_attention = false;
   for (const Impl::Layer& layer : I.layers) {
     if (layer.mlp && layer.mlp->fp8()) widest_fp8 = std::max(widest_fp8, layer.mlp->hidden());
     if (layer.moe && layer.moe->shared_fp8()) widest_fp8 = std::max(widest_fp8, layer.moe->shared_hidden());
+    if (layer.attention && layer.attention->fp8()) {
+      fp8_attention = true;
+      I.mlp_scratch.fp8.reserve(n, layer.attention->fp8_width(), layer.attention->fp8_weight_elems(), g);
+    }
   }
-  if (widest_fp8 > 0) {
-    MOE_CHECK(n % 4 == 0, "CudaModel: train.precision = \"fp8\" runs the MLPs' FP8 GEMMs on batches of a multiple of 4 "
-              "tokens, got ", n);
-    I.mlp_scratch.reserve_fp8(n, d, widest_fp8, g);
-  }
+  MOE_CHECK((widest_fp8 == 0 && !fp8_attention) || n % 4 == 0, "CudaModel: train.precision = \"fp8\" runs the "
+            "projections' and MLPs' FP8 GEMMs on batches of a multiple of 4 tokens, got ", n);
+  if (widest_fp8 > 0) I.mlp_scratch.reserve_fp8(n, d, widest_fp8, g);
 }
 
 void CudaModel::forward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,

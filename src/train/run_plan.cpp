@@ -145,25 +145,37 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
     m.activation.scratch.push_back(
         {"FP8 expert activation codes and scales", rows * widest + rows * std::ceil(widest / 128.0) * 4.0});
   }
-  // FP8 MLPs (dense blocks and shared experts whose D and F are multiples of 128: cuda_mlp_block.h):
-  // their weights' two code copies (fp8_mlp_params, below) and the model's one set of activation
-  // codes, row-major and K-major scales, weight-scale scratch and shared-expert output.
-  double fp8_mlp_params = 0, widest_fp8_mlp = 0;
+  // FP8 dense linears (cuda_fp8_linear.h): the attention projections where D, Q and C are multiples
+  // of 128, the MLPs (dense blocks and shared experts) whose D and F are; their weights' two code
+  // copies (fp8_dense_params, below) and the model's one set of activation codes, row-major and
+  // K-major scales, weight-scale scratch, and the shared-expert output of an FP8 MLP.
+  double fp8_dense_params = 0, widest_fp8_mlp = 0, fp8_width = 0, fp8_weight_elems = 0;
   if (gpu && cfg.train.precision == "fp8") {
+    const double q = double(cfg.model.n_heads * cfg.model.head_dim()), kv = double(cfg.model.n_kv_heads * cfg.model.head_dim());
+    if (fp8_mlp_shapes(cfg.model.d_model, cfg.model.n_heads * cfg.model.head_dim()) &&
+        int64_t(kv) % 128 == 0) {
+      fp8_dense_params += double(cfg.model.n_layers) * (2.0 * q + 2.0 * kv) * d;
+      fp8_width = std::max(d, q + 2.0 * kv);
+      fp8_weight_elems = (q + 2.0 * kv) * d;
+    }
     for (int64_t l = 0; l < cfg.model.n_layers; ++l) {
       const int64_t f = is_dense_layer(cfg.model, l) ? cfg.model.dense_hidden : cfg.moe.shared_experts * cfg.moe.expert_hidden;
       if (fp8_mlp_shapes(cfg.model.d_model, f)) {
-        fp8_mlp_params += 3.0 * double(f) * d;
+        fp8_dense_params += 3.0 * double(f) * d;
         widest_fp8_mlp = std::max(widest_fp8_mlp, double(f));
       }
     }
+    if (widest_fp8_mlp > 0) {
+      fp8_width = std::max({fp8_width, d, 2.0 * widest_fp8_mlp});
+      fp8_weight_elems = std::max(fp8_weight_elems, 2.0 * widest_fp8_mlp * d);
+    }
   }
-  if (widest_fp8_mlp > 0) {
-    const double tokens = double(p.tokens_per_micro_batch), widest = std::max(d, 2.0 * widest_fp8_mlp);
-    const double kb = std::ceil(widest / 128.0);
-    m.activation.scratch.push_back({"FP8 MLP activation codes, scales and output",
-                                    tokens * widest + 2.0 * tokens * kb * 4.0 +
-                                        3.0 * (2.0 * widest_fp8_mlp / 128.0) * (d / 128.0) * 4.0 + tokens * d * 2.0});
+  if (fp8_width > 0) {
+    const double tokens = double(p.tokens_per_micro_batch), kb = std::ceil(fp8_width / 128.0);
+    m.activation.scratch.push_back({"FP8 projection and MLP activation codes and scales",
+                                    tokens * fp8_width + 2.0 * tokens * kb * 4.0 +
+                                        3.0 * fp8_weight_elems / (128.0 * 128.0) * 4.0 +
+                                        (widest_fp8_mlp > 0 ? tokens * d * 2.0 : 0.0)});
   }
   m.activations_kept = m.activation.kept_bytes();
   m.activations_pool = m.activation.pool_bytes();
@@ -178,7 +190,7 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
     // FP8 experts: each expert weight's E4M3 codes and their transposed copy, and both copies'
     // 128 x 128 block scales (FP32).
     if (fp8_experts) m.params += double(m.expert_params) * (2.0 + 2.0 * 4.0 / (128.0 * 128.0));
-    m.params += fp8_mlp_params * (2.0 + 2.0 * 4.0 / (128.0 * 128.0));  // scales: padding not counted
+    m.params += fp8_dense_params * (2.0 + 2.0 * 4.0 / (128.0 * 128.0));  // scales: padding not counted
     if (ep > 1) m.exchange = moe_layers * rows * (2.0 * d + 8.0) + 2.0 * rows * 2.0 * d;
     m.host_mirror = 12.0 * n;  // FP32 weights and the two moments (no host gradients)
   }

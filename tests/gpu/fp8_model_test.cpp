@@ -1,7 +1,9 @@
-// train.precision = "fp8" in the CUDA model (CudaModel::set_fp8): the FP8 experts against the BF16
-// model on the same BF16-exact weights and batches (the loss within 1%, each gradient tensor close
-// in direction, the experts' not BF16's bit for bit), activation recomputation bitwise under FP8,
+// train.precision = "fp8" in the CUDA model (CudaModel::set_fp8): the FP8 experts, MLPs and
+// attention projections against the BF16 model on the same BF16-exact weights and batches (the loss
+// within 1%, each gradient tensor close in direction, the experts' and the projections' not BF16's
+// bit for bit), activation recomputation bitwise under FP8,
 // the weight codes rebuilt when (and only when) the parameters' version moves, and the refusals.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -153,8 +155,9 @@ TEST(CudaFp8ModelCodes, FollowTheParametersVersion) {
   EXPECT_EQ(on_p2.record, want.record) << "the codes did not follow load_params";
   EXPECT_EQ(std::memcmp(on_p2.grads.data(), want.grads.data(), want.grads.size() * sizeof(float)), 0);
 
-  // The BF16 copy of p1 written straight into the device copy: the experts still hold p2's codes
-  // (the attention and router read the BF16 copy and see p1), until the version moves.
+  // The BF16 copy of p1 written straight into the device copy: the experts, MLPs and attention
+  // projections still hold p2's codes (the router and the norms read the BF16 copy and see p1),
+  // until the version moves.
   CudaModel b(mc, ec);
   b.set_fp8(true);
   b.load_params(p2.data());
@@ -166,6 +169,28 @@ TEST(CudaFp8ModelCodes, FollowTheParametersVersion) {
   EXPECT_NE(stale.record, on_p1.record) << "the experts read the BF16 copy, not their codes";
   b.mark_params_changed();
   EXPECT_EQ(step(b, mc, ec, 7).record, on_p1.record) << "mark_params_changed did not rebuild the codes";
+
+  // Only the attention projections (D 256, Q 256, C 128: all in FP8) changed behind the model's
+  // back: their stale codes give p2's step bit for bit, the rebuilt ones a fresh model's on the mix.
+  std::vector<float> mix = p2;
+  for (const ParamEntry& e : fresh.layout().entries())
+    if (e.name.find("self_attn.") != std::string::npos && e.name.find("_proj.weight") != std::string::npos)
+      std::copy(p1.begin() + e.offset, p1.begin() + e.offset + e.numel, mix.begin() + e.offset);
+  CudaModel m(mc, ec);
+  m.set_fp8(true);
+  m.load_params(p2.data());
+  step(m, mc, ec, 7);
+  std::vector<uint16_t> mix_bf16(mix.size());
+  for (size_t i = 0; i < mix.size(); ++i) mix_bf16[i] = moe::f32_to_bf16(mix[i]);
+  MOE_CUDA_CHECK(cudaMemcpy(m.params_bf16(), mix_bf16.data(), mix_bf16.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  EXPECT_EQ(step(m, mc, ec, 7).record, want.record) << "the attention projections read the BF16 copy, not codes";
+  m.mark_params_changed();
+  const Result rebuilt = step(m, mc, ec, 7);
+  EXPECT_NE(rebuilt.record, want.record);
+  CudaModel fresh_mix(mc, ec);
+  fresh_mix.set_fp8(true);
+  fresh_mix.load_params(mix.data());
+  EXPECT_EQ(step(fresh_mix, mc, ec, 7).record, rebuilt.record);
 }
 
 TEST(CudaFp8ModelCodes, PrecisionIsSetBeforeReserveAndShapesAreChecked) {

@@ -118,7 +118,8 @@ __global__ void mx_dequantize_kernel(const uint8_t* __restrict__ q, const uint8_
 }
 
 // The 1 x 128 blocks of a tensor whose rows are whole blocks (cols a multiple of 128, so block b
-// is the 128 elements at b * 128): a half-warp per block, lane l of the half loading elements
+// is the 128 elements at b * 128; its codes go to row b / per_row, column 128 (b % per_row) of a code
+// matrix with rows ldq apart, ldq == cols for a dense one): a half-warp per block, lane l of the half loading elements
 // 8l..8l+7 (one 16-byte access for BF16, two for FP32); each warp takes 2 x kFp8RowUnroll blocks,
 // all loads issued before any reduction so that enough bytes are in flight to reach the memory
 // bandwidth. The half-warp's max of |x| by shuffles (order-free: the generic kernel's scale bit for
@@ -148,8 +149,8 @@ __device__ __forceinline__ void fp8_load8<uint16_t>(const uint16_t* x, int64_t a
 
 template <typename T>
 __global__ void __launch_bounds__(32 * kFp8RowWarps)
-    fp8_quantize_rows128_kernel(const T* __restrict__ x, int64_t blocks, Fp8Format f, uint8_t* __restrict__ q,
-                                float* __restrict__ scales, uint32_t* num_nonfinite) {
+    fp8_quantize_rows128_kernel(const T* __restrict__ x, int64_t blocks, int64_t per_row, int64_t ldq, Fp8Format f,
+                                uint8_t* __restrict__ q, float* __restrict__ scales, uint32_t* num_nonfinite) {
   const int lane = threadIdx.x % 32, half = lane / 16, sub = lane % 16;
   const int64_t first = int64_t{blockIdx.x} * kFp8RowBlocksPerCta + (threadIdx.x / 32) * 2 * kFp8RowUnroll + half;
   float v[kFp8RowUnroll][8];
@@ -167,8 +168,8 @@ __global__ void __launch_bounds__(32 * kFp8RowWarps)
   for (int u = 0; u < kFp8RowUnroll; ++u) {
     const int64_t b = first + 2 * u;
     const bool valid = b < blocks;
-    fp8_quantize_half_warp_block(v[u], valid, f, q + (valid ? b : 0) * 128 + 8 * sub, scales + (valid ? b : 0),
-                                 num_nonfinite);
+    const int64_t at = valid ? b / per_row * ldq + b % per_row * 128 : 0;
+    fp8_quantize_half_warp_block(v[u], valid, f, q + at + 8 * sub, scales + (valid ? b : 0), num_nonfinite);
   }
 }
 

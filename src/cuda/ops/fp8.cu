@@ -40,7 +40,7 @@ void quantize_blocks(const char* op, const T* x, int64_t rows, int64_t cols, Fp8
     const int64_t grid = (blocks + kernels::kFp8RowBlocksPerCta - 1) / kernels::kFp8RowBlocksPerCta;
     MOE_CHECK(grid < kMaxGrid, op, ": ", blocks, " scaling blocks exceed one launch's grid");
     kernels::fp8_quantize_rows128_kernel<T><<<static_cast<unsigned>(grid), 32 * kernels::kFp8RowWarps, 0, stream>>>(
-        x, blocks, f, q, scales, num_nonfinite);
+        x, blocks, cols / 128, cols, f, q, scales, num_nonfinite);
     check_launch("fp8_quantize_rows128_kernel");
     return;
   }
@@ -103,6 +103,25 @@ void fp8_quantize_blocks(const float* x, int64_t rows, int64_t cols, Fp8Block bl
 void fp8_quantize_blocks(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f, uint8_t* q,
                          float* scales, uint32_t* num_nonfinite, Stream stream) {
   quantize_blocks("cuda::fp8_quantize_blocks (bf16)", x_bf16, rows, cols, block, f, q, scales, num_nonfinite, stream);
+}
+
+void fp8_quantize_rows_into(const uint16_t* x_bf16, int64_t rows, int64_t cols, int64_t ldq, Fp8Format f, uint8_t* q,
+                            float* scales, uint32_t* num_nonfinite, Stream stream) {
+  const char* op = "cuda::fp8_quantize_rows_into";
+  MOE_CHECK(rows >= 0 && cols > 0 && cols % 128 == 0 && ldq >= cols && ldq % 8 == 0, op,
+            ": expected rows >= 0, cols a positive multiple of 128 and ldq >= cols a multiple of 8, got rows ", rows,
+            ", cols ", cols, ", ldq ", ldq);
+  if (rows == 0) return;
+  detail::check_ptrs(op, {{"x", x_bf16}}, 16);
+  detail::check_ptrs(op, {{"q", q}}, 8);
+  detail::check_ptrs(op, {{"scales", scales}}, sizeof(float));
+  const int64_t blocks = rows * (cols / 128);
+  const int64_t grid = (blocks + kernels::kFp8RowBlocksPerCta - 1) / kernels::kFp8RowBlocksPerCta;
+  MOE_CHECK(grid < kMaxGrid, op, ": ", blocks, " scaling blocks exceed one launch's grid");
+  kernels::fp8_quantize_rows128_kernel<uint16_t>
+      <<<static_cast<unsigned>(grid), 32 * kernels::kFp8RowWarps, 0, stream>>>(x_bf16, blocks, cols / 128, ldq, f, q,
+                                                                              scales, num_nonfinite);
+  check_launch("fp8_quantize_rows128_kernel");
 }
 
 void fp8_dequantize_blocks(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, Fp8Block block,

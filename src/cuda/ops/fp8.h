@@ -24,6 +24,13 @@ void fp8_quantize_blocks(const float* x, int64_t rows, int64_t cols, Fp8Block bl
                          float* scales, uint32_t* num_nonfinite, Stream stream);
 void fp8_quantize_blocks(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f, uint8_t* q,
                          float* scales, uint32_t* num_nonfinite, Stream stream);
+// fp8_quantize_blocks of x_bf16 [rows, cols] in 1 x 128 blocks, its codes written into columns
+// [0, cols) of a wider code matrix whose rows are ldq apart (ldq >= cols, a multiple of 8): so that
+// several tensors' codes sit side by side along K as one GEMM operand. Scales [rows, cols / 128]
+// row-major, as fp8_quantize_blocks writes them. cols a positive multiple of 128, x 16-byte and q
+// 8-byte aligned; codes outside the columns are not touched.
+void fp8_quantize_rows_into(const uint16_t* x_bf16, int64_t rows, int64_t cols, int64_t ldq, Fp8Format f, uint8_t* q,
+                            float* scales, uint32_t* num_nonfinite, Stream stream);
 // x = decode(q) * scale of its block (FP32).
 void fp8_dequantize_blocks(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, Fp8Block block,
                            Fp8Format f, float* x, Stream stream);
