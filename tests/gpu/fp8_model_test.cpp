@@ -44,6 +44,7 @@ std::vector<float> bf16_weights(const ModelConfig& mc, const MoeConfig& ec, uint
 struct Result {
   std::vector<uint8_t> record;  // the statistics record (CE, lb, z sums, counts), bitwise
   double ce_sum = 0;
+  std::vector<std::vector<int32_t>> load;  // routes per expert, per MoE layer
   std::vector<float> grads;
 };
 
@@ -66,7 +67,9 @@ Result step(CudaModel& gpu, const ModelConfig& mc, const MoeConfig& ec, uint64_t
   r.grads = gpu.download_grads();
   r.record.resize(gpu.stats_bytes());
   MOE_CUDA_CHECK(cudaMemcpy(r.record.data(), gpu.stats_record(), r.record.size(), cudaMemcpyDeviceToHost));
-  r.ce_sum = gpu.read_stats().ce_sum;
+  const ForwardStats stats = gpu.read_stats();
+  r.ce_sum = stats.ce_sum;
+  r.load = stats.tokens_per_expert;
   return r;
 }
 
@@ -101,6 +104,16 @@ TEST_P(CudaFp8Model, FollowsTheBf16ModelAndRecomputesBitwise) {
               rel);
   EXPECT_LT(rel, 1e-2);
   ASSERT_EQ(fp8.grads.size(), bf16.grads.size());
+  // The FP8 projections and MLPs move the hidden state the router reads, which flips some near-tied
+  // top-k choices of this random-init model: a routed expert's gradient sums other tokens then.
+  ASSERT_EQ(fp8.load.size(), bf16.load.size());
+  int64_t moved = 0, routes = 0;
+  for (size_t l = 0; l < fp8.load.size(); ++l)
+    for (size_t e = 0; e < fp8.load[l].size(); ++e)
+      moved += std::abs(fp8.load[l][e] - bf16.load[l][e]), routes += bf16.load[l][e];
+  std::printf("I %lld: routes on another expert under FP8: at least %lld of %lld\n", (long long)ec.expert_hidden,
+              (long long)(moved / 2), (long long)routes);
+  EXPECT_LT(double(moved / 2), 0.05 * double(routes));
   CudaModel shape(mc, ec);
   double worst = 1.0;
   bool experts_differ = false;
@@ -109,7 +122,7 @@ TEST_P(CudaFp8Model, FollowsTheBf16ModelAndRecomputesBitwise) {
     const float* b = bf16.grads.data() + e.offset;
     const double c = cosine(a, b, e.numel);
     worst = std::min(worst, c);
-    EXPECT_GT(c, 0.98) << e.name;
+    EXPECT_GT(c, e.expert ? 0.93 : 0.98) << e.name;
     if (e.expert && std::memcmp(a, b, size_t(e.numel) * sizeof(float)) != 0)
       experts_differ = true;
   }
