@@ -171,13 +171,17 @@ TEST(CudaFp8ModelCodes, FollowTheParametersVersion) {
   // The BF16 copy of p1 written straight into the device copy: the experts, MLPs and attention
   // projections still hold p2's codes (the router and the norms read the BF16 copy and see p1),
   // until the version moves.
+  // A model that stepped on p2, then had `w` written straight into its BF16 copy.
+  const auto behind_its_back = [&](CudaModel& m, const std::vector<float>& w) {
+    m.set_fp8(true);
+    m.load_params(p2.data());
+    step(m, mc, ec, 7);
+    std::vector<uint16_t> bits(w.size());
+    for (size_t i = 0; i < w.size(); ++i) bits[i] = moe::f32_to_bf16(w[i]);
+    MOE_CUDA_CHECK(cudaMemcpy(m.params_bf16(), bits.data(), bits.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  };
   CudaModel b(mc, ec);
-  b.set_fp8(true);
-  b.load_params(p2.data());
-  step(b, mc, ec, 7);
-  std::vector<uint16_t> p1_bf16(p1.size());
-  for (size_t i = 0; i < p1.size(); ++i) p1_bf16[i] = moe::f32_to_bf16(p1[i]);
-  MOE_CUDA_CHECK(cudaMemcpy(b.params_bf16(), p1_bf16.data(), p1_bf16.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  behind_its_back(b, p1);
   const Result stale = step(b, mc, ec, 7);
   EXPECT_NE(stale.record, on_p1.record) << "the experts read the BF16 copy, not their codes";
   b.mark_params_changed();
@@ -190,12 +194,7 @@ TEST(CudaFp8ModelCodes, FollowTheParametersVersion) {
     if (e.name.find("self_attn.") != std::string::npos && e.name.find("_proj.weight") != std::string::npos)
       std::copy(p1.begin() + e.offset, p1.begin() + e.offset + e.numel, mix.begin() + e.offset);
   CudaModel m(mc, ec);
-  m.set_fp8(true);
-  m.load_params(p2.data());
-  step(m, mc, ec, 7);
-  std::vector<uint16_t> mix_bf16(mix.size());
-  for (size_t i = 0; i < mix.size(); ++i) mix_bf16[i] = moe::f32_to_bf16(mix[i]);
-  MOE_CUDA_CHECK(cudaMemcpy(m.params_bf16(), mix_bf16.data(), mix_bf16.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  behind_its_back(m, mix);
   EXPECT_EQ(step(m, mc, ec, 7).record, want.record) << "the attention projections read the BF16 copy, not codes";
   m.mark_params_changed();
   const Result rebuilt = step(m, mc, ec, 7);
