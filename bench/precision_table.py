@@ -25,8 +25,8 @@ def main(paths):
     if recs[0]["config"] != recs[1]["config"]:
         sys.exit(f"the records are of different configs: {recs[0]['config']} and {recs[1]['config']}")
     b, f = recs
-    print(f"train.precision on {b['config']}: bf16 vs fp8 (fp8: the routed experts' forward GEMMs and data "
-          f"gradients in block-scaled FP8, quantisation counted)")
+    print(f"train.precision on {b['config']}: bf16 vs fp8 (fp8: the forward GEMMs and data gradients of the "
+          f"routed experts, MLPs and attention projections in block-scaled FP8, quantisation counted)")
     print("| figure | bf16 | fp8 | fp8 / bf16 |")
     print("| --- | --- | --- | --- |")
 

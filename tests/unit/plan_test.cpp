@@ -148,7 +148,7 @@ TEST(RunPlan, Olmoe8lGpuEstimateMatchesMeasuredPeaks) {
 // train.precision = "fp8" on cuda: each expert parameter's two FP8 code copies and their scales
 // on top of the BF16 plan, and the FP8 activation workspace in the scratch; on cpu nothing changes
 // (the emulation keeps FP32 tensors). The olmoe-8l figure is the measured device_alloc peak of
-// bench/results/fp8-model-20261202/olmoe-8l-fp8.log (one H200).
+// bench/results/fp8-attention-20261203/olmoe-8l-fp8.log (one H200).
 TEST(RunPlan, Fp8AddsTheExpertCodesAndTheirWorkspace) {
   Config c = load_config(kOlmoe8l, {});
   const RunPlan bf16 = make_run_plan(c, 1, "cuda");
@@ -169,8 +169,8 @@ TEST(RunPlan, Fp8AddsTheExpertCodesAndTheirWorkspace) {
                        tokens * qkv + 2.0 * tokens * (qkv / 128.0) * 4.0 + 3.0 * qkv * d / (128.0 * 128.0) * 4.0);
   EXPECT_NEAR(fp8.memory.total() / kGiB, 89.75, 0.01);
   // scaling-e8 (a dense MLP of 20480 and a shared expert per MoE layer, all in FP8): measured
-  // peaks 99.20 GiB (bf16) and 106.23 GiB (fp8) in one call (bench/results/fp8-model-20261202/mlp/),
-  // the estimates 0.13 GiB below both.
+  // peaks 99.20 GiB (bf16) and 106.85 GiB (fp8) in one call (bench/results/fp8-attention-20261203/),
+  // the estimates 0.13 and 0.12 GiB below them.
   Config e8 = load_config(std::string(MOECORE_SOURCE_DIR) + "/configs/scaling-e8.toml", {});
   e8.moe.capacity_factor = 0;
   const double e8_bf16 = make_run_plan(e8, 1, "cuda").memory.total() / kGiB;
