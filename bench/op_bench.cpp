@@ -27,6 +27,7 @@
 #include <fstream>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -40,6 +41,7 @@
 #include "cuda/ops/fp8.h"
 #include "cuda/ops/gemm.h"
 #include "cuda/ops/grouped_gemm.h"
+#include "cuda/ops/moe_routing.h"
 
 namespace {
 
@@ -196,6 +198,7 @@ nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, 
     std::printf("%-16s | %8.1f | %8.1f | %8.1f | %9.1f | %9.3e\n", c.op, tf(tb), tf(t8), tf(tq), tw.med_ms * 1e3,
                 diff);
     out.push_back({{"op", c.op}, {"n", n_out}, {"k", k_red}, {"bf16_tflops", tf(tb)}, {"fp8_tflops", tf(t8)},
+
                    {"fp8_with_quantise_tflops", tf(tq)}, {"bf16_us", tb.med_ms * 1e3}, {"fp8_us", t8.med_ms * 1e3},
                    {"fp8_with_quantise_us", tq.med_ms * 1e3}, {"w_quantise_us", tw.med_ms * 1e3},
                    {"diff_vs_bf16", diff}});
@@ -264,6 +267,62 @@ nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, 
   out.push_back({{"op", "experts backward"}, {"bf16_us", tb16.med_ms * 1e3}, {"fp8_us", tb8.med_ms * 1e3},
                  {"bf16_tflops", f_bwd / (tb16.med_ms * 1e-3) / 1e12}, {"fp8_tflops", f_bwd / (tb8.med_ms * 1e-3) / 1e12},
                  {"swiglu_fused", I % 128 == 0}});
+
+  // The producers of the experts' first GEMM inputs: the permute (x_sorted) and the combine's
+  // backward (dy_sorted) on a dispatch map of rows / 8 tokens at top-8 (a random permutation of the
+  // routes), plain, followed by the standalone 1 x 128 quantisation of what they wrote (what the
+  // experts' FP8 path ran before the producers wrote the codes), and fused
+  // (cuda::permute_forward_fp8 / unpermute_backward_fp8).
+  if (D % 128 == 0 && rows % 8 == 0) {
+    const int64_t k = 8, T = rows / k;
+    std::vector<int32_t> perm(static_cast<size_t>(rows)), inv(static_cast<size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) perm[size_t(r)] = static_cast<int32_t>(r);
+    uint64_t st = 12345;
+    for (int64_t r = rows - 1; r > 0; --r) {  // Fisher-Yates with a fixed LCG
+      st = st * 6364136223846793005ull + 1442695040888963407ull;
+      std::swap(perm[size_t(r)], perm[size_t((st >> 33) % uint64_t(r + 1))]);
+    }
+    for (int64_t r = 0; r < rows; ++r) inv[size_t(perm[size_t(r)])] = static_cast<int32_t>(r);
+    int32_t *d_sorted = nullptr, *d_r2r = nullptr;
+    float *topk_w = nullptr, *dtopk_w = nullptr;
+    uint16_t* xs = nullptr;
+    MOE_CUDA_CHECK(cudaMalloc(&d_sorted, rows * 4));
+    MOE_CUDA_CHECK(cudaMalloc(&d_r2r, rows * 4));
+    MOE_CUDA_CHECK(cudaMalloc(&topk_w, rows * 4));
+    MOE_CUDA_CHECK(cudaMalloc(&dtopk_w, rows * 4));
+    MOE_CUDA_CHECK(cudaMalloc(&xs, rows * D * 2));
+    MOE_CUDA_CHECK(cudaMemcpy(d_sorted, perm.data(), rows * 4, cudaMemcpyHostToDevice));
+    MOE_CUDA_CHECK(cudaMemcpy(d_r2r, inv.data(), rows * 4, cudaMemcpyHostToDevice));
+    const std::vector<float> w_host(static_cast<size_t>(rows), 1.0f / k);
+    MOE_CUDA_CHECK(cudaMemcpy(topk_w, w_host.data(), rows * 4, cudaMemcpyHostToDevice));
+    const Fp8Rows in = experts_fp8_input_rows(f8, f8_bytes, rows, D, I);
+    const uint16_t* tokens = x;  // the first T rows of x as the token rows, y as the combine's saved output
+    auto perm16 = [&] { permute_forward(tokens, d_sorted, T, k, D, xs, s); };
+    auto perm_q = [&] {
+      permute_forward(tokens, d_sorted, T, k, D, xs, s);
+      fp8_quantize_blocks(xs, rows, D, moe::kFp8ActivationBlock, e4, in.codes, in.scales, nullptr, s);
+    };
+    auto perm8 = [&] { permute_forward_fp8(tokens, d_sorted, T, k, D, xs, in.codes, in.scales, s); };
+    auto unp16 = [&] { unpermute_backward(tokens, y, d_sorted, d_r2r, topk_w, T, k, D, xs, dtopk_w, s); };
+    auto unp_q = [&] {
+      unpermute_backward(tokens, y, d_sorted, d_r2r, topk_w, T, k, D, xs, dtopk_w, s);
+      fp8_quantize_blocks(xs, rows, D, moe::kFp8ActivationBlock, e4, in.codes, in.scales, nullptr, s);
+    };
+    auto unp8 = [&] {
+      unpermute_backward_fp8(tokens, y, d_sorted, d_r2r, topk_w, T, k, D, xs, dtopk_w, in.codes, in.scales, s);
+    };
+    std::printf("\nthe producers of the experts' FP8 inputs (%lld tokens x top-%lld, d %lld): us\n",
+                static_cast<long long>(T), static_cast<long long>(k), static_cast<long long>(D));
+    std::printf("%-22s | %9s | %11s | %9s\n", "pass", "bf16", "+ quantise", "fused");
+    const Timing p16 = time_ms(a, s, perm16), pq = time_ms(a, s, perm_q), p8 = time_ms(a, s, perm8);
+    const Timing u16 = time_ms(a, s, unp16), uq = time_ms(a, s, unp_q), u8 = time_ms(a, s, unp8);
+    for (const auto& [name, t16, tq, t8] : {std::tuple{"permute", p16, pq, p8}, std::tuple{"combine backward", u16, uq, u8}}) {
+      std::printf("%-22s | %9.1f | %11.1f | %9.1f\n", name, t16.med_ms * 1e3, tq.med_ms * 1e3, t8.med_ms * 1e3);
+      out.push_back({{"op", std::string(name) + " producer"}, {"bf16_us", t16.med_ms * 1e3},
+                     {"with_quantise_us", tq.med_ms * 1e3}, {"fused_us", t8.med_ms * 1e3}});
+    }
+    for (void* p : {(void*)d_sorted, (void*)d_r2r, (void*)topk_w, (void*)dtopk_w, (void*)xs}) cudaFree(p);
+  }
   for (void* p : {(void*)c_gu, (void*)c_gut, (void*)c_dn, (void*)c_dnt, (void*)s_gu, (void*)s_gut, (void*)s_dn,
                   (void*)s_dnt, (void*)gate_up, (void*)hh, (void*)y, (void*)dx, (void*)dw_gu, (void*)dw_dn, ws, f8})
     cudaFree(p);

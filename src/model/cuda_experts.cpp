@@ -70,6 +70,11 @@ void CudaLocalExperts::set_fp8(bool on) {
   fp8_on_ = on;
 }
 
+cuda::Fp8Rows CudaLocalExperts::fp8_input_rows(int64_t rows) {
+  if (!fp8_on_ || d_ % 128 != 0 || fp8_ws_.data() == nullptr) return {};
+  return cuda::experts_fp8_input_rows(fp8_ws_.data(), fp8_ws_.bytes(), rows, d_, inner_);
+}
+
 void CudaLocalExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   if (saved_.empty()) return;
   for (int64_t m = 0; m < int64_t(saved_.size()); ++m) {
@@ -127,7 +132,7 @@ void CudaLocalExperts::prepare(const CudaBlockContext& c, int64_t moe_index, con
 
 void CudaLocalExperts::forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                                const int32_t* /*counts_E*/, const int32_t* offsets_E1, const uint16_t* x_sorted_RD,
-                               int64_t rows, uint16_t* y_sorted_RD) {
+                               int64_t rows, uint16_t* y_sorted_RD, bool input_quantised) {
   const uint16_t* P = c.params;
   c.mark(cuda::Phase::kExperts);
   if (fp8_on_) {
@@ -138,9 +143,10 @@ void CudaLocalExperts::forward(const CudaBlockContext& c, int64_t moe_index, con
     refresh_fp8_codes(c, moe_index, p, c.stream);  // without prepare (or after a newer version)
     cuda::experts_forward_fp8(x_sorted_RD, offsets_E1, fp8_view(fp8_[size_t(moe_index)]), rows, e_, d_, inner_,
                               gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), y_sorted_RD,
-                              fp8_ws_.data(), fp8_ws_.bytes(), c.stream);
+                              fp8_ws_.data(), fp8_ws_.bytes(), c.stream, input_quantised);
     return;
   }
+  MOE_CHECK(!input_quantised, "CudaLocalExperts::forward: BF16 experts read no input codes");
   cuda::experts_forward(x_sorted_RD, offsets_E1, P + p.experts_gate_up, P + p.experts_down, rows, e_, d_, inner_,
                         gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), y_sorted_RD, c.stream);
 }
@@ -160,7 +166,7 @@ void CudaLocalExperts::recompute(const CudaBlockContext& c, int64_t moe_index, c
 
 void CudaLocalExperts::backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                                 const int32_t* offsets_E1, const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD,
-                                int64_t rows, uint16_t* dx_sorted_RD) {
+                                int64_t rows, uint16_t* dx_sorted_RD, bool input_quantised) {
   const uint16_t* P = c.params;
   float* Gr = c.grads;
   c.mark(cuda::Phase::kExperts);
@@ -168,9 +174,11 @@ void CudaLocalExperts::backward(const CudaBlockContext& c, int64_t moe_index, co
     cuda::experts_backward_fp8(x_sorted_RD, offsets_E1, fp8_view(fp8_[size_t(moe_index)]),
                                gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), dy_sorted_RD,
                                rows, e_, d_, inner_, dx_sorted_RD, Gr + p.experts_gate_up, Gr + p.experts_down,
-                               ws_.data(), ws_.bytes(), fp8_ws_.data(), fp8_ws_.bytes(), c.stream, !c.overwrite_grads);
+                               ws_.data(), ws_.bytes(), fp8_ws_.data(), fp8_ws_.bytes(), c.stream, !c.overwrite_grads,
+                               input_quantised);
     return;
   }
+  MOE_CHECK(!input_quantised, "CudaLocalExperts::backward: BF16 experts read no input codes");
   cuda::experts_backward(x_sorted_RD, offsets_E1, P + p.experts_gate_up, P + p.experts_down,
                          gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), dy_sorted_RD, rows, e_, d_, inner_,
                          dx_sorted_RD, Gr + p.experts_gate_up, Gr + p.experts_down, ws_.data(), ws_.bytes(),
@@ -209,7 +217,8 @@ void CudaEpExperts::reserve(int64_t rows, CudaBufferGrower& g) {
 // expert; y_sorted_RD [R, D] receives the expert outputs in the same order.
 void CudaEpExperts::forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                             const int32_t* counts_E, const int32_t* /*offsets_E1*/, const uint16_t* x_sorted_RD,
-                            int64_t /*rows*/, uint16_t* y_sorted_RD) {
+                            int64_t /*rows*/, uint16_t* y_sorted_RD, bool input_quantised) {
+  MOE_CHECK(!input_quantised, "CudaEpExperts::forward: the exchange carries BF16 rows, no input codes");
   CudaEpExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
   const cuda::Stream st = c.stream;
   const int64_t d = d_, e = e_, inner = inner_, L = local_;
@@ -279,7 +288,9 @@ void CudaEpExperts::forward(const CudaBlockContext& c, int64_t moe_index, const 
 // experts' ranks, local expert dgrad and wgrad there, dx_sorted_RD [R, D] back.
 void CudaEpExperts::backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                              const int32_t* /*offsets_E1*/, const uint16_t* /*x_sorted_RD*/,
-                             const uint16_t* dy_sorted_RD, int64_t /*rows*/, uint16_t* dx_sorted_RD) {
+                             const uint16_t* dy_sorted_RD, int64_t /*rows*/, uint16_t* dx_sorted_RD,
+                             bool input_quantised) {
+  MOE_CHECK(!input_quantised, "CudaEpExperts::backward: the exchange carries BF16 rows, no input codes");
   const CudaEpExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
   const cuda::Stream st = c.stream;
   const int64_t d = d_, inner = inner_, L = local_;
@@ -426,7 +437,8 @@ void CudaRowwiseExperts::reserve(int64_t rows, CudaBufferGrower& g) {
 
 void CudaRowwiseExperts::forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                                  const int32_t* counts_E, const int32_t* offsets_E1, const uint16_t* x_sorted_RD,
-                                 int64_t rows, uint16_t* y_sorted_RD) {
+                                 int64_t rows, uint16_t* y_sorted_RD, bool input_quantised) {
+  MOE_CHECK(!input_quantised, "CudaRowwiseExperts::forward: the exchange carries BF16 rows, no input codes");
   forward_rows(c, moe_index, p, counts_E, offsets_E1, x_sorted_RD, nullptr, 1, rows, y_sorted_RD);
 }
 
@@ -504,7 +516,9 @@ void CudaRowwiseExperts::backward_experts(const CudaBlockContext& c, int64_t moe
 
 void CudaRowwiseExperts::backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                                   const int32_t* offsets_E1, const uint16_t* /*x_sorted_RD*/,
-                                  const uint16_t* dy_sorted_RD, int64_t rows, uint16_t* dx_sorted_RD) {
+                                  const uint16_t* dy_sorted_RD, int64_t rows, uint16_t* dx_sorted_RD,
+                                  bool input_quantised) {
+  MOE_CHECK(!input_quantised, "CudaRowwiseExperts::backward: the exchange carries BF16 rows, no input codes");
   backward_experts(c, moe_index, p, offsets_E1, dy_sorted_RD, rows);
   const CudaRowwiseExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
   c.mark(cuda::Phase::kDispatch);

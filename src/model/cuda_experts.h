@@ -16,6 +16,7 @@
 #include "core/config.h"
 #include "core/recompute.h"
 #include "cuda/ops/ep_exchange.h"
+#include "cuda/ops/experts.h"
 #include "cuda/ops/memory.h"
 #include "model/cuda_block.h"
 #include "model/layout.h"
@@ -71,15 +72,23 @@ class CudaExperts {
   // [E or L, D, I]): x_sorted_RD [R, D] sorted by global expert, expert e's rows at
   // [offsets_E1[e], offsets_E1[e+1]), counts_E [E] its row counts (both int32 on the device)
   // -> y_sorted_RD [R, D] (overwritten). Saves what backward needs for this layer.
+  // input_quantised: x_sorted_RD's FP8 codes are where fp8_input_rows(rows) says (written by its
+  // producer, cuda::permute_forward_fp8); only where that is not null.
   virtual void forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* counts_E,
-                       const int32_t* offsets_E1, const uint16_t* x_sorted_RD, int64_t rows,
-                       uint16_t* y_sorted_RD) = 0;
+                       const int32_t* offsets_E1, const uint16_t* x_sorted_RD, int64_t rows, uint16_t* y_sorted_RD,
+                       bool input_quantised) = 0;
   // dy_sorted_RD [R, D] -> dx_sorted_RD [R, D] (overwritten; may be dy_sorted_RD itself: dy is
   // read in full before dx is written); the experts' weight gradients +=. x_sorted_RD and
-  // offsets_E1 are the forward's.
+  // offsets_E1 are the forward's. input_quantised: dy_sorted_RD's FP8 codes are at
+  // fp8_input_rows(rows) (cuda::unpermute_backward_fp8 wrote them).
   virtual void backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                         const int32_t* offsets_E1, const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD,
-                        int64_t rows, uint16_t* dx_sorted_RD) = 0;
+                        int64_t rows, uint16_t* dx_sorted_RD, bool input_quantised) = 0;
+  // Where FP8 experts read the 1 x 128 codes and scales of their first GEMM's input (x_sorted in
+  // forward, dy in backward), for the producer of those rows to write them in the same pass and
+  // call forward / backward with input_quantised (no quantisation pass over rows just written):
+  // null unless these experts run FP8 with D a multiple of 128 (the local experts).
+  virtual cuda::Fp8Rows fp8_input_rows(int64_t /*rows*/) { return {}; }
 
   // Whether forward_tokens and backward_tokens run: the experts read the token rows through the
   // dispatch map themselves and add the input gradients into the tokens' rows, so the MoE layer
@@ -125,16 +134,17 @@ class CudaLocalExperts final : public CudaExperts {
   void bind(Recompute mode) override { mode_ = mode; }
   void prepare(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p) override;
   void set_fp8(bool on) override;
+  cuda::Fp8Rows fp8_input_rows(int64_t rows) override;
   bool recomputes_outputs() const override { return true; }
   void recompute(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* offsets_E1,
                  int64_t rows, uint16_t* y_sorted_RD) override;
   void reserve(int64_t rows, CudaBufferGrower& g) override;
   void forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* counts_E,
-               const int32_t* offsets_E1, const uint16_t* x_sorted_RD, int64_t rows,
-               uint16_t* y_sorted_RD) override;
+               const int32_t* offsets_E1, const uint16_t* x_sorted_RD, int64_t rows, uint16_t* y_sorted_RD,
+               bool input_quantised) override;
   void backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* offsets_E1,
-                const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD, int64_t rows,
-                uint16_t* dx_sorted_RD) override;
+                const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD, int64_t rows, uint16_t* dx_sorted_RD,
+                bool input_quantised) override;
 
  private:
   cuda::DeviceBuffer& gate_up_rows(int64_t m) {
@@ -188,11 +198,11 @@ class CudaEpExperts final : public CudaExperts {
                  int64_t rows, uint16_t* y_sorted_RD) override;
   void reserve(int64_t rows, CudaBufferGrower& g) override;
   void forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* counts_E,
-               const int32_t* offsets_E1, const uint16_t* x_sorted_RD, int64_t rows,
-               uint16_t* y_sorted_RD) override;
+               const int32_t* offsets_E1, const uint16_t* x_sorted_RD, int64_t rows, uint16_t* y_sorted_RD,
+               bool input_quantised) override;
   void backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* offsets_E1,
-                const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD, int64_t rows,
-                uint16_t* dx_sorted_RD) override;
+                const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD, int64_t rows, uint16_t* dx_sorted_RD,
+                bool input_quantised) override;
   EpTraffic traffic() const override { return traffic_; }
   void reset_traffic() override { traffic_ = {}; }
 
@@ -250,11 +260,11 @@ class CudaRowwiseExperts final : public CudaExperts {
                  int64_t rows, uint16_t* y_sorted_RD) override;
   void reserve(int64_t rows, CudaBufferGrower& g) override;
   void forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* counts_E,
-               const int32_t* offsets_E1, const uint16_t* x_sorted_RD, int64_t rows,
-               uint16_t* y_sorted_RD) override;
+               const int32_t* offsets_E1, const uint16_t* x_sorted_RD, int64_t rows, uint16_t* y_sorted_RD,
+               bool input_quantised) override;
   void backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* offsets_E1,
-                const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD, int64_t rows,
-                uint16_t* dx_sorted_RD) override;
+                const uint16_t* x_sorted_RD, const uint16_t* dy_sorted_RD, int64_t rows, uint16_t* dx_sorted_RD,
+                bool input_quantised) override;
   bool takes_token_rows() const override { return true; }
   void forward_tokens(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* counts_E,
                       const int32_t* offsets_E1, const uint16_t* tokens_TD, const int32_t* sorted_route_R,

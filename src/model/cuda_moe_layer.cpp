@@ -106,8 +106,12 @@ void CudaMoeLayer::forward(const CudaBlockContext& c, CudaResidual& res, CudaMoe
     shared.experts->forward_tokens(c, m, p_, counts, offsets, norm, sorted_route, k, rows, ys);
   } else {
     uint16_t* xs = sl.x_sorted->as<uint16_t>();
-    cuda::permute_forward(norm, sorted_route, n, k, d, xs, st);
-    shared.experts->forward(c, m, p_, counts, offsets, xs, rows, ys);
+    const cuda::Fp8Rows xq = shared.experts->fp8_input_rows(rows);  // FP8 experts: codes in the same pass
+    if (xq.codes != nullptr)
+      cuda::permute_forward_fp8(norm, sorted_route, n, k, d, xs, xq.codes, xq.scales, st);
+    else
+      cuda::permute_forward(norm, sorted_route, n, k, d, xs, st);
+    shared.experts->forward(c, m, p_, counts, offsets, xs, rows, ys, xq.codes != nullptr);
   }
   c.mark(cuda::Phase::kCombine);
   uint16_t* branch = res.branch();
@@ -225,15 +229,22 @@ void CudaMoeLayer::backward(const CudaBlockContext& c, CudaResidual& res, CudaMo
   const int32_t* route_to_row = s.dispatch.route_to_row_R.as<int32_t>();
   uint16_t* dys = shared.dy_sorted_RD.as<uint16_t>();
   float* dtopk_w = shared.dtopk_w_NK.as<float>();
-  cuda::unpermute_backward(dx, sl.y_sorted->as<uint16_t>(), s.dispatch.sorted_route_R.as<int32_t>(), route_to_row,
-                           s.topk_w_NK.as<float>(), n, k, d, dys, dtopk_w, st);
+  const cuda::Fp8Rows dyq = token_rows_ ? cuda::Fp8Rows{} : shared.experts->fp8_input_rows(rows);
+  if (dyq.codes != nullptr) {  // FP8 experts: dy's codes in the same pass
+    cuda::unpermute_backward_fp8(dx, sl.y_sorted->as<uint16_t>(), s.dispatch.sorted_route_R.as<int32_t>(),
+                                 route_to_row, s.topk_w_NK.as<float>(), n, k, d, dys, dtopk_w, dyq.codes, dyq.scales,
+                                 st);
+  } else {
+    cuda::unpermute_backward(dx, sl.y_sorted->as<uint16_t>(), s.dispatch.sorted_route_R.as<int32_t>(),
+                             route_to_row, s.topk_w_NK.as<float>(), n, k, d, dys, dtopk_w, st);
+  }
 
   // Experts, dispatch.
   if (token_rows_) {
     shared.experts->backward_tokens(c, m, p_, offsets, dys, route_to_row, n, k, rows, dbranch);
   } else {
     uint16_t* dxs = dys;  // in place: the experts read dy in full before they write dx
-    shared.experts->backward(c, m, p_, offsets, sl.x_sorted->as<uint16_t>(), dys, rows, dxs);
+    shared.experts->backward(c, m, p_, offsets, sl.x_sorted->as<uint16_t>(), dys, rows, dxs, dyq.codes != nullptr);
     c.mark(cuda::Phase::kDispatch);
     cuda::permute_backward(dxs, route_to_row, n, k, d, dbranch, st);
   }

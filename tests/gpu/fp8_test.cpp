@@ -563,6 +563,31 @@ void check_experts_fp8(const int64_t I) {
   stream.sync();
   expect_equal(dw_dn.download(), ref_dn.download(), "experts fp8 dw_down");
   expect_equal(dw_gu.download(), ref_gu.download(), "experts fp8 dw_gate_up");
+  // The inputs' codes written by their producer into the workspace (here by the quantiser, which
+  // the permute and the combine's backward equal bitwise: moe_routing_test.cpp), input_quantised:
+  // every output bitwise the run that quantised x and dy itself.
+  {
+    const cuda::Fp8Rows in = cuda::experts_fp8_input_rows(f8.data(), f8_bytes, R, D, I);
+    GuardedBuffer<uint16_t> gate_up2(R * 2 * I), h2(R * I), y2(R * D), dx2(R * D);
+    GuardedBuffer<float> dw_gu2(E * 2 * I * D), dw_dn2(E * D * I);
+    cuda::fp8_quantize_blocks(d_x.data(), R, D, kFp8ActivationBlock, Fp8Format::kE4M3, in.codes, in.scales, nullptr,
+                              stream.get());
+    cuda::experts_forward_fp8(d_x.data(), d_off.data(), fw, R, E, D, I, gate_up2.data(), h2.data(), y2.data(),
+                              f8.data(), f8_bytes, stream.get(), /*input_quantised=*/true);
+    cuda::fp8_quantize_blocks(d_dy.data(), R, D, kFp8ActivationBlock, Fp8Format::kE4M3, in.codes, in.scales, nullptr,
+                              stream.get());
+    cuda::experts_backward_fp8(d_x.data(), d_off.data(), fw, gate_up2.data(), h2.data(), d_dy.data(), R, E, D, I,
+                               dx2.data(), dw_gu2.data(), dw_dn2.data(), ws.data(), ws_bytes, f8.data(), f8_bytes,
+                               stream.get(), /*accumulate_dw=*/false, /*input_quantised=*/true);
+    stream.sync();
+    auto head = [](const std::vector<uint16_t>& v, int64_t n) { return std::vector<uint16_t>(v.begin(), v.begin() + n); };
+    const int64_t used = offsets.back();  // rows past the groups are not outputs
+    expect_equal(head(gate_up2.download(), used * 2 * I), head(g_gate_up, used * 2 * I), "input_quantised gate_up");
+    expect_equal(head(y2.download(), used * D), head(g_y, used * D), "input_quantised y");
+    expect_equal(head(dx2.download(), used * D), head(g_dx, used * D), "input_quantised dx");
+    expect_equal(dw_dn2.download(), dw_dn.download(), "input_quantised dw_down");
+    expect_equal(dw_gu2.download(), dw_gu.download(), "input_quantised dw_gate_up");
+  }
   const std::string msg = error_of([&] {
     cuda::experts_forward_fp8(d_x.data(), d_off.data(), fw, R, E, D, I, gate_up.data(), h.data(), y.data(), f8.data(),
                               f8_bytes - 16, stream.get());

@@ -136,8 +136,10 @@ std::string param_name(const Parts&... parts) {
   return os.str();
 }
 
-inline bool bitwise_equal(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(uint16_t)) == 0;
+// Same size and the same bytes (BF16 bit patterns, FP8 codes, FP32 scales: NaNs and signed zeros too).
+template <typename T>
+bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
 }  // namespace moe::testing

@@ -20,9 +20,11 @@
 #include "cpu/capacity.h"
 #include "cpu/dispatch.h"
 #include "cpu/router.h"
+#include "cuda/ops/fp8.h"
 #include "cuda/ops/moe_routing.h"
 #include "gpu/gpu_test_util.h"
 #include "support/parity.h"
+#include "support/test_util.h"
 
 namespace moe::testing {
 namespace {
@@ -779,6 +781,71 @@ INSTANTIATE_TEST_SUITE_P(Shapes, MoePermuteGpu,
                                            PermuteCase{33, 8, 8, 13, 0, 0}, PermuteCase{257, 16, 4, 2048, 0, 2},
                                            PermuteCase{4097, 128, 16, 72, 0, 0}),
                          [](const auto& info) { return permute_case_name(info.param); });
+
+// The FP8 experts' producers: permute_forward_fp8 and unpermute_backward_fp8 write the BF16 rows
+// and dtopk_w of permute_forward / unpermute_backward bit for bit, and codes and scales bitwise
+// fp8_quantize_blocks' of those BF16 rows (whose CPU parity fp8_test.cpp checks): rows without a
+// route (capacity drops) as codes 0 with scale 1; D = 384 ends its rows half-way through a warp's
+// 256-column step; D not a multiple of 128 is refused, naming it.
+TEST(MoePermuteGpuFp8, ProducersWriteTheirRowsCodesBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  TestStream stream;
+  for (const PermuteCase& c : {PermuteCase{513, 64, 8, 2048, 0, 0}, PermuteCase{513, 64, 8, 2048, 1.0, 0},
+                               PermuteCase{37, 8, 2, 384, 1.25, 0}, PermuteCase{5, 4, 3, 128, 0, 0}}) {
+    const std::string what = "fp8 producers " + permute_case_name(c);
+    PermuteSetup s(c);
+    const int64_t T = s.T, k = s.k, D = s.D, R = s.R;
+    if (c.capacity_factor > 0) {
+      EXPECT_GT(s.map.dropped, 0) << what << ": meant to drop routes";
+    }
+    const auto x = random_bf16(T * D, 21, 3.0f), y = random_bf16(R * D, 22), dout = random_bf16(T * D, 23, 0.5f);
+    std::vector<float> w(T * k);
+    std::mt19937_64 gen(24);
+    std::uniform_real_distribution<float> u(0.05f, 1.f);
+    for (float& v : w) v = u(gen);
+    GuardedBuffer<uint16_t> d_x(x), d_y(y), d_dout(dout), xs(R * D), xs_ref(R * D), dy(R * D), dy_ref(R * D);
+    GuardedBuffer<float> d_w(w), dw(T * k), dw_ref(T * k), sc(R * D / 128), sc_ref(R * D / 128);
+    GuardedBuffer<uint8_t> q(R * D), q_ref(R * D);
+    cuda::permute_forward_fp8(d_x.data(), s.d_sorted.data(), T, k, D, xs.data(), q.data(), sc.data(), stream.get());
+    cuda::permute_forward(d_x.data(), s.d_sorted.data(), T, k, D, xs_ref.data(), stream.get());
+    cuda::fp8_quantize_blocks(xs_ref.data(), R, D, kFp8ActivationBlock, Fp8Format::kE4M3, q_ref.data(), sc_ref.data(),
+                              nullptr, stream.get());
+    stream.sync();
+    EXPECT_TRUE(bitwise_equal(xs.download(), xs_ref.download())) << what << ": x_sorted";
+    EXPECT_TRUE(bitwise_equal(q.download(), q_ref.download())) << what << ": x_sorted codes";
+    EXPECT_TRUE(bitwise_equal(sc.download(), sc_ref.download())) << what << ": x_sorted scales";
+    cuda::unpermute_backward_fp8(d_dout.data(), d_y.data(), s.d_sorted.data(), s.d_r2r.data(), d_w.data(), T, k, D,
+                                 dy.data(), dw.data(), q.data(), sc.data(), stream.get());
+    cuda::unpermute_backward(d_dout.data(), d_y.data(), s.d_sorted.data(), s.d_r2r.data(), d_w.data(), T, k, D,
+                             dy_ref.data(), dw_ref.data(), stream.get());
+    cuda::fp8_quantize_blocks(dy_ref.data(), R, D, kFp8ActivationBlock, Fp8Format::kE4M3, q_ref.data(), sc_ref.data(),
+                              nullptr, stream.get());
+    stream.sync();
+    EXPECT_TRUE(bitwise_equal(dy.download(), dy_ref.download())) << what << ": dy_sorted";
+    EXPECT_TRUE(bitwise_equal(dw.download(), dw_ref.download())) << what << ": dtopk_w";
+    EXPECT_TRUE(bitwise_equal(q.download(), q_ref.download())) << what << ": dy_sorted codes";
+    EXPECT_TRUE(bitwise_equal(sc.download(), sc_ref.download())) << what << ": dy_sorted scales";
+    if (c.capacity_factor > 0) {  // a dropped route's row: zero, and its blocks' scale 1
+      const std::vector<float> scales = sc.download();
+      int64_t empty_rows = 0;
+      for (int64_t r = 0; r < R; ++r) empty_rows += s.map.sorted_route[size_t(r)] < 0 ? 1 : 0;
+      EXPECT_GT(empty_rows, 0) << what;
+      EXPECT_EQ(std::count(scales.begin(), scales.end(), 1.0f), empty_rows * (D / 128)) << what;
+    }
+    for (const auto* b : {&d_x, &d_y, &d_dout, &xs, &dy}) b->expect_guards_intact(what + " bf16 rows");
+    q.expect_guards_intact(what + " codes");
+    sc.expect_guards_intact(what + " scales");
+    dw.expect_guards_intact(what + " dtopk_w");
+  }
+  GuardedBuffer<uint16_t> b(4 * 2 * 96);
+  GuardedBuffer<uint8_t> cq(4 * 2 * 96);
+  GuardedBuffer<float> cs(8);
+  GuardedBuffer<int32_t> route(std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7});
+  const std::string msg = error_of([&] {
+    cuda::permute_forward_fp8(b.data(), route.data(), 4, 2, 96, b.data(), cq.data(), cs.data(), stream.get());
+  });
+  EXPECT_NE(msg.find("cuda::permute_forward_fp8: d must be a multiple of 128"), std::string::npos) << msg;
+}
 
 TEST(MoePermuteGpuEdge, NoTokensIsANoOp) {
   MOE_SKIP_WITHOUT_GPU();

@@ -2,12 +2,17 @@
 // only (no atomics, deterministic): one thread per kVec-value pack (kVec = 8: one 16-byte
 // access) for permute, its backward and the combine; one warp per route for unpermute's
 // backward, which also reduces <dout[t], y_sorted[row]>. FP32 sums in slot order, one BF16
-// rounding per output. Indices outside [0, R = T*k) count as -1 (none).
+// rounding per output. Indices outside [0, R = T*k) count as -1 (none). The FP8 experts'
+// producers (permute_gather_rows_fp8, unpermute_backward_fp8) write the same BF16 rows and their
+// 1 x 128 E4M3 codes and FP32 scales (fp8_quantize_half_warp_block of the stored values: bitwise
+// what fp8_quantize_blocks writes for those rows), d a multiple of 128.
 #pragma once
 
 #include <cstdint>
 
+#include "cuda/kernels/fp8_codes.cuh"
 #include "cuda/kernels/moe_common.cuh"
+#include "cuda/kernels/vec.cuh"
 
 namespace moe::cuda::kernels {
 
@@ -120,6 +125,92 @@ __global__ void __launch_bounds__(kPermuteThreads)
     if (!in_rows(sorted_route[i], s)) {
       uint16_t* dy_row = dy_sorted + i * s.d;
       for (int64_t v = lane; v < s.packs_per_row; v += 32) store_zero_bf16<kVec>(dy_row + v * kVec);
+    }
+  }
+}
+
+// permute_gather_rows with the quantisation fused in: a half-warp per 128-column block of x_sorted
+// (lane l of the half its elements 8l .. 8l + 7), 16 blocks per CTA and grid-stride step, so every
+// lane of a warp runs the same iterations (the block's amax is a shuffle within the half).
+constexpr int64_t kPermuteFp8BlocksPerCta = 2 * (kPermuteThreads / 32);
+
+__global__ void __launch_bounds__(kPermuteThreads)
+    permute_gather_rows_fp8(const uint16_t* __restrict__ x, const int32_t* __restrict__ sorted_route, RowShape s,
+                            uint16_t* __restrict__ x_sorted, uint8_t* __restrict__ q, float* __restrict__ scales) {
+  const int64_t per_row = s.d / 128, blocks = s.routes * per_row;
+  const int sub = threadIdx.x % 16;
+  for (int64_t b0 = int64_t{blockIdx.x} * kPermuteFp8BlocksPerCta; b0 < blocks;
+       b0 += int64_t{gridDim.x} * kPermuteFp8BlocksPerCta) {
+    const int64_t b = b0 + threadIdx.x / 16;
+    const bool valid = b < blocks;
+    float v[8] = {};
+    const int64_t row = valid ? b / per_row : 0, col = valid ? (b % per_row) * 128 + 8 * sub : 0;
+    if (valid) {
+      const int32_t r = sorted_route[row];
+      uint16_t* dst = x_sorted + row * s.d + col;
+      if (in_rows(r, s)) {
+        const uint16_t* src = x + (r / s.top_k) * s.d + col;
+        copy_bf16<8>(src, dst);  // the bits as they are (a NaN's payload too), as permute_gather_rows
+        load_bf16<8>(src, v);
+      } else {
+        store_zero_bf16<8>(dst);
+      }
+    }
+    fp8_quantize_half_warp_block(v, valid, Fp8Format::kE4M3, q + row * s.d + col, scales + b, nullptr);
+  }
+}
+
+// unpermute_backward_warp_per_route (kVec = 8) with the quantisation of dy_sorted fused in. Lane l
+// takes packs l, l + 32, ... of the row in the same order as that kernel, so dtopk_w is its value
+// bit for bit; the loop runs whole steps of 32 packs (two 128-blocks) on every lane, a lane past the
+// row's end holding no block.
+__global__ void __launch_bounds__(kPermuteThreads)
+    unpermute_backward_fp8(const uint16_t* __restrict__ dout, const uint16_t* __restrict__ y_sorted,
+                           const int32_t* __restrict__ sorted_route, const int32_t* __restrict__ route_to_row,
+                           const float* __restrict__ topk_w, RowShape s, uint16_t* __restrict__ dy_sorted,
+                           float* __restrict__ dtopk_w, uint8_t* __restrict__ q, float* __restrict__ scales) {
+  const int lane = threadIdx.x & 31;
+  const int64_t packs = s.d / 8, per_row = s.d / 128;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kPermuteThreads / 32);
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kPermuteThreads + threadIdx.x) / 32; i < s.routes;
+       i += warps) {
+    const int32_t row = route_to_row[i];
+    float dot = 0.f;
+    if (in_rows(row, s)) {
+      const uint16_t* g_row = dout + (i / s.top_k) * s.d;
+      const uint16_t* y_row = y_sorted + row * s.d;
+      const float w = topk_w[i];
+      for (int64_t v0 = 0; v0 < packs; v0 += 32) {
+        const int64_t v = v0 + lane;
+        const bool valid = v < packs;
+        float dy[8] = {};
+        if (valid) {
+          float g[8], y[8];
+          load_bf16<8>(g_row + v * 8, g);
+          load_bf16<8>(y_row + v * 8, y);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            dot += g[j] * y[j];
+            dy[j] = 0.f + w * g[j];
+          }
+          round_to_bf16(dy);
+          store_bf16<8>(dy_sorted + row * s.d + v * 8, dy);
+        }
+        fp8_quantize_half_warp_block(dy, valid, Fp8Format::kE4M3, q + row * s.d + v * 8,
+                                     scales + row * per_row + v / 16, nullptr);
+      }
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) dtopk_w[i] = dot;
+    if (!in_rows(sorted_route[i], s)) {  // row i holds no route: zero, codes 0 with scale 1
+      for (int64_t v0 = 0; v0 < packs; v0 += 32) {
+        const int64_t v = v0 + lane;
+        const bool valid = v < packs;
+        const float zero[8] = {};
+        if (valid) store_zero_bf16<8>(dy_sorted + i * s.d + v * 8);
+        fp8_quantize_half_warp_block(zero, valid, Fp8Format::kE4M3, q + i * s.d + v * 8,
+                                     scales + i * per_row + v / 16, nullptr);
+      }
     }
   }
 }

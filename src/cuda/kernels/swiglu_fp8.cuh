@@ -15,12 +15,6 @@ namespace moe::cuda::kernels {
 constexpr int kSwigluFp8Warps = 8;
 constexpr int64_t kSwigluFp8BlocksPerCta = 2 * kSwigluFp8Warps;
 
-// Rounds v to BF16 values in place (what store_bf16 writes), returning nothing.
-__device__ __forceinline__ void round_to_bf16(float (&v)[8]) {
-#pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = bf16_bits_to_f32(f32_to_bf16_bits(v[j]));
-}
-
 // h [n, inner] = silu(gate) * up, and its codes q_h [n, inner] with scales s_h [n, inner / 128].
 __global__ void __launch_bounds__(32 * kSwigluFp8Warps)
     swiglu_forward_fp8_rows(const uint16_t* __restrict__ gate_up, uint16_t* __restrict__ h, uint8_t* __restrict__ q_h,

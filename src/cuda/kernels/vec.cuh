@@ -71,6 +71,14 @@ __device__ __forceinline__ void store_zero_bf16(uint16_t* __restrict__ dst) {
   }
 }
 
+// Rounds v to BF16 values in place (what store_bf16 writes): the values a quantiser of the
+// stored BF16 tensor reads.
+template <int V>
+__device__ __forceinline__ void round_to_bf16(float (&v)[V]) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) v[j] = bf16_bits_to_f32(f32_to_bf16_bits(v[j]));
+}
+
 // Sum over the 32 lanes of a warp (butterfly: every lane gets the same total, in a fixed order).
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -210,9 +210,19 @@ size_t experts_fp8_workspace_bytes(int64_t max_rows, int64_t d, int64_t inner) {
          static_cast<size_t>(max_rows) * static_cast<size_t>((widest + 127) / 128) * sizeof(float);
 }
 
+Fp8Rows experts_fp8_input_rows(void* fp8_workspace, size_t fp8_workspace_bytes, int64_t max_rows, int64_t d,
+                               int64_t inner) {
+  const char* op = "cuda::experts_fp8_input_rows";
+  MOE_CHECK(max_rows >= 0 && d > 0 && d % 128 == 0 && inner >= 0, op, ": expected max_rows >= 0, inner >= 0 and d "
+            "a positive multiple of 128 (whole 1 x 128 blocks), got ", max_rows, ", ", d, ", ", inner);
+  const Fp8Workspace ws = split_fp8_workspace(op, fp8_workspace, fp8_workspace_bytes, max_rows, d, inner);
+  return {ws.codes, ws.scales};
+}
+
 void experts_forward_fp8(const uint16_t* x_sorted, const int32_t* expert_offsets, const Fp8ExpertWeights& w,
                          int64_t max_rows, int64_t num_experts, int64_t d, int64_t inner, uint16_t* gate_up,
-                         uint16_t* h, uint16_t* y, void* fp8_workspace, size_t fp8_workspace_bytes, Stream stream) {
+                         uint16_t* h, uint16_t* y, void* fp8_workspace, size_t fp8_workspace_bytes, Stream stream,
+                         bool input_quantised) {
   const char* op = "cuda::experts_forward_fp8";
   check_sizes(op, max_rows, num_experts, d, inner);
   if (max_rows == 0) return;
@@ -220,8 +230,14 @@ void experts_forward_fp8(const uint16_t* x_sorted, const int32_t* expert_offsets
   check_fp8_weights(op, w);
   MOE_CHECK(expert_offsets != nullptr, op, ": argument 'expert_offsets' is a null device pointer");
   const Fp8Workspace ws = split_fp8_workspace(op, fp8_workspace, fp8_workspace_bytes, max_rows, d, inner);
-  fp8_grouped(x_sorted, w.gate_up, w.s_gate_up, expert_offsets, gate_up, max_rows, num_experts, 2 * inner, d, ws,
-              stream);
+  MOE_CHECK(!input_quantised || d % 128 == 0, op, ": input_quantised needs d a multiple of 128, got ", d);
+  if (input_quantised) {  // x_sorted's producer wrote its codes into the workspace
+    grouped_gemm_fp8(ws.codes, ws.scales, w.gate_up, w.s_gate_up, expert_offsets, gate_up, max_rows, num_experts,
+                     2 * inner, d, stream);
+  } else {
+    fp8_grouped(x_sorted, w.gate_up, w.s_gate_up, expert_offsets, gate_up, max_rows, num_experts, 2 * inner, d, ws,
+                stream);
+  }
   swiglu_down_fp8(gate_up, expert_offsets, w, max_rows, num_experts, d, inner, h, y, ws, stream);
 }
 
@@ -247,7 +263,7 @@ void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offset
                           const uint16_t* gate_up, const uint16_t* h, const uint16_t* dy, int64_t max_rows,
                           int64_t num_experts, int64_t d, int64_t inner, uint16_t* dx_sorted, float* dw_gate_up,
                           float* dw_down, void* workspace, size_t workspace_bytes, void* fp8_workspace,
-                          size_t fp8_workspace_bytes, Stream stream, bool accumulate_dw) {
+                          size_t fp8_workspace_bytes, Stream stream, bool accumulate_dw, bool input_quantised) {
   const char* op = "cuda::experts_backward_fp8";
   if (!backward_prologue(op, x_sorted, expert_offsets, gate_up, h, dy, max_rows, num_experts, d, inner, dx_sorted,
                          dw_gate_up, dw_down, workspace, workspace_bytes, stream, accumulate_dw,
@@ -260,7 +276,13 @@ void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offset
   uint16_t* dgate_up = static_cast<uint16_t*>(workspace);           // [R, 2I]
   uint16_t* dh = dgate_up + rows * 2 * static_cast<size_t>(inner);  // [R, I]
   // dh = dy @ W_down[e]: the transposed codes [E, I, D] as B (n_out = I, k_red = D).
-  fp8_grouped(dy, w.down_t, w.s_down_t, expert_offsets, dh, max_rows, num_experts, inner, d, ws, stream);
+  MOE_CHECK(!input_quantised || d % 128 == 0, op, ": input_quantised needs d a multiple of 128, got ", d);
+  if (input_quantised) {  // dy's producer wrote its codes into the workspace
+    grouped_gemm_fp8(ws.codes, ws.scales, w.down_t, w.s_down_t, expert_offsets, dh, max_rows, num_experts, inner, d,
+                     stream);
+  } else {
+    fp8_grouped(dy, w.down_t, w.s_down_t, expert_offsets, dh, max_rows, num_experts, inner, d, ws, stream);
+  }
   if (dw_down != nullptr) grouped_gemm_wgrad(dy, h, expert_offsets, dw_down, max_rows, num_experts, d, inner, accumulate_dw, stream);
   // dx = dgate_up @ W_gate_up[e] (B: [E, D, 2I]); dy (which dx may be) was read in full above.
   if (inner % 128 == 0) {  // the SwiGLU backward writes dgate_up's codes too

@@ -68,7 +68,8 @@ void experts_backward(const uint16_t* x_sorted /*[R,D]*/, const int32_t* expert_
 // codes, 1 x 128 activation / gradient blocks, 128 x 128 weight blocks), the weight gradients in
 // BF16 (grouped_gemm_wgrad on the BF16 tensors the forward saved): each GEMM input is quantised
 // over its R rows just before its GEMM (cuda::fp8_quantize_blocks into the FP8 workspace; h and
-// dgate_up by the SwiGLU kernels that write them, swiglu_*_fp8, when I is a multiple of 128), the
+// dgate_up by the SwiGLU kernels that write them, swiglu_*_fp8, when I is a multiple of 128; x_sorted
+// and dy by their producers when the caller says so, input_quantised, below), the
 // weights once per step by cuda::fp8_quantize_weights (codes and the transposed copy the data
 // gradient reads). Outputs, saved tensors and row rules as experts_forward / experts_backward.
 struct Fp8ExpertWeights {
@@ -86,10 +87,22 @@ struct Fp8ExpertWeights {
 // their 1 x 128 scales.
 size_t experts_fp8_workspace_bytes(int64_t max_rows, int64_t d, int64_t inner);
 
+// Where the FP8 workspace holds the 1 x 128 codes [R, D] and scales [R, D / 128] of the experts'
+// first GEMM input (x_sorted in the forward, dy in the backward). A producer that writes them
+// there as it writes those rows (cuda::permute_forward_fp8, unpermute_backward_fp8; D a multiple
+// of 128) passes input_quantised = true, and the experts skip their own quantisation of that input.
+struct Fp8Rows {
+  uint8_t* codes = nullptr;
+  float* scales = nullptr;
+};
+Fp8Rows experts_fp8_input_rows(void* fp8_workspace, size_t fp8_workspace_bytes, int64_t max_rows, int64_t d,
+                               int64_t inner);
+
 void experts_forward_fp8(const uint16_t* x_sorted /*[R,D]*/, const int32_t* expert_offsets /*[E+1]*/,
                          const Fp8ExpertWeights& w, int64_t max_rows, int64_t num_experts, int64_t d, int64_t inner,
                          uint16_t* gate_up /*[R,2I], saved*/, uint16_t* h /*[R,I], saved*/, uint16_t* y /*[R,D]*/,
-                         void* fp8_workspace, size_t fp8_workspace_bytes, Stream stream);
+                         void* fp8_workspace, size_t fp8_workspace_bytes, Stream stream,
+                         bool input_quantised = false);
 
 // experts_recompute in the FP8 recipe: h again from gate_up (the SwiGLU experts_forward_fp8 ran,
 // bitwise) and, when y is not null, y = h @ w_down[e]^T through the same quantisation and FP8
@@ -104,6 +117,7 @@ void experts_backward_fp8(const uint16_t* x_sorted /*[R,D]*/, const int32_t* exp
                           const uint16_t* dy /*[R,D]*/, int64_t max_rows, int64_t num_experts, int64_t d,
                           int64_t inner, uint16_t* dx_sorted /*[R,D], may be dy*/, float* dw_gate_up /*+=*/,
                           float* dw_down /*+=*/, void* workspace, size_t workspace_bytes, void* fp8_workspace,
-                          size_t fp8_workspace_bytes, Stream stream, bool accumulate_dw = true);
+                          size_t fp8_workspace_bytes, Stream stream, bool accumulate_dw = true,
+                          bool input_quantised = false);
 
 }  // namespace moe::cuda

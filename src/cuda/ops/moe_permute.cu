@@ -116,4 +116,48 @@ void unpermute_backward(const uint16_t* dout, const uint16_t* y_sorted,
   check_launch("unpermute_backward_warp_per_route");
 }
 
+namespace {
+
+// The FP8 producers' shapes: whole 1 x 128 blocks, 16-byte rows, 8-byte code rows.
+RowShape check_rows_fp8(int64_t num_tokens, int64_t top_k, int64_t d, const char* op) {
+  RowShape s = check_rows(num_tokens, top_k, d, op);
+  MOE_CHECK(d % 128 == 0, op, ": d must be a multiple of 128 (whole 1 x 128 FP8 blocks), got ", d);
+  s.packs_per_row = d / kVecBf16;
+  return s;
+}
+
+}  // namespace
+
+void permute_forward_fp8(const uint16_t* x, const int32_t* sorted_route, int64_t num_tokens, int64_t top_k,
+                         int64_t d, uint16_t* x_sorted, uint8_t* q, float* scales, Stream stream) {
+  constexpr const char* kOp = "cuda::permute_forward_fp8";
+  const RowShape s = check_rows_fp8(num_tokens, top_k, d, kOp);
+  if (s.routes == 0) return;
+  detail::check_ptrs(kOp, {{"x", x}, {"x_sorted", x_sorted}}, 16);
+  detail::check_ptrs(kOp, {{"q", q}}, 8);
+  detail::check_ptrs(kOp, {{"sorted_route", sorted_route}, {"scales", scales}}, 4);
+  const int64_t blocks = s.routes * (d / 128);
+  kernels::permute_gather_rows_fp8<<<blocks_for(blocks, kernels::kPermuteFp8BlocksPerCta), kPermuteThreads, 0,
+                                     stream>>>(x, sorted_route, s, x_sorted, q, scales);
+  check_launch("permute_gather_rows_fp8");
+}
+
+void unpermute_backward_fp8(const uint16_t* dout, const uint16_t* y_sorted, const int32_t* sorted_route,
+                            const int32_t* route_to_row, const float* topk_w, int64_t num_tokens, int64_t top_k,
+                            int64_t d, uint16_t* dy_sorted, float* dtopk_w, uint8_t* q, float* scales,
+                            Stream stream) {
+  constexpr const char* kOp = "cuda::unpermute_backward_fp8";
+  const RowShape s = check_rows_fp8(num_tokens, top_k, d, kOp);
+  if (s.routes == 0) return;
+  detail::check_ptrs(kOp, {{"dout", dout}, {"y_sorted", y_sorted}, {"dy_sorted", dy_sorted}}, 16);
+  detail::check_ptrs(kOp, {{"q", q}}, 8);
+  detail::check_ptrs(kOp,
+                     {{"sorted_route", sorted_route}, {"route_to_row", route_to_row}, {"topk_w", topk_w},
+                      {"dtopk_w", dtopk_w}, {"scales", scales}},
+                     4);
+  kernels::unpermute_backward_fp8<<<blocks_for(s.routes, kPermuteThreads / 32), kPermuteThreads, 0, stream>>>(
+      dout, y_sorted, sorted_route, route_to_row, topk_w, s, dy_sorted, dtopk_w, q, scales);
+  check_launch("unpermute_backward_fp8");
+}
+
 }  // namespace moe::cuda

@@ -122,4 +122,20 @@ void unpermute_backward(const uint16_t* dout /*[T,D]*/, const uint16_t* y_sorted
                         uint16_t* dy_sorted /*[R,D]*/, float* dtopk_w /*[T,k]*/,
                         Stream stream);
 
+// The FP8 experts' producers (train.precision = "fp8", d a multiple of 128; rows 16-byte and q
+// 8-byte aligned): permute_forward and unpermute_backward, their BF16 rows and dtopk_w bitwise, that
+// also write the rows' 1 x 128 E4M3 codes q [R, D] and FP32 scales [R, D / 128] (row-major),
+// bitwise what fp8_quantize_blocks (cuda/ops/fp8.h) writes for the BF16 rows they store; a row
+// without a route gets codes 0 and scale 1. The experts' first FP8 GEMM then reads these codes
+// (experts_forward_fp8 / experts_backward_fp8 with the input quantised) instead of a
+// quantisation pass over rows that were just written.
+void permute_forward_fp8(const uint16_t* x /*[T,D]*/, const int32_t* sorted_route /*[R]*/, int64_t num_tokens,
+                         int64_t top_k, int64_t d, uint16_t* x_sorted /*[R,D]*/, uint8_t* q /*[R,D]*/,
+                         float* scales /*[R,D/128]*/, Stream stream);
+void unpermute_backward_fp8(const uint16_t* dout /*[T,D]*/, const uint16_t* y_sorted /*[R,D]*/,
+                            const int32_t* sorted_route /*[R]*/, const int32_t* route_to_row /*[T*k]*/,
+                            const float* topk_w /*[T,k]*/, int64_t num_tokens, int64_t top_k, int64_t d,
+                            uint16_t* dy_sorted /*[R,D]*/, float* dtopk_w /*[T,k]*/, uint8_t* q /*[R,D]*/,
+                            float* scales /*[R,D/128]*/, Stream stream);
+
 }  // namespace moe::cuda
