@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "core/dtype.h"
@@ -382,6 +383,66 @@ void fp8_emulated_linear_backward(const float* x, const float* w, const float* d
     const std::vector<float> xc = fake_quantised_cols(x, n, k, r.forward, r);
     linear_backward(xc.data(), static_cast<const float*>(nullptr), dyc.data(), static_cast<float*>(nullptr), dw, n, k,
                     m, false);
+  }
+}
+
+void fp8_quantised_rows(const float* x, int64_t rows, int64_t cols, Fp8Format f, const Fp8Recipe& r, float* out) {
+  MOE_CHECK(rows >= 0 && cols >= 0, "cpu::fp8_quantised_rows: rows and cols must be >= 0, got ", rows, " x ", cols);
+  if (rows == 0 || cols == 0) return;
+  const std::vector<float> q = fake_quantised_rows(x, rows, cols, kFp8ActivationBlock, f, r);
+  std::copy(q.begin(), q.end(), out);
+}
+
+namespace {
+
+int64_t row_scale_bytes(int64_t cols, const Fp8Recipe& r) {
+  return r.scaling == Fp8Scaling::kMx ? fp8_scale_cols(cols, {1, kMxBlock})
+                                      : fp8_scale_cols(cols, kFp8ActivationBlock) * int64_t{sizeof(float)};
+}
+
+}  // namespace
+
+int64_t fp8_row_payload_bytes(int64_t cols, const Fp8Recipe& r) {
+  MOE_CHECK(cols >= 0, "cpu::fp8_row_payload_bytes: cols must be >= 0, got ", cols);
+  return (cols + row_scale_bytes(cols, r) + 3) / 4 * 4;
+}
+
+void fp8_pack_rows(const float* x, int64_t rows, int64_t cols, Fp8Format f, const Fp8Recipe& r, uint8_t* payload) {
+  MOE_CHECK(rows >= 0 && cols >= 0, "cpu::fp8_pack_rows: rows and cols must be >= 0, got ", rows, " x ", cols);
+  const int64_t per = fp8_row_payload_bytes(cols, r), sb = row_scale_bytes(cols, r);
+  if (rows == 0 || cols == 0) return;
+  std::fill(payload, payload + rows * per, uint8_t{0});
+  if (r.scaling == Fp8Scaling::kMx) {
+    const MxQuantised q = mx_quantised(x, rows, cols, f, r.mx_rule);
+    for (int64_t i = 0; i < rows; ++i) {
+      std::copy(q.q.begin() + i * cols, q.q.begin() + (i + 1) * cols, payload + i * per);
+      std::copy(q.s.begin() + i * sb, q.s.begin() + (i + 1) * sb, payload + i * per + cols);
+    }
+    return;
+  }
+  const Quantised q = quantise(x, rows, cols, kFp8ActivationBlock, f);
+  const int64_t nb = sb / int64_t{sizeof(float)};
+  for (int64_t i = 0; i < rows; ++i) {
+    std::copy(q.q.begin() + i * cols, q.q.begin() + (i + 1) * cols, payload + i * per);
+    std::memcpy(payload + i * per + cols, q.s.data() + i * nb, static_cast<size_t>(sb));
+  }
+}
+
+void fp8_unpack_rows(const uint8_t* payload, int64_t rows, int64_t cols, Fp8Format f, const Fp8Recipe& r, float* out) {
+  MOE_CHECK(rows >= 0 && cols >= 0, "cpu::fp8_unpack_rows: rows and cols must be >= 0, got ", rows, " x ", cols);
+  const int64_t per = fp8_row_payload_bytes(cols, r), sb = row_scale_bytes(cols, r);
+  if (rows == 0 || cols == 0) return;
+  std::vector<uint8_t> q(static_cast<size_t>(cols)), s(static_cast<size_t>(sb));
+  for (int64_t i = 0; i < rows; ++i) {
+    std::copy(payload + i * per, payload + i * per + cols, q.begin());
+    std::copy(payload + i * per + cols, payload + i * per + cols + sb, s.begin());
+    if (r.scaling == Fp8Scaling::kMx) {
+      mx_dequantize(q.data(), s.data(), 1, cols, f, out + i * cols);
+    } else {
+      std::vector<float> sf(static_cast<size_t>(sb) / sizeof(float));
+      std::memcpy(sf.data(), s.data(), static_cast<size_t>(sb));
+      fp8_dequantize_blocks(q.data(), sf.data(), 1, cols, kFp8ActivationBlock, f, out + i * cols);
+    }
   }
 }
 

@@ -152,4 +152,18 @@ void fp8_emulated_linear_forward(const float* x, const float* w, float* y, int64
 void fp8_emulated_linear_backward(const float* x, const float* w, const float* dy, float* dx, float* dw, int64_t n,
                                   int64_t k, int64_t m, bool accumulate_dx, const Fp8Recipe& r);
 
+// The row quantisation of the recipe's activations and gradients: x [rows, cols] in 1 x 128 blocks
+// with FP32 scales (block scaling) or 1 x 32 blocks with E8M0 scales (MX) along each row, format f,
+// dequantised into out (FP32). What an FP8 row exchange delivers: the experts' inputs that travel
+// between expert-parallel ranks (x_sorted, dy) enter the experts as these values in every layout.
+void fp8_quantised_rows(const float* x, int64_t rows, int64_t cols, Fp8Format f, const Fp8Recipe& r, float* out);
+
+// Those rows as an exchange carries them: per row its cols codes, then its scales (block scaling:
+// ceil(cols / 128) FP32; MX: ceil(cols / 32) E8M0 bytes), zero-padded to a multiple of 4 bytes,
+// fp8_row_payload_bytes(cols, r) bytes in all (against 4 cols for the FP32 row). fp8_unpack_rows
+// of fp8_pack_rows is fp8_quantised_rows, bit for bit.
+int64_t fp8_row_payload_bytes(int64_t cols, const Fp8Recipe& r);
+void fp8_pack_rows(const float* x, int64_t rows, int64_t cols, Fp8Format f, const Fp8Recipe& r, uint8_t* payload);
+void fp8_unpack_rows(const uint8_t* payload, int64_t rows, int64_t cols, Fp8Format f, const Fp8Recipe& r, float* out);
+
 }  // namespace moe::cpu

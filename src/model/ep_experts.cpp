@@ -4,6 +4,7 @@
 #include "model/ep_experts.h"
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "core/error.h"
@@ -11,9 +12,36 @@
 
 namespace moe {
 
+void ep_dispatch_fp8(const ExpertParallel& ep, const EpHandle& h, const float* x_sorted, int64_t d, Fp8Format f,
+                     const cpu::Fp8Recipe& r, float* x_grouped) {
+  const int64_t bytes = cpu::fp8_row_payload_bytes(d, r), words = bytes / 4;
+  std::vector<uint8_t> send(static_cast<size_t>(h.num_rows * bytes));
+  cpu::fp8_pack_rows(x_sorted, h.num_rows, d, f, r, send.data());
+  std::vector<float> send_words(static_cast<size_t>(h.num_rows * words)), recv_words(static_cast<size_t>(h.num_recv_rows * words));
+  std::memcpy(send_words.data(), send.data(), send.size());
+  ep_dispatch(ep, h, send_words.data(), words, recv_words.data());
+  std::vector<uint8_t> recv(static_cast<size_t>(h.num_recv_rows * bytes));
+  std::memcpy(recv.data(), recv_words.data(), recv.size());
+  cpu::fp8_unpack_rows(recv.data(), h.num_recv_rows, d, f, r, x_grouped);
+}
+
+namespace {
+
+// The rows of an exchange that feeds an FP8 GEMM: their FP8 payload under the recipe, else FP32.
+void dispatch_rows(const ExpertParallel& ep, const EpHandle& h, const float* rows, int64_t d,
+                   const cpu::Fp8Recipe* fp8, Fp8Format f, float* grouped) {
+  if (fp8 != nullptr) {
+    ep_dispatch_fp8(ep, h, rows, d, f, *fp8, grouped);
+  } else {
+    ep_dispatch(ep, h, rows, d, grouped);
+  }
+}
+
+}  // namespace
+
 void ep_experts_forward(const ExpertParallel& ep, const float* x_sorted, const int32_t* counts_E,
                         const float* w_gate_up, const float* w_down, int64_t d, int64_t inner,
-                        EpExpertsSaved& s, float* y_sorted, PhaseTimer* timer) {
+                        EpExpertsSaved& s, float* y_sorted, PhaseTimer* timer, const cpu::Fp8Recipe* fp8) {
   if (timer) timer->lap(Phase::kDispatch);
   if (ep.rowwise) {
     // The capacity from this rank's rows, the same on every rank (equal micro-batches, dropless map).
@@ -30,24 +58,24 @@ void ep_experts_forward(const ExpertParallel& ep, const float* x_sorted, const i
   s.offsets_L1 = s.handle.local_offsets;
   const int64_t g = s.handle.num_recv_rows;
   s.x_GD.resize(g * d);
-  ep_dispatch(ep, s.handle, x_sorted, d, s.x_GD.data());
+  dispatch_rows(ep, s.handle, x_sorted, d, fp8, fp8 ? fp8->forward : Fp8Format::kE4M3, s.x_GD.data());
   s.gate_up_G2I.resize(g * 2 * inner);
   s.h_GI.resize(g * inner);
   std::vector<float> y_grouped(g * d);
   if (timer) timer->lap(Phase::kExperts);
   cpu::experts_forward(s.x_GD.data(), s.offsets_L1.data(), w_gate_up, w_down, ep.local_experts(), d, inner,
-                       s.gate_up_G2I.data(), s.h_GI.data(), y_grouped.data());
+                       s.gate_up_G2I.data(), s.h_GI.data(), y_grouped.data(), fp8);
   if (timer) timer->lap(Phase::kCombine);
   ep_combine(ep, s.handle, y_grouped.data(), d, y_sorted);
 }
 
 void ep_experts_recompute(const ExpertParallel& ep, const float* x_sorted, const float* w_gate_up,
                           const float* w_down, int64_t d, int64_t inner, bool gate_up_kept, EpExpertsSaved& s,
-                          float* y_sorted, PhaseTimer* timer) {
+                          float* y_sorted, PhaseTimer* timer, const cpu::Fp8Recipe* fp8) {
   const int64_t g = s.handle.num_recv_rows;
   if (timer) timer->lap(Phase::kDispatch);
   s.x_GD.resize(g * d);
-  ep_dispatch(ep, s.handle, x_sorted, d, s.x_GD.data());
+  dispatch_rows(ep, s.handle, x_sorted, d, fp8, fp8 ? fp8->forward : Fp8Format::kE4M3, s.x_GD.data());
   s.h_GI.resize(g * inner);
   std::vector<float> y_grouped(g * d);
   if (timer) timer->lap(Phase::kExperts);
@@ -55,11 +83,11 @@ void ep_experts_recompute(const ExpertParallel& ep, const float* x_sorted, const
     MOE_CHECK(static_cast<int64_t>(s.gate_up_G2I.size()) == g * 2 * inner, "ep_experts_recompute: saved gate/up "
               "outputs hold ", s.gate_up_G2I.size(), " values, expected ", g * 2 * inner, " (forward not run?)");
     cpu::experts_down_forward(s.offsets_L1.data(), s.gate_up_G2I.data(), w_down, ep.local_experts(), d, inner,
-                              s.h_GI.data(), y_grouped.data());
+                              s.h_GI.data(), y_grouped.data(), fp8);
   } else {
     s.gate_up_G2I.resize(g * 2 * inner);
     cpu::experts_forward(s.x_GD.data(), s.offsets_L1.data(), w_gate_up, w_down, ep.local_experts(), d, inner,
-                         s.gate_up_G2I.data(), s.h_GI.data(), y_grouped.data());
+                         s.gate_up_G2I.data(), s.h_GI.data(), y_grouped.data(), fp8);
   }
   if (timer) timer->lap(Phase::kCombine);
   ep_combine(ep, s.handle, y_grouped.data(), d, y_sorted);
@@ -67,18 +95,19 @@ void ep_experts_recompute(const ExpertParallel& ep, const float* x_sorted, const
 
 void ep_experts_backward(const ExpertParallel& ep, const EpExpertsSaved& s, const float* w_gate_up,
                          const float* w_down, const float* dy_sorted, int64_t d, int64_t inner,
-                         float* dx_sorted, float* dw_gate_up, float* dw_down, PhaseTimer* timer) {
+                         float* dx_sorted, float* dw_gate_up, float* dw_down, PhaseTimer* timer,
+                         const cpu::Fp8Recipe* fp8) {
   const int64_t g = s.handle.num_recv_rows;
   MOE_CHECK(static_cast<int64_t>(s.x_GD.size()) == g * d, "ep_experts_backward: saved inputs hold ",
             s.x_GD.size(), " values, expected ", g * d, " (forward not run?)");
   // Backward of combine is a dispatch (gradients travel to the experts), of dispatch a combine.
   std::vector<float> dy_grouped(g * d), dx_grouped(g * d), scratch(g * 3 * inner);
   if (timer) timer->lap(Phase::kCombine);
-  ep_dispatch(ep, s.handle, dy_sorted, d, dy_grouped.data());
+  dispatch_rows(ep, s.handle, dy_sorted, d, fp8, fp8 ? fp8->grad : Fp8Format::kE4M3, dy_grouped.data());
   if (timer) timer->lap(Phase::kExperts);
   cpu::experts_backward(s.x_GD.data(), s.offsets_L1.data(), w_gate_up, w_down, s.gate_up_G2I.data(), s.h_GI.data(),
                         dy_grouped.data(), ep.local_experts(), d, inner, dx_grouped.data(), dw_gate_up, dw_down,
-                        scratch.data());
+                        scratch.data(), fp8);
   if (timer) timer->lap(Phase::kDispatch);
   ep_combine(ep, s.handle, dx_grouped.data(), d, dx_sorted);
 }
@@ -90,20 +119,20 @@ void EpExperts::forward(const float* x_sorted_RD, const int32_t* offsets_E1, con
   std::vector<int32_t> counts_E(ep_.num_experts);
   for (int64_t e = 0; e < ep_.num_experts; ++e) counts_E[e] = offsets_E1[e + 1] - offsets_E1[e];
   ep_experts_forward(ep_, x_sorted_RD, counts_E.data(), w_gate_up_L2ID, w_down_LDI, d_, inner_, saved, y_sorted_RD,
-                     timer);
+                     timer, fp8_);
 }
 
 void EpExperts::recompute(const float* x_sorted_RD, const float* w_gate_up_L2ID, const float* w_down_LDI,
                           bool gate_up_kept, ExpertsSaved<float>& saved, float* y_sorted_RD, PhaseTimer* timer) const {
   ep_experts_recompute(ep_, x_sorted_RD, w_gate_up_L2ID, w_down_LDI, d_, inner_, gate_up_kept, saved, y_sorted_RD,
-                       timer);
+                       timer, fp8_);
 }
 
 void EpExperts::backward(const ExpertsSaved<float>& saved, const float* w_gate_up_L2ID, const float* w_down_LDI,
                          const float* dy_sorted_RD, float* dx_sorted_RD, float* dw_gate_up_L2ID, float* dw_down_LDI,
                          PhaseTimer* timer) const {
   ep_experts_backward(ep_, saved, w_gate_up_L2ID, w_down_LDI, dy_sorted_RD, d_, inner_, dx_sorted_RD,
-                      dw_gate_up_L2ID, dw_down_LDI, timer);
+                      dw_gate_up_L2ID, dw_down_LDI, timer, fp8_);
 }
 
 }  // namespace moe

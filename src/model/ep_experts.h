@@ -3,6 +3,10 @@
 // ep_dispatch), run through the L = E/ep local experts in the grouped layout (local expert major,
 // sending peer minor) and come back in the sender's order (ep_combine). Dropless. Backward: the
 // row gradients travel the same way; backward of dispatch is a combine and vice versa.
+// Under the FP8 recipe (fp8 not null, train.precision = "fp8") the rows that feed an FP8 GEMM on the
+// expert's rank, x_sorted and dy_sorted, travel as their FP8 payload (cpu::fp8_pack_rows: codes and
+// scales, about a quarter of the FP32 bytes) and enter the experts as their row-quantised values,
+// as the local experts' do (model/experts.h); the outputs and input gradients travel in FP32.
 // Legend: R rows this rank sends, G rows its experts receive, D model width, I expert hidden,
 // E experts, L local experts.
 #pragma once
@@ -26,7 +30,8 @@ using EpExpertsSaved = ExpertsSaved<float>;
 // combine laps and the expert GEMMs as an experts lap (backward: the same phases).
 void ep_experts_forward(const ExpertParallel& ep, const float* x_sorted, const int32_t* counts_E,
                         const float* w_gate_up, const float* w_down, int64_t d, int64_t inner,
-                        EpExpertsSaved& saved, float* y_sorted, PhaseTimer* timer = nullptr);
+                        EpExpertsSaved& saved, float* y_sorted, PhaseTimer* timer = nullptr,
+                        const cpu::Fp8Recipe* fp8 = nullptr);
 
 // Activation recomputation (Experts::recompute): forward again on the same x_sorted [R, D] with the
 // saved exchange (saved.handle: no count exchange; the rows are dispatched again and the outputs
@@ -34,14 +39,22 @@ void ep_experts_forward(const ExpertParallel& ep, const float* x_sorted, const i
 // gate_up_kept, saved.gate_up_G2I, and y_sorted [R, D]: bitwise ep_experts_forward's values.
 void ep_experts_recompute(const ExpertParallel& ep, const float* x_sorted, const float* w_gate_up,
                           const float* w_down, int64_t d, int64_t inner, bool gate_up_kept, EpExpertsSaved& saved,
-                          float* y_sorted, PhaseTimer* timer = nullptr);
+                          float* y_sorted, PhaseTimer* timer = nullptr, const cpu::Fp8Recipe* fp8 = nullptr);
 
 // Collective drop-in for cpu::experts_backward: dy_sorted [R, D] -> dx_sorted [R, D]
 // (overwritten); the local experts' weight gradients dw_gate_up [L, 2I, D] and dw_down
 // [L, D, I] accumulate (+=) over the rows of every rank of the group.
 void ep_experts_backward(const ExpertParallel& ep, const EpExpertsSaved& saved, const float* w_gate_up,
                          const float* w_down, const float* dy_sorted, int64_t d, int64_t inner,
-                         float* dx_sorted, float* dw_gate_up, float* dw_down, PhaseTimer* timer = nullptr);
+                         float* dx_sorted, float* dw_gate_up, float* dw_down, PhaseTimer* timer = nullptr,
+                         const cpu::Fp8Recipe* fp8 = nullptr);
+
+// ep_dispatch of rows as their FP8 payload: x_sorted [R, D] packed by cpu::fp8_pack_rows (format f,
+// recipe r's scaling), the payload rows exchanged as 32-bit words (their bits unchanged), and
+// x_grouped [G, D] their dequantised values: cpu::fp8_quantised_rows of the rows it receives, bit
+// for bit. Collective over the group.
+void ep_dispatch_fp8(const ExpertParallel& ep, const EpHandle& h, const float* x_sorted, int64_t d, Fp8Format f,
+                     const cpu::Fp8Recipe& r, float* x_grouped);
 
 // The Experts interface over ep_experts_forward/backward. The EP group's communicator must outlive
 // it; forward and backward are collectives over the group.

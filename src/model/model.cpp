@@ -249,9 +249,6 @@ void Model<T>::set_fp8(const cpu::Fp8Recipe* recipe) {
   if (recipe != nullptr) {
     MOE_CHECK((std::is_same_v<T, float>), "train.precision = \"fp8\": the CPU model emulates the FP8 recipe on "
               "FP32 tensors only");
-    MOE_CHECK(!ep_, "train.precision = \"fp8\" on the cpu backend: the FP8 recipe is not emulated under expert "
-              "parallelism yet (parallel.ep = ", ep_ ? ep_->size() : 1, "); use parallel.ep = 1 or train.precision = "
-              "\"fp32\"");
     fp8_recipe_ = *recipe;
   }
   fp8_on_ = recipe != nullptr;

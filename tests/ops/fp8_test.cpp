@@ -5,6 +5,7 @@
 // against the product of the dequantised operands (FP32 reduction) and bitwise on exact cases.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -465,4 +466,58 @@ TEST(Fp8, GroupedBlockScaledGemmRunsEachExpertOnItsRows) {
   EXPECT_EQ(c[size_t(16 * n)], -7.0f) << "the tail past offsets[E] was written";
 }
 
+}  // namespace moe::testing
+
+namespace moe::testing {
+namespace {
+
+// The FP8 row payload of an expert-parallel exchange: unpacking a packed row gives its row
+// quantisation bit for bit (block scaling with a partial last block, MX with both rules, E4M3 and
+// E5M2), the payload's size is the codes plus the scales rounded up to 4 bytes, and its bytes are
+// the quantiser's codes and scales in that order.
+TEST(Fp8, RowPayloadUnpacksToTheRowQuantisation) {
+  const int64_t rows = 5;
+  for (const char* scaling : {"blocks", "mx", "mx_no_saturation"}) {
+    for (const Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      for (const int64_t cols : {int64_t{8}, int64_t{200}, int64_t{256}}) {
+        const cpu::Fp8Recipe r = cpu::fp8_recipe_named(scaling);
+        const std::string what = std::string(scaling) + " " + (f == Fp8Format::kE4M3 ? "e4m3" : "e5m2") + " cols=" + std::to_string(cols);
+        std::vector<float> x = randn(rows * cols, 31 + uint64_t(cols));
+        for (int64_t i = 0; i < rows * cols; ++i) x[size_t(i)] *= std::ldexp(1.0f, int(i % 13) - 6);
+        const int64_t bytes = cpu::fp8_row_payload_bytes(cols, r);
+        const int64_t scale_bytes = r.scaling == cpu::Fp8Scaling::kMx ? (cols + 31) / 32 : 4 * ((cols + 127) / 128);
+        EXPECT_EQ(bytes, (cols + scale_bytes + 3) / 4 * 4) << what;
+        std::vector<uint8_t> payload(size_t(rows * bytes), 0xAB);
+        cpu::fp8_pack_rows(x.data(), rows, cols, f, r, payload.data());
+        std::vector<float> unpacked(x.size()), want(x.size());
+        cpu::fp8_unpack_rows(payload.data(), rows, cols, f, r, unpacked.data());
+        cpu::fp8_quantised_rows(x.data(), rows, cols, f, r, want.data());
+        EXPECT_EQ(std::memcmp(unpacked.data(), want.data(), x.size() * sizeof(float)), 0) << what;
+        // The codes lead each payload row: the quantiser's codes of that row.
+        std::vector<uint8_t> q(x.size());
+        if (r.scaling == cpu::Fp8Scaling::kMx) {
+          std::vector<uint8_t> s(size_t(rows * ((cols + 31) / 32)));
+          cpu::mx_quantize(x.data(), rows, cols, f, r.mx_rule, q.data(), s.data());
+        } else {
+          std::vector<float> s(size_t(rows * ((cols + 127) / 128)));
+          cpu::fp8_quantize_blocks(x.data(), rows, cols, kFp8ActivationBlock, f, q.data(), s.data());
+        }
+        for (int64_t i = 0; i < rows; ++i) {
+          EXPECT_EQ(std::memcmp(payload.data() + i * bytes, q.data() + i * cols, size_t(cols)), 0) << what << " row " << i;
+          for (int64_t b = cols + scale_bytes; b < bytes; ++b) EXPECT_EQ(payload[size_t(i * bytes + b)], 0) << what;
+        }
+        // The values on the grid: a second quantisation of the unpacked rows moves none of them by
+        // more than one FP32 rounding of their scale.
+        std::vector<float> again(x.size());
+        cpu::fp8_quantised_rows(unpacked.data(), rows, cols, f, r, again.data());
+        for (size_t i = 0; i < x.size(); ++i)
+          EXPECT_LE(std::fabs(again[i] - unpacked[i]), std::ldexp(std::fabs(unpacked[i]), -22)) << what << " at " << i;
+      }
+    }
+  }
+  EXPECT_EQ(cpu::fp8_row_payload_bytes(2048, cpu::fp8_recipe_named("blocks")), 2048 + 64);
+  EXPECT_EQ(cpu::fp8_row_payload_bytes(2048, cpu::fp8_recipe_named("mx")), 2048 + 64);
+}
+
+}  // namespace
 }  // namespace moe::testing

@@ -21,6 +21,7 @@
 
 #include "core/recompute.h"
 #include "core/rng.h"
+#include "cpu/fp8.h"
 #include "cpu/dispatch.h"
 #include "cpu/experts.h"
 #include "model/ep_experts.h"
@@ -58,8 +59,14 @@ struct LayerResult {
 };
 
 // Reference and EP runs of one case; compares on this rank and returns the EP handle for
-// scenario checks. Collective over `world`.
-inline EpHandle check_layer_case(Comm& world, const LayerCase& c) {
+// scenario checks. Collective over `world`. Under an FP8 recipe (fp8 not null) the reference's
+// experts read the row-quantised x_sorted and dy (cpu::fp8_quantised_rows), the EP run's receive
+// them as FP8 payloads: the outputs and input gradients within kEpTol; the experts' weight
+// gradients too when one EP group holds every rank (world = ep), since their 1 x 128 blocks run
+// down each expert's rows and the reference's rows of an expert are then the group's; with
+// several groups each group's blocks hold only its rows, and the summed gradients agree within
+// the FP8 rounding (kEpFp8GroupedWgrad).
+inline EpHandle check_layer_case(Comm& world, const LayerCase& c, const cpu::Fp8Recipe* fp8 = nullptr) {
   const int w = world.size(), me = world.rank();
   const int64_t E = c.num_experts, k = c.top_k, d = c.d, inner = c.inner;
   const std::string tag = rank_tag(world) + c.name + ": ";
@@ -88,13 +95,16 @@ inline EpHandle check_layer_case(Comm& world, const LayerCase& c) {
   cpu::build_dispatch_map(idx.data(), N, k, E, cnt.data(), off.data(), sorted.data(), to_row.data());
   std::vector<float> xs(R * d), gu(R * 2 * inner), h(R * inner), ys(R * d), out_ref(N * d);
   cpu::permute_forward(x.data(), sorted.data(), R, k, d, xs.data());
-  cpu::experts_forward(xs.data(), off.data(), wgu.data(), wdn.data(), E, d, inner, gu.data(), h.data(), ys.data());
+  if (fp8 != nullptr) cpu::fp8_quantised_rows(std::vector<float>(xs).data(), R, d, fp8->forward, *fp8, xs.data());
+  cpu::experts_forward(xs.data(), off.data(), wgu.data(), wdn.data(), E, d, inner, gu.data(), h.data(), ys.data(),
+                       fp8);
   cpu::unpermute_forward(ys.data(), to_row.data(), topk_w.data(), N, k, d, out_ref.data());
   std::vector<float> dys(R * d), dtw_ref(N * k), dxs(R * d), scratch(R * 3 * inner), dx_ref(N * d, 0.f);
   std::vector<float> dwgu_ref(wgu.size(), 0.f), dwdn_ref(wdn.size(), 0.f);
   cpu::unpermute_backward(dout.data(), ys.data(), to_row.data(), topk_w.data(), N, k, d, R, dys.data(), dtw_ref.data());
+  if (fp8 != nullptr) cpu::fp8_quantised_rows(std::vector<float>(dys).data(), R, d, fp8->grad, *fp8, dys.data());
   cpu::experts_backward(xs.data(), off.data(), wgu.data(), wdn.data(), gu.data(), h.data(), dys.data(), E, d, inner,
-                        dxs.data(), dwgu_ref.data(), dwdn_ref.data(), scratch.data());
+                        dxs.data(), dwgu_ref.data(), dwdn_ref.data(), scratch.data(), fp8);
   cpu::permute_backward(dxs.data(), sorted.data(), R, k, d, dx_ref.data());
 
   // This rank: its tokens, its experts.
@@ -107,13 +117,15 @@ inline EpHandle check_layer_case(Comm& world, const LayerCase& c) {
   const std::vector<float> lwgu(wgu.begin() + first * gu_per, wgu.begin() + (first + L) * gu_per);
   const std::vector<float> lwdn(wdn.begin() + first * dn_per, wdn.begin() + (first + L) * dn_per);
   EpExpertsSaved saved;
-  ep_experts_forward(ep, lxs.data(), lcnt.data(), lwgu.data(), lwdn.data(), d, inner, saved, lys.data());
+  ep_experts_forward(ep, lxs.data(), lcnt.data(), lwgu.data(), lwdn.data(), d, inner, saved, lys.data(), nullptr,
+                     fp8);
   cpu::unpermute_forward(lys.data(), lto_row.data(), topk_w.data() + t0 * k, n, k, d, out.data());
   std::vector<float> ldys(r_loc * d), dtw(n * k), ldxs(r_loc * d), dx(n * d, 0.f);
   std::vector<float> dwgu(lwgu.size(), 0.f), dwdn(lwdn.size(), 0.f);
   cpu::unpermute_backward(dout.data() + t0 * d, lys.data(), lto_row.data(), topk_w.data() + t0 * k, n, k, d, r_loc,
                           ldys.data(), dtw.data());
-  ep_experts_backward(ep, saved, lwgu.data(), lwdn.data(), ldys.data(), d, inner, ldxs.data(), dwgu.data(), dwdn.data());
+  ep_experts_backward(ep, saved, lwgu.data(), lwdn.data(), ldys.data(), d, inner, ldxs.data(), dwgu.data(), dwdn.data(),
+                      nullptr, fp8);
   cpu::permute_backward(ldxs.data(), lsorted.data(), r_loc, k, d, dx.data());
   // Ranks holding the same experts (other EP groups) each saw their own group's tokens.
   groups.ep_dp->all_reduce(dwgu.data(), static_cast<int64_t>(dwgu.size()), ReduceOp::kSum);
@@ -137,8 +149,9 @@ inline EpHandle check_layer_case(Comm& world, const LayerCase& c) {
   expect_parity(tag + "combine output", out, slice(out_ref, t0 * d, n * d), kEpTol);
   expect_parity(tag + "dx", dx, slice(dx_ref, t0 * d, n * d), kEpTol);
   expect_parity(tag + "dtopk_w", dtw, slice(dtw_ref, t0 * k, n * k), kEpTol);
-  expect_parity(tag + "dw_gate_up (local experts)", dwgu, slice(dwgu_ref, first * gu_per, L * gu_per), kEpTol);
-  expect_parity(tag + "dw_down (local experts)", dwdn, slice(dwdn_ref, first * dn_per, L * dn_per), kEpTol);
+  const Tolerance wtol = fp8 == nullptr || w == c.ep ? kEpTol : kEpFp8GroupedWgrad;
+  expect_parity(tag + "dw_gate_up (local experts)", dwgu, slice(dwgu_ref, first * gu_per, L * gu_per), wtol);
+  expect_parity(tag + "dw_down (local experts)", dwdn, slice(dwdn_ref, first * dn_per, L * dn_per), wtol);
   return saved.handle;
 }
 
@@ -188,7 +201,11 @@ struct ModelCheck {
   std::vector<std::vector<int32_t>> tokens_per_expert;  // this rank's forward statistics
 };
 
-inline ModelCheck check_model_case(Comm& world, const ModelCase& c) {
+// Under an FP8 recipe (fp8 not null: both models emulate it) the experts' weight gradients differ by
+// FP8 rounding (kEpFp8GroupedWgrad: the EP experts quantise a weight gradient's operands over the
+// rows of every rank of the group at once, the reference over one rank's micro-batch at a time);
+// everything else, the experts' inputs arriving as FP8 payloads included, within kEpTol.
+inline ModelCheck check_model_case(Comm& world, const ModelCase& c, const cpu::Fp8Recipe* fp8 = nullptr) {
   const int w = world.size(), me = world.rank();
   const std::string tag = rank_tag(world) + c.name + ": ";
   ExpertParallelGroups groups = split_expert_parallel(world, c.ep);
@@ -198,6 +215,8 @@ inline ModelCheck check_model_case(Comm& world, const ModelCase& c) {
   Model<float> ref(c.m, c.e);
   model.init_params(c.seed);
   ref.init_params(c.seed);
+  model.set_fp8(fp8);
+  ref.set_fp8(fp8);
   const int64_t moe_layers = model.num_moe_layers(), E = c.e.num_experts;
   auto bias = [&](int r) {
     return c.bias_of ? c.bias_of(r, moe_layers) : std::vector<float>(moe_layers * E, 0.f);
@@ -276,7 +295,7 @@ inline ModelCheck check_model_case(Comm& world, const ModelCase& c) {
     over.all_reduce(g.data(), pe.numel, ReduceOp::kSum);
     const int64_t start = model.placements()[i].offset;
     const std::vector<float> want(ref.grads() + re.offset + start, ref.grads() + re.offset + start + pe.numel);
-    expect_parity(tag + "grad " + pe.name, g, want, kEpTol);
+    expect_parity(tag + "grad " + pe.name, g, want, pe.expert && fp8 != nullptr ? kEpFp8GroupedWgrad : kEpTol);
   }
   return {st.tokens_per_expert};
 }
@@ -288,7 +307,7 @@ inline ModelCheck check_model_case(Comm& world, const ModelCase& c) {
 // rank: two micro-batches of different shapes (gradients accumulate), stats, logits and every
 // local gradient bitwise, and less saved memory after forward. Every rank recomputes its MoE
 // blocks' row exchange in backward. Collective over `world`.
-inline void check_model_recompute_case(Comm& world, const ModelCase& c) {
+inline void check_model_recompute_case(Comm& world, const ModelCase& c, const cpu::Fp8Recipe* fp8 = nullptr) {
   const int me = world.rank();
   const std::string tag = rank_tag(world) + c.name + ": ";
   ExpertParallelGroups groups = split_expert_parallel(world, c.ep);
@@ -305,6 +324,7 @@ inline void check_model_recompute_case(Comm& world, const ModelCase& c) {
   auto run = [&](Recompute mode) {
     Model<float> model(c.m, c.e, &ep);
     model.init_params(c.seed);
+    model.set_fp8(fp8);
     model.set_recompute(mode);
     if (c.bias_of) model.expert_bias() = c.bias_of(me, model.num_moe_layers());
     model.zero_grads();

@@ -43,6 +43,23 @@ TEST_P(EpMpi, RecomputeGradientsBitwiseEqualToNone) {
   for (const ModelCase& c : model_cases(ep)) check_model_recompute_case(world_comm(), c);
 }
 
+// The FP8 recipe under expert parallelism (block and MX scaling): x_sorted and dy travel as FP8
+// payloads; layer, model and recomputation as above, the experts' weight gradients within FP8
+// rounding where the reference's blocks of an expert's rows differ (ep_check.h).
+TEST_P(EpMpi, Fp8RecipeMatchesSingleProcess) {
+  const int64_t ep = GetParam();
+  if (!world_fits(ep)) GTEST_SKIP() << "needs an MPI world whose size ep = " << ep << " divides (mpirun -np 2 or 4)";
+  Comm& world = world_comm();
+  for (const char* scaling : {"blocks", "mx"}) {
+    const cpu::Fp8Recipe r = cpu::fp8_recipe_named(scaling);
+    for (const LayerCase& c : layer_cases(ep)) check_layer_case(world, c, &r);
+    for (const ModelCase& c : model_cases(ep)) {
+      check_model_case(world, c, &r);
+      check_model_recompute_case(world, c, &r);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Ep, EpMpi, ::testing::Values(int64_t{2}, int64_t{4}),
                          [](const auto& info) { return "ep" + std::to_string(info.param); });
 

@@ -96,6 +96,24 @@ TEST_P(EpThreads, RecomputeGradientsBitwiseEqualToNone) {
     run_thread_ranks(world, [&](Comm& comm) { check_model_recompute_case(comm, c); });
 }
 
+// The FP8 recipe under expert parallelism (block and MX scaling): x_sorted and dy travel as FP8
+// payloads; layer, model and recomputation as above, the experts' weight gradients within FP8
+// rounding where the reference's blocks of an expert's rows differ (ep_check.h).
+TEST_P(EpThreads, Fp8RecipeMatchesSingleProcess) {
+  EP_SKIP_UNDER_MPI();
+  const auto [world, ep] = GetParam();
+  for (const char* scaling : {"blocks", "mx"}) {
+    const cpu::Fp8Recipe r = cpu::fp8_recipe_named(scaling);
+    for (const LayerCase& c : layer_cases(ep)) run_thread_ranks(world, [&](Comm& comm) { check_layer_case(comm, c, &r); });
+    for (const ModelCase& c : model_cases(ep)) {
+      run_thread_ranks(world, [&](Comm& comm) {
+        check_model_case(comm, c, &r);
+        check_model_recompute_case(comm, c, &r);
+      });
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldEp, EpThreads,
                          ::testing::Values(std::make_pair(2, int64_t{2}), std::make_pair(4, int64_t{2}),
                                            std::make_pair(4, int64_t{4})),
