@@ -3,7 +3,7 @@
 // access) for permute, its backward and the combine; one warp per route for unpermute's
 // backward, which also reduces <dout[t], y_sorted[row]>. FP32 sums in slot order, one BF16
 // rounding per output. Indices outside [0, R = T*k) count as -1 (none). The FP8 experts'
-// producers (permute_gather_rows_fp8, unpermute_backward_fp8) write the same BF16 rows and their
+// producers (permute_gather_rows_fp8, unpermute_backward_warp_per_route<8, true>) write the same BF16 rows and their
 // 1 x 128 E4M3 codes and FP32 scales (fp8_quantize_half_warp_block of the stored values: bitwise
 // what fp8_quantize_blocks writes for those rows), d a multiple of 128.
 #pragma once
@@ -91,14 +91,28 @@ __global__ void __launch_bounds__(kPermuteThreads)
 }
 
 // Warp i handles route i (dy_sorted row and dtopk_w) and row i (zeroed when it holds no route).
-template <int kVec>
+// Lane l takes packs l, l + 32, ... of the row, in whole steps of 32 packs on every lane (a lane
+// past the row's end holds none), so that kFp8 (kVec = 8, d a multiple of 128: the FP8 experts'
+// producer) can quantise each 128-column block by a half-warp as it stores it: q [R, d] codes and
+// scales [R, d / 128] of the stored BF16 values, a row without a route as codes 0 with scale 1.
+// dtopk_w sums in the same order either way.
+template <int kVec, bool kFp8 = false>
 __global__ void __launch_bounds__(kPermuteThreads)
     unpermute_backward_warp_per_route(const uint16_t* dout, const uint16_t* y_sorted,
                                       const int32_t* sorted_route, const int32_t* route_to_row,
                                       const float* topk_w, RowShape s, uint16_t* dy_sorted,
-                                      float* dtopk_w) {
+                                      float* dtopk_w, uint8_t* q = nullptr, float* scales = nullptr) {
+  static_assert(!kFp8 || kVec == 8, "the FP8 producer stores 16-byte packs");
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kPermuteThreads / 32);
+  [[maybe_unused]] const int64_t per_row = s.d / 128;
+  // Quantises the pack v of row r (its 8 stored values; every lane calls it, the shuffles).
+  [[maybe_unused]] const auto quantise = [&](const float (&v)[8], bool valid, int64_t r, int64_t pack) {
+    if constexpr (kFp8) {
+      fp8_quantize_half_warp_block(v, valid, Fp8Format::kE4M3, q + r * s.d + pack * 8,
+                                   scales + r * per_row + pack / 16, nullptr);
+    }
+  };
   for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kPermuteThreads + threadIdx.x) / 32; i < s.routes;
        i += warps) {
     const int32_t row = route_to_row[i];
@@ -108,23 +122,39 @@ __global__ void __launch_bounds__(kPermuteThreads)
       const uint16_t* y_row = y_sorted + row * s.d;
       uint16_t* dy_row = dy_sorted + row * s.d;
       const float w = topk_w[i];
-      for (int64_t v = lane; v < s.packs_per_row; v += 32) {
-        float g[kVec], y[kVec], dy[kVec];
-        load_bf16<kVec>(g_row + v * kVec, g);
-        load_bf16<kVec>(y_row + v * kVec, y);
+      for (int64_t v0 = 0; v0 < s.packs_per_row; v0 += 32) {
+        const int64_t v = v0 + lane;
+        const bool valid = v < s.packs_per_row;
+        float dy[kVec] = {};
+        if (valid) {
+          float g[kVec], y[kVec];
+          load_bf16<kVec>(g_row + v * kVec, g);
+          load_bf16<kVec>(y_row + v * kVec, y);
 #pragma unroll
-        for (int q = 0; q < kVec; ++q) {
-          dot += g[q] * y[q];
-          dy[q] = 0.f + w * g[q];  // +0 for a zero product, as the CPU op's 0 += w * g
+          for (int j = 0; j < kVec; ++j) {
+            dot += g[j] * y[j];
+            dy[j] = 0.f + w * g[j];  // +0 for a zero product, as the CPU op's 0 += w * g
+          }
+          store_bf16<kVec>(dy_row + v * kVec, dy);
         }
-        store_bf16<kVec>(dy_row + v * kVec, dy);
+        if constexpr (kFp8) {
+          round_to_bf16(dy);  // the stored values
+          quantise(dy, valid, row, v);
+        }
       }
     }
     dot = warp_sum(dot);
     if (lane == 0) dtopk_w[i] = dot;
     if (!in_rows(sorted_route[i], s)) {
       uint16_t* dy_row = dy_sorted + i * s.d;
-      for (int64_t v = lane; v < s.packs_per_row; v += 32) store_zero_bf16<kVec>(dy_row + v * kVec);
+      for (int64_t v0 = 0; v0 < s.packs_per_row; v0 += 32) {
+        const int64_t v = v0 + lane;
+        if (v < s.packs_per_row) store_zero_bf16<kVec>(dy_row + v * kVec);
+        if constexpr (kFp8) {
+          const float zero[8] = {};
+          quantise(zero, v < s.packs_per_row, i, v);
+        }
+      }
     }
   }
 }
@@ -157,61 +187,6 @@ __global__ void __launch_bounds__(kPermuteThreads)
       }
     }
     fp8_quantize_half_warp_block(v, valid, Fp8Format::kE4M3, q + row * s.d + col, scales + b, nullptr);
-  }
-}
-
-// unpermute_backward_warp_per_route (kVec = 8) with the quantisation of dy_sorted fused in. Lane l
-// takes packs l, l + 32, ... of the row in the same order as that kernel, so dtopk_w is its value
-// bit for bit; the loop runs whole steps of 32 packs (two 128-blocks) on every lane, a lane past the
-// row's end holding no block.
-__global__ void __launch_bounds__(kPermuteThreads)
-    unpermute_backward_fp8(const uint16_t* __restrict__ dout, const uint16_t* __restrict__ y_sorted,
-                           const int32_t* __restrict__ sorted_route, const int32_t* __restrict__ route_to_row,
-                           const float* __restrict__ topk_w, RowShape s, uint16_t* __restrict__ dy_sorted,
-                           float* __restrict__ dtopk_w, uint8_t* __restrict__ q, float* __restrict__ scales) {
-  const int lane = threadIdx.x & 31;
-  const int64_t packs = s.d / 8, per_row = s.d / 128;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kPermuteThreads / 32);
-  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kPermuteThreads + threadIdx.x) / 32; i < s.routes;
-       i += warps) {
-    const int32_t row = route_to_row[i];
-    float dot = 0.f;
-    if (in_rows(row, s)) {
-      const uint16_t* g_row = dout + (i / s.top_k) * s.d;
-      const uint16_t* y_row = y_sorted + row * s.d;
-      const float w = topk_w[i];
-      for (int64_t v0 = 0; v0 < packs; v0 += 32) {
-        const int64_t v = v0 + lane;
-        const bool valid = v < packs;
-        float dy[8] = {};
-        if (valid) {
-          float g[8], y[8];
-          load_bf16<8>(g_row + v * 8, g);
-          load_bf16<8>(y_row + v * 8, y);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            dot += g[j] * y[j];
-            dy[j] = 0.f + w * g[j];
-          }
-          round_to_bf16(dy);
-          store_bf16<8>(dy_sorted + row * s.d + v * 8, dy);
-        }
-        fp8_quantize_half_warp_block(dy, valid, Fp8Format::kE4M3, q + row * s.d + v * 8,
-                                     scales + row * per_row + v / 16, nullptr);
-      }
-    }
-    dot = warp_sum(dot);
-    if (lane == 0) dtopk_w[i] = dot;
-    if (!in_rows(sorted_route[i], s)) {  // row i holds no route: zero, codes 0 with scale 1
-      for (int64_t v0 = 0; v0 < packs; v0 += 32) {
-        const int64_t v = v0 + lane;
-        const bool valid = v < packs;
-        const float zero[8] = {};
-        if (valid) store_zero_bf16<8>(dy_sorted + i * s.d + v * 8);
-        fp8_quantize_half_warp_block(zero, valid, Fp8Format::kE4M3, q + i * s.d + v * 8,
-                                     scales + i * per_row + v / 16, nullptr);
-      }
-    }
   }
 }
 

@@ -155,9 +155,10 @@ void unpermute_backward_fp8(const uint16_t* dout, const uint16_t* y_sorted, cons
                      {{"sorted_route", sorted_route}, {"route_to_row", route_to_row}, {"topk_w", topk_w},
                       {"dtopk_w", dtopk_w}, {"scales", scales}},
                      4);
-  kernels::unpermute_backward_fp8<<<blocks_for(s.routes, kPermuteThreads / 32), kPermuteThreads, 0, stream>>>(
-      dout, y_sorted, sorted_route, route_to_row, topk_w, s, dy_sorted, dtopk_w, q, scales);
-  check_launch("unpermute_backward_fp8");
+  kernels::unpermute_backward_warp_per_route<kVecBf16, true>
+      <<<blocks_for(s.routes, kPermuteThreads / 32), kPermuteThreads, 0, stream>>>(
+          dout, y_sorted, sorted_route, route_to_row, topk_w, s, dy_sorted, dtopk_w, q, scales);
+  check_launch("unpermute_backward_warp_per_route (fp8)");
 }
 
 }  // namespace moe::cuda
