@@ -316,7 +316,8 @@ nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, 
     std::printf("%-22s | %9s | %11s | %9s\n", "pass", "bf16", "+ quantise", "fused");
     const Timing p16 = time_ms(a, s, perm16), pq = time_ms(a, s, perm_q), p8 = time_ms(a, s, perm8);
     const Timing u16 = time_ms(a, s, unp16), uq = time_ms(a, s, unp_q), u8 = time_ms(a, s, unp8);
-    for (const auto& [name, t16, tq, t8] : {std::tuple{"permute", p16, pq, p8}, std::tuple{"combine backward", u16, uq, u8}}) {
+    for (const auto& [name, t16, tq, t8] :
+         {std::tuple{"permute", p16, pq, p8}, std::tuple{"combine backward", u16, uq, u8}}) {
       std::printf("%-22s | %9.1f | %11.1f | %9.1f\n", name, t16.med_ms * 1e3, tq.med_ms * 1e3, t8.med_ms * 1e3);
       out.push_back({{"op", std::string(name) + " producer"}, {"bf16_us", t16.med_ms * 1e3},
                      {"with_quantise_us", tq.med_ms * 1e3}, {"fused_us", t8.med_ms * 1e3}});

@@ -17,7 +17,8 @@ void ep_dispatch_fp8(const ExpertParallel& ep, const EpHandle& h, const float* x
   const int64_t bytes = cpu::fp8_row_payload_bytes(d, r), words = bytes / 4;
   std::vector<uint8_t> send(static_cast<size_t>(h.num_rows * bytes));
   cpu::fp8_pack_rows(x_sorted, h.num_rows, d, f, r, send.data());
-  std::vector<float> send_words(static_cast<size_t>(h.num_rows * words)), recv_words(static_cast<size_t>(h.num_recv_rows * words));
+  std::vector<float> send_words(static_cast<size_t>(h.num_rows * words));
+  std::vector<float> recv_words(static_cast<size_t>(h.num_recv_rows * words));
   std::memcpy(send_words.data(), send.data(), send.size());
   ep_dispatch(ep, h, send_words.data(), words, recv_words.data());
   std::vector<uint8_t> recv(static_cast<size_t>(h.num_recv_rows * bytes));

@@ -67,8 +67,8 @@ void LocalExperts<T>::backward(const ExpertsSaved<T>& s, const T* w_gate_up_L2ID
   std::vector<T> dy_q;  // the row gradients as the experts read them under the FP8 recipe
   if (this->fp8_ != nullptr) keep_rows(dy_sorted_RD, rows, d_, this->fp8_, this->fp8_->grad, dy_q);
   cpu::experts_backward(s.x_GD.data(), s.offsets_L1.data(), w_gate_up_L2ID, w_down_LDI, s.gate_up_G2I.data(),
-                        s.h_GI.data(), this->fp8_ != nullptr ? dy_q.data() : dy_sorted_RD, num_experts_, d_, inner_, dx_sorted_RD, dw_gate_up_L2ID,
-                        dw_down_LDI, scratch.data(), this->fp8_);
+                        s.h_GI.data(), this->fp8_ != nullptr ? dy_q.data() : dy_sorted_RD, num_experts_, d_, inner_,
+                        dx_sorted_RD, dw_gate_up_L2ID, dw_down_LDI, scratch.data(), this->fp8_);
 }
 
 template class LocalExperts<float>;

@@ -481,7 +481,8 @@ TEST(Fp8, RowPayloadUnpacksToTheRowQuantisation) {
     for (const Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
       for (const int64_t cols : {int64_t{8}, int64_t{200}, int64_t{256}}) {
         const cpu::Fp8Recipe r = cpu::fp8_recipe_named(scaling);
-        const std::string what = std::string(scaling) + " " + (f == Fp8Format::kE4M3 ? "e4m3" : "e5m2") + " cols=" + std::to_string(cols);
+        const std::string what =
+            std::string(scaling) + (f == Fp8Format::kE4M3 ? " e4m3" : " e5m2") + " cols=" + std::to_string(cols);
         std::vector<float> x = randn(rows * cols, 31 + uint64_t(cols));
         for (int64_t i = 0; i < rows * cols; ++i) x[size_t(i)] *= std::ldexp(1.0f, int(i % 13) - 6);
         const int64_t bytes = cpu::fp8_row_payload_bytes(cols, r);
@@ -503,7 +504,8 @@ TEST(Fp8, RowPayloadUnpacksToTheRowQuantisation) {
           cpu::fp8_quantize_blocks(x.data(), rows, cols, kFp8ActivationBlock, f, q.data(), s.data());
         }
         for (int64_t i = 0; i < rows; ++i) {
-          EXPECT_EQ(std::memcmp(payload.data() + i * bytes, q.data() + i * cols, size_t(cols)), 0) << what << " row " << i;
+          EXPECT_EQ(std::memcmp(payload.data() + i * bytes, q.data() + i * cols, size_t(cols)), 0)
+              << what << " row " << i;
           for (int64_t b = cols + scale_bytes; b < bytes; ++b) EXPECT_EQ(payload[size_t(i * bytes + b)], 0) << what;
         }
         // The values on the grid: a second quantisation of the unpacked rows moves none of them by

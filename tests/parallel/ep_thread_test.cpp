@@ -104,7 +104,9 @@ TEST_P(EpThreads, Fp8RecipeMatchesSingleProcess) {
   const auto [world, ep] = GetParam();
   for (const char* scaling : {"blocks", "mx"}) {
     const cpu::Fp8Recipe r = cpu::fp8_recipe_named(scaling);
-    for (const LayerCase& c : layer_cases(ep)) run_thread_ranks(world, [&](Comm& comm) { check_layer_case(comm, c, &r); });
+    for (const LayerCase& c : layer_cases(ep)) {
+      run_thread_ranks(world, [&](Comm& comm) { check_layer_case(comm, c, &r); });
+    }
     for (const ModelCase& c : model_cases(ep)) {
       run_thread_ranks(world, [&](Comm& comm) {
         check_model_case(comm, c, &r);
