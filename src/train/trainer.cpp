@@ -92,11 +92,14 @@ void print_header(const Config& cfg, const RunPlan& plan, const Comm& world, std
                 plan.counts.total_params / 1e6, plan.counts.active_params / 1e6, (long long)cfg.train.steps,
                 (long long)plan.tokens_per_step, plan.device.c_str(), precision.c_str());
   out << head << "run dir " << cfg.run.dir << "\n" << std::flush;
-  if (world.size() > 1)
+  if (world.size() > 1) {
+    // Under the FP8 recipe on the cpu backend the experts' input rows travel as FP8 payloads.
+    const bool fp8_rows = plan.sizes.ep > 1 && plan.device == "cpu" && cfg.train.precision == "fp8";
     out << "parallel: " << world.size() << " ranks (" << world.backend() << "), dp " << plan.sizes.dp << ", ep "
-        << plan.sizes.ep << ", pp " << plan.sizes.pp << ", ZeRO-1 " << (plan.zero ? "on" : "off") << ", collective timeout " << world.timeout_s()
-        << " s\n"
+        << plan.sizes.ep << (fp8_rows ? " (expert rows in FP8)" : "") << ", pp " << plan.sizes.pp << ", ZeRO-1 "
+        << (plan.zero ? "on" : "off") << ", collective timeout " << world.timeout_s() << " s\n"
         << std::flush;
+  }
 }
 
 // A run directory is never replaced by accident: without checkpoint.resume, a checkpoint
