@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -412,19 +413,21 @@ void fp8_pack_rows(const float* x, int64_t rows, int64_t cols, Fp8Format f, cons
   const int64_t per = fp8_row_payload_bytes(cols, r), sb = row_scale_bytes(cols, r);
   if (rows == 0 || cols == 0) return;
   std::fill(payload, payload + rows * per, uint8_t{0});
+  // The quantiser's codes and scales, as bytes: row i's codes, then its scales' bytes.
+  std::vector<uint8_t> codes, scales;
   if (r.scaling == Fp8Scaling::kMx) {
-    const MxQuantised q = mx_quantised(x, rows, cols, f, r.mx_rule);
-    for (int64_t i = 0; i < rows; ++i) {
-      std::copy(q.q.begin() + i * cols, q.q.begin() + (i + 1) * cols, payload + i * per);
-      std::copy(q.s.begin() + i * sb, q.s.begin() + (i + 1) * sb, payload + i * per + cols);
-    }
-    return;
+    MxQuantised q = mx_quantised(x, rows, cols, f, r.mx_rule);
+    codes = std::move(q.q);
+    scales = std::move(q.s);
+  } else {
+    const Quantised q = quantise(x, rows, cols, kFp8ActivationBlock, f);
+    codes = q.q;
+    scales.resize(q.s.size() * sizeof(float));
+    std::memcpy(scales.data(), q.s.data(), scales.size());
   }
-  const Quantised q = quantise(x, rows, cols, kFp8ActivationBlock, f);
-  const int64_t nb = sb / int64_t{sizeof(float)};
   for (int64_t i = 0; i < rows; ++i) {
-    std::copy(q.q.begin() + i * cols, q.q.begin() + (i + 1) * cols, payload + i * per);
-    std::memcpy(payload + i * per + cols, q.s.data() + i * nb, static_cast<size_t>(sb));
+    std::copy(codes.begin() + i * cols, codes.begin() + (i + 1) * cols, payload + i * per);
+    std::copy(scales.begin() + i * sb, scales.begin() + (i + 1) * sb, payload + i * per + cols);
   }
 }
 
@@ -432,16 +435,14 @@ void fp8_unpack_rows(const uint8_t* payload, int64_t rows, int64_t cols, Fp8Form
   MOE_CHECK(rows >= 0 && cols >= 0, "cpu::fp8_unpack_rows: rows and cols must be >= 0, got ", rows, " x ", cols);
   const int64_t per = fp8_row_payload_bytes(cols, r), sb = row_scale_bytes(cols, r);
   if (rows == 0 || cols == 0) return;
-  std::vector<uint8_t> q(static_cast<size_t>(cols)), s(static_cast<size_t>(sb));
+  std::vector<float> block_scales(static_cast<size_t>(sb) / sizeof(float));  // aligned copies
   for (int64_t i = 0; i < rows; ++i) {
-    std::copy(payload + i * per, payload + i * per + cols, q.begin());
-    std::copy(payload + i * per + cols, payload + i * per + cols + sb, s.begin());
+    const uint8_t* codes = payload + i * per;
     if (r.scaling == Fp8Scaling::kMx) {
-      mx_dequantize(q.data(), s.data(), 1, cols, f, out + i * cols);
+      mx_dequantize(codes, codes + cols, 1, cols, f, out + i * cols);
     } else {
-      std::vector<float> sf(static_cast<size_t>(sb) / sizeof(float));
-      std::memcpy(sf.data(), s.data(), static_cast<size_t>(sb));
-      fp8_dequantize_blocks(q.data(), sf.data(), 1, cols, kFp8ActivationBlock, f, out + i * cols);
+      std::memcpy(block_scales.data(), codes + cols, static_cast<size_t>(sb));
+      fp8_dequantize_blocks(codes, block_scales.data(), 1, cols, kFp8ActivationBlock, f, out + i * cols);
     }
   }
 }
