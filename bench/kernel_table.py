@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Where one training step's GPU time goes, kernel by kernel, from Nsight Compute's raw CSV.
+
+Record a run's kernel durations (every kernel of the bench, one replay each, GPU clocks left alone):
+
+  ncu --clock-control none --metrics gpu__time_duration.sum --csv --page raw \\
+      build/cuda/moecore bench configs/olmoe-8l.toml --warmup 1 --steps 1 > bf16.csv
+
+then `bench/kernel_table.py bf16.csv [fp8.csv ...]` prints, for the last whole step of each file
+(the kernels after the previous step's optimizer update through the last one), every kernel name
+with its launches and milliseconds, largest first, side by side when several files are given.
+A step ends with the AdamW update kernel (--step-kernel names another). Files may be gzipped.
+The durations are of kernels run one at a time under the profiler: their sum is below the step
+the bench times (no overlap between streams, and the clocks of an idle-between-kernels GPU).
+"""
+import argparse
+import collections
+import csv
+import gzip
+import json
+import re
+import sys
+
+
+def read_kernels(path):
+    """[(kernel name, duration in ns)] in launch order."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt") as f:
+            lines = [line for line in f if line.startswith('"')]  # ncu's own messages are not quoted
+    except (OSError, EOFError) as e:
+        sys.exit(f"kernel_table: cannot read {path}: {e}")
+    rows = list(csv.reader(lines))
+    if not rows or "Kernel Name" not in rows[0] or "gpu__time_duration.sum" not in rows[0]:
+        sys.exit(f"kernel_table: {path}: no 'Kernel Name' and 'gpu__time_duration.sum' columns "
+                 "(expected ncu --metrics gpu__time_duration.sum --csv --page raw)")
+    name_col, time_col = rows[0].index("Kernel Name"), rows[0].index("gpu__time_duration.sum")
+    unit = rows[1][time_col] if len(rows) > 1 else ""
+    scale = {"ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6}.get(unit)
+    if scale is None:
+        sys.exit(f"kernel_table: {path}: unknown duration unit '{unit}'")
+    out = []
+    for r in rows[2:]:
+        try:
+            out.append((r[name_col], float(r[time_col].replace(",", "")) * scale))
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
+def short_name(full):
+    """The function's own name: no return type, namespaces, template arguments or parameters."""
+    s = re.sub(r"\(.*", "", full)
+    depth, plain = 0, []
+    for ch in s:  # drop <...>, nested
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth = max(depth - 1, 0)
+        elif depth == 0:
+            plain.append(ch)
+    s = "".join(plain).strip().split(" ")[-1]
+    s = s.split("::")[-1] or full
+    return s if len(s) <= 64 else s[:61] + "..."
+
+
+def last_step(kernels, step_kernel):
+    ends = [i for i, (n, _) in enumerate(kernels) if step_kernel in n]
+    if not ends:
+        sys.exit(f"kernel_table: no launch of '{step_kernel}' (the kernel that ends a step)")
+    start = ends[-2] + 1 if len(ends) >= 2 else 0
+    return kernels[start:ends[-1] + 1], len(ends)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("csv", nargs="+", help="ncu --csv --page raw output (.csv or .csv.gz)")
+    ap.add_argument("--step-kernel", default="adamw_update_segments", help="the kernel that ends each step")
+    ap.add_argument("--top", type=int, default=40, help="rows printed (0: all)")
+    ap.add_argument("--json", help="also write the tables as JSON here")
+    a = ap.parse_args()
+
+    tables = []
+    for path in a.csv:
+        step, steps = last_step(read_kernels(path), a.step_kernel)
+        agg = collections.OrderedDict()
+        for name, ns in step:
+            k = short_name(name)
+            calls, total = agg.get(k, (0, 0.0))
+            agg[k] = (calls + 1, total + ns)
+        tables.append({"file": path, "steps_seen": steps, "kernels": len(step),
+                       "total_ms": sum(ns for _, ns in step) / 1e6,
+                       "by_kernel": {k: {"calls": c, "ms": t / 1e6} for k, (c, t) in agg.items()}})
+
+    names = sorted({k for t in tables for k in t["by_kernel"]},
+                   key=lambda k: -max(t["by_kernel"].get(k, {"ms": 0.0})["ms"] for t in tables))
+    if a.top > 0:
+        names = names[:a.top]
+    width = max([len(n) for n in names] + [6])
+    head = f"{'kernel':<{width}}" + "".join(f" | {'calls':>5} {'ms':>8} {'share':>6}" for _ in tables)
+    print("one step's kernels, largest first; columns per file: " +
+          ", ".join(f"[{i}] {t['file']} ({t['kernels']} kernels, {t['total_ms']:.2f} ms)"
+                    for i, t in enumerate(tables)))
+    print(head)
+    print("-" * len(head))
+    for n in names:
+        line = f"{n:<{width}}"
+        for t in tables:
+            e = t["by_kernel"].get(n)
+            line += (f" | {e['calls']:>5} {e['ms']:>8.3f} {100 * e['ms'] / t['total_ms']:>5.1f}%" if e
+                     else f" | {'-':>5} {'-':>8} {'-':>6}")
+        print(line)
+    print(f"{'sum':<{width}}" + "".join(f" | {t['kernels']:>5} {t['total_ms']:>8.3f} {100.0:>5.1f}%" for t in tables))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(tables, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""bench/kernel_table.py on the committed kernel profile of one olmoe-8l step
+(bench/results/step-kernels-20261204/): its step is the kernels after the second-to-last AdamW
+update through the last (summed here from the CSV independently), the experts' four grouped GEMMs
+forward and data gradient appear 4 x n_layers times and the AdamW update once, and files without
+the duration column or without a step-ending kernel are refused, naming the problem.
+Usage: kernel_table_check.py --source-dir DIR
+"""
+import argparse
+import csv
+import gzip
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+
+def run(script, *args):
+    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
+
+
+def rows_of(stdout):
+    out = {}
+    for line in stdout.splitlines():
+        parts = [p.strip() for p in line.split("|")]
+        if len(parts) >= 2 and parts[1] and parts[1].split()[0].isdigit():
+            calls, ms = parts[1].split()[:2]
+            out[parts[0]] = (int(calls), float(ms))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--source-dir", required=True)
+    a = ap.parse_args()
+    script = os.path.join(a.source_dir, "bench", "kernel_table.py")
+    path = os.path.join(a.source_dir, "bench", "results", "step-kernels-20261204", "olmoe-8l-bf16.csv.gz")
+    r = run(script, path, "--top", "0")
+    if r.returncode != 0:
+        sys.exit(f"kernel_table.py failed: {r.stderr}")
+    got = rows_of(r.stdout)
+
+    # The step summed straight from the CSV.
+    lines = [line for line in gzip.open(path, "rt") if line.startswith('"')]
+    table = list(csv.reader(lines))
+    name, dur = table[0].index("Kernel Name"), table[0].index("gpu__time_duration.sum")
+    kernels = [(row[name], float(row[dur].replace(",", ""))) for row in table[2:]]
+    ends = [i for i, (n, _) in enumerate(kernels) if "adamw_update_segments" in n]
+    step = kernels[ends[-2] + 1:ends[-1] + 1]
+    total_ms = sum(t for _, t in step) / 1e6
+    if got.get("sum") != (len(step), round(total_ms, 3)):
+        sys.exit(f"sum row {got.get('sum')}, expected ({len(step)}, {total_ms:.3f})")
+
+    config = open(os.path.join(a.source_dir, "configs", "olmoe-8l.toml")).read()
+    layers = int(re.search(r"^n_layers\s*=\s*(\d+)", config, re.M).group(1))
+    for kernel, calls in (("grouped_gemm_m_contiguous_sm90", 4 * layers), ("adamw_update_segments", 1)):
+        if kernel not in got or got[kernel][0] != calls:
+            sys.exit(f"{kernel}: expected {calls} launches in the step, got {got.get(kernel)}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        bad = os.path.join(tmp, "bad.csv")
+        open(bad, "w").write('"ID","Kernel Name"\n"",""\n"0","k"\n')
+        r = run(script, bad)
+        if r.returncode == 0 or "gpu__time_duration.sum" not in r.stderr or bad not in r.stderr:
+            sys.exit(f"a file without durations was not refused by name: {r.returncode} {r.stderr}")
+        no_step = os.path.join(tmp, "nostep.csv")
+        open(no_step, "w").write('"ID","Kernel Name","gpu__time_duration.sum"\n"","","ns"\n"0","k","1000"\n')
+        r = run(script, no_step)
+        if r.returncode == 0 or "adamw_update_segments" not in r.stderr:
+            sys.exit(f"a file without a step-ending kernel was not refused: {r.returncode} {r.stderr}")
+    print(f"kernel_table.py: a step of {len(step)} kernels, {total_ms:.3f} ms, as the CSV gives it; "
+          "bad files refused")
+
+
+if __name__ == "__main__":
+    main()
