@@ -1,7 +1,8 @@
 // cuda::fp8_quantize_blocks / fp8_dequantize_blocks / mx_quantize / mx_dequantize against their
 // CPU twins (cpu/fp8.h): the same FP8 codes and scales bit for bit on FP32 and BF16 inputs, in
 // both formats, for 1 x 128, 128 x 128 and MX 1 x 32 blocks with partial edge blocks; values over
-// many binades (subnormal blocks, zero blocks, the largest magnitudes); the dequantised values
+// many binades (subnormal blocks, zero blocks, the largest magnitudes) and quotients beside every
+// FP8 rounding boundary (where a quotient one FP32 ulp off changes the code); the dequantised values
 // equal the CPU's bitwise; non-finite inputs are counted, never trap. cuda::fp8_gemm (cuBLASLt's
 // block-scaled FP8) against cpu::fp8_gemm_block_scaled / fp8_gemm_rowwise_scaled on the same codes
 // and scales, within FP32 summation-order tolerance, BF16 and FP32 outputs, accumulating.
@@ -11,6 +12,7 @@
 // codes, with empty experts, partial tiles, a dropped tail, and n / k not multiples of 128.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -116,6 +118,93 @@ TEST(Fp8Gpu, BlockScaledQuantiseMatchesCpuBitwise) {
           sc.expect_guards_intact(w + " scales");
         }
       }
+    }
+  }
+}
+
+// Values whose quotients by their block's scale fall a few FP32 ulps either side of every FP8
+// rounding boundary (the midpoints between neighbouring codes, from the subnormals to the largest):
+// each 128 x 128 block holds its amax a once per row, at its first column (so every 1 x 128 block
+// of it has the same scale s = a / fp8_max, a mantissa other than 1 so that x / s is inexact), and
+// elsewhere x = RN(m s) for a midpoint m, moved by -4 .. 4 ulps, either sign.
+std::vector<float> boundary_values(int64_t rows, int64_t cols, Fp8Format f, uint64_t seed) {
+  std::vector<float> mids;
+  float prev = 0.0f;
+  for (int c = 1; c < 0x80; ++c) {
+    const float v = cpu::fp8_decode(static_cast<uint8_t>(c), f);
+    if (!std::isfinite(v)) break;
+    mids.push_back(0.5f * (prev + v));
+    prev = v;
+  }
+  std::mt19937_64 gen(seed);
+  std::uniform_real_distribution<float> mant(1.05f, 1.95f);
+  std::uniform_int_distribution<int> expo(-30, 30), ulps(-4, 4), sign(0, 1);
+  std::uniform_int_distribution<size_t> pick(0, mids.size() - 1);
+  const float fmax = cpu::fp8_max(f);
+  std::vector<float> x(static_cast<size_t>(rows * cols));
+  for (int64_t br = 0; br < rows; br += 128)
+    for (int64_t bc = 0; bc < cols; bc += 128) {
+      const float a = std::ldexp(mant(gen), expo(gen)) * fmax, s = a / fmax;
+      for (int64_t r = br; r < std::min(rows, br + 128); ++r)
+        for (int64_t c = bc; c < std::min(cols, bc + 128); ++c) {
+          float v = a;
+          if (c != bc) {
+            v = mids[pick(gen)] * s;
+            int32_t bits = 0;
+            std::memcpy(&bits, &v, sizeof bits);
+            bits += ulps(gen);
+            std::memcpy(&v, &bits, sizeof bits);
+            v = std::min(v, a);
+          }
+          x[size_t(r * cols + c)] = sign(gen) != 0 ? -v : v;
+        }
+    }
+  return x;
+}
+
+// The codes are the CPU's fp8(x / s) also where x / s sits within a few FP32 ulps of a rounding
+// boundary, so that any quotient not rounded as IEEE division rounds it shows, in every kernel:
+// 1 x 128 rows, generic blocks, the experts' whole-block and edge-block weights, both formats.
+TEST(Fp8Gpu, QuotientsBesideEveryRoundingBoundaryMatchCpuBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  TestStream stream;
+  for (const Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    for (const Fp8Block block : {kFp8ActivationBlock, kFp8WeightBlock}) {
+      for (const Shape s : std::vector<Shape>{{512, 256}, {200, 136}}) {
+        const int64_t n = s.rows * s.cols;
+        const int64_t ns = cpu::fp8_scale_rows(s.rows, block) * cpu::fp8_scale_cols(s.cols, block);
+        const std::vector<float> x = boundary_values(s.rows, s.cols, f, 3 + uint64_t(n) + block.rows);
+        std::vector<uint8_t> q_ref(static_cast<size_t>(n));
+        std::vector<float> s_ref(static_cast<size_t>(ns));
+        cpu::fp8_quantize_blocks(x.data(), s.rows, s.cols, block, f, q_ref.data(), s_ref.data());
+        GuardedBuffer<float> dx(x);
+        GuardedBuffer<uint8_t> q(n);
+        GuardedBuffer<float> sc(ns);
+        cuda::fp8_quantize_blocks(dx.data(), s.rows, s.cols, block, f, q.data(), sc.data(), nullptr, stream.get());
+        stream.sync();
+        const std::string w = where("boundary quotients, blocks", s, f) + " block " + std::to_string(block.rows) +
+                              "x" + std::to_string(block.cols);
+        expect_equal(q.download(), q_ref, w + " codes");
+        expect_equal(sc.download(), s_ref, w + " scales");
+      }
+    }
+    for (const Shape s : std::vector<Shape>{{256, 384}, {200, 136}}) {
+      const int64_t e = 2, n = s.rows, k = s.cols, numel = e * n * k;
+      const int64_t ns = e * cpu::fp8_scale_rows(n, kFp8WeightBlock) * cpu::fp8_scale_cols(k, kFp8WeightBlock);
+      const std::vector<float> w = boundary_values(e * n, k, f, 17 + uint64_t(numel));
+      std::vector<uint8_t> q_ref(static_cast<size_t>(numel)), qt_ref(static_cast<size_t>(numel));
+      std::vector<float> s_ref(static_cast<size_t>(ns)), st_ref(static_cast<size_t>(ns));
+      cpu::fp8_quantize_weights(w.data(), e, n, k, f, q_ref.data(), s_ref.data(), qt_ref.data(), st_ref.data());
+      GuardedBuffer<float> dw(w);
+      GuardedBuffer<uint8_t> q(numel), qt(numel);
+      GuardedBuffer<float> sc(ns), sct(ns);
+      cuda::fp8_quantize_weights(dw.data(), e, n, k, f, q.data(), sc.data(), qt.data(), sct.data(), nullptr,
+                                 stream.get());
+      stream.sync();
+      const std::string what = where("boundary quotients, weights", s, f);
+      expect_equal(q.download(), q_ref, what + " codes");
+      expect_equal(qt.download(), qt_ref, what + " transposed codes");
+      expect_equal(sc.download(), s_ref, what + " scales");
     }
   }
 }
