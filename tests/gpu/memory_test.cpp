@@ -13,7 +13,8 @@ namespace {
 TEST(CudaMemory, CastAndResidualAddMatchHostBitwise) {
   MOE_SKIP_WITHOUT_GPU();
   TestStream s;
-  for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{1} << 20}) {
+  // 1000 and 2^20: the 8-wide path; 1 and 1003: the scalar one (n not a multiple of 8).
+  for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{1003}, int64_t{1} << 20}) {
     const std::vector<float> acc0 = random_f32(n, 11, 3.0f);
     const std::vector<uint16_t> add = random_bf16(n, 12, 2.0f);
     GuardedBuffer<float> acc{acc0};
@@ -34,6 +35,35 @@ TEST(CudaMemory, CastAndResidualAddMatchHostBitwise) {
     acc.expect_guards_intact("acc");
     acc16.expect_guards_intact("acc_bf16");
     cast16.expect_guards_intact("cast");
+  }
+}
+
+// The residual add without its BF16 copy, and on pointers one element past 16-byte alignment
+// (the scalar path for a multiple-of-8 length): the same FP32 sums.
+TEST(CudaMemory, ResidualAddWithoutCopyAndUnalignedMatchesHostBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  TestStream s;
+  const int64_t n = 4096;
+  const std::vector<float> acc0 = random_f32(n + 1, 21, 3.0f);
+  const std::vector<uint16_t> add = random_bf16(n + 1, 22, 2.0f);
+  for (int64_t shift : {int64_t{0}, int64_t{1}}) {
+    GuardedBuffer<float> acc{acc0};
+    GuardedBuffer<uint16_t> add_d{add}, acc16{n + 1};
+    uint16_t* copy = shift == 0 ? nullptr : acc16.data() + shift;
+    cuda::residual_add(acc.data() + shift, add_d.data() + shift, copy, n, s.get());
+    s.sync();
+    const std::vector<float> got = acc.download();
+    const std::vector<uint16_t> got16 = acc16.download();
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n + 1; ++i) {
+      const bool in = i >= shift && i < shift + n;
+      const float want = in ? acc0[size_t(i)] + moe::bf16_to_f32(add[size_t(i)]) : acc0[size_t(i)];
+      bad += std::memcmp(&got[size_t(i)], &want, sizeof(float)) != 0;
+      if (copy != nullptr && in) bad += got16[size_t(i)] != moe::f32_to_bf16(want);
+    }
+    EXPECT_EQ(bad, 0) << "shift " << shift;
+    acc.expect_guards_intact("acc");
+    acc16.expect_guards_intact("acc_bf16");
   }
 }
 
