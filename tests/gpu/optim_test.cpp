@@ -10,6 +10,8 @@
 
 #include "core/arena.h"
 #include "core/config.h"
+#include "cpu/fp8.h"
+#include "cuda/ops/fp8.h"
 #include "cuda/ops/optim.h"
 #include "gpu/gpu_test_util.h"
 #include "core/dtype.h"
@@ -547,6 +549,124 @@ TEST(AdamW, ShardedMomentsMatchCpu) {
 }
 
 // Validation happens on the host before any device call (these run without a GPU).
+// ---------------------------------------------------------------- AdamW with the FP8 weight codes
+
+// cuda::adamw_apply_fp8_weights against its two passes (adamw_apply of the same segment, then
+// fp8_quantize_weights of the updated BF16 copy) from the same state: parameters, moments, BF16
+// copy (the padding around the segment untouched), codes, scales and transposed copies bitwise,
+// without clipping, with clipping (grad_clip 0.5 under a norm of 2) and on a skipped step (a NaN
+// norm: nothing written, codes included); without clipping the codes are also those of the CPU's
+// AdamW and cpu::fp8_quantize_weights. Moments at other offsets than the parameters.
+TEST(AdamWFp8Weights, UpdateAndCodesAreTheTwoPassesBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  const int64_t E = 2, n = 256, k = 384, numel = E * n * k, offset = 64, total = offset + numel + 32;
+  const int64_t shift = 8, state_numel = total + shift;
+  const cuda::ParamSegment seg{offset, numel, 1, 0, offset + shift};
+  const cuda::ParamSegmentTable table({seg}, total, state_numel);
+  const std::vector<float> p0 = random_f32(total, 41, 0.05f), g = random_f32(total, 42, 0.02f);
+  std::vector<float> m0 = random_f32(state_numel, 43, 0.01f), v0 = random_f32(state_numel, 44, 1e-4f);
+  for (float& x : v0) x = std::fabs(x);
+  const std::vector<uint16_t> b0(size_t(total), 0x3f80);  // 1.0: the padding's BF16 stays so
+  const std::vector<uint8_t> q0(size_t(numel), 0xab);
+  const int64_t ns = E * (n / 128) * (k / 128);
+  const std::vector<float> s0(size_t(ns), -3.0f);
+  struct Case {
+    const char* name;
+    double grad_clip, norm;
+  };
+  for (const Case cs : {Case{"unclipped", 0.0, 1.0}, Case{"clipped", 0.5, 2.0},
+                        Case{"skipped", 1.0, std::numeric_limits<double>::quiet_NaN()}}) {
+    const OptimConfig cfg = test_config(cs.grad_clip);
+    struct State {
+      GuardedBuffer<float> p, g, m, v, s, st;
+      GuardedBuffer<uint16_t> b;
+      GuardedBuffer<uint8_t> q, qt;
+      GuardedBuffer<cuda::OptimStepScalars> sc;
+    };
+    std::vector<cuda::OptimStepScalars> sc0(1);
+    sc0[0].lr = 1e-2;
+    sc0[0].grad_norm = cs.norm;
+    sc0[0].step = 4;
+    auto fresh = [&] {
+      return State{GuardedBuffer<float>(p0), GuardedBuffer<float>(g), GuardedBuffer<float>(m0),
+                   GuardedBuffer<float>(v0), GuardedBuffer<float>(s0), GuardedBuffer<float>(s0),
+                   GuardedBuffer<uint16_t>(b0), GuardedBuffer<uint8_t>(q0), GuardedBuffer<uint8_t>(q0),
+                   GuardedBuffer<cuda::OptimStepScalars>(sc0)};
+    };
+    State two = fresh(), one = fresh();
+    settle_uploads();
+    TestStream stream;
+    cuda::adamw_prepare(cfg, two.sc.data(), stream.get());
+    cuda::adamw_apply(table, cfg, two.p.data(), two.g.data(), two.m.data(), two.v.data(), two.b.data(), two.sc.data(),
+                      false, stream.get());
+    stream.sync();
+    if (two.sc.download()[0].skipped == 0) {
+      cuda::fp8_quantize_weights(two.b.data() + offset, E, n, k, Fp8Format::kE4M3, two.q.data(), two.s.data(),
+                                 two.qt.data(), two.st.data(), nullptr, stream.get());
+    }
+    cuda::adamw_prepare(cfg, one.sc.data(), stream.get());
+    cuda::adamw_apply_fp8_weights(seg, E, n, k, cfg, one.p.data(), one.g.data(), one.m.data(), one.v.data(),
+                                  one.b.data(), Fp8Format::kE4M3, one.q.data(), one.s.data(), one.qt.data(),
+                                  one.st.data(), nullptr, one.sc.data(), false, stream.get());
+    stream.sync();
+    const std::string w = cs.name;
+    EXPECT_TRUE(same_bits(one.p.download(), two.p.download())) << w << ": parameters";
+    EXPECT_TRUE(same_bits(one.m.download(), two.m.download())) << w << ": exp_avg";
+    EXPECT_TRUE(same_bits(one.v.download(), two.v.download())) << w << ": exp_avg_sq";
+    EXPECT_EQ(one.b.download(), two.b.download()) << w << ": BF16 copy";
+    EXPECT_EQ(one.q.download(), two.q.download()) << w << ": codes";
+    EXPECT_EQ(one.qt.download(), two.qt.download()) << w << ": transposed codes";
+    EXPECT_TRUE(same_bits(one.s.download(), two.s.download())) << w << ": scales";
+    EXPECT_TRUE(same_bits(one.st.download(), two.st.download())) << w << ": transposed scales";
+    const std::vector<uint16_t> b = one.b.download();
+    size_t padding = 0;
+    for (int64_t i = 0; i < total; ++i)
+      if (i < offset || i >= offset + numel) padding += b[size_t(i)] != 0x3f80;
+    EXPECT_EQ(padding, 0u) << w << ": BF16 copy written outside the segment";
+    if (std::string(cs.name) == "skipped") {
+      EXPECT_EQ(one.sc.download()[0].skipped, 1) << w;
+      EXPECT_EQ(one.q.download(), q0) << w << ": codes written on a skipped step";
+      EXPECT_TRUE(same_bits(one.p.download(), p0)) << w << ": parameters written on a skipped step";
+    }
+    if (std::string(cs.name) == "unclipped") {
+      // The CPU's AdamW on the segment (bitwise the GPU's without clipping) and its quantiser.
+      std::vector<float> cp(p0.begin() + offset, p0.begin() + offset + numel);
+      std::vector<float> cm(m0.begin() + offset + shift, m0.begin() + offset + shift + numel);
+      std::vector<float> cv(v0.begin() + offset + shift, v0.begin() + offset + shift + numel);
+      adamw_update(cp.data(), g.data() + offset, cm.data(), cv.data(), numel, adamw_coefs(cfg, 5, 1e-2), true);
+      std::vector<float> c16(cp.size());
+      for (size_t i = 0; i < cp.size(); ++i) c16[i] = moe::bf16_to_f32(f32_to_bf16(cp[i]));
+      std::vector<uint8_t> cq(static_cast<size_t>(numel)), cqt(static_cast<size_t>(numel));
+      std::vector<float> cs_(static_cast<size_t>(ns)), cst(static_cast<size_t>(ns));
+      cpu::fp8_quantize_weights(c16.data(), E, n, k, Fp8Format::kE4M3, cq.data(), cs_.data(), cqt.data(), cst.data());
+      EXPECT_EQ(one.q.download(), cq) << "codes against the CPU";
+      EXPECT_EQ(one.qt.download(), cqt) << "transposed codes against the CPU";
+      EXPECT_TRUE(same_bits(one.s.download(), cs_)) << "scales against the CPU";
+    }
+  }
+}
+
+TEST(AdamWFp8Weights, RefusesShapesOffsetsAndAlignment) {
+  MOE_SKIP_WITHOUT_GPU();
+  const int64_t E = 1, n = 128, k = 128, numel = E * n * k;
+  GuardedBuffer<float> p(numel + 8), g(numel + 8), m(numel + 8), v(numel + 8), s(4), st(4);
+  GuardedBuffer<uint8_t> q(numel + 16), qt(numel);
+  GuardedBuffer<cuda::OptimStepScalars> sc(std::vector<cuda::OptimStepScalars>(1));
+  const OptimConfig cfg = test_config(0.0);
+  TestStream stream;
+  auto call = [&](cuda::ParamSegment seg, int64_t nn, int64_t kk, uint8_t* qq) {
+    cuda::adamw_apply_fp8_weights(seg, E, nn, kk, cfg, p.data(), g.data(), m.data(), v.data(), nullptr,
+                                  Fp8Format::kE4M3, qq, s.data(), qt.data(), st.data(), nullptr, sc.data(), false,
+                                  stream.get());
+  };
+  EXPECT_THROW(call({0, E * 128 * 64, 1, 0, -1}, 128, 64, q.data()), Error);  // k not a multiple of 128
+  EXPECT_THROW(call({0, numel - 1, 1, 0, -1}, n, k, q.data()), Error);       // numel not E n k
+  EXPECT_THROW(call({2, numel, 1, 0, -1}, n, k, q.data()), Error);           // offset not a multiple of 4
+  EXPECT_THROW(call({0, numel, 1, 0, 2}, n, k, q.data()), Error);            // moments' shift not a multiple of 4
+  EXPECT_THROW(call({0, numel, 1, 0, -1}, n, k, q.data() + 8), Error);       // codes not 16-byte aligned
+  stream.sync();
+}
+
 TEST(ParamSegmentTable, RejectsOverlapsAndOutOfRangeSegments) {
   auto message = [](std::vector<cuda::ParamSegment> s, int64_t total) -> std::string {
     try {

@@ -178,7 +178,6 @@ __global__ void __launch_bounds__(32 * kFp8RowWarps)
 // into s and (transposed) st, the codes into q, and through a shared-memory tile into qt [E, k, n]
 // (qt[e][c][r] = q[e][r][c]) when qt is not null: one pass over the FP32 master weights makes both
 // operands of the experts' FP8 GEMMs (forward and data gradient).
-constexpr int kFp8WeightThreads = 256;
 
 template <typename T>
 __global__ void __launch_bounds__(kFp8WeightThreads)
@@ -221,32 +220,15 @@ __global__ void __launch_bounds__(kFp8WeightThreads)
   }
 }
 
-// Sixteen bytes byte_at(0) .. byte_at(15) as one 16-byte word, byte 0 lowest.
-template <typename F>
-__device__ __forceinline__ uint4 pack16(F&& byte_at) {
-  uint32_t word[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    word[j] = 0;
-#pragma unroll
-    for (int x = 0; x < 4; ++x) word[j] |= uint32_t{static_cast<uint8_t>(byte_at(4 * j + x))} << (8 * x);
-  }
-  return make_uint4(word[0], word[1], word[2], word[3]);
-}
-
 // The experts' weights when n and k are multiples of 128 (whole blocks; w 16-byte, q and qt
-// 16-byte aligned): thread t of the block's 256 holds row t / 2, elements 64 (t % 2) .. + 63, in
-// registers (vector loads), the block's max |w| by shuffles and shared memory (order-free: the
-// generic kernel's scale bit for bit), its 64 codes stored as four 16-byte words into q and into a
-// shared tile, then column t / 2 of the tile, rows 64 (t % 2) .. + 63, stored the same way into qt.
+// 16-byte aligned): a block per 128 x 128 block, each thread's row half loaded in registers
+// (vector loads), then fp8_weight_block_codes.
 template <typename T>
 __global__ void __launch_bounds__(kFp8WeightThreads)
     fp8_quantize_weights_whole_kernel(const T* __restrict__ w, int64_t n, int64_t k, Fp8Format f,
                                       uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qt,
                                       float* __restrict__ st, uint32_t* num_nonfinite) {
-  __shared__ __align__(16) uint8_t tile[128][128 + 16];
-  __shared__ float s_max[kFp8WeightThreads / 32];
-  __shared__ uint32_t s_bad[kFp8WeightThreads / 32];
+  __shared__ __align__(16) Fp8WeightBlockSmem sm;
   const int64_t nb = n / 128, kb = k / 128;
   const int64_t b = blockIdx.x, e = b / (nb * kb), bi = b / kb % nb, bj = b % kb;
   const int t = threadIdx.x, r = t / 2, c0 = 64 * (t % 2);
@@ -254,44 +236,7 @@ __global__ void __launch_bounds__(kFp8WeightThreads)
   float v[64];
 #pragma unroll
   for (int i = 0; i < 8; ++i) fp8_load8(w, at + 8 * i, *reinterpret_cast<float(*)[8]>(v + 8 * i));
-  float local = 0.0f;
-  uint32_t bad = 0;
-#pragma unroll
-  for (int i = 0; i < 64; ++i) {
-    bad += isfinite(v[i]) ? 0u : 1u;
-    local = fmaxf(local, fabsf(v[i]));
-  }
-  for (int o = 16; o > 0; o >>= 1) {
-    local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, o));
-    bad += __shfl_xor_sync(0xffffffffu, bad, o);
-  }
-  if (t % 32 == 0) s_max[t / 32] = local, s_bad[t / 32] = bad;
-  __syncthreads();
-  float amax = 0.0f;
-  uint32_t bad_all = 0;
-#pragma unroll
-  for (int i = 0; i < kFp8WeightThreads / 32; ++i) amax = fmaxf(amax, s_max[i]), bad_all += s_bad[i];
-  float sc = __fdiv_rn(amax, fp8_max_of(f));
-  if (!(sc > 0.0f)) sc = 1.0f;
-  if (t == 0) {
-    s[(e * nb + bi) * kb + bj] = sc;
-    if (st != nullptr) st[(e * kb + bj) * nb + bi] = sc;
-    if (bad_all != 0 && num_nonfinite != nullptr) atomicAdd(num_nonfinite, bad_all);
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint4 packed = pack16([&](int x) { return fp8_encode_dev(__fdiv_rn(v[16 * i + x], sc), f); });
-    *reinterpret_cast<uint4*>(q + at + 16 * i) = packed;
-    *reinterpret_cast<uint4*>(&tile[r][c0 + 16 * i]) = packed;
-  }
-  if (qt == nullptr) return;
-  __syncthreads();
-  // Column r of the block (row bj * 128 + r of qt[e]), its rows c0 .. c0 + 63 (columns of qt).
-  const int64_t at_t = e * n * k + (bj * 128 + r) * n + bi * 128 + c0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    *reinterpret_cast<uint4*>(qt + at_t + 16 * i) = pack16([&](int x) { return tile[c0 + 16 * i + x][r]; });
-  }
+  fp8_weight_block_codes(v, e, bi, bj, n, k, f, q, s, qt, st, num_nonfinite, sm);
 }
 
 // out[b * ld + r] = s[r * kb + b] for r < rows, 0 for rows <= r < ld (grid-stride over kb * ld).

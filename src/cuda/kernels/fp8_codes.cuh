@@ -1,10 +1,11 @@
 // FP8 codes on the device: the hardware's round-to-nearest-even, saturating conversion
-// (cuda_fp8.h) and its decoding, for every kernel that writes or reads FP8 codes (no kernels here,
-// so any number of translation units may include it).
+// (cuda_fp8.h) and its decoding, for every kernel that writes or reads FP8 codes, and the block
+// steps the quantisers share (no kernels here, so any number of translation units may include it).
 #pragma once
 
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -55,6 +56,82 @@ __device__ __forceinline__ void fp8_quantize_half_warp_block(const float (&v)[8]
     hi |= uint32_t{fp8_encode_dev(__fdiv_rn(v[j + 4], s), f)} << (8 * j);
   }
   *reinterpret_cast<uint2*>(q) = make_uint2(lo, hi);
+}
+
+constexpr int kFp8WeightThreads = 256;  // threads of a 128 x 128 weight block
+
+// Sixteen bytes byte_at(0) .. byte_at(15) as one 16-byte word, byte 0 lowest.
+template <typename F>
+__device__ __forceinline__ uint4 pack16(F&& byte_at) {
+  uint32_t word[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    word[j] = 0;
+#pragma unroll
+    for (int x = 0; x < 4; ++x) word[j] |= uint32_t{static_cast<uint8_t>(byte_at(4 * j + x))} << (8 * x);
+  }
+  return make_uint4(word[0], word[1], word[2], word[3]);
+}
+
+// Shared memory of one whole 128 x 128 weight block's quantisation (fp8_weight_block_codes).
+struct Fp8WeightBlockSmem {
+  uint8_t tile[128][128 + 16];
+  float max[kFp8WeightThreads / 32];
+  uint32_t bad[kFp8WeightThreads / 32];
+};
+
+// The codes of one whole 128 x 128 block (e, bi, bj) of weights [E, n, k] (n, k multiples of 128)
+// whose values thread t of the block's 256 holds: row t / 2 of the block, elements 64 (t % 2) ..
+// + 63, in v. The block's max |w| by shuffles and shared memory (order-free: the generic kernel's
+// scale bit for bit), its 64 codes stored as four 16-byte words into q and into a shared tile,
+// then column t / 2 of the tile, rows 64 (t % 2) .. + 63, stored the same way into qt (when not
+// null). Every thread of the block calls it once.
+__device__ __forceinline__ void fp8_weight_block_codes(const float (&v)[64], int64_t e, int64_t bi, int64_t bj,
+                                                       int64_t n, int64_t k, Fp8Format f, uint8_t* __restrict__ q,
+                                                       float* __restrict__ s, uint8_t* __restrict__ qt,
+                                                       float* __restrict__ st, uint32_t* num_nonfinite,
+                                                       Fp8WeightBlockSmem& sm) {
+  const int64_t nb = n / 128, kb = k / 128;
+  const int t = threadIdx.x, r = t / 2, c0 = 64 * (t % 2);
+  const int64_t at = e * n * k + (bi * 128 + r) * k + bj * 128 + c0;
+  float local = 0.0f;
+  uint32_t bad = 0;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    bad += isfinite(v[i]) ? 0u : 1u;
+    local = fmaxf(local, fabsf(v[i]));
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, o));
+    bad += __shfl_xor_sync(0xffffffffu, bad, o);
+  }
+  if (t % 32 == 0) sm.max[t / 32] = local, sm.bad[t / 32] = bad;
+  __syncthreads();
+  float amax = 0.0f;
+  uint32_t bad_all = 0;
+#pragma unroll
+  for (int i = 0; i < kFp8WeightThreads / 32; ++i) amax = fmaxf(amax, sm.max[i]), bad_all += sm.bad[i];
+  float sc = __fdiv_rn(amax, fp8_max_of(f));
+  if (!(sc > 0.0f)) sc = 1.0f;
+  if (t == 0) {
+    s[(e * nb + bi) * kb + bj] = sc;
+    if (st != nullptr) st[(e * kb + bj) * nb + bi] = sc;
+    if (bad_all != 0 && num_nonfinite != nullptr) atomicAdd(num_nonfinite, bad_all);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint4 packed = pack16([&](int x) { return fp8_encode_dev(__fdiv_rn(v[16 * i + x], sc), f); });
+    *reinterpret_cast<uint4*>(q + at + 16 * i) = packed;
+    *reinterpret_cast<uint4*>(&sm.tile[r][c0 + 16 * i]) = packed;
+  }
+  if (qt == nullptr) return;
+  __syncthreads();
+  // Column r of the block (row bj * 128 + r of qt[e]), its rows c0 .. c0 + 63 (columns of qt).
+  const int64_t at_t = e * n * k + (bj * 128 + r) * n + bi * 128 + c0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    *reinterpret_cast<uint4*>(qt + at_t + 16 * i) = pack16([&](int x) { return sm.tile[c0 + 16 * i + x][r]; });
+  }
 }
 
 }  // namespace moe::cuda::kernels

@@ -13,6 +13,7 @@
 #include "core/config.h"
 #include "cuda/common.h"
 #include "cuda/kernels/optim.cuh"
+#include "cuda/kernels/optim_fp8.cuh"
 #include "cuda/ops/launch.h"
 
 namespace moe::cuda {
@@ -202,6 +203,35 @@ void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, floa
         params_bf16, scalars, c, deferred);
   }
   check_launch("adamw_update_segments");
+}
+
+void adamw_apply_fp8_weights(const ParamSegment& segment, int64_t experts, int64_t n, int64_t k,
+                             const OptimConfig& cfg, float* params, const float* grads, float* exp_avg,
+                             float* exp_avg_sq, uint16_t* params_bf16, Fp8Format f, uint8_t* q, float* s,
+                             uint8_t* qt, float* st, uint32_t* num_nonfinite, const OptimStepScalars* scalars,
+                             bool deferred, Stream stream) {
+  const char* op = "cuda::adamw_apply_fp8_weights";
+  check_betas(op, cfg);
+  MOE_CHECK(experts > 0 && n > 0 && k > 0 && n % 128 == 0 && k % 128 == 0, op,
+            ": expected experts > 0 and n, k positive multiples of 128, got experts ", experts, " n ", n, " k ", k);
+  MOE_CHECK(segment.numel == experts * n * k, op, ": the segment holds ", segment.numel, " elements, [", experts,
+            ", ", n, ", ", k, "] weights are ", experts * n * k);
+  const int64_t state = segment.state_offset < 0 ? segment.offset : segment.state_offset;
+  MOE_CHECK(segment.offset >= 0 && segment.offset % 4 == 0 && state >= 0 && (state - segment.offset) % 4 == 0, op,
+            ": the segment's offset (", segment.offset, ") and its moments' offset (", state,
+            ") must be non-negative multiples of 4");
+  detail::check_ptrs(op, {{"scalars", scalars}}, alignof(OptimStepScalars));
+  detail::check_ptrs(op, {{"params", params}, {"grads", grads}, {"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq},
+                          {"q", q}, {"qt", qt}},
+                     16);
+  detail::check_ptrs(op, {{"s", s}, {"st", st}}, sizeof(float));
+  if (params_bf16 != nullptr) detail::check_ptrs(op, {{"params_bf16", params_bf16}}, 8);
+  const int64_t blocks = experts * (n / 128) * (k / 128);
+  MOE_CHECK(blocks <= detail::kMaxGridX, op, ": ", blocks, " weight blocks exceed one launch's ", detail::kMaxGridX);
+  kernels::adamw_update_fp8_weights<<<static_cast<unsigned>(blocks), kernels::kFp8WeightThreads, 0, stream>>>(
+      segment.offset, state - segment.offset, n, k, segment.decay != 0, params, grads, exp_avg, exp_avg_sq,
+      params_bf16, f, q, s, qt, st, num_nonfinite, scalars, adamw_constants(cfg), deferred);
+  check_launch("adamw_update_fp8_weights");
 }
 
 void adamw_clear_pending(OptimStepScalars* scalars, Stream stream) {
