@@ -149,8 +149,8 @@ __device__ __forceinline__ void adamw_scalar(int64_t i, int64_t j, float* __rest
 }
 
 // Elements [4i, 4i + 4), moments [4j, 4j + 4): float4 accesses (16-byte aligned FP32 buffers,
-// 8-byte aligned BF16 copy).
-__device__ __forceinline__ void adamw_vec4(int64_t i, int64_t j, float* __restrict__ p, const float* __restrict__ g,
+// 8-byte aligned BF16 copy). Returns the updated parameters.
+__device__ __forceinline__ float4 adamw_vec4(int64_t i, int64_t j, float* __restrict__ p, const float* __restrict__ g,
                                            float* __restrict__ m, float* __restrict__ v, uint16_t* __restrict__ p_bf16,
                                            float decay, const AdamWCoefficients& k, const AdamWConstants& c) {
   float4 pv = reinterpret_cast<float4*>(p)[i];
@@ -169,6 +169,7 @@ __device__ __forceinline__ void adamw_vec4(int64_t i, int64_t j, float* __restri
     const uint32_t hi = static_cast<uint32_t>(f32_to_bf16_bits(pv.z)) | (static_cast<uint32_t>(f32_to_bf16_bits(pv.w)) << 16);
     reinterpret_cast<uint2*>(p_bf16)[i] = make_uint2(lo, hi);
   }
+  return pv;
 }
 
 // Index of the first segment ending after `pos` (segments sorted, non-overlapping: ends non-decreasing).

@@ -10,8 +10,8 @@ namespace moe::cuda::kernels {
 // Weights [E, n, k] (n, k multiples of 128) at flat offset `offset` of p / g / p_bf16, moments at
 // offset + shift of m / v (shift a multiple of 4, every FP32 buffer 16-byte aligned, p_bf16
 // 8-byte aligned). Block b = (e, bi, bj) of the 128 x 128 blocks: thread t takes row t / 2 of the
-// block, elements 64 (t % 2) .. + 63, 4 at a time through adamw_element (the update of
-// adamw_update_segments, bit for bit), stores p, m, v and the BF16 copy, keeps the BF16 values,
+// block, elements 64 (t % 2) .. + 63, 4 at a time through adamw_vec4 (the update of
+// adamw_update_segments, bit for bit: p, m, v and the BF16 copy stored), keeps the BF16 values,
 // and hands them to fp8_weight_block_codes (the quantiser's codes of that BF16 copy, bit for bit).
 // Nothing is written when the step is skipped or (deferred) nothing is pending.
 __global__ void __launch_bounds__(kFp8WeightThreads)
@@ -32,28 +32,11 @@ __global__ void __launch_bounds__(kFp8WeightThreads)
   float w16[64];
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
-    const int64_t i = at / 4 + j, im = (at + shift) / 4 + j;
-    float4 pv = reinterpret_cast<float4*>(p)[i];
-    const float4 gv = reinterpret_cast<const float4*>(g)[i];
-    float4 mv = reinterpret_cast<float4*>(m)[im];
-    float4 vv = reinterpret_cast<float4*>(v)[im];
-    adamw_element(pv.x, gv.x, mv.x, vv.x, decay, coef, c);
-    adamw_element(pv.y, gv.y, mv.y, vv.y, decay, coef, c);
-    adamw_element(pv.z, gv.z, mv.z, vv.z, decay, coef, c);
-    adamw_element(pv.w, gv.w, mv.w, vv.w, decay, coef, c);
-    reinterpret_cast<float4*>(p)[i] = pv;
-    reinterpret_cast<float4*>(m)[im] = mv;
-    reinterpret_cast<float4*>(v)[im] = vv;
-    const uint16_t b0 = f32_to_bf16_bits(pv.x), b1 = f32_to_bf16_bits(pv.y), b2 = f32_to_bf16_bits(pv.z),
-                   b3 = f32_to_bf16_bits(pv.w);
-    if (p_bf16 != nullptr) {
-      reinterpret_cast<uint2*>(p_bf16)[i] =
-          make_uint2(uint32_t{b0} | (uint32_t{b1} << 16), uint32_t{b2} | (uint32_t{b3} << 16));
-    }
-    w16[4 * j + 0] = bf16_bits_to_f32(b0);
-    w16[4 * j + 1] = bf16_bits_to_f32(b1);
-    w16[4 * j + 2] = bf16_bits_to_f32(b2);
-    w16[4 * j + 3] = bf16_bits_to_f32(b3);
+    const float4 pv = adamw_vec4(at / 4 + j, (at + shift) / 4 + j, p, g, m, v, p_bf16, decay, coef, c);
+    w16[4 * j + 0] = bf16_bits_to_f32(f32_to_bf16_bits(pv.x));  // the BF16 copy's values
+    w16[4 * j + 1] = bf16_bits_to_f32(f32_to_bf16_bits(pv.y));
+    w16[4 * j + 2] = bf16_bits_to_f32(f32_to_bf16_bits(pv.z));
+    w16[4 * j + 3] = bf16_bits_to_f32(f32_to_bf16_bits(pv.w));
   }
   fp8_weight_block_codes(w16, e, bi, bj, n, k, f, q, s, qt, st, num_nonfinite, sm);
 }
