@@ -4,7 +4,9 @@
 #include <cmath>
 #include <numbers>
 
+#include "core/dtype.h"
 #include "core/error.h"
+#include "cpu/fp8.h"
 
 namespace moe {
 
@@ -56,6 +58,19 @@ void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const
     v[i] = b2 * v[i] + (1.f - b2) * g[i] * g[i];
     p[i] = p[i] * d - step_size * m[i] / (std::sqrt(v[i]) * inv_sqrt_bc2 + eps);
   }
+}
+
+void adamw_update_fp8_weights(float* p, const float* g, float* m, float* v, int64_t experts, int64_t n, int64_t k,
+                              const AdamWCoefs& c, bool decay, Fp8Format f, uint8_t* q, float* s, uint8_t* qt,
+                              float* st) {
+  MOE_CHECK(experts > 0 && n > 0 && k > 0 && n % 128 == 0 && k % 128 == 0,
+            "adamw_update_fp8_weights: expected experts > 0 and n, k positive multiples of 128, got experts ",
+            experts, " n ", n, " k ", k);
+  const int64_t numel = experts * n * k;
+  adamw_update(p, g, m, v, numel, c, decay);
+  std::vector<float> w16(static_cast<size_t>(numel));
+  for (int64_t i = 0; i < numel; ++i) w16[size_t(i)] = bf16_to_f32(f32_to_bf16(p[i]));
+  cpu::fp8_quantize_weights(w16.data(), experts, n, k, f, q, s, qt, st);
 }
 
 void AdamW::step(float* params, const float* grads, double lr) {

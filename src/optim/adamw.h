@@ -9,6 +9,7 @@
 
 #include "core/arena.h"
 #include "core/config.h"
+#include "core/fp8_types.h"
 
 namespace moe {
 
@@ -29,6 +30,12 @@ struct AdamWCoefs {
 };
 AdamWCoefs adamw_coefs(const OptimConfig& cfg, int64_t t, double lr);
 void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const AdamWCoefs& c, bool decay);
+// The CPU twin of cuda::adamw_apply_fp8_weights: adamw_update of the experts' weights p [experts,
+// n, k] (n, k positive multiples of 128), then the FP8 codes of their BF16 rounding, as the GPU
+// quantises its BF16 copy: cpu::fp8_quantize_weights of bf16(p) into q, s and the transposed qt, st.
+void adamw_update_fp8_weights(float* p, const float* g, float* m, float* v, int64_t experts, int64_t n, int64_t k,
+                              const AdamWCoefs& c, bool decay, Fp8Format f, uint8_t* q, float* s, uint8_t* qt,
+                              float* st);
 
 class AdamW {
  public:

@@ -555,8 +555,8 @@ TEST(AdamW, ShardedMomentsMatchCpu) {
 // fp8_quantize_weights of the updated BF16 copy) from the same state: parameters, moments, BF16
 // copy (the padding around the segment untouched), codes, scales and transposed copies bitwise,
 // without clipping, with clipping (grad_clip 0.5 under a norm of 2) and on a skipped step (a NaN
-// norm: nothing written, codes included); without clipping the codes are also those of the CPU's
-// AdamW and cpu::fp8_quantize_weights. Moments at other offsets than the parameters.
+// norm: nothing written, codes included); without clipping the parameters and codes are also
+// the CPU twin's (moe::adamw_update_fp8_weights). Moments at other offsets than the parameters.
 TEST(AdamWFp8Weights, UpdateAndCodesAreTheTwoPassesBitwise) {
   MOE_SKIP_WITHOUT_GPU();
   const int64_t E = 2, n = 256, k = 384, numel = E * n * k, offset = 64, total = offset + numel + 32;
@@ -629,16 +629,17 @@ TEST(AdamWFp8Weights, UpdateAndCodesAreTheTwoPassesBitwise) {
       EXPECT_TRUE(same_bits(one.p.download(), p0)) << w << ": parameters written on a skipped step";
     }
     if (std::string(cs.name) == "unclipped") {
-      // The CPU's AdamW on the segment (bitwise the GPU's without clipping) and its quantiser.
+      // The CPU twin (adamw_update, bitwise the GPU's without clipping, then the quantiser).
       std::vector<float> cp(p0.begin() + offset, p0.begin() + offset + numel);
       std::vector<float> cm(m0.begin() + offset + shift, m0.begin() + offset + shift + numel);
       std::vector<float> cv(v0.begin() + offset + shift, v0.begin() + offset + shift + numel);
-      adamw_update(cp.data(), g.data() + offset, cm.data(), cv.data(), numel, adamw_coefs(cfg, 5, 1e-2), true);
-      std::vector<float> c16(cp.size());
-      for (size_t i = 0; i < cp.size(); ++i) c16[i] = moe::bf16_to_f32(f32_to_bf16(cp[i]));
       std::vector<uint8_t> cq(static_cast<size_t>(numel)), cqt(static_cast<size_t>(numel));
       std::vector<float> cs_(static_cast<size_t>(ns)), cst(static_cast<size_t>(ns));
-      cpu::fp8_quantize_weights(c16.data(), E, n, k, Fp8Format::kE4M3, cq.data(), cs_.data(), cqt.data(), cst.data());
+      adamw_update_fp8_weights(cp.data(), g.data() + offset, cm.data(), cv.data(), E, n, k, adamw_coefs(cfg, 5, 1e-2),
+                               true, Fp8Format::kE4M3, cq.data(), cs_.data(), cqt.data(), cst.data());
+      const std::vector<float> gp = one.p.download();
+      EXPECT_TRUE(same_bits(std::vector<float>(gp.begin() + offset, gp.begin() + offset + numel), cp))
+          << "parameters against the CPU twin";
       EXPECT_EQ(one.q.download(), cq) << "codes against the CPU";
       EXPECT_EQ(one.qt.download(), cqt) << "transposed codes against the CPU";
       EXPECT_TRUE(same_bits(one.s.download(), cs_)) << "scales against the CPU";

@@ -14,6 +14,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "cpu/fp8.h"
+#include "optim/adamw.h"
 #include "support/parity.h"
 #include "support/test_util.h"
 
@@ -438,6 +439,47 @@ TEST(Fp8, ExpertWeightsAndTheirTransposedCopy) {
         bad += st[size_t(x * nb * kb + j * nb + i)] != s1[size_t(i * kb + j)];
       }
     EXPECT_EQ(bad, 0u) << "expert " << x;
+  }
+}
+
+// moe::adamw_update_fp8_weights (the CPU twin of cuda::adamw_apply_fp8_weights): the parameters
+// and moments of adamw_update, bitwise, and the codes, scales and transposed copy of their BF16
+// rounding (what the GPU quantises: its BF16 copy); shapes that are not whole 128 x 128 blocks are
+// refused by name.
+TEST(Fp8, AdamWWithExpertWeightCodesQuantisesTheUpdatedBf16Weights) {
+  const int64_t e = 2, n = 256, k = 128, numel = e * n * k, ns = e * 2 * 1;
+  const std::vector<float> p0 = randn(numel, 21, 0.05f), g = randn(numel, 22, 0.01f);
+  OptimConfig cfg;
+  cfg.beta1 = 0.9;
+  cfg.beta2 = 0.95;
+  cfg.eps = 1e-8;
+  cfg.weight_decay = 0.1;
+  const AdamWCoefs c = adamw_coefs(cfg, 3, 1e-2);
+  std::vector<float> p(p0), m(p0.size(), 0.01f), v(p0.size(), 1e-4f);
+  std::vector<float> p_ref(p0), m_ref(p0.size(), 0.01f), v_ref(p0.size(), 1e-4f);
+  const size_t count = static_cast<size_t>(numel);
+  std::vector<uint8_t> q(count), qt(count), q_ref(count), qt_ref(count);
+  std::vector<float> s(static_cast<size_t>(ns)), st(s.size()), s_ref(s.size()), st_ref(s.size());
+  adamw_update_fp8_weights(p.data(), g.data(), m.data(), v.data(), e, n, k, c, true, Fp8Format::kE4M3, q.data(),
+                           s.data(), qt.data(), st.data());
+  adamw_update(p_ref.data(), g.data(), m_ref.data(), v_ref.data(), numel, c, true);
+  std::vector<float> w16(p_ref.size());
+  for (size_t i = 0; i < w16.size(); ++i) w16[i] = bf16_to_f32(f32_to_bf16(p_ref[i]));
+  cpu::fp8_quantize_weights(w16.data(), e, n, k, Fp8Format::kE4M3, q_ref.data(), s_ref.data(), qt_ref.data(),
+                            st_ref.data());
+  EXPECT_EQ(std::memcmp(p.data(), p_ref.data(), p.size() * 4), 0) << "parameters";
+  EXPECT_EQ(std::memcmp(m.data(), m_ref.data(), m.size() * 4), 0) << "exp_avg";
+  EXPECT_EQ(std::memcmp(v.data(), v_ref.data(), v.size() * 4), 0) << "exp_avg_sq";
+  EXPECT_EQ(q, q_ref);
+  EXPECT_EQ(qt, qt_ref);
+  EXPECT_EQ(std::memcmp(s.data(), s_ref.data(), s.size() * 4), 0) << "scales";
+  EXPECT_EQ(std::memcmp(st.data(), st_ref.data(), st.size() * 4), 0) << "transposed scales";
+  try {
+    adamw_update_fp8_weights(p.data(), g.data(), m.data(), v.data(), 1, 200, 128, c, true, Fp8Format::kE4M3,
+                             q.data(), s.data(), qt.data(), st.data());
+    ADD_FAILURE() << "n = 200 was accepted";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("n 200"), std::string::npos) << err.what();
   }
 }
 
