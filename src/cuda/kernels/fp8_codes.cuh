@@ -24,6 +24,22 @@ __device__ __forceinline__ float fp8_decode_dev(uint8_t q, Fp8Format f) {
   return __half2float(__half(h));
 }
 
+// max |x| (local) and the count of non-finite elements (bad) over the N values of each of kLanes
+// consecutive lanes (16: a half-warp, 32: the warp), every one of those lanes getting both: per
+// lane, then by shuffles (a max and an integer sum, order-free). Every lane of the warp calls it.
+template <int kLanes, int N>
+__device__ __forceinline__ void fp8_lanes_amax(const float (&v)[N], float& local, uint32_t& bad) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    bad += isfinite(v[j]) ? 0u : 1u;
+    local = fmaxf(local, fabsf(v[j]));
+  }
+  for (int o = kLanes / 2; o > 0; o >>= 1) {
+    local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, o));
+    bad += __shfl_xor_sync(0xffffffffu, bad, o);
+  }
+}
+
 // One 1 x 128 block held by a half-warp, lane l of the half its elements 8l .. 8l + 7 in v: the
 // block's max |x| by shuffles within the half (order-free, so the scale is the CPU's bit for bit),
 // the scale amax / fp8_max (1 for an all-zero block) into *scale by the half's first lane, the
@@ -34,15 +50,7 @@ __device__ __forceinline__ void fp8_quantize_half_warp_block(const float (&v)[8]
                                                              uint8_t* q, float* scale, uint32_t* num_nonfinite) {
   float local = 0.0f;
   uint32_t bad = 0;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    bad += isfinite(v[j]) ? 0u : 1u;
-    local = fmaxf(local, fabsf(v[j]));
-  }
-  for (int o = 8; o > 0; o >>= 1) {  // within the half-warp
-    local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, o));
-    bad += __shfl_xor_sync(0xffffffffu, bad, o);
-  }
+  fp8_lanes_amax<16>(v, local, bad);  // within the half-warp
   if (!valid) return;
   const bool first = threadIdx.x % 16 == 0;
   if (first && bad != 0 && num_nonfinite != nullptr) atomicAdd(num_nonfinite, bad);
@@ -96,15 +104,7 @@ __device__ __forceinline__ void fp8_weight_block_codes(const float (&v)[64], int
   const int64_t at = e * n * k + (bi * 128 + r) * k + bj * 128 + c0;
   float local = 0.0f;
   uint32_t bad = 0;
-#pragma unroll
-  for (int i = 0; i < 64; ++i) {
-    bad += isfinite(v[i]) ? 0u : 1u;
-    local = fmaxf(local, fabsf(v[i]));
-  }
-  for (int o = 16; o > 0; o >>= 1) {
-    local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, o));
-    bad += __shfl_xor_sync(0xffffffffu, bad, o);
-  }
+  fp8_lanes_amax<32>(v, local, bad);
   if (t % 32 == 0) sm.max[t / 32] = local, sm.bad[t / 32] = bad;
   __syncthreads();
   float amax = 0.0f;
