@@ -118,6 +118,35 @@ void CudaLocalExperts::refresh_fp8_codes(const CudaBlockContext& c, int64_t m, c
   q.version = c.params_version;
 }
 
+std::vector<CudaFp8ExpertTensor> CudaLocalExperts::fp8_weight_tensors(const std::vector<LayerParams>& layers) {
+  std::vector<CudaFp8ExpertTensor> out;
+  if (!fp8_on_) return out;
+  for (const LayerParams& p : layers) {
+    MOE_CHECK(p.moe_index >= 0 && p.moe_index < int64_t(fp8_.size()), "CudaLocalExperts::fp8_weight_tensors: MoE "
+              "layer ", p.moe_index, " has no reserved FP8 codes (", fp8_.size(), " layers reserved)");
+    CudaFp8ExpertCodes& q = fp8_[size_t(p.moe_index)];
+    out.push_back({p.experts_gate_up, e_, 2 * inner_, d_, q.gate_up.as<uint8_t>(), q.s_gate_up.as<float>(),
+                   q.gate_up_t.as<uint8_t>(), q.s_gate_up_t.as<float>()});
+    out.push_back({p.experts_down, e_, d_, inner_, q.down.as<uint8_t>(), q.s_down.as<float>(), q.down_t.as<uint8_t>(),
+                   q.s_down_t.as<float>()});
+  }
+  return out;
+}
+
+void CudaLocalExperts::fp8_codes_follow(int64_t from, int64_t to) {
+  for (CudaFp8ExpertCodes& q : fp8_)
+    if (q.version == from) q.version = to;
+}
+
+void CudaLocalExperts::refresh_fp8(const CudaBlockContext& c, const std::vector<LayerParams>& layers) {
+  if (!fp8_on_) return;
+  for (const LayerParams& p : layers) {
+    MOE_CHECK(size_t(p.moe_index) >= pending_.size() || !pending_[size_t(p.moe_index)], "CudaLocalExperts::refresh_fp8: layer ", p.moe_index,
+              "'s codes are being quantised on the side stream (prepare without its forward)");
+    refresh_fp8_codes(c, p.moe_index, p, c.stream);
+  }
+}
+
 void CudaLocalExperts::prepare(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p) {
   if (!fp8_on_ || side_ == nullptr || pending_[size_t(moe_index)]) return;
   if (moe_index >= int64_t(fp8_.size()) || fp8_[size_t(moe_index)].version == c.params_version) return;

@@ -37,6 +37,17 @@ struct EpTraffic {
   int64_t bytes_received = 0;     // BF16 row bytes received from other ranks
 };
 
+// One routed-expert weight tensor [experts, n, k] in the flat parameters and the buffers of its FP8
+// codes (what cuda::fp8_quantize_weights writes: codes, scales, transposed codes and their scales).
+struct CudaFp8ExpertTensor {
+  int64_t offset = 0;  // of the tensor in the flat parameters
+  int64_t experts = 0, n = 0, k = 0;
+  uint8_t* q = nullptr;
+  float* s = nullptr;
+  uint8_t* qt = nullptr;
+  float* st = nullptr;
+};
+
 class CudaExperts {
  public:
   virtual ~CudaExperts() = default;
@@ -64,6 +75,18 @@ class CudaExperts {
   // block's GEMMs; the layer's forward joins it. Optional: without it the forward quantises on
   // c.stream itself. Nothing by default.
   virtual void prepare(const CudaBlockContext& /*c*/, int64_t /*moe_index*/, const LayerParams& /*p*/) {}
+
+  // Under set_fp8, after reserve: every expert weight tensor of the MoE layers `layers` with the
+  // buffers of its codes, so that the optimizer update can write the codes in its own pass over the
+  // weights (cuda::adamw_apply_fp8_weights). Empty (the default) for experts that keep no such codes.
+  virtual std::vector<CudaFp8ExpertTensor> fp8_weight_tensors(const std::vector<LayerParams>& /*layers*/) {
+    return {};
+  }
+  // Each layer's codes that are current at parameters version `from` become current at `to`: the
+  // change between the two versions wrote them (an update through fp8_weight_tensors). Nothing by default.
+  virtual void fp8_codes_follow(int64_t /*from*/, int64_t /*to*/) {}
+  // Quantises each of `layers`' codes that is stale at c.params_version, on c.stream. Nothing by default.
+  virtual void refresh_fp8(const CudaBlockContext& /*c*/, const std::vector<LayerParams>& /*layers*/) {}
 
   // Saved rows of every MoE layer and the scratch for `rows` (R = N*K) routed rows per layer.
   virtual void reserve(int64_t rows, CudaBufferGrower& g) = 0;
@@ -134,6 +157,9 @@ class CudaLocalExperts final : public CudaExperts {
   void bind(Recompute mode) override { mode_ = mode; }
   void prepare(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p) override;
   void set_fp8(bool on) override;
+  std::vector<CudaFp8ExpertTensor> fp8_weight_tensors(const std::vector<LayerParams>& layers) override;
+  void fp8_codes_follow(int64_t from, int64_t to) override;
+  void refresh_fp8(const CudaBlockContext& c, const std::vector<LayerParams>& layers) override;
   cuda::Fp8Rows fp8_input_rows(int64_t rows) override;
   bool recomputes_outputs() const override { return true; }
   void recompute(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* offsets_E1,

@@ -96,6 +96,7 @@ struct CudaModel::Impl {
   CudaMoeSaved moe_pool;
   bool reserved = false;  // reserve ran (set_recompute is refused after)
   std::vector<Layer> layers;
+  std::vector<LayerParams> moe_params;  // the present MoE layers' parameters, in layer order
   std::unique_ptr<CudaLmHead> head;
 
   // The BF16 input buffer of layer l (l == layers.size(): the LM head's), or the stage's output
@@ -258,6 +259,7 @@ CudaModel::CudaModel(const ModelConfig& model, const MoeConfig& moe, const CudaE
       layer.mlp = std::make_unique<CudaMlpBlock>(mcfg_, p);
     } else {
       layer.moe = std::make_unique<CudaMoeLayer>(mcfg_, ecfg_, router, p, static_cast<int64_t>(l));
+      I.moe_params.push_back(p);
     }
     I.layers.push_back(std::move(layer));
   }
@@ -328,6 +330,28 @@ void CudaModel::load_params(const float* host_params) {
   cuda::copy_h2d(params(), host_params, total * sizeof(float), stream_);
   refresh_bf16();
   cuda::stream_sync(stream_);
+}
+
+std::vector<CudaFp8ExpertTensor> CudaModel::fp8_expert_tensors() {
+  Impl& I = *impl_;
+  if (!fp8_ || !I.moe.experts || I.moe_params.empty()) return {};
+  MOE_CHECK(I.reserved, "CudaModel::fp8_expert_tensors: the experts' FP8 codes exist after reserve");
+  return I.moe.experts->fp8_weight_tensors(I.moe_params);
+}
+
+void CudaModel::mark_params_changed_with_expert_codes() {
+  const int64_t from = params_version_++;
+  if (impl_->moe.experts) impl_->moe.experts->fp8_codes_follow(from, params_version_);
+}
+
+void CudaModel::refresh_fp8_expert_codes() {
+  Impl& I = *impl_;
+  if (!fp8_ || !I.moe.experts || I.moe_params.empty()) return;
+  CudaBlockContext c;
+  c.stream = stream_;
+  c.params = params_bf16();
+  c.params_version = params_version_;
+  I.moe.experts->refresh_fp8(c, I.moe_params);
 }
 
 void CudaModel::load_expert_bias(const std::vector<float>& bias) {

@@ -164,6 +164,17 @@ class CudaModel {
   // mark_params_changed() once that update is enqueued, and before any forward that must see it.
   int64_t params_version() const { return params_version_; }
   void mark_params_changed() { ++params_version_; }
+  // The routed experts' weight tensors with the buffers of their FP8 codes (train.precision =
+  // "fp8" with local experts; empty otherwise), for an update that writes the codes in its own pass
+  // over the weights (cuda::adamw_apply_fp8_weights). After reserve.
+  std::vector<CudaFp8ExpertTensor> fp8_expert_tensors();
+  // mark_params_changed for an update that also wrote the codes of every fp8_expert_tensors()
+  // tensor from the BF16 copy it wrote: the experts' codes that were current stay current, so the
+  // next forward does not quantise them again (the other FP8 weights are rebuilt as ever).
+  void mark_params_changed_with_expert_codes();
+  // Quantises the experts' stale FP8 codes now, on the model's stream: before a captured step, so
+  // that its forward finds them current. Nothing without FP8 experts.
+  void refresh_fp8_expert_codes();
   bool fuse_head_backward() const { return fuse_head_backward_; }
   Recompute recompute() const { return recompute_; }
 

@@ -136,6 +136,12 @@ struct CudaStepRunner::Impl {
   bool bf16_reduce = false;
   cuda::DeviceBuffer reduce_stage;
   std::unique_ptr<cuda::ParamSegmentTable> segments;
+  // train.precision = "fp8" with the update at the end of the step (no ZeRO-1, no deferred
+  // update): the routed experts' weight tensors, updated by cuda::adamw_apply_fp8_weights, which
+  // writes their FP8 codes in the same pass (`segments` then leaves them out), so no forward
+  // quantises them again; empty otherwise.
+  std::vector<CudaFp8ExpertTensor> fp8_tensors;
+  std::vector<cuda::ParamSegment> fp8_segments;  // [fp8_tensors]
   cuda::DeviceBuffer exp_avg, exp_avg_sq, norm_ws, opt_scalars;
   size_t norm_ws_bytes = 0;
   // Token ids of the step on the device: inputs [micro * n] then targets [micro * n], int32.
@@ -284,6 +290,40 @@ struct CudaStepRunner::Impl {
       range_norms.reserve(std::max<size_t>(8, (dense_ranges.size() + expert_ranges.size()) * sizeof(double)));
       squares.reserve(2 * sizeof(double));
     }
+  }
+
+  // After model.reserve (the experts' code buffers exist): the FP8 experts' fused update, where
+  // the update runs as one step at the end of each step.
+  void setup_fp8_update() {
+    if (zero || deferred || !model.fp8()) return;
+    fp8_tensors = model.fp8_expert_tensors();
+    if (fp8_tensors.empty()) return;
+    std::vector<cuda::ParamSegment> rest;
+    size_t t = 0;
+    std::vector<CudaFp8ExpertTensor> order = fp8_tensors;
+    std::sort(order.begin(), order.end(),
+              [](const CudaFp8ExpertTensor& a, const CudaFp8ExpertTensor& b) { return a.offset < b.offset; });
+    for (const cuda::ParamSegment& x : segments->segments()) {
+      if (t < order.size() && x.offset == order[t].offset) {
+        MOE_CHECK(x.numel == order[t].experts * order[t].n * order[t].k, "CudaStepRunner: the FP8 expert tensor at ",
+                  x.offset, " holds ", x.numel, " parameters, its codes are for ", order[t].experts, " x ",
+                  order[t].n, " x ", order[t].k);
+        fp8_segments.push_back(x);
+        ++t;
+      } else {
+        rest.push_back(x);
+      }
+    }
+    MOE_CHECK(t == order.size(), "CudaStepRunner: ", order.size() - t, " FP8 expert tensors are not segments of the layout");
+    fp8_tensors = std::move(order);
+    segments = std::make_unique<cuda::ParamSegmentTable>(std::move(rest), model.layout().total_numel());
+  }
+  bool fp8_update() const { return !fp8_tensors.empty(); }
+  // The parameters changed (the last update, or this step's): the experts' codes follow when the
+  // update wrote them.
+  void mark_params_changed() {
+    if (fp8_update()) model.mark_params_changed_with_expert_codes();
+    else model.mark_params_changed();
   }
 
   cuda::Stream stream() const { return model.stream(); }
@@ -436,7 +476,7 @@ struct CudaStepRunner::Impl {
     const int32_t* targets = inputs + sh.micro * n;
     const auto* seeds = reinterpret_cast<const uint64_t*>(inputs + 2 * sh.micro * n);  // staged after the ids
     model.reset_stats();
-    model.mark_params_changed();  // the last step's update (or this step's deferred one) is in the BF16 copy
+    mark_params_changed();  // the last step's update (or this step's deferred one) is in the BF16 copy
     if (deferred) {
       enqueue_deferred_update();
     } else {
@@ -496,6 +536,21 @@ struct CudaStepRunner::Impl {
     cuda::step_guard_nonfinite_loss(rec, opt(), st);
     if (deferred) {
       cuda::adamw_prepare(cfg.optim, opt(), st);  // the next step (or flush_update) applies it
+    } else if (fp8_update()) {
+      // adamw_step, with the experts' weights updated by the op that also writes their FP8 codes.
+      float* p = model.params();
+      const float* g = model.grads();
+      uint16_t* bf16 = model.params_bf16();
+      cuda::adamw_prepare(cfg.optim, opt(), st);
+      cuda::adamw_apply(*segments, cfg.optim, p, g, exp_avg.as<float>(), exp_avg_sq.as<float>(), bf16, opt(),
+                        /*deferred=*/false, st);
+      for (size_t i = 0; i < fp8_tensors.size(); ++i) {
+        const CudaFp8ExpertTensor& t = fp8_tensors[i];
+        cuda::adamw_apply_fp8_weights(fp8_segments[i], t.experts, t.n, t.k, cfg.optim, p, g, exp_avg.as<float>(),
+                                      exp_avg_sq.as<float>(), bf16, Fp8Format::kE4M3, t.q, t.s, t.qt, t.st,
+                                      nullptr, opt(), /*deferred=*/false, st);
+      }
+      cuda::adamw_clear_pending(opt(), st);
     } else {
       // ZeRO-1: this rank's pieces only (moments of its shard), then the gather and the BF16 copy.
       cuda::adamw_step(*segments, cfg.optim, model.params(), model.grads(), exp_avg.as<float>(),
@@ -600,6 +655,9 @@ struct CudaStepRunner::Impl {
   void run_step(const StepShape& sh) {
     const cuda::Stream st = stream();
     const bool allowed = graph_allowed();
+    // The experts' codes follow each update; after any other change to the parameters (a loaded
+    // state) they are quantised here, outside the graph, which holds no quantisation of them.
+    if (fp8_update()) model.refresh_fp8_expert_codes();
     if (graph.ready() && graph_generation != generation()) {
       cuda::stream_sync(st);  // a buffer the graph points at was reallocated: drop it (rare)
       graph.reset();
@@ -626,7 +684,7 @@ struct CudaStepRunner::Impl {
       eager_shape = sh;
       eager_generation = generation();
     }
-    model.mark_params_changed();  // the step's update: a forward after it (evaluation) sees new weights
+    mark_params_changed();  // the step's update: a forward after it (evaluation) sees new weights
   }
 
   // The step's statistics into the next ring slot: one asynchronous copy and an event.
@@ -686,6 +744,7 @@ CudaStepRunner::CudaStepRunner(const Config& cfg, const RunPlan& plan, cuda::Ncc
   const int64_t micro = plan.micro_steps;
   const int64_t n = plan.tokens_per_micro_batch;
   I.model.reserve(cfg.train.micro_batch, cfg.train.seq_len);
+  I.setup_fp8_update();
   const size_t staged_bytes = size_t(2 * micro * n) * sizeof(int32_t) + size_t(micro) * sizeof(uint64_t);
   I.tokens.reserve(staged_bytes);  // ids and routing seeds (stage_inputs)
   for (Impl::Staging& s : I.staging) {

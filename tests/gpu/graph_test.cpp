@@ -370,6 +370,35 @@ TEST(CudaStep, Fp8StepsReplayDeferAndRecomputeBitwise) {
             graph.steps.front().ce_sum / double(graph.steps.front().num_targets));
 }
 
+// Under FP8 the update at the end of a step writes the experts' weight codes itself
+// (cuda::adamw_apply_fp8_weights), so a captured step holds no quantisation of them. A state loaded
+// between replays changes the weights without that update: the next step quantises them before the
+// replay. Graph, eager and the deferred update (which quantises in each step's first forward) give
+// the same steps bit for bit, before and after the load.
+TEST(CudaStep, Fp8CodesFollowTheUpdateAndALoadedState) {
+  MOE_SKIP_WITHOUT_GPU();
+  Config c = step_config();
+  c.train.precision = "fp8";
+  constexpr int64_t kSteps = 6;
+  Model<float> other(c.model, c.moe);
+  other.init_params(8);
+  auto load_at_3 = [&](CudaStepRunner& r, int64_t step) {
+    if (step == 3) r.load_state(other.params(), nullptr, nullptr, 0, other.expert_bias());
+  };
+  const RunResult graph = run_steps(c, true, kSteps, load_at_3);
+  const RunResult eager = run_steps(c, false, kSteps, load_at_3);
+  EXPECT_EQ(graph.graph_launches, kSteps - 1);
+  expect_same_runs(graph, eager, "fp8 load: graph vs eager");
+  EXPECT_EQ(graph.params, eager.params) << "fp8 load: parameters not bitwise equal";
+  c.optim.deferred_update = true;
+  const RunResult deferred = run_steps(c, true, kSteps, load_at_3);
+  expect_same_runs(deferred, graph, "fp8 load: deferred vs at the end");
+  EXPECT_EQ(deferred.params, graph.params) << "fp8 load, deferred: parameters not bitwise equal";
+  // The load took effect: step 4 starts again from other weights, so its loss is not step 3's trend.
+  const RunResult plain = run_steps(c, true, kSteps);
+  EXPECT_NE(plain.steps[3].ce_sum, graph.steps[3].ce_sum);
+}
+
 TEST(CudaStep, DeferredUpdateRefusesZeroOne) {
   MOE_SKIP_WITHOUT_GPU();
   Config c = step_config();
