@@ -7,12 +7,22 @@
 
 namespace moe::cuda::kernels {
 
+// The block's updated BF16 copy between the two passes of adamw_update_fp8_weights, and the
+// quantiser's shared memory after it (the values are in registers by then). Rows padded by 16 bytes.
+union AdamWFp8WeightSmem {
+  uint16_t w[128][128 + 8];
+  Fp8WeightBlockSmem codes;
+};
+
 // Weights [E, n, k] (n, k multiples of 128) at flat offset `offset` of p / g / p_bf16, moments at
-// offset + shift of m / v (shift a multiple of 4, every FP32 buffer 16-byte aligned, p_bf16
-// 8-byte aligned). Block b = (e, bi, bj) of the 128 x 128 blocks: thread t takes row t / 2 of the
-// block, elements 64 (t % 2) .. + 63, 4 at a time through adamw_vec4 (the update of
-// adamw_update_segments, bit for bit: p, m, v and the BF16 copy stored), keeps the BF16 values,
-// and hands them to fp8_weight_block_codes (the quantiser's codes of that BF16 copy, bit for bit).
+// offset + shift of m / v (offset and shift multiples of 4, every FP32 buffer 16-byte aligned,
+// p_bf16 8-byte aligned). Block b = (e, bi, bj) of the 128 x 128 blocks, two passes:
+// - the update, coalesced: warp w takes rows w, w + 8, .., w + 120 of the block, a whole row of
+//   128 elements per step, lane l elements 4l .. 4l + 3 through adamw_vec4 (the update of
+//   adamw_update_segments, bit for bit: p, m, v and the BF16 copy stored), the BF16 values into a
+//   shared tile;
+// - the codes: thread t reads row t / 2, elements 64 (t % 2) .. + 63 of the tile and hands them to
+//   fp8_weight_block_codes (the quantiser's codes of that BF16 copy, bit for bit).
 // Nothing is written when the step is skipped or (deferred) nothing is pending.
 __global__ void __launch_bounds__(kFp8WeightThreads)
     adamw_update_fp8_weights(int64_t offset, int64_t shift, int64_t n, int64_t k, bool decay_on,
@@ -21,24 +31,39 @@ __global__ void __launch_bounds__(kFp8WeightThreads)
                              uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qt,
                              float* __restrict__ st, uint32_t* num_nonfinite, const OptimStepScalars* __restrict__ sc,
                              AdamWConstants c, bool deferred) {
+  static_assert(kFp8WeightThreads == 256, "eight warps, each a row of the block per step");
   if (sc->skipped != 0 || (deferred && sc->pending == 0)) return;
-  __shared__ __align__(16) Fp8WeightBlockSmem sm;
+  __shared__ __align__(16) AdamWFp8WeightSmem sm;
   const AdamWCoefficients coef{sc->step_size, sc->inv_sqrt_bc2, sc->decay, sc->grad_scale};
   const float decay = decay_on ? coef.decay : 1.0f;
   const int64_t nb = n / 128, kb = k / 128;
   const int64_t b = blockIdx.x, e = b / (nb * kb), bi = b / kb % nb, bj = b % kb;
-  const int t = threadIdx.x, r = t / 2, c0 = 64 * (t % 2);
-  const int64_t at = offset + e * n * k + (bi * 128 + r) * k + bj * 128 + c0;  // a multiple of 4
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  const int64_t first = offset + e * n * k + bi * 128 * k + bj * 128 + 4 * lane;  // a multiple of 4
+#pragma unroll 4
+  for (int j = 0; j < 16; ++j) {
+    const int row = 8 * j + warp;
+    const int64_t at = first + row * k;
+    const float4 pv = adamw_vec4(at / 4, (at + shift) / 4, p, g, m, v, p_bf16, decay, coef, c);
+    const uint32_t lo = uint32_t(f32_to_bf16_bits(pv.x)) | (uint32_t(f32_to_bf16_bits(pv.y)) << 16);
+    const uint32_t hi = uint32_t(f32_to_bf16_bits(pv.z)) | (uint32_t(f32_to_bf16_bits(pv.w)) << 16);
+    *reinterpret_cast<uint2*>(&sm.w[row][4 * lane]) = make_uint2(lo, hi);
+  }
+  __syncthreads();
+  const int r = t / 2, c0 = 64 * (t % 2);
   float w16[64];
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const float4 pv = adamw_vec4(at / 4 + j, (at + shift) / 4 + j, p, g, m, v, p_bf16, decay, coef, c);
-    w16[4 * j + 0] = bf16_bits_to_f32(f32_to_bf16_bits(pv.x));  // the BF16 copy's values
-    w16[4 * j + 1] = bf16_bits_to_f32(f32_to_bf16_bits(pv.y));
-    w16[4 * j + 2] = bf16_bits_to_f32(f32_to_bf16_bits(pv.z));
-    w16[4 * j + 3] = bf16_bits_to_f32(f32_to_bf16_bits(pv.w));
+  for (int i = 0; i < 8; ++i) {
+    const uint4 x = *reinterpret_cast<const uint4*>(&sm.w[r][c0 + 8 * i]);
+    const uint32_t words[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+      w16[8 * i + 2 * h] = bf16_bits_to_f32(uint16_t(words[h] & 0xffffu));
+      w16[8 * i + 2 * h + 1] = bf16_bits_to_f32(uint16_t(words[h] >> 16));
+    }
   }
-  fp8_weight_block_codes(w16, e, bi, bj, n, k, f, q, s, qt, st, num_nonfinite, sm);
+  __syncthreads();  // every thread holds its values before the quantiser's shared memory overlays the tile
+  fp8_weight_block_codes(w16, e, bi, bj, n, k, f, q, s, qt, st, num_nonfinite, sm.codes);
 }
 
 }  // namespace moe::cuda::kernels
