@@ -21,6 +21,15 @@ struct ParamSegment {
 };
 static_assert(sizeof(ParamSegment) == 32, "ParamSegment is copied to the device as is");
 
+// A run of consecutive optimizer chunks (kAdamWChunk elements each) that a segment table's
+// segments touch: chunks first .. first + count - 1, the run's chunks numbered from `before` (the
+// chunks of the runs ahead of it) in the table's compact chunk order.
+struct ChunkRun {
+  int64_t first = 0;
+  int64_t before = 0;
+};
+static_assert(sizeof(ChunkRun) == 16, "ChunkRun is copied to the device as is");
+
 // Scalars of the optimizer step, in device memory (allocate one, zero it, set `step` when resuming).
 // "in": written by the host before the step (cudaMemcpyAsync from pinned memory is captured as a
 // node that reads the pinned value at every replay) or by a kernel; "out": written on the device,

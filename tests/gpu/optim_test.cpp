@@ -703,5 +703,19 @@ TEST(ParamSegmentTable, AcceptsDisjointMomentOffsets) {
   EXPECT_NO_THROW(cuda::ParamSegmentTable({{0, 10, 1, 0, 0}, {32, 10, 1, 0, 10}}, 64, 20));
 }
 
+// The chunks an update launches blocks for: those the segments touch, as runs (a chunk two
+// segments share counted once, adjacent chunks one run); the gaps between them get no block.
+TEST(ParamSegmentTable, ChunkRunsCoverOnlyTheTouchedChunks) {
+  MOE_SKIP_WITHOUT_GPU();
+  const cuda::ParamSegmentTable t({{0, 10, 1, 0}, {4090, 10, 1, 0}, {100000, 5, 0, 0}, {200000, 8192, 1, 0},
+                                   {208192, 0, 1, 0}, {208200, 4, 1, 0}},
+                                  300000);
+  EXPECT_EQ(t.num_chunk_runs(), 3);  // chunks 0-1, 24, 48-50 (the last segment ends in chunk 50)
+  EXPECT_EQ(t.num_chunks(), 2 + 1 + 3);
+  const cuda::ParamSegmentTable empty({}, 100);
+  EXPECT_EQ(empty.num_chunks(), 0);
+  EXPECT_EQ(empty.num_chunk_runs(), 0);
+}
+
 }  // namespace
 }  // namespace moe::testing

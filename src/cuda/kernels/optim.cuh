@@ -187,20 +187,35 @@ __device__ __forceinline__ int first_segment_ending_after(const ParamSegment* __
   return lo;
 }
 
-// Block b handles chunks first_chunk + b, + grid, ... (below end_chunk) of kAdamWChunk elements;
+// Chunk number i (of num_chunks) of the runs: the chunk index in the flat buffers.
+__device__ __forceinline__ int64_t chunk_of_runs(const ChunkRun* __restrict__ runs, int num_runs, int64_t i) {
+  int lo = 0, hi = num_runs - 1;  // the last run with before <= i
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (runs[mid].before <= i) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return runs[lo].first + (i - runs[lo].before);
+}
+
+// Block b handles the runs' chunks b, b + grid, ... (below num_chunks) of kAdamWChunk elements;
 // within a chunk, each segment's overlap [lo, hi) is updated by the block's threads (kVec4: scalar
 // head up to a multiple of 4, float4 body, scalar tail). Does nothing when the prepare kernel
 // marked the step skipped, or (deferred) when no update is pending.
 template <bool kVec4>
 __global__ void __launch_bounds__(kAdamWThreads)
-    adamw_update_segments(const ParamSegment* __restrict__ segs, int num_segs, int64_t total_numel,
-                          int64_t first_chunk, int64_t end_chunk, float* __restrict__ p, const float* __restrict__ g,
+    adamw_update_segments(const ParamSegment* __restrict__ segs, int num_segs, const ChunkRun* __restrict__ runs,
+                          int num_runs, int64_t num_chunks, int64_t total_numel, float* __restrict__ p,
+                          const float* __restrict__ g,
                           float* __restrict__ m, float* __restrict__ v, uint16_t* __restrict__ p_bf16,
                           const OptimStepScalars* __restrict__ s, AdamWConstants c, bool deferred) {
   if (s->skipped != 0 || (deferred && s->pending == 0)) return;
   const AdamWCoefficients k{s->step_size, s->inv_sqrt_bc2, s->decay, s->grad_scale};
-  for (int64_t chunk = first_chunk + blockIdx.x; chunk < end_chunk; chunk += gridDim.x) {
-    const int64_t c0 = chunk * kAdamWChunk;
+  for (int64_t i = blockIdx.x; i < num_chunks; i += gridDim.x) {
+    const int64_t c0 = chunk_of_runs(runs, num_runs, i) * kAdamWChunk;
     const int64_t c1 = c0 + kAdamWChunk < total_numel ? c0 + kAdamWChunk : total_numel;
     for (int si = first_segment_ending_after(segs, num_segs, c0); si < num_segs; ++si) {
       const ParamSegment seg = segs[si];

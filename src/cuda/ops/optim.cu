@@ -1,7 +1,8 @@
 // Optimizer launchers and checked entry points. global_grad_norm: min(1024, ceil(n / 16384))
 // blocks write FP64 partials into the workspace, one block reduces them into *norm (or, for
 // grad_sum_squares, *sum without the root). adamw_step:
-// adamw_prepare_step (one thread) then adamw_update_segments over ceil(total / 4096) chunks; the
+// adamw_prepare_step (one thread) then adamw_update_segments over the 4096-element chunks the
+// segments touch (ParamSegmentTable's chunk runs); the
 // float4 path when every FP32 buffer is 16-byte and the BF16 copy 8-byte aligned.
 #include "cuda/ops/optim.h"
 
@@ -124,12 +125,31 @@ ParamSegmentTable::ParamSegmentTable(std::vector<ParamSegment> segments, int64_t
   for (size_t i = 1; i < states.size(); ++i)
     MOE_CHECK(states[i].first >= states[i - 1].second, what, ": two segments share moments at ", states[i].first,
               ": every segment needs its own moment range");
+  // The chunks the segments touch, as runs (a chunk shared by two segments counted once).
+  for (const ParamSegment& x : host_) {
+    if (x.numel == 0) continue;
+    const int64_t first = x.offset / kAdamWChunk, last = (x.offset + x.numel - 1) / kAdamWChunk;
+    if (!runs_.empty() && first <= runs_.back().first + (num_chunks_ - runs_.back().before)) {
+      num_chunks_ = std::max(num_chunks_, runs_.back().before + (last - runs_.back().first + 1));
+      continue;
+    }
+    runs_.push_back({first, num_chunks_});
+    num_chunks_ += last - first + 1;
+  }
+  MOE_CHECK(runs_.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()), what, ": ", runs_.size(),
+            " chunk runs exceed 2^31 - 1");
   if (!host_.empty()) {
-    const size_t bytes = host_.size() * sizeof(ParamSegment);
-    MOE_CUDA_CHECK(cudaMalloc(&device_, bytes));
-    const cudaError_t err = cudaMemcpy(device_, host_.data(), bytes, cudaMemcpyHostToDevice);
+    const size_t seg_bytes = host_.size() * sizeof(ParamSegment), run_bytes = runs_.size() * sizeof(ChunkRun);
+    void* mem = nullptr;
+    MOE_CUDA_CHECK(cudaMalloc(&mem, seg_bytes + run_bytes));
+    device_ = static_cast<ParamSegment*>(mem);
+    device_runs_ = reinterpret_cast<ChunkRun*>(static_cast<char*>(mem) + seg_bytes);  // 32-byte multiple
+    cudaError_t err = cudaMemcpy(device_, host_.data(), seg_bytes, cudaMemcpyHostToDevice);
+    if (err == cudaSuccess && run_bytes > 0)
+      err = cudaMemcpy(device_runs_, runs_.data(), run_bytes, cudaMemcpyHostToDevice);
     if (err != cudaSuccess) {
       cudaFree(device_);
+      device_ = nullptr;
       MOE_CUDA_CHECK(err);
     }
   }
@@ -184,22 +204,24 @@ void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, floa
   detail::check_ptrs(op, {{"params", params}, {"grads", grads}, {"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}},
                      sizeof(float));
   if (params_bf16 != nullptr) detail::check_ptrs(op, {{"params_bf16", params_bf16}}, 2);
-  // Only the chunks the segments touch (a group's table covers part of the flat buffers).
-  const int64_t first_chunk = host.front().offset / kAdamWChunk;
-  const int64_t end_chunk = (host.back().offset + host.back().numel + kAdamWChunk - 1) / kAdamWChunk;
-  if (end_chunk <= first_chunk) return;
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(end_chunk - first_chunk, detail::kMaxGridX));
+  // Only the chunks the segments touch (a group's table covers part of the flat buffers, the FP8
+  // step's table leaves out the experts' weights between the other tensors of each layer).
+  const int64_t chunks = segments.num_chunks();
+  if (chunks == 0) return;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(chunks, detail::kMaxGridX));
   const bool vec4 = segments.states_vec4() && detail::aligned16(params) && detail::aligned16(grads) &&
                     detail::aligned16(exp_avg) && detail::aligned16(exp_avg_sq) &&
                     (params_bf16 == nullptr || aligned_to(params_bf16, 8));
   const kernels::AdamWConstants c = adamw_constants(cfg);
   if (vec4) {
     kernels::adamw_update_segments<true><<<blocks, kAdamWThreads, 0, stream>>>(
-        segments.device_segments(), num_segs, total, first_chunk, end_chunk, params, grads, exp_avg, exp_avg_sq,
+        segments.device_segments(), num_segs, segments.device_chunk_runs(), segments.num_chunk_runs(), chunks, total,
+        params, grads, exp_avg, exp_avg_sq,
         params_bf16, scalars, c, deferred);
   } else {
     kernels::adamw_update_segments<false><<<blocks, kAdamWThreads, 0, stream>>>(
-        segments.device_segments(), num_segs, total, first_chunk, end_chunk, params, grads, exp_avg, exp_avg_sq,
+        segments.device_segments(), num_segs, segments.device_chunk_runs(), segments.num_chunk_runs(), chunks, total,
+        params, grads, exp_avg, exp_avg_sq,
         params_bf16, scalars, c, deferred);
   }
   check_launch("adamw_update_segments");

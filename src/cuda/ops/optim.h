@@ -55,6 +55,11 @@ class ParamSegmentTable {
 
   const std::vector<ParamSegment>& segments() const { return host_; }
   const ParamSegment* device_segments() const { return device_; }
+  // The runs of optimizer chunks the segments touch (sorted, disjoint, not adjacent) and their
+  // chunk count: an update launches blocks for these chunks only, not for the gaps between them.
+  const ChunkRun* device_chunk_runs() const { return device_runs_; }
+  int num_chunk_runs() const { return static_cast<int>(runs_.size()); }
+  int64_t num_chunks() const { return num_chunks_; }
   int64_t total_numel() const { return total_numel_; }  // extent of the flat buffers, in elements
   int64_t state_numel() const { return state_numel_; }  // extent of the moment buffers, in elements
   // True when every segment's state_offset - offset is a multiple of 4 (the float4 path may run).
@@ -65,6 +70,9 @@ class ParamSegmentTable {
   int64_t total_numel_ = 0, state_numel_ = 0;
   bool states_vec4_ = true;
   ParamSegment* device_ = nullptr;
+  std::vector<ChunkRun> runs_;
+  int64_t num_chunks_ = 0;
+  ChunkRun* device_runs_ = nullptr;  // inside the allocation of device_, after the segments
 };
 
 // One AdamW step of every segment, same update as AdamW::step after clip_grads (cfg: beta1, beta2,
