@@ -155,7 +155,8 @@ class CudaModel {
   // else as in BF16. Each MoE layer keeps the FP8 codes of its expert weights and their transposed
   // copy (2 bytes per expert parameter) and quantises them from the BF16 copy at its first forward
   // after the parameters changed (params_version()), so a captured step quantises once per step,
-  // in its first micro-batch's forward. Local experts only (refused with expert parallelism).
+  // in its first micro-batch's forward, unless the update wrote the codes itself
+  // (mark_params_changed_with_expert_codes). Local experts only (refused with expert parallelism).
   // Before the first forward or reserve (refused after).
   void set_fp8(bool on);
   bool fp8() const { return fp8_; }
