@@ -22,8 +22,8 @@ struct ParamSegment {
 static_assert(sizeof(ParamSegment) == 32, "ParamSegment is copied to the device as is");
 
 // A run of consecutive optimizer chunks (kAdamWChunk elements each) that a segment table's
-// segments touch: chunks first .. first + count - 1, the run's chunks numbered from `before` (the
-// chunks of the runs ahead of it) in the table's compact chunk order.
+// segments touch, from chunk `first`; in the table's compact chunk order its chunks come after the
+// `before` chunks of the runs ahead of it (so a run holds the next run's `before` minus its own).
 struct ChunkRun {
   int64_t first = 0;
   int64_t before = 0;

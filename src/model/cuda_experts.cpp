@@ -141,7 +141,8 @@ void CudaLocalExperts::fp8_codes_follow(int64_t from, int64_t to) {
 void CudaLocalExperts::refresh_fp8(const CudaBlockContext& c, const std::vector<LayerParams>& layers) {
   if (!fp8_on_) return;
   for (const LayerParams& p : layers) {
-    MOE_CHECK(size_t(p.moe_index) >= pending_.size() || !pending_[size_t(p.moe_index)], "CudaLocalExperts::refresh_fp8: layer ", p.moe_index,
+    MOE_CHECK(size_t(p.moe_index) >= pending_.size() || !pending_[size_t(p.moe_index)],
+              "CudaLocalExperts::refresh_fp8: layer ", p.moe_index,
               "'s codes are being quantised on the side stream (prepare without its forward)");
     refresh_fp8_codes(c, p.moe_index, p, c.stream);
   }
