@@ -297,6 +297,10 @@ struct CudaStepRunner::Impl {
   void setup_fp8_update() {
     if (zero || deferred || !model.fp8()) return;
     fp8_tensors = model.fp8_expert_tensors();
+    // The fused op updates whole 128 x 128 blocks; other shapes keep the quantisation in the forward.
+    if (std::any_of(fp8_tensors.begin(), fp8_tensors.end(),
+                    [](const CudaFp8ExpertTensor& t) { return t.n % 128 != 0 || t.k % 128 != 0; }))
+      fp8_tensors.clear();
     if (fp8_tensors.empty()) return;
     std::vector<cuda::ParamSegment> rest;
     size_t t = 0;

@@ -399,6 +399,23 @@ TEST(CudaStep, Fp8CodesFollowTheUpdateAndALoadedState) {
   EXPECT_NE(plain.steps[3].ce_sum, graph.steps[3].ce_sum);
 }
 
+// Experts whose weights are not whole 128 x 128 blocks (expert hidden 192) keep the quantisation in
+// the forward (the fused update takes whole blocks): steps run, graph as eager as deferred.
+TEST(CudaStep, Fp8ExpertsOffTheBlockGridQuantiseInTheForward) {
+  MOE_SKIP_WITHOUT_GPU();
+  Config c = step_config();
+  c.train.precision = "fp8";
+  c.moe.expert_hidden = 192;
+  constexpr int64_t kSteps = 4;
+  const RunResult graph = run_steps(c, true, kSteps);
+  const RunResult eager = run_steps(c, false, kSteps);
+  expect_same_runs(graph, eager, "fp8, expert hidden 192: graph vs eager");
+  c.optim.deferred_update = true;
+  const RunResult deferred = run_steps(c, true, kSteps);
+  expect_same_runs(deferred, graph, "fp8, expert hidden 192: deferred vs at the end");
+  EXPECT_EQ(deferred.params, graph.params);
+}
+
 TEST(CudaStep, DeferredUpdateRefusesZeroOne) {
   MOE_SKIP_WITHOUT_GPU();
   Config c = step_config();
