@@ -55,6 +55,63 @@ int64_t blocks128(int64_t n) { return (n + 127) / 128; }
 
 }  // namespace
 
+void CudaFp8ExpertCodeSet::reserve(int64_t layers, int64_t experts, int64_t d, int64_t inner, CudaBufferGrower& g) {
+  experts_ = experts, d_ = d, inner_ = inner;
+  codes_.resize(size_t(layers));
+  const int64_t E = experts, D = d, I2 = 2 * inner, I = inner;
+  for (CudaFp8ExpertCodes& q : codes_) {
+    g.grow<uint8_t>(q.gate_up, E * I2 * D, "FP8 expert gate_up codes");
+    g.grow<float>(q.s_gate_up, E * blocks128(I2) * blocks128(D), "FP8 expert gate_up scales");
+    g.grow<uint8_t>(q.gate_up_t, E * D * I2, "FP8 expert gate_up transposed codes");
+    g.grow<float>(q.s_gate_up_t, E * blocks128(D) * blocks128(I2), "FP8 expert gate_up transposed scales");
+    g.grow<uint8_t>(q.down, E * D * I, "FP8 expert down codes");
+    g.grow<float>(q.s_down, E * blocks128(D) * blocks128(I), "FP8 expert down scales");
+    g.grow<uint8_t>(q.down_t, E * I * D, "FP8 expert down transposed codes");
+    g.grow<float>(q.s_down_t, E * blocks128(I) * blocks128(D), "FP8 expert down transposed scales");
+  }
+}
+
+CudaFp8ExpertCodes& CudaFp8ExpertCodeSet::at(int64_t m, const char* what) {
+  MOE_CHECK(m >= 0 && m < layers(), what, ": the FP8 codes of MoE layer ", m, " are not reserved (", layers(),
+            " layers reserved)");
+  return codes_[size_t(m)];
+}
+
+void CudaFp8ExpertCodeSet::refresh(const CudaBlockContext& c, int64_t m, const LayerParams& p, cuda::Stream stream) {
+  CudaFp8ExpertCodes& q = at(m, "CudaFp8ExpertCodeSet::refresh");
+  if (q.version == c.params_version) return;
+  const uint16_t* P = c.params;
+  cuda::fp8_quantize_weights(P + p.experts_gate_up, experts_, 2 * inner_, d_, Fp8Format::kE4M3,
+                             q.gate_up.as<uint8_t>(), q.s_gate_up.as<float>(), q.gate_up_t.as<uint8_t>(),
+                             q.s_gate_up_t.as<float>(), nullptr, stream);
+  cuda::fp8_quantize_weights(P + p.experts_down, experts_, d_, inner_, Fp8Format::kE4M3, q.down.as<uint8_t>(),
+                             q.s_down.as<float>(), q.down_t.as<uint8_t>(), q.s_down_t.as<float>(), nullptr, stream);
+  q.version = c.params_version;
+}
+
+cuda::Fp8ExpertWeights CudaFp8ExpertCodeSet::view(int64_t m) const {
+  MOE_CHECK(m >= 0 && m < layers(), "CudaFp8ExpertCodeSet::view: the FP8 codes of MoE layer ", m,
+            " are not reserved (", layers(), " layers reserved)");
+  return fp8_view(codes_[size_t(m)]);
+}
+
+std::vector<CudaFp8ExpertTensor> CudaFp8ExpertCodeSet::tensors(const std::vector<LayerParams>& layers) {
+  std::vector<CudaFp8ExpertTensor> out;
+  for (const LayerParams& p : layers) {
+    CudaFp8ExpertCodes& q = at(p.moe_index, "CudaFp8ExpertCodeSet::tensors");
+    out.push_back({p.experts_gate_up, experts_, 2 * inner_, d_, q.gate_up.as<uint8_t>(), q.s_gate_up.as<float>(),
+                   q.gate_up_t.as<uint8_t>(), q.s_gate_up_t.as<float>()});
+    out.push_back({p.experts_down, experts_, d_, inner_, q.down.as<uint8_t>(), q.s_down.as<float>(),
+                   q.down_t.as<uint8_t>(), q.s_down_t.as<float>()});
+  }
+  return out;
+}
+
+void CudaFp8ExpertCodeSet::follow(int64_t from, int64_t to) {
+  for (CudaFp8ExpertCodes& q : codes_)
+    if (q.version == from) q.version = to;
+}
+
 CudaLocalExperts::CudaLocalExperts(const MoeConfig& e, int64_t d, int64_t num_moe_layers)
     : d_(d), e_(e.num_experts), inner_(e.expert_hidden), saved_(static_cast<size_t>(num_moe_layers)) {}
 
@@ -83,18 +140,7 @@ void CudaLocalExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   }
   g.grow_bytes(ws_, cuda::experts_backward_workspace_bytes(rows, inner_), "expert dgate_up and dh");
   if (!fp8_on_) return;
-  fp8_.resize(saved_.size());
-  const int64_t E = e_, D = d_, I2 = 2 * inner_, I = inner_;
-  for (CudaFp8ExpertCodes& q : fp8_) {
-    g.grow<uint8_t>(q.gate_up, E * I2 * D, "FP8 expert gate_up codes");
-    g.grow<float>(q.s_gate_up, E * blocks128(I2) * blocks128(D), "FP8 expert gate_up scales");
-    g.grow<uint8_t>(q.gate_up_t, E * D * I2, "FP8 expert gate_up transposed codes");
-    g.grow<float>(q.s_gate_up_t, E * blocks128(D) * blocks128(I2), "FP8 expert gate_up transposed scales");
-    g.grow<uint8_t>(q.down, E * D * I, "FP8 expert down codes");
-    g.grow<float>(q.s_down, E * blocks128(D) * blocks128(I), "FP8 expert down scales");
-    g.grow<uint8_t>(q.down_t, E * I * D, "FP8 expert down transposed codes");
-    g.grow<float>(q.s_down_t, E * blocks128(I) * blocks128(D), "FP8 expert down transposed scales");
-  }
+  fp8_.reserve(int64_t(saved_.size()), e_, d_, inner_, g);
   g.grow_bytes(fp8_ws_, cuda::experts_fp8_workspace_bytes(rows, d_, inner_), "FP8 expert activation codes");
   if (side_ == nullptr) {
     side_ = cuda::stream_create();
@@ -104,39 +150,12 @@ void CudaLocalExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   pending_.resize(saved_.size(), 0);
 }
 
-void CudaLocalExperts::refresh_fp8_codes(const CudaBlockContext& c, int64_t m, const LayerParams& p,
-                                         cuda::Stream stream) {
-  MOE_CHECK(m < int64_t(fp8_.size()), "CudaLocalExperts: the FP8 codes of MoE layer ", m, " are not reserved");
-  CudaFp8ExpertCodes& q = fp8_[size_t(m)];
-  if (q.version == c.params_version) return;
-  const uint16_t* P = c.params;
-  cuda::fp8_quantize_weights(P + p.experts_gate_up, e_, 2 * inner_, d_, Fp8Format::kE4M3, q.gate_up.as<uint8_t>(),
-                             q.s_gate_up.as<float>(), q.gate_up_t.as<uint8_t>(), q.s_gate_up_t.as<float>(), nullptr,
-                             stream);
-  cuda::fp8_quantize_weights(P + p.experts_down, e_, d_, inner_, Fp8Format::kE4M3, q.down.as<uint8_t>(),
-                             q.s_down.as<float>(), q.down_t.as<uint8_t>(), q.s_down_t.as<float>(), nullptr, stream);
-  q.version = c.params_version;
-}
-
 std::vector<CudaFp8ExpertTensor> CudaLocalExperts::fp8_weight_tensors(const std::vector<LayerParams>& layers) {
-  std::vector<CudaFp8ExpertTensor> out;
-  if (!fp8_on_) return out;
-  for (const LayerParams& p : layers) {
-    MOE_CHECK(p.moe_index >= 0 && p.moe_index < int64_t(fp8_.size()), "CudaLocalExperts::fp8_weight_tensors: MoE "
-              "layer ", p.moe_index, " has no reserved FP8 codes (", fp8_.size(), " layers reserved)");
-    CudaFp8ExpertCodes& q = fp8_[size_t(p.moe_index)];
-    out.push_back({p.experts_gate_up, e_, 2 * inner_, d_, q.gate_up.as<uint8_t>(), q.s_gate_up.as<float>(),
-                   q.gate_up_t.as<uint8_t>(), q.s_gate_up_t.as<float>()});
-    out.push_back({p.experts_down, e_, d_, inner_, q.down.as<uint8_t>(), q.s_down.as<float>(), q.down_t.as<uint8_t>(),
-                   q.s_down_t.as<float>()});
-  }
-  return out;
+  if (!fp8_on_) return {};
+  return fp8_.tensors(layers);
 }
 
-void CudaLocalExperts::fp8_codes_follow(int64_t from, int64_t to) {
-  for (CudaFp8ExpertCodes& q : fp8_)
-    if (q.version == from) q.version = to;
-}
+void CudaLocalExperts::fp8_codes_follow(int64_t from, int64_t to) { fp8_.follow(from, to); }
 
 void CudaLocalExperts::refresh_fp8(const CudaBlockContext& c, const std::vector<LayerParams>& layers) {
   if (!fp8_on_) return;
@@ -144,18 +163,18 @@ void CudaLocalExperts::refresh_fp8(const CudaBlockContext& c, const std::vector<
     MOE_CHECK(size_t(p.moe_index) >= pending_.size() || !pending_[size_t(p.moe_index)],
               "CudaLocalExperts::refresh_fp8: layer ", p.moe_index,
               "'s codes are being quantised on the side stream (prepare without its forward)");
-    refresh_fp8_codes(c, p.moe_index, p, c.stream);
+    fp8_.refresh(c, p.moe_index, p, c.stream);
   }
 }
 
 void CudaLocalExperts::prepare(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p) {
   if (!fp8_on_ || side_ == nullptr || pending_[size_t(moe_index)]) return;
-  if (moe_index >= int64_t(fp8_.size()) || fp8_[size_t(moe_index)].version == c.params_version) return;
+  if (moe_index >= fp8_.layers() || fp8_.current(moe_index, c.params_version)) return;
   // The side stream starts after everything c.stream holds so far: the BF16 weights' update (or
   // the wait for it) and every earlier reader of this layer's codes.
   cuda::event_record(fork_, c.stream);
   cuda::stream_wait_event(side_, fork_);
-  refresh_fp8_codes(c, moe_index, p, side_);
+  fp8_.refresh(c, moe_index, p, side_);
   cuda::event_record(ready_[size_t(moe_index)], side_);
   pending_[size_t(moe_index)] = 1;
 }
@@ -170,8 +189,8 @@ void CudaLocalExperts::forward(const CudaBlockContext& c, int64_t moe_index, con
       cuda::stream_wait_event(c.stream, ready_[size_t(moe_index)]);
       pending_[size_t(moe_index)] = 0;
     }
-    refresh_fp8_codes(c, moe_index, p, c.stream);  // without prepare (or after a newer version)
-    cuda::experts_forward_fp8(x_sorted_RD, offsets_E1, fp8_view(fp8_[size_t(moe_index)]), rows, e_, d_, inner_,
+    fp8_.refresh(c, moe_index, p, c.stream);  // without prepare (or after a newer version)
+    cuda::experts_forward_fp8(x_sorted_RD, offsets_E1, fp8_.view(moe_index), rows, e_, d_, inner_,
                               gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), y_sorted_RD,
                               fp8_ws_.data(), fp8_ws_.bytes(), c.stream, input_quantised);
     return;
@@ -185,7 +204,7 @@ void CudaLocalExperts::recompute(const CudaBlockContext& c, int64_t moe_index, c
                                  const int32_t* offsets_E1, int64_t rows, uint16_t* y_sorted_RD) {
   if (fp8_on_) {  // the codes the forward used (the parameters do not change between the two)
     cuda::experts_recompute_fp8(gate_up_rows(moe_index).as<uint16_t>(), offsets_E1,
-                                fp8_view(fp8_[size_t(moe_index)]), rows, e_, d_, inner_,
+                                fp8_.view(moe_index), rows, e_, d_, inner_,
                                 h_rows(moe_index).as<uint16_t>(), y_sorted_RD, fp8_ws_.data(), fp8_ws_.bytes(),
                                 c.stream);
     return;
@@ -201,7 +220,7 @@ void CudaLocalExperts::backward(const CudaBlockContext& c, int64_t moe_index, co
   float* Gr = c.grads;
   c.mark(cuda::Phase::kExperts);
   if (fp8_on_) {
-    cuda::experts_backward_fp8(x_sorted_RD, offsets_E1, fp8_view(fp8_[size_t(moe_index)]),
+    cuda::experts_backward_fp8(x_sorted_RD, offsets_E1, fp8_.view(moe_index),
                                gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), dy_sorted_RD,
                                rows, e_, d_, inner_, dx_sorted_RD, Gr + p.experts_gate_up, Gr + p.experts_down,
                                ws_.data(), ws_.bytes(), fp8_ws_.data(), fp8_ws_.bytes(), c.stream, !c.overwrite_grads,

@@ -146,6 +146,31 @@ struct CudaFp8ExpertCodes {
   int64_t version = -1;
 };
 
+// The FP8 codes of every MoE layer's experts on this GPU (E experts, gate_up [E, 2I, D] and down
+// [E, D, I] each), as the FP8 experts (local or behind the rowwise exchange) keep them: grown by
+// reserve, quantised from the BF16 copy when the parameters' version moves, and handed to the
+// update that writes them itself (CudaExperts::fp8_weight_tensors).
+class CudaFp8ExpertCodeSet {
+ public:
+  // Codes for `layers` MoE layers of `experts` experts (D = d, I = inner).
+  void reserve(int64_t layers, int64_t experts, int64_t d, int64_t inner, CudaBufferGrower& g);
+  int64_t layers() const { return int64_t(codes_.size()); }
+  // Whether layer m's codes are those of the parameters at `version`.
+  bool current(int64_t m, int64_t version) const { return codes_[size_t(m)].version == version; }
+  // Layer m's codes from the BF16 weights at p (c.params), on `stream`, when stale at c.params_version.
+  void refresh(const CudaBlockContext& c, int64_t m, const LayerParams& p, cuda::Stream stream);
+  cuda::Fp8ExpertWeights view(int64_t m) const;
+  // The weight tensors of `layers` with their code buffers (CudaExperts::fp8_weight_tensors).
+  std::vector<CudaFp8ExpertTensor> tensors(const std::vector<LayerParams>& layers);
+  // Codes current at version `from` become current at `to` (CudaExperts::fp8_codes_follow).
+  void follow(int64_t from, int64_t to);
+
+ private:
+  CudaFp8ExpertCodes& at(int64_t m, const char* what);
+  int64_t experts_ = 0, d_ = 0, inner_ = 0;
+  std::vector<CudaFp8ExpertCodes> codes_;
+};
+
 // Every expert on this GPU: cuda::experts_* on the dispatched rows, sync-free and capturable;
 // under set_fp8, cuda::experts_*_fp8 with each layer's CudaFp8ExpertCodes.
 class CudaLocalExperts final : public CudaExperts {
@@ -178,17 +203,13 @@ class CudaLocalExperts final : public CudaExperts {
   }
   cuda::DeviceBuffer& h_rows(int64_t m) { return mode_ != Recompute::kNone ? pool_.h_RI : saved_[size_t(m)].h_RI; }
 
-  // Layer m's FP8 codes, quantised from the BF16 weights at p on `stream` when c.params_version is
-  // newer (nothing when they are current).
-  void refresh_fp8_codes(const CudaBlockContext& c, int64_t m, const LayerParams& p, cuda::Stream stream);
-
   int64_t d_, e_, inner_;
   Recompute mode_ = Recompute::kNone;
   bool fp8_on_ = false;
   std::vector<CudaExpertsSaved> saved_;  // [M]
   CudaExpertsSaved pool_;                // the recomputed rows of every layer
   cuda::DeviceBuffer ws_;                // experts_backward workspace (shared by the layers)
-  std::vector<CudaFp8ExpertCodes> fp8_;  // [M] under set_fp8
+  CudaFp8ExpertCodeSet fp8_;             // [M] layers under set_fp8
   cuda::DeviceBuffer fp8_ws_;            // experts_fp8_workspace_bytes (shared by the layers)
   // prepare's side stream, its fork event and each layer's codes-ready event (made by reserve
   // under set_fp8, outside any capture); pending_[m]: layer m's forward is to wait for ready_[m].
