@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "core/chunk_run_types.h"
+
 namespace moe::cuda {
 
 // One tensor of the flat buffers: elements [offset, offset + numel); decay = 1 applies weight decay.
@@ -21,14 +23,8 @@ struct ParamSegment {
 };
 static_assert(sizeof(ParamSegment) == 32, "ParamSegment is copied to the device as is");
 
-// A run of consecutive optimizer chunks (kAdamWChunk elements each) that a segment table's
-// segments touch, from chunk `first`; in the table's compact chunk order its chunks come after the
-// `before` chunks of the runs ahead of it (so a run holds the next run's `before` minus its own).
-struct ChunkRun {
-  int64_t first = 0;
-  int64_t before = 0;
-};
-static_assert(sizeof(ChunkRun) == 16, "ChunkRun is copied to the device as is");
+// The runs of optimizer chunks a segment table touches (core/chunk_runs.h computes them).
+using ChunkRun = moe::ChunkRun;
 
 // Scalars of the optimizer step, in device memory (allocate one, zero it, set `step` when resuming).
 // "in": written by the host before the step (cudaMemcpyAsync from pinned memory is captured as a

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "core/arena.h"
+#include "core/chunk_runs.h"
 #include "core/config.h"
 #include "cuda/common.h"
 #include "cuda/kernels/optim.cuh"
@@ -125,17 +126,7 @@ ParamSegmentTable::ParamSegmentTable(std::vector<ParamSegment> segments, int64_t
   for (size_t i = 1; i < states.size(); ++i)
     MOE_CHECK(states[i].first >= states[i - 1].second, what, ": two segments share moments at ", states[i].first,
               ": every segment needs its own moment range");
-  // The chunks the segments touch, as runs (a chunk shared by two segments counted once).
-  for (const ParamSegment& x : host_) {
-    if (x.numel == 0) continue;
-    const int64_t first = x.offset / kAdamWChunk, last = (x.offset + x.numel - 1) / kAdamWChunk;
-    if (!runs_.empty() && first <= runs_.back().first + (num_chunks_ - runs_.back().before)) {
-      num_chunks_ = std::max(num_chunks_, runs_.back().before + (last - runs_.back().first + 1));
-      continue;
-    }
-    runs_.push_back({first, num_chunks_});
-    num_chunks_ += last - first + 1;
-  }
+  runs_ = chunk_runs(host_, kAdamWChunk, &num_chunks_);
   MOE_CHECK(runs_.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()), what, ": ", runs_.size(),
             " chunk runs exceed 2^31 - 1");
   if (!host_.empty()) {
