@@ -302,24 +302,23 @@ struct CudaStepRunner::Impl {
                     [](const CudaFp8ExpertTensor& t) { return t.n % 128 != 0 || t.k % 128 != 0; }))
       fp8_tensors.clear();
     if (fp8_tensors.empty()) return;
-    std::vector<cuda::ParamSegment> rest;
-    size_t t = 0;
-    std::vector<CudaFp8ExpertTensor> order = fp8_tensors;
-    std::sort(order.begin(), order.end(),
+    // Both lists in offset order: each expert tensor is the next segment of the layout that starts there.
+    std::sort(fp8_tensors.begin(), fp8_tensors.end(),
               [](const CudaFp8ExpertTensor& a, const CudaFp8ExpertTensor& b) { return a.offset < b.offset; });
+    std::vector<cuda::ParamSegment> rest;
     for (const cuda::ParamSegment& x : segments->segments()) {
-      if (t < order.size() && x.offset == order[t].offset) {
-        MOE_CHECK(x.numel == order[t].experts * order[t].n * order[t].k, "CudaStepRunner: the FP8 expert tensor at ",
-                  x.offset, " holds ", x.numel, " parameters, its codes are for ", order[t].experts, " x ",
-                  order[t].n, " x ", order[t].k);
-        fp8_segments.push_back(x);
-        ++t;
-      } else {
+      const size_t t = fp8_segments.size();
+      if (t == fp8_tensors.size() || x.offset != fp8_tensors[t].offset) {
         rest.push_back(x);
+        continue;
       }
+      const CudaFp8ExpertTensor& e = fp8_tensors[t];
+      MOE_CHECK(x.numel == e.experts * e.n * e.k, "CudaStepRunner: the FP8 expert tensor at ", x.offset, " holds ",
+                x.numel, " parameters, its codes are for ", e.experts, " x ", e.n, " x ", e.k);
+      fp8_segments.push_back(x);
     }
-    MOE_CHECK(t == order.size(), "CudaStepRunner: ", order.size() - t, " FP8 expert tensors are not segments of the layout");
-    fp8_tensors = std::move(order);
+    MOE_CHECK(fp8_segments.size() == fp8_tensors.size(), "CudaStepRunner: ",
+              fp8_tensors.size() - fp8_segments.size(), " FP8 expert tensors are not segments of the layout");
     segments = std::make_unique<cuda::ParamSegmentTable>(std::move(rest), model.layout().total_numel());
   }
   bool fp8_update() const { return !fp8_tensors.empty(); }

@@ -203,18 +203,10 @@ void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, floa
   const bool vec4 = segments.states_vec4() && detail::aligned16(params) && detail::aligned16(grads) &&
                     detail::aligned16(exp_avg) && detail::aligned16(exp_avg_sq) &&
                     (params_bf16 == nullptr || aligned_to(params_bf16, 8));
-  const kernels::AdamWConstants c = adamw_constants(cfg);
-  if (vec4) {
-    kernels::adamw_update_segments<true><<<blocks, kAdamWThreads, 0, stream>>>(
-        segments.device_segments(), num_segs, segments.device_chunk_runs(), segments.num_chunk_runs(), chunks, total,
-        params, grads, exp_avg, exp_avg_sq,
-        params_bf16, scalars, c, deferred);
-  } else {
-    kernels::adamw_update_segments<false><<<blocks, kAdamWThreads, 0, stream>>>(
-        segments.device_segments(), num_segs, segments.device_chunk_runs(), segments.num_chunk_runs(), chunks, total,
-        params, grads, exp_avg, exp_avg_sq,
-        params_bf16, scalars, c, deferred);
-  }
+  const auto kernel = vec4 ? kernels::adamw_update_segments<true> : kernels::adamw_update_segments<false>;
+  kernel<<<blocks, kAdamWThreads, 0, stream>>>(segments.device_segments(), num_segs, segments.device_chunk_runs(),
+                                               segments.num_chunk_runs(), chunks, total, params, grads, exp_avg,
+                                               exp_avg_sq, params_bf16, scalars, adamw_constants(cfg), deferred);
   check_launch("adamw_update_segments");
 }
 
