@@ -65,6 +65,9 @@ struct OptimConfig {
   // GPU: apply each step's AdamW update during the next step, each block's on a second stream
   // just before that block's forward (the same values; not with ZeRO-1, not on the CPU backend).
   bool deferred_update = false;
+  // With deferred_update: the multiprocessors the update of the blocks runs on, which the forward's
+  // GEMMs beside it leave free; 0: the update takes every multiprocessor it can (no reserve).
+  int64_t deferred_update_sms = 0;
 };
 
 // One source of a weighted mix ([[data.sources]]): its token files, concatenated, and its share

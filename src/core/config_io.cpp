@@ -132,6 +132,9 @@ std::vector<ConfigKey> build_keys() {
       entry("optim.deferred_update", &C::optim, &O::deferred_update,
             "GPU: apply each step's update in the next step, block by block on a second stream just before "
             "the block's forward (the same values); not with parallel.zero"),
+      entry("optim.deferred_update_sms", &C::optim, &O::deferred_update_sms,
+            "with optim.deferred_update: multiprocessors the blocks' update runs on while the forward's GEMMs "
+            "leave them free; 0: the update shares every multiprocessor with the forward"),
 
       entry("data.source", &C::data, &D::source,
             "embedded: the built-in corpus; tokens: the token files in data.paths", {"embedded", "tokens"}),
@@ -982,6 +985,11 @@ void validate_config(const Config& c) {
   p.need(o.eps > 0, "optim.eps must be > 0, got ", num(o.eps));
   p.need(o.weight_decay >= 0, "optim.weight_decay must be >= 0, got ", num(o.weight_decay));
   p.need(o.grad_clip >= 0, "optim.grad_clip must be >= 0 (0: no clipping), got ", num(o.grad_clip));
+  p.need(o.deferred_update_sms >= 0 && o.deferred_update_sms <= 1024,
+         "optim.deferred_update_sms must be in [0, 1024] (multiprocessors; 0: no reserve), got ", o.deferred_update_sms);
+  p.need(o.deferred_update_sms == 0 || o.deferred_update,
+         "optim.deferred_update_sms = ", o.deferred_update_sms, " needs optim.deferred_update = true (it sets how the "
+         "deferred update shares the GPU)");
 
   const DataConfig& d = c.data;
   p.need(d.paths.empty() || d.sources.empty(), "data.paths and data.sources are both set: give the token files ",

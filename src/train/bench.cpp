@@ -102,7 +102,8 @@ nlohmann::json bench_settings(const Config& cfg, const RunPlan& plan, const std:
           {"pp", plan.sizes.pp},
           {"zero", plan.zero},
           {"overlap_grad_reduce", cfg.parallel.overlap_grad_reduce},
-          {"deferred_update", cfg.optim.deferred_update}};
+          {"deferred_update", cfg.optim.deferred_update},
+          {"deferred_update_sms", cfg.optim.deferred_update_sms}};
 }
 
 }  // namespace

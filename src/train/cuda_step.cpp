@@ -30,12 +30,14 @@
 #include "core/error.h"
 #include "core/recompute.h"
 #include "cuda/event_timer.h"
+#include "cuda/ops/device_info.h"
 #include "cuda/ops/ep_exchange.h"
 #include "cuda/ops/memory.h"
 #include "cuda/ops/nccl.h"
 #include "cuda/ops/nvshmem_world.h"
 #include "cuda/ops/optim.h"
 #include "cuda/ops/step_stats.h"
+#include "cuda/sm_reserve.h"
 #include "model/cuda_experts.h"
 #include "model/layout.h"
 #include "optim/flat_shards.h"
@@ -193,6 +195,9 @@ struct CudaStepRunner::Impl {
   std::vector<FlatRange> groups;  // flat range of each group
   std::vector<std::unique_ptr<cuda::ParamSegmentTable>> group_segments;
   bool wait_for_updates = false;  // set while the first micro-batch's forward is enqueued
+  // optim.deferred_update_sms: the groups after the first block's run on that many multiprocessors,
+  // and the blocks' forward GEMMs beside them leave those free (cuda/sm_reserve.h); 0: neither.
+  int update_sms = 0;
 
   // Data parallel with overlap (parallel.overlap_grad_reduce, no ep): during the last micro-batch's
   // backward, each group of gradients that became final (CudaModel's hook) is all-reduced on
@@ -269,8 +274,18 @@ struct CudaStepRunner::Impl {
       opt_fork = cuda::event_create();
       group_updated.resize(groups.size());
       for (cuda::Event& e : group_updated) e = cuda::event_create();
+      update_sms = static_cast<int>(cfg.optim.deferred_update_sms);
+      if (update_sms > 0) {
+        const int device_sms = cuda::device_info().sm_count;
+        MOE_CHECK(update_sms < device_sms, "optim.deferred_update_sms = ", update_sms, " leaves none of the ",
+                  device_sms, " multiprocessors of this GPU to the forward; expected fewer than ", device_sms);
+      }
       model.set_forward_hook([this](int64_t g) {
-        if (wait_for_updates) cuda::stream_wait_event(stream(), group_updated[size_t(g)]);
+        if (!wait_for_updates) return;
+        cuda::stream_wait_event(stream(), group_updated[size_t(g)]);
+        // The update of group g + 1 runs beside the forward of group g, for the blocks (1..n_layers);
+        // the head's forward has nothing beside it.
+        if (update_sms > 0) cuda::set_reserved_sms(g >= 1 && g <= cfg.model.n_layers ? update_sms : 0);
       });
     }
     if (bf16_reduce) {
@@ -490,7 +505,10 @@ struct CudaStepRunner::Impl {
       // The routing seed is read on the device (stage_inputs staged it with the ids), so a replayed
       // graph routes anew.
       wait_for_updates = deferred && m == 0;
-      model.forward_device(inputs + m * n, targets + m * n, sh.batch, sh.seq, /*routing_seed=*/0, seeds + m);
+      {
+        const cuda::ScopedSmReserve reserve(0);  // set by the forward hook, group by group
+        model.forward_device(inputs + m * n, targets + m * n, sh.batch, sh.seq, /*routing_seed=*/0, seeds + m);
+      }
       wait_for_updates = false;
       if (m + 1 == sh.micro) {
         reduced_from = total;
@@ -578,8 +596,10 @@ struct CudaStepRunner::Impl {
     cuda::event_record(opt_fork, st);
     cuda::stream_wait_event(opt_stream, opt_fork);
     for (size_t g = 0; g < groups.size(); ++g) {
+      // The embedding's and the first block's updates have no forward beside them: every multiprocessor.
       cuda::adamw_apply(*group_segments[g], cfg.optim, model.params(), model.grads(), exp_avg.as<float>(),
-                        exp_avg_sq.as<float>(), model.params_bf16(), opt(), /*deferred=*/true, opt_stream);
+                        exp_avg_sq.as<float>(), model.params_bf16(), opt(), /*deferred=*/true, opt_stream,
+                        g >= 2 ? update_sms : 0);
       model.zero_accumulated_grads(groups[g].begin, groups[g].end, opt_stream);
       if (g + 1 == groups.size()) cuda::adamw_clear_pending(opt(), opt_stream);
       cuda::event_record(group_updated[g], opt_stream);

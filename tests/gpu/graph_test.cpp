@@ -11,11 +11,13 @@
 #include <functional>
 #include <random>
 
+#include "cuda/ops/device_info.h"
 #include "cuda/ops/embedding.h"
 #include "cuda/ops/memory.h"
 #include "cuda/ops/rmsnorm.h"
 #include "cuda/ops/rope.h"
 #include "cuda/ops/swiglu.h"
+#include "cuda/sm_reserve.h"
 #include "gpu/dp_test_util.h"
 #include "gpu/gpu_test_util.h"
 #include "model/model.h"
@@ -321,6 +323,40 @@ TEST(CudaStep, DeferredUpdateMatchesTheUpdateAtTheEndBitwise) {
         EXPECT_EQ(deferred.steps[i].grad_norm, at_end.steps[i].grad_norm) << what << " step " << i + 1;
       }
     }
+  }
+}
+
+// optim.deferred_update_sms: the blocks' update on a few multiprocessors (one resident block on
+// each) while the forward's GEMMs leave them free (grouped GEMMs on fewer CTAs, cuBLASLt with an SM
+// count target). The update is the same elementwise; the GEMMs are the same (grouped: any grid
+// gives the same bits) or another cuBLASLt algorithm: the runs agree within the graph/eager
+// limits of expect_same_runs, in the graph and eagerly, with the step's graph still one launch.
+// The reserve ends with the forward: a GEMM enqueued after the step uses the whole GPU again.
+TEST(CudaStep, DeferredUpdateOnReservedMultiprocessorsMatchesTheUpdateAtTheEnd) {
+  MOE_SKIP_WITHOUT_GPU();
+  Config c = step_config();
+  c.moe.bias_update_rate = 0.01;
+  constexpr int64_t kSteps = 5;
+  for (bool graph : {true, false}) {
+    c.optim.deferred_update = false;
+    c.optim.deferred_update_sms = 0;
+    const RunResult at_end = run_steps(c, graph, kSteps);
+    c.optim.deferred_update = true;
+    c.optim.deferred_update_sms = 8;
+    const RunResult reserved = run_steps(c, graph, kSteps);
+    EXPECT_EQ(cuda::reserved_sms(), 0) << "the reserve outlived the forward";
+    const std::string what = std::string("deferred on 8 multiprocessors") + (graph ? ", graph" : ", eager");
+    expect_same_runs(reserved, at_end, what.c_str());
+    EXPECT_EQ(reserved.graph_launches, at_end.graph_launches) << what;
+    std::printf("%s: parameters %s those of the update at the end\n", what.c_str(),
+                reserved.params == at_end.params ? "bitwise" : "within the limits of, not bitwise,");
+  }
+  c.optim.deferred_update_sms = cuda::device_info().sm_count;
+  try {
+    CudaStepRunner runner(c);
+    FAIL() << "a reserve of every multiprocessor was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("optim.deferred_update_sms"), std::string::npos) << e.what();
   }
 }
 

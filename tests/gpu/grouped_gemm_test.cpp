@@ -8,12 +8,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <ostream>
 #include <tuple>
 
 #include "cpu/linear.h"
+#include "cuda/ops/device_info.h"
 #include "cuda/ops/grouped_gemm.h"
+#include "cuda/sm_reserve.h"
 #include "gpu/gpu_test_util.h"
 #include "support/parity.h"
 
@@ -425,6 +428,63 @@ TEST_P(GroupedGemmBackends, IntegerInputsMatchBitwise) {
   for (auto* b : {&d_x, &d_w, &d_dy, &d_y, &d_dx}) b->expect_guards_intact("grouped gemm bf16 buffer");
   d_dw_acc.expect_guards_intact("dw (accumulate)");
   d_dw_new.expect_guards_intact("dw (overwrite)");
+}
+
+// A reserve of multiprocessors (cuda/sm_reserve.h: the deferred update beside the forward) shrinks
+// the persistent grids, so each CTA walks more tiles; every tile is still reduced by one CTA in
+// the same order: forward, dgrad and both wgrads give the same bits as on the whole GPU, on
+// random (non-integer) inputs, where another summation order would show.
+TEST_P(GroupedGemmBackends, ReservedMultiprocessorsGiveTheSameBits) {
+  const Backend backend = GetParam();
+  MOE_SKIP_WITHOUT_BACKEND(backend);
+  const GroupedCase c{"reserve", 264, 520, {0, 1, 257, 64, 129, 3, 700, 511}, 7};
+  const auto off = c.offsets();
+  std::mt19937_64 gen(611);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  auto random_bf16 = [&](int64_t count) {
+    std::vector<uint16_t> v(static_cast<size_t>(count));
+    for (auto& b : v) b = f32_to_bf16(dist(gen));
+    return v;
+  };
+  const auto x = random_bf16(c.max_rows() * c.k), dy = random_bf16(c.max_rows() * c.n);
+  const auto w = random_bf16(c.num_experts() * c.n * c.k);
+  std::vector<float> dw0(static_cast<size_t>(c.num_experts() * c.n * c.k));
+  for (size_t i = 0; i < dw0.size(); ++i) dw0[i] = dist(gen);
+  GuardedBuffer<uint16_t> d_x(x), d_w(w), d_dy(dy);
+  GuardedBuffer<int32_t> d_off(off);
+  TestStream stream;
+  const cudaStream_t s = stream.get();
+  struct Out {
+    std::vector<uint16_t> y, dx;
+    std::vector<float> dw_acc, dw_new;
+  };
+  auto run = [&](int reserve) {
+    const cuda::ScopedSmReserve r(reserve);
+    GuardedBuffer<uint16_t> d_y(c.max_rows() * c.n), d_dx(c.max_rows() * c.k);
+    GuardedBuffer<float> d_dw_acc(dw0), d_dw_new(dw0);
+    cuda::grouped_gemm_forward(d_x.data(), d_w.data(), d_off.data(), d_y.data(), c.max_rows(), c.num_experts(), c.n,
+                               c.k, s, backend);
+    cuda::grouped_gemm_dgrad(d_dy.data(), d_w.data(), d_off.data(), d_dx.data(), c.max_rows(), c.num_experts(), c.n,
+                             c.k, s, backend);
+    cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw_acc.data(), c.max_rows(), c.num_experts(),
+                             c.n, c.k, true, s, backend);
+    cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw_new.data(), c.max_rows(), c.num_experts(),
+                             c.n, c.k, false, s, backend);
+    stream.sync();
+    const auto y = d_y.download(), dx = d_dx.download();
+    return Out{std::vector<uint16_t>(y.begin(), y.begin() + c.rows() * c.n),
+               std::vector<uint16_t>(dx.begin(), dx.begin() + c.rows() * c.k), d_dw_acc.download(),
+               d_dw_new.download()};
+  };
+  const Out whole = run(0);
+  const int sms = cuda::device_info().sm_count;
+  const Out reserved = run(sms - 2);  // two CTAs walk every tile
+  const char* name = cuda::grouped_gemm_backend_name(backend);
+  EXPECT_EQ(cuda::reserved_sms(), 0) << "the scoped reserve was not restored";
+  EXPECT_TRUE(bitwise_equal(reserved.y, whole.y)) << "y, " << name;
+  EXPECT_TRUE(bitwise_equal(reserved.dx, whole.dx)) << "dx, " << name;
+  EXPECT_EQ(std::memcmp(reserved.dw_acc.data(), whole.dw_acc.data(), whole.dw_acc.size() * 4), 0) << "dw acc, " << name;
+  EXPECT_EQ(std::memcmp(reserved.dw_new.data(), whole.dw_new.data(), whole.dw_new.size() * 4), 0) << "dw new, " << name;
 }
 
 // Expects fn() to throw moe::Error whose message contains every one of `parts`.

@@ -548,6 +548,63 @@ TEST(AdamW, ShardedMomentsMatchCpu) {
   }
 }
 
+// adamw_apply kept to a few multiprocessors (sms > 0: one resident block on each, walking the
+// chunks; the deferred update beside the forward) against the block-per-chunk launch: the same
+// parameters, moments and BF16 copy bit for bit, on the float4 path (moments at the flat offsets)
+// and the scalar one (moments shifted by one element), clipped.
+TEST(AdamW, OnAFewMultiprocessorsIsTheFullLaunchBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  const ParamLayout layout = test_layout();
+  const int64_t total = layout.total_numel();
+  const OptimConfig cfg = test_config(/*grad_clip=*/0.5);
+  for (const int64_t shift : {int64_t(0), int64_t(1)}) {
+    std::vector<cuda::ParamSegment> segs;
+    for (const ParamEntry& e : layout.entries()) segs.push_back({e.offset, e.numel, e.decay ? 1 : 0, 0, e.offset + shift});
+    const int64_t state_numel = total + shift;
+    const cuda::ParamSegmentTable table(segs, total, state_numel);
+    EXPECT_EQ(table.states_vec4(), shift == 0);
+    ASSERT_GT(table.num_chunks(), 2) << "the table must have more chunks than the blocks below";
+    const std::vector<float> p0 = random_f32(total, 21, 1.0f), g = random_f32(total, 22, 0.1f);
+    std::vector<float> m0 = random_f32(state_numel, 23, 0.01f), v0 = random_f32(state_numel, 24, 1e-3f);
+    for (float& x : v0) x = std::fabs(x);
+    std::vector<cuda::OptimStepScalars> sc0(1);
+    sc0[0].lr = 1e-2;
+    sc0[0].grad_norm = 2.0;  // above grad_clip: the clip factor applies
+    sc0[0].step = 2;
+    struct State {
+      GuardedBuffer<float> p, g, m, v;
+      GuardedBuffer<uint16_t> b;
+      GuardedBuffer<cuda::OptimStepScalars> sc;
+    };
+    auto fresh = [&] {
+      return State{GuardedBuffer<float>(p0), GuardedBuffer<float>(g), GuardedBuffer<float>(m0),
+                   GuardedBuffer<float>(v0), GuardedBuffer<uint16_t>(std::vector<uint16_t>(size_t(total), 0)),
+                   GuardedBuffer<cuda::OptimStepScalars>(sc0)};
+    };
+    State full = fresh(), few = fresh();
+    settle_uploads();
+    TestStream stream;
+    cuda::adamw_prepare(cfg, full.sc.data(), stream.get());
+    cuda::adamw_apply(table, cfg, full.p.data(), full.g.data(), full.m.data(), full.v.data(), full.b.data(),
+                      full.sc.data(), false, stream.get());
+    cuda::adamw_prepare(cfg, few.sc.data(), stream.get());
+    cuda::adamw_apply(table, cfg, few.p.data(), few.g.data(), few.m.data(), few.v.data(), few.b.data(), few.sc.data(),
+                      false, stream.get(), /*sms=*/2);
+    stream.sync();
+    const std::string w = "shift " + std::to_string(shift);
+    EXPECT_FALSE(same_bits(full.p.download(), p0)) << w << ": the update changed nothing";
+    EXPECT_TRUE(same_bits(few.p.download(), full.p.download())) << w << ": parameters";
+    EXPECT_TRUE(same_bits(few.m.download(), full.m.download())) << w << ": exp_avg";
+    EXPECT_TRUE(same_bits(few.v.download(), full.v.download())) << w << ": exp_avg_sq";
+    EXPECT_EQ(few.b.download(), full.b.download()) << w << ": BF16 copy";
+    few.m.expect_guards_intact("exp_avg");
+    few.p.expect_guards_intact("params");
+  }
+  EXPECT_THROW(cuda::adamw_apply(cuda::ParamSegmentTable(layout), cfg, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                 nullptr, false, nullptr, -1),
+               Error);
+}
+
 // Validation happens on the host before any device call (these run without a GPU).
 // ---------------------------------------------------------------- AdamW with the FP8 weight codes
 

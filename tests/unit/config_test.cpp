@@ -46,8 +46,8 @@ TEST(ConfigKeys, EveryKeyHasItsOwnFieldAndDescription) {
     EXPECT_FALSE(k.description.empty()) << k.name;
     EXPECT_EQ(find_config_key(k.name), &k);
   }
-  // 11 model + 11 moe + 10 train + 10 optim + 7 data + 11 parallel + 5 checkpoint + 1 run + 3 log.
-  EXPECT_EQ(config_keys().size(), 70u);
+  // 11 model + 11 moe + 10 train + 11 optim + 7 data + 11 parallel + 5 checkpoint + 1 run + 3 log.
+  EXPECT_EQ(config_keys().size(), 71u);
   EXPECT_EQ(find_config_key("moe.topk"), nullptr);
   EXPECT_EQ(find_config_key("model.dense_layers")->type, ConfigType::kIntList);
   EXPECT_EQ(find_config_key("train.seed")->type, ConfigType::kUint);
@@ -355,6 +355,10 @@ INSTANTIATE_TEST_SUITE_P(
         over("eps", {"optim.eps=0"}, {"optim.eps must be > 0"}),
         over("weight_decay", {"optim.weight_decay=-0.1"}, {"optim.weight_decay must be >= 0"}),
         over("grad_clip", {"optim.grad_clip=-1"}, {"optim.grad_clip must be >= 0"}),
+        over("update_sms_negative", {"optim.deferred_update=true", "optim.deferred_update_sms=-1"},
+             {"optim.deferred_update_sms must be in [0, 1024]"}),
+        over("update_sms_without_deferred", {"optim.deferred_update_sms=16"},
+             {"optim.deferred_update_sms = 16 needs optim.deferred_update = true"}),
         over("tokens_paths", {"data.source=tokens"}, {"data.paths must name at least one token file"}),
         RuleCase{"empty_path",
                  [](Config& c) {
@@ -445,6 +449,7 @@ TEST(ConfigValidate, BoundaryValuesPass) {
   EXPECT_NO_THROW(validate_config(with({"data.source=tokens", "data.paths=a.bin"})));
   EXPECT_NO_THROW(validate_config(with({"parallel.dp=4", "parallel.ep=4", "train.steps=0"})));
   EXPECT_NO_THROW(validate_config(with({"train.eval_interval=0", "train.eval_batches=0"})));
+  EXPECT_NO_THROW(validate_config(with({"optim.deferred_update=true", "optim.deferred_update_sms=1024"})));
   EXPECT_NO_THROW(
       validate_config(with({"checkpoint.keep_last=0", "checkpoint.resume=auto", "log.interval=1"})));
 }

@@ -19,7 +19,8 @@ constexpr int64_t kNormBlockElems = 16384;  // elements per block below kNormMax
 constexpr int kNormGroup = 4;               // elements per group (one 16-byte load when aligned)
 
 constexpr int kAdamWThreads = 256;
-constexpr int64_t kAdamWChunk = 4096;  // elements of the flat buffers per block
+constexpr int kAdamWResidentThreads = 1024;  // the update kept to a few multiprocessors: one such block on each
+constexpr int64_t kAdamWChunk = 4096;  // elements of the flat buffers per block (and per step of a block's loop)
 
 // Sum over the block in a fixed order: butterfly within each warp, then warp sums in warp order.
 // Every thread must call it; thread 0 gets the total.
@@ -201,12 +202,13 @@ __device__ __forceinline__ int64_t chunk_of_runs(const ChunkRun* __restrict__ ru
   return runs[lo].first + (i - runs[lo].before);
 }
 
-// Block b handles the runs' chunks b, b + grid, ... (below num_chunks) of kAdamWChunk elements;
+// Block b handles the runs' chunks b, b + grid, ... (below num_chunks) of kAdamWChunk elements
+// (each element's update is its own, so any grid and block size gives the same bits);
 // within a chunk, each segment's overlap [lo, hi) is updated by the block's threads (kVec4: scalar
 // head up to a multiple of 4, float4 body, scalar tail). Does nothing when the prepare kernel
 // marked the step skipped, or (deferred) when no update is pending.
-template <bool kVec4>
-__global__ void __launch_bounds__(kAdamWThreads)
+template <bool kVec4, int kThreads = kAdamWThreads>
+__global__ void __launch_bounds__(kThreads)
     adamw_update_segments(const ParamSegment* __restrict__ segs, int num_segs, const ChunkRun* __restrict__ runs,
                           int num_runs, int64_t num_chunks, int64_t total_numel, float* __restrict__ p,
                           const float* __restrict__ g,

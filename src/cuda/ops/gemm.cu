@@ -13,6 +13,7 @@
 #include "cuda/common.h"
 #include "cuda/kernels/gemm.cuh"
 #include "cuda/ops/launch.h"
+#include "cuda/sm_reserve.h"
 
 namespace moe::cuda {
 namespace detail {
@@ -27,6 +28,7 @@ struct GemmKey {
   int64_t m, n, k, lda, ldb, ldc, stride_a, stride_b, stride_c, batch;
   bool trans_a, trans_b, c_f32;
   uint32_t align_a, align_b, align_c;
+  int32_t sm_target;  // CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, 0: all the device's (cuda/sm_reserve.h)
   auto operator<=>(const GemmKey&) const = default;
 };
 
@@ -40,6 +42,7 @@ std::string describe(const GemmKey& g) {
   if (g.align_a != 0) {
     s += ::moe::detail::concat(" (alignment a/b/c ", g.align_a, "/", g.align_b, "/", g.align_c, " bytes)");
   }
+  if (g.sm_target != 0) s += ::moe::detail::concat(" on ", g.sm_target, " multiprocessors");
   return s;
 }
 
@@ -92,13 +95,16 @@ struct Fp8GemmKey {
   int64_t m, n, k;
   int32_t fa, fb, b_scaling;
   bool c_f32;
+  int32_t sm_target;  // as GemmKey's
   auto operator<=>(const Fp8GemmKey&) const = default;
 };
 
 std::string describe(const Fp8GemmKey& g) {
   return ::moe::detail::concat("fp8_gemm m=", g.m, " n=", g.n, " k=", g.k, " A=", g.fa ? "e5m2" : "e4m3",
                                " B=", g.fb ? "e5m2" : "e4m3", " B scales=", g.b_scaling ? "1x128" : "128x128",
-                               " C=", g.c_f32 ? "f32" : "bf16");
+                               " C=", g.c_f32 ? "f32" : "bf16",
+                               g.sm_target != 0 ? ::moe::detail::concat(" on ", g.sm_target, " multiprocessors")
+                                                : std::string());
 }
 
 void throw_gemm_cublas_error(const char* file, int line, const char* call, cublasStatus_t st, const Fp8GemmKey& key) {
@@ -117,6 +123,7 @@ using detail::Plan;
 struct GemmHandle::Impl {
   cublasLtHandle_t lt = nullptr;
   void* workspace = nullptr;
+  int device_sms = 0;  // the multiprocessors of the device the handle was made on
   std::map<GemmKey, Plan> plans;
   std::map<Fp8GemmKey, Plan> fp8_plans;
 
@@ -141,6 +148,18 @@ void set_layout_batch(cublasLtMatrixLayout_t layout, int64_t batch, int64_t stri
   MOE_GEMM_CUBLAS_CHECK(
       cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)),
       key);
+}
+
+// The multiprocessors a GEMM enqueued now should target: 0 (all) without a reserve on this thread.
+int32_t sm_target(int device_sms) { return reserved_sms() > 0 ? gemm_sms(device_sms) : 0; }
+
+// A reserve (cuda/sm_reserve.h) as the descriptor's SM count target, so that the heuristic and the
+// kernel's grid keep to the multiprocessors it leaves.
+template <typename Key>
+void set_sm_target(cublasLtMatmulDesc_t desc, int32_t sms, const Key& key) {
+  if (sms <= 0) return;
+  MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof(sms)),
+                        key);
 }
 
 // The heuristic's first algorithm for p's descriptor and layouts into p.algo, within the handle's
@@ -194,6 +213,7 @@ Plan build_plan(cublasLtHandle_t lt, const GemmKey& key) {
         cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)), key);
     MOE_GEMM_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)), key);
+    set_sm_target(p.desc, key.sm_target, key);
 
     // Column-major views: row-major X[r, c] with leading dim ld is column-major [c, r] with the same ld.
     const uint64_t b_rows = static_cast<uint64_t>(key.trans_b ? key.k : key.n);
@@ -230,6 +250,7 @@ Plan build_fp8_plan(cublasLtHandle_t lt, const Fp8GemmKey& key, const float* sb,
     const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
     MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)), key);
     MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)), key);
+    set_sm_target(p.desc, key.sm_target, key);
     // Block scaling promotes every K block (no fast accumulation, the descriptor's default). The
     // heuristic checks the scale pointers, so they are set before it (and again at every call).
     MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)),
@@ -271,7 +292,7 @@ void run_fp8_gemm(GemmHandle& handle, const uint8_t* qa, const float* sa_t, int6
   const char* op = "cuda::fp8_gemm";
   constexpr bool c_f32 = sizeof(T) == 4;
   const Fp8GemmKey key{m, n, k, fa == Fp8Format::kE5M2 ? 1 : 0, fb == Fp8Format::kE5M2 ? 1 : 0,
-                       b_scaling == Fp8BScaling::kRow1x128 ? 1 : 0, c_f32};
+                       b_scaling == Fp8BScaling::kRow1x128 ? 1 : 0, c_f32, sm_target(handle.impl().device_sms)};
   MOE_CHECK(m >= 0 && n >= 0 && k >= 0, op, ": expected m, n, k >= 0, got ", describe(key));
   if (m == 0 || n == 0) return;
   MOE_CHECK(k > 0 && k % 128 == 0, op, ": k must be a positive multiple of 128 (whole 1 x 128 scaling blocks), got ",
@@ -322,6 +343,9 @@ const Plan& GemmHandle::Impl::plan_for(const GemmKey& key) {
 
 GemmHandle::GemmHandle() : impl_(std::make_unique<Impl>()) {
   MOE_CUBLAS_CHECK(cublasLtCreate(&impl_->lt));
+  int device = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&impl_->device_sms, cudaDevAttrMultiProcessorCount, device));
   MOE_CUDA_CHECK(cudaMalloc(&impl_->workspace, kWorkspaceBytes));
 }
 
@@ -347,7 +371,7 @@ void run_gemm(GemmHandle& handle, const char* op, bool trans_a, bool trans_b, in
               float alpha, const uint16_t* a, int64_t lda, int64_t stride_a, const uint16_t* b, int64_t ldb,
               int64_t stride_b, float beta, T* c, int64_t ldc, int64_t stride_c, int64_t batch, Stream stream) {
   constexpr bool c_f32 = sizeof(T) == 4;
-  GemmKey key{m, n, k, lda, ldb, ldc, stride_a, stride_b, stride_c, batch, trans_a, trans_b, c_f32, 0, 0, 0};
+  GemmKey key{m, n, k, lda, ldb, ldc, stride_a, stride_b, stride_c, batch, trans_a, trans_b, c_f32, 0, 0, 0, 0};
   MOE_CHECK(m >= 0 && n >= 0 && k >= 0 && batch >= 0, op, ": expected m, n, k, batch >= 0, got ", describe(key));
   if (m == 0 || n == 0 || batch == 0) return;
   MOE_CHECK(batch <= std::numeric_limits<int32_t>::max(), op, ": batch exceeds 2^31 - 1 in ", describe(key));
@@ -372,6 +396,7 @@ void run_gemm(GemmHandle& handle, const char* op, bool trans_a, bool trans_b, in
   key.align_b = detail::alignment_of(b, stride_b, 2, batch);
   key.align_c = detail::alignment_of(c, stride_c, sizeof(T), batch);
   GemmHandle::Impl& h = handle.impl();
+  key.sm_target = sm_target(h.device_sms);
   const Plan& p = h.plan_for(key);
   MOE_GEMM_CUBLAS_CHECK(cublasLtMatmul(h.lt, p.desc, &alpha, b, p.layout_b, a, p.layout_a, &beta, c, p.layout_c, c,
                                        p.layout_c, &p.algo, h.workspace, GemmHandle::kWorkspaceBytes, stream),

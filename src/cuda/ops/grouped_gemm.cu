@@ -20,6 +20,7 @@
 #include "cuda/kernels/grouped_gemm_fp8_sm90.cuh"
 #include "cuda/kernels/grouped_gemm_sm90.cuh"
 #include "cuda/ops/launch.h"
+#include "cuda/sm_reserve.h"
 
 namespace moe::cuda {
 namespace {
@@ -73,7 +74,7 @@ void launch_m_contiguous(const char* op, const uint16_t* a, const uint16_t* w, c
             " bytes of shared memory fits on a multiprocessor of device ", device);
   // Upper bound on tiles for valid offsets: sum_e ceil(rows_e / BM) <= ceil(max_rows / BM) + E.
   const int64_t max_tiles = (ceil_div(max_rows, kGemmBM) + num_experts) * ceil_div(n_out, kGemmBN);
-  const int64_t grid = std::min<int64_t>(max_tiles, int64_t{num_sms} * per_sm);
+  const int64_t grid = std::min<int64_t>(max_tiles, int64_t{gemm_sms(num_sms)} * per_sm);
   kernel<<<static_cast<unsigned>(grid), kGemmThreads, smem, stream>>>(
       a, w, expert_offsets, out, static_cast<int>(max_rows), static_cast<int>(num_experts), static_cast<int>(n_out),
       static_cast<int>(k_red));
@@ -148,7 +149,8 @@ int max_shared_memory_per_block(int device) {
   return bytes;
 }
 
-// The wgmma kernels keep 1 CTA on each multiprocessor; checks that it fits.
+// The wgmma kernels keep 1 CTA on each multiprocessor (of those a reserve leaves them,
+// cuda/sm_reserve.h); checks that it fits.
 template <typename Kernel>
 int sm90_grid(const char* op, Kernel kernel, size_t smem, int64_t max_tiles) {
   enable_shared_memory(kernel, smem);
@@ -157,7 +159,7 @@ int sm90_grid(const char* op, Kernel kernel, size_t smem, int64_t max_tiles) {
   MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kernels::sm90::kThreads, smem));
   MOE_CHECK(per_sm > 0, op, ": no CTA of ", kernels::sm90::kThreads, " threads with ", smem,
             " bytes of shared memory fits on a multiprocessor of device ", device);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_tiles, multiprocessor_count(device))));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_tiles, gemm_sms(multiprocessor_count(device)))));
 }
 
 template <bool kBMn, int kStages>

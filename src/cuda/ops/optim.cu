@@ -172,6 +172,23 @@ kernels::AdamWConstants adamw_constants(const OptimConfig& cfg) {
   return c;
 }
 
+// Dynamic shared memory that keeps `kernel`'s blocks of kAdamWResidentThreads one to a
+// multiprocessor (checked by the occupancy calculator), after allowing it.
+template <typename Kernel>
+size_t resident_smem_bytes(Kernel kernel) {
+  int device = 0, per_sm = 0, per_block = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const size_t smem = std::min<size_t>(size_t(per_block), size_t(per_sm) / 2 + 1024);
+  MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  int blocks = 0;
+  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kernels::kAdamWResidentThreads, smem));
+  MOE_CHECK(blocks == 1, "cuda::adamw_apply: ", blocks, " blocks of the update with ", smem,
+            " bytes of shared memory fit on a multiprocessor of device ", device, ", expected exactly 1");
+  return smem;
+}
+
 }  // namespace
 
 void adamw_prepare(const OptimConfig& cfg, OptimStepScalars* scalars, Stream stream) {
@@ -184,9 +201,10 @@ void adamw_prepare(const OptimConfig& cfg, OptimStepScalars* scalars, Stream str
 
 void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
                  float* exp_avg, float* exp_avg_sq, uint16_t* params_bf16, const OptimStepScalars* scalars,
-                 bool deferred, Stream stream) {
+                 bool deferred, Stream stream, int sms) {
   const char* op = "cuda::adamw_apply";
   check_betas(op, cfg);
+  MOE_CHECK(sms >= 0, op, ": expected sms >= 0 (0: every multiprocessor), got ", sms);
   detail::check_ptrs(op, {{"scalars", scalars}}, alignof(OptimStepScalars));
   const int64_t total = segments.total_numel();
   const std::vector<ParamSegment>& host = segments.segments();
@@ -199,10 +217,22 @@ void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, floa
   // step's table leaves out the experts' weights between the other tensors of each layer).
   const int64_t chunks = segments.num_chunks();
   if (chunks == 0) return;
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(chunks, detail::kMaxGridX));
   const bool vec4 = segments.states_vec4() && detail::aligned16(params) && detail::aligned16(grads) &&
                     detail::aligned16(exp_avg) && detail::aligned16(exp_avg_sq) &&
                     (params_bf16 == nullptr || aligned_to(params_bf16, 8));
+  if (sms > 0) {
+    // One block of kAdamWResidentThreads on each of `sms` multiprocessors: the dynamic shared memory
+    // (unused) is more than half a multiprocessor's, so no two blocks share one.
+    const auto kernel = vec4 ? kernels::adamw_update_segments<true, kernels::kAdamWResidentThreads>
+                             : kernels::adamw_update_segments<false, kernels::kAdamWResidentThreads>;
+    const size_t smem = resident_smem_bytes(kernel);
+    kernel<<<static_cast<unsigned>(std::min<int64_t>(chunks, sms)), kernels::kAdamWResidentThreads, smem, stream>>>(
+        segments.device_segments(), num_segs, segments.device_chunk_runs(), segments.num_chunk_runs(), chunks, total,
+        params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, adamw_constants(cfg), deferred);
+    check_launch("adamw_update_segments (resident)");
+    return;
+  }
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(chunks, detail::kMaxGridX));
   const auto kernel = vec4 ? kernels::adamw_update_segments<true> : kernels::adamw_update_segments<false>;
   kernel<<<blocks, kAdamWThreads, 0, stream>>>(segments.device_segments(), num_segs, segments.device_chunk_runs(),
                                                segments.num_chunk_runs(), chunks, total, params, grads, exp_avg,

@@ -96,9 +96,12 @@ void adamw_step(const ParamSegmentTable& segments, const OptimConfig& cfg, float
 // adamw_step = prepare, apply (not deferred), clear: the same values bit for bit however the
 // segments are split into tables.
 void adamw_prepare(const OptimConfig& cfg, OptimStepScalars* scalars, Stream stream);
+// sms > 0 keeps the update to that many multiprocessors (one resident block on each, walking the
+// chunks), for an update beside GEMMs that leave them free (cuda/sm_reserve.h); 0 launches a block
+// per chunk on every multiprocessor. The same values bit for bit either way.
 void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
                  float* exp_avg, float* exp_avg_sq, uint16_t* params_bf16, const OptimStepScalars* scalars,
-                 bool deferred, Stream stream);
+                 bool deferred, Stream stream, int sms = 0);
 void adamw_clear_pending(OptimStepScalars* scalars, Stream stream);
 
 // adamw_apply of one segment that holds the experts' weights [experts, n, k] (segment.numel = experts
