@@ -550,20 +550,24 @@ TEST(AdamW, ShardedMomentsMatchCpu) {
 
 // adamw_apply kept to a few multiprocessors (sms > 0: one resident block on each, walking the
 // chunks; the deferred update beside the forward) against the block-per-chunk launch: the same
-// parameters, moments and BF16 copy bit for bit, on the float4 path (moments at the flat offsets)
-// and the scalar one (moments shifted by one element), clipped.
+// parameters, moments and BF16 copy bit for bit. Moments at the flat offsets take the bulk-copy
+// ring (optim_resident.cuh; 15 chunks on 2 blocks wrap its 3 stages twice); moments shifted by 4
+// or 1 element take the plain loads (float4 and scalar). Segments start and end off the float4
+// grid, a gap between them stays unwritten; the step is clipped.
 TEST(AdamW, OnAFewMultiprocessorsIsTheFullLaunchBitwise) {
   MOE_SKIP_WITHOUT_GPU();
-  const ParamLayout layout = test_layout();
-  const int64_t total = layout.total_numel();
   const OptimConfig cfg = test_config(/*grad_clip=*/0.5);
-  for (const int64_t shift : {int64_t(0), int64_t(1)}) {
-    std::vector<cuda::ParamSegment> segs;
-    for (const ParamEntry& e : layout.entries()) segs.push_back({e.offset, e.numel, e.decay ? 1 : 0, 0, e.offset + shift});
+  const int64_t total = 60016;  // a multiple of 4: the bulk copies take the last, partial chunk
+  for (const int64_t shift : {int64_t(0), int64_t(4), int64_t(1)}) {
+    const std::vector<cuda::ParamSegment> segs = {{0, 10000, 1, 0, shift},
+                                                  {10003, 30001, 0, 0, 10003 + shift},
+                                                  {40008, 5, 1, 0, 40008 + shift},
+                                                  {40016, 20000, 1, 0, 40016 + shift}};
     const int64_t state_numel = total + shift;
     const cuda::ParamSegmentTable table(segs, total, state_numel);
-    EXPECT_EQ(table.states_vec4(), shift == 0);
-    ASSERT_GT(table.num_chunks(), 2) << "the table must have more chunks than the blocks below";
+    EXPECT_EQ(table.states_vec4(), shift % 4 == 0);
+    EXPECT_EQ(table.states_at_offsets(), shift == 0);
+    ASSERT_EQ(table.num_chunks(), 15);
     const std::vector<float> p0 = random_f32(total, 21, 1.0f), g = random_f32(total, 22, 0.1f);
     std::vector<float> m0 = random_f32(state_numel, 23, 0.01f), v0 = random_f32(state_numel, 24, 1e-3f);
     for (float& x : v0) x = std::fabs(x);
@@ -592,16 +596,22 @@ TEST(AdamW, OnAFewMultiprocessorsIsTheFullLaunchBitwise) {
                       false, stream.get(), /*sms=*/2);
     stream.sync();
     const std::string w = "shift " + std::to_string(shift);
-    EXPECT_FALSE(same_bits(full.p.download(), p0)) << w << ": the update changed nothing";
-    EXPECT_TRUE(same_bits(few.p.download(), full.p.download())) << w << ": parameters";
+    const std::vector<float> p = few.p.download();
+    EXPECT_FALSE(same_bits(p, p0)) << w << ": the update changed nothing";
+    EXPECT_TRUE(same_bits(std::vector<float>(p.begin() + 40001, p.begin() + 40008),
+                          std::vector<float>(p0.begin() + 40001, p0.begin() + 40008)))
+        << w << ": the gap between segments was written";
+    EXPECT_TRUE(same_bits(p, full.p.download())) << w << ": parameters";
     EXPECT_TRUE(same_bits(few.m.download(), full.m.download())) << w << ": exp_avg";
     EXPECT_TRUE(same_bits(few.v.download(), full.v.download())) << w << ": exp_avg_sq";
     EXPECT_EQ(few.b.download(), full.b.download()) << w << ": BF16 copy";
-    few.m.expect_guards_intact("exp_avg");
     few.p.expect_guards_intact("params");
+    few.m.expect_guards_intact("exp_avg");
+    few.v.expect_guards_intact("exp_avg_sq");
+    few.b.expect_guards_intact("params_bf16");
   }
-  EXPECT_THROW(cuda::adamw_apply(cuda::ParamSegmentTable(layout), cfg, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                 nullptr, false, nullptr, -1),
+  EXPECT_THROW(cuda::adamw_apply(cuda::ParamSegmentTable(test_layout()), test_config(0.0), nullptr, nullptr, nullptr,
+                                 nullptr, nullptr, nullptr, false, nullptr, -1),
                Error);
 }
 

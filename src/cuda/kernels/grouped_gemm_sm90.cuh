@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "cuda/kernels/sm90_sync.cuh"
 #include "cuda/kernels/vec.cuh"
 
 namespace moe::cuda::kernels::sm90 {
@@ -45,57 +46,6 @@ __host__ __device__ constexpr int64_t smem_bytes(int stages, int64_t num_experts
 
 // ---- PTX wrappers --------------------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-// Arrives once and raises the transaction count the current phase waits for by `bytes`.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n"
-      "}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-  return t;
-}
-
-// Waits until the phase of parity `parity` of the barrier has completed. A wait longer than
-// kHangNs (a broken pipeline, never a slow one: a stage takes microseconds) traps (the host sees
-// an illegal-instruction error) rather than hanging the device. No printf here: any call in the
-// kernel makes ptxas serialise the wgmma pipeline.
-constexpr uint64_t kHangNs = 20'000'000'000ull;
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  if (mbar_try_wait(bar, parity)) return;
-  const uint64_t start = global_timer_ns();
-  while (!mbar_try_wait(bar, parity)) {
-    if (global_timer_ns() - start > kHangNs) __trap();
-  }
-}
-
 // TMA tile loads global -> shared completing on `bar` (coordinates innermost first, in elements;
 // out-of-bounds elements land as zeros and still count towards the transaction bytes).
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
@@ -122,10 +72,6 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
 // Generic-proxy shared-memory writes made visible to the async proxy (TMA, wgmma).
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void fence_barrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
 // Barrier 1 over the two consumer warpgroups (barrier 0 is __syncthreads).

@@ -137,27 +137,32 @@ __device__ __forceinline__ void adamw_element(float& p, float g, float& m, float
   p = __fsub_rn(__fmul_rn(p, decay), __fdiv_rn(__fmul_rn(k.step_size, m), denom));
 }
 
-// Element i of the flat buffers, its moments at element j.
-__device__ __forceinline__ void adamw_scalar(int64_t i, int64_t j, float* __restrict__ p, const float* __restrict__ g,
-                                             float* __restrict__ m, float* __restrict__ v, uint16_t* __restrict__ p_bf16,
-                                             float decay, const AdamWCoefficients& k, const AdamWConstants& c) {
-  float pi = p[i], mi = m[j], vi = v[j];
-  adamw_element(pi, g[i], mi, vi, decay, k, c);
+// Updates element i of the flat buffers (its moments at element j) from the loaded values pi, gi,
+// mi, vi and stores the results (the BF16 copy too, when there is one).
+__device__ __forceinline__ void adamw_store_scalar(int64_t i, int64_t j, float pi, float gi, float mi, float vi,
+                                                   float* __restrict__ p, float* __restrict__ m, float* __restrict__ v,
+                                                   uint16_t* __restrict__ p_bf16, float decay,
+                                                   const AdamWCoefficients& k, const AdamWConstants& c) {
+  adamw_element(pi, gi, mi, vi, decay, k, c);
   p[i] = pi;
   m[j] = mi;
   v[j] = vi;
   if (p_bf16 != nullptr) p_bf16[i] = f32_to_bf16_bits(pi);
 }
 
-// Elements [4i, 4i + 4), moments [4j, 4j + 4): float4 accesses (16-byte aligned FP32 buffers,
-// 8-byte aligned BF16 copy). Returns the updated parameters.
-__device__ __forceinline__ float4 adamw_vec4(int64_t i, int64_t j, float* __restrict__ p, const float* __restrict__ g,
-                                           float* __restrict__ m, float* __restrict__ v, uint16_t* __restrict__ p_bf16,
-                                           float decay, const AdamWCoefficients& k, const AdamWConstants& c) {
-  float4 pv = reinterpret_cast<float4*>(p)[i];
-  const float4 gv = reinterpret_cast<const float4*>(g)[i];
-  float4 mv = reinterpret_cast<float4*>(m)[j];
-  float4 vv = reinterpret_cast<float4*>(v)[j];
+// Element i of the flat buffers, its moments at element j.
+__device__ __forceinline__ void adamw_scalar(int64_t i, int64_t j, float* __restrict__ p, const float* __restrict__ g,
+                                             float* __restrict__ m, float* __restrict__ v, uint16_t* __restrict__ p_bf16,
+                                             float decay, const AdamWCoefficients& k, const AdamWConstants& c) {
+  adamw_store_scalar(i, j, p[i], g[i], m[j], v[j], p, m, v, p_bf16, decay, k, c);
+}
+
+// adamw_store_scalar for elements [4i, 4i + 4), moments [4j, 4j + 4): float4 stores (16-byte aligned
+// FP32 buffers, 8-byte aligned BF16 copy). Returns the updated parameters.
+__device__ __forceinline__ float4 adamw_store_vec4(int64_t i, int64_t j, float4 pv, float4 gv, float4 mv, float4 vv,
+                                                   float* __restrict__ p, float* __restrict__ m, float* __restrict__ v,
+                                                   uint16_t* __restrict__ p_bf16, float decay,
+                                                   const AdamWCoefficients& k, const AdamWConstants& c) {
   adamw_element(pv.x, gv.x, mv.x, vv.x, decay, k, c);
   adamw_element(pv.y, gv.y, mv.y, vv.y, decay, k, c);
   adamw_element(pv.z, gv.z, mv.z, vv.z, decay, k, c);
@@ -171,6 +176,15 @@ __device__ __forceinline__ float4 adamw_vec4(int64_t i, int64_t j, float* __rest
     reinterpret_cast<uint2*>(p_bf16)[i] = make_uint2(lo, hi);
   }
   return pv;
+}
+
+// Elements [4i, 4i + 4), moments [4j, 4j + 4), loaded as float4. Returns the updated parameters.
+__device__ __forceinline__ float4 adamw_vec4(int64_t i, int64_t j, float* __restrict__ p, const float* __restrict__ g,
+                                           float* __restrict__ m, float* __restrict__ v, uint16_t* __restrict__ p_bf16,
+                                           float decay, const AdamWCoefficients& k, const AdamWConstants& c) {
+  return adamw_store_vec4(i, j, reinterpret_cast<const float4*>(p)[i], reinterpret_cast<const float4*>(g)[i],
+                          reinterpret_cast<const float4*>(m)[j], reinterpret_cast<const float4*>(v)[j], p, m, v,
+                          p_bf16, decay, k, c);
 }
 
 // Index of the first segment ending after `pos` (segments sorted, non-overlapping: ends non-decreasing).

@@ -27,7 +27,6 @@
 
 #include "cuda/common.h"
 #include "cuda/ops/memory.h"
-#include "cuda/sm_reserve.h"
 
 namespace moe::cuda {
 namespace {
@@ -41,16 +40,14 @@ struct PlanKey {
   int device;
   int64_t batch, seq, q_heads, kv_heads, head_dim;
   AttentionDirection direction;
-  int32_t sm_count;  // the graph's target SM count under a reserve (cuda/sm_reserve.h), 0: all
-  auto tie() const { return std::tie(device, batch, seq, q_heads, kv_heads, head_dim, direction, sm_count); }
+  auto tie() const { return std::tie(device, batch, seq, q_heads, kv_heads, head_dim, direction); }
   bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
 };
 
 std::string describe(const PlanKey& key) {
   return ::moe::detail::concat(key.direction == AttentionDirection::kForward ? "forward" : "backward", " B=", key.batch,
                         " S=", key.seq, " Hq=", key.q_heads, " Hkv=", key.kv_heads, " D=", key.head_dim,
-                        " on device ", key.device,
-                        key.sm_count != 0 ? ::moe::detail::concat(" (", key.sm_count, " multiprocessors)") : std::string());
+                        " on device ", key.device);
 }
 
 void check_cudnn(cudnnStatus_t status, const char* call) {
@@ -137,7 +134,6 @@ std::unique_ptr<Plan> build_plan(const PlanKey& key, cudnnHandle_t handle) {
   auto plan = std::make_unique<Plan>();
   plan->graph = std::make_shared<fe::graph::Graph>();
   fe::graph::Graph& g = *plan->graph;
-  if (key.sm_count > 0) g.set_sm_count(key.sm_count);
   g.set_io_data_type(fe::DataType_t::BFLOAT16)
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
       .set_compute_data_type(fe::DataType_t::FLOAT);
@@ -231,14 +227,6 @@ int current_device() {
   return device;
 }
 
-// The multiprocessors a graph enqueued now should target: 0 (all) without a reserve on this thread.
-int32_t sm_count_target() {
-  if (reserved_sms() == 0) return 0;
-  int sms = 0;
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, current_device()));
-  return gemm_sms(sms);
-}
-
 void execute(Cache& c, const PlanKey& key, Plan& plan, std::unordered_map<int64_t, void*>& pack, Stream stream) {
   if (plan.seq_lens != nullptr) {
     pack.emplace(kSeqLenQ, plan.seq_lens);
@@ -270,7 +258,7 @@ size_t attention_cudnn_prepare(int64_t batch, int64_t seq, int64_t q_heads, int6
             "cuda::attention (cuDNN): cuDNN has no backward for seq = 1 (one key per query); "
             "attention_backward runs it on its own single-key kernel");
   Cache& c = cache();
-  const PlanKey key{current_device(), batch, seq, q_heads, kv_heads, head_dim, direction, sm_count_target()};
+  const PlanKey key{current_device(), batch, seq, q_heads, kv_heads, head_dim, direction};
   std::lock_guard<std::mutex> lock(c.mutex);
   return static_cast<size_t>(plan_for(c, key, stream).workspace_bytes);
 }
@@ -279,8 +267,7 @@ void attention_cudnn_forward(const uint16_t* q, const uint16_t* k, const uint16_
                              int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                              Stream stream) {
   Cache& c = cache();
-  const PlanKey key{current_device(), batch, seq, q_heads, kv_heads, head_dim, AttentionDirection::kForward,
-                    sm_count_target()};
+  const PlanKey key{current_device(), batch, seq, q_heads, kv_heads, head_dim, AttentionDirection::kForward};
   std::lock_guard<std::mutex> lock(c.mutex);
   Plan& plan = plan_for(c, key, stream);
   std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<uint16_t*>(q)}, {kK, const_cast<uint16_t*>(k)},
@@ -296,8 +283,7 @@ void attention_cudnn_backward(const uint16_t* q, const uint16_t* k, const uint16
   MOE_CHECK(seq > 1, "cuda::attention (cuDNN): cuDNN has no backward for seq = 1 (one key per query); "
             "attention_backward runs it on its own single-key kernel");
   Cache& c = cache();
-  const PlanKey key{current_device(), batch, seq, q_heads, kv_heads, head_dim, AttentionDirection::kBackward,
-                    sm_count_target()};
+  const PlanKey key{current_device(), batch, seq, q_heads, kv_heads, head_dim, AttentionDirection::kBackward};
   std::lock_guard<std::mutex> lock(c.mutex);
   Plan& plan = plan_for(c, key, stream);
   std::unordered_map<int64_t, void*> pack = {

@@ -16,6 +16,7 @@
 #include "cuda/common.h"
 #include "cuda/kernels/optim.cuh"
 #include "cuda/kernels/optim_fp8.cuh"
+#include "cuda/kernels/optim_resident.cuh"
 #include "cuda/ops/launch.h"
 
 namespace moe::cuda {
@@ -118,6 +119,7 @@ ParamSegmentTable::ParamSegmentTable(std::vector<ParamSegment> segments, int64_t
               state_numel_, " elements");
     prev_end = s.offset + s.numel;
     if ((s.state_offset - s.offset) % 4 != 0) states_vec4_ = false;
+    if (s.state_offset != s.offset) states_at_offsets_ = false;
   }
   // Moment ranges pairwise disjoint (sorted copies: a segment's moments are written by it alone).
   std::vector<std::pair<int64_t, int64_t>> states;
@@ -172,15 +174,18 @@ kernels::AdamWConstants adamw_constants(const OptimConfig& cfg) {
   return c;
 }
 
-// Dynamic shared memory that keeps `kernel`'s blocks of kAdamWResidentThreads one to a
-// multiprocessor (checked by the occupancy calculator), after allowing it.
+// Dynamic shared memory (at least `need` bytes) that keeps `kernel`'s blocks of
+// kAdamWResidentThreads one to a multiprocessor (checked by the occupancy calculator), after
+// allowing it.
 template <typename Kernel>
-size_t resident_smem_bytes(Kernel kernel) {
+size_t resident_smem_bytes(Kernel kernel, size_t need = 0) {
   int device = 0, per_sm = 0, per_block = 0;
   MOE_CUDA_CHECK(cudaGetDevice(&device));
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const size_t smem = std::min<size_t>(size_t(per_block), size_t(per_sm) / 2 + 1024);
+  const size_t smem = std::max(need, std::min<size_t>(size_t(per_block), size_t(per_sm) / 2 + 1024));
+  MOE_CHECK(smem <= size_t(per_block), "cuda::adamw_apply: the update on a few multiprocessors needs ", smem,
+            " bytes of shared memory a block, device ", device, " has ", per_block);
   MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   int blocks = 0;
   MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kernels::kAdamWResidentThreads, smem));
@@ -220,9 +225,21 @@ void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, floa
   const bool vec4 = segments.states_vec4() && detail::aligned16(params) && detail::aligned16(grads) &&
                     detail::aligned16(exp_avg) && detail::aligned16(exp_avg_sq) &&
                     (params_bf16 == nullptr || aligned_to(params_bf16, 8));
+  if (sms > 0 && vec4 && segments.states_at_offsets() && total % 4 == 0) {
+    // One block of kAdamWResidentThreads on each of `sms` multiprocessors, its chunks streamed
+    // through shared memory by bulk copies (optim_resident.cuh).
+    const auto kernel = kernels::adamw_update_resident;
+    const size_t smem = resident_smem_bytes(kernel, size_t(kernels::kAdamWResidentSmemBytes));
+    kernel<<<static_cast<unsigned>(std::min<int64_t>(chunks, sms)), kernels::kAdamWResidentThreads, smem, stream>>>(
+        segments.device_segments(), num_segs, segments.device_chunk_runs(), segments.num_chunk_runs(), chunks, total,
+        params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, adamw_constants(cfg), deferred);
+    check_launch("adamw_update_resident");
+    return;
+  }
   if (sms > 0) {
-    // One block of kAdamWResidentThreads on each of `sms` multiprocessors: the dynamic shared memory
-    // (unused) is more than half a multiprocessor's, so no two blocks share one.
+    // The same on buffers the bulk copies cannot take (moments elsewhere, unaligned): plain loads;
+    // the dynamic shared memory (unused) is more than half a multiprocessor's, so no two blocks
+    // share one.
     const auto kernel = vec4 ? kernels::adamw_update_segments<true, kernels::kAdamWResidentThreads>
                              : kernels::adamw_update_segments<false, kernels::kAdamWResidentThreads>;
     const size_t smem = resident_smem_bytes(kernel);

@@ -64,11 +64,14 @@ class ParamSegmentTable {
   int64_t state_numel() const { return state_numel_; }  // extent of the moment buffers, in elements
   // True when every segment's state_offset - offset is a multiple of 4 (the float4 path may run).
   bool states_vec4() const { return states_vec4_; }
+  // True when every segment's moments sit at its flat offset (no ZeRO-1 shard's compact buffers).
+  bool states_at_offsets() const { return states_at_offsets_; }
 
  private:
   std::vector<ParamSegment> host_;
   int64_t total_numel_ = 0, state_numel_ = 0;
   bool states_vec4_ = true;
+  bool states_at_offsets_ = true;
   ParamSegment* device_ = nullptr;
   std::vector<ChunkRun> runs_;
   int64_t num_chunks_ = 0;
