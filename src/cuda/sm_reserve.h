@@ -1,12 +1,13 @@
 // Multiprocessors kept free for work on another stream. While a reserve of r multiprocessors is
 // set on a thread, the persistent GEMMs that thread launches (the grouped GEMMs, which keep one
 // CTA on each multiprocessor; cuBLASLt's GEMMs, through CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET) size
-// their grids for the device's count less r (cuDNN's attention engines take no SM count target:
-// they refuse one below the device's), so that a kernel on another stream that keeps to r multiprocessors (the deferred
-// AdamW update, cuda::adamw_apply with `sms`) runs beside them instead of taking turns with them.
-// The setting is read when a launch is enqueued (a captured graph keeps the grids it was captured
-// with). Results do not depend on it for the grouped GEMMs (any grid gives the same bits);
-// cuBLASLt may choose another algorithm for the smaller count.
+// their grids for the device's count less r, so that a kernel on another stream that keeps to r
+// multiprocessors (the deferred AdamW update, cuda::adamw_apply with `sms`) runs beside them
+// instead of taking turns with them. cuDNN's attention engines take no SM count target (they
+// refuse one below the device's) and keep their grids. The setting is read when a launch is
+// enqueued (a captured graph keeps the grids it was captured with). Results do not depend on it
+// for the grouped GEMMs (any grid gives the same bits); cuBLASLt may choose another algorithm for
+// the smaller count.
 #pragma once
 
 namespace moe::cuda {
