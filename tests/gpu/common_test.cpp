@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "cuda/sm_reserve.h"
 #include "gpu/gpu_test_util.h"
 
 namespace moe::testing {
@@ -56,6 +57,32 @@ TEST(CudaCommon, CheckLaunchReportsPendingErrorOnce) {
   EXPECT_NE(msg.find("cudaErrorMemoryAllocation"), std::string::npos) << msg;
   EXPECT_NE(msg.find("common_test.cpp:"), std::string::npos) << msg;
   EXPECT_NO_THROW(cuda::check_launch("probe_kernel"));  // the error was consumed
+}
+
+// The reserve of multiprocessors (host state, no GPU needed): scoped guards nest and restore,
+// gemm_sms leaves at least one multiprocessor, a negative reserve is refused by name.
+TEST(SmReserve, ScopedGuardsNestAndRestore) {
+  EXPECT_EQ(cuda::reserved_sms(), 0);
+  EXPECT_EQ(cuda::gemm_sms(132), 132);
+  {
+    const cuda::ScopedSmReserve outer(16);
+    EXPECT_EQ(cuda::gemm_sms(132), 116);
+    {
+      const cuda::ScopedSmReserve inner(0);
+      EXPECT_EQ(cuda::gemm_sms(132), 132);
+      EXPECT_EQ(cuda::set_reserved_sms(200), 0);
+      EXPECT_EQ(cuda::gemm_sms(132), 1);
+    }
+    EXPECT_EQ(cuda::reserved_sms(), 16);
+  }
+  EXPECT_EQ(cuda::reserved_sms(), 0);
+  try {
+    cuda::set_reserved_sms(-1);
+    FAIL() << "a negative reserve was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("reserve >= 0"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(cuda::reserved_sms(), 0);
 }
 
 }  // namespace
