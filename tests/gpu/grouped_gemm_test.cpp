@@ -380,6 +380,16 @@ std::vector<uint16_t> round_to_bf16(const std::vector<float>& v) {
   return out;
 }
 
+// Enqueues the forward (y), the data gradient (dx) and both weight gradients (dw_acc accumulated
+// into, dw_new overwritten) of case c on stream s.
+void run_all_four(const GroupedCase& c, const uint16_t* x, const uint16_t* w, const uint16_t* dy, const int32_t* off,
+                  uint16_t* y, uint16_t* dx, float* dw_acc, float* dw_new, cudaStream_t s, Backend backend) {
+  cuda::grouped_gemm_forward(x, w, off, y, c.max_rows(), c.num_experts(), c.n, c.k, s, backend);
+  cuda::grouped_gemm_dgrad(dy, w, off, dx, c.max_rows(), c.num_experts(), c.n, c.k, s, backend);
+  cuda::grouped_gemm_wgrad(dy, x, off, dw_acc, c.max_rows(), c.num_experts(), c.n, c.k, true, s, backend);
+  cuda::grouped_gemm_wgrad(dy, x, off, dw_new, c.max_rows(), c.num_experts(), c.n, c.k, false, s, backend);
+}
+
 class GroupedGemmBackends : public ::testing::TestWithParam<Backend> {};
 
 TEST_P(GroupedGemmBackends, IntegerInputsMatchBitwise) {
@@ -400,14 +410,8 @@ TEST_P(GroupedGemmBackends, IntegerInputsMatchBitwise) {
   GuardedBuffer<int32_t> d_off(off);
   TestStream stream;
   const cudaStream_t s = stream.get();
-  cuda::grouped_gemm_forward(d_x.data(), d_w.data(), d_off.data(), d_y.data(), c.max_rows(), c.num_experts(), c.n,
-                             c.k, s, backend);
-  cuda::grouped_gemm_dgrad(d_dy.data(), d_w.data(), d_off.data(), d_dx.data(), c.max_rows(), c.num_experts(), c.n,
-                           c.k, s, backend);
-  cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw_acc.data(), c.max_rows(), c.num_experts(),
-                           c.n, c.k, true, s, backend);
-  cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw_new.data(), c.max_rows(), c.num_experts(),
-                           c.n, c.k, false, s, backend);
+  run_all_four(c, d_x.data(), d_w.data(), d_dy.data(), d_off.data(), d_y.data(), d_dx.data(), d_dw_acc.data(),
+               d_dw_new.data(), s, backend);
   stream.sync();
 
   const auto y = d_y.download(), dx = d_dx.download();
@@ -462,14 +466,8 @@ TEST_P(GroupedGemmBackends, ReservedMultiprocessorsGiveTheSameBits) {
     const cuda::ScopedSmReserve r(reserve);
     GuardedBuffer<uint16_t> d_y(c.max_rows() * c.n), d_dx(c.max_rows() * c.k);
     GuardedBuffer<float> d_dw_acc(dw0), d_dw_new(dw0);
-    cuda::grouped_gemm_forward(d_x.data(), d_w.data(), d_off.data(), d_y.data(), c.max_rows(), c.num_experts(), c.n,
-                               c.k, s, backend);
-    cuda::grouped_gemm_dgrad(d_dy.data(), d_w.data(), d_off.data(), d_dx.data(), c.max_rows(), c.num_experts(), c.n,
-                             c.k, s, backend);
-    cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw_acc.data(), c.max_rows(), c.num_experts(),
-                             c.n, c.k, true, s, backend);
-    cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw_new.data(), c.max_rows(), c.num_experts(),
-                             c.n, c.k, false, s, backend);
+    run_all_four(c, d_x.data(), d_w.data(), d_dy.data(), d_off.data(), d_y.data(), d_dx.data(), d_dw_acc.data(),
+                 d_dw_new.data(), s, backend);
     stream.sync();
     const auto y = d_y.download(), dx = d_dx.download();
     return Out{std::vector<uint16_t>(y.begin(), y.begin() + c.rows() * c.n),

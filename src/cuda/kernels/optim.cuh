@@ -202,6 +202,33 @@ __device__ __forceinline__ int first_segment_ending_after(const ParamSegment* __
   return lo;
 }
 
+// The part [lo, hi) of a segment inside a chunk: its float4 body [vb, ve) (multiples of 4, empty
+// when the part is shorter) between a scalar head [lo, vb) and tail [ve, hi); the segment's decay
+// factor (1 without weight decay) and moment shift (moment index - flat index).
+struct ChunkPiece {
+  int64_t lo, vb, ve, hi, shift;
+  float decay;
+};
+
+// piece(ChunkPiece) for every segment overlapping the chunk [c0, c1), in segment order.
+template <typename Fn>
+__device__ __forceinline__ void for_each_chunk_piece(const ParamSegment* __restrict__ segs, int num_segs, int64_t c0,
+                                                     int64_t c1, float decay, Fn&& piece) {
+  for (int si = first_segment_ending_after(segs, num_segs, c0); si < num_segs; ++si) {
+    const ParamSegment seg = segs[si];
+    if (seg.offset >= c1) break;
+    ChunkPiece x;
+    x.lo = seg.offset > c0 ? seg.offset : c0;
+    const int64_t end = seg.offset + seg.numel;
+    x.hi = end < c1 ? end : c1;
+    x.vb = ((x.lo + 3) / 4) * 4 < x.hi ? ((x.lo + 3) / 4) * 4 : x.hi;
+    x.ve = (x.hi / 4) * 4 > x.vb ? (x.hi / 4) * 4 : x.vb;
+    x.shift = seg.state_offset - seg.offset;
+    x.decay = seg.decay ? decay : 1.0f;
+    piece(x);
+  }
+}
+
 // Chunk number i (of num_chunks) of the runs: the chunk index in the flat buffers.
 __device__ __forceinline__ int64_t chunk_of_runs(const ChunkRun* __restrict__ runs, int num_runs, int64_t i) {
   int lo = 0, hi = num_runs - 1;  // the last run with before <= i
@@ -233,28 +260,19 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = blockIdx.x; i < num_chunks; i += gridDim.x) {
     const int64_t c0 = chunk_of_runs(runs, num_runs, i) * kAdamWChunk;
     const int64_t c1 = c0 + kAdamWChunk < total_numel ? c0 + kAdamWChunk : total_numel;
-    for (int si = first_segment_ending_after(segs, num_segs, c0); si < num_segs; ++si) {
-      const ParamSegment seg = segs[si];
-      if (seg.offset >= c1) break;
-      const int64_t lo = seg.offset > c0 ? seg.offset : c0;
-      const int64_t end = seg.offset + seg.numel;
-      const int64_t hi = end < c1 ? end : c1;
-      const float decay = seg.decay ? k.decay : 1.0f;
-      const int64_t shift = seg.state_offset - seg.offset;  // moment index - flat index (kVec4: a multiple of 4)
+    for_each_chunk_piece(segs, num_segs, c0, c1, k.decay, [&](const ChunkPiece& x) {
       if constexpr (kVec4) {
-        const int64_t vb = ((lo + 3) / 4) * 4 < hi ? ((lo + 3) / 4) * 4 : hi;
-        const int64_t ve = (hi / 4) * 4 > vb ? (hi / 4) * 4 : vb;
-        if (lo + threadIdx.x < vb)
-          adamw_scalar(lo + threadIdx.x, lo + threadIdx.x + shift, p, g, m, v, p_bf16, decay, k, c);
-        for (int64_t i = vb / 4 + threadIdx.x; i < ve / 4; i += blockDim.x)
-          adamw_vec4(i, i + shift / 4, p, g, m, v, p_bf16, decay, k, c);
-        if (ve + threadIdx.x < hi)
-          adamw_scalar(ve + threadIdx.x, ve + threadIdx.x + shift, p, g, m, v, p_bf16, decay, k, c);
+        if (x.lo + threadIdx.x < x.vb)
+          adamw_scalar(x.lo + threadIdx.x, x.lo + threadIdx.x + x.shift, p, g, m, v, p_bf16, x.decay, k, c);
+        for (int64_t i = x.vb / 4 + threadIdx.x; i < x.ve / 4; i += blockDim.x)
+          adamw_vec4(i, i + x.shift / 4, p, g, m, v, p_bf16, x.decay, k, c);
+        if (x.ve + threadIdx.x < x.hi)
+          adamw_scalar(x.ve + threadIdx.x, x.ve + threadIdx.x + x.shift, p, g, m, v, p_bf16, x.decay, k, c);
       } else {
-        for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
-          adamw_scalar(i, i + shift, p, g, m, v, p_bf16, decay, k, c);
+        for (int64_t i = x.lo + threadIdx.x; i < x.hi; i += blockDim.x)
+          adamw_scalar(i, i + x.shift, p, g, m, v, p_bf16, x.decay, k, c);
       }
-    }
+    });
   }
 }
 

@@ -64,31 +64,23 @@ __global__ void __launch_bounds__(kAdamWResidentThreads, 1)
     const float* sp = ring + st * kAdamWStageFloats;
     const int64_t c0 = chunk_of_runs(runs, num_runs, blockIdx.x + j * gridDim.x) * kAdamWChunk;
     const int64_t c1 = c0 + kAdamWChunk < total_numel ? c0 + kAdamWChunk : total_numel;
-    for (int si = first_segment_ending_after(segs, num_segs, c0); si < num_segs; ++si) {
-      const ParamSegment seg = segs[si];
-      if (seg.offset >= c1) break;
-      const int64_t lo = seg.offset > c0 ? seg.offset : c0;
-      const int64_t end = seg.offset + seg.numel;
-      const int64_t hi = end < c1 ? end : c1;
-      const float decay = seg.decay ? k.decay : 1.0f;
-      const int64_t vb = ((lo + 3) / 4) * 4 < hi ? ((lo + 3) / 4) * 4 : hi;
-      const int64_t ve = (hi / 4) * 4 > vb ? (hi / 4) * 4 : vb;
-      // The stage holds p, g, m, v of the chunk as four arrays of kAdamWChunk; element i at i - c0.
+    // The stage holds p, g, m, v of the chunk as four arrays of kAdamWChunk; element i at i - c0.
+    const float4* s4 = reinterpret_cast<const float4*>(sp);
+    constexpr int kArray = static_cast<int>(kAdamWChunk / 4);
+    for_each_chunk_piece(segs, num_segs, c0, c1, k.decay, [&](const ChunkPiece& x) {
       auto scalar = [&](int64_t i) {
         const int t = static_cast<int>(i - c0);
         adamw_store_scalar(i, i, sp[t], sp[kAdamWChunk + t], sp[2 * kAdamWChunk + t], sp[3 * kAdamWChunk + t], p, m,
-                           v, p_bf16, decay, k, c);
+                           v, p_bf16, x.decay, k, c);
       };
-      if (lo + threadIdx.x < vb) scalar(lo + threadIdx.x);
-      const float4* s4 = reinterpret_cast<const float4*>(sp);
-      constexpr int kArray = static_cast<int>(kAdamWChunk / 4);
-      for (int64_t q = vb / 4 + threadIdx.x; q < ve / 4; q += blockDim.x) {
+      if (x.lo + threadIdx.x < x.vb) scalar(x.lo + threadIdx.x);
+      for (int64_t q = x.vb / 4 + threadIdx.x; q < x.ve / 4; q += blockDim.x) {
         const int u = static_cast<int>(q - c0 / 4);
-        adamw_store_vec4(q, q, s4[u], s4[kArray + u], s4[2 * kArray + u], s4[3 * kArray + u], p, m, v, p_bf16, decay,
-                         k, c);
+        adamw_store_vec4(q, q, s4[u], s4[kArray + u], s4[2 * kArray + u], s4[3 * kArray + u], p, m, v, p_bf16,
+                         x.decay, k, c);
       }
-      if (ve + threadIdx.x < hi) scalar(ve + threadIdx.x);
-    }
+      if (x.ve + threadIdx.x < x.hi) scalar(x.ve + threadIdx.x);
+    });
     __syncthreads();  // every thread is done reading stage st before it is refilled
     if (threadIdx.x == 0 && j + kAdamWResidentStages < mine) issue(j + kAdamWResidentStages);
   }
