@@ -13,9 +13,13 @@
 // kernels on the expert shapes, forward and data gradient of both projections, with and without
 // the activation's quantisation, and the weights' quantisation with the transposed copy (JSON key
 // "grouped_fp8"), then the whole experts of one MoE layer, BF16 against the FP8 recipe.
+// --ops adamw: cuda::adamw_apply over 256M parameters (one segment, BF16 copy written) launched a
+// block per chunk on every SM and kept to r SMs (the deferred update's reserve: r = 16, 32, 48,
+// 64), with the moments at the flat offsets (the bulk-copy ring) and shifted by 4 elements (plain
+// float4 loads): ms and GB/s at 30 bytes a parameter, alone on the GPU (JSON key "adamw").
 // usage: moecore_op_bench [--tokens T] [--top-k K] [--experts E] [--d-model D] [--hidden I]
 //                         [--warmup N] [--iters N] [--backend mma|wgmma|all] [--out FILE.json]
-//                         [--ops all|grouped_gemm|attention|fp8_gemm|grouped_fp8] [--attn-batch B] [--attn-seq S]
+//                         [--ops all|grouped_gemm|attention|fp8_gemm|grouped_fp8|adamw] [--attn-batch B] [--attn-seq S]
 //                         [--attn-heads Hq] [--attn-kv-heads Hkv] [--attn-head-dim D]
 //                         [--attn-backend own|cudnn|all]
 #include <cuda_runtime.h>
@@ -32,6 +36,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/config.h"
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "cuda/common.h"
@@ -42,6 +47,7 @@
 #include "cuda/ops/gemm.h"
 #include "cuda/ops/grouped_gemm.h"
 #include "cuda/ops/moe_routing.h"
+#include "cuda/ops/optim.h"
 
 namespace {
 
@@ -404,6 +410,42 @@ nlohmann::json fp8_gemm_section(const Args& a, cudaStream_t s) {
   return out;
 }
 
+// The AdamW update on every SM and on a few (see the header).
+nlohmann::json adamw_section(const Args& a, cudaStream_t s) {
+  constexpr int64_t kN = int64_t{1} << 28, kShift = 4;
+  const moe::OptimConfig cfg;
+  std::vector<float> host(size_t(kN + kShift));
+  moe::fill_normal(host.data(), kN + kShift, 0, 99, "adamw", 0.02f);
+  float* p = device_copy(host);
+  float* g = device_copy(host);
+  float* m = device_copy(host);
+  for (float& x : host) x = std::fabs(x);
+  float* v = device_copy(host);
+  uint16_t* b = nullptr;
+  MOE_CUDA_CHECK(cudaMalloc(&b, size_t(kN) * 2));
+  std::vector<moe::cuda::OptimStepScalars> sc(1);
+  sc[0].lr = 1e-4;
+  sc[0].grad_norm = 0.5;
+  auto* scalars = device_copy(sc);
+  moe::cuda::adamw_prepare(cfg, scalars, s);
+  nlohmann::json out = nlohmann::json::array();
+  std::printf("%-26s | %4s | %9s | %8s\n", "adamw (256M parameters)", "SMs", "ms", "GB/s");
+  for (const int64_t shift : {int64_t{0}, kShift}) {
+    const moe::cuda::ParamSegmentTable table({{0, kN, 1, 0, shift}}, kN, kN + kShift);
+    const char* path = shift == 0 ? "moments at offsets (ring)" : "moments shifted (loads)";
+    for (const int sms : {0, 16, 32, 48, 64}) {
+      const Timing t = time_ms(a, s, [&] { moe::cuda::adamw_apply(table, cfg, p, g, m, v, b, scalars, false, s, sms); });
+      const double gbs = 30.0 * double(kN) / (t.med_ms * 1e-3) / 1e9;
+      std::printf("%-26s | %4s | %9.3f | %8.1f\n", path, sms == 0 ? "all" : std::to_string(sms).c_str(), t.med_ms, gbs);
+      out.push_back({{"path", path}, {"sms", sms}, {"ms_median", t.med_ms}, {"ms_min", t.min_ms}, {"gb_per_s", gbs}});
+    }
+  }
+  for (void* ptr : {static_cast<void*>(p), static_cast<void*>(g), static_cast<void*>(m), static_cast<void*>(v),
+                    static_cast<void*>(b), static_cast<void*>(scalars)})
+    MOE_CUDA_CHECK(cudaFree(ptr));
+  return out;
+}
+
 nlohmann::json attention_section(const Args& a, cudaStream_t s) {
   using moe::cuda::AttentionBackend;
   const int64_t B = a.attn_batch, S = a.attn_seq, Hq = a.attn_heads, Hkv = a.attn_kv_heads, D = a.attn_head_dim;
@@ -543,8 +585,8 @@ int main(int argc, char** argv) {
     else { std::fprintf(stderr, "error: unknown argument '%s'\n", k.c_str()); return 2; }
   }
   if (a.ops != "all" && a.ops != "grouped_gemm" && a.ops != "attention" && a.ops != "fp8_gemm" &&
-      a.ops != "grouped_fp8") {
-    std::fprintf(stderr, "error: --ops %s: expected all, grouped_gemm, attention, fp8_gemm or grouped_fp8\n",
+      a.ops != "grouped_fp8" && a.ops != "adamw") {
+    std::fprintf(stderr, "error: --ops %s: expected all, grouped_gemm, attention, fp8_gemm, grouped_fp8 or adamw\n",
                  a.ops.c_str());
     return 2;
   }
@@ -566,6 +608,11 @@ int main(int argc, char** argv) {
 
     cudaStream_t s;
     MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    if (a.ops == "adamw") {
+      const nlohmann::json adamw = adamw_section(a, s);
+      if (!a.out.empty()) std::ofstream(a.out) << nlohmann::json{{"adamw", adamw}}.dump(2) << "\n";
+      return 0;
+    }
     if (a.ops == "fp8_gemm") {
       const nlohmann::json fp8 = fp8_gemm_section(a, s);
       if (!a.out.empty()) std::ofstream(a.out) << nlohmann::json{{"fp8_gemm", fp8}}.dump(2) << "\n";
