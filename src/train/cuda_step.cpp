@@ -282,6 +282,9 @@ struct CudaStepRunner::Impl {
       }
       model.set_forward_hook([this](int64_t g) {
         if (!wait_for_updates) return;
+        // A profiled step books the wait for the group's update as optimizer time (the model marks
+        // the group's own phase after the hook).
+        if (timer) timer->mark(cuda::Phase::kOptimizer);
         cuda::stream_wait_event(stream(), group_updated[size_t(g)]);
         // The update of group g + 1 runs beside the forward of group g, for the blocks (1..n_layers);
         // the head's forward has nothing beside it.
