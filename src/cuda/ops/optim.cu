@@ -225,28 +225,35 @@ void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, floa
   const bool vec4 = segments.states_vec4() && detail::aligned16(params) && detail::aligned16(grads) &&
                     detail::aligned16(exp_avg) && detail::aligned16(exp_avg_sq) &&
                     (params_bf16 == nullptr || aligned_to(params_bf16, 8));
-  if (sms > 0 && vec4 && segments.states_at_offsets() && total % 4 == 0) {
-    // One block of kAdamWResidentThreads on each of `sms` multiprocessors, its chunks streamed
-    // through shared memory by bulk copies (optim_resident.cuh).
-    const auto kernel = kernels::adamw_update_resident;
-    const size_t smem = resident_smem_bytes(kernel, size_t(kernels::kAdamWResidentSmemBytes));
-    kernel<<<static_cast<unsigned>(std::min<int64_t>(chunks, sms)), kernels::kAdamWResidentThreads, smem, stream>>>(
-        segments.device_segments(), num_segs, segments.device_chunk_runs(), segments.num_chunk_runs(), chunks, total,
-        params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, adamw_constants(cfg), deferred);
-    check_launch("adamw_update_resident");
-    return;
-  }
   if (sms > 0) {
-    // The same on buffers the bulk copies cannot take (moments elsewhere, unaligned): plain loads;
-    // the dynamic shared memory (unused) is more than half a multiprocessor's, so no two blocks
-    // share one.
-    const auto kernel = vec4 ? kernels::adamw_update_segments<true, kernels::kAdamWResidentThreads>
-                             : kernels::adamw_update_segments<false, kernels::kAdamWResidentThreads>;
-    const size_t smem = resident_smem_bytes(kernel);
-    kernel<<<static_cast<unsigned>(std::min<int64_t>(chunks, sms)), kernels::kAdamWResidentThreads, smem, stream>>>(
-        segments.device_segments(), num_segs, segments.device_chunk_runs(), segments.num_chunk_runs(), chunks, total,
-        params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, adamw_constants(cfg), deferred);
-    check_launch("adamw_update_segments (resident)");
+    // One block of kAdamWResidentThreads on each of `sms` multiprocessors: its chunks streamed
+    // through shared memory by bulk copies (optim_resident.cuh) where the moments sit at the flat
+    // offsets, else plain loads (the dynamic shared memory, unused there, is more than half a
+    // multiprocessor's, so no two blocks share one either way).
+    const bool ring = vec4 && segments.states_at_offsets() && total % 4 == 0;
+    const auto kernel = ring   ? kernels::adamw_update_resident
+                        : vec4 ? kernels::adamw_update_segments<true, kernels::kAdamWResidentThreads>
+                               : kernels::adamw_update_segments<false, kernels::kAdamWResidentThreads>;
+    const size_t smem = resident_smem_bytes(kernel, ring ? size_t(kernels::kAdamWResidentSmemBytes) : 0);
+    // At the device's greatest priority (a launch attribute, so a captured graph keeps it): when a
+    // multiprocessor frees up, the update's pending blocks are placed before the forward's
+    // attention and memory-bound blocks, which are not held to the reserve.
+    int least = 0, greatest = 0;
+    MOE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributePriority;
+    attr[0].val.priority = greatest;
+    cudaLaunchConfig_t launch{};
+    launch.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(chunks, sms)));
+    launch.blockDim = dim3(kernels::kAdamWResidentThreads);
+    launch.dynamicSmemBytes = smem;
+    launch.stream = stream;
+    launch.attrs = attr;
+    launch.numAttrs = 1;
+    MOE_CUDA_CHECK(cudaLaunchKernelEx(&launch, kernel, segments.device_segments(), num_segs,
+                                      segments.device_chunk_runs(), segments.num_chunk_runs(), chunks, total, params,
+                                      grads, exp_avg, exp_avg_sq, params_bf16, scalars, adamw_constants(cfg), deferred));
+    check_launch(ring ? "adamw_update_resident" : "adamw_update_segments (resident)");
     return;
   }
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(chunks, detail::kMaxGridX));
