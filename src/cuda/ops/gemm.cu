@@ -1,7 +1,8 @@
 // cuBLASLt GEMM behind checked entry points. Row-major C = op(A) @ op(B) is column-major
 // C^T = op(B)^T @ op(A)^T, so cuBLASLt's first operand is our B and its second our A, each with the
 // same transpose flag and leading dimension, and C^T is [n, m] with leading dim ldc. A plan per
-// problem (descriptors, layouts, the heuristic's first algorithm) is built once and cached.
+// problem (descriptors, layouts, the heuristic's first algorithm) is built once and cached; a
+// reserve of multiprocessors (cuda/sm_reserve.h) is part of the problem: its plans target the rest.
 #include "cuda/ops/gemm.h"
 
 #include <algorithm>
