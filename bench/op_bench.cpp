@@ -16,7 +16,10 @@
 // --ops adamw: cuda::adamw_apply over 256M parameters (one segment, BF16 copy written) launched a
 // block per chunk on every SM and kept to r SMs (the deferred update's reserve: r = 16, 32, 48,
 // 64), with the moments at the flat offsets (the bulk-copy ring) and shifted by 4 elements (plain
-// float4 loads): ms and GB/s at 30 bytes a parameter, alone on the GPU (JSON key "adamw").
+// float4 loads): ms and GB/s at 30 bytes a parameter, alone on the GPU (JSON key "adamw"); then
+// the ring on r SMs beside 12 grouped GEMMs held to the other SMs (olmoe-8l's gate_up forward,
+// 131072 rows of 2048 over 64 experts): the update's time and the GEMMs' with and without it
+// (JSON key "adamw_beside_gemm").
 // usage: moecore_op_bench [--tokens T] [--top-k K] [--experts E] [--d-model D] [--hidden I]
 //                         [--warmup N] [--iters N] [--backend mma|wgmma|all] [--out FILE.json]
 //                         [--ops all|grouped_gemm|attention|fp8_gemm|grouped_fp8|adamw] [--attn-batch B] [--attn-seq S]
@@ -48,6 +51,7 @@
 #include "cuda/ops/grouped_gemm.h"
 #include "cuda/ops/moe_routing.h"
 #include "cuda/ops/optim.h"
+#include "cuda/sm_reserve.h"
 
 namespace {
 
@@ -440,10 +444,73 @@ nlohmann::json adamw_section(const Args& a, cudaStream_t s) {
       out.push_back({{"path", path}, {"sms", sms}, {"ms_median", t.med_ms}, {"ms_min", t.min_ms}, {"gb_per_s", gbs}});
     }
   }
+  // The ring beside the experts' grouped GEMM held to the other SMs (cuda/sm_reserve.h), as the
+  // deferred update runs beside the forward: the update enqueued on a second stream right after
+  // the GEMMs on the first, both waiting on one event.
+  constexpr int64_t kE = 64, kRows = 131072, kD = 2048, kOut = 2048;
+  constexpr int kGemms = 12;
+  std::vector<int32_t> offsets(size_t(kE + 1));
+  for (int64_t e = 0; e <= kE; ++e) offsets[size_t(e)] = static_cast<int32_t>(e * (kRows / kE));
+  auto* x = device_copy(random_bf16(kRows * kD, "x", 1.f));
+  auto* w = device_copy(random_bf16(kE * kOut * kD, "w_gate_up", 0.02f));
+  auto* off = device_copy(offsets);
+  uint16_t* y = nullptr;
+  MOE_CUDA_CHECK(cudaMalloc(&y, size_t(kRows * kOut) * 2));
+  cudaStream_t s2;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  cudaEvent_t start, gemms_done, u0, u1;
+  for (cudaEvent_t* e : {&start, &gemms_done, &u0, &u1}) MOE_CUDA_CHECK(cudaEventCreate(e));
+  const moe::cuda::ParamSegmentTable ring({{0, kN, 1, 0, 0}}, kN, kN + kShift);
+  nlohmann::json beside = nlohmann::json::array();
+  std::printf("%-26s | %4s | %9s | %8s | %14s | %15s\n", "adamw beside grouped GEMMs", "SMs", "update ms", "GB/s",
+              "GEMMs alone ms", "GEMMs beside ms");
+  for (const int sms : {16, 32, 48}) {
+    auto gemms = [&] {
+      const moe::cuda::ScopedSmReserve reserve(sms);
+      for (int i = 0; i < kGemms; ++i) moe::cuda::grouped_gemm_forward(x, w, off, y, kRows, kE, kOut, kD, s);
+    };
+    std::vector<float> alone, with, update;
+    for (int rep = 0; rep < 1 + std::max(1, a.iters / 4); ++rep) {  // the first round warms up
+      float ms = 0;
+      MOE_CUDA_CHECK(cudaEventRecord(start, s));
+      gemms();
+      MOE_CUDA_CHECK(cudaEventRecord(gemms_done, s));
+      MOE_CUDA_CHECK(cudaEventSynchronize(gemms_done));
+      MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, gemms_done));
+      if (rep > 0) alone.push_back(ms);
+      MOE_CUDA_CHECK(cudaEventRecord(start, s));
+      MOE_CUDA_CHECK(cudaStreamWaitEvent(s2, start, 0));
+      gemms();
+      MOE_CUDA_CHECK(cudaEventRecord(gemms_done, s));
+      MOE_CUDA_CHECK(cudaEventRecord(u0, s2));
+      moe::cuda::adamw_apply(ring, cfg, p, g, m, v, b, scalars, false, s2, sms);
+      MOE_CUDA_CHECK(cudaEventRecord(u1, s2));
+      MOE_CUDA_CHECK(cudaEventSynchronize(gemms_done));
+      MOE_CUDA_CHECK(cudaEventSynchronize(u1));
+      if (rep > 0) {
+        MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, gemms_done));
+        with.push_back(ms);
+        MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, u0, u1));
+        update.push_back(ms);
+      }
+    }
+    auto median = [](std::vector<float> v) {
+      std::sort(v.begin(), v.end());
+      return double(v[v.size() / 2]);
+    };
+    const double u = median(update), gbs = 30.0 * double(kN) / (u * 1e-3) / 1e9;
+    std::printf("%-26s | %4d | %9.3f | %8.1f | %14.3f | %15.3f\n", "moments at offsets (ring)", sms, u, gbs,
+                median(alone), median(with));
+    beside.push_back({{"sms", sms}, {"update_ms", u}, {"update_gb_per_s", gbs}, {"gemms", kGemms},
+                      {"gemms_alone_ms", median(alone)}, {"gemms_beside_update_ms", median(with)}});
+  }
+  for (cudaEvent_t e : {start, gemms_done, u0, u1}) MOE_CUDA_CHECK(cudaEventDestroy(e));
+  MOE_CUDA_CHECK(cudaStreamDestroy(s2));
   for (void* ptr : {static_cast<void*>(p), static_cast<void*>(g), static_cast<void*>(m), static_cast<void*>(v),
-                    static_cast<void*>(b), static_cast<void*>(scalars)})
+                    static_cast<void*>(b), static_cast<void*>(scalars), static_cast<void*>(x),
+                    static_cast<void*>(w), static_cast<void*>(off), static_cast<void*>(y)})
     MOE_CUDA_CHECK(cudaFree(ptr));
-  return out;
+  return {{"solo", out}, {"beside_gemm", beside}};
 }
 
 nlohmann::json attention_section(const Args& a, cudaStream_t s) {
@@ -610,7 +677,10 @@ int main(int argc, char** argv) {
     MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     if (a.ops == "adamw") {
       const nlohmann::json adamw = adamw_section(a, s);
-      if (!a.out.empty()) std::ofstream(a.out) << nlohmann::json{{"adamw", adamw}}.dump(2) << "\n";
+      if (!a.out.empty())
+        std::ofstream(a.out) << nlohmann::json{{"adamw", adamw["solo"]}, {"adamw_beside_gemm", adamw["beside_gemm"]}}
+                                    .dump(2)
+                             << "\n";
       return 0;
     }
     if (a.ops == "fp8_gemm") {
