@@ -362,12 +362,18 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
                   (long long)opt.steps, (long long)opt.warmup);
   }
   out << buf;
+  std::string update_note;  // where the AdamW update runs, when not at the end of the step
+  if (cfg.optim.deferred_update) {
+    update_note = ", update deferred into the next forward";
+    if (cfg.optim.deferred_update_sms > 0)
+      update_note += " on " + std::to_string(cfg.optim.deferred_update_sms) + " reserved SMs";
+  }
   std::snprintf(buf, sizeof buf,
-                "  %.3gB parameters (%.3gB active), %lld tokens/step (%s%lld x %lld x %lld), inputs %s, routing %s\n",
+                "  %.3gB parameters (%.3gB active), %lld tokens/step (%s%lld x %lld x %lld), inputs %s, routing %s%s\n",
                 double(plan.counts.total_params) / 1e9, double(plan.counts.active_params) / 1e9,
                 (long long)plan.tokens_per_step, ranks > 1 ? (std::to_string(ranks) + " GPUs x ").c_str() : "",
                 (long long)plan.micro_steps, (long long)plan.micro_batch, (long long)plan.seq_len, opt.inputs.c_str(),
-                cfg.moe.routing.c_str());
+                cfg.moe.routing.c_str(), update_note.c_str());
   out << buf;
   std::snprintf(buf, sizeof buf, "  %-12s %12s %8s %14s\n", "phase", gpu ? "eager ms" : "ms", "share", "ms of step");
   out << buf;
