@@ -5,7 +5,9 @@
 // reproducible norms (any n, any alignment, beyond 2^31 elements), and a graph replaying steps.
 // ZeRO-1: grad_sum_squares against the CPU sum (its root bitwise the norm), AdamW on a shard's
 // segments with compact moments against the CPU AdamW.
+#include <bit>
 #include <cmath>
+#include <random>
 #include <limits>
 
 #include "core/arena.h"
@@ -613,6 +615,81 @@ TEST(AdamW, OnAFewMultiprocessorsIsTheFullLaunchBitwise) {
   EXPECT_THROW(cuda::adamw_apply(cuda::ParamSegmentTable(test_layout()), test_config(0.0), nullptr, nullptr, nullptr,
                                  nullptr, nullptr, nullptr, false, nullptr, -1),
                Error);
+}
+
+// The float4 update (one range check for four square roots and four quotients, then the
+// compiler's fast sequences; optim.cuh) against the scalar update (the intrinsics, a branch an
+// element) over values whose exponents span every binade, zeros, subnormals, infinities and
+// NaNs included, with clipping: parameters, moments and BF16 copy bitwise. The scalar path is
+// taken by handing the table buffers one float past a 16-byte boundary; the update on a
+// few multiprocessors (the bulk-copy ring) gives the float4 path's bits too.
+TEST(AdamW, Float4PathIsTheScalarPathOverEveryExponent) {
+  MOE_SKIP_WITHOUT_GPU();
+  const OptimConfig cfg = test_config(/*grad_clip=*/0.5);
+  constexpr int64_t n = int64_t{1} << 22;
+  std::mt19937_64 rng(20261206);
+  auto any_float = [&](bool non_negative) {
+    const uint64_t r = rng();
+    const uint32_t exponent = static_cast<uint32_t>(r % 256);
+    const uint32_t mantissa = static_cast<uint32_t>(r >> 8) & 0x7fffffu;
+    const uint32_t sign = non_negative ? 0u : static_cast<uint32_t>(r >> 63);
+    return std::bit_cast<float>((sign << 31) | (exponent << 23) | mantissa);
+  };
+  std::vector<float> p0(size_t(n + 1)), g(size_t(n + 1)), m0(size_t(n + 1)), v0(size_t(n + 1));
+  for (int64_t i = 0; i < n + 1; ++i) {
+    p0[size_t(i)] = any_float(false);
+    g[size_t(i)] = any_float(false);
+    m0[size_t(i)] = any_float(false);
+    v0[size_t(i)] = any_float(i % 64 != 0);  // a few negative second moments too (NaN roots)
+  }
+  std::vector<cuda::OptimStepScalars> sc0(1);
+  sc0[0].lr = 1e-2;
+  sc0[0].grad_norm = 2.0;
+  sc0[0].step = 3;
+  const cuda::ParamSegmentTable table({{0, n, 1, 0, 0}}, n, n);
+  struct State {
+    GuardedBuffer<float> p, g, m, v;
+    GuardedBuffer<uint16_t> b;
+    GuardedBuffer<cuda::OptimStepScalars> sc;
+  };
+  // shifted: the values one element later in the buffers (the scalar run reads them at data() + 1).
+  auto fresh = [&](bool shifted) {
+    auto at = [&](const std::vector<float>& x) {
+      if (!shifted) return x;
+      std::vector<float> y(x.size());
+      std::copy(x.begin(), x.end() - 1, y.begin() + 1);
+      return y;
+    };
+    return State{GuardedBuffer<float>(at(p0)), GuardedBuffer<float>(at(g)), GuardedBuffer<float>(at(m0)),
+                 GuardedBuffer<float>(at(v0)), GuardedBuffer<uint16_t>(std::vector<uint16_t>(size_t(n + 1), 0)),
+                 GuardedBuffer<cuda::OptimStepScalars>(sc0)};
+  };
+  State vec = fresh(false), scalar = fresh(true), few = fresh(false);
+  settle_uploads();
+  TestStream stream;
+  cuda::adamw_prepare(cfg, vec.sc.data(), stream.get());
+  cuda::adamw_apply(table, cfg, vec.p.data(), vec.g.data(), vec.m.data(), vec.v.data(), vec.b.data(), vec.sc.data(),
+                    false, stream.get());
+  cuda::adamw_prepare(cfg, scalar.sc.data(), stream.get());
+  cuda::adamw_apply(table, cfg, scalar.p.data() + 1, scalar.g.data() + 1, scalar.m.data() + 1, scalar.v.data() + 1,
+                    scalar.b.data() + 1, scalar.sc.data(), false, stream.get());
+  cuda::adamw_prepare(cfg, few.sc.data(), stream.get());
+  cuda::adamw_apply(table, cfg, few.p.data(), few.g.data(), few.m.data(), few.v.data(), few.b.data(), few.sc.data(),
+                    false, stream.get(), /*sms=*/4);
+  stream.sync();
+  auto head = [](const std::vector<float>& x) { return std::vector<float>(x.begin(), x.end() - 1); };
+  auto tail = [](const std::vector<float>& x) { return std::vector<float>(x.begin() + 1, x.end()); };
+  const std::vector<float> pv = vec.p.download();
+  EXPECT_FALSE(same_bits(head(pv), head(p0))) << "the update changed nothing";
+  EXPECT_TRUE(same_bits(head(pv), tail(scalar.p.download()))) << "parameters";
+  EXPECT_TRUE(same_bits(head(vec.m.download()), tail(scalar.m.download()))) << "exp_avg";
+  EXPECT_TRUE(same_bits(head(vec.v.download()), tail(scalar.v.download()))) << "exp_avg_sq";
+  const std::vector<uint16_t> bv = vec.b.download(), bs = scalar.b.download();
+  EXPECT_TRUE(std::equal(bv.begin(), bv.end() - 1, bs.begin() + 1)) << "BF16 copy";
+  EXPECT_TRUE(same_bits(pv, few.p.download())) << "parameters, few multiprocessors";
+  EXPECT_TRUE(same_bits(vec.m.download(), few.m.download())) << "exp_avg, few multiprocessors";
+  EXPECT_TRUE(same_bits(vec.v.download(), few.v.download())) << "exp_avg_sq, few multiprocessors";
+  EXPECT_EQ(bv, few.b.download()) << "BF16 copy, few multiprocessors";
 }
 
 // Validation happens on the host before any device call (these run without a GPU).

@@ -137,6 +137,93 @@ __device__ __forceinline__ void adamw_element(float& p, float g, float& m, float
   p = __fsub_rn(__fmul_rn(p, decay), __fdiv_rn(__fmul_rn(k.step_size, m), denom));
 }
 
+// Correctly rounded square roots and quotients of four values without a branch for each: the
+// sequences the compiler emits for sqrt.rn and div.rn when the operands are in range (an
+// approximate reciprocal square root or reciprocal, then Newton and remainder corrections by
+// FMA), which round correctly there, so they are __fsqrt_rn's and __fdiv_rn's bits. The compiler
+// guards each element's sequence by its own branch to a slow path; here one range check covers
+// the four and the four take the intrinsics when any operand is out of range. That lets the
+// four chains interleave, which matters where the update is bound by its instructions (on a few
+// multiprocessors, optim_resident.cuh). Tested: every float's square root, and quotients over
+// the ranges, against the intrinsics (tests/gpu).
+__device__ __forceinline__ bool sqrt_in_fast_range(float v) {
+  // Positive normal floats from 2^-101 to the largest finite: the compiler's own check.
+  return __float_as_uint(v) + 0xf3000000u <= 0x727fffffu;
+}
+
+__device__ __forceinline__ float sqrt_rn_fast(float v) {
+  float r;
+  asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+  const float s = __fmul_rn(v, r), h = __fmul_rn(r, 0.5f);
+  return __fmaf_rn(__fmaf_rn(-s, s, v), h, s);
+}
+
+__device__ __forceinline__ bool div_in_fast_range(float x) {
+  // Normal, magnitude in [2^-60, 2^61): the quotient of two such values, its reciprocal and the
+  // remainders stay normal and finite.
+  const uint32_t e = (__float_as_uint(x) >> 23) & 0xffu;
+  return e - 67u <= 120u;
+}
+
+__device__ __forceinline__ float div_rn_fast(float a, float b) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
+  const float r2 = __fmaf_rn(r, __fmaf_rn(-b, r, 1.0f), r);
+  const float q = __fmul_rn(a, r2);
+  return __fmaf_rn(r2, __fmaf_rn(-b, q, a), q);
+}
+
+// out[i] = __fsqrt_rn(x[i]), bitwise.
+__device__ __forceinline__ void sqrt_rn4(const float (&x)[4], float (&out)[4]) {
+  if (sqrt_in_fast_range(x[0]) & sqrt_in_fast_range(x[1]) & sqrt_in_fast_range(x[2]) & sqrt_in_fast_range(x[3])) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = sqrt_rn_fast(x[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = __fsqrt_rn(x[i]);
+  }
+}
+
+// out[i] = __fdiv_rn(a[i], b[i]), bitwise.
+__device__ __forceinline__ void div_rn4(const float (&a)[4], const float (&b)[4], float (&out)[4]) {
+  bool fast = true;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) fast &= div_in_fast_range(a[i]) & div_in_fast_range(b[i]);
+  if (fast) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = div_rn_fast(a[i], b[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = __fdiv_rn(a[i], b[i]);
+  }
+}
+
+// adamw_element on four elements: the same operations in the same order, so the same bits.
+__device__ __forceinline__ void adamw_element4(float4& pv, float4 gv, float4& mv, float4& vv, float decay,
+                                               const AdamWCoefficients& k, const AdamWConstants& c) {
+  float p[4] = {pv.x, pv.y, pv.z, pv.w}, g[4] = {gv.x, gv.y, gv.z, gv.w};
+  float m[4] = {mv.x, mv.y, mv.z, mv.w}, v[4] = {vv.x, vv.y, vv.z, vv.w};
+  float root[4], num[4], den[4], quot[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float gs = __fmul_rn(g[i], k.grad_scale);
+    m[i] = __fadd_rn(__fmul_rn(c.b1, m[i]), __fmul_rn(c.one_minus_b1, gs));
+    v[i] = __fadd_rn(__fmul_rn(c.b2, v[i]), __fmul_rn(__fmul_rn(c.one_minus_b2, gs), gs));
+  }
+  sqrt_rn4(v, root);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    den[i] = __fadd_rn(__fmul_rn(root[i], k.inv_sqrt_bc2), c.eps);
+    num[i] = __fmul_rn(k.step_size, m[i]);
+  }
+  div_rn4(num, den, quot);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = __fsub_rn(__fmul_rn(p[i], decay), quot[i]);
+  pv = make_float4(p[0], p[1], p[2], p[3]);
+  mv = make_float4(m[0], m[1], m[2], m[3]);
+  vv = make_float4(v[0], v[1], v[2], v[3]);
+}
+
 // Updates element i of the flat buffers (its moments at element j) from the loaded values pi, gi,
 // mi, vi and stores the results (the BF16 copy too, when there is one).
 __device__ __forceinline__ void adamw_store_scalar(int64_t i, int64_t j, float pi, float gi, float mi, float vi,
@@ -163,10 +250,7 @@ __device__ __forceinline__ float4 adamw_store_vec4(int64_t i, int64_t j, float4 
                                                    float* __restrict__ p, float* __restrict__ m, float* __restrict__ v,
                                                    uint16_t* __restrict__ p_bf16, float decay,
                                                    const AdamWCoefficients& k, const AdamWConstants& c) {
-  adamw_element(pv.x, gv.x, mv.x, vv.x, decay, k, c);
-  adamw_element(pv.y, gv.y, mv.y, vv.y, decay, k, c);
-  adamw_element(pv.z, gv.z, mv.z, vv.z, decay, k, c);
-  adamw_element(pv.w, gv.w, mv.w, vv.w, decay, k, c);
+  adamw_element4(pv, gv, mv, vv, decay, k, c);
   reinterpret_cast<float4*>(p)[i] = pv;
   reinterpret_cast<float4*>(m)[j] = mv;
   reinterpret_cast<float4*>(v)[j] = vv;

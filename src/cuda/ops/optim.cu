@@ -174,11 +174,10 @@ kernels::AdamWConstants adamw_constants(const OptimConfig& cfg) {
   return c;
 }
 
-// Dynamic shared memory (at least `need` bytes) that keeps `kernel`'s blocks of
-// kAdamWResidentThreads one to a multiprocessor (checked by the occupancy calculator), after
-// allowing it.
+// Dynamic shared memory (at least `need` bytes) that keeps `kernel`'s blocks of `threads` one to
+// a multiprocessor (checked by the occupancy calculator), after allowing it.
 template <typename Kernel>
-size_t resident_smem_bytes(Kernel kernel, size_t need = 0) {
+size_t resident_smem_bytes(Kernel kernel, int threads, size_t need = 0) {
   int device = 0, per_sm = 0, per_block = 0;
   MOE_CUDA_CHECK(cudaGetDevice(&device));
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
@@ -188,7 +187,7 @@ size_t resident_smem_bytes(Kernel kernel, size_t need = 0) {
             " bytes of shared memory a block, device ", device, " has ", per_block);
   MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   int blocks = 0;
-  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kernels::kAdamWResidentThreads, smem));
+  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem));
   MOE_CHECK(blocks == 1, "cuda::adamw_apply: ", blocks, " blocks of the update with ", smem,
             " bytes of shared memory fit on a multiprocessor of device ", device, ", expected exactly 1");
   return smem;
@@ -226,15 +225,16 @@ void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, floa
                     detail::aligned16(exp_avg) && detail::aligned16(exp_avg_sq) &&
                     (params_bf16 == nullptr || aligned_to(params_bf16, 8));
   if (sms > 0) {
-    // One block of kAdamWResidentThreads on each of `sms` multiprocessors: its chunks streamed
-    // through shared memory by bulk copies (optim_resident.cuh) where the moments sit at the flat
-    // offsets, else plain loads (the dynamic shared memory, unused there, is more than half a
+    // One block on each of `sms` multiprocessors: its chunks streamed through shared memory by
+    // bulk copies (optim_resident.cuh) where the moments sit at the flat offsets, else plain loads
+    // by kAdamWResidentThreads (the dynamic shared memory, unused there, is more than half a
     // multiprocessor's, so no two blocks share one either way).
     const bool ring = vec4 && segments.states_at_offsets() && total % 4 == 0;
     const auto kernel = ring   ? kernels::adamw_update_resident
                         : vec4 ? kernels::adamw_update_segments<true, kernels::kAdamWResidentThreads>
                                : kernels::adamw_update_segments<false, kernels::kAdamWResidentThreads>;
-    const size_t smem = resident_smem_bytes(kernel, ring ? size_t(kernels::kAdamWResidentSmemBytes) : 0);
+    const int threads = ring ? kernels::kAdamWRingThreads : kernels::kAdamWResidentThreads;
+    const size_t smem = resident_smem_bytes(kernel, threads, ring ? size_t(kernels::kAdamWResidentSmemBytes) : 0);
     // At the device's greatest priority (a launch attribute, so a captured graph keeps it): when a
     // multiprocessor frees up, the update's pending blocks are placed before the forward's
     // attention and memory-bound blocks, which are not held to the reserve.
@@ -245,7 +245,7 @@ void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, floa
     attr[0].val.priority = greatest;
     cudaLaunchConfig_t launch{};
     launch.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(chunks, sms)));
-    launch.blockDim = dim3(kernels::kAdamWResidentThreads);
+    launch.blockDim = dim3(static_cast<unsigned>(threads));
     launch.dynamicSmemBytes = smem;
     launch.stream = stream;
     launch.attrs = attr;
