@@ -144,23 +144,23 @@ void CudaAttentionBlock::project(const CudaBlockContext& c, int64_t pos0, bool f
     fp8_linear(G, sc, fp8_qkv_, false, 0, n, q, d, qk_norm_ ? s.q_raw->as<uint16_t>() : qb, st);
     fp8_linear(G, sc, fp8_qkv_, false, q, n, kv, d, qk_norm_ ? s.k_raw->as<uint16_t>() : kb, st);
     fp8_linear(G, sc, fp8_qkv_, false, q + kv, n, kv, d, vb, st);
-    if (qk_norm_) {
-      cuda::rmsnorm_forward(s.q_raw->as<uint16_t>(), P + p_.q_norm, qb, s.q_rstd->as<float>(), n, q, norm_eps_, st);
-      cuda::rmsnorm_forward(s.k_raw->as<uint16_t>(), P + p_.k_norm, kb, s.k_rstd->as<float>(), n, kv, norm_eps_, st);
-    }
   } else if (qk_norm_) {
-    uint16_t* q_raw = s.q_raw->as<uint16_t>();
-    uint16_t* k_raw = s.k_raw->as<uint16_t>();
-    cuda::gemm(G, false, true, n, q, d, 1.f, norm, d, P + p_.q_proj, d, 0.f, q_raw, q, st);
-    cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.k_proj, d, 0.f, k_raw, kv, st);
-    cuda::rmsnorm_forward(q_raw, P + p_.q_norm, qb, s.q_rstd->as<float>(), n, q, norm_eps_, st);
-    cuda::rmsnorm_forward(k_raw, P + p_.k_norm, kb, s.k_rstd->as<float>(), n, kv, norm_eps_, st);
+    cuda::gemm(G, false, true, n, q, d, 1.f, norm, d, P + p_.q_proj, d, 0.f, s.q_raw->as<uint16_t>(), q, st);
+    cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.k_proj, d, 0.f, s.k_raw->as<uint16_t>(), kv, st);
   } else {
     cuda::gemm(G, false, true, n, q, d, 1.f, norm, d, P + p_.q_proj, d, 0.f, qb, q, st);
     cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.k_proj, d, 0.f, kb, kv, st);
   }
   if (!fp8) cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.v_proj, d, 0.f, vb, kv, st);
-  if (pos0 == 0) {
+  if (qk_norm_) {
+    // QK-norm and RoPE in one pass over q and k (the same bits as the norm, then the rotation).
+    MOE_CHECK(pos0 == 0 || batch == 1, "CudaAttentionBlock: rows at a position offset are one sequence, got batch ",
+              batch);
+    cuda::rmsnorm_rope_forward(s.q_raw->as<uint16_t>(), P + p_.q_norm, qb, s.q_rstd->as<float>(), batch, seq, pos0, hq,
+                               hd, norm_eps_, rope_theta_, st);
+    cuda::rmsnorm_rope_forward(s.k_raw->as<uint16_t>(), P + p_.k_norm, kb, s.k_rstd->as<float>(), batch, seq, pos0,
+                               hkv, hd, norm_eps_, rope_theta_, st);
+  } else if (pos0 == 0) {
     cuda::rope_forward(qb, batch, seq, hq, hd, rope_theta_, st);
     cuda::rope_forward(kb, batch, seq, hkv, hd, rope_theta_, st);
   } else {
@@ -275,10 +275,8 @@ void CudaAttentionBlock::backward(const CudaBlockContext& c, CudaResidual& res, 
   cuda::gemm(G, true, false, q, d, n, 1.f, gq, q, norm, d, c.wgrad_beta(), Gr + p_.q_proj, d, st);
   cuda::gemm(G, true, false, kv, d, n, 1.f, gk, kv, norm, d, c.wgrad_beta(), Gr + p_.k_proj, d, st);
   cuda::gemm(G, true, false, kv, d, n, 1.f, dv, kv, norm, d, c.wgrad_beta(), Gr + p_.v_proj, d, st);
-  uint16_t* dtmp = res.dtmp();
-  cuda::rmsnorm_backward(s.x->as<uint16_t>(), P + p_.attn_norm, s.rstd->as<float>(), dbranch, dtmp,
-                         Gr + p_.attn_norm, n, d, res.ws_rms.data(), res.ws_rms.bytes(), st);
-  cuda::residual_add(res.dx32(), dtmp, res.dx(), n * d, st);
+  cuda::rmsnorm_backward_add(s.x->as<uint16_t>(), P + p_.attn_norm, s.rstd->as<float>(), dbranch, res.dx32(),
+                             res.dx(), Gr + p_.attn_norm, n, d, res.ws_rms.data(), res.ws_rms.bytes(), st);
 }
 
 }  // namespace moe

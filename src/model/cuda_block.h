@@ -117,7 +117,7 @@ struct CudaResidual {
   cuda::DeviceBuffer dx32_ND;     // FP32 gradient of the residual stream
   cuda::DeviceBuffer dx_ND;       // its BF16 copy
   cuda::DeviceBuffer dbranch_ND;  // gradient at a block's normed input
-  cuda::DeviceBuffer dtmp_ND;     // gradient at a block's input through its norm
+  cuda::DeviceBuffer dtmp_ND;     // scratch: the output of a layer recomputed in full (discarded)
   cuda::DeviceBuffer ws_rms;      // rmsnorm_backward workspace (rows N, widest of D, Q, C)
 
   float* x32() const { return x32_ND.as<float>(); }

@@ -86,12 +86,12 @@ void CudaLmHead::backward(const CudaBlockContext& c, const int32_t* targets, con
       chunk_backward(c, r0, std::min(chunk, n - r0), targets, ce_scale, nullptr, bad_targets);
   }
   fused_ = false;
-  uint16_t* dtmp = res.dtmp();
+  // The residual gradient starts here: dx32 = 0 + bf16(dx) (and its BF16 copy), dx added as the
+  // norm's backward computes it.
   float* dx32 = res.dx32();
-  cuda::rmsnorm_backward(saved_.x_ND.as<uint16_t>(), P + norm_, saved_.rstd_N.as<float>(), dnorm, dtmp, Gr + norm_, n,
-                         d, res.ws_rms.data(), res.ws_rms.bytes(), st);
   cuda::device_memset(dx32, 0, n * d * sizeof(float), st);
-  cuda::residual_add(dx32, dtmp, res.dx(), n * d, st);
+  cuda::rmsnorm_backward_add(saved_.x_ND.as<uint16_t>(), P + norm_, saved_.rstd_N.as<float>(), dnorm, dx32, res.dx(),
+                             Gr + norm_, n, d, res.ws_rms.data(), res.ws_rms.bytes(), st);
 }
 
 }  // namespace moe

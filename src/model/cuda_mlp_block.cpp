@@ -173,10 +173,8 @@ void CudaMlpBlock::backward(const CudaBlockContext& c, CudaResidual& res, CudaMl
                      s.gate_up->as<uint16_t>(), s.h->as<uint16_t>(), res.dx(), n, d, p_.mlp_hidden, w, dbranch, false,
                      Gr + p_.mlp_gate, Gr + p_.mlp_up, Gr + p_.mlp_down, c.wgrad_beta(), st);
   }
-  uint16_t* dtmp = res.dtmp();
-  cuda::rmsnorm_backward(s.x->as<uint16_t>(), P + p_.mlp_norm, s.rstd->as<float>(), dbranch, dtmp, Gr + p_.mlp_norm,
-                         n, d, res.ws_rms.data(), res.ws_rms.bytes(), st);
-  cuda::residual_add(res.dx32(), dtmp, res.dx(), n * d, st);
+  cuda::rmsnorm_backward_add(s.x->as<uint16_t>(), P + p_.mlp_norm, s.rstd->as<float>(), dbranch, res.dx32(), res.dx(),
+                             Gr + p_.mlp_norm, n, d, res.ws_rms.data(), res.ws_rms.bytes(), st);
 }
 
 }  // namespace moe

@@ -259,10 +259,8 @@ void CudaMoeLayer::backward(const CudaBlockContext& c, CudaResidual& res, CudaMo
   cuda::gemm(G, false, false, n, d, e, 1.f, dl16, e, P + p_.router, d, 1.f, dbranch, d, st);
   cuda::gemm(G, true, false, e, d, n, 1.f, dl16, e, norm, d, c.wgrad_beta(), Gr + p_.router, d, st);
   c.mark(cuda::Phase::kMlp);
-  uint16_t* dtmp = res.dtmp();
-  cuda::rmsnorm_backward(sl.x->as<uint16_t>(), P + p_.mlp_norm, sl.rstd->as<float>(), dbranch, dtmp,
-                         Gr + p_.mlp_norm, n, d, res.ws_rms.data(), res.ws_rms.bytes(), st);
-  cuda::residual_add(res.dx32(), dtmp, res.dx(), n * d, st);
+  cuda::rmsnorm_backward_add(sl.x->as<uint16_t>(), P + p_.mlp_norm, sl.rstd->as<float>(), dbranch, res.dx32(),
+                             res.dx(), Gr + p_.mlp_norm, n, d, res.ws_rms.data(), res.ws_rms.bytes(), st);
 }
 
 }  // namespace moe

@@ -1,7 +1,9 @@
 // cuda::rmsnorm_forward / rmsnorm_backward against cpu::rmsnorm_* in float on the same BF16
 // inputs: y and dx under the BF16 row, rstd and dw under the FP32-reduction row; the backward
-// twice from the same start must agree bitwise (dw's reduction order is fixed).
+// twice from the same start must agree bitwise (dw's reduction order is fixed). The backward
+// with the residual add in its pass against the two ops.
 #include "cpu/rmsnorm.h"
+#include "cuda/ops/memory.h"
 #include "cuda/ops/rmsnorm.h"
 #include "gpu/op_case_gpu.h"
 
@@ -78,6 +80,44 @@ OpCase<RmsShape> rmsnorm_backward_case() {
 
 MOE_GPU_OP_CASE_TESTS(RmsnormParity, Forward, rmsnorm_forward_case);
 MOE_GPU_OP_CASE_TESTS(RmsnormParity, Backward, rmsnorm_backward_case);
+
+// cuda::rmsnorm_backward_add against cuda::rmsnorm_backward then cuda::residual_add from the same
+// start: the FP32 residual gradient, its BF16 copy and dw bitwise (vector and scalar paths, with
+// and without the BF16 copy). Its contract with the CPU is theirs (the parity cases above).
+TEST(RmsnormBackwardAdd, IsTheBackwardThenTheResidualAddBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  for (const RmsShape& sh : {RmsShape{70, 2048, 0}, RmsShape{33, 8, 0}, RmsShape{37, 259, 0}}) {
+    for (const bool with_bf16 : {true, false}) {
+      const int64_t n = sh.n, d = sh.d;
+      const std::string what = shape_name(sh) + (with_bf16 ? "" : "_no_bf16_copy");
+      const auto x = scaled_rows(n, d, 11), dy = random_bf16(n * d, 12), w = random_bf16(d, 13, 0.5f, 1.0f);
+      std::vector<float> rstd(static_cast<size_t>(n)), y(static_cast<size_t>(n * d));
+      cpu::rmsnorm_forward(bf16_to_f32(x).data(), bf16_to_f32(w).data(), y.data(), rstd.data(), n, d, kEps);
+      const auto acc0 = random_f32(n * d, 14), dw0 = random_f32(d, 15, 0.1f);
+      GuardedBuffer<uint16_t> xb(x), dyb(dy), wb(w), dx(n * d), two_b(n * d), one_b(n * d);
+      GuardedBuffer<float> rb(rstd), two_acc(acc0), one_acc(acc0), two_dw(dw0), one_dw(dw0);
+      const size_t ws_bytes = cuda::rmsnorm_backward_workspace_bytes(n, d);
+      GuardedBuffer<float> ws(int64_t(ws_bytes / sizeof(float)) + 1);
+      MOE_CUDA_CHECK(cudaDeviceSynchronize());
+      TestStream stream;
+      cuda::rmsnorm_backward(xb.data(), wb.data(), rb.data(), dyb.data(), dx.data(), two_dw.data(), n, d, ws.data(),
+                             ws_bytes, stream.get());
+      cuda::residual_add(two_acc.data(), dx.data(), with_bf16 ? two_b.data() : nullptr, n * d, stream.get());
+      cuda::rmsnorm_backward_add(xb.data(), wb.data(), rb.data(), dyb.data(), one_acc.data(),
+                                 with_bf16 ? one_b.data() : nullptr, one_dw.data(), n, d, ws.data(), ws_bytes,
+                                 stream.get());
+      stream.sync();
+      const auto a1 = one_acc.download(), a2 = two_acc.download();
+      EXPECT_EQ(0, std::memcmp(a1.data(), a2.data(), a1.size() * sizeof(float))) << what << ": acc";
+      EXPECT_NE(0, std::memcmp(a1.data(), acc0.data(), a1.size() * sizeof(float))) << what << ": nothing added";
+      const auto w1 = one_dw.download(), w2 = two_dw.download();
+      EXPECT_EQ(0, std::memcmp(w1.data(), w2.data(), w1.size() * sizeof(float))) << what << ": dw";
+      EXPECT_EQ(one_b.download(), two_b.download()) << what << ": BF16 copy";
+      one_acc.expect_guards_intact("acc");
+      one_b.expect_guards_intact("acc_bf16");
+    }
+  }
+}
 
 TEST(Rmsnorm, WorkspaceTooSmallIsRejected) {
   MOE_SKIP_WITHOUT_GPU();

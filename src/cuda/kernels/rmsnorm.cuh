@@ -5,6 +5,7 @@
 // rmsnorm_dw_reduce_chunks adds the partials to dw in chunk order (no float atomics).
 #pragma once
 
+#include "cuda/kernels/rms_row.cuh"
 #include "cuda/kernels/vec.cuh"
 
 namespace moe::cuda::kernels {
@@ -23,16 +24,7 @@ __global__ void rmsnorm_forward_warp_per_row(const uint16_t* __restrict__ x, con
   for (int64_t row = int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; row < n;
        row += int64_t{gridDim.x} * warps) {
     const uint16_t* x_row = x + row * d;
-    float sum_sq = 0.0f;
-#pragma unroll 4
-    for (int64_t c = int64_t{lane} * V; c < d; c += kWarpSize * V) {
-      float v[V];
-      load_bf16<V>(x_row + c, v);
-#pragma unroll
-      for (int i = 0; i < V; ++i) sum_sq += v[i] * v[i];
-    }
-    sum_sq = warp_sum(sum_sq);
-    const float r = 1.0f / sqrtf(sum_sq / static_cast<float>(d) + eps);
+    const float r = rms_row_rstd<V>(x_row, d, eps, lane);
     if (lane == 0) rstd[row] = r;
     uint16_t* y_row = y + row * d;
 #pragma unroll 4
@@ -54,11 +46,17 @@ __global__ void rmsnorm_forward_warp_per_row(const uint16_t* __restrict__ x, con
 // there: 2.61 -> 2.17 ms over one olmoe-8l step's 33 backwards; 8-row sub-chunks 2.32, 2 rows
 // 2.65). partial_dw[chunk, d] receives the chunk's sum of dy * xhat, added over the rows in
 // order (carried in partial_dw from one sub-chunk to the next, so the order is one pass's).
-template <int V>
+//
+// kAddResidual (rmsnorm_backward_add): instead of storing dx, each row's dx, rounded to BF16 as the
+// store would, is added to the FP32 residual gradient acc, and acc_bf16 (when not null) gets
+// bf16(acc): residual_add's operations on dx in the same pass, so the same bits without writing
+// and reading dx.
+template <int V, bool kAddResidual = false>
 __global__ void __launch_bounds__(kRmsBackwardThreads)
     rmsnorm_backward_row_chunks(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                                 const float* __restrict__ rstd, const uint16_t* __restrict__ dy,
-                                uint16_t* __restrict__ dx, float* __restrict__ partial_dw, int64_t n, int64_t d) {
+                                uint16_t* __restrict__ dx, float* __restrict__ partial_dw, int64_t n, int64_t d,
+                                float* __restrict__ acc = nullptr, uint16_t* __restrict__ acc_bf16 = nullptr) {
   constexpr int kSubRows = kRmsSubRows;
   static_assert(kSubRows <= kRmsBackwardThreads / kWarpSize && kRmsChunkRows % kSubRows == 0,
                 "a sub-chunk is at most one row per warp");
@@ -126,7 +124,30 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
           out[i] = rs * (dv[i] * wv[i] - xhat * m);
           acc[i] += dv[i] * xhat;
         }
-        store_bf16<V>(dx + off, out);
+        if constexpr (kAddResidual) {
+          float sum[V];
+          if constexpr (V == kVecBf16) {
+            float4* a4 = reinterpret_cast<float4*>(acc + off);
+            const float4 lo = a4[0], hi = a4[1];
+            sum[0] = lo.x, sum[1] = lo.y, sum[2] = lo.z, sum[3] = lo.w, sum[4] = hi.x, sum[5] = hi.y, sum[6] = hi.z,
+            sum[7] = hi.w;
+          } else {
+            sum[0] = acc[off];
+          }
+          round_to_bf16<V>(out);
+#pragma unroll
+          for (int i = 0; i < V; ++i) sum[i] += out[i];
+          if constexpr (V == kVecBf16) {
+            float4* a4 = reinterpret_cast<float4*>(acc + off);
+            a4[0] = make_float4(sum[0], sum[1], sum[2], sum[3]);
+            a4[1] = make_float4(sum[4], sum[5], sum[6], sum[7]);
+          } else {
+            acc[off] = sum[0];
+          }
+          if (acc_bf16 != nullptr) store_bf16<V>(acc_bf16 + off, sum);
+        } else {
+          store_bf16<V>(dx + off, out);
+        }
       }
       if constexpr (V == kVecBf16) {
         reinterpret_cast<float4*>(partial + c)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);

@@ -12,22 +12,39 @@ namespace moe::cuda::kernels {
 
 constexpr int kRopeThreads = 128;
 
+// (cos, sin) of pair i at position pos: the angle formed and reduced to [-pi, pi] in double, then
+// sincosf.
+__device__ __forceinline__ float2 rope_cos_sin(int64_t pos, int i, int head_dim, double log2_theta) {
+  constexpr double kTwoPi = 6.283185307179586476925;
+  const double inv_freq = exp2(-(2.0 * i / head_dim) * log2_theta);
+  const double angle = static_cast<double>(pos) * inv_freq;
+  const double reduced = fma(-rint(angle * (1.0 / kTwoPi)), kTwoPi, angle);
+  float sn, cs;
+  sincosf(static_cast<float>(reduced), &sn, &cs);
+  return make_float2(cs, sn);
+}
+
+// One pair (a, b) rotated by t = (cos, sin) (forward) or by its transpose (backward); each
+// product rounded, one FMA, in a fixed form so that every kernel rotating pairs gets the same bits.
+template <bool kBackward>
+__device__ __forceinline__ void rope_rotate(float a, float b, float2 t, float& lo, float& hi) {
+  if constexpr (kBackward) {
+    lo = __fmaf_rn(a, t.x, __fmul_rn(b, t.y));
+    hi = __fmaf_rn(b, t.x, -__fmul_rn(a, t.y));
+  } else {
+    lo = __fmaf_rn(a, t.x, -__fmul_rn(b, t.y));
+    hi = __fmaf_rn(b, t.x, __fmul_rn(a, t.y));
+  }
+}
+
 template <int V, bool kBackward>
 __global__ void __launch_bounds__(kRopeThreads)
     rope_rotate_pairs(uint16_t* __restrict__ x, int64_t batch, int64_t seq, int64_t pos0, int heads,
                       int head_dim, double log2_theta) {
   extern __shared__ float2 s_cos_sin[];  // [head_dim / 2]
-  constexpr double kTwoPi = 6.283185307179586476925;
   const int half = head_dim / 2;
   const int64_t s = blockIdx.x;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    const double inv_freq = exp2(-(2.0 * i / head_dim) * log2_theta);
-    const double angle = static_cast<double>(s + pos0) * inv_freq;
-    const double reduced = fma(-rint(angle * (1.0 / kTwoPi)), kTwoPi, angle);
-    float sn, cs;
-    sincosf(static_cast<float>(reduced), &sn, &cs);
-    s_cos_sin[i] = make_float2(cs, sn);
-  }
+  for (int i = threadIdx.x; i < half; i += blockDim.x) s_cos_sin[i] = rope_cos_sin(s + pos0, i, head_dim, log2_theta);
   __syncthreads();
 
   const int groups = half / V;
@@ -44,14 +61,7 @@ __global__ void __launch_bounds__(kRopeThreads)
       load_bf16<V>(hi, bv);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const float2 t = s_cos_sin[i0 + k];
-        if constexpr (kBackward) {
-          out_lo[k] = a[k] * t.x + bv[k] * t.y;
-          out_hi[k] = bv[k] * t.x - a[k] * t.y;
-        } else {
-          out_lo[k] = a[k] * t.x - bv[k] * t.y;
-          out_hi[k] = bv[k] * t.x + a[k] * t.y;
-        }
+        rope_rotate<kBackward>(a[k], bv[k], s_cos_sin[i0 + k], out_lo[k], out_hi[k]);
       }
       store_bf16<V>(lo, out_lo);
       store_bf16<V>(hi, out_hi);

@@ -31,13 +31,14 @@ void launch_rmsnorm_forward(const uint16_t* x, const uint16_t* w, uint16_t* y, f
   check_launch("rmsnorm_forward_warp_per_row");
 }
 
-template <int V>
+template <int V, bool kAddResidual = false>
 void launch_rmsnorm_backward(const uint16_t* x, const uint16_t* w, const float* rstd, const uint16_t* dy,
-                             uint16_t* dx, float* dw, float* partial_dw, int64_t n, int64_t d, Stream stream) {
+                             uint16_t* dx, float* dw, float* partial_dw, int64_t n, int64_t d, Stream stream,
+                             float* acc = nullptr, uint16_t* acc_bf16 = nullptr) {
   const int64_t chunks = num_chunks(n);
-  kernels::rmsnorm_backward_row_chunks<V>
+  kernels::rmsnorm_backward_row_chunks<V, kAddResidual>
       <<<static_cast<unsigned>(chunks), kernels::kRmsBackwardThreads, 0, stream>>>(x, w, rstd, dy, dx,
-                                                                                   partial_dw, n, d);
+                                                                                   partial_dw, n, d, acc, acc_bf16);
   check_launch("rmsnorm_backward_row_chunks");
   const dim3 block(kernels::kWarpSize, kernels::kRmsReduceWarps);
   const int64_t blocks = (d + kernels::kWarpSize - 1) / kernels::kWarpSize;
@@ -95,6 +96,28 @@ void rmsnorm_backward(const uint16_t* x, const uint16_t* w, const float* rstd, c
     launch_rmsnorm_backward<kVecBf16>(x, w, rstd, dy, dx, dw, partial_dw, n, d, stream);
   } else {
     launch_rmsnorm_backward<1>(x, w, rstd, dy, dx, dw, partial_dw, n, d, stream);
+  }
+}
+
+void rmsnorm_backward_add(const uint16_t* x, const uint16_t* w, const float* rstd, const uint16_t* dy, float* acc,
+                          uint16_t* acc_bf16, float* dw, int64_t n, int64_t d, void* workspace,
+                          size_t workspace_bytes, Stream stream) {
+  const char* op = "cuda::rmsnorm_backward_add";
+  check_sizes(op, n, d);
+  if (n == 0) return;
+  detail::check_ptrs(op, {{"x", x}, {"w", w}, {"dy", dy}}, 2);
+  if (acc_bf16 != nullptr) detail::check_ptrs(op, {{"acc_bf16", acc_bf16}}, 2);
+  detail::check_ptrs(op, {{"rstd", rstd}, {"dw", dw}, {"acc", acc}}, 4);
+  detail::check_ptrs(op, {{"workspace", workspace}}, 16);
+  const size_t need = rmsnorm_backward_workspace_bytes(n, d);
+  MOE_CHECK(workspace_bytes >= need, op, ": workspace of ", workspace_bytes, " bytes is too small, need ",
+            need, " (rmsnorm_backward_workspace_bytes(", n, ", ", d, "))");
+  float* partial_dw = static_cast<float*>(workspace);
+  if (d % kVecBf16 == 0 && detail::aligned16(x) && detail::aligned16(w) && detail::aligned16(dy) &&
+      detail::aligned16(acc) && (acc_bf16 == nullptr || detail::aligned16(acc_bf16))) {
+    launch_rmsnorm_backward<kVecBf16, true>(x, w, rstd, dy, nullptr, dw, partial_dw, n, d, stream, acc, acc_bf16);
+  } else {
+    launch_rmsnorm_backward<1, true>(x, w, rstd, dy, nullptr, dw, partial_dw, n, d, stream, acc, acc_bf16);
   }
 }
 

@@ -7,8 +7,10 @@
 #include <cmath>
 
 #include "cuda/common.h"
+#include "cuda/kernels/rmsnorm_rope.cuh"
 #include "cuda/kernels/rope.cuh"
 #include "cuda/ops/launch.h"
+#include "cuda/ops/rmsnorm.h"
 
 namespace moe::cuda {
 namespace {
@@ -63,6 +65,37 @@ void rope_forward_at(uint16_t* x, int64_t n, int64_t pos0, int64_t heads, int64_
 void rope_backward(uint16_t* dx, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double theta,
                    Stream stream) {
   rope_apply<true>("cuda::rope_backward", dx, batch, seq, 0, heads, head_dim, theta, stream);
+}
+
+void rmsnorm_rope_forward(const uint16_t* x, const uint16_t* w, uint16_t* y, float* rstd, int64_t batch, int64_t seq,
+                          int64_t pos0, int64_t heads, int64_t head_dim, double eps, double theta, Stream stream) {
+  const char* op = "cuda::rmsnorm_rope_forward";
+  MOE_CHECK(pos0 == 0 || batch == 1, op, ": rows at a position offset are one sequence, got batch=", batch,
+            " pos0=", pos0);
+  MOE_CHECK(batch >= 0 && seq >= 0 && heads > 0, op, ": expected batch, seq >= 0 and heads > 0, got batch=", batch,
+            " seq=", seq, " heads=", heads);
+  MOE_CHECK(eps >= 0.0, op, ": expected eps >= 0, got ", eps);
+  const int64_t n = batch * seq, d = heads * head_dim;
+  const bool fused = head_dim > 0 && head_dim % 2 == 0 && head_dim <= kMaxHeadDim && (head_dim / 2) % kVecBf16 == 0 &&
+                     detail::aligned16(x) && detail::aligned16(w) && detail::aligned16(y) && seq <= detail::kMaxGridX &&
+                     d <= (int64_t{1} << 30) && theta > 0.0 && std::isfinite(theta) && pos0 >= 0 &&
+                     pos0 <= (int64_t{1} << 40);
+  if (!fused || n == 0) {  // the two ops (their checks name the bad argument)
+    rmsnorm_forward(x, w, y, rstd, n, d, eps, stream);
+    if (pos0 == 0) {
+      rope_forward(y, batch, seq, heads, head_dim, theta, stream);
+    } else {
+      rope_forward_at(y, seq, pos0, heads, head_dim, theta, stream);
+    }
+    return;
+  }
+  detail::check_ptrs(op, {{"rstd", rstd}}, 4);
+  const dim3 grid(static_cast<unsigned>(seq), static_cast<unsigned>(std::min<int64_t>(batch, 65535)));
+  const size_t smem = static_cast<size_t>(head_dim / 2) * sizeof(float2);
+  kernels::rmsnorm_rope_forward_rows<<<grid, kernels::kRmsRopeThreads, smem, stream>>>(
+      x, w, y, rstd, batch, seq, pos0, static_cast<int>(heads), static_cast<int>(head_dim), static_cast<float>(eps),
+      std::log2(theta));
+  check_launch("rmsnorm_rope_forward_rows");
 }
 
 }  // namespace moe::cuda
