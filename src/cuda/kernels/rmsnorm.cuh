@@ -48,15 +48,15 @@ __global__ void rmsnorm_forward_warp_per_row(const uint16_t* __restrict__ x, con
 // order (carried in partial_dw from one sub-chunk to the next, so the order is one pass's).
 //
 // kAddResidual (rmsnorm_backward_add): instead of storing dx, each row's dx, rounded to BF16 as the
-// store would, is added to the FP32 residual gradient acc, and acc_bf16 (when not null) gets
-// bf16(acc): residual_add's operations on dx in the same pass, so the same bits without writing
+// store would, is added to the FP32 residual gradient res, and res_bf16 (when not null) gets
+// bf16(res): residual_add's operations on dx in the same pass, so the same bits without writing
 // and reading dx.
 template <int V, bool kAddResidual = false>
 __global__ void __launch_bounds__(kRmsBackwardThreads)
     rmsnorm_backward_row_chunks(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                                 const float* __restrict__ rstd, const uint16_t* __restrict__ dy,
                                 uint16_t* __restrict__ dx, float* __restrict__ partial_dw, int64_t n, int64_t d,
-                                float* __restrict__ acc = nullptr, uint16_t* __restrict__ acc_bf16 = nullptr) {
+                                float* __restrict__ res = nullptr, uint16_t* __restrict__ res_bf16 = nullptr) {
   constexpr int kSubRows = kRmsSubRows;
   static_assert(kSubRows <= kRmsBackwardThreads / kWarpSize && kRmsChunkRows % kSubRows == 0,
                 "a sub-chunk is at most one row per warp");
@@ -127,24 +127,24 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
         if constexpr (kAddResidual) {
           float sum[V];
           if constexpr (V == kVecBf16) {
-            float4* a4 = reinterpret_cast<float4*>(acc + off);
-            const float4 lo = a4[0], hi = a4[1];
+            const float4* r4 = reinterpret_cast<const float4*>(res + off);
+            const float4 lo = r4[0], hi = r4[1];
             sum[0] = lo.x, sum[1] = lo.y, sum[2] = lo.z, sum[3] = lo.w, sum[4] = hi.x, sum[5] = hi.y, sum[6] = hi.z,
             sum[7] = hi.w;
           } else {
-            sum[0] = acc[off];
+            sum[0] = res[off];
           }
           round_to_bf16<V>(out);
 #pragma unroll
           for (int i = 0; i < V; ++i) sum[i] += out[i];
           if constexpr (V == kVecBf16) {
-            float4* a4 = reinterpret_cast<float4*>(acc + off);
-            a4[0] = make_float4(sum[0], sum[1], sum[2], sum[3]);
-            a4[1] = make_float4(sum[4], sum[5], sum[6], sum[7]);
+            float4* r4 = reinterpret_cast<float4*>(res + off);
+            r4[0] = make_float4(sum[0], sum[1], sum[2], sum[3]);
+            r4[1] = make_float4(sum[4], sum[5], sum[6], sum[7]);
           } else {
-            acc[off] = sum[0];
+            res[off] = sum[0];
           }
-          if (acc_bf16 != nullptr) store_bf16<V>(acc_bf16 + off, sum);
+          if (res_bf16 != nullptr) store_bf16<V>(res_bf16 + off, sum);
         } else {
           store_bf16<V>(dx + off, out);
         }
