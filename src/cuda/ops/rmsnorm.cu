@@ -78,47 +78,50 @@ size_t rmsnorm_backward_workspace_bytes(int64_t n, int64_t d) {
   return static_cast<size_t>(num_chunks(n)) * static_cast<size_t>(d) * sizeof(float);
 }
 
-void rmsnorm_backward(const uint16_t* x, const uint16_t* w, const float* rstd, const uint16_t* dy,
-                      uint16_t* dx, float* dw, int64_t n, int64_t d, void* workspace,
+namespace {
+
+// rmsnorm_backward (add false: dx stored) or rmsnorm_backward_add (add: dx added into acc).
+void backward_checked(const char* op, bool add, const uint16_t* x, const uint16_t* w, const float* rstd, const uint16_t* dy,
+                      uint16_t* dx, float* acc, uint16_t* acc_bf16, float* dw, int64_t n, int64_t d, void* workspace,
                       size_t workspace_bytes, Stream stream) {
-  const char* op = "cuda::rmsnorm_backward";
   check_sizes(op, n, d);
   if (n == 0) return;
-  detail::check_ptrs(op, {{"x", x}, {"w", w}, {"dy", dy}, {"dx", dx}}, 2);
+  detail::check_ptrs(op, {{"x", x}, {"w", w}, {"dy", dy}}, 2);
+  if (!add) detail::check_ptrs(op, {{"dx", dx}}, 2);
+  if (add && acc_bf16 != nullptr) detail::check_ptrs(op, {{"acc_bf16", acc_bf16}}, 2);
   detail::check_ptrs(op, {{"rstd", rstd}, {"dw", dw}}, 4);
+  if (add) detail::check_ptrs(op, {{"acc", acc}}, 4);
   detail::check_ptrs(op, {{"workspace", workspace}}, 16);
   const size_t need = rmsnorm_backward_workspace_bytes(n, d);
   MOE_CHECK(workspace_bytes >= need, op, ": workspace of ", workspace_bytes, " bytes is too small, need ",
             need, " (rmsnorm_backward_workspace_bytes(", n, ", ", d, "))");
   float* partial_dw = static_cast<float*>(workspace);
-  if (d % kVecBf16 == 0 && detail::aligned16(x) && detail::aligned16(w) && detail::aligned16(dy) &&
-      detail::aligned16(dx)) {
-    launch_rmsnorm_backward<kVecBf16>(x, w, rstd, dy, dx, dw, partial_dw, n, d, stream);
+  const bool vec = d % kVecBf16 == 0 && detail::aligned16(x) && detail::aligned16(w) && detail::aligned16(dy) &&
+                   (add ? detail::aligned16(acc) && (acc_bf16 == nullptr || detail::aligned16(acc_bf16))
+                        : detail::aligned16(dx));
+  if (add) {
+    if (vec) launch_rmsnorm_backward<kVecBf16, true>(x, w, rstd, dy, nullptr, dw, partial_dw, n, d, stream, acc, acc_bf16);
+    else launch_rmsnorm_backward<1, true>(x, w, rstd, dy, nullptr, dw, partial_dw, n, d, stream, acc, acc_bf16);
   } else {
-    launch_rmsnorm_backward<1>(x, w, rstd, dy, dx, dw, partial_dw, n, d, stream);
+    if (vec) launch_rmsnorm_backward<kVecBf16>(x, w, rstd, dy, dx, dw, partial_dw, n, d, stream);
+    else launch_rmsnorm_backward<1>(x, w, rstd, dy, dx, dw, partial_dw, n, d, stream);
   }
+}
+
+}  // namespace
+
+void rmsnorm_backward(const uint16_t* x, const uint16_t* w, const float* rstd, const uint16_t* dy,
+                      uint16_t* dx, float* dw, int64_t n, int64_t d, void* workspace,
+                      size_t workspace_bytes, Stream stream) {
+  backward_checked("cuda::rmsnorm_backward", false, x, w, rstd, dy, dx, nullptr, nullptr, dw, n, d, workspace,
+                   workspace_bytes, stream);
 }
 
 void rmsnorm_backward_add(const uint16_t* x, const uint16_t* w, const float* rstd, const uint16_t* dy, float* acc,
                           uint16_t* acc_bf16, float* dw, int64_t n, int64_t d, void* workspace,
                           size_t workspace_bytes, Stream stream) {
-  const char* op = "cuda::rmsnorm_backward_add";
-  check_sizes(op, n, d);
-  if (n == 0) return;
-  detail::check_ptrs(op, {{"x", x}, {"w", w}, {"dy", dy}}, 2);
-  if (acc_bf16 != nullptr) detail::check_ptrs(op, {{"acc_bf16", acc_bf16}}, 2);
-  detail::check_ptrs(op, {{"rstd", rstd}, {"dw", dw}, {"acc", acc}}, 4);
-  detail::check_ptrs(op, {{"workspace", workspace}}, 16);
-  const size_t need = rmsnorm_backward_workspace_bytes(n, d);
-  MOE_CHECK(workspace_bytes >= need, op, ": workspace of ", workspace_bytes, " bytes is too small, need ",
-            need, " (rmsnorm_backward_workspace_bytes(", n, ", ", d, "))");
-  float* partial_dw = static_cast<float*>(workspace);
-  if (d % kVecBf16 == 0 && detail::aligned16(x) && detail::aligned16(w) && detail::aligned16(dy) &&
-      detail::aligned16(acc) && (acc_bf16 == nullptr || detail::aligned16(acc_bf16))) {
-    launch_rmsnorm_backward<kVecBf16, true>(x, w, rstd, dy, nullptr, dw, partial_dw, n, d, stream, acc, acc_bf16);
-  } else {
-    launch_rmsnorm_backward<1, true>(x, w, rstd, dy, nullptr, dw, partial_dw, n, d, stream, acc, acc_bf16);
-  }
+  backward_checked("cuda::rmsnorm_backward_add", true, x, w, rstd, dy, nullptr, acc, acc_bf16, dw, n, d, workspace,
+                   workspace_bytes, stream);
 }
 
 }  // namespace moe::cuda
