@@ -34,10 +34,11 @@ void rmsnorm_apply(const T* x, const T* w, const T* rstd, T* y, int64_t n, int64
   }
 }
 
-template <typename T>
-void rmsnorm_backward(const T* x, const T* w, const T* rstd, const T* dy, T* dx, T* dw, int64_t n,
-                      int64_t d) {
-  MOE_CHECK(n >= 0 && d > 0, "rmsnorm_backward: expected n >= 0 and d > 0, got n=", n, " d=", d);
+namespace {
+
+// rmsnorm_backward's rows; kAdd: the row gradient added into dx (+=) instead of stored there.
+template <bool kAdd, typename T>
+void backward_rows(const T* x, const T* w, const T* rstd, const T* dy, T* dx, T* dw, int64_t n, int64_t d) {
   for (int64_t i = 0; i < n; ++i) {
     const T* xr = x + i * d;
     const T* gr = dy + i * d;
@@ -48,10 +49,30 @@ void rmsnorm_backward(const T* x, const T* w, const T* rstd, const T* dy, T* dx,
       dot += static_cast<double>(gr[j]) * static_cast<double>(w[j]) * static_cast<double>(xr[j]);
     const T c = static_cast<T>(dot / static_cast<double>(d)) * r * r * r;
     for (int64_t j = 0; j < d; ++j) {
-      dxr[j] = r * w[j] * gr[j] - xr[j] * c;
+      const T dxj = r * w[j] * gr[j] - xr[j] * c;
+      if constexpr (kAdd) {
+        dxr[j] += dxj;
+      } else {
+        dxr[j] = dxj;
+      }
       dw[j] += gr[j] * xr[j] * r;
     }
   }
+}
+
+}  // namespace
+
+template <typename T>
+void rmsnorm_backward(const T* x, const T* w, const T* rstd, const T* dy, T* dx, T* dw, int64_t n,
+                      int64_t d) {
+  MOE_CHECK(n >= 0 && d > 0, "rmsnorm_backward: expected n >= 0 and d > 0, got n=", n, " d=", d);
+  backward_rows<false>(x, w, rstd, dy, dx, dw, n, d);
+}
+
+template <typename T>
+void rmsnorm_backward_add(const T* x, const T* w, const T* rstd, const T* dy, T* acc, T* dw, int64_t n, int64_t d) {
+  MOE_CHECK(n >= 0 && d > 0, "rmsnorm_backward_add: expected n >= 0 and d > 0, got n=", n, " d=", d);
+  backward_rows<true>(x, w, rstd, dy, acc, dw, n, d);
 }
 
 template void rmsnorm_forward<float>(const float*, const float*, float*, float*, int64_t, int64_t, double);
@@ -63,5 +84,9 @@ template void rmsnorm_backward<float>(const float*, const float*, const float*, 
                                       float*, int64_t, int64_t);
 template void rmsnorm_backward<double>(const double*, const double*, const double*, const double*,
                                        double*, double*, int64_t, int64_t);
+template void rmsnorm_backward_add<float>(const float*, const float*, const float*, const float*, float*, float*,
+                                          int64_t, int64_t);
+template void rmsnorm_backward_add<double>(const double*, const double*, const double*, const double*, double*,
+                                           double*, int64_t, int64_t);
 
 }  // namespace moe::cpu

@@ -22,4 +22,10 @@ template <typename T>
 void rmsnorm_backward(const T* x, const T* w, const T* rstd, const T* dy, T* dx /*overwritten*/,
                       T* dw /* += */, int64_t n, int64_t d);
 
+// rmsnorm_backward with its dx added into acc (acc += dx) instead of stored; dw += as there. The
+// twin of cuda::rmsnorm_backward_add (which rounds dx and the sum to BF16 as its storage does).
+template <typename T>
+void rmsnorm_backward_add(const T* x, const T* w, const T* rstd, const T* dy, T* acc /* += */, T* dw /* += */,
+                          int64_t n, int64_t d);
+
 }  // namespace moe::cpu

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "cpu/rmsnorm.h"
 
 namespace moe::cpu {
 namespace {
@@ -64,11 +65,28 @@ void rope_backward(T* dx, int64_t batch, int64_t seq, int64_t heads, int64_t hea
   rope_apply("rope_backward", dx, batch, seq, heads, head_dim, theta, -1.0);
 }
 
+template <typename T>
+void rmsnorm_rope_forward(const T* x, const T* w, T* y, T* rstd, int64_t batch, int64_t seq, int64_t pos0,
+                          int64_t heads, int64_t head_dim, double eps, double theta) {
+  MOE_CHECK(pos0 == 0 || batch == 1, "rmsnorm_rope_forward: rows at a position offset are one sequence, got batch=",
+            batch, " pos0=", pos0);
+  rmsnorm_forward(x, w, y, rstd, batch * seq, heads * head_dim, eps);
+  if (pos0 == 0) {
+    rope_forward(y, batch, seq, heads, head_dim, theta);
+  } else {
+    rope_forward_at(y, seq, pos0, heads, head_dim, theta);
+  }
+}
+
 template void rope_forward<float>(float*, int64_t, int64_t, int64_t, int64_t, double);
 template void rope_forward<double>(double*, int64_t, int64_t, int64_t, int64_t, double);
 template void rope_forward_at<float>(float*, int64_t, int64_t, int64_t, int64_t, double);
 template void rope_forward_at<double>(double*, int64_t, int64_t, int64_t, int64_t, double);
 template void rope_backward<float>(float*, int64_t, int64_t, int64_t, int64_t, double);
 template void rope_backward<double>(double*, int64_t, int64_t, int64_t, int64_t, double);
+template void rmsnorm_rope_forward<float>(const float*, const float*, float*, float*, int64_t, int64_t, int64_t,
+                                          int64_t, int64_t, double, double);
+template void rmsnorm_rope_forward<double>(const double*, const double*, double*, double*, int64_t, int64_t, int64_t,
+                                           int64_t, int64_t, double, double);
 
 }  // namespace moe::cpu

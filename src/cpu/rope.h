@@ -21,4 +21,12 @@ void rope_forward_at(T* x, int64_t n, int64_t pos0, int64_t heads, int64_t head_
 template <typename T>
 void rope_backward(T* dx, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double theta);
 
+// QK-norm then RoPE: rmsnorm_forward(x, w, y, rstd, batch * seq, heads * head_dim, eps), then
+// rope_forward(y, ...) (pos0 = 0) or rope_forward_at(y, seq, pos0, ...) (batch = 1). The twin of
+// cuda::rmsnorm_rope_forward (which rounds the normalised values to BF16 before rotating them,
+// as its storage between the two ops would).
+template <typename T>
+void rmsnorm_rope_forward(const T* x, const T* w, T* y, T* rstd, int64_t batch, int64_t seq, int64_t pos0,
+                          int64_t heads, int64_t head_dim, double eps, double theta);
+
 }  // namespace moe::cpu

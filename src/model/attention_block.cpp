@@ -48,14 +48,16 @@ void attention_block_forward(const AttentionConfig& c, const AttentionTensors<co
     s.k_NC.resize(n * kv);
     s.q_rstd_N.resize(n);
     s.k_rstd_N.resize(n);
-    cpu::rmsnorm_forward(s.q_raw_NQ.data(), w.q_norm, s.q_NQ.data(), s.q_rstd_N.data(), n, q, c.norm_eps);
-    cpu::rmsnorm_forward(s.k_raw_NC.data(), w.k_norm, s.k_NC.data(), s.k_rstd_N.data(), n, kv, c.norm_eps);
+    cpu::rmsnorm_rope_forward(s.q_raw_NQ.data(), w.q_norm, s.q_NQ.data(), s.q_rstd_N.data(), batch, seq, 0, hq, hd,
+                              c.norm_eps, c.rope_theta);
+    cpu::rmsnorm_rope_forward(s.k_raw_NC.data(), w.k_norm, s.k_NC.data(), s.k_rstd_N.data(), batch, seq, 0, hkv, hd,
+                              c.norm_eps, c.rope_theta);
   } else {
     s.q_NQ = s.q_raw_NQ;
     s.k_NC = s.k_raw_NC;
+    cpu::rope_forward(s.q_NQ.data(), batch, seq, hq, hd, c.rope_theta);
+    cpu::rope_forward(s.k_NC.data(), batch, seq, hkv, hd, c.rope_theta);
   }
-  cpu::rope_forward(s.q_NQ.data(), batch, seq, hq, hd, c.rope_theta);
-  cpu::rope_forward(s.k_NC.data(), batch, seq, hkv, hd, c.rope_theta);
   s.attn_NQ.resize(n * q);
   s.lse_BHS.resize(batch * hq * seq);
   cpu::attention_forward(s.q_NQ.data(), s.k_NC.data(), s.v_NC.data(), s.attn_NQ.data(), s.lse_BHS.data(), batch,
@@ -69,7 +71,7 @@ void attention_block_backward(const AttentionConfig& c, const AttentionTensors<c
   const int64_t batch = s.batch, seq = s.seq, n = batch * seq, d = c.d_model, hd = c.head_dim;
   const int64_t hq = c.n_heads, hkv = c.n_kv_heads, q = hq * hd, kv = hkv * hd;
   if (timer) timer->lap(Phase::kAttention);
-  std::vector<T> dattn(n * q), dq(n * q), dk(n * kv), dv(n * kv), dq_raw, dk_raw, dnorm(n * d), dtmp(n * d);
+  std::vector<T> dattn(n * q), dq(n * q), dk(n * kv), dv(n * kv), dq_raw, dk_raw, dnorm(n * d);
   cpu::linear_backward_at(c.fp8, s.attn_NQ.data(), w.o_proj, dx, dattn.data(), dw.o_proj, n, q, d);
   cpu::attention_backward(s.q_NQ.data(), s.k_NC.data(), s.v_NC.data(), s.attn_NQ.data(), s.lse_BHS.data(),
                           dattn.data(), dq.data(), dk.data(), dv.data(), batch, seq, hq, hkv, hd);
@@ -88,8 +90,7 @@ void attention_block_backward(const AttentionConfig& c, const AttentionTensors<c
   cpu::linear_backward_at(c.fp8, s.norm_ND.data(), w.q_proj, gq, dnorm.data(), dw.q_proj, n, d, q);
   cpu::linear_backward_at(c.fp8, s.norm_ND.data(), w.k_proj, gk, dnorm.data(), dw.k_proj, n, d, kv, /*accumulate_dx=*/true);
   cpu::linear_backward_at(c.fp8, s.norm_ND.data(), w.v_proj, dv.data(), dnorm.data(), dw.v_proj, n, d, kv, /*accumulate_dx=*/true);
-  cpu::rmsnorm_backward(s.x_in_ND.data(), w.attn_norm, s.rstd_N.data(), dnorm.data(), dtmp.data(), dw.attn_norm, n, d);
-  for (int64_t i = 0; i < n * d; ++i) dx[i] += dtmp[i];
+  cpu::rmsnorm_backward_add(s.x_in_ND.data(), w.attn_norm, s.rstd_N.data(), dnorm.data(), dx, dw.attn_norm, n, d);
 }
 
 template <typename T>
@@ -107,14 +108,16 @@ void attention_block_decode(const AttentionConfig& c, const AttentionTensors<con
   cpu::linear_forward_at(c.fp8, norm.data(), w.k_proj, k_raw.data(), n, d, kv);
   cpu::linear_forward_at(c.fp8, norm.data(), w.v_proj, v_new.data(), n, d, kv);
   if (c.qk_norm) {
-    cpu::rmsnorm_forward(q_raw.data(), w.q_norm, qv.data(), rq.data(), n, q, c.norm_eps);
-    cpu::rmsnorm_forward(k_raw.data(), w.k_norm, kn.data(), rk.data(), n, kv, c.norm_eps);
+    cpu::rmsnorm_rope_forward(q_raw.data(), w.q_norm, qv.data(), rq.data(), 1, n, pos0, hq, hd, c.norm_eps,
+                              c.rope_theta);
+    cpu::rmsnorm_rope_forward(k_raw.data(), w.k_norm, kn.data(), rk.data(), 1, n, pos0, hkv, hd, c.norm_eps,
+                              c.rope_theta);
   } else {
     qv = q_raw;
     kn = k_raw;
+    cpu::rope_forward_at(qv.data(), n, pos0, hq, hd, c.rope_theta);
+    cpu::rope_forward_at(kn.data(), n, pos0, hkv, hd, c.rope_theta);
   }
-  cpu::rope_forward_at(qv.data(), n, pos0, hq, hd, c.rope_theta);
-  cpu::rope_forward_at(kn.data(), n, pos0, hkv, hd, c.rope_theta);
   k_cache.insert(k_cache.end(), kn.begin(), kn.end());
   v_cache.insert(v_cache.end(), v_new.begin(), v_new.end());
   std::vector<T> attn(n * q);

@@ -99,11 +99,10 @@ void mlp_block_backward(const MlpTensors<const T*>& w, const MlpBlockSaved<T>& s
                         const MlpTensors<T*>& dw, PhaseTimer* timer, const cpu::Fp8Recipe* fp8) {
   const int64_t n = s.num_tokens;
   if (timer) timer->lap(Phase::kMlp);
-  std::vector<T> dnorm(n * d), dtmp(n * d);  // dnorm accumulates from zero
+  std::vector<T> dnorm(n * d);  // accumulates from zero
   mlp_backward(s.norm_ND.data(), w.mlp_gate, w.mlp_up, w.mlp_down, s.mlp, dx, n, d, f, dnorm.data(), dw.mlp_gate,
                dw.mlp_up, dw.mlp_down, fp8);
-  cpu::rmsnorm_backward(s.x_in_ND.data(), w.mlp_norm, s.rstd_N.data(), dnorm.data(), dtmp.data(), dw.mlp_norm, n, d);
-  for (int64_t i = 0; i < n * d; ++i) dx[i] += dtmp[i];
+  cpu::rmsnorm_backward_add(s.x_in_ND.data(), w.mlp_norm, s.rstd_N.data(), dnorm.data(), dx, dw.mlp_norm, n, d);
 }
 
 template <typename T>

@@ -98,7 +98,7 @@ void moe_layer_backward(const MoeLayerConfig& c, const MoeTensors<const T*>& w, 
                         const MoeLayerSaved<T>& s, T dlb, T dz, T* dx, const MoeTensors<T*>& dw, PhaseTimer* timer) {
   const DispatchHandle& h = s.dispatch;
   const int64_t n = s.router.num_tokens, d = c.router.d_model, k = c.router.top_k, kept = h.num_rows;
-  std::vector<T> dnorm(n * d), dtmp(n * d);  // dnorm accumulates from zero
+  std::vector<T> dnorm(n * d);  // accumulates from zero
   if (c.shared_hidden > 0) {
     if (timer) timer->lap(Phase::kMlp);
     mlp_backward(s.norm_ND.data(), w.mlp_gate, w.mlp_up, w.mlp_down, s.shared, dx, n, d, c.shared_hidden,
@@ -115,8 +115,7 @@ void moe_layer_backward(const MoeLayerConfig& c, const MoeTensors<const T*>& w, 
   if (timer) timer->lap(Phase::kRouter);
   cpu::router_backward(s.router, s.norm_ND.data(), w.router, s.logits_NE.data(), s.scores_NE.data(),
                        s.topk_idx_NK.data(), h.counts_E.data(), dtopk_w.data(), dlb, dz, dnorm.data(), dw.router);
-  cpu::rmsnorm_backward(s.x_in_ND.data(), w.mlp_norm, s.rstd_N.data(), dnorm.data(), dtmp.data(), dw.mlp_norm, n, d);
-  for (int64_t i = 0; i < n * d; ++i) dx[i] += dtmp[i];
+  cpu::rmsnorm_backward_add(s.x_in_ND.data(), w.mlp_norm, s.rstd_N.data(), dnorm.data(), dx, dw.mlp_norm, n, d);
 }
 
 template <typename T>

@@ -181,7 +181,49 @@ TEST(RMSNorm, ApplyWithSavedRstdIsForwardsOutput) {
   check_rmsnorm_apply<double>();
 }
 
+// rmsnorm_backward_add is rmsnorm_backward followed by acc += dx, bit for bit (float and double),
+// dw accumulated the same way.
+template <typename T>
+void check_rmsnorm_backward_add() {
+  const int64_t n = 6, d = 67;
+  const auto xd = random_vector(n * d, 31, 2.0), wd = random_vector(d, 32), gd = random_vector(n * d, 33);
+  const auto ad = random_vector(n * d, 34);
+  const std::vector<T> x(xd.begin(), xd.end()), w(wd.begin(), wd.end()), dy(gd.begin(), gd.end());
+  std::vector<T> y(n * d), rstd(n), dx(n * d), two(ad.begin(), ad.end()), one(two), dw_two(d, T(0.5)), dw_one(dw_two);
+  cpu::rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), n, d, 1e-5);
+  cpu::rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx.data(), dw_two.data(), n, d);
+  for (int64_t i = 0; i < n * d; ++i) two[i] += dx[i];
+  cpu::rmsnorm_backward_add(x.data(), w.data(), rstd.data(), dy.data(), one.data(), dw_one.data(), n, d);
+  EXPECT_EQ(std::memcmp(one.data(), two.data(), one.size() * sizeof(T)), 0);
+  EXPECT_EQ(std::memcmp(dw_one.data(), dw_two.data(), dw_one.size() * sizeof(T)), 0);
+}
+
+TEST(RMSNorm, BackwardAddIsTheBackwardThenTheAdd) {
+  check_rmsnorm_backward_add<float>();
+  check_rmsnorm_backward_add<double>();
+}
+
 // ---------------------------------------------------------------- rope
+// rmsnorm_rope_forward is rmsnorm_forward over the row's heads * head_dim, then rope_forward (or
+// rope_forward_at at a position offset), bit for bit; a batch at an offset is refused.
+TEST(RoPE, NormThenRotationIsTheTwoOps) {
+  const int64_t b = 2, s = 5, h = 3, hd = 8, n = b * s, d = h * hd;
+  const auto x = random_vector(n * d, 41, 2.0), w = random_vector(d, 42);
+  std::vector<double> y(n * d), rstd(n), y2(n * d), rstd2(n);
+  cpu::rmsnorm_rope_forward(x.data(), w.data(), y.data(), rstd.data(), b, s, 0, h, hd, 1e-6, 1e4);
+  cpu::rmsnorm_forward(x.data(), w.data(), y2.data(), rstd2.data(), n, d, 1e-6);
+  cpu::rope_forward(y2.data(), b, s, h, hd, 1e4);
+  EXPECT_EQ(std::memcmp(y.data(), y2.data(), y.size() * sizeof(double)), 0);
+  EXPECT_EQ(std::memcmp(rstd.data(), rstd2.data(), rstd.size() * sizeof(double)), 0);
+  cpu::rmsnorm_rope_forward(x.data(), w.data(), y.data(), rstd.data(), 1, s, 7, h, hd, 1e-6, 1e4);
+  cpu::rmsnorm_forward(x.data(), w.data(), y2.data(), rstd2.data(), s, d, 1e-6);
+  cpu::rope_forward_at(y2.data(), s, 7, h, hd, 1e4);
+  EXPECT_EQ(std::memcmp(y.data(), y2.data(), size_t(s * d) * sizeof(double)), 0);
+  expect_error_mentions(
+      [&] { cpu::rmsnorm_rope_forward(x.data(), w.data(), y.data(), rstd.data(), 2, s, 7, h, hd, 1e-6, 1e4); },
+      {"rmsnorm_rope_forward", "batch=2", "pos0=7"});
+}
+
 
 TEST(RoPE, MatchesRotateHalfConvention) {
   // hd = 4, theta = 10000, position 1: pair (0, 2) turns by 1 rad, pair (1, 3) by 0.01 rad.

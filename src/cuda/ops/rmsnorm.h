@@ -24,7 +24,7 @@ void rmsnorm_backward(const uint16_t* x, const uint16_t* w, const float* rstd, c
 
 // rmsnorm_backward, then residual_add(acc, dx, acc_bf16, n * d) in the same pass: acc[n, d] (FP32)
 // += bf16(dx), acc_bf16 (may be null) = bf16(acc); dw += as in rmsnorm_backward. The same bits as
-// the two ops without dx in memory. The CPU twin is cpu::rmsnorm_backward followed by the add.
+// the two ops without dx in memory. The CPU twin is cpu::rmsnorm_backward_add.
 void rmsnorm_backward_add(const uint16_t* x, const uint16_t* w, const float* rstd, const uint16_t* dy, float* acc,
                           uint16_t* acc_bf16, float* dw, int64_t n, int64_t d, void* workspace,
                           size_t workspace_bytes, Stream stream);

@@ -25,8 +25,8 @@ void rope_backward(uint16_t* dx, int64_t batch, int64_t seq, int64_t heads, int6
 // QK-norm then RoPE: rmsnorm_forward(x, w, y, rstd, batch * seq, heads * head_dim, eps), then
 // rope_forward(y, batch, seq, heads, head_dim, theta) (pos0 = 0) or rope_forward_at(y, seq, pos0,
 // ...) (batch = 1), in one pass where head_dim / 2 is a multiple of 8 and x, w, y are 16-byte
-// aligned (else the two ops): the same bits. The CPU twin is cpu::rmsnorm_forward then
-// cpu::rope_forward / rope_forward_at.
+// aligned (else the two ops): the same bits. The CPU twin is cpu::rmsnorm_rope_forward (BF16 storage
+// between the two ops aside).
 void rmsnorm_rope_forward(const uint16_t* x, const uint16_t* w, uint16_t* y, float* rstd, int64_t batch, int64_t seq,
                           int64_t pos0, int64_t heads, int64_t head_dim, double eps, double theta, Stream stream);
 
