@@ -18,8 +18,8 @@
 // 64), with the moments at the flat offsets (the bulk-copy ring) and shifted by 4 elements (plain
 // float4 loads): ms and GB/s at 30 bytes a parameter, alone on the GPU (JSON key "adamw"); then
 // the ring on r SMs beside 12 grouped GEMMs held to the other SMs (olmoe-8l's gate_up forward,
-// 131072 rows of 2048 over 64 experts): the update's time and the GEMMs' with and without it
-// (JSON key "adamw_beside_gemm").
+// 131072 rows of 2048 over 64 experts): the update's time and the GEMMs' with and without it,
+// after the GEMMs on every SM without a reserve (r = 0; JSON key "adamw_beside_gemm").
 // usage: moecore_op_bench [--tokens T] [--top-k K] [--experts E] [--d-model D] [--hidden I]
 //                         [--warmup N] [--iters N] [--backend mma|wgmma|all] [--out FILE.json]
 //                         [--ops all|grouped_gemm|attention|fp8_gemm|grouped_fp8|adamw] [--attn-batch B] [--attn-seq S]
@@ -464,6 +464,23 @@ nlohmann::json adamw_section(const Args& a, cudaStream_t s) {
   nlohmann::json beside = nlohmann::json::array();
   std::printf("%-26s | %4s | %9s | %8s | %14s | %15s\n", "adamw beside grouped GEMMs", "SMs", "update ms", "GB/s",
               "GEMMs alone ms", "GEMMs beside ms");
+  // The 12 GEMMs on every SM, the reference for what a reserve costs them.
+  {
+    std::vector<float> all;
+    for (int rep = 0; rep < 1 + std::max(1, a.iters / 4); ++rep) {  // the first round warms up
+      float ms = 0;
+      MOE_CUDA_CHECK(cudaEventRecord(start, s));
+      for (int i = 0; i < kGemms; ++i) moe::cuda::grouped_gemm_forward(x, w, off, y, kRows, kE, kOut, kD, s);
+      MOE_CUDA_CHECK(cudaEventRecord(gemms_done, s));
+      MOE_CUDA_CHECK(cudaEventSynchronize(gemms_done));
+      MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, gemms_done));
+      if (rep > 0) all.push_back(ms);
+    }
+    std::sort(all.begin(), all.end());
+    const double med = all[all.size() / 2];
+    std::printf("%-26s | %4s | %9s | %8s | %14.3f | %15s\n", "no update, no reserve", "0", "-", "-", med, "-");
+    beside.push_back({{"sms", 0}, {"gemms", kGemms}, {"gemms_alone_ms", med}});
+  }
   for (const int sms : {16, 32, 48}) {
     auto gemms = [&] {
       const moe::cuda::ScopedSmReserve reserve(sms);
