@@ -3,7 +3,8 @@
 // Per phase, the work of one step on one rank (summed over its micro-steps) at the ceilings of
 // train/ceilings.h: the GEMM phases at the dense BF16 GEMM rate, the attention core at cuDNN's
 // causal forward and backward rates, the experts' grouped GEMMs at the dense rate or, when
-// larger, their weight traffic at the HBM rate, the optimizer's bytes at the HBM rate. The small
+// larger, their weight traffic at the HBM rate, the optimizer's bytes at the HBM rate (only the
+// gradient norm's when the update is deferred into the next forward). The small
 // memory-bound phases (embedding, router, dispatch, combine) and recomputation get none. Formulas:
 // docs/benchmarks.md.
 #pragma once

@@ -270,7 +270,8 @@ TEST(Planner, ExpertScalingSweepNearMeasured) {
 // The bench's per-phase ceilings: the phases' GEMM FLOPs add up to the model's FLOPs per step
 // (docs/architecture.md) less the router's gate GEMM, with the attention core counted as the cuDNN
 // rates are (backward 2.5 x forward, where the formula counts 2 x); the optimizer at 34 bytes per
-// parameter; the experts bound by their weight traffic once each expert sees few rows.
+// parameter (4 with the update deferred); the experts bound by their weight traffic once each
+// expert sees few rows.
 TEST(PhaseCeilings, WorkAddsUpToTheModelFlops) {
   const Config c = load_config(kOlmoe8l, {});
   const RunPlan plan = make_run_plan(c, 1, "cuda");
@@ -291,6 +292,15 @@ TEST(PhaseCeilings, WorkAddsUpToTheModelFlops) {
   EXPECT_NEAR(optimizer_ms, 1e3 * 34.0 * double(plan.memory.local_params) / 4.3e12, 1e-9);
   EXPECT_GT(optimizer_ms, 27.0);  // 3.56B parameters: about 28 ms
   EXPECT_NE(experts_ceiling.find("TFLOP/s"), std::string::npos) << experts_ceiling;
+  // The update deferred into the next forward: the phase keeps the norm's 4 bytes per parameter.
+  Config deferred = c;
+  deferred.optim.deferred_update = true;
+  for (const PhaseCeiling& p : phase_ceilings(deferred, plan)) {
+    if (p.phase == "optimizer") {
+      EXPECT_NEAR(p.ideal_ms, optimizer_ms * 4.0 / 34.0, 1e-9);
+      EXPECT_NE(p.ceiling.find("deferred"), std::string::npos) << p.ceiling;
+    }
+  }
 
   // scaling1-e128, one micro-batch of 8192 tokens: 256 rows per expert; 12 bytes per expert
   // parameter outweigh the GEMMs' FLOPs.
