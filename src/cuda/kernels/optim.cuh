@@ -19,7 +19,7 @@ constexpr int64_t kNormBlockElems = 16384;  // elements per block below kNormMax
 constexpr int kNormGroup = 4;               // elements per group (one 16-byte load when aligned)
 
 constexpr int kAdamWThreads = 256;
-constexpr int kAdamWResidentThreads = 1024;  // the update kept to a few multiprocessors: one such block on each
+constexpr int kAdamWResidentThreads = 1024;  // the plain-load update kept to a few multiprocessors: a block on each
 constexpr int64_t kAdamWChunk = 4096;  // elements of the flat buffers per block (and per step of a block's loop)
 
 // Sum over the block in a fixed order: butterfly within each warp, then warp sums in warp order.
