@@ -78,12 +78,23 @@ void rmsnorm_rope_forward(const T* x, const T* w, T* y, T* rstd, int64_t batch, 
   }
 }
 
+template <typename T>
+void rope_rmsnorm_backward(const T* x, const T* w, const T* rstd, T* dy, T* dx, T* dw, int64_t batch, int64_t seq,
+                           int64_t heads, int64_t head_dim, double theta) {
+  rope_backward(dy, batch, seq, heads, head_dim, theta);
+  rmsnorm_backward(x, w, rstd, dy, dx, dw, batch * seq, heads * head_dim);
+}
+
 template void rope_forward<float>(float*, int64_t, int64_t, int64_t, int64_t, double);
 template void rope_forward<double>(double*, int64_t, int64_t, int64_t, int64_t, double);
 template void rope_forward_at<float>(float*, int64_t, int64_t, int64_t, int64_t, double);
 template void rope_forward_at<double>(double*, int64_t, int64_t, int64_t, int64_t, double);
 template void rope_backward<float>(float*, int64_t, int64_t, int64_t, int64_t, double);
 template void rope_backward<double>(double*, int64_t, int64_t, int64_t, int64_t, double);
+template void rope_rmsnorm_backward<float>(const float*, const float*, const float*, float*, float*, float*, int64_t,
+                                           int64_t, int64_t, int64_t, double);
+template void rope_rmsnorm_backward<double>(const double*, const double*, const double*, double*, double*, double*,
+                                            int64_t, int64_t, int64_t, int64_t, double);
 template void rmsnorm_rope_forward<float>(const float*, const float*, float*, float*, int64_t, int64_t, int64_t,
                                           int64_t, int64_t, double, double);
 template void rmsnorm_rope_forward<double>(const double*, const double*, double*, double*, int64_t, int64_t, int64_t,

@@ -29,4 +29,11 @@ template <typename T>
 void rmsnorm_rope_forward(const T* x, const T* w, T* y, T* rstd, int64_t batch, int64_t seq, int64_t pos0,
                           int64_t heads, int64_t head_dim, double eps, double theta);
 
+// QK-norm's backward after RoPE's: rope_backward(dy, ...) in place, then rmsnorm_backward(x, w,
+// rstd, dy, dx, dw, batch * seq, heads * head_dim). The twin of cuda::rope_rmsnorm_backward (which
+// leaves dy as it was and rounds the rotated gradient to BF16 as its storage would).
+template <typename T>
+void rope_rmsnorm_backward(const T* x, const T* w, const T* rstd, T* dy, T* dx, T* dw, int64_t batch, int64_t seq,
+                           int64_t heads, int64_t head_dim, double theta);
+
 }  // namespace moe::cpu

@@ -75,17 +75,20 @@ void attention_block_backward(const AttentionConfig& c, const AttentionTensors<c
   cpu::linear_backward_at(c.fp8, s.attn_NQ.data(), w.o_proj, dx, dattn.data(), dw.o_proj, n, q, d);
   cpu::attention_backward(s.q_NQ.data(), s.k_NC.data(), s.v_NC.data(), s.attn_NQ.data(), s.lse_BHS.data(),
                           dattn.data(), dq.data(), dk.data(), dv.data(), batch, seq, hq, hkv, hd);
-  cpu::rope_backward(dq.data(), batch, seq, hq, hd, c.rope_theta);
-  cpu::rope_backward(dk.data(), batch, seq, hkv, hd, c.rope_theta);
   const T* gq = dq.data();
   const T* gk = dk.data();
   if (c.qk_norm) {
     dq_raw.resize(n * q);
     dk_raw.resize(n * kv);
-    cpu::rmsnorm_backward(s.q_raw_NQ.data(), w.q_norm, s.q_rstd_N.data(), dq.data(), dq_raw.data(), dw.q_norm, n, q);
-    cpu::rmsnorm_backward(s.k_raw_NC.data(), w.k_norm, s.k_rstd_N.data(), dk.data(), dk_raw.data(), dw.k_norm, n, kv);
+    cpu::rope_rmsnorm_backward(s.q_raw_NQ.data(), w.q_norm, s.q_rstd_N.data(), dq.data(), dq_raw.data(), dw.q_norm,
+                               batch, seq, hq, hd, c.rope_theta);
+    cpu::rope_rmsnorm_backward(s.k_raw_NC.data(), w.k_norm, s.k_rstd_N.data(), dk.data(), dk_raw.data(), dw.k_norm,
+                               batch, seq, hkv, hd, c.rope_theta);
     gq = dq_raw.data();
     gk = dk_raw.data();
+  } else {
+    cpu::rope_backward(dq.data(), batch, seq, hq, hd, c.rope_theta);
+    cpu::rope_backward(dk.data(), batch, seq, hkv, hd, c.rope_theta);
   }
   cpu::linear_backward_at(c.fp8, s.norm_ND.data(), w.q_proj, gq, dnorm.data(), dw.q_proj, n, d, q);
   cpu::linear_backward_at(c.fp8, s.norm_ND.data(), w.k_proj, gk, dnorm.data(), dw.k_proj, n, d, kv, /*accumulate_dx=*/true);

@@ -5,6 +5,7 @@
 #include "cpu/rmsnorm.h"
 #include "cuda/ops/memory.h"
 #include "cuda/ops/rmsnorm.h"
+#include "cuda/ops/rope.h"
 #include "gpu/op_case_gpu.h"
 
 namespace moe::testing {
@@ -116,6 +117,54 @@ TEST(RmsnormBackwardAdd, IsTheBackwardThenTheResidualAddBitwise) {
       one_acc.expect_guards_intact("acc");
       one_b.expect_guards_intact("acc_bf16");
     }
+  }
+}
+
+// cuda::rope_rmsnorm_backward against cuda::rope_backward (on a copy of dy) then
+// cuda::rmsnorm_backward: dx and dw bitwise, dy unchanged; shapes it refuses (head_dim / 2 not a
+// multiple of 8) named.
+TEST(RopeRmsnormBackward, IsTheRotationThenTheNormBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  struct Case {
+    int64_t batch, seq, heads, head_dim;
+  };
+  const double theta = 5e5;
+  for (const Case& k : {Case{3, 37, 16, 128}, Case{1, 9, 4, 64}, Case{2, 64, 2, 16}}) {
+    const int64_t n = k.batch * k.seq, d = k.heads * k.head_dim;
+    const std::string what = param_name("b", k.batch, "_s", k.seq, "_h", k.heads, "_hd", k.head_dim);
+    const auto x = scaled_rows(n, d, 21), dy = random_bf16(n * d, 22), w = random_bf16(d, 23, 0.5f, 1.0f);
+    std::vector<float> rstd(static_cast<size_t>(n)), y(static_cast<size_t>(n * d));
+    cpu::rmsnorm_forward(bf16_to_f32(x).data(), bf16_to_f32(w).data(), y.data(), rstd.data(), n, d, kEps);
+    const auto dw0 = random_f32(d, 24, 0.1f);
+    GuardedBuffer<uint16_t> xb(x), wb(w), dyb(dy), dy_copy(dy), dx_two(n * d), dx_one(n * d);
+    GuardedBuffer<float> rb(rstd), dw_two(dw0), dw_one(dw0);
+    const size_t ws_bytes = cuda::rope_rmsnorm_backward_workspace_bytes(n, d, k.seq, k.head_dim);
+    ASSERT_GE(ws_bytes, cuda::rmsnorm_backward_workspace_bytes(n, d));
+    GuardedBuffer<float> ws(int64_t(ws_bytes / sizeof(float)) + 1);
+    ASSERT_TRUE(cuda::rope_rmsnorm_backward_fuses(xb.data(), wb.data(), dyb.data(), dx_one.data(), k.heads, k.head_dim));
+    TestStream stream;
+    cuda::rope_backward(dy_copy.data(), k.batch, k.seq, k.heads, k.head_dim, theta, stream.get());
+    cuda::rmsnorm_backward(xb.data(), wb.data(), rb.data(), dy_copy.data(), dx_two.data(), dw_two.data(), n, d,
+                           ws.data(), ws_bytes, stream.get());
+    cuda::rope_rmsnorm_backward(xb.data(), wb.data(), rb.data(), dyb.data(), dx_one.data(), dw_one.data(), k.batch,
+                                k.seq, k.heads, k.head_dim, theta, ws.data(), ws_bytes, stream.get());
+    stream.sync();
+    EXPECT_EQ(dx_one.download(), dx_two.download()) << what << ": dx";
+    const auto w1 = dw_one.download(), w2 = dw_two.download();
+    EXPECT_EQ(0, std::memcmp(w1.data(), w2.data(), w1.size() * sizeof(float))) << what << ": dw";
+    EXPECT_EQ(dyb.download(), dy) << what << ": dy changed";
+    dx_one.expect_guards_intact("dx");
+    ws.expect_guards_intact("workspace");
+  }
+  GuardedBuffer<uint16_t> bf(2 * 3 * 12);
+  GuardedBuffer<float> f(64);
+  EXPECT_FALSE(cuda::rope_rmsnorm_backward_fuses(bf.data(), bf.data(), bf.data(), bf.data(), 3, 12));
+  try {
+    cuda::rope_rmsnorm_backward(bf.data(), bf.data(), f.data(), bf.data(), bf.data(), f.data(), 1, 2, 3, 12, 1e4,
+                                f.data(), 256, nullptr);
+    ADD_FAILURE() << "expected moe::Error";
+  } catch (const moe::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("head_dim=12"), std::string::npos) << e.what();
   }
 }
 

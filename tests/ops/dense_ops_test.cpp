@@ -225,6 +225,20 @@ TEST(RoPE, NormThenRotationIsTheTwoOps) {
 }
 
 
+// rope_rmsnorm_backward is rope_backward then rmsnorm_backward, bit for bit.
+TEST(RoPE, RotationBackThenNormBackwardIsTheTwoOps) {
+  const int64_t b = 2, s = 5, h = 3, hd = 8, n = b * s, d = h * hd;
+  const auto x = random_vector(n * d, 51, 2.0), w = random_vector(d, 52), g = random_vector(n * d, 53);
+  std::vector<double> y(n * d), rstd(n), dy1(g), dy2(g), dx1(n * d), dx2(n * d), dw1(d, 0.25), dw2(d, 0.25);
+  cpu::rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), n, d, 1e-6);
+  cpu::rope_rmsnorm_backward(x.data(), w.data(), rstd.data(), dy1.data(), dx1.data(), dw1.data(), b, s, h, hd, 1e4);
+  cpu::rope_backward(dy2.data(), b, s, h, hd, 1e4);
+  cpu::rmsnorm_backward(x.data(), w.data(), rstd.data(), dy2.data(), dx2.data(), dw2.data(), n, d);
+  EXPECT_EQ(std::memcmp(dx1.data(), dx2.data(), dx1.size() * sizeof(double)), 0);
+  EXPECT_EQ(std::memcmp(dw1.data(), dw2.data(), dw1.size() * sizeof(double)), 0);
+  EXPECT_EQ(std::memcmp(dy1.data(), dy2.data(), dy1.size() * sizeof(double)), 0);
+}
+
 TEST(RoPE, MatchesRotateHalfConvention) {
   // hd = 4, theta = 10000, position 1: pair (0, 2) turns by 1 rad, pair (1, 3) by 0.01 rad.
   std::vector<double> x = {0, 0, 0, 0, 1, 0, 0, 0,   // batch 0: positions 0 and 1

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "cuda/kernels/rms_row.cuh"
+#include "cuda/kernels/rope.cuh"
 #include "cuda/kernels/vec.cuh"
 
 namespace moe::cuda::kernels {
@@ -51,12 +52,43 @@ __global__ void rmsnorm_forward_warp_per_row(const uint16_t* __restrict__ x, con
 // store would, is added to the FP32 residual gradient res, and res_bf16 (when not null) gets
 // bf16(res): residual_add's operations on dx in the same pass, so the same bits without writing
 // and reading dx.
-template <int V, bool kAddResidual = false>
+//
+// kRope (rope_rmsnorm_backward, QK-norm's backward after RoPE's): dy is the gradient before RoPE's
+// backward; every piece of it is read rotated back as rope_backward would have stored it (its
+// pair partner half a head away, the (cos, sin) of the row's position from rope_table [seq,
+// head_dim / 2], rope_rotate<true>, rounded to BF16), so the same bits without the rotation's
+// pass over dy. V = kVecBf16 and (head_dim / 2) % V == 0: a piece never straddles a head's halves.
+template <int V, bool kAddResidual = false, bool kRope = false>
 __global__ void __launch_bounds__(kRmsBackwardThreads)
     rmsnorm_backward_row_chunks(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                                 const float* __restrict__ rstd, const uint16_t* __restrict__ dy,
                                 uint16_t* __restrict__ dx, float* __restrict__ partial_dw, int64_t n, int64_t d,
-                                float* __restrict__ res = nullptr, uint16_t* __restrict__ res_bf16 = nullptr) {
+                                float* __restrict__ res = nullptr, uint16_t* __restrict__ res_bf16 = nullptr,
+                                const float2* __restrict__ rope_table = nullptr, int64_t seq = 0,
+                                int head_dim = 0) {
+  static_assert(!kRope || V == kVecBf16, "the rotated loads take 16-byte pieces");
+  // dy[row, c .. c + V), rotated back when kRope.
+  const auto load_dy = [&](int64_t row, int64_t c, float (&out)[V]) {
+    if constexpr (kRope) {
+      const int half = head_dim / 2;
+      const int hc = static_cast<int>(c % head_dim);
+      const bool lo = hc < half;
+      const int i0 = lo ? hc : hc - half;
+      float a[V], b[V];
+      load_bf16<V>(dy + row * d + (lo ? c : c - half), a);
+      load_bf16<V>(dy + row * d + (lo ? c + half : c), b);
+      const float2* t = rope_table + (row % seq) * half + i0;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        float out_lo, out_hi;
+        rope_rotate<true>(a[k], b[k], t[k], out_lo, out_hi);
+        out[k] = lo ? out_lo : out_hi;
+      }
+      round_to_bf16<V>(out);  // as rope_backward stores it
+    } else {
+      load_bf16<V>(dy + row * d + c, out);
+    }
+  };
   constexpr int kSubRows = kRmsSubRows;
   static_assert(kSubRows <= kRmsBackwardThreads / kWarpSize && kRmsChunkRows % kSubRows == 0,
                 "a sub-chunk is at most one row per warp");
@@ -74,13 +106,12 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
     const int r = g0 + warp;
     if (warp < kSubRows && r < g1) {
       const uint16_t* x_row = x + (row0 + r) * d;
-      const uint16_t* dy_row = dy + (row0 + r) * d;
       float dot = 0.0f;
 #pragma unroll 2
       for (int64_t c = int64_t{lane} * V; c < d; c += kWarpSize * V) {
         float xv[V], dv[V], wv[V];
         load_bf16<V>(x_row + c, xv);
-        load_bf16<V>(dy_row + c, dv);
+        load_dy(row0 + r, c, dv);
         load_bf16<V>(w + c, wv);
 #pragma unroll
         for (int i = 0; i < V; ++i) dot += (dv[i] * wv[i]) * xv[i];
@@ -115,7 +146,7 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
         const int64_t off = (row0 + rr) * d + c;
         float xv[V], dv[V], out[V];
         load_bf16<V>(x + off, xv);
-        load_bf16<V>(dy + off, dv);
+        load_dy(row0 + rr, c, dv);
         const float rs = s_rstd[rr];
         const float m = s_mean[rr];
 #pragma unroll
@@ -157,6 +188,17 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
         for (int i = 0; i < V; ++i) partial[c + i] = acc[i];
       }
     }
+  }
+}
+
+// table[s, i] = rope_cos_sin(s, i, head_dim, log2_theta) for s < seq, i < head_dim / 2: the
+// (cos, sin) that rope_rotate_pairs builds in shared memory for each position, here in global
+// memory for the rotated loads of rmsnorm_backward_row_chunks<.., kRope>.
+__global__ void rope_cos_sin_table(float2* __restrict__ table, int64_t seq, int head_dim, double log2_theta) {
+  const int half = head_dim / 2;
+  for (int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < seq * half;
+       e += int64_t{gridDim.x} * blockDim.x) {
+    table[e] = rope_cos_sin(e / half, static_cast<int>(e % half), head_dim, log2_theta);
   }
 }
 

@@ -5,6 +5,7 @@
 #include "cuda/ops/rmsnorm.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "cuda/common.h"
 #include "cuda/kernels/rmsnorm.cuh"
@@ -31,14 +32,15 @@ void launch_rmsnorm_forward(const uint16_t* x, const uint16_t* w, uint16_t* y, f
   check_launch("rmsnorm_forward_warp_per_row");
 }
 
-template <int V, bool kAddResidual = false>
+template <int V, bool kAddResidual = false, bool kRope = false>
 void launch_rmsnorm_backward(const uint16_t* x, const uint16_t* w, const float* rstd, const uint16_t* dy,
                              uint16_t* dx, float* dw, float* partial_dw, int64_t n, int64_t d, Stream stream,
-                             float* acc = nullptr, uint16_t* acc_bf16 = nullptr) {
+                             float* acc = nullptr, uint16_t* acc_bf16 = nullptr, const float2* rope_table = nullptr,
+                             int64_t seq = 0, int head_dim = 0) {
   const int64_t chunks = num_chunks(n);
-  kernels::rmsnorm_backward_row_chunks<V, kAddResidual>
-      <<<static_cast<unsigned>(chunks), kernels::kRmsBackwardThreads, 0, stream>>>(x, w, rstd, dy, dx,
-                                                                                   partial_dw, n, d, acc, acc_bf16);
+  kernels::rmsnorm_backward_row_chunks<V, kAddResidual, kRope>
+      <<<static_cast<unsigned>(chunks), kernels::kRmsBackwardThreads, 0, stream>>>(
+          x, w, rstd, dy, dx, partial_dw, n, d, acc, acc_bf16, rope_table, seq, head_dim);
   check_launch("rmsnorm_backward_row_chunks");
   const dim3 block(kernels::kWarpSize, kernels::kRmsReduceWarps);
   const int64_t blocks = (d + kernels::kWarpSize - 1) / kernels::kWarpSize;
@@ -122,6 +124,56 @@ void rmsnorm_backward_add(const uint16_t* x, const uint16_t* w, const float* rst
                           size_t workspace_bytes, Stream stream) {
   backward_checked("cuda::rmsnorm_backward_add", true, x, w, rstd, dy, nullptr, acc, acc_bf16, dw, n, d, workspace,
                    workspace_bytes, stream);
+}
+
+namespace {
+
+constexpr int64_t kRopeTableAlign = 256;  // the (cos, sin) table after the partial dw rows
+
+int64_t rope_table_offset(int64_t n, int64_t d) {
+  return (static_cast<int64_t>(rmsnorm_backward_workspace_bytes(n, d)) + kRopeTableAlign - 1) / kRopeTableAlign *
+         kRopeTableAlign;
+}
+
+}  // namespace
+
+size_t rope_rmsnorm_backward_workspace_bytes(int64_t n, int64_t d, int64_t seq, int64_t head_dim) {
+  MOE_CHECK(seq >= 0 && head_dim >= 0, "cuda::rope_rmsnorm_backward_workspace_bytes: expected seq, head_dim >= 0, got "
+            "seq=", seq, " head_dim=", head_dim);
+  return static_cast<size_t>(rope_table_offset(n, d) + seq * (head_dim / 2) * int64_t{sizeof(float2)});
+}
+
+bool rope_rmsnorm_backward_fuses(const uint16_t* x, const uint16_t* w, const uint16_t* dy, const uint16_t* dx,
+                                 int64_t heads, int64_t head_dim) {
+  return heads > 0 && head_dim > 0 && head_dim % 2 == 0 && (head_dim / 2) % kVecBf16 == 0 && detail::aligned16(x) &&
+         detail::aligned16(w) && detail::aligned16(dy) && detail::aligned16(dx);
+}
+
+void rope_rmsnorm_backward(const uint16_t* x, const uint16_t* w, const float* rstd, const uint16_t* dy, uint16_t* dx,
+                           float* dw, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double theta,
+                           void* workspace, size_t workspace_bytes, Stream stream) {
+  const char* op = "cuda::rope_rmsnorm_backward";
+  MOE_CHECK(batch >= 0 && seq >= 0, op, ": expected batch, seq >= 0, got batch=", batch, " seq=", seq);
+  MOE_CHECK(rope_rmsnorm_backward_fuses(x, w, dy, dx, heads, head_dim), op, ": expected heads > 0, head_dim / 2 a "
+            "multiple of 8 and 16-byte aligned x, w, dy, dx (rope_rmsnorm_backward_fuses), got heads=", heads,
+            " head_dim=", head_dim);
+  MOE_CHECK(theta > 0.0 && std::isfinite(theta), op, ": expected a finite theta > 0, got ", theta);
+  const int64_t n = batch * seq, d = heads * head_dim;
+  check_sizes(op, n, d);
+  if (n == 0) return;
+  detail::check_ptrs(op, {{"rstd", rstd}, {"dw", dw}}, 4);
+  detail::check_ptrs(op, {{"workspace", workspace}}, 16);
+  const size_t need = rope_rmsnorm_backward_workspace_bytes(n, d, seq, head_dim);
+  MOE_CHECK(workspace_bytes >= need, op, ": workspace of ", workspace_bytes, " bytes is too small, need ", need,
+            " (rope_rmsnorm_backward_workspace_bytes(", n, ", ", d, ", ", seq, ", ", head_dim, "))");
+  float* partial_dw = static_cast<float*>(workspace);
+  auto* table = reinterpret_cast<float2*>(static_cast<unsigned char*>(workspace) + rope_table_offset(n, d));
+  const int64_t entries = seq * (head_dim / 2);
+  kernels::rope_cos_sin_table<<<static_cast<unsigned>(std::min<int64_t>((entries + 255) / 256, detail::kMaxGridX)),
+                                256, 0, stream>>>(table, seq, static_cast<int>(head_dim), std::log2(theta));
+  check_launch("rope_cos_sin_table");
+  launch_rmsnorm_backward<kVecBf16, false, true>(x, w, rstd, dy, dx, dw, partial_dw, n, d, stream, nullptr, nullptr,
+                                                 table, seq, static_cast<int>(head_dim));
 }
 
 }  // namespace moe::cuda

@@ -29,4 +29,17 @@ void rmsnorm_backward_add(const uint16_t* x, const uint16_t* w, const float* rst
                           uint16_t* acc_bf16, float* dw, int64_t n, int64_t d, void* workspace,
                           size_t workspace_bytes, Stream stream);
 
+// QK-norm's backward after RoPE's: rope_backward(dy, batch, seq, heads, head_dim, theta) (on a
+// copy: dy is not changed), then rmsnorm_backward(x, w, rstd, that, dx, dw, batch * seq, heads *
+// head_dim, ...), in one pass that reads dy rotated back, with the same bits. Needs
+// rope_rmsnorm_backward_fuses (head_dim / 2 a multiple of 8, 16-byte aligned tensors); the
+// workspace holds the partial dw rows and a (cos, sin) table of seq x head_dim / 2. The CPU twin is
+// cpu::rope_backward followed by cpu::rmsnorm_backward.
+size_t rope_rmsnorm_backward_workspace_bytes(int64_t n, int64_t d, int64_t seq, int64_t head_dim);
+bool rope_rmsnorm_backward_fuses(const uint16_t* x, const uint16_t* w, const uint16_t* dy, const uint16_t* dx,
+                                 int64_t heads, int64_t head_dim);
+void rope_rmsnorm_backward(const uint16_t* x, const uint16_t* w, const float* rstd, const uint16_t* dy, uint16_t* dx,
+                           float* dw, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double theta,
+                           void* workspace, size_t workspace_bytes, Stream stream);
+
 }  // namespace moe::cuda
