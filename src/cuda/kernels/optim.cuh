@@ -144,8 +144,9 @@ __device__ __forceinline__ void adamw_element(float& p, float g, float& m, float
 // guards each element's sequence by its own branch to a slow path; here one range check covers
 // the four and the four take the intrinsics when any operand is out of range. That lets the
 // four chains interleave, which matters where the update is bound by its instructions (on a few
-// multiprocessors, optim_resident.cuh). Tested: every float's square root, and quotients over
-// the ranges, against the intrinsics (tests/gpu).
+// multiprocessors, optim_resident.cuh). Tested through the update: the float4 path against the
+// scalar path (the intrinsics) on values drawn from every binade, zeros, subnormals, infinities
+// and NaNs included (AdamW.Float4PathIsTheScalarPathOverEveryExponent).
 __device__ __forceinline__ bool sqrt_in_fast_range(float v) {
   // Positive normal floats from 2^-101 to the largest finite: the compiler's own check.
   return __float_as_uint(v) + 0xf3000000u <= 0x727fffffu;
@@ -294,11 +295,12 @@ struct ChunkPiece {
   float decay;
 };
 
-// piece(ChunkPiece) for every segment overlapping the chunk [c0, c1), in segment order.
+// piece(ChunkPiece) for every segment overlapping the chunk [c0, c1), in segment order, from the
+// segment `first` (first_segment_ending_after(segs, num_segs, c0), or the same found earlier).
 template <typename Fn>
-__device__ __forceinline__ void for_each_chunk_piece(const ParamSegment* __restrict__ segs, int num_segs, int64_t c0,
-                                                     int64_t c1, float decay, Fn&& piece) {
-  for (int si = first_segment_ending_after(segs, num_segs, c0); si < num_segs; ++si) {
+__device__ __forceinline__ void for_each_chunk_piece_from(const ParamSegment* __restrict__ segs, int num_segs,
+                                                          int first, int64_t c0, int64_t c1, float decay, Fn&& piece) {
+  for (int si = first; si < num_segs; ++si) {
     const ParamSegment seg = segs[si];
     if (seg.offset >= c1) break;
     ChunkPiece x;
@@ -311,6 +313,13 @@ __device__ __forceinline__ void for_each_chunk_piece(const ParamSegment* __restr
     x.decay = seg.decay ? decay : 1.0f;
     piece(x);
   }
+}
+
+template <typename Fn>
+__device__ __forceinline__ void for_each_chunk_piece(const ParamSegment* __restrict__ segs, int num_segs, int64_t c0,
+                                                     int64_t c1, float decay, Fn&& piece) {
+  for_each_chunk_piece_from(segs, num_segs, first_segment_ending_after(segs, num_segs, c0), c0, c1, decay,
+                            static_cast<Fn&&>(piece));
 }
 
 // Chunk number i (of num_chunks) of the runs: the chunk index in the flat buffers.

@@ -89,30 +89,23 @@ __global__ void __launch_bounds__(kAdamWRingThreads, 1)
     const int64_t c0 = stage_c0[st];
     const int64_t c1 = c0 + kAdamWChunk < total_numel ? c0 + kAdamWChunk : total_numel;
     // The stage holds p, g, m, v of the chunk as four arrays of kAdamWChunk; element i at i - c0.
-    for (int si = stage_seg[st]; si < num_segs; ++si) {
-      const ParamSegment seg = segs[si];
-      if (seg.offset >= c1) break;
-      const int64_t lo = seg.offset > c0 ? seg.offset : c0;
-      const int64_t end = seg.offset + seg.numel;
-      const int64_t hi = end < c1 ? end : c1;
-      const int64_t vb = ((lo + 3) / 4) * 4 < hi ? ((lo + 3) / 4) * 4 : hi;
-      const int64_t ve = (hi / 4) * 4 > vb ? (hi / 4) * 4 : vb;
-      const float decay = seg.decay ? k.decay : 1.0f;
+    // The moments sit at the flat offsets: a piece's shift is 0.
+    for_each_chunk_piece_from(segs, num_segs, stage_seg[st], c0, c1, k.decay, [&](const ChunkPiece& x) {
       auto scalar = [&](int64_t i) {
         const int t = static_cast<int>(i - c0);
         adamw_store_scalar(i, i, sp[t], sp[kAdamWChunk + t], sp[2 * kAdamWChunk + t], sp[3 * kAdamWChunk + t], p, m,
-                           v, p_bf16, decay, k, c);
+                           v, p_bf16, x.decay, k, c);
       };
-      if (lo + tid < vb) scalar(lo + tid);
+      if (x.lo + tid < x.vb) scalar(x.lo + tid);
       // The float4 body, in chunk-relative 32-bit indices.
-      const int qb = static_cast<int>((vb - c0) / 4), qe = static_cast<int>((ve - c0) / 4);
+      const int qb = static_cast<int>((x.vb - c0) / 4), qe = static_cast<int>((x.ve - c0) / 4);
       const int64_t q0 = c0 / 4;
       for (int u = qb + tid; u < qe; u += kThreads) {
         adamw_store_vec4(q0 + u, q0 + u, s4[u], s4[kArray + u], s4[2 * kArray + u], s4[3 * kArray + u], p, m, v,
-                         p_bf16, decay, k, c);
+                         p_bf16, x.decay, k, c);
       }
-      if (ve + tid < hi) scalar(ve + tid);
-    }
+      if (x.ve + tid < x.hi) scalar(x.ve + tid);
+    });
     __syncwarp();  // every lane of this warp is done reading stage st
     if (tid % kWarpSize == 0) sm90::mbar_arrive(sm90::smem_u32(&empty[st]));
   }
