@@ -467,40 +467,46 @@ nlohmann::json adamw_section(const Args& a, cudaStream_t s) {
   nlohmann::json beside = nlohmann::json::array();
   std::printf("%-26s | %4s | %9s | %8s | %14s | %15s\n", "adamw beside grouped GEMMs", "SMs", "update ms", "GB/s",
               "GEMMs alone ms", "GEMMs beside ms");
-  // The 12 GEMMs on every SM, the reference for what a reserve costs them.
+  // The 12 GEMMs with `reserve` SMs left free, and their time alone on the main stream; each
+  // measurement below drops its first round (a warm-up).
+  const int rounds = 1 + std::max(1, a.iters / 4);
+  auto gemms = [&](int reserve) {
+    const moe::cuda::ScopedSmReserve r(reserve);
+    for (int i = 0; i < kGemms; ++i) moe::cuda::grouped_gemm_forward(x, w, off, y, kRows, kE, kOut, kD, s);
+  };
+  auto time_gemms = [&](int reserve) {
+    float ms = 0;
+    MOE_CUDA_CHECK(cudaEventRecord(start, s));
+    gemms(reserve);
+    MOE_CUDA_CHECK(cudaEventRecord(gemms_done, s));
+    MOE_CUDA_CHECK(cudaEventSynchronize(gemms_done));
+    MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, gemms_done));
+    return ms;
+  };
+  auto median = [](std::vector<float> v) {
+    std::sort(v.begin(), v.end());
+    return double(v[v.size() / 2]);
+  };
+  // On every SM: the reference for what a reserve costs them.
   {
     std::vector<float> all;
-    for (int rep = 0; rep < 1 + std::max(1, a.iters / 4); ++rep) {  // the first round warms up
-      float ms = 0;
-      MOE_CUDA_CHECK(cudaEventRecord(start, s));
-      for (int i = 0; i < kGemms; ++i) moe::cuda::grouped_gemm_forward(x, w, off, y, kRows, kE, kOut, kD, s);
-      MOE_CUDA_CHECK(cudaEventRecord(gemms_done, s));
-      MOE_CUDA_CHECK(cudaEventSynchronize(gemms_done));
-      MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, gemms_done));
+    for (int rep = 0; rep < rounds; ++rep) {
+      const float ms = time_gemms(0);
       if (rep > 0) all.push_back(ms);
     }
-    std::sort(all.begin(), all.end());
-    const double med = all[all.size() / 2];
+    const double med = median(all);
     std::printf("%-26s | %4s | %9s | %8s | %14.3f | %15s\n", "no update, no reserve", "0", "-", "-", med, "-");
     beside.push_back({{"sms", 0}, {"gemms", kGemms}, {"gemms_alone_ms", med}});
   }
   for (const int sms : {16, 32, 48}) {
-    auto gemms = [&] {
-      const moe::cuda::ScopedSmReserve reserve(sms);
-      for (int i = 0; i < kGemms; ++i) moe::cuda::grouped_gemm_forward(x, w, off, y, kRows, kE, kOut, kD, s);
-    };
     std::vector<float> alone, with, update;
-    for (int rep = 0; rep < 1 + std::max(1, a.iters / 4); ++rep) {  // the first round warms up
+    for (int rep = 0; rep < rounds; ++rep) {
+      const float ms_alone = time_gemms(sms);
+      if (rep > 0) alone.push_back(ms_alone);
       float ms = 0;
       MOE_CUDA_CHECK(cudaEventRecord(start, s));
-      gemms();
-      MOE_CUDA_CHECK(cudaEventRecord(gemms_done, s));
-      MOE_CUDA_CHECK(cudaEventSynchronize(gemms_done));
-      MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, gemms_done));
-      if (rep > 0) alone.push_back(ms);
-      MOE_CUDA_CHECK(cudaEventRecord(start, s));
       MOE_CUDA_CHECK(cudaStreamWaitEvent(s2, start, 0));
-      gemms();
+      gemms(sms);
       MOE_CUDA_CHECK(cudaEventRecord(gemms_done, s));
       MOE_CUDA_CHECK(cudaEventRecord(u0, s2));
       moe::cuda::adamw_apply(ring, cfg, p, g, m, v, b, scalars, false, s2, sms);
@@ -514,10 +520,6 @@ nlohmann::json adamw_section(const Args& a, cudaStream_t s) {
         update.push_back(ms);
       }
     }
-    auto median = [](std::vector<float> v) {
-      std::sort(v.begin(), v.end());
-      return double(v[v.size() / 2]);
-    };
     const double u = median(update), gbs = 30.0 * double(kN) / (u * 1e-3) / 1e9;
     std::printf("%-26s | %4d | %9.3f | %8.1f | %14.3f | %15.3f\n", "moments at offsets (ring)", sms, u, gbs,
                 median(alone), median(with));

@@ -129,6 +129,8 @@ void CudaAttentionBlock::project(const CudaBlockContext& c, int64_t pos0, bool f
   const uint16_t* P = c.params;
   const int64_t batch = c.batch, seq = c.seq, n = c.tokens();
   const int64_t d = d_, hq = hq_, hkv = hkv_, hd = hd_, q = q_, kv = kv_;
+  MOE_CHECK(pos0 == 0 || batch == 1, "CudaAttentionBlock: rows at a position offset are one sequence, got batch ",
+            batch);
   const Slots& s = slots_;
   const uint16_t* x = s.x->as<uint16_t>();
   uint16_t* norm = s.norm->as<uint16_t>();
@@ -154,8 +156,6 @@ void CudaAttentionBlock::project(const CudaBlockContext& c, int64_t pos0, bool f
   if (!fp8) cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.v_proj, d, 0.f, vb, kv, st);
   if (qk_norm_) {
     // QK-norm and RoPE in one pass over q and k (the same bits as the norm, then the rotation).
-    MOE_CHECK(pos0 == 0 || batch == 1, "CudaAttentionBlock: rows at a position offset are one sequence, got batch ",
-              batch);
     cuda::rmsnorm_rope_forward(s.q_raw->as<uint16_t>(), P + p_.q_norm, qb, s.q_rstd->as<float>(), batch, seq, pos0, hq,
                                hd, norm_eps_, rope_theta_, st);
     cuda::rmsnorm_rope_forward(s.k_raw->as<uint16_t>(), P + p_.k_norm, kb, s.k_rstd->as<float>(), batch, seq, pos0,
@@ -164,7 +164,6 @@ void CudaAttentionBlock::project(const CudaBlockContext& c, int64_t pos0, bool f
     cuda::rope_forward(qb, batch, seq, hq, hd, rope_theta_, st);
     cuda::rope_forward(kb, batch, seq, hkv, hd, rope_theta_, st);
   } else {
-    MOE_CHECK(batch == 1, "CudaAttentionBlock: rows at a position offset are one sequence, got batch ", batch);
     cuda::rope_forward_at(qb, n, pos0, hq, hd, rope_theta_, st);
     cuda::rope_forward_at(kb, n, pos0, hkv, hd, rope_theta_, st);
   }

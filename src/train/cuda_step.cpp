@@ -286,9 +286,8 @@ struct CudaStepRunner::Impl {
         // the group's own phase after the hook).
         if (timer) timer->mark(cuda::Phase::kOptimizer);
         cuda::stream_wait_event(stream(), group_updated[size_t(g)]);
-        // The update of group g + 1 runs beside the forward of group g, for the blocks (1..n_layers);
-        // the head's forward has nothing beside it.
-        if (update_sms > 0) cuda::set_reserved_sms(g >= 1 && g <= cfg.model.n_layers ? update_sms : 0);
+        // The update of group g + 1 runs beside the forward of group g: keep its multiprocessors free.
+        if (update_sms > 0) cuda::set_reserved_sms(reserved_update_sms(size_t(g) + 1));
       });
     }
     if (bf16_reduce) {
@@ -589,6 +588,11 @@ struct CudaStepRunner::Impl {
     if (timer) timer->close();
   }
 
+  // The multiprocessors group g's deferred update keeps to (0: all of them). Group g's update runs
+  // beside group g - 1's forward; the embedding's (0) and the first block's (1) have no forward
+  // beside them, and past the last group (the head) there is none.
+  int reserved_update_sms(size_t g) const { return g >= 2 && g < groups.size() ? update_sms : 0; }
+
   // The update prepared at the end of the previous step (a no-op when none is pending), group by
   // group on opt_stream, forked from the model's stream here; each group's accumulating gradients
   // are zeroed once its update read them, then its event lets that group's forward go. The last
@@ -599,10 +603,9 @@ struct CudaStepRunner::Impl {
     cuda::event_record(opt_fork, st);
     cuda::stream_wait_event(opt_stream, opt_fork);
     for (size_t g = 0; g < groups.size(); ++g) {
-      // The embedding's and the first block's updates have no forward beside them: every multiprocessor.
       cuda::adamw_apply(*group_segments[g], cfg.optim, model.params(), model.grads(), exp_avg.as<float>(),
                         exp_avg_sq.as<float>(), model.params_bf16(), opt(), /*deferred=*/true, opt_stream,
-                        g >= 2 ? update_sms : 0);
+                        reserved_update_sms(g));
       model.zero_accumulated_grads(groups[g].begin, groups[g].end, opt_stream);
       if (g + 1 == groups.size()) cuda::adamw_clear_pending(opt(), opt_stream);
       cuda::event_record(group_updated[g], opt_stream);
