@@ -184,8 +184,28 @@ void launch_m_contiguous_sm90_stages(const CUtensorMap& map_a, const CUtensorMap
                        : "grouped_gemm_m_contiguous_sm90<K>");
 }
 
+// launch_m_contiguous_sm90_stages with a 4-stage ring when the schedule of E experts fits beside it
+// (E <= 247 on an H100/H200), else 3.
+template <bool kBMn, bool kSwiglu = false>
+void launch_m_contiguous_sm90_ring(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_out,
+                                   const char* op, const int32_t* expert_offsets, uint16_t* out, int64_t max_rows,
+                                   int64_t num_experts, int64_t n_out, int64_t k_red, Stream stream,
+                                   const CUtensorMap* map_h = nullptr, uint16_t* hout = nullptr) {
+  namespace k90 = kernels::sm90;
+  const int limit = max_shared_memory_per_block(current_device());
+  if (k90::smem_bytes(4, num_experts, true) <= limit) {
+    launch_m_contiguous_sm90_stages<kBMn, 4, kSwiglu>(map_a, map_b, map_out, op, expert_offsets, out, max_rows,
+                                                      num_experts, n_out, k_red, stream, map_h, hout);
+  } else {
+    MOE_CHECK(k90::smem_bytes(3, num_experts, true) <= limit, op, ": the wgmma schedule of ", num_experts,
+              " experts needs ", k90::smem_bytes(3, num_experts, true), " bytes of shared memory, the device has ",
+              limit);
+    launch_m_contiguous_sm90_stages<kBMn, 3, kSwiglu>(map_a, map_b, map_out, op, expert_offsets, out, max_rows,
+                                                      num_experts, n_out, k_red, stream, map_h, hout);
+  }
+}
+
 // out = a @ B_e per row group on the wgmma kernels; kBMn as launch_m_contiguous's kMN (dgrad).
-// A 4-stage ring when the schedule of E experts fits beside it (E <= 247 on an H100/H200), else 3.
 template <bool kBMn>
 void launch_m_contiguous_sm90(const char* op, const uint16_t* a, const uint16_t* w, const int32_t* expert_offsets,
                               uint16_t* out, int64_t max_rows, int64_t num_experts, int64_t n_out, int64_t k_red,
@@ -203,17 +223,8 @@ void launch_m_contiguous_sm90(const char* op, const uint16_t* a, const uint16_t*
                         {u64(k_red * 2), u64(n_out * k_red * 2)}, {64, k90::kBN, 1});
   const CUtensorMap map_out = tensor_map(op, kBMn ? "dx" : "y", kMapBf16, out, {u64(n_out), u64(max_rows)},
                                          {u64(n_out * 2)}, {64, 64});
-  const int limit = max_shared_memory_per_block(current_device());
-  if (k90::smem_bytes(4, num_experts, true) <= limit) {
-    launch_m_contiguous_sm90_stages<kBMn, 4>(map_a, map_b, map_out, op, expert_offsets, out, max_rows, num_experts,
-                                             n_out, k_red, stream);
-  } else {
-    MOE_CHECK(k90::smem_bytes(3, num_experts, true) <= limit, op, ": the wgmma schedule of ", num_experts,
-              " experts needs ", k90::smem_bytes(3, num_experts, true), " bytes of shared memory, the device has ",
-              limit);
-    launch_m_contiguous_sm90_stages<kBMn, 3>(map_a, map_b, map_out, op, expert_offsets, out, max_rows, num_experts,
-                                             n_out, k_red, stream);
-  }
+  launch_m_contiguous_sm90_ring<kBMn>(map_a, map_b, map_out, op, expert_offsets, out, max_rows, num_experts, n_out,
+                                      k_red, stream);
 }
 
 // gate_up = x @ w_gu[e]^T and h = swiglu(gate_up) per row group in one wgmma kernel
@@ -232,17 +243,8 @@ void launch_m_contiguous_swiglu_sm90(const char* op, const uint16_t* x, const ui
   const CUtensorMap map_out = tensor_map(op, "gate_up", kMapBf16, gate_up, {u64(n_out), u64(max_rows)},
                                          {u64(n_out * 2)}, {64, 64});
   const CUtensorMap map_h = tensor_map(op, "h", kMapBf16, h, {u64(inner), u64(max_rows)}, {u64(inner * 2)}, {64, 64});
-  const int limit = max_shared_memory_per_block(current_device());
-  if (k90::smem_bytes(4, num_experts, true) <= limit) {
-    launch_m_contiguous_sm90_stages<false, 4, true>(map_a, map_b, map_out, op, expert_offsets, gate_up, max_rows,
-                                                    num_experts, n_out, k_red, stream, &map_h, h);
-  } else {
-    MOE_CHECK(k90::smem_bytes(3, num_experts, true) <= limit, op, ": the wgmma schedule of ", num_experts,
-              " experts needs ", k90::smem_bytes(3, num_experts, true), " bytes of shared memory, the device has ",
-              limit);
-    launch_m_contiguous_sm90_stages<false, 3, true>(map_a, map_b, map_out, op, expert_offsets, gate_up, max_rows,
-                                                    num_experts, n_out, k_red, stream, &map_h, h);
-  }
+  launch_m_contiguous_sm90_ring<false, true>(map_a, map_b, map_out, op, expert_offsets, gate_up, max_rows,
+                                             num_experts, n_out, k_red, stream, &map_h, h);
 }
 
 template <int kStages>
