@@ -230,9 +230,9 @@ void launch_m_contiguous_sm90(const char* op, const uint16_t* a, const uint16_t*
 // gate_up = x @ w_gu[e]^T and h = swiglu(gate_up) per row group in one wgmma kernel
 // (grouped_gemm_m_contiguous_sm90<false, S, true>): B in boxes of 128 rows (the gate and the up
 // rows of a tile's hidden units).
-void launch_m_contiguous_swiglu_sm90(const char* op, const uint16_t* x, const uint16_t* w, const int32_t* expert_offsets,
-                                     uint16_t* gate_up, uint16_t* h, int64_t max_rows, int64_t num_experts,
-                                     int64_t inner, int64_t k_red, Stream stream) {
+void launch_m_contiguous_swiglu_sm90(const char* op, const uint16_t* x, const uint16_t* w,
+                                     const int32_t* expert_offsets, uint16_t* gate_up, uint16_t* h, int64_t max_rows,
+                                     int64_t num_experts, int64_t inner, int64_t k_red, Stream stream) {
   namespace k90 = kernels::sm90;
   const auto u64 = [](int64_t v) { return static_cast<uint64_t>(v); };
   const int64_t n_out = 2 * inner;

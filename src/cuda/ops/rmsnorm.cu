@@ -83,9 +83,9 @@ size_t rmsnorm_backward_workspace_bytes(int64_t n, int64_t d) {
 namespace {
 
 // rmsnorm_backward (add false: dx stored) or rmsnorm_backward_add (add: dx added into acc).
-void backward_checked(const char* op, bool add, const uint16_t* x, const uint16_t* w, const float* rstd, const uint16_t* dy,
-                      uint16_t* dx, float* acc, uint16_t* acc_bf16, float* dw, int64_t n, int64_t d, void* workspace,
-                      size_t workspace_bytes, Stream stream) {
+void backward_checked(const char* op, bool add, const uint16_t* x, const uint16_t* w, const float* rstd,
+                      const uint16_t* dy, uint16_t* dx, float* acc, uint16_t* acc_bf16, float* dw, int64_t n,
+                      int64_t d, void* workspace, size_t workspace_bytes, Stream stream) {
   check_sizes(op, n, d);
   if (n == 0) return;
   detail::check_ptrs(op, {{"x", x}, {"w", w}, {"dy", dy}}, 2);
@@ -101,12 +101,14 @@ void backward_checked(const char* op, bool add, const uint16_t* x, const uint16_
   const bool vec = d % kVecBf16 == 0 && detail::aligned16(x) && detail::aligned16(w) && detail::aligned16(dy) &&
                    (add ? detail::aligned16(acc) && (acc_bf16 == nullptr || detail::aligned16(acc_bf16))
                         : detail::aligned16(dx));
-  if (add) {
-    if (vec) launch_rmsnorm_backward<kVecBf16, true>(x, w, rstd, dy, nullptr, dw, partial_dw, n, d, stream, acc, acc_bf16);
-    else launch_rmsnorm_backward<1, true>(x, w, rstd, dy, nullptr, dw, partial_dw, n, d, stream, acc, acc_bf16);
+  if (add && vec) {
+    launch_rmsnorm_backward<kVecBf16, true>(x, w, rstd, dy, nullptr, dw, partial_dw, n, d, stream, acc, acc_bf16);
+  } else if (add) {
+    launch_rmsnorm_backward<1, true>(x, w, rstd, dy, nullptr, dw, partial_dw, n, d, stream, acc, acc_bf16);
+  } else if (vec) {
+    launch_rmsnorm_backward<kVecBf16>(x, w, rstd, dy, dx, dw, partial_dw, n, d, stream);
   } else {
-    if (vec) launch_rmsnorm_backward<kVecBf16>(x, w, rstd, dy, dx, dw, partial_dw, n, d, stream);
-    else launch_rmsnorm_backward<1>(x, w, rstd, dy, dx, dw, partial_dw, n, d, stream);
+    launch_rmsnorm_backward<1>(x, w, rstd, dy, dx, dw, partial_dw, n, d, stream);
   }
 }
 
