@@ -244,19 +244,34 @@ void CudaAttentionBlock::backward(const CudaBlockContext& c, CudaResidual& res, 
   cuda::attention_backward(s.q->as<uint16_t>(), s.k->as<uint16_t>(), s.v->as<uint16_t>(), attn,
                            s.lse->as<float>(), dattn, dq, dk, dv, batch, seq, hq, hkv, hd, w.ws_attn,
                            w.ws_attn_bytes, st);
-  cuda::rope_backward(dq, batch, seq, hq, hd, rope_theta_, st);
-  cuda::rope_backward(dk, batch, seq, hkv, hd, rope_theta_, st);
   const uint16_t* gq = dq;
   const uint16_t* gk = dk;
   if (qk_norm_) {
+    // QK-norm's backward reads RoPE's backward on the fly where the shapes allow (the same bits
+    // as the two passes, one read of dq / dk fewer and no write).
     uint16_t* dq_raw = w.dq_raw_NQ;
     uint16_t* dk_raw = w.dk_raw_NC;
-    cuda::rmsnorm_backward(s.q_raw->as<uint16_t>(), P + p_.q_norm, s.q_rstd->as<float>(), dq, dq_raw,
-                           Gr + p_.q_norm, n, q, res.ws_rms.data(), res.ws_rms.bytes(), st);
-    cuda::rmsnorm_backward(s.k_raw->as<uint16_t>(), P + p_.k_norm, s.k_rstd->as<float>(), dk, dk_raw,
-                           Gr + p_.k_norm, n, kv, res.ws_rms.data(), res.ws_rms.bytes(), st);
+    const uint16_t* q_raw = s.q_raw->as<uint16_t>();
+    const uint16_t* k_raw = s.k_raw->as<uint16_t>();
+    if (cuda::rope_rmsnorm_backward_fuses(q_raw, P + p_.q_norm, dq, dq_raw, hq, hd) &&
+        cuda::rope_rmsnorm_backward_fuses(k_raw, P + p_.k_norm, dk, dk_raw, hkv, hd)) {
+      cuda::rope_rmsnorm_backward(q_raw, P + p_.q_norm, s.q_rstd->as<float>(), dq, dq_raw, Gr + p_.q_norm, batch,
+                                  seq, hq, hd, rope_theta_, res.ws_rms.data(), res.ws_rms.bytes(), st);
+      cuda::rope_rmsnorm_backward(k_raw, P + p_.k_norm, s.k_rstd->as<float>(), dk, dk_raw, Gr + p_.k_norm, batch,
+                                  seq, hkv, hd, rope_theta_, res.ws_rms.data(), res.ws_rms.bytes(), st);
+    } else {
+      cuda::rope_backward(dq, batch, seq, hq, hd, rope_theta_, st);
+      cuda::rope_backward(dk, batch, seq, hkv, hd, rope_theta_, st);
+      cuda::rmsnorm_backward(q_raw, P + p_.q_norm, s.q_rstd->as<float>(), dq, dq_raw, Gr + p_.q_norm, n, q,
+                             res.ws_rms.data(), res.ws_rms.bytes(), st);
+      cuda::rmsnorm_backward(k_raw, P + p_.k_norm, s.k_rstd->as<float>(), dk, dk_raw, Gr + p_.k_norm, n, kv,
+                             res.ws_rms.data(), res.ws_rms.bytes(), st);
+    }
     gq = dq_raw;
     gk = dk_raw;
+  } else {
+    cuda::rope_backward(dq, batch, seq, hq, hd, rope_theta_, st);
+    cuda::rope_backward(dk, batch, seq, hkv, hd, rope_theta_, st);
   }
   if (fp8_) {
     // dbranch = [gq | gk | dv] [Wq; Wk; Wv]: the three gradients' codes side by side along K.

@@ -501,6 +501,9 @@ void CudaModel::reserve(int64_t batch, int64_t seq) {
   // Backward.
   const int64_t widest = std::max({d, q, kv});
   g.grow_bytes(I.res.ws_rms, cuda::rmsnorm_backward_workspace_bytes(n, widest), "rmsnorm workspace");
+  if (mcfg_.qk_norm)  // QK-norm's backward with RoPE's backward read on the fly (rope_rmsnorm_backward)
+    g.grow_bytes(I.res.ws_rms, cuda::rope_rmsnorm_backward_workspace_bytes(n, std::max(q, kv), seq, hd),
+                 "rmsnorm workspace");
   // The attention blocks' backward scratch borrows the MoE layers' backward rows (free between
   // MoE backwards), sized above.
   void* borrow = num_moe_layers_ > 0 ? I.moe.dy_sorted_RD.data() : nullptr;
