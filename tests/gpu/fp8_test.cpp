@@ -541,13 +541,28 @@ void check_grouped_fp8(const std::vector<int32_t>& offsets, int64_t max_rows, in
   GuardedBuffer<float> d_sa(sa), d_sb(sb);
   GuardedBuffer<int32_t> d_off(offsets);
   const uint16_t kSentinel = 0x7fc1;
-  GuardedBuffer<uint16_t> out(std::vector<uint16_t>(size_t(max_rows * n_out), kSentinel));
-  TestStream stream;
-  cuda::grouped_gemm_fp8(d_qa.data(), d_sa.data(), d_qb.data(), d_sb.data(), d_off.data(), out.data(), max_rows, e,
-                         n_out, k_red, stream.get());
-  stream.sync();
-  compare_grouped_fp8(what, a, qb, sb, offsets, max_rows, n_out, k_red, out.download(), &kSentinel);
-  out.expect_guards_intact(what + " out");
+  // The unpaired kernel, then CTA pairs sharing A where n / 128 is even: each against the CPU, and
+  // the two the same bits.
+  const bool default_cluster = cuda::grouped_gemm_fp8_cluster();
+  std::vector<uint16_t> first;
+  for (const bool cluster : {false, true}) {
+    const std::string run = what + (cluster ? " (CTA pairs)" : " (unpaired)");
+    cuda::set_grouped_gemm_fp8_cluster(cluster);
+    GuardedBuffer<uint16_t> out(std::vector<uint16_t>(size_t(max_rows * n_out), kSentinel));
+    TestStream stream;
+    cuda::grouped_gemm_fp8(d_qa.data(), d_sa.data(), d_qb.data(), d_sb.data(), d_off.data(), out.data(), max_rows,
+                           e, n_out, k_red, stream.get());
+    stream.sync();
+    const std::vector<uint16_t> got = out.download();
+    compare_grouped_fp8(run, a, qb, sb, offsets, max_rows, n_out, k_red, got, &kSentinel);
+    out.expect_guards_intact(run + " out");
+    if (first.empty()) {
+      first = got;
+    } else {
+      EXPECT_TRUE(got == first) << run << ": not the unpaired kernel's bits";
+    }
+  }
+  cuda::set_grouped_gemm_fp8_cluster(default_cluster);
 }
 
 TEST(Fp8Gpu, GroupedGemmMatchesCpuOnTheSameCodes) {
@@ -561,6 +576,11 @@ TEST(Fp8Gpu, GroupedGemmMatchesCpuOnTheSameCodes) {
   }
   // One expert over many rows (several M tiles per CTA) at an expert shape.
   check_grouped_fp8({0, 700}, 700, 1024, 256, false, 17);
+  // Many experts, more tile pairs than CTA pairs (each cluster walks several), an odd N-tile count.
+  std::vector<int32_t> many = {0};
+  for (int x = 0; x < 24; ++x) many.push_back(many.back() + 33 + 41 * (x % 5));
+  check_grouped_fp8(many, many.back() + 5, 1024, 256, false, 19);
+  check_grouped_fp8(many, many.back() + 5, 384, 256, false, 23);
 }
 
 TEST(Fp8Gpu, GroupedGemmRefusesBadShapes) {

@@ -12,6 +12,13 @@
 // acc += partial * (sa * sb), per row and block, in FP32 (Hopper's FP8 tensor cores keep about 14
 // mantissa bits while they add inside an instruction sequence; promoting every 128 K elements bounds
 // that error, the DeepSeek-V3 recipe). Two accumulators of 64 registers each: N = 128 per warpgroup.
+//
+// kCluster = 2: CTA pairs (a 2 x 1 thread-block cluster) take the two N tiles of one M tile side by
+// side, so both need the same 128 rows of A: each CTA's producer loads 64 of them and multicasts
+// them into the same stage of both CTAs, and loads its own B. A CTA then reads 24 KiB of a stage's
+// 32 KiB from L2 instead of 32. A stage is released to both producers: each consumer warp arrives
+// on its own CTA's empty barrier and on the peer's (16 arrivals a phase); a producer leaves only
+// once its stages' last uses are released, so no arrival reaches a CTA that has gone.
 #pragma once
 
 #include <cuda.h>
@@ -56,6 +63,38 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t d
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+// ---- Thread-block clusters ----------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t cluster_cta_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+// Every thread of the cluster that has not exited arrives and waits (shared-memory writes before
+// it, barrier initialisations included, are visible to the cluster after it).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// One arrival on the barrier at the same shared-memory offset in CTA `cta` of the cluster.
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(cta));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+
+// tma_load_2d into the same offset of every CTA in cta_mask, each completing on its own barrier at
+// bar's offset.
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
+                                                      int c1, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, "
+      "{%3, %4}], [%2], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(cta_mask)
+      : "memory");
+}
+
 // One K block of a consumer warpgroup: part = A[its 64 rows] * B over the block's 128 K elements,
 // both operands K-major in 128-byte swizzled boxes; a k32 step moves the start by 32 bytes.
 __device__ __forceinline__ void fp8_mma_k_block(float (&part)[64], uint32_t a, uint32_t b) {
@@ -65,12 +104,13 @@ __device__ __forceinline__ void fp8_mma_k_block(float (&part)[64], uint32_t a, u
   }
 }
 
-// map_a: qa [max_rows, k_red] (uint8, box 128 x kBM); map_b: qb [E, n_out, k_red] (box 128 x 128 x 1);
-// map_out: out [max_rows, n_out] BF16 (box 64 x 64). Rows past an expert's end or past max_rows
-// feed only output rows that are not stored (their scales read as 0 past max_rows); codes past
-// k_red load as zeros. Persistent CTAs over the M-grouped tile list, N-tile fastest. Dynamic smem:
-// smem_bytes(kStages, E, true, kFp8StageBytes).
-template <int kStages>
+// map_a: qa [max_rows, k_red] (uint8, box 128 x kBM, or 128 x kBM / 2 with kCluster = 2); map_b: qb
+// [E, n_out, k_red] (box 128 x 128 x 1); map_out: out [max_rows, n_out] BF16 (box 64 x 64). Rows
+// past an expert's end or past max_rows feed only output rows that are not stored (their scales
+// read as 0 past max_rows); codes past k_red load as zeros. Persistent CTAs over the M-grouped tile
+// list, N-tile fastest (with kCluster = 2: clusters over the list of N-tile pairs, n_out / 128
+// even, gridDim.x even). Dynamic smem: smem_bytes(kStages, E, true, kFp8StageBytes).
+template <int kStages, int kCluster = 1>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_fp8_m_contiguous_sm90(const __grid_constant__ CUtensorMap map_a,
                                        const __grid_constant__ CUtensorMap map_b,
@@ -78,12 +118,21 @@ __global__ void __launch_bounds__(kThreads, 1)
                                        const int32_t* __restrict__ expert_offsets, const float* __restrict__ sa,
                                        const float* __restrict__ sb, uint16_t* __restrict__ out, int max_rows,
                                        int num_experts, int n_out, int k_red) {
+  static_assert(kCluster == 1 || kCluster == 2, "CTA pairs at most");
   using Ring = Smem<kStages, kFp8StageBytes>;
   extern __shared__ __align__(1024) unsigned char sm90_smem[];
-  const Ring sm = setup_smem<kStages, kFp8StageBytes>(sm90_smem, expert_offsets, num_experts, max_rows, true);
+  const Ring sm = setup_smem<kStages, kFp8StageBytes>(sm90_smem, expert_offsets, num_experts, max_rows, true,
+                                                      kCluster * kConsumerWarps);
   const int n_tiles = (n_out + kFp8BN - 1) / kFp8BN;
   const int64_t num_tiles = int64_t{sm.s_tile[num_experts]} * n_tiles;
   const int num_k = (k_red + kFp8BK - 1) / kFp8BK;
+  // This CTA's tiles: t = first, first + step, ... below num_tiles. A pair's CTA `rank` takes
+  // N-tile 2 q + rank of its cluster's pair q (the pairs' list: M-tile major).
+  const uint32_t rank = kCluster == 2 ? cluster_cta_rank() : 0u;
+  const int64_t num_units = num_tiles / kCluster, unit_step = gridDim.x / kCluster;
+  const int64_t first_unit = blockIdx.x / kCluster;
+  const auto tile_of = [&](int64_t u) { return u * kCluster + rank; };  // n_tiles even: pairs stay in an M-tile
+  if constexpr (kCluster == 2) cluster_sync();  // the peer's barriers are initialised before any multicast
 
   if (threadIdx.x < 128) {
     setmaxnreg_dec<kProducerRegs>();
@@ -91,16 +140,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     prefetch_tensor_map(&map_a);
     prefetch_tensor_map(&map_b);
     uint32_t it = 0;
-    for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const MTile tile = m_tile(t, n_tiles, sm.s_start, sm.s_tile, num_experts, kFp8BN);
+    for (int64_t u = first_unit; u < num_units; u += unit_step) {
+      const MTile tile = m_tile(tile_of(u), n_tiles, sm.s_start, sm.s_tile, num_experts, kFp8BN);
       for (int kt = 0; kt < num_k; ++kt, ++it) {
         const int s = Ring::ring_stage(it);
-        mbar_wait(sm.empty(s), Ring::ring_phase(it) ^ 1u);
+        mbar_wait(sm.empty(s), Ring::ring_phase(it) ^ 1u);  // with kCluster = 2: free in both CTAs
         const uint32_t a = sm.stage(s), full = sm.full(s);
-        mbar_arrive_expect_tx(full, kFp8StageBytes);
-        tma_load_2d(a, &map_a, full, kt * kFp8BK, tile.row0);
+        mbar_arrive_expect_tx(full, kFp8StageBytes);  // the peer's half of A counts here too
+        if constexpr (kCluster == 2) {
+          tma_load_2d_multicast(a + rank * (kFp8ABytes / 2), &map_a, full, kt * kFp8BK,
+                                tile.row0 + static_cast<int>(rank) * (kBM / 2), 0b11);
+        } else {
+          tma_load_2d(a, &map_a, full, kt * kFp8BK, tile.row0);
+        }
         tma_load_3d(a + kFp8ABytes, &map_b, full, kt * kFp8BK, tile.col0, tile.expert);
       }
+    }
+    if constexpr (kCluster == 2) {
+      // The peer's consumers arrive on this CTA's empty barriers until they are done: the CTA stays
+      // until every stage's last use has been released (by both CTAs), as a refill would wait.
+      for (uint32_t i = it; i < it + kStages; ++i) mbar_wait(sm.empty(Ring::ring_stage(i)), Ring::ring_phase(i) ^ 1u);
     }
     return;
   }
@@ -115,8 +174,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < 64; ++i) part[i] = 0.0f;
   uint32_t it = 0;
-  for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const MTile tile = m_tile(t, n_tiles, sm.s_start, sm.s_tile, num_experts, kFp8BN);
+  for (int64_t u = first_unit; u < num_units; u += unit_step) {
+    const MTile tile = m_tile(tile_of(u), n_tiles, sm.s_start, sm.s_tile, num_experts, kFp8BN);
     // This thread's two rows of the fragment (16 warp + lane / 4, + 8) and their scale rows.
     const int row_lo = tile.row0 + wg * 64 + warp * 16 + lane / 4;
     const float* sa0 = row_lo < max_rows ? sa + int64_t{row_lo} * scale_cols : nullptr;
@@ -137,7 +196,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_commit();
       wgmma_wait<0>();
       fence_accumulators(part);
-      if (lane == 0) mbar_arrive(sm.empty(s));
+      if (lane == 0) {
+        mbar_arrive(sm.empty(s));
+        if constexpr (kCluster == 2) mbar_arrive_cluster(sm.empty(s), rank ^ 1u);
+      }
       // Promotion: the fragment's acc[4 j + 2 h + c] is row row_lo + 8 h.
 #pragma unroll
       for (int j = 0; j < 16; ++j) {

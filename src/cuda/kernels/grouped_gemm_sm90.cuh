@@ -301,11 +301,13 @@ struct Smem {
 };
 
 // Aligns the dynamic shared memory, initialises the barriers (full: one arrival, the producer's,
-// plus the TMA bytes; empty: one arrival per consumer warp) and, with `schedule`, builds the
+// plus the TMA bytes; empty: one arrival per consumer warp, or empty_arrivals when the consumers of
+// a cluster's CTAs release each other's stages) and, with `schedule`, builds the
 // M-grouped schedule. Ends with a block barrier.
 template <int kStages, int kStage = kStageBytes>
 __device__ __forceinline__ Smem<kStages, kStage> setup_smem(unsigned char* raw, const int32_t* __restrict__ offsets,
-                                                            int num_experts, int max_rows, bool schedule) {
+                                                            int num_experts, int max_rows, bool schedule,
+                                                            int empty_arrivals = kConsumerWarps) {
   const uint32_t raw_u32 = smem_u32(raw);
   const uint32_t aligned = (raw_u32 + kSmemAlign - 1) & ~static_cast<uint32_t>(kSmemAlign - 1);
   Smem<kStages, kStage> s;
@@ -317,7 +319,7 @@ __device__ __forceinline__ Smem<kStages, kStage> setup_smem(unsigned char* raw, 
 #pragma unroll
     for (int i = 0; i < kStages; ++i) {
       mbar_init(s.full(i), 1);
-      mbar_init(s.empty(i), kConsumerWarps);
+      mbar_init(s.empty(i), empty_arrivals);
     }
     fence_barrier_init();
   }

@@ -10,10 +10,12 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <type_traits>
 
 #include "cuda/common.h"
 #include "cuda/kernels/grouped_gemm.cuh"
@@ -247,20 +249,72 @@ void launch_m_contiguous_swiglu_sm90(const char* op, const uint16_t* x, const ui
                                              num_experts, n_out, k_red, stream, &map_h, h);
 }
 
+// How many 2 x 1 clusters of the FP8 kernel fit on the device at once (a pair needs two free
+// multiprocessors of one GPC), asked once per device and shared-memory size.
 template <int kStages>
+int fp8_cluster_pairs_fit(const char* op, size_t smem) {
+  namespace k90 = kernels::sm90;
+  struct Fit {
+    int device = -1;
+    size_t smem = 0;
+    int clusters = 0;
+  };
+  thread_local Fit fit;
+  const int device = current_device();
+  if (fit.device != device || fit.smem != smem) {
+    const auto kernel = k90::grouped_gemm_fp8_m_contiguous_sm90<kStages, 2>;
+    enable_shared_memory(kernel, smem);
+    cudaLaunchConfig_t config{};
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 2;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    config.blockDim = dim3(k90::kThreads);
+    config.dynamicSmemBytes = smem;
+    config.gridDim = dim3(static_cast<unsigned>(2 * std::max(1, multiprocessor_count(device) / 2)));
+    int clusters = 0;
+    MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+    MOE_CHECK(clusters > 0, op, ": no cluster of 2 CTAs with ", smem, " bytes of shared memory each fits on device ",
+              device);
+    fit = {device, smem, clusters};
+  }
+  return fit.clusters;
+}
+
+// kCluster = 2: CTA pairs sharing each M tile's A (grouped_gemm_fp8_sm90.cuh), launched as 2 x 1
+// clusters, as many pairs as fit at once on the multiprocessors the GEMMs may use.
+template <int kStages, int kCluster>
 void launch_fp8_m_contiguous_sm90_stages(const CUtensorMap& map_a, const CUtensorMap& map_b,
                                          const CUtensorMap& map_out, const char* op, const int32_t* expert_offsets,
                                          const float* sa, const float* sb, uint16_t* out, int64_t max_rows,
                                          int64_t num_experts, int64_t n_out, int64_t k_red, Stream stream) {
   namespace k90 = kernels::sm90;
-  const auto kernel = k90::grouped_gemm_fp8_m_contiguous_sm90<kStages>;
+  const auto kernel = k90::grouped_gemm_fp8_m_contiguous_sm90<kStages, kCluster>;
   const size_t smem = static_cast<size_t>(k90::smem_bytes(kStages, num_experts, true, k90::kFp8StageBytes));
   const int64_t max_tiles = (ceil_div(max_rows, k90::kBM) + num_experts) * ceil_div(n_out, k90::kFp8BN);
-  const int grid = sm90_grid(op, kernel, smem, max_tiles);
-  kernel<<<grid, k90::kThreads, smem, stream>>>(map_a, map_b, map_out, expert_offsets, sa, sb, out,
-                                                static_cast<int>(max_rows), static_cast<int>(num_experts),
-                                                static_cast<int>(n_out), static_cast<int>(k_red));
-  check_launch("grouped_gemm_fp8_m_contiguous_sm90");
+  int grid = sm90_grid(op, kernel, smem, max_tiles);
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute cluster{};
+  config.blockDim = dim3(k90::kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  if constexpr (kCluster > 1) {
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = kCluster;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    grid = kCluster * std::max(1, std::min(grid / kCluster, fp8_cluster_pairs_fit<kStages>(op, smem)));
+  }
+  config.gridDim = dim3(static_cast<unsigned>(grid));
+  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_out, expert_offsets, sa, sb, out,
+                                    static_cast<int>(max_rows), static_cast<int>(num_experts),
+                                    static_cast<int>(n_out), static_cast<int>(k_red)));
+  check_launch(kCluster > 1 ? "grouped_gemm_fp8_m_contiguous_sm90<cluster 2>" : "grouped_gemm_fp8_m_contiguous_sm90");
 }
 
 void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t* x, const int32_t* expert_offsets,
@@ -281,6 +335,9 @@ void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t
                                                 static_cast<int>(k), accumulate);
   check_launch("grouped_gemm_k_contiguous_sm90");
 }
+
+// grouped_gemm_fp8_cluster(): -1 until read from MOECORE_FP8_CLUSTER or set.
+std::atomic<int> g_fp8_cluster{-1};
 
 // MOECORE_GROUPED_GEMM: unset or empty -> kAuto; "mma" / "wgmma"; anything else is refused.
 GroupedGemmBackend backend_from_environment() {
@@ -407,6 +464,30 @@ void grouped_gemm_wgrad(const uint16_t* dy, const uint16_t* x, const int32_t* ex
   check_launch("grouped_gemm_k_contiguous");
 }
 
+bool grouped_gemm_fp8_cluster() {
+  int v = g_fp8_cluster.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = backend_choice_from_env("MOECORE_FP8_CLUSTER", {"on", "off"}) == 1 ? 1 : 0;
+    g_fp8_cluster.store(v, std::memory_order_relaxed);
+  }
+  return v != 0;
+}
+
+void set_grouped_gemm_fp8_cluster(bool on) { g_fp8_cluster.store(on ? 1 : 0, std::memory_order_relaxed); }
+
+int grouped_gemm_fp8_cluster_pairs(int64_t num_experts) {
+  const char* op = "cuda::grouped_gemm_fp8_cluster_pairs";
+  namespace k90 = kernels::sm90;
+  int major = 0, minor = 0;
+  if (!device_is_sm90(current_device(), major, minor)) return 0;
+  const int gemm_pairs = gemm_sms(multiprocessor_count(current_device())) / 2;
+  const int limit = max_shared_memory_per_block(current_device());
+  const auto smem = [&](int stages) { return k90::smem_bytes(stages, num_experts, true, k90::kFp8StageBytes); };
+  if (smem(5) <= limit) return std::min(gemm_pairs, fp8_cluster_pairs_fit<5>(op, static_cast<size_t>(smem(5))));
+  if (smem(3) <= limit) return std::min(gemm_pairs, fp8_cluster_pairs_fit<3>(op, static_cast<size_t>(smem(3))));
+  return 0;
+}
+
 void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, const float* sb,
                       const int32_t* expert_offsets, uint16_t* out, int64_t max_rows, int64_t num_experts, int64_t n,
                       int64_t k, Stream stream) {
@@ -421,21 +502,32 @@ void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, con
   detail::check_ptrs(op, {{"sa", sa}, {"sb", sb}, {"expert_offsets", expert_offsets}}, 4);
   namespace k90 = kernels::sm90;
   const auto u64 = [](int64_t v) { return static_cast<uint64_t>(v); };
+  // CTA pairs share A where the N tiles pair up (grouped_gemm_fp8_cluster()); each CTA then loads
+  // half of A's 128 rows.
+  const bool pairs = grouped_gemm_fp8_cluster() && ceil_div(n, k90::kFp8BN) % 2 == 0;
   const CUtensorMap map_a = tensor_map(op, "qa", kMapU8, qa, {u64(k), u64(max_rows)}, {u64(k)},
-                                       {k90::kFp8BK, k90::kBM});
+                                       {k90::kFp8BK, static_cast<uint32_t>(pairs ? k90::kBM / 2 : k90::kBM)});
   const CUtensorMap map_b = tensor_map(op, "qb", kMapU8, qb, {u64(k), u64(n), u64(num_experts)},
                                        {u64(k), u64(n * k)}, {k90::kFp8BK, k90::kFp8BN, 1});
   const CUtensorMap map_out = tensor_map(op, "out", kMapBf16, out, {u64(n), u64(max_rows)}, {u64(n * 2)}, {64, 64});
   const int limit = max_shared_memory_per_block(current_device());
+  const auto launch = [&](auto stages) {
+    constexpr int kStages = decltype(stages)::value;
+    if (pairs) {
+      launch_fp8_m_contiguous_sm90_stages<kStages, 2>(map_a, map_b, map_out, op, expert_offsets, sa, sb, out,
+                                                      max_rows, num_experts, n, k, stream);
+    } else {
+      launch_fp8_m_contiguous_sm90_stages<kStages, 1>(map_a, map_b, map_out, op, expert_offsets, sa, sb, out,
+                                                      max_rows, num_experts, n, k, stream);
+    }
+  };
   if (k90::smem_bytes(5, num_experts, true, k90::kFp8StageBytes) <= limit) {
-    launch_fp8_m_contiguous_sm90_stages<5>(map_a, map_b, map_out, op, expert_offsets, sa, sb, out, max_rows,
-                                           num_experts, n, k, stream);
+    launch(std::integral_constant<int, 5>{});
   } else {
     MOE_CHECK(k90::smem_bytes(3, num_experts, true, k90::kFp8StageBytes) <= limit, op, ": the schedule of ",
               num_experts, " experts needs ", k90::smem_bytes(3, num_experts, true, k90::kFp8StageBytes),
               " bytes of shared memory, the device has ", limit);
-    launch_fp8_m_contiguous_sm90_stages<3>(map_a, map_b, map_out, op, expert_offsets, sa, sb, out, max_rows,
-                                           num_experts, n, k, stream);
+    launch(std::integral_constant<int, 3>{});
   }
 }
 

@@ -77,6 +77,18 @@ void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, con
                       const int32_t* expert_offsets, uint16_t* out, int64_t max_rows, int64_t num_experts, int64_t n,
                       int64_t k, Stream stream);
 
+// Whether grouped_gemm_fp8 runs its CTAs in pairs (2 x 1 clusters) that share each M tile's codes
+// of qa, each loading half and multicasting it to both, where n / 128 is even: the same bits as
+// the unpaired kernel, with a quarter fewer bytes read from L2, but measured at about half its
+// speed so far (docs/benchmarks.md), so off unless asked for. The default comes from the
+// environment variable MOECORE_FP8_CLUSTER ("on" or "off"; unset: off); the setter overrides it
+// for the process (tests and benches compare the two).
+bool grouped_gemm_fp8_cluster();
+void set_grouped_gemm_fp8_cluster(bool on);
+// The CTA pairs the paired kernel launches for num_experts experts: as many as fit at once on the
+// multiprocessors the GEMMs may use (0 on a device without the wgmma kernels).
+int grouped_gemm_fp8_cluster_pairs(int64_t num_experts);
+
 // Largest num_experts the entry points accept (the M-grouped schedule lives in shared memory).
 inline constexpr int64_t kGroupedGemmMaxExperts = 4096;
 
