@@ -77,11 +77,14 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
-// One arrival on the barrier at the same shared-memory offset in CTA `cta` of the cluster.
+// One arrival on the barrier at the same shared-memory offset in CTA `cta` of the cluster, with the
+// default (CTA-scope) release: the arriving warp's shared-memory reads (its finished wgmmas) are
+// all that the peer's refill must follow. A cluster-scope release here (.release.cluster) halved
+// the kernel's rate (docs/benchmarks.md).
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(cta));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
 }
 
 // tma_load_2d into the same offset of every CTA in cta_mask, each completing on its own barrier at

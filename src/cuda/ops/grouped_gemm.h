@@ -79,8 +79,8 @@ void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, con
 
 // Whether grouped_gemm_fp8 runs its CTAs in pairs (2 x 1 clusters) that share each M tile's codes
 // of qa, each loading half and multicasting it to both, where n / 128 is even: the same bits as
-// the unpaired kernel, with a quarter fewer bytes read from L2, but measured at about half its
-// speed so far (docs/benchmarks.md), so off unless asked for. The default comes from the
+// the unpaired kernel, with a quarter fewer bytes read from L2, and measured at its speed, no
+// faster (docs/benchmarks.md), so off unless asked for. The default comes from the
 // environment variable MOECORE_FP8_CLUSTER ("on" or "off"; unset: off); the setter overrides it
 // for the process (tests and benches compare the two).
 bool grouped_gemm_fp8_cluster();
