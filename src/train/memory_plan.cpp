@@ -138,7 +138,12 @@ std::vector<MemoryItem> scratch_items(const ModelConfig& m, const MoeConfig& e, 
   s.push_back({"residual.dx", n * d * 2.0});
   s.push_back({"residual.dbranch", n * d * 2.0});
   s.push_back({"residual.dtmp", n * d * 2.0});
-  s.push_back({"rmsnorm backward workspace", std::ceil(n / 32.0) * std::max({d, q, c}) * 4.0});
+  // The norm backward's partial dw rows; with QK-norm, also the (cos, sin) table [seq, hd / 2] its
+  // RoPE-reading backward keeps after the rows (256-byte aligned; cuda::rope_rmsnorm_backward).
+  const double norm_rows = std::ceil(n / 32.0) * std::max({d, q, c}) * 4.0;
+  const double rope_table = std::ceil(std::ceil(n / 32.0) * std::max(q, c) * 4.0 / 256.0) * 256.0 +
+                            double(seq) * std::floor(hd / 2.0) * 8.0;
+  s.push_back({"rmsnorm backward workspace", m.qk_norm ? std::max(norm_rows, rope_table) : norm_rows});
   // Attention backward dattn, dq, dk, dv (with QK-norm dq_raw, dk_raw) and its workspace, each
   // 256-byte aligned; they borrow the MoE layers' dy_sorted rows when those are large enough
   // (CudaAttentionBlock::reserve_scratch), else they are a buffer of their own.

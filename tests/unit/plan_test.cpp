@@ -92,6 +92,9 @@ TEST(ActivationMemory, SmallModelExactBytesPerMode) {
   EXPECT_DOUBLE_EQ(item(none.scratch, "lm_head.logits chunk [4096, V]"), 8 * 16 * 2);
   EXPECT_DOUBLE_EQ(item(none.scratch, "cuDNN attention backward plan workspace"), 2 * 2 * 4 * (2 * 4 + 4) + 256);
   EXPECT_DOUBLE_EQ(item(none.scratch, "residual.x32"), 8 * 8 * 4);
+  // The norm backward's partial rows (1 chunk of 32 rows, widest 8) or, with QK-norm, its rows of
+  // q width rounded to 256 bytes and the (cos, sin) table of 4 positions x 2 pairs: the larger.
+  EXPECT_DOUBLE_EQ(item(none.scratch, "rmsnorm backward workspace"), 256 + 4 * 2 * 8);
   EXPECT_DOUBLE_EQ(item(none.scratch, "moe backward dy_sorted"), 16 * 8 * 2);
   // dattn, dq (256-byte aligned: 128 -> 256 each), dk, dv (64 -> 256), dq_raw, dk_raw, workspace
   // 64 -> 256: 1792 bytes, more than dy_sorted's 256, so a buffer of their own.
