@@ -249,6 +249,25 @@ void launch_m_contiguous_swiglu_sm90(const char* op, const uint16_t* x, const ui
                                              num_experts, n_out, k_red, stream, &map_h, h);
 }
 
+// The launch of a wgmma kernel (kThreads a CTA, smem bytes of dynamic shared memory) on `stream`,
+// in clusters of `cluster` CTAs along x when cluster > 1; `attr` holds the cluster attribute.
+cudaLaunchConfig_t sm90_launch_config(size_t smem, Stream stream, int cluster, cudaLaunchAttribute& attr) {
+  cudaLaunchConfig_t config{};
+  config.blockDim = dim3(kernels::sm90::kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  if (cluster > 1) {
+    attr = cudaLaunchAttribute{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = static_cast<unsigned>(cluster);
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    config.attrs = &attr;
+    config.numAttrs = 1;
+  }
+  return config;
+}
+
 // How many 2 x 1 clusters of the FP8 kernel fit on the device at once (a pair needs two free
 // multiprocessors of one GPC), asked once per device and shared-memory size.
 template <int kStages>
@@ -264,16 +283,8 @@ int fp8_cluster_pairs_fit(const char* op, size_t smem) {
   if (fit.device != device || fit.smem != smem) {
     const auto kernel = k90::grouped_gemm_fp8_m_contiguous_sm90<kStages, 2>;
     enable_shared_memory(kernel, smem);
-    cudaLaunchConfig_t config{};
-    cudaLaunchAttribute cluster{};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = 2;
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    config.blockDim = dim3(k90::kThreads);
-    config.dynamicSmemBytes = smem;
+    cudaLaunchAttribute cluster;
+    cudaLaunchConfig_t config = sm90_launch_config(smem, nullptr, 2, cluster);
     config.gridDim = dim3(static_cast<unsigned>(2 * std::max(1, multiprocessor_count(device) / 2)));
     int clusters = 0;
     MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
@@ -296,20 +307,11 @@ void launch_fp8_m_contiguous_sm90_stages(const CUtensorMap& map_a, const CUtenso
   const size_t smem = static_cast<size_t>(k90::smem_bytes(kStages, num_experts, true, k90::kFp8StageBytes));
   const int64_t max_tiles = (ceil_div(max_rows, k90::kBM) + num_experts) * ceil_div(n_out, k90::kFp8BN);
   int grid = sm90_grid(op, kernel, smem, max_tiles);
-  cudaLaunchConfig_t config{};
-  cudaLaunchAttribute cluster{};
-  config.blockDim = dim3(k90::kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
   if constexpr (kCluster > 1) {
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = kCluster;
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
     grid = kCluster * std::max(1, std::min(grid / kCluster, fp8_cluster_pairs_fit<kStages>(op, smem)));
   }
+  cudaLaunchAttribute cluster;
+  cudaLaunchConfig_t config = sm90_launch_config(smem, stream, kCluster, cluster);
   config.gridDim = dim3(static_cast<unsigned>(grid));
   MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_out, expert_offsets, sa, sb, out,
                                     static_cast<int>(max_rows), static_cast<int>(num_experts),
