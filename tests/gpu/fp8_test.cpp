@@ -541,13 +541,17 @@ void check_grouped_fp8(const std::vector<int32_t>& offsets, int64_t max_rows, in
   GuardedBuffer<float> d_sa(sa), d_sb(sb);
   GuardedBuffer<int32_t> d_off(offsets);
   const uint16_t kSentinel = 0x7fc1;
-  // The unpaired kernel, then CTA pairs sharing A where n / 128 is even: each against the CPU, and
-  // the two the same bits.
+  // Every variant of the kernel: unpaired or CTA pairs sharing A (where n / 128 is even), the
+  // scales loaded in each K block or copied one block ahead. Each against the CPU, all the same bits.
   const bool default_cluster = cuda::grouped_gemm_fp8_cluster();
+  const bool default_async = cuda::grouped_gemm_fp8_async_scales();
   std::vector<uint16_t> first;
-  for (const bool cluster : {false, true}) {
-    const std::string run = what + (cluster ? " (CTA pairs)" : " (unpaired)");
+  for (const int variant : {0, 1, 2, 3}) {
+    const bool cluster = variant & 1, async_scales = variant & 2;
+    const std::string run = what + (cluster ? " (CTA pairs" : " (unpaired") +
+                            (async_scales ? ", scales copied ahead)" : ", scales loaded in the block)");
     cuda::set_grouped_gemm_fp8_cluster(cluster);
+    cuda::set_grouped_gemm_fp8_async_scales(async_scales);
     GuardedBuffer<uint16_t> out(std::vector<uint16_t>(size_t(max_rows * n_out), kSentinel));
     TestStream stream;
     cuda::grouped_gemm_fp8(d_qa.data(), d_sa.data(), d_qb.data(), d_sb.data(), d_off.data(), out.data(), max_rows,
@@ -559,10 +563,11 @@ void check_grouped_fp8(const std::vector<int32_t>& offsets, int64_t max_rows, in
     if (first.empty()) {
       first = got;
     } else {
-      EXPECT_TRUE(got == first) << run << ": not the unpaired kernel's bits";
+      EXPECT_TRUE(got == first) << run << ": not the first variant's bits";
     }
   }
   cuda::set_grouped_gemm_fp8_cluster(default_cluster);
+  cuda::set_grouped_gemm_fp8_async_scales(default_async);
 }
 
 TEST(Fp8Gpu, GroupedGemmMatchesCpuOnTheSameCodes) {

@@ -34,6 +34,15 @@ constexpr int kFp8BK = 128;                       // K elements of a stage (= th
 constexpr int kFp8ABytes = kBM * kFp8BK;          // 16 KiB of codes
 constexpr int kFp8BBytes = kFp8BN * kFp8BK;       // 16 KiB
 constexpr int kFp8StageBytes = kFp8ABytes + kFp8BBytes;
+// Each consumer thread's scales of a K block (the weight block's, its two rows'), copied
+// asynchronously one block ahead into two 16-byte slots: [slot][consumer thread].
+constexpr int kFp8ScaleSlotBytes = 2 * kConsumerThreads * 16;
+
+// Dynamic shared memory of the FP8 kernel: the BF16 kernels' layout with its stages, then the
+// scale slots (16-byte aligned).
+__host__ __device__ constexpr int64_t fp8_smem_bytes(int stages, int64_t num_experts) {
+  return smem_bytes(stages, num_experts, true, kFp8StageBytes) + 16 + kFp8ScaleSlotBytes;
+}
 
 // d (64 x 128 FP32) = A (64 x 32 E4M3, K-major) * B (32 x 128 E4M3, K-major) + (scale_d ? d : 0).
 __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
@@ -98,6 +107,13 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtens
       : "memory");
 }
 
+// 4 bytes global -> shared without holding a register: bytes past src_bytes (0 or 4) land as zeros.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
 // One K block of a consumer warpgroup: part = A[its 64 rows] * B over the block's 128 K elements,
 // both operands K-major in 128-byte swizzled boxes; a k32 step moves the start by 32 bytes.
 __device__ __forceinline__ void fp8_mma_k_block(float (&part)[64], uint32_t a, uint32_t b) {
@@ -112,8 +128,9 @@ __device__ __forceinline__ void fp8_mma_k_block(float (&part)[64], uint32_t a, u
 // past an expert's end or past max_rows feed only output rows that are not stored (their scales
 // read as 0 past max_rows); codes past k_red load as zeros. Persistent CTAs over the M-grouped tile
 // list, N-tile fastest (with kCluster = 2: clusters over the list of N-tile pairs, n_out / 128
-// even, gridDim.x even). Dynamic smem: smem_bytes(kStages, E, true, kFp8StageBytes).
-template <int kStages, int kCluster = 1>
+// even, gridDim.x even). kAsyncScales: the scales copied into shared memory one K block ahead
+// (cp.async) instead of loaded in the block. Dynamic smem: fp8_smem_bytes(kStages, E).
+template <int kStages, int kCluster, bool kAsyncScales>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_fp8_m_contiguous_sm90(const __grid_constant__ CUtensorMap map_a,
                                        const __grid_constant__ CUtensorMap map_b,
@@ -173,10 +190,29 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const bool leader = threadIdx.x % 128 == 0;
   const int scale_cols = num_k, weight_rows = n_tiles;
+  const int ctid = static_cast<int>(threadIdx.x) - 128;
+  // kAsyncScales: the scales of K block kt reach this thread's slot it % 2 by an asynchronous copy
+  // issued during block kt - 1 (or the tile before). Otherwise they are read from global memory in
+  // the block itself, where the product stalls the warp on their latency before its MMAs issue.
+  const uint32_t scale_slots = (smem_u32(sm.s_tile + num_experts + 1) + 15u) & ~15u;
+  const auto issue_scales = [&](const MTile& t, int kt, uint32_t slot) {
+    const int r = t.row0 + wg * 64 + warp * 16 + lane / 4;  // this thread's rows r and r + 8
+    const uint32_t dst = scale_slots + slot * (kConsumerThreads * 16) + ctid * 16;
+    cp_async_4(dst, sb + (int64_t{t.expert} * weight_rows + t.col0 / kFp8BN) * scale_cols + kt, 4u);
+    cp_async_4(dst + 4, sa + int64_t{min(r, max_rows - 1)} * scale_cols + kt, r < max_rows ? 4u : 0u);
+    cp_async_4(dst + 8, sa + int64_t{min(r + 8, max_rows - 1)} * scale_cols + kt, r + 8 < max_rows ? 4u : 0u);
+    cp_async_commit();
+  };
+  const auto* slots = reinterpret_cast<const float4*>(sm.ring + (scale_slots - sm.ring_u32));
   float acc[64], part[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) part[i] = 0.0f;
   uint32_t it = 0;
+  if constexpr (kAsyncScales) {
+    if (first_unit < num_units && num_k > 0) {
+      issue_scales(m_tile(tile_of(first_unit), n_tiles, sm.s_start, sm.s_tile, num_experts, kFp8BN), 0, 0u);
+    }
+  }
   for (int64_t u = first_unit; u < num_units; u += unit_step) {
     const MTile tile = m_tile(tile_of(u), n_tiles, sm.s_start, sm.s_tile, num_experts, kFp8BN);
     // This thread's two rows of the fragment (16 warp + lane / 4, + 8) and their scale rows.
@@ -187,10 +223,23 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     for (int kt = 0; kt < num_k; ++kt, ++it) {
-      // The block's scales, loaded before the wait so that their latency hides behind the MMAs.
-      const float wb = __ldg(sbt + kt);
-      const float s0 = sa0 != nullptr ? __ldg(sa0 + kt) * wb : 0.0f;
-      const float s1 = sa1 != nullptr ? __ldg(sa1 + kt) * wb : 0.0f;
+      float s0, s1;  // the promotion's factors of this thread's two rows
+      if constexpr (kAsyncScales) {
+        cp_async_wait_all();
+        const float4 sc = slots[(it & 1u) * kConsumerThreads + ctid];  // (weight, row r, row r + 8, -)
+        if (kt + 1 < num_k) {
+          issue_scales(tile, kt + 1, (it + 1) & 1u);
+        } else if (u + unit_step < num_units) {
+          issue_scales(m_tile(tile_of(u + unit_step), n_tiles, sm.s_start, sm.s_tile, num_experts, kFp8BN), 0,
+                       (it + 1) & 1u);
+        }
+        s0 = sc.y * sc.x;
+        s1 = sc.z * sc.x;
+      } else {
+        const float wb = __ldg(sbt + kt);
+        s0 = sa0 != nullptr ? __ldg(sa0 + kt) * wb : 0.0f;
+        s1 = sa1 != nullptr ? __ldg(sa1 + kt) * wb : 0.0f;
+      }
       const int s = Ring::ring_stage(it);
       mbar_wait(sm.full(s), Ring::ring_phase(it));
       const uint32_t a = sm.stage(s) + wg * (kFp8ABytes / 2), b = sm.stage(s) + kFp8ABytes;

@@ -281,7 +281,7 @@ int fp8_cluster_pairs_fit(const char* op, size_t smem) {
   thread_local Fit fit;
   const int device = current_device();
   if (fit.device != device || fit.smem != smem) {
-    const auto kernel = k90::grouped_gemm_fp8_m_contiguous_sm90<kStages, 2>;
+    const auto kernel = k90::grouped_gemm_fp8_m_contiguous_sm90<kStages, 2, false>;  // both variants alike
     enable_shared_memory(kernel, smem);
     cudaLaunchAttribute cluster;
     cudaLaunchConfig_t config = sm90_launch_config(smem, nullptr, 2, cluster);
@@ -297,14 +297,14 @@ int fp8_cluster_pairs_fit(const char* op, size_t smem) {
 
 // kCluster = 2: CTA pairs sharing each M tile's A (grouped_gemm_fp8_sm90.cuh), launched as 2 x 1
 // clusters, as many pairs as fit at once on the multiprocessors the GEMMs may use.
-template <int kStages, int kCluster>
+template <int kStages, int kCluster, bool kAsyncScales>
 void launch_fp8_m_contiguous_sm90_stages(const CUtensorMap& map_a, const CUtensorMap& map_b,
                                          const CUtensorMap& map_out, const char* op, const int32_t* expert_offsets,
                                          const float* sa, const float* sb, uint16_t* out, int64_t max_rows,
                                          int64_t num_experts, int64_t n_out, int64_t k_red, Stream stream) {
   namespace k90 = kernels::sm90;
-  const auto kernel = k90::grouped_gemm_fp8_m_contiguous_sm90<kStages, kCluster>;
-  const size_t smem = static_cast<size_t>(k90::smem_bytes(kStages, num_experts, true, k90::kFp8StageBytes));
+  const auto kernel = k90::grouped_gemm_fp8_m_contiguous_sm90<kStages, kCluster, kAsyncScales>;
+  const size_t smem = static_cast<size_t>(k90::fp8_smem_bytes(kStages, num_experts));
   const int64_t max_tiles = (ceil_div(max_rows, k90::kBM) + num_experts) * ceil_div(n_out, k90::kFp8BN);
   int grid = sm90_grid(op, kernel, smem, max_tiles);
   if constexpr (kCluster > 1) {
@@ -338,8 +338,19 @@ void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t
   check_launch("grouped_gemm_k_contiguous_sm90");
 }
 
-// grouped_gemm_fp8_cluster(): -1 until read from MOECORE_FP8_CLUSTER or set.
+// grouped_gemm_fp8_cluster() / _async_scales(): -1 until read from the environment or set.
 std::atomic<int> g_fp8_cluster{-1};
+std::atomic<int> g_fp8_async_scales{-1};
+
+// An on/off switch: its setting, else the environment variable's ("on" or "off"; unset: off).
+bool fp8_switch(std::atomic<int>& v, const char* var) {
+  int on = v.load(std::memory_order_relaxed);
+  if (on < 0) {
+    on = backend_choice_from_env(var, {"on", "off"}) == 1 ? 1 : 0;
+    v.store(on, std::memory_order_relaxed);
+  }
+  return on != 0;
+}
 
 // MOECORE_GROUPED_GEMM: unset or empty -> kAuto; "mma" / "wgmma"; anything else is refused.
 GroupedGemmBackend backend_from_environment() {
@@ -466,16 +477,15 @@ void grouped_gemm_wgrad(const uint16_t* dy, const uint16_t* x, const int32_t* ex
   check_launch("grouped_gemm_k_contiguous");
 }
 
-bool grouped_gemm_fp8_cluster() {
-  int v = g_fp8_cluster.load(std::memory_order_relaxed);
-  if (v < 0) {
-    v = backend_choice_from_env("MOECORE_FP8_CLUSTER", {"on", "off"}) == 1 ? 1 : 0;
-    g_fp8_cluster.store(v, std::memory_order_relaxed);
-  }
-  return v != 0;
-}
+bool grouped_gemm_fp8_cluster() { return fp8_switch(g_fp8_cluster, "MOECORE_FP8_CLUSTER"); }
 
 void set_grouped_gemm_fp8_cluster(bool on) { g_fp8_cluster.store(on ? 1 : 0, std::memory_order_relaxed); }
+
+bool grouped_gemm_fp8_async_scales() { return fp8_switch(g_fp8_async_scales, "MOECORE_FP8_ASYNC_SCALES"); }
+
+void set_grouped_gemm_fp8_async_scales(bool on) {
+  g_fp8_async_scales.store(on ? 1 : 0, std::memory_order_relaxed);
+}
 
 int grouped_gemm_fp8_cluster_pairs(int64_t num_experts) {
   const char* op = "cuda::grouped_gemm_fp8_cluster_pairs";
@@ -484,7 +494,7 @@ int grouped_gemm_fp8_cluster_pairs(int64_t num_experts) {
   if (!device_is_sm90(current_device(), major, minor)) return 0;
   const int gemm_pairs = gemm_sms(multiprocessor_count(current_device())) / 2;
   const int limit = max_shared_memory_per_block(current_device());
-  const auto smem = [&](int stages) { return k90::smem_bytes(stages, num_experts, true, k90::kFp8StageBytes); };
+  const auto smem = [&](int stages) { return k90::fp8_smem_bytes(stages, num_experts); };
   if (smem(5) <= limit) return std::min(gemm_pairs, fp8_cluster_pairs_fit<5>(op, static_cast<size_t>(smem(5))));
   if (smem(3) <= limit) return std::min(gemm_pairs, fp8_cluster_pairs_fit<3>(op, static_cast<size_t>(smem(3))));
   return 0;
@@ -513,21 +523,30 @@ void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, con
                                        {u64(k), u64(n * k)}, {k90::kFp8BK, k90::kFp8BN, 1});
   const CUtensorMap map_out = tensor_map(op, "out", kMapBf16, out, {u64(n), u64(max_rows)}, {u64(n * 2)}, {64, 64});
   const int limit = max_shared_memory_per_block(current_device());
+  const bool async_scales = grouped_gemm_fp8_async_scales();
   const auto launch = [&](auto stages) {
     constexpr int kStages = decltype(stages)::value;
+    const auto with_scales = [&](auto cluster) {
+      constexpr int kCluster = decltype(cluster)::value;
+      if (async_scales) {
+        launch_fp8_m_contiguous_sm90_stages<kStages, kCluster, true>(map_a, map_b, map_out, op, expert_offsets, sa,
+                                                                      sb, out, max_rows, num_experts, n, k, stream);
+      } else {
+        launch_fp8_m_contiguous_sm90_stages<kStages, kCluster, false>(map_a, map_b, map_out, op, expert_offsets, sa,
+                                                                       sb, out, max_rows, num_experts, n, k, stream);
+      }
+    };
     if (pairs) {
-      launch_fp8_m_contiguous_sm90_stages<kStages, 2>(map_a, map_b, map_out, op, expert_offsets, sa, sb, out,
-                                                      max_rows, num_experts, n, k, stream);
+      with_scales(std::integral_constant<int, 2>{});
     } else {
-      launch_fp8_m_contiguous_sm90_stages<kStages, 1>(map_a, map_b, map_out, op, expert_offsets, sa, sb, out,
-                                                      max_rows, num_experts, n, k, stream);
+      with_scales(std::integral_constant<int, 1>{});
     }
   };
-  if (k90::smem_bytes(5, num_experts, true, k90::kFp8StageBytes) <= limit) {
+  if (k90::fp8_smem_bytes(5, num_experts) <= limit) {
     launch(std::integral_constant<int, 5>{});
   } else {
-    MOE_CHECK(k90::smem_bytes(3, num_experts, true, k90::kFp8StageBytes) <= limit, op, ": the schedule of ",
-              num_experts, " experts needs ", k90::smem_bytes(3, num_experts, true, k90::kFp8StageBytes),
+    MOE_CHECK(k90::fp8_smem_bytes(3, num_experts) <= limit, op, ": the schedule of ",
+              num_experts, " experts needs ", k90::fp8_smem_bytes(3, num_experts),
               " bytes of shared memory, the device has ", limit);
     launch(std::integral_constant<int, 3>{});
   }

@@ -85,6 +85,13 @@ void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, con
 // for the process (tests and benches compare the two).
 bool grouped_gemm_fp8_cluster();
 void set_grouped_gemm_fp8_cluster(bool on);
+// Whether grouped_gemm_fp8's consumers take each K block's scales from shared memory, copied there
+// asynchronously (cp.async) one block ahead, instead of loading them from global memory in the
+// block, where the product of the scales waits for the loads before the block's MMAs issue. The
+// same bits; MOECORE_FP8_ASYNC_SCALES ("on" or "off"; unset: off) or the setter chooses. Off by
+// default until it is measured faster (docs/benchmarks.md).
+bool grouped_gemm_fp8_async_scales();
+void set_grouped_gemm_fp8_async_scales(bool on);
 // The CTA pairs the paired kernel launches for num_experts experts: as many as fit at once on the
 // multiprocessors the GEMMs may use (0 on a device without the wgmma kernels).
 int grouped_gemm_fp8_cluster_pairs(int64_t num_experts);
