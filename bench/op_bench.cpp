@@ -1,7 +1,8 @@
 // moecore_op_bench: CUDA op micro-benchmarks. Grouped GEMM of the MoE experts (forward,
 // dgrad, wgrad) on a model's expert shapes, rows spread over experts by a random top-k
 // routing, for each grouped-GEMM backend the device runs (mma everywhere, wgmma on sm_90).
-// Random BF16 data (never zeros), inputs larger than L2, warm-up, CUDA events, median/min/max.
+// Random BF16 data drawn on the GPU (truncated normals of core/rng.h, never all zeros), inputs
+// larger than L2, warm-up, CUDA events, median/min/max.
 // Prints `op | backend | us | TFLOP/s | diff`, diff = ||out - out_mma|| / ||out_mma|| of one
 // overwrite run of each backend (0 for mma itself), and writes one JSON file. Then, on sm_90, the
 // gate/up forward with SwiGLU in its epilogue against the GEMM then swiglu_forward: both times and
@@ -51,6 +52,8 @@
 #include "cuda/ops/fp8.h"
 #include "cuda/ops/gemm.h"
 #include "cuda/ops/grouped_gemm.h"
+#include "cuda/ops/init.h"
+#include "cuda/ops/memory.h"
 #include "cuda/ops/moe_routing.h"
 #include "cuda/ops/optim.h"
 #include "cuda/ops/swiglu.h"
@@ -78,12 +81,23 @@ T* device_copy(const std::vector<T>& h) {
   return d;
 }
 
-std::vector<uint16_t> random_bf16(int64_t n, const char* name, float scale) {
-  std::vector<float> f(n);
-  moe::fill_normal(f.data(), n, 0, 1234, name, scale);
-  std::vector<uint16_t> b(n);
-  for (int64_t i = 0; i < n; ++i) b[i] = moe::f32_to_bf16(f[i]);
-  return b;
+// n BF16 values of tensor `name` on the device: core/rng.h's truncated N(0, scale^2) drawn on the
+// GPU (cuda::fill_trunc_normal, in chunks) and rounded to BF16, with no host copy: the inputs of
+// the larger sections took tens of seconds to draw on the host.
+uint16_t* device_random_bf16(int64_t n, const char* name, float scale) {
+  constexpr int64_t kChunk = int64_t{1} << 26;
+  uint16_t* d = nullptr;
+  float* tmp = nullptr;
+  MOE_CUDA_CHECK(cudaMalloc(&d, std::max<int64_t>(n, 1) * 2));
+  MOE_CUDA_CHECK(cudaMalloc(&tmp, std::clamp<int64_t>(n, 1, kChunk) * 4));
+  for (int64_t off = 0; off < n; off += kChunk) {
+    const int64_t c = std::min(kChunk, n - off);
+    moe::cuda::fill_trunc_normal(tmp, c, off, 1234, name, scale, nullptr);
+    moe::cuda::cast_f32_to_bf16(tmp, d + off, c, nullptr);
+  }
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  MOE_CUDA_CHECK(cudaFree(tmp));
+  return d;
 }
 
 
@@ -397,8 +411,8 @@ nlohmann::json fp8_gemm_section(const Args& a, cudaStream_t s) {
               "fp8+q(x)", "q(w) us", "diff");
   for (const Shape& sh : shapes) {
     const int64_t m = sh.m, n = sh.n, k = sh.k, kb = k / 128, nb = (n + 127) / 128, ldsb = (kb + 3) / 4 * 4;
-    auto* x = device_copy(random_bf16(m * k, "fp8 x", 1.f));
-    auto* w = device_copy(random_bf16(n * k, "fp8 w", 0.02f));
+    auto* x = device_random_bf16(m * k, "fp8 x", 1.f);
+    auto* w = device_random_bf16(n * k, "fp8 w", 0.02f);
     uint16_t *y16 = nullptr, *y8 = nullptr;
     uint8_t *qx = nullptr, *qw = nullptr;
     float *sx = nullptr, *sx_t = nullptr, *sw = nullptr, *sw_pad = nullptr;
@@ -482,8 +496,8 @@ nlohmann::json adamw_section(const Args& a, cudaStream_t s) {
   constexpr int kGemms = 12;
   std::vector<int32_t> offsets(size_t(kE + 1));
   for (int64_t e = 0; e <= kE; ++e) offsets[size_t(e)] = static_cast<int32_t>(e * (kRows / kE));
-  auto* x = device_copy(random_bf16(kRows * kD, "x", 1.f));
-  auto* w = device_copy(random_bf16(kE * kOut * kD, "w_gate_up", 0.02f));
+  auto* x = device_random_bf16(kRows * kD, "x", 1.f);
+  auto* w = device_random_bf16(kE * kOut * kD, "w_gate_up", 0.02f);
   auto* off = device_copy(offsets);
   uint16_t* y = nullptr;
   MOE_CUDA_CHECK(cudaMalloc(&y, size_t(kRows * kOut) * 2));
@@ -582,10 +596,10 @@ nlohmann::json attention_section(const Args& a, cudaStream_t s) {
     return {{"error", "no backend"}};
   }
   const int64_t nq = B * S * Hq * D, nkv = B * S * Hkv * D, nlse = B * Hq * S;
-  auto* q = device_copy(random_bf16(nq, "attn_q", 1.f));
-  auto* k = device_copy(random_bf16(nkv, "attn_k", 1.f));
-  auto* v = device_copy(random_bf16(nkv, "attn_v", 1.f));
-  auto* dout = device_copy(random_bf16(nq, "attn_dout", 1.f));
+  auto* q = device_random_bf16(nq, "attn_q", 1.f);
+  auto* k = device_random_bf16(nkv, "attn_k", 1.f);
+  auto* v = device_random_bf16(nkv, "attn_v", 1.f);
+  auto* dout = device_random_bf16(nq, "attn_dout", 1.f);
   uint16_t *out = nullptr, *out_own = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
   float *lse = nullptr, *lse_own = nullptr;
   for (uint16_t** p : {&out, &out_own, &dq}) MOE_CUDA_CHECK(cudaMalloc(p, nq * 2));
@@ -738,12 +752,12 @@ int main(int argc, char** argv) {
       if (!a.out.empty()) std::ofstream(a.out) << nlohmann::json{{"fp8_gemm", fp8}}.dump(2) << "\n";
       return 0;
     }
-    auto* x = device_copy(random_bf16(rows * D, "x", 1.f));
-    auto* h = device_copy(random_bf16(rows * I, "h", 1.f));
-    auto* w_gu = device_copy(random_bf16(E * 2 * I * D, "w_gate_up", 0.02f));
-    auto* w_dn = device_copy(random_bf16(E * D * I, "w_down", 0.02f));
-    auto* dy_gu = device_copy(random_bf16(rows * 2 * I, "dy_gate_up", 1.f));
-    auto* dy_dn = device_copy(random_bf16(rows * D, "dy_down", 1.f));
+    auto* x = device_random_bf16(rows * D, "x", 1.f);
+    auto* h = device_random_bf16(rows * I, "h", 1.f);
+    auto* w_gu = device_random_bf16(E * 2 * I * D, "w_gate_up", 0.02f);
+    auto* w_dn = device_random_bf16(E * D * I, "w_down", 0.02f);
+    auto* dy_gu = device_random_bf16(rows * 2 * I, "dy_gate_up", 1.f);
+    auto* dy_dn = device_random_bf16(rows * D, "dy_down", 1.f);
     auto* off = device_copy(offsets);
     uint16_t *y_gu = nullptr, *y_dn = nullptr, *dx = nullptr;
     float* dw = nullptr;
