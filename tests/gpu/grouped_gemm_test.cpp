@@ -336,13 +336,19 @@ void run_wgrad_case(const GroupedCase& c, Backend backend, bool accumulate) {
   d_x.expect_guards_intact("x");
   d_dw.expect_guards_intact("dw");
 
-  // Same inputs, same start: bitwise the same dw (fixed reduction order).
+  // Same inputs, same start: bitwise the same dw (fixed reduction order), also with the wgmma
+  // kernel's other epilogue (an overwrite's direct stores from registers, or the staged TMA stores).
+  const bool direct = cuda::grouped_gemm_wgrad_direct_store();
+  cuda::set_grouped_gemm_wgrad_direct_store(!direct);
   d_dw.upload(dw0);
   cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw.data(), c.max_rows(), c.num_experts(), c.n,
                            c.k, accumulate, stream.get(), backend);
   stream.sync();
+  cuda::set_grouped_gemm_wgrad_direct_store(direct);
   const auto again = d_dw.download();
-  EXPECT_EQ(std::memcmp(again.data(), dw.data(), dw.size() * sizeof(float)), 0) << "dw differs between two runs";
+  EXPECT_EQ(std::memcmp(again.data(), dw.data(), dw.size() * sizeof(float)), 0)
+      << "dw differs between two runs (direct stores " << (direct ? "on, then off)" : "off, then on)");
+  d_dw.expect_guards_intact("dw (second run)");
 }
 
 TEST_P(GroupedGemmParity, WgradAccumulate) {

@@ -633,6 +633,10 @@ __device__ __forceinline__ int2 expert_range(const int32_t* __restrict__ offsets
 // old dw). Experts with no rows: dw[e] untouched (accumulate) or zeroed. Each dw element is
 // written once, by one CTA: deterministic, no atomics between CTAs. Tiles t = (e, M-tile, N-tile), N fastest; CTA b takes b,
 // b + gridDim.x, ... Dynamic smem: smem_bytes(4, E, false).
+// kDirect: an overwrite stores each thread's fragment straight from its registers (8-byte stores,
+// clipped at n and k), with no staging through shared memory and no wait for the TMA to read it;
+// the accumulating call still reduce-adds through the staging. The same values.
+template <bool kDirect>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_k_contiguous_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                                    const __grid_constant__ CUtensorMap map_dw,
@@ -720,6 +724,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (num_k > 0 && lane == 0) mbar_arrive(sm.empty(Ring::ring_stage(it - 1)));
     const bool empty_expert = num_k == 0;  // overwrite: its tile is +0.0
 
+    if constexpr (kDirect) {
+      if (!accumulate) {
+        // This thread's rows (16 warp + lane / 4, + 8) and column pairs (8 j + 2 (lane % 4)).
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row0 + 64 * wg + 16 * warp + lane / 4 + 8 * h;
+          if (row >= n) continue;
+          float* drow = dw + (int64_t{e} * n + row) * k;
+#pragma unroll
+          for (int j = 0; j < kBN / 8; ++j) {
+            const int col = col0 + 8 * j + 2 * (lane % 4);
+            if (col >= k) continue;  // k is a multiple of 8: col + 1 < k too
+            const float2 v = empty_expert ? make_float2(0.0f, 0.0f)
+                                          : make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            *reinterpret_cast<float2*>(drow + col) = v;
+          }
+        }
+        continue;
+      }
+    }
     // 8 staged chunks of 32 columns, TMA stores clipped at n and k.
 #pragma unroll
     for (int c = 0; c < kBN / 32; ++c) {

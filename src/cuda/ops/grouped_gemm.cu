@@ -328,7 +328,8 @@ void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t
   const CUtensorMap map_b = tensor_map(op, "x", kMapBf16, x, {u64(k), u64(max_rows)}, {u64(k * 2)}, {64, 64});
   const CUtensorMap map_dw = tensor_map(op, "dw", kMapF32, dw, {u64(k), u64(n), u64(num_experts)},
                                         {u64(k * 4), u64(n * k * 4)}, {32, 64, 1});
-  const auto kernel = k90::grouped_gemm_k_contiguous_sm90;
+  const auto kernel = grouped_gemm_wgrad_direct_store() ? k90::grouped_gemm_k_contiguous_sm90<true>
+                                                         : k90::grouped_gemm_k_contiguous_sm90<false>;
   const size_t smem = static_cast<size_t>(k90::smem_bytes(4, num_experts, false));
   const int64_t max_tiles = num_experts * ceil_div(n, k90::kBM) * ceil_div(k, k90::kBN);
   const int grid = sm90_grid(op, kernel, smem, max_tiles);
@@ -338,12 +339,15 @@ void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t
   check_launch("grouped_gemm_k_contiguous_sm90");
 }
 
-// grouped_gemm_fp8_cluster() / _async_scales(): -1 until read from the environment or set.
+// grouped_gemm_fp8_cluster(), _fp8_async_scales(), _wgrad_direct_store(): -1 until read from the
+// environment or set.
 std::atomic<int> g_fp8_cluster{-1};
 std::atomic<int> g_fp8_async_scales{-1};
+std::atomic<int> g_wgrad_direct_store{-1};
 
-// An on/off switch: its setting, else the environment variable's ("on" or "off"; unset: off).
-bool fp8_switch(std::atomic<int>& v, const char* var) {
+// An on/off switch of a kernel variant: its setting, else the environment variable's ("on" or
+// "off"; unset: off).
+bool variant_switch(std::atomic<int>& v, const char* var) {
   int on = v.load(std::memory_order_relaxed);
   if (on < 0) {
     on = backend_choice_from_env(var, {"on", "off"}) == 1 ? 1 : 0;
@@ -477,11 +481,17 @@ void grouped_gemm_wgrad(const uint16_t* dy, const uint16_t* x, const int32_t* ex
   check_launch("grouped_gemm_k_contiguous");
 }
 
-bool grouped_gemm_fp8_cluster() { return fp8_switch(g_fp8_cluster, "MOECORE_FP8_CLUSTER"); }
+bool grouped_gemm_fp8_cluster() { return variant_switch(g_fp8_cluster, "MOECORE_FP8_CLUSTER"); }
 
 void set_grouped_gemm_fp8_cluster(bool on) { g_fp8_cluster.store(on ? 1 : 0, std::memory_order_relaxed); }
 
-bool grouped_gemm_fp8_async_scales() { return fp8_switch(g_fp8_async_scales, "MOECORE_FP8_ASYNC_SCALES"); }
+bool grouped_gemm_wgrad_direct_store() { return variant_switch(g_wgrad_direct_store, "MOECORE_WGRAD_DIRECT_STORE"); }
+
+void set_grouped_gemm_wgrad_direct_store(bool on) {
+  g_wgrad_direct_store.store(on ? 1 : 0, std::memory_order_relaxed);
+}
+
+bool grouped_gemm_fp8_async_scales() { return variant_switch(g_fp8_async_scales, "MOECORE_FP8_ASYNC_SCALES"); }
 
 void set_grouped_gemm_fp8_async_scales(bool on) {
   g_fp8_async_scales.store(on ? 1 : 0, std::memory_order_relaxed);
