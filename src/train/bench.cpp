@@ -362,6 +362,12 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
                   (long long)opt.steps, (long long)opt.warmup);
   }
   out << buf;
+  if (gpu && details.contains("kernel_variants")) {  // the kernel switches that are on, if any
+    std::string on;
+    for (const auto& [name, value] : details.at("kernel_variants").items())
+      if (value.is_boolean() && value.get<bool>()) on += (on.empty() ? "" : ", ") + name;
+    if (!on.empty()) out << "kernel variants on: " << on << "\n";
+  }
   std::string update_note;  // where the AdamW update runs, when not at the end of the step
   if (cfg.optim.deferred_update) {
     update_note = ", update deferred into the next forward";

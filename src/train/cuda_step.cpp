@@ -32,6 +32,7 @@
 #include "cuda/event_timer.h"
 #include "cuda/ops/device_info.h"
 #include "cuda/ops/ep_exchange.h"
+#include "cuda/ops/grouped_gemm.h"
 #include "cuda/ops/memory.h"
 #include "cuda/ops/nccl.h"
 #include "cuda/ops/nvshmem_world.h"
@@ -1069,6 +1070,13 @@ ForwardStats CudaStepRunner::evaluate(const Batch& b, uint64_t routing_seed) {
   }
   m.set_fuse_head_backward(true);
   return m.read_stats();
+}
+
+nlohmann::json cuda_kernel_variants() {
+  return {{"grouped_gemm", cuda::grouped_gemm_backend_name(cuda::grouped_gemm_resolve_backend())},
+          {"fp8_cta_pairs", cuda::grouped_gemm_fp8_cluster()},
+          {"fp8_async_scales", cuda::grouped_gemm_fp8_async_scales()},
+          {"wgrad_direct_store", cuda::grouped_gemm_wgrad_direct_store()}};
 }
 
 }  // namespace moe

@@ -150,6 +150,11 @@ class CudaStepRunner {
   std::unique_ptr<Impl> impl_;
 };
 
+// The kernel variants this process runs (the environment switches of cuda/ops/grouped_gemm.h and
+// the grouped GEMM backend), for the bench's record: a figure is only comparable with another of
+// the same variants.
+nlohmann::json cuda_kernel_variants();
+
 }  // namespace moe
 
 #endif  // MOECORE_HAS_CUDA

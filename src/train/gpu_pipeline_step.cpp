@@ -40,6 +40,7 @@
 #include "parallel/pipeline_schedule.h"
 #include "parallel/topology.h"
 #include "train/checkpointing.h"
+#include "train/cuda_step.h"
 #include "train/routing_seed.h"
 #include "train/run_plan.h"
 #include "train/step.h"
@@ -329,6 +330,7 @@ class GpuPipelineStep final : public Step {
             {"mem_peak_source", "high-water mark of moecore's device allocations, largest over GPUs"},
             {"mem_used_gib", double(used_after) / kGiB},
             {"mem_bench_gib", double(used_after - std::min(used_after, used_before_)) / kGiB},
+            {"kernel_variants", cuda_kernel_variants()},
             {"pipeline",
              {{"pp", plan_.sizes.pp},
               {"stage", topo_.pp_rank},

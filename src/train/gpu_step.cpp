@@ -302,7 +302,8 @@ nlohmann::json GpuStep::bench_details() {
       {"mem_peak_source", "high-water mark of moecore's device allocations (cuda::device_peak_bytes), largest over GPUs"},
       {"mem_used_gib", double(used_after) / kGiB},
       {"mem_used_source", "cudaMemGetInfo total - free after the run (CUDA context, cuBLASLt and other processes included)"},
-      {"mem_bench_gib", double(used_after - std::min(used_after, used_before_)) / kGiB}};
+      {"mem_bench_gib", double(used_after - std::min(used_after, used_before_)) / kGiB},
+      {"kernel_variants", cuda_kernel_variants()}};
   if (ep > 1) {
     const double a2a_gbs = exchange_ms_ > 0 ? double(traffic_.bytes_sent) / (exchange_ms_ * 1e-3) / 1e9 : 0.0;
     d["expert_parallel"] = {
