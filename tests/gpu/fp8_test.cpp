@@ -3,7 +3,8 @@
 // both formats, for 1 x 128, 128 x 128 and MX 1 x 32 blocks with partial edge blocks; values over
 // many binades (subnormal blocks, zero blocks, the largest magnitudes) and quotients beside every
 // FP8 rounding boundary (where a quotient one FP32 ulp off changes the code); the dequantised values
-// equal the CPU's bitwise; non-finite inputs are counted, never trap. cuda::fp8_gemm (cuBLASLt's
+// equal the CPU's bitwise; non-finite inputs are counted, never trap; cuda::mx_to_blocks128 (MX
+// codes re-blocked to 1 x 128) bitwise cpu::mx_to_blocks128. cuda::fp8_gemm (cuBLASLt's
 // block-scaled FP8) against cpu::fp8_gemm_block_scaled / fp8_gemm_rowwise_scaled on the same codes
 // and scales, within FP32 summation-order tolerance, BF16 and FP32 outputs, accumulating.
 // cuda::fp8_quantize_weights (the experts' 128 x 128 codes and their transposed copy in one pass)
@@ -248,6 +249,58 @@ TEST(Fp8Gpu, MxQuantiseMatchesCpuBitwise) {
       }
     }
   }
+}
+
+// MX codes re-blocked into 1 x 128 blocks: codes, scales and the count of changed codes bitwise
+// the CPU twin's, on values whose MX scales spread over many binades inside a 128 block (codes
+// lose bits, into subnormals or to zero) and on normal ones; an E8M0 NaN scale is counted (the CPU
+// twin refuses it).
+TEST(Fp8Gpu, MxToBlocks128MatchesCpuBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  TestStream stream;
+  for (const Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    for (const Shape s : kShapes) {
+      const int64_t n = s.rows * s.cols, nmx = s.rows * ((s.cols + kMxBlock - 1) / kMxBlock);
+      const int64_t nout = s.rows * ((s.cols + 127) / 128);
+      for (int input = 0; input < 2; ++input) {
+        const std::vector<float> x = input == 0 ? wide_values(s.rows, s.cols, 17 + uint64_t(n))
+                                                : bf16_values(random_bf16(n, 19 + uint64_t(n), 2.0f));
+        std::vector<uint8_t> q(static_cast<size_t>(n)), mxs(static_cast<size_t>(nmx)), q_ref(static_cast<size_t>(n));
+        std::vector<float> s_ref(static_cast<size_t>(nout));
+        cpu::mx_quantize(x.data(), s.rows, s.cols, f, MxScale::kOcp, q.data(), mxs.data());
+        const int64_t changed_ref =
+            cpu::mx_to_blocks128(q.data(), mxs.data(), s.rows, s.cols, f, q_ref.data(), s_ref.data());
+        GuardedBuffer<uint8_t> d_q(q), d_mxs(mxs), d_out(n);
+        GuardedBuffer<float> d_s(nout);
+        GuardedBuffer<unsigned long long> changed(std::vector<unsigned long long>{0});
+        GuardedBuffer<uint32_t> nan_scales(std::vector<uint32_t>{0});
+        cuda::mx_to_blocks128(d_q.data(), d_mxs.data(), s.rows, s.cols, f, d_out.data(), d_s.data(), changed.data(),
+                              nan_scales.data(), stream.get());
+        stream.sync();
+        const std::string w = where(input == 0 ? "mx_to_blocks128 wide" : "mx_to_blocks128 narrow", s, f);
+        expect_equal(d_out.download(), q_ref, w + " codes");
+        expect_equal(d_s.download(), s_ref, w + " scales");
+        EXPECT_EQ(int64_t(changed.download()[0]), changed_ref) << w << ": codes changed";
+        EXPECT_EQ(nan_scales.download()[0], 0u) << w;
+        if (input == 0 && s.cols >= 128) {
+          EXPECT_GT(changed_ref, 0) << w << ": the wide values lost no bits";
+        }
+        d_out.expect_guards_intact(w + " q_out");
+        d_s.expect_guards_intact(w + " scales_out");
+      }
+    }
+  }
+  // Two E8M0 NaN scales (0xFF) in a 3 x 300 tensor: counted, not trapped.
+  std::vector<uint8_t> q(3 * 300, 0x38), mxs(3 * 10, 127);
+  mxs[4] = 0xFF;
+  mxs[29] = 0xFF;
+  GuardedBuffer<uint8_t> d_q(q), d_mxs(mxs), d_out(3 * 300);
+  GuardedBuffer<float> d_s(3 * 3);
+  GuardedBuffer<uint32_t> nan_scales(std::vector<uint32_t>{0});
+  cuda::mx_to_blocks128(d_q.data(), d_mxs.data(), 3, 300, Fp8Format::kE4M3, d_out.data(), d_s.data(), nullptr,
+                        nan_scales.data(), stream.get());
+  stream.sync();
+  EXPECT_EQ(nan_scales.download()[0], 2u);
 }
 
 // NaN and infinity never trap: each is counted (the CPU twin refuses them instead).

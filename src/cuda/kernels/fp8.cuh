@@ -107,6 +107,45 @@ __global__ void __launch_bounds__(32)
   if (in) q[r * cols + c] = fp8_encode_dev(ldexpf(v, -e), f);
 }
 
+// MX codes re-blocked into 1 x 128 blocks (cpu::mx_to_blocks128): one warp per output block (row r,
+// block b), lane l re-encoding the block's codes 4 l .. 4 l + 3 (those below cols) at the block's
+// largest E8M0 scale, in FP64 as the CPU does (exact), then rounded to FP32 and to the format. The
+// codes whose value changed are added to *changed, E8M0 NaN scales (0xFF) to *nan_scales (each
+// when not null; the block's output is then unspecified).
+__global__ void __launch_bounds__(32)
+    mx_to_blocks128_kernel(const uint8_t* __restrict__ q, const uint8_t* __restrict__ scales_e8m0, int64_t cols,
+                           int64_t mx_cols, int64_t out_cols, Fp8Format f, uint8_t* __restrict__ q_out,
+                           float* __restrict__ scales_out, unsigned long long* changed, uint32_t* nan_scales) {
+  const int64_t r = blockIdx.x / out_cols, b = blockIdx.x % out_cols;
+  const int lane = static_cast<int>(threadIdx.x);
+  const int64_t c = b * 128 + 4 * lane;  // this lane's first column
+  const bool in = c < cols;
+  const unsigned code = in ? scales_e8m0[r * mx_cols + c / kMxBlock] : 0u;  // its sub-block's scale
+  const unsigned top = __reduce_max_sync(0xffffffffu, code);
+  const unsigned nan_lanes = __popc(__ballot_sync(0xffffffffu, in && code == 0xFFu && (lane % 8) == 0));
+  if (lane == 0) {
+    scales_out[r * out_cols + b] = ldexpf(1.0f, static_cast<int>(top) - 127);
+    if (nan_scales != nullptr && nan_lanes > 0) atomicAdd(nan_scales, nan_lanes);
+  }
+  unsigned n_changed = 0;
+  if (in) {
+    const int shift = static_cast<int>(code) - static_cast<int>(top);  // <= 0
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (c + i >= cols) break;
+      const int64_t at = r * cols + c + i;
+      const double v = ldexp(static_cast<double>(fp8_decode_dev(q[at], f)), shift);  // exact in FP64
+      const uint8_t out = fp8_encode_dev(static_cast<float>(v), f);
+      q_out[at] = out;
+      n_changed += static_cast<double>(fp8_decode_dev(out, f)) != v;
+    }
+  }
+  if (changed != nullptr) {
+    const unsigned total = __reduce_add_sync(0xffffffffu, n_changed);
+    if (lane == 0 && total > 0) atomicAdd(changed, static_cast<unsigned long long>(total));
+  }
+}
+
 __global__ void mx_dequantize_kernel(const uint8_t* __restrict__ q, const uint8_t* __restrict__ scales, int64_t rows,
                                      int64_t cols, int64_t scale_cols, Fp8Format f, float* __restrict__ x) {
   const int64_t n = rows * cols;

@@ -4,6 +4,7 @@
 #include "cuda/ops/fp8.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "cuda/common.h"
 #include "cuda/kernels/fp8.cuh"
@@ -156,6 +157,22 @@ void mx_dequantize(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, i
   kernels::mx_dequantize_kernel<<<elementwise_blocks(rows * cols), 256, 0, stream>>>(
       q, scales_e8m0, rows, cols, (cols + kMxBlock - 1) / kMxBlock, f, x);
   check_launch("mx_dequantize_kernel");
+}
+
+void mx_to_blocks128(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f,
+                     uint8_t* q_out, float* scales_out, unsigned long long* changed, uint32_t* nan_scales,
+                     Stream stream) {
+  const char* op = "cuda::mx_to_blocks128";
+  check_shape(op, rows, cols, {1, kMxBlock});
+  if (rows == 0 || cols == 0) return;
+  detail::check_ptrs(op, {{"q", q}, {"scales_e8m0", scales_e8m0}, {"q_out", q_out}}, 1);
+  detail::check_ptrs(op, {{"scales_out", scales_out}}, sizeof(float));
+  const int64_t out_cols = (cols + 127) / 128, blocks = rows * out_cols;
+  MOE_CHECK(blocks <= std::numeric_limits<int32_t>::max(), op, ": ", rows, " x ", out_cols,
+            " blocks exceed one launch's grid");
+  kernels::mx_to_blocks128_kernel<<<static_cast<unsigned>(blocks), 32, 0, stream>>>(
+      q, scales_e8m0, cols, (cols + kMxBlock - 1) / kMxBlock, out_cols, f, q_out, scales_out, changed, nan_scales);
+  check_launch("mx_to_blocks128_kernel");
 }
 
 void fp8_quantize_weights(const float* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q, float* s,

@@ -44,6 +44,16 @@ void mx_quantize(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Format f
 void mx_dequantize(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f, float* x,
                    Stream stream);
 
+// MX codes q [rows, cols] with E8M0 scales [rows, ceil(cols / 32)] re-blocked into 1 x 128 blocks
+// for the block-scaled GEMMs: q_out [rows, cols] and FP32 scales [rows, ceil(cols / 128)], each
+// block at its largest MX scale and every code re-encoded at it (cpu::mx_to_blocks128's codes and
+// scales, bitwise). The codes whose value changed (low bits lost to the coarser scale) are added to
+// *changed and E8M0 NaN scales (0xFF, which the CPU twin refuses) to *nan_scales, each when not
+// null; no host synchronisation.
+void mx_to_blocks128(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f,
+                     uint8_t* q_out, float* scales_out, unsigned long long* changed, uint32_t* nan_scales,
+                     Stream stream);
+
 // The experts' weights w [E, n, k] (FP32 or BF16) in 128 x 128 blocks per expert, the contract of
 // cpu::fp8_quantize_weights: q [E, n, k] with scales s [E, ceil(n/128), ceil(k/128)] and, when qt
 // is not null, the transposed codes qt [E, k, n] with st [E, ceil(k/128), ceil(n/128)], in one pass.
