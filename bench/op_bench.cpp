@@ -15,7 +15,9 @@
 // --ops grouped_fp8: the experts' FP8 grouped GEMM (cuda::grouped_gemm_fp8) against the BF16 wgmma
 // kernels on the expert shapes, forward and data gradient of both projections, with and without
 // the activation's quantisation, and the weights' quantisation with the transposed copy (JSON key
-// "grouped_fp8"), then the whole experts of one MoE layer, BF16 against the FP8 recipe.
+// "grouped_fp8"); each FP8 GEMM also in CTA pairs, unpaired and in the other kernel variants
+// (grouped_gemm_fp8_kernel), checked to give the same bits; then the whole experts of one MoE
+// layer, BF16 against the FP8 recipe.
 // --ops adamw: cuda::adamw_apply over 256M parameters (one segment, BF16 copy written) launched a
 // block per chunk on every SM and kept to r SMs (the deferred update's reserve: r = 16, 32, 48,
 // 64), with the moments at the flat offsets (the bulk-copy ring) and shifted by 4 elements (plain
@@ -202,8 +204,8 @@ nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, 
   std::printf("FP8 CTA pairs (2 x 1 clusters sharing A) that fit at once: %d; 'fp8' is the kernel in use "
               "(pairs %s), 'pairs' / 'unpaired' force each\n",
               grouped_gemm_fp8_cluster_pairs(E), grouped_gemm_fp8_cluster() ? "on" : "off");
-  std::printf("%-16s | %8s | %8s | %8s | %8s | %8s | %8s | %9s | %9s\n", "op", "bf16", "fp8", "pairs", "unpaired",
-              "async sc", "fp8+q", "q(w) us", "diff");
+  std::printf("%-16s | %8s | %8s | %8s | %8s | %8s | %8s | %8s | %9s | %9s\n", "op", "bf16", "fp8", "pairs", "unpaired",
+              "async sc", "+direct", "fp8+q", "q(w) us", "diff");
   nlohmann::json out = nlohmann::json::array();
   for (const Case& c : cases) {
     const int64_t n_out = c.dgrad ? c.k_w : c.n_w, k_red = c.dgrad ? c.n_w : c.k_w;
@@ -234,26 +236,34 @@ nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, 
     MOE_CUDA_CHECK(cudaStreamSynchronize(s));
     const bool same_bits = download(y8, rows * n_out, true) == y_unpaired;
     set_grouped_gemm_fp8_cluster(in_use);
-    // async sc: the kernel in use with each K block's scales copied into shared memory one block
-    // ahead (grouped_gemm_fp8_async_scales); also the same bits.
-    const bool async_in_use = grouped_gemm_fp8_async_scales();
-    set_grouped_gemm_fp8_async_scales(true);
-    const Timing ta = time_ms(a, s, run_fp8);
-    MOE_CUDA_CHECK(cudaStreamSynchronize(s));
-    const bool async_same_bits = download(y8, rows * n_out, true) == y_unpaired;
-    set_grouped_gemm_fp8_async_scales(async_in_use);
+    // async sc / +direct: the other kernel variants (grouped_gemm_fp8_kernel: each K block's scales
+    // copied into shared memory one block ahead; and the tile stored from registers), pairs as in
+    // use; also the same bits.
+    const Fp8KernelVariant kernel_in_use = grouped_gemm_fp8_kernel();
+    Timing tv[2];
+    bool variants_same_bits = true;
+    for (const int v : {0, 1}) {
+      set_grouped_gemm_fp8_kernel(v == 0 ? Fp8KernelVariant::kAsyncScales
+                                         : Fp8KernelVariant::kAsyncScalesDirectStore);
+      tv[v] = time_ms(a, s, run_fp8);
+      MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+      variants_same_bits = variants_same_bits && download(y8, rows * n_out, true) == y_unpaired;
+    }
+    set_grouped_gemm_fp8_kernel(kernel_in_use);
     const Timing tb = time_ms(a, s, run_bf16), t8 = time_ms(a, s, run_fp8);
     const Timing tq = time_ms(a, s, [&] { quantize_a(); run_fp8(); }), tw = time_ms(a, s, quantize_w);
     MOE_CUDA_CHECK(cudaStreamSynchronize(s));
     const double diff = relative_difference(download(y8, rows * n_out, true), download(y16, rows * n_out, true));
     auto tf = [&](const Timing& t) { return flops / (t.med_ms * 1e-3) / 1e12; };
-    std::printf("%-16s | %8.1f | %8.1f | %8.1f | %8.1f | %8.1f | %8.1f | %9.1f | %9.3e%s%s\n", c.op, tf(tb), tf(t8),
-                tf(tp), tf(tu), tf(ta), tf(tq), tw.med_ms * 1e3, diff, same_bits ? "" : "  (pairs and unpaired differ)",
-                async_same_bits ? "" : "  (async scales differ)");
+    std::printf("%-16s | %8.1f | %8.1f | %8.1f | %8.1f | %8.1f | %8.1f | %8.1f | %9.1f | %9.3e%s%s\n", c.op, tf(tb),
+                tf(t8), tf(tp), tf(tu), tf(tv[0]), tf(tv[1]), tf(tq), tw.med_ms * 1e3, diff,
+                same_bits ? "" : "  (pairs and unpaired differ)",
+                variants_same_bits ? "" : "  (kernel variants differ)");
     out.push_back({{"op", c.op}, {"n", n_out}, {"k", k_red}, {"bf16_tflops", tf(tb)}, {"fp8_tflops", tf(t8)},
                    {"fp8_pairs_in_use", in_use}, {"fp8_pairs_tflops", tf(tp)}, {"fp8_unpaired_tflops", tf(tu)},
-                   {"pairs_same_bits", same_bits}, {"fp8_async_scales_tflops", tf(ta)},
-                   {"async_scales_same_bits", async_same_bits},
+                   {"pairs_same_bits", same_bits}, {"fp8_kernel_in_use", fp8_kernel_variant_name(kernel_in_use)},
+                   {"fp8_async_scales_tflops", tf(tv[0])}, {"fp8_async_scales_direct_tflops", tf(tv[1])},
+                   {"kernel_variants_same_bits", variants_same_bits},
 
                    {"fp8_with_quantise_tflops", tf(tq)}, {"bf16_us", tb.med_ms * 1e3}, {"fp8_us", t8.med_ms * 1e3},
                    {"fp8_with_quantise_us", tq.med_ms * 1e3}, {"w_quantise_us", tw.med_ms * 1e3},

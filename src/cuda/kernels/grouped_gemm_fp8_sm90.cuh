@@ -128,9 +128,11 @@ __device__ __forceinline__ void fp8_mma_k_block(float (&part)[64], uint32_t a, u
 // past an expert's end or past max_rows feed only output rows that are not stored (their scales
 // read as 0 past max_rows); codes past k_red load as zeros. Persistent CTAs over the M-grouped tile
 // list, N-tile fastest (with kCluster = 2: clusters over the list of N-tile pairs, n_out / 128
-// even, gridDim.x even). kAsyncScales: the scales copied into shared memory one K block ahead
-// (cp.async) instead of loaded in the block. Dynamic smem: fp8_smem_bytes(kStages, E).
-template <int kStages, int kCluster, bool kAsyncScales>
+// even, gridDim.x even). kVariant (Fp8KernelVariant): 0 the scales loaded in each K block and the
+// tile staged for TMA stores; 1 the scales copied into shared memory one K block ahead (cp.async);
+// 2 that, and the tile stored straight from registers (BF16 pairs, rows past the expert's end
+// skipped). Dynamic smem: fp8_smem_bytes(kStages, E).
+template <int kStages, int kCluster, int kVariant>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_fp8_m_contiguous_sm90(const __grid_constant__ CUtensorMap map_a,
                                        const __grid_constant__ CUtensorMap map_b,
@@ -139,6 +141,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                                        const float* __restrict__ sb, uint16_t* __restrict__ out, int max_rows,
                                        int num_experts, int n_out, int k_red) {
   static_assert(kCluster == 1 || kCluster == 2, "CTA pairs at most");
+  static_assert(kVariant >= 0 && kVariant <= 2, "kernel variants 0, 1, 2");
+  constexpr bool kAsyncScales = kVariant >= 1, kDirectStore = kVariant == 2;
   using Ring = Smem<kStages, kFp8StageBytes>;
   extern __shared__ __align__(1024) unsigned char sm90_smem[];
   const Ring sm = setup_smem<kStages, kFp8StageBytes>(sm90_smem, expert_offsets, num_experts, max_rows, true,
@@ -262,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
 
-    if (tile.row0 + kBM <= tile.row_end) {
+    if (!kDirectStore && tile.row0 + kBM <= tile.row_end) {
       // Whole tile inside the expert: 2 staged chunks of 64 columns, TMA stores (clipped at n_out).
 #pragma unroll
       for (int c = 0; c < kFp8BN / 64; ++c) {
@@ -272,7 +276,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             [&](uint32_t buf) { tma_store_2d(&map_out, buf, tile.col0 + 64 * c, tile.row0 + 64 * wg); });
       }
     } else {
-      // The expert's last tile: BF16 pairs from registers, rows past its end skipped.
+      // The expert's last tile (or every tile with kDirectStore): BF16 pairs from registers, rows
+      // past the expert's end skipped.
       store_fragment_rows_bf16(acc, out, row_lo, tile.row_end, tile.col0 + 2 * (lane % 4), n_out);
     }
   }

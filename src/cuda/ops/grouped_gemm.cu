@@ -281,7 +281,7 @@ int fp8_cluster_pairs_fit(const char* op, size_t smem) {
   thread_local Fit fit;
   const int device = current_device();
   if (fit.device != device || fit.smem != smem) {
-    const auto kernel = k90::grouped_gemm_fp8_m_contiguous_sm90<kStages, 2, false>;  // both variants alike
+    const auto kernel = k90::grouped_gemm_fp8_m_contiguous_sm90<kStages, 2, 0>;  // every variant alike
     enable_shared_memory(kernel, smem);
     cudaLaunchAttribute cluster;
     cudaLaunchConfig_t config = sm90_launch_config(smem, nullptr, 2, cluster);
@@ -297,13 +297,13 @@ int fp8_cluster_pairs_fit(const char* op, size_t smem) {
 
 // kCluster = 2: CTA pairs sharing each M tile's A (grouped_gemm_fp8_sm90.cuh), launched as 2 x 1
 // clusters, as many pairs as fit at once on the multiprocessors the GEMMs may use.
-template <int kStages, int kCluster, bool kAsyncScales>
+template <int kStages, int kCluster, int kVariant>
 void launch_fp8_m_contiguous_sm90_stages(const CUtensorMap& map_a, const CUtensorMap& map_b,
                                          const CUtensorMap& map_out, const char* op, const int32_t* expert_offsets,
                                          const float* sa, const float* sb, uint16_t* out, int64_t max_rows,
                                          int64_t num_experts, int64_t n_out, int64_t k_red, Stream stream) {
   namespace k90 = kernels::sm90;
-  const auto kernel = k90::grouped_gemm_fp8_m_contiguous_sm90<kStages, kCluster, kAsyncScales>;
+  const auto kernel = k90::grouped_gemm_fp8_m_contiguous_sm90<kStages, kCluster, kVariant>;
   const size_t smem = static_cast<size_t>(k90::fp8_smem_bytes(kStages, num_experts));
   const int64_t max_tiles = (ceil_div(max_rows, k90::kBM) + num_experts) * ceil_div(n_out, k90::kFp8BN);
   int grid = sm90_grid(op, kernel, smem, max_tiles);
@@ -339,10 +339,10 @@ void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t
   check_launch("grouped_gemm_k_contiguous_sm90");
 }
 
-// grouped_gemm_fp8_cluster(), _fp8_async_scales(), _wgrad_direct_store(): -1 until read from the
+// grouped_gemm_fp8_cluster(), _fp8_kernel(), _wgrad_direct_store(): -1 until read from the
 // environment or set.
 std::atomic<int> g_fp8_cluster{-1};
-std::atomic<int> g_fp8_async_scales{-1};
+std::atomic<int> g_fp8_kernel{-1};
 std::atomic<int> g_wgrad_direct_store{-1};
 
 // An on/off switch of a kernel variant: its setting, else the environment variable's ("on" or
@@ -491,10 +491,29 @@ void set_grouped_gemm_wgrad_direct_store(bool on) {
   g_wgrad_direct_store.store(on ? 1 : 0, std::memory_order_relaxed);
 }
 
-bool grouped_gemm_fp8_async_scales() { return variant_switch(g_fp8_async_scales, "MOECORE_FP8_ASYNC_SCALES"); }
+const char* fp8_kernel_variant_name(Fp8KernelVariant v) {
+  switch (v) {
+    case Fp8KernelVariant::kAsyncScales:
+      return "async-scales";
+    case Fp8KernelVariant::kAsyncScalesDirectStore:
+      return "async-scales-direct";
+    default:
+      return "base";
+  }
+}
 
-void set_grouped_gemm_fp8_async_scales(bool on) {
-  g_fp8_async_scales.store(on ? 1 : 0, std::memory_order_relaxed);
+Fp8KernelVariant grouped_gemm_fp8_kernel() {
+  int v = g_fp8_kernel.load(std::memory_order_relaxed);
+  if (v < 0) {  // "base" (or unset) -> 0, "async-scales" -> 1, "async-scales-direct" -> 2
+    v = std::max(0,
+                 backend_choice_from_env("MOECORE_FP8_KERNEL", {"base", "async-scales", "async-scales-direct"}) - 1);
+    g_fp8_kernel.store(v, std::memory_order_relaxed);
+  }
+  return static_cast<Fp8KernelVariant>(v);
+}
+
+void set_grouped_gemm_fp8_kernel(Fp8KernelVariant v) {
+  g_fp8_kernel.store(static_cast<int>(v), std::memory_order_relaxed);
 }
 
 int grouped_gemm_fp8_cluster_pairs(int64_t num_experts) {
@@ -533,23 +552,30 @@ void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, con
                                        {u64(k), u64(n * k)}, {k90::kFp8BK, k90::kFp8BN, 1});
   const CUtensorMap map_out = tensor_map(op, "out", kMapBf16, out, {u64(n), u64(max_rows)}, {u64(n * 2)}, {64, 64});
   const int limit = max_shared_memory_per_block(current_device());
-  const bool async_scales = grouped_gemm_fp8_async_scales();
+  const Fp8KernelVariant variant = grouped_gemm_fp8_kernel();
   const auto launch = [&](auto stages) {
     constexpr int kStages = decltype(stages)::value;
-    const auto with_scales = [&](auto cluster) {
+    const auto with_variant = [&](auto cluster) {
       constexpr int kCluster = decltype(cluster)::value;
-      if (async_scales) {
-        launch_fp8_m_contiguous_sm90_stages<kStages, kCluster, true>(map_a, map_b, map_out, op, expert_offsets, sa,
-                                                                      sb, out, max_rows, num_experts, n, k, stream);
-      } else {
-        launch_fp8_m_contiguous_sm90_stages<kStages, kCluster, false>(map_a, map_b, map_out, op, expert_offsets, sa,
-                                                                       sb, out, max_rows, num_experts, n, k, stream);
+      const auto run = [&](auto v) {
+        launch_fp8_m_contiguous_sm90_stages<kStages, kCluster, decltype(v)::value>(
+            map_a, map_b, map_out, op, expert_offsets, sa, sb, out, max_rows, num_experts, n, k, stream);
+      };
+      switch (variant) {
+        case Fp8KernelVariant::kAsyncScales:
+          run(std::integral_constant<int, 1>{});
+          break;
+        case Fp8KernelVariant::kAsyncScalesDirectStore:
+          run(std::integral_constant<int, 2>{});
+          break;
+        default:
+          run(std::integral_constant<int, 0>{});
       }
     };
     if (pairs) {
-      with_scales(std::integral_constant<int, 2>{});
+      with_variant(std::integral_constant<int, 2>{});
     } else {
-      with_scales(std::integral_constant<int, 1>{});
+      with_variant(std::integral_constant<int, 1>{});
     }
   };
   if (k90::fp8_smem_bytes(5, num_experts) <= limit) {

@@ -93,13 +93,17 @@ void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, con
 // for the process (tests and benches compare the two).
 bool grouped_gemm_fp8_cluster();
 void set_grouped_gemm_fp8_cluster(bool on);
-// Whether grouped_gemm_fp8's consumers take each K block's scales from shared memory, copied there
-// asynchronously (cp.async) one block ahead, instead of loading them from global memory in the
-// block, where the product of the scales waits for the loads before the block's MMAs issue. The
-// same bits; MOECORE_FP8_ASYNC_SCALES ("on" or "off"; unset: off) or the setter chooses. Off by
-// default until it is measured faster (docs/benchmarks.md).
-bool grouped_gemm_fp8_async_scales();
-void set_grouped_gemm_fp8_async_scales(bool on);
+// The variant of grouped_gemm_fp8's kernel: kBase loads each K block's scales from global memory
+// in the block (where their product waits for the loads before the block's MMAs issue) and stages
+// each tile through shared memory for TMA stores; kAsyncScales copies the next block's scales into
+// shared memory (cp.async) during the current one; kAsyncScalesDirectStore does that and stores
+// each tile straight from registers. The same bits. MOECORE_FP8_KERNEL ("base", "async-scales" or
+// "async-scales-direct"; unset: base) or the setter chooses; kBase by default until another is
+// measured faster (docs/benchmarks.md).
+enum class Fp8KernelVariant { kBase = 0, kAsyncScales = 1, kAsyncScalesDirectStore = 2 };
+const char* fp8_kernel_variant_name(Fp8KernelVariant v);
+Fp8KernelVariant grouped_gemm_fp8_kernel();
+void set_grouped_gemm_fp8_kernel(Fp8KernelVariant v);
 // The CTA pairs the paired kernel launches for num_experts experts: as many as fit at once on the
 // multiprocessors the GEMMs may use (0 on a device without the wgmma kernels).
 int grouped_gemm_fp8_cluster_pairs(int64_t num_experts);
