@@ -886,42 +886,55 @@ int main(int argc, char** argv) {
       swiglu_fused = {{"two_kernels_us", 1e3 * two.med_ms}, {"fused_us", 1e3 * one.med_ms}, {"same_bits", same}};
       for (void* p : {static_cast<void*>(h_two), static_cast<void*>(h_one), static_cast<void*>(gu_one)}) cudaFree(p);
     }
-    // The wgmma weight gradients as the first backward of a step runs them (overwrite), with the
-    // tile staged through shared memory for TMA stores and stored straight from registers
-    // (grouped_gemm_wgrad_direct_store): the time of each and whether dw is the same bits.
-    nlohmann::json wgrad_epilogue = nlohmann::json::array();
+    // The wgmma kernels with each tile staged through shared memory for TMA stores and stored
+    // straight from registers (grouped_gemm_direct_store): the forward and data gradient, and the
+    // weight gradients as the first backward of a step runs them (overwrite); the time of each and
+    // whether the output is the same bits.
+    nlohmann::json store_epilogue = nlohmann::json::array();
     if (run_gemm && grouped_gemm_wgmma_available()) {
-      const bool in_use = grouped_gemm_wgrad_direct_store();
-      struct Wgrad {
+      const bool in_use = grouped_gemm_direct_store();
+      const GroupedGemmBackend wg = GroupedGemmBackend::kWgmma;
+      struct Op {
         const char* op;
-        const uint16_t *dy, *in;
-        int64_t n, k;
+        double flops;
+        void* out;
+        int64_t bytes;
+        std::function<void()> run;
       };
-      for (const Wgrad& w : {Wgrad{"gate_up wgrad", dy_gu, x, 2 * I, D}, Wgrad{"down wgrad", dy_dn, h, D, I}}) {
-        const double flops = 2.0 * rows * w.n * w.k;
-        const int64_t count = E * w.n * w.k;
-        const auto run = [&] {
-          grouped_gemm_wgrad(w.dy, w.in, off, dw, rows, E, w.n, w.k, false, s, GroupedGemmBackend::kWgmma);
-        };
+      const std::vector<Op> ops = {
+          {"gate_up forward", f_gu, y_gu, rows * 2 * I * 2,
+           [&] { grouped_gemm_forward(x, w_gu, off, y_gu, rows, E, 2 * I, D, s, wg); }},
+          {"gate_up dgrad", f_gu, dx, rows * D * 2,
+           [&] { grouped_gemm_dgrad(dy_gu, w_gu, off, dx, rows, E, 2 * I, D, s, wg); }},
+          {"gate_up wgrad", f_gu, dw, E * 2 * I * D * 4,
+           [&] { grouped_gemm_wgrad(dy_gu, x, off, dw, rows, E, 2 * I, D, false, s, wg); }},
+          {"down forward", f_dn, y_dn, rows * D * 2,
+           [&] { grouped_gemm_forward(h, w_dn, off, y_dn, rows, E, D, I, s, wg); }},
+          {"down dgrad", f_dn, dx, rows * I * 2,
+           [&] { grouped_gemm_dgrad(dy_dn, w_dn, off, dx, rows, E, D, I, s, wg); }},
+          {"down wgrad", f_dn, dw, E * D * I * 4,
+           [&] { grouped_gemm_wgrad(dy_dn, h, off, dw, rows, E, D, I, false, s, wg); }},
+      };
+      for (const Op& o : ops) {
         Timing t[2];
-        std::vector<float> out[2];
+        std::vector<uint8_t> out[2];
         for (const int direct : {0, 1}) {
-          set_grouped_gemm_wgrad_direct_store(direct != 0);
-          t[direct] = time_ms(a, s, run);
-          MOE_CUDA_CHECK(cudaMemsetAsync(dw, 0xFF, count * 4, s));
-          run();
+          set_grouped_gemm_direct_store(direct != 0);
+          t[direct] = time_ms(a, s, o.run);
+          MOE_CUDA_CHECK(cudaMemsetAsync(o.out, 0xFF, size_t(o.bytes), s));
+          o.run();
           MOE_CUDA_CHECK(cudaStreamSynchronize(s));
-          out[direct] = download(dw, count, false);
+          out[direct].resize(size_t(o.bytes));
+          MOE_CUDA_CHECK(cudaMemcpy(out[direct].data(), o.out, size_t(o.bytes), cudaMemcpyDeviceToHost));
         }
-        const bool same = std::memcmp(out[0].data(), out[1].data(), out[0].size() * 4) == 0;
-        const auto tf = [&](const Timing& x) { return flops / (x.med_ms * 1e-3) / 1e12; };
-        std::printf("%-18s | overwrite: staged %9.1f us %6.1f TFLOP/s | direct %9.1f us %6.1f TFLOP/s | "
-                    "same bits: %s\n",
-                    w.op, 1e3 * t[0].med_ms, tf(t[0]), 1e3 * t[1].med_ms, tf(t[1]), same ? "yes" : "NO");
-        wgrad_epilogue.push_back({{"op", w.op}, {"staged_us", 1e3 * t[0].med_ms}, {"direct_us", 1e3 * t[1].med_ms},
+        const bool same = out[0] == out[1];
+        const auto tf = [&](const Timing& x) { return o.flops / (x.med_ms * 1e-3) / 1e12; };
+        std::printf("%-18s | staged %9.1f us %6.1f TFLOP/s | direct %9.1f us %6.1f TFLOP/s | same bits: %s\n", o.op,
+                    1e3 * t[0].med_ms, tf(t[0]), 1e3 * t[1].med_ms, tf(t[1]), same ? "yes" : "NO");
+        store_epilogue.push_back({{"op", o.op}, {"staged_us", 1e3 * t[0].med_ms}, {"direct_us", 1e3 * t[1].med_ms},
                                   {"staged_tflops", tf(t[0])}, {"direct_tflops", tf(t[1])}, {"same_bits", same}});
       }
-      set_grouped_gemm_wgrad_direct_store(in_use);
+      set_grouped_gemm_direct_store(in_use);
     }
     nlohmann::json attention;
     if (run_attention) attention = attention_section(a, s);
@@ -931,7 +944,7 @@ int main(int argc, char** argv) {
                             {"warmup", a.warmup}, {"iters", a.iters}, {"results", results}};
       if (run_attention) rec["attention"] = attention;
       if (!swiglu_fused.is_null()) rec["gate_up_swiglu"] = swiglu_fused;
-      if (!wgrad_epilogue.empty()) rec["wgrad_overwrite_epilogue"] = wgrad_epilogue;
+      if (!store_epilogue.empty()) rec["store_epilogue"] = store_epilogue;
       std::ofstream(a.out) << rec.dump(2) << "\n";
     }
     return 0;

@@ -1076,7 +1076,7 @@ nlohmann::json cuda_kernel_variants() {
   return {{"grouped_gemm", cuda::grouped_gemm_backend_name(cuda::grouped_gemm_resolve_backend())},
           {"fp8_cta_pairs", cuda::grouped_gemm_fp8_cluster()},
           {"fp8_kernel", cuda::fp8_kernel_variant_name(cuda::grouped_gemm_fp8_kernel())},
-          {"wgrad_direct_store", cuda::grouped_gemm_wgrad_direct_store()}};
+          {"grouped_gemm_direct_store", cuda::grouped_gemm_direct_store()}};
 }
 
 }  // namespace moe

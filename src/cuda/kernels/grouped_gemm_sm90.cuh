@@ -474,8 +474,8 @@ __device__ __forceinline__ void staged_store(uint32_t buf, int wg, bool leader, 
 // expert's, the unused tail, or zeros past max_rows): they only feed output rows that are not
 // stored. Columns past k_red read as zeros. Tiles whose 128 rows all belong to the expert leave
 // through TMA stores (which clip columns past n_out); an expert's last, partial tile is stored
-// from registers with the rows past its end skipped. Persistent: CTA b takes tiles b,
-// b + gridDim.x, ... (N-tile fastest). Dynamic smem: smem_bytes(kStages, E, true).
+// from registers with the rows past its end skipped (kDirect: every tile, no staging). Persistent:
+// CTA b takes tiles b, b + gridDim.x, ... (N-tile fastest). Dynamic smem: smem_bytes(kStages, E, true).
 //
 // kSwiglu (the experts' gate/up forward with SwiGLU in its epilogue; kBMn false): w [E, 2 inner,
 // k_red] holds the gate rows then the up rows, n_out = 2 inner, inner a multiple of 128. A tile is
@@ -485,7 +485,7 @@ __device__ __forceinline__ void staged_store(uint32_t buf, int wg, bool leader, 
 // The epilogue stores gate_up (out, through map_out) and h = swiglu(gate, up) [max_rows, inner]
 // (hout, through map_h), from the gate and up values rounded to BF16 as swiglu_forward reads them:
 // the same bits as this kernel without kSwiglu followed by swiglu_forward.
-template <bool kBMn, int kStages, bool kSwiglu = false>
+template <bool kBMn, int kStages, bool kSwiglu = false, bool kDirect = false>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_m_contiguous_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                                    const __grid_constant__ CUtensorMap map_out,
@@ -493,6 +493,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                    int max_rows, int num_experts, int n_out, int k_red,
                                    const __grid_constant__ CUtensorMap map_h, uint16_t* __restrict__ hout) {
   static_assert(!(kSwiglu && kBMn), "SwiGLU follows the forward's gate/up GEMM");
+  static_assert(!(kSwiglu && kDirect), "the fused SwiGLU forward stages its tiles");
   using Ring = Smem<kStages>;
   extern __shared__ __align__(1024) unsigned char sm90_smem[];
   const Ring sm = setup_smem<kStages>(sm90_smem, expert_offsets, num_experts, max_rows, true);
@@ -577,7 +578,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         store_fragment_rows_swiglu(acc, out, hout, tile.row0 + wg * 64 + warp * 16 + lane / 4, tile.row_end,
                                    tile.col0 + 2 * (lane % 4), inner);
       }
-    } else if (tile.row0 + kBM <= tile.row_end) {
+    } else if (!kDirect && tile.row0 + kBM <= tile.row_end) {
       // Whole tile inside the expert: 4 staged chunks of 64 columns, TMA stores (clipped at n_out).
 #pragma unroll
       for (int c = 0; c < kBN / 64; ++c) {
@@ -587,7 +588,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             [&](uint32_t buf) { tma_store_2d(&map_out, buf, tile.col0 + 64 * c, tile.row0 + 64 * wg); });
       }
     } else {
-      // The expert's last tile: BF16 pairs straight from registers, rows past its end skipped.
+      // The expert's last tile (every tile with kDirect): BF16 pairs straight from registers, rows
+      // past its end skipped.
       store_fragment_rows_bf16(acc, out, tile.row0 + wg * 64 + warp * 16 + lane / 4, tile.row_end,
                                tile.col0 + 2 * (lane % 4), n_out);
     }

@@ -165,13 +165,17 @@ int sm90_grid(const char* op, Kernel kernel, size_t smem, int64_t max_tiles) {
 }
 
 // kSwiglu: map_h / hout are h's (grouped_gemm_forward_swiglu); otherwise unused (map_out, null).
+// Without kSwiglu, grouped_gemm_direct_store() chooses the kernel that stores every tile from
+// registers.
 template <bool kBMn, int kStages, bool kSwiglu = false>
 void launch_m_contiguous_sm90_stages(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_out,
                                      const char* op, const int32_t* expert_offsets, uint16_t* out, int64_t max_rows,
                                      int64_t num_experts, int64_t n_out, int64_t k_red, Stream stream,
                                      const CUtensorMap* map_h = nullptr, uint16_t* hout = nullptr) {
   namespace k90 = kernels::sm90;
-  const auto kernel = k90::grouped_gemm_m_contiguous_sm90<kBMn, kStages, kSwiglu>;
+  const auto kernel = !kSwiglu && grouped_gemm_direct_store()
+                          ? k90::grouped_gemm_m_contiguous_sm90<kBMn, kStages, false, true>
+                          : k90::grouped_gemm_m_contiguous_sm90<kBMn, kStages, kSwiglu>;
   const size_t smem = static_cast<size_t>(k90::smem_bytes(kStages, num_experts, true));
   const int64_t tile_cols = kSwiglu ? k90::kBN / 2 : k90::kBN;
   const int64_t max_tiles = (ceil_div(max_rows, k90::kBM) + num_experts) *
@@ -328,8 +332,8 @@ void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t
   const CUtensorMap map_b = tensor_map(op, "x", kMapBf16, x, {u64(k), u64(max_rows)}, {u64(k * 2)}, {64, 64});
   const CUtensorMap map_dw = tensor_map(op, "dw", kMapF32, dw, {u64(k), u64(n), u64(num_experts)},
                                         {u64(k * 4), u64(n * k * 4)}, {32, 64, 1});
-  const auto kernel = grouped_gemm_wgrad_direct_store() ? k90::grouped_gemm_k_contiguous_sm90<true>
-                                                         : k90::grouped_gemm_k_contiguous_sm90<false>;
+  const auto kernel = grouped_gemm_direct_store() ? k90::grouped_gemm_k_contiguous_sm90<true>
+                                                  : k90::grouped_gemm_k_contiguous_sm90<false>;
   const size_t smem = static_cast<size_t>(k90::smem_bytes(4, num_experts, false));
   const int64_t max_tiles = num_experts * ceil_div(n, k90::kBM) * ceil_div(k, k90::kBN);
   const int grid = sm90_grid(op, kernel, smem, max_tiles);
@@ -339,11 +343,11 @@ void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t
   check_launch("grouped_gemm_k_contiguous_sm90");
 }
 
-// grouped_gemm_fp8_cluster(), _fp8_kernel(), _wgrad_direct_store(): -1 until read from the
+// grouped_gemm_fp8_cluster(), _fp8_kernel(), _direct_store(): -1 until read from the
 // environment or set.
 std::atomic<int> g_fp8_cluster{-1};
 std::atomic<int> g_fp8_kernel{-1};
-std::atomic<int> g_wgrad_direct_store{-1};
+std::atomic<int> g_direct_store{-1};
 
 // An on/off switch of a kernel variant: its setting, else the environment variable's ("on" or
 // "off"; unset: off).
@@ -485,11 +489,9 @@ bool grouped_gemm_fp8_cluster() { return variant_switch(g_fp8_cluster, "MOECORE_
 
 void set_grouped_gemm_fp8_cluster(bool on) { g_fp8_cluster.store(on ? 1 : 0, std::memory_order_relaxed); }
 
-bool grouped_gemm_wgrad_direct_store() { return variant_switch(g_wgrad_direct_store, "MOECORE_WGRAD_DIRECT_STORE"); }
+bool grouped_gemm_direct_store() { return variant_switch(g_direct_store, "MOECORE_GROUPED_GEMM_DIRECT_STORE"); }
 
-void set_grouped_gemm_wgrad_direct_store(bool on) {
-  g_wgrad_direct_store.store(on ? 1 : 0, std::memory_order_relaxed);
-}
+void set_grouped_gemm_direct_store(bool on) { g_direct_store.store(on ? 1 : 0, std::memory_order_relaxed); }
 
 const char* fp8_kernel_variant_name(Fp8KernelVariant v) {
   switch (v) {

@@ -65,13 +65,14 @@ void grouped_gemm_wgrad(const uint16_t* dy, const uint16_t* x, const int32_t* ex
                         int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, bool accumulate,
                         Stream stream, GroupedGemmBackend backend = GroupedGemmBackend::kAuto);
 
-// Whether the wgmma weight gradient's overwriting calls store each thread's accumulators straight
-// to dw (8-byte stores) instead of staging them through shared memory for TMA stores (the
-// accumulating calls reduce-add through the staging either way). The same values;
-// MOECORE_WGRAD_DIRECT_STORE ("on" or "off"; unset: off) or the setter chooses. Off by default
-// until it is measured faster (docs/benchmarks.md).
-bool grouped_gemm_wgrad_direct_store();
-void set_grouped_gemm_wgrad_direct_store(bool on);
+// Whether the BF16 wgmma kernels store their tiles straight from registers instead of staging
+// them through shared memory for TMA stores: every tile of the forward and the data gradient
+// (BF16 pairs; the fused SwiGLU forward keeps its staging), and the weight gradient's overwriting
+// calls (8-byte FP32 stores; the accumulating calls reduce-add through the staging either way).
+// The same values; MOECORE_GROUPED_GEMM_DIRECT_STORE ("on" or "off"; unset: off) or the setter
+// chooses. Off by default until it is measured faster (docs/benchmarks.md).
+bool grouped_gemm_direct_store();
+void set_grouped_gemm_direct_store(bool on);
 
 // Block-scaled FP8 (E4M3 x E4M3), M-grouped contiguous, sm_90 only: for the rows r of expert e,
 //   out[r, j] = sum over K blocks b of (sum_{p in b} qa[r, p] qb[e, j, p]) * sa[r, b] * sb[e, j / 128, b]
