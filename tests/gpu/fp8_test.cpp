@@ -443,6 +443,91 @@ void check_fp8_gemm(int64_t m, int64_t n, int64_t k, Fp8Format fa, Fp8Format fb,
   c32.expect_guards_intact(what + " C");
 }
 
+// cuda::mx_gemm (MX operands re-blocked to 1 x 128, then cuBLASLt's FP8 GEMM) against the CPU's
+// re-blocking and cpu::fp8_gemm_rowwise_scaled, and against cpu::mx_gemm where the re-blocking is
+// exact: within the FP32-summation bound of the dequantised operands; the count of altered codes
+// the CPU's; FP32 C overwritten and accumulated.
+// exact: magnitudes in [1, 2) times each 32-wide block's power of two (0 to 4 binades apart), so
+// every re-blocked code stays a normal E4M3 value and the re-blocking changes nothing; otherwise
+// normal values with blocks up to 16 binades apart, whose smaller blocks lose bits.
+void check_mx_gemm(int64_t m, int64_t n, int64_t k, bool exact, uint64_t seed) {
+  const std::string what = "mx_gemm " + std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) +
+                           (exact ? " (re-blocking exact)" : " (re-blocking lossy)");
+  const Fp8Format f = Fp8Format::kE4M3;
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::uniform_real_distribution<float> unit(1.0f, 2.0f);
+  const auto value = [&](float scale) {
+    return exact ? (gen() % 2 ? scale : -scale) * unit(gen) : scale * dist(gen);
+  };
+  std::vector<float> a(size_t(m * k)), b(size_t(n * k)), c0(size_t(m * n));
+  for (size_t i = 0; i < a.size(); ++i) a[i] = std::ldexp(value(1.0f), int(i / 32 % 5) * (exact ? 1 : 4));
+  for (float& x : b) x = value(0.05f);
+  for (float& x : c0) x = dist(gen);
+  const int64_t kb = k / 128, sk = k / 32;
+  std::vector<uint8_t> qa(a.size()), qb(b.size()), sa(size_t(m * sk)), sb(size_t(n * sk));
+  cpu::mx_quantize(a.data(), m, k, f, MxScale::kOcp, qa.data(), sa.data());
+  cpu::mx_quantize(b.data(), n, k, f, MxScale::kOcp, qb.data(), sb.data());
+  std::vector<uint8_t> qa2(qa.size()), qb2(qb.size());
+  std::vector<float> sa2(size_t(m * kb)), sb2(size_t(n * kb));
+  const int64_t changed_ref = cpu::mx_to_blocks128(qa.data(), sa.data(), m, k, f, qa2.data(), sa2.data()) +
+                              cpu::mx_to_blocks128(qb.data(), sb.data(), n, k, f, qb2.data(), sb2.data());
+  std::vector<float> want(c0.size()), want_mx(c0.size());
+  cpu::fp8_gemm_rowwise_scaled(qa2.data(), sa2.data(), f, qb2.data(), sb2.data(), f, m, n, k, want.data(), false);
+  cpu::mx_gemm(qa.data(), sa.data(), f, qb.data(), sb.data(), f, m, n, k, want_mx.data(), false);
+  std::vector<float> da(a.size()), db(b.size());
+  cpu::mx_dequantize(qa.data(), sa.data(), m, k, f, da.data());
+  cpu::mx_dequantize(qb.data(), sb.data(), n, k, f, db.data());
+  std::vector<double> bound(c0.size());
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double t = 0;
+      for (int64_t p = 0; p < k; ++p) t += std::fabs(double(da[size_t(i * k + p)]) * double(db[size_t(j * k + p)]));
+      bound[size_t(i * n + j)] = std::ldexp(t, -11) + 1e-30;
+    }
+
+  GuardedBuffer<uint8_t> d_qa(qa), d_qb(qb), d_sa(sa), d_sb(sb);
+  GuardedBuffer<float> c32(std::vector<float>(c0.size(), NAN)), cacc(c0);
+  GuardedBuffer<unsigned char> ws(int64_t(cuda::mx_gemm_workspace_bytes(m, n, k)));
+  GuardedBuffer<unsigned long long> changed(std::vector<unsigned long long>{0});
+  GuardedBuffer<uint32_t> nan_scales(std::vector<uint32_t>{0});
+  cuda::GemmHandle gemm;
+  TestStream stream;
+  cuda::mx_gemm(gemm, d_qa.data(), d_sa.data(), f, d_qb.data(), d_sb.data(), f, m, n, k, c32.data(), false, ws.data(),
+                ws.bytes(), changed.data(), nan_scales.data(), stream.get());
+  cuda::mx_gemm(gemm, d_qa.data(), d_sa.data(), f, d_qb.data(), d_sb.data(), f, m, n, k, cacc.data(), true, ws.data(),
+                ws.bytes(), nullptr, nullptr, stream.get());
+  stream.sync();
+  EXPECT_EQ(int64_t(changed.download()[0]), changed_ref) << what << ": codes the re-blocking altered";
+  if (exact) {
+    EXPECT_EQ(changed_ref, 0) << what;
+  } else {
+    EXPECT_GT(changed_ref, 0) << what;
+  }
+  EXPECT_EQ(nan_scales.download()[0], 0u) << what;
+  const std::vector<float> got = c32.download(), acc = cacc.download();
+  size_t bad = 0, bad_mx = 0, bad_acc = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double e = std::fabs(double(got[i]) - double(want[i]));
+    if (!(e <= bound[i]) && bad++ < 3)
+      ADD_FAILURE() << what << ": C[" << i << "] = " << got[i] << ", CPU " << want[i] << ", bound " << bound[i];
+    if (changed_ref == 0 && !(std::fabs(double(got[i]) - double(want_mx[i])) <= bound[i])) ++bad_mx;
+    const double ea = std::fabs(double(acc[i]) - (double(c0[i]) + double(want[i])));
+    if (!(ea <= bound[i] + std::ldexp(std::fabs(double(c0[i]) + double(want[i])), -23))) ++bad_acc;
+  }
+  EXPECT_EQ(bad, 0u) << what << " (against the CPU's re-blocking)";
+  EXPECT_EQ(bad_mx, 0u) << what << " (against cpu::mx_gemm, the re-blocking exact)";
+  EXPECT_EQ(bad_acc, 0u) << what << " (accumulated)";
+  c32.expect_guards_intact(what + " C");
+  ws.expect_guards_intact(what + " workspace");
+}
+
+TEST(Fp8Gpu, MxGemmOnHopperMatchesCpu) {
+  MOE_SKIP_WITHOUT_GPU();
+  check_mx_gemm(128, 256, 512, true, 41);
+  check_mx_gemm(64, 128, 1024, false, 43);
+}
+
 TEST(Fp8Gpu, BlockScaledGemmMatchesCpuOnTheSameCodes) {
   MOE_SKIP_WITHOUT_GPU();
   // Forward / data gradient (weights in 128 x 128 blocks), K blocks not a multiple of 4 (padded scales).

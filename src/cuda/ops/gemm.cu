@@ -13,6 +13,7 @@
 
 #include "cuda/common.h"
 #include "cuda/kernels/gemm.cuh"
+#include "cuda/ops/fp8.h"
 #include "cuda/ops/launch.h"
 #include "cuda/sm_reserve.h"
 
@@ -446,6 +447,62 @@ void fp8_gemm(GemmHandle& handle, const uint8_t* qa, const float* sa_t, int64_t 
               const uint8_t* qb, const float* sb, int64_t lds_b, Fp8Format fb, Fp8BScaling b_scaling, int64_t m,
               int64_t n, int64_t k, float* c, bool accumulate, Stream stream) {
   run_fp8_gemm<float>(handle, qa, sa_t, lds_a, fa, qb, sb, lds_b, fb, b_scaling, m, n, k, c, accumulate, stream);
+}
+
+namespace {
+
+// mx_gemm's workspace: the re-blocked codes of A and B, their 1 x 128 scales as the re-blocking
+// writes them ([rows, k / 128]) and K-block-major for fp8_gemm, each 256-byte aligned.
+struct MxGemmWorkspace {
+  size_t qa, qb, sa, sb, sa_t, sb_t, total;
+};
+
+MxGemmWorkspace mx_gemm_layout(int64_t m, int64_t n, int64_t k) {
+  const auto up = [](size_t b) { return (b + 255) / 256 * 256; };
+  const size_t kb = static_cast<size_t>(k / 128), um = static_cast<size_t>(m), un = static_cast<size_t>(n);
+  MxGemmWorkspace w{};
+  w.qa = 0;
+  w.qb = w.qa + up(um * static_cast<size_t>(k));
+  w.sa = w.qb + up(un * static_cast<size_t>(k));
+  w.sb = w.sa + up(um * kb * sizeof(float));
+  w.sa_t = w.sb + up(un * kb * sizeof(float));
+  w.sb_t = w.sa_t + up(um * kb * sizeof(float));
+  w.total = w.sb_t + up(un * kb * sizeof(float));
+  return w;
+}
+
+}  // namespace
+
+size_t mx_gemm_workspace_bytes(int64_t m, int64_t n, int64_t k) {
+  MOE_CHECK(m >= 0 && n >= 0 && k >= 0, "cuda::mx_gemm_workspace_bytes: expected m, n, k >= 0, got ", m, ", ", n,
+            ", ", k);
+  return mx_gemm_layout(m, n, k).total;
+}
+
+void mx_gemm(GemmHandle& handle, const uint8_t* qa, const uint8_t* sa_e8m0, Fp8Format fa, const uint8_t* qb,
+             const uint8_t* sb_e8m0, Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate,
+             void* workspace, size_t workspace_bytes, unsigned long long* changed, uint32_t* nan_scales,
+             Stream stream) {
+  const char* op = "cuda::mx_gemm";
+  MOE_CHECK(m > 0 && n > 0 && k > 0 && k % 128 == 0 && n % 16 == 0 && m % 4 == 0, op,
+            ": expected k a positive multiple of 128, n of 16 and m of 4, got m=", m, " n=", n, " k=", k);
+  const MxGemmWorkspace w = mx_gemm_layout(m, n, k);
+  MOE_CHECK(workspace_bytes >= w.total, op, ": workspace of ", workspace_bytes, " bytes is too small, need ", w.total,
+            " (mx_gemm_workspace_bytes(", m, ", ", n, ", ", k, "))");
+  detail::check_ptrs(op, {{"workspace", workspace}}, 256);
+  auto* base = static_cast<unsigned char*>(workspace);
+  auto* qa2 = base + w.qa;
+  auto* qb2 = base + w.qb;
+  auto* sa = reinterpret_cast<float*>(base + w.sa);
+  auto* sb = reinterpret_cast<float*>(base + w.sb);
+  auto* sa_t = reinterpret_cast<float*>(base + w.sa_t);
+  auto* sb_t = reinterpret_cast<float*>(base + w.sb_t);
+  const int64_t kb = k / 128;
+  mx_to_blocks128(qa, sa_e8m0, m, k, fa, qa2, sa, changed, nan_scales, stream);
+  mx_to_blocks128(qb, sb_e8m0, n, k, fb, qb2, sb, changed, nan_scales, stream);
+  fp8_scales_k_major(sa, m, kb, m, sa_t, stream);
+  fp8_scales_k_major(sb, n, kb, n, sb_t, stream);
+  fp8_gemm(handle, qa2, sa_t, m, fa, qb2, sb_t, n, fb, Fp8BScaling::kRow1x128, m, n, k, c, accumulate, stream);
 }
 
 }  // namespace moe::cuda

@@ -87,4 +87,19 @@ void fp8_gemm(GemmHandle& handle, const uint8_t* qa, const float* sa_t, int64_t 
               const uint8_t* qb, const float* sb, int64_t lds_b, Fp8Format fb, Fp8BScaling b_scaling, int64_t m,
               int64_t n, int64_t k, float* c, bool accumulate, Stream stream);
 
+// MXFP8's GEMM on Hopper: C [m, n] (=, or += with accumulate) A [m, k] B [n, k]^T with both
+// operands MX (codes row-major, E8M0 scales [rows, k / 32] as mx_quantize writes them), each
+// re-blocked into 1 x 128 blocks (mx_to_blocks128, into the workspace) and multiplied by fp8_gemm
+// with 1 x 128 scales for both. That equals cpu::mx_gemm up to FP32 summation order while the
+// re-blocking is exact, and always equals the CPU's re-blocking followed by
+// cpu::fp8_gemm_rowwise_scaled within it; *changed (when not null) gets the codes the re-blocking
+// altered, *nan_scales (when not null) any E8M0 NaN scale. k a multiple of 128, n of 16, m of 4,
+// code and C pointers 16-byte aligned. (Blackwell's tensor cores take 1 x 32 E8M0 scales
+// directly; this is the Hopper form.)
+size_t mx_gemm_workspace_bytes(int64_t m, int64_t n, int64_t k);
+void mx_gemm(GemmHandle& handle, const uint8_t* qa, const uint8_t* sa_e8m0, Fp8Format fa, const uint8_t* qb,
+             const uint8_t* sb_e8m0, Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate,
+             void* workspace, size_t workspace_bytes, unsigned long long* changed, uint32_t* nan_scales,
+             Stream stream);
+
 }  // namespace moe::cuda
