@@ -11,7 +11,8 @@
 // 16/16 heads, hd 128) for each attention backend (own, cudnn), FLOPs 4*B*Hq*S*S*D/2 forward and
 // 2.5x that backward; diff against the own kernels (out; dq, dk, dv together, both backwards fed
 // the own forward's out and lse). JSON key "attention". --ops fp8_gemm alone: the dense
-// block-scaled FP8 GEMM against BF16 on olmoe-8l and scaling-e8 dense shapes (JSON key "fp8_gemm").
+// block-scaled FP8 GEMM against BF16 on olmoe-8l and scaling-e8 dense shapes, and MX operands
+// through cuda::mx_gemm (JSON key "fp8_gemm").
 // --ops grouped_fp8: the experts' FP8 grouped GEMM (cuda::grouped_gemm_fp8) against the BF16 wgmma
 // kernels on the expert shapes, forward and data gradient of both projections, with and without
 // the activation's quantisation, and the weights' quantisation with the transposed copy (JSON key
@@ -417,9 +418,10 @@ nlohmann::json fp8_gemm_section(const Args& a, cudaStream_t s) {
                                      {"scaling-e8 dense MLP up", 8192, 20480, 4096}};
   nlohmann::json out = nlohmann::json::array();
   GemmHandle gemm;
-  std::printf("\nblock-scaled FP8 GEMM (E4M3, 1x128 x 128x128) vs BF16, TFLOP/s\n");
-  std::printf("%-24s | %5s x %5s x %5s | %8s | %8s | %8s | %11s | %9s\n", "shape", "m", "n", "k", "bf16", "fp8",
-              "fp8+q(x)", "q(w) us", "diff");
+  std::printf("\nblock-scaled FP8 GEMM (E4M3, 1x128 x 128x128) vs BF16, TFLOP/s; mx: both operands MX (1 x 32,\n"
+              "E8M0) re-blocked to 1 x 128 and multiplied (cuda::mx_gemm, FP32 out, the re-blocking counted)\n");
+  std::printf("%-24s | %5s x %5s x %5s | %8s | %8s | %8s | %11s | %8s | %9s\n", "shape", "m", "n", "k", "bf16", "fp8",
+              "fp8+q(x)", "q(w) us", "mx", "diff");
   for (const Shape& sh : shapes) {
     const int64_t m = sh.m, n = sh.n, k = sh.k, kb = k / 128, nb = (n + 127) / 128, ldsb = (kb + 3) / 4 * 4;
     auto* x = device_random_bf16(m * k, "fp8 x", 1.f);
@@ -455,11 +457,31 @@ nlohmann::json fp8_gemm_section(const Args& a, cudaStream_t s) {
     const Timing tq = time_ms(a, s, [&] { quantize_x(); run_fp8(); }), tw = time_ms(a, s, quantize_w);
     MOE_CUDA_CHECK(cudaStreamSynchronize(s));
     const double diff = relative_difference(download(y8, m * n, true), download(y16, m * n, true));
+    // MX: x and w in 1 x 32 blocks (the codes into qx / qw, E8M0 scales of their own), then mx_gemm.
+    Timing tmx{};
+    {
+      uint8_t *smx = nullptr, *smw = nullptr;
+      float* y32 = nullptr;
+      void* ws = nullptr;
+      const size_t ws_bytes = mx_gemm_workspace_bytes(m, n, k);
+      MOE_CUDA_CHECK(cudaMalloc(&smx, m * (k / 32)));
+      MOE_CUDA_CHECK(cudaMalloc(&smw, n * (k / 32)));
+      MOE_CUDA_CHECK(cudaMalloc(&y32, m * n * 4));
+      MOE_CUDA_CHECK(cudaMalloc(&ws, ws_bytes));
+      mx_quantize(x, m, k, e4, moe::MxScale::kOcp, qx, smx, nullptr, s);
+      mx_quantize(w, n, k, e4, moe::MxScale::kOcp, qw, smw, nullptr, s);
+      tmx = time_ms(a, s, [&] {
+        mx_gemm(gemm, qx, smx, e4, qw, smw, e4, m, n, k, y32, false, ws, ws_bytes, nullptr, nullptr, s);
+      });
+      MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+      for (void* p : {(void*)smx, (void*)smw, (void*)y32, ws}) cudaFree(p);
+    }
     auto tf = [&](const Timing& t) { return flops / (t.med_ms * 1e-3) / 1e12; };
-    std::printf("%-24s | %5lld x %5lld x %5lld | %8.1f | %8.1f | %8.1f | %11.1f | %9.3e\n", sh.name, (long long)m,
-                (long long)n, (long long)k, tf(tb), tf(t8), tf(tq), tw.med_ms * 1e3, diff);
+    std::printf("%-24s | %5lld x %5lld x %5lld | %8.1f | %8.1f | %8.1f | %11.1f | %8.1f | %9.3e\n", sh.name,
+                (long long)m, (long long)n, (long long)k, tf(tb), tf(t8), tf(tq), tw.med_ms * 1e3, tf(tmx), diff);
     out.push_back({{"shape", sh.name}, {"m", m}, {"n", n}, {"k", k}, {"bf16_tflops", tf(tb)},
-                   {"fp8_tflops", tf(t8)}, {"fp8_with_x_quantise_tflops", tf(tq)},
+                   {"fp8_tflops", tf(t8)}, {"fp8_with_x_quantise_tflops", tf(tq)}, {"mx_reblocked_tflops", tf(tmx)},
+                   {"mx_reblocked_us", tmx.med_ms * 1e3},
                    {"bf16_us", tb.med_ms * 1e3}, {"fp8_us", t8.med_ms * 1e3},
                    {"fp8_with_x_quantise_us", tq.med_ms * 1e3}, {"w_quantise_us", tw.med_ms * 1e3},
                    {"diff_vs_bf16", diff}});
