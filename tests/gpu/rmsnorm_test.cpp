@@ -1,12 +1,15 @@
 // cuda::rmsnorm_forward / rmsnorm_backward against cpu::rmsnorm_* in float on the same BF16
 // inputs: y and dx under the BF16 row, rstd and dw under the FP32-reduction row; the backward
 // twice from the same start must agree bitwise (dw's reduction order is fixed). The backward
-// with the residual add in its pass against the two ops.
+// with the residual add in its pass, and the forward writing its output's FP8 codes, against the
+// two ops each replaces.
 #include "cpu/rmsnorm.h"
+#include "cuda/ops/fp8.h"
 #include "cuda/ops/memory.h"
 #include "cuda/ops/rmsnorm.h"
 #include "cuda/ops/rope.h"
 #include "gpu/op_case_gpu.h"
+#include "support/test_util.h"
 
 namespace moe::testing {
 namespace {
@@ -118,6 +121,44 @@ TEST(RmsnormBackwardAdd, IsTheBackwardThenTheResidualAddBitwise) {
       one_b.expect_guards_intact("acc_bf16");
     }
   }
+}
+
+// cuda::rmsnorm_forward_fp8 against cuda::rmsnorm_forward then cuda::fp8_quantize_blocks (1 x 128,
+// E4M3) of its y: y, rstd, codes and scales bitwise; shapes it refuses (d not a multiple of 128) named.
+TEST(RmsnormForwardFp8, IsTheNormThenTheQuantiserBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  for (const RmsShape& sh : {RmsShape{70, 2048, 0}, RmsShape{9, 128, 0}, RmsShape{33, 384, 0}, RmsShape{1, 640, 0}}) {
+    const int64_t n = sh.n, d = sh.d, nb = d / 128;
+    const std::string what = shape_name(sh);
+    const auto x = scaled_rows(n, d, 21), w = random_bf16(d, 22, 0.5f, 1.0f);
+    GuardedBuffer<uint16_t> xb(x), wb(w), y1(n * d), y2(n * d);
+    GuardedBuffer<float> r1(n), r2(n), s1(n * nb), s2(n * nb);
+    GuardedBuffer<uint8_t> q1(n * d), q2(n * d);
+    TestStream stream;
+    cuda::rmsnorm_forward(xb.data(), wb.data(), y2.data(), r2.data(), n, d, kEps, stream.get());
+    cuda::fp8_quantize_blocks(y2.data(), n, d, kFp8ActivationBlock, Fp8Format::kE4M3, q2.data(), s2.data(), nullptr,
+                              stream.get());
+    ASSERT_TRUE(cuda::rmsnorm_forward_fp8_fuses(xb.data(), wb.data(), y1.data(), q1.data(), d)) << what;
+    cuda::rmsnorm_forward_fp8(xb.data(), wb.data(), y1.data(), r1.data(), q1.data(), s1.data(), n, d, kEps,
+                              stream.get());
+    stream.sync();
+    EXPECT_EQ(y1.download(), y2.download()) << what << ": y";
+    const auto ra = r1.download(), rb = r2.download(), sa = s1.download(), sb = s2.download();
+    EXPECT_EQ(0, std::memcmp(ra.data(), rb.data(), ra.size() * sizeof(float))) << what << ": rstd";
+    EXPECT_EQ(0, std::memcmp(sa.data(), sb.data(), sa.size() * sizeof(float))) << what << ": scales";
+    EXPECT_EQ(q1.download(), q2.download()) << what << ": codes";
+    y1.expect_guards_intact(what + " y");
+    q1.expect_guards_intact(what + " q");
+    s1.expect_guards_intact(what + " scales");
+  }
+  GuardedBuffer<uint16_t> xb(4 * 200), wb(200), yb(4 * 200);
+  GuardedBuffer<float> rb(4), sb(8);
+  GuardedBuffer<uint8_t> qb(4 * 200);
+  EXPECT_FALSE(cuda::rmsnorm_forward_fp8_fuses(xb.data(), wb.data(), yb.data(), qb.data(), 200));
+  const std::string msg = error_of([&] {
+    cuda::rmsnorm_forward_fp8(xb.data(), wb.data(), yb.data(), rb.data(), qb.data(), sb.data(), 4, 200, kEps, nullptr);
+  });
+  EXPECT_NE(msg.find("cuda::rmsnorm_forward_fp8: expected d a multiple of 128 (got 200)"), std::string::npos) << msg;
 }
 
 // cuda::rope_rmsnorm_backward against cuda::rope_backward (on a copy of dy) then

@@ -5,6 +5,7 @@
 // rmsnorm_dw_reduce_chunks adds the partials to dw in chunk order (no float atomics).
 #pragma once
 
+#include "cuda/kernels/fp8_codes.cuh"
 #include "cuda/kernels/rms_row.cuh"
 #include "cuda/kernels/rope.cuh"
 #include "cuda/kernels/vec.cuh"
@@ -36,6 +37,46 @@ __global__ void rmsnorm_forward_warp_per_row(const uint16_t* __restrict__ x, con
 #pragma unroll
       for (int i = 0; i < V; ++i) out[i] = (v[i] * r) * wv[i];
       store_bf16<V>(y_row + c, out);
+    }
+  }
+}
+
+// rmsnorm_forward_warp_per_row<kVecBf16> and the 1 x 128 FP8 quantisation of the stored y in the
+// same pass (d a multiple of 128): each 256-column step of a row is two 1 x 128 blocks, one per
+// half-warp, lane l of a half holding its block's elements 8 l .. 8 l + 7, as the quantiser's
+// half-warp path holds them: the codes q [n, d] (E4M3) and scales s [n, d / 128] of
+// fp8_quantize_blocks on y, bit for bit, from the BF16-rounded values it stores.
+__global__ void rmsnorm_forward_fp8_warp_per_row(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
+                                                 uint16_t* __restrict__ y, float* __restrict__ rstd,
+                                                 uint8_t* __restrict__ q, float* __restrict__ s, int64_t n,
+                                                 int64_t d, float eps) {
+  constexpr int V = kVecBf16;
+  const int lane = threadIdx.x % kWarpSize;
+  const int warps = blockDim.x / kWarpSize;
+  for (int64_t row = int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; row < n;
+       row += int64_t{gridDim.x} * warps) {
+    const uint16_t* x_row = x + row * d;
+    const float r = rms_row_rstd<V>(x_row, d, eps, lane);
+    if (lane == 0) rstd[row] = r;
+    uint16_t* y_row = y + row * d;
+    for (int64_t base = 0; base < d; base += kWarpSize * V) {  // the same steps on every lane (shuffles)
+      const int64_t c = base + int64_t{lane} * V;
+      const bool valid = c < d;  // d % 128 == 0: a half-warp's block is whole or absent
+      float out[V];
+      if (valid) {
+        float v[V], wv[V];
+        load_bf16<V>(x_row + c, v);
+        load_bf16<V>(w + c, wv);
+#pragma unroll
+        for (int i = 0; i < V; ++i) out[i] = (v[i] * r) * wv[i];
+        store_bf16<V>(y_row + c, out);
+        round_to_bf16<V>(out);
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) out[i] = 0.0f;
+      }
+      fp8_quantize_half_warp_block(out, valid, Fp8Format::kE4M3, q + row * d + (valid ? c : 0),
+                                   s + row * (d / 128) + (valid ? c / 128 : 0), nullptr);
     }
   }
 }

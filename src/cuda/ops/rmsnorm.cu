@@ -74,6 +74,28 @@ void rmsnorm_forward(const uint16_t* x, const uint16_t* w, uint16_t* y, float* r
   }
 }
 
+bool rmsnorm_forward_fp8_fuses(const uint16_t* x, const uint16_t* w, const uint16_t* y, const uint8_t* q, int64_t d) {
+  return d > 0 && d % 128 == 0 && detail::aligned16(x) && detail::aligned16(w) && detail::aligned16(y) &&
+         reinterpret_cast<uintptr_t>(q) % 8 == 0;
+}
+
+void rmsnorm_forward_fp8(const uint16_t* x, const uint16_t* w, uint16_t* y, float* rstd, uint8_t* q, float* scales,
+                         int64_t n, int64_t d, double eps, Stream stream) {
+  const char* op = "cuda::rmsnorm_forward_fp8";
+  check_sizes(op, n, d);
+  MOE_CHECK(eps >= 0.0, op, ": expected eps >= 0, got ", eps);
+  if (n == 0) return;
+  detail::check_ptrs(op, {{"x", x}, {"w", w}, {"y", y}, {"q", q}}, 1);
+  detail::check_ptrs(op, {{"rstd", rstd}, {"scales", scales}}, 4);
+  MOE_CHECK(rmsnorm_forward_fp8_fuses(x, w, y, q, d), op, ": expected d a multiple of 128 (got ", d,
+            "), x, w, y 16-byte and q 8-byte aligned (rmsnorm_forward_fp8_fuses)");
+  const int64_t blocks = std::min<int64_t>((n + kForwardWarpsPerBlock - 1) / kForwardWarpsPerBlock,
+                                           detail::kMaxGridX);
+  kernels::rmsnorm_forward_fp8_warp_per_row<<<static_cast<unsigned>(blocks), kForwardWarpsPerBlock * kernels::kWarpSize,
+                                              0, stream>>>(x, w, y, rstd, q, scales, n, d, static_cast<float>(eps));
+  check_launch("rmsnorm_forward_fp8_warp_per_row");
+}
+
 size_t rmsnorm_backward_workspace_bytes(int64_t n, int64_t d) {
   MOE_CHECK(n >= 0 && d >= 0, "cuda::rmsnorm_backward_workspace_bytes: expected n, d >= 0, got n=", n,
             " d=", d);

@@ -14,6 +14,14 @@ namespace moe::cuda {
 void rmsnorm_forward(const uint16_t* x, const uint16_t* w, uint16_t* y, float* rstd, int64_t n, int64_t d,
                      double eps, Stream stream);
 
+// rmsnorm_forward, then fp8_quantize_blocks(y, n, d, 1 x 128, E4M3) into q [n, d] and scales
+// [n, d / 128] (row-major), in one pass with the same bits: the FP8 projections' operand written by
+// the norm that produces it. Needs rmsnorm_forward_fp8_fuses (d a multiple of 128, x, w, y 16-byte
+// and q 8-byte aligned). The CPU twin is cpu::rmsnorm_forward followed by cpu::fp8_quantize_blocks.
+bool rmsnorm_forward_fp8_fuses(const uint16_t* x, const uint16_t* w, const uint16_t* y, const uint8_t* q, int64_t d);
+void rmsnorm_forward_fp8(const uint16_t* x, const uint16_t* w, uint16_t* y, float* rstd, uint8_t* q, float* scales,
+                         int64_t n, int64_t d, double eps, Stream stream);
+
 // Bytes of 16-byte-aligned device scratch the backward needs: ceil(n / 32) * d * 4.
 size_t rmsnorm_backward_workspace_bytes(int64_t n, int64_t d);
 
