@@ -915,45 +915,25 @@ int main(int argc, char** argv) {
     nlohmann::json store_epilogue = nlohmann::json::array();
     if (run_gemm && grouped_gemm_wgmma_available()) {
       const bool in_use = grouped_gemm_direct_store();
-      const GroupedGemmBackend wg = GroupedGemmBackend::kWgmma;
-      struct Op {
-        const char* op;
-        double flops;
-        void* out;
-        int64_t bytes;
-        std::function<void()> run;
-      };
-      const std::vector<Op> ops = {
-          {"gate_up forward", f_gu, y_gu, rows * 2 * I * 2,
-           [&] { grouped_gemm_forward(x, w_gu, off, y_gu, rows, E, 2 * I, D, s, wg); }},
-          {"gate_up dgrad", f_gu, dx, rows * D * 2,
-           [&] { grouped_gemm_dgrad(dy_gu, w_gu, off, dx, rows, E, 2 * I, D, s, wg); }},
-          {"gate_up wgrad", f_gu, dw, E * 2 * I * D * 4,
-           [&] { grouped_gemm_wgrad(dy_gu, x, off, dw, rows, E, 2 * I, D, false, s, wg); }},
-          {"down forward", f_dn, y_dn, rows * D * 2,
-           [&] { grouped_gemm_forward(h, w_dn, off, y_dn, rows, E, D, I, s, wg); }},
-          {"down dgrad", f_dn, dx, rows * I * 2,
-           [&] { grouped_gemm_dgrad(dy_dn, w_dn, off, dx, rows, E, D, I, s, wg); }},
-          {"down wgrad", f_dn, dw, E * D * I * 4,
-           [&] { grouped_gemm_wgrad(dy_dn, h, off, dw, rows, E, D, I, false, s, wg); }},
-      };
-      for (const Op& o : ops) {
+      for (const Problem& p : problems) {
+        const size_t bytes = size_t(p.out_count) * (p.bf16 ? 2 : 4);
+        const auto run = [&] { p.run(GroupedGemmBackend::kWgmma, false); };  // wgrad: overwrite
         Timing t[2];
         std::vector<uint8_t> out[2];
         for (const int direct : {0, 1}) {
           set_grouped_gemm_direct_store(direct != 0);
-          t[direct] = time_ms(a, s, o.run);
-          MOE_CUDA_CHECK(cudaMemsetAsync(o.out, 0xFF, size_t(o.bytes), s));
-          o.run();
+          t[direct] = time_ms(a, s, run);
+          MOE_CUDA_CHECK(cudaMemsetAsync(const_cast<void*>(p.out), 0xFF, bytes, s));
+          run();
           MOE_CUDA_CHECK(cudaStreamSynchronize(s));
-          out[direct].resize(size_t(o.bytes));
-          MOE_CUDA_CHECK(cudaMemcpy(out[direct].data(), o.out, size_t(o.bytes), cudaMemcpyDeviceToHost));
+          out[direct].resize(bytes);
+          MOE_CUDA_CHECK(cudaMemcpy(out[direct].data(), p.out, bytes, cudaMemcpyDeviceToHost));
         }
         const bool same = out[0] == out[1];
-        const auto tf = [&](const Timing& x) { return o.flops / (x.med_ms * 1e-3) / 1e12; };
-        std::printf("%-18s | staged %9.1f us %6.1f TFLOP/s | direct %9.1f us %6.1f TFLOP/s | same bits: %s\n", o.op,
+        const auto tf = [&](const Timing& x) { return p.flops / (x.med_ms * 1e-3) / 1e12; };
+        std::printf("%-18s | staged %9.1f us %6.1f TFLOP/s | direct %9.1f us %6.1f TFLOP/s | same bits: %s\n", p.op,
                     1e3 * t[0].med_ms, tf(t[0]), 1e3 * t[1].med_ms, tf(t[1]), same ? "yes" : "NO");
-        store_epilogue.push_back({{"op", o.op}, {"staged_us", 1e3 * t[0].med_ms}, {"direct_us", 1e3 * t[1].med_ms},
+        store_epilogue.push_back({{"op", p.op}, {"staged_us", 1e3 * t[0].med_ms}, {"direct_us", 1e3 * t[1].med_ms},
                                   {"staged_tflops", tf(t[0])}, {"direct_tflops", tf(t[1])}, {"same_bits", same}});
       }
       set_grouped_gemm_direct_store(in_use);

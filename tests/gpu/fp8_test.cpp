@@ -354,6 +354,20 @@ TEST(Fp8Gpu, RefusesBadShapes) {
 // limitation DeepSeek-V3 describes, which is why the partial sums are promoted to FP32 per block):
 // measured up to 16.6 x 2^-17 = 2^-13 of sum |a b| on these cases. A wrong scale layout errs by
 // O(1) of it.
+// The FP32-summation bound of each element of A [m, k] B [n, k]^T from the dequantised operands:
+// 2^-11 sum_p |a_ip b_jp| (plus a floor for all-zero rows).
+std::vector<double> fp32_gemm_bounds(const std::vector<float>& da, const std::vector<float>& db, int64_t m,
+                                     int64_t n, int64_t k) {
+  std::vector<double> bound(size_t(m * n));
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double t = 0;
+      for (int64_t p = 0; p < k; ++p) t += std::fabs(double(da[size_t(i * k + p)]) * double(db[size_t(j * k + p)]));
+      bound[size_t(i * n + j)] = std::ldexp(t, -11) + 1e-30;
+    }
+  return bound;
+}
+
 void check_fp8_gemm(int64_t m, int64_t n, int64_t k, Fp8Format fa, Fp8Format fb, cuda::Fp8BScaling bs,
                     uint64_t seed) {
   const std::string what = "fp8_gemm " + std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) +
@@ -380,13 +394,7 @@ void check_fp8_gemm(int64_t m, int64_t n, int64_t k, Fp8Format fa, Fp8Format fb,
   std::vector<float> da(a.size()), db(b.size());
   cpu::fp8_dequantize_blocks(qa.data(), sa.data(), m, k, kFp8ActivationBlock, fa, da.data());
   cpu::fp8_dequantize_blocks(qb.data(), sb.data(), n, k, bblock, fb, db.data());
-  std::vector<double> bound(c0.size());
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) {
-      double t = 0;
-      for (int64_t p = 0; p < k; ++p) t += std::fabs(double(da[size_t(i * k + p)]) * double(db[size_t(j * k + p)]));
-      bound[size_t(i * n + j)] = std::ldexp(t, -11) + 1e-30;
-    }
+  const std::vector<double> bound = fp32_gemm_bounds(da, db, m, n, k);
 
   // The GPU's scale layouts: A's K-block-major; B's 128 x 128 as [n/128, kb] padded to 4 columns,
   // a 1 x 128 B's K-block-major.
@@ -478,13 +486,7 @@ void check_mx_gemm(int64_t m, int64_t n, int64_t k, bool exact, uint64_t seed) {
   std::vector<float> da(a.size()), db(b.size());
   cpu::mx_dequantize(qa.data(), sa.data(), m, k, f, da.data());
   cpu::mx_dequantize(qb.data(), sb.data(), n, k, f, db.data());
-  std::vector<double> bound(c0.size());
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) {
-      double t = 0;
-      for (int64_t p = 0; p < k; ++p) t += std::fabs(double(da[size_t(i * k + p)]) * double(db[size_t(j * k + p)]));
-      bound[size_t(i * n + j)] = std::ldexp(t, -11) + 1e-30;
-    }
+  const std::vector<double> bound = fp32_gemm_bounds(da, db, m, n, k);
 
   GuardedBuffer<uint8_t> d_qa(qa), d_qb(qb), d_sa(sa), d_sb(sb);
   GuardedBuffer<float> c32(std::vector<float>(c0.size(), NAN)), cacc(c0);

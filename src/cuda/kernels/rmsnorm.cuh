@@ -17,6 +17,18 @@ constexpr int kRmsSubRows = 4;        // rows of a chunk whose m is computed bef
 constexpr int kRmsBackwardThreads = 256;
 constexpr int kRmsReduceWarps = 8;    // warps splitting the chunk sum in rmsnorm_dw_reduce_chunks
 
+// y[c .. c + V) of a row with rstd r: (x * r) * w, stored as BF16; out keeps the FP32 values.
+template <int V>
+__device__ __forceinline__ void rmsnorm_piece(const uint16_t* __restrict__ x_row, const uint16_t* __restrict__ w,
+                                              uint16_t* __restrict__ y_row, int64_t c, float r, float (&out)[V]) {
+  float v[V], wv[V];
+  load_bf16<V>(x_row + c, v);
+  load_bf16<V>(w + c, wv);
+#pragma unroll
+  for (int i = 0; i < V; ++i) out[i] = (v[i] * r) * wv[i];
+  store_bf16<V>(y_row + c, out);
+}
+
 template <int V>
 __global__ void rmsnorm_forward_warp_per_row(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                                              uint16_t* __restrict__ y, float* __restrict__ rstd, int64_t n,
@@ -31,12 +43,8 @@ __global__ void rmsnorm_forward_warp_per_row(const uint16_t* __restrict__ x, con
     uint16_t* y_row = y + row * d;
 #pragma unroll 4
     for (int64_t c = int64_t{lane} * V; c < d; c += kWarpSize * V) {
-      float v[V], wv[V], out[V];
-      load_bf16<V>(x_row + c, v);
-      load_bf16<V>(w + c, wv);
-#pragma unroll
-      for (int i = 0; i < V; ++i) out[i] = (v[i] * r) * wv[i];
-      store_bf16<V>(y_row + c, out);
+      float out[V];
+      rmsnorm_piece<V>(x_row, w, y_row, c, r, out);
     }
   }
 }
@@ -64,12 +72,7 @@ __global__ void rmsnorm_forward_fp8_warp_per_row(const uint16_t* __restrict__ x,
       const bool valid = c < d;  // d % 128 == 0: a half-warp's block is whole or absent
       float out[V];
       if (valid) {
-        float v[V], wv[V];
-        load_bf16<V>(x_row + c, v);
-        load_bf16<V>(w + c, wv);
-#pragma unroll
-        for (int i = 0; i < V; ++i) out[i] = (v[i] * r) * wv[i];
-        store_bf16<V>(y_row + c, out);
+        rmsnorm_piece<V>(x_row, w, y_row, c, r, out);
         round_to_bf16<V>(out);
       } else {
 #pragma unroll

@@ -15,7 +15,6 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
-#include <type_traits>
 
 #include "cuda/common.h"
 #include "cuda/kernels/grouped_gemm.cuh"
@@ -299,28 +298,61 @@ int fp8_cluster_pairs_fit(const char* op, size_t smem) {
   return fit.clusters;
 }
 
+// One grouped_gemm_fp8 call's operands, as every kernel variant takes them.
+struct Fp8Launch {
+  CUtensorMap map_a, map_b, map_out;
+  const char* op;
+  const int32_t* expert_offsets;
+  const float *sa, *sb;
+  uint16_t* out;
+  int64_t max_rows, num_experts, n_out, k_red;
+  Stream stream;
+};
+
+// The FP8 kernel's ring depth: 5 stages when the schedule of E experts fits beside them, else 3;
+// 0 when not even 3 fit.
+int fp8_ring_stages(int64_t num_experts) {
+  namespace k90 = kernels::sm90;
+  const int limit = max_shared_memory_per_block(current_device());
+  if (k90::fp8_smem_bytes(5, num_experts) <= limit) return 5;
+  if (k90::fp8_smem_bytes(3, num_experts) <= limit) return 3;
+  return 0;
+}
+
 // kCluster = 2: CTA pairs sharing each M tile's A (grouped_gemm_fp8_sm90.cuh), launched as 2 x 1
 // clusters, as many pairs as fit at once on the multiprocessors the GEMMs may use.
 template <int kStages, int kCluster, int kVariant>
-void launch_fp8_m_contiguous_sm90_stages(const CUtensorMap& map_a, const CUtensorMap& map_b,
-                                         const CUtensorMap& map_out, const char* op, const int32_t* expert_offsets,
-                                         const float* sa, const float* sb, uint16_t* out, int64_t max_rows,
-                                         int64_t num_experts, int64_t n_out, int64_t k_red, Stream stream) {
+void launch_fp8_m_contiguous_sm90_stages(const Fp8Launch& l) {
   namespace k90 = kernels::sm90;
   const auto kernel = k90::grouped_gemm_fp8_m_contiguous_sm90<kStages, kCluster, kVariant>;
-  const size_t smem = static_cast<size_t>(k90::fp8_smem_bytes(kStages, num_experts));
-  const int64_t max_tiles = (ceil_div(max_rows, k90::kBM) + num_experts) * ceil_div(n_out, k90::kFp8BN);
-  int grid = sm90_grid(op, kernel, smem, max_tiles);
+  const size_t smem = static_cast<size_t>(k90::fp8_smem_bytes(kStages, l.num_experts));
+  const int64_t max_tiles = (ceil_div(l.max_rows, k90::kBM) + l.num_experts) * ceil_div(l.n_out, k90::kFp8BN);
+  int grid = sm90_grid(l.op, kernel, smem, max_tiles);
   if constexpr (kCluster > 1) {
-    grid = kCluster * std::max(1, std::min(grid / kCluster, fp8_cluster_pairs_fit<kStages>(op, smem)));
+    grid = kCluster * std::max(1, std::min(grid / kCluster, fp8_cluster_pairs_fit<kStages>(l.op, smem)));
   }
   cudaLaunchAttribute cluster;
-  cudaLaunchConfig_t config = sm90_launch_config(smem, stream, kCluster, cluster);
+  cudaLaunchConfig_t config = sm90_launch_config(smem, l.stream, kCluster, cluster);
   config.gridDim = dim3(static_cast<unsigned>(grid));
-  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_out, expert_offsets, sa, sb, out,
-                                    static_cast<int>(max_rows), static_cast<int>(num_experts),
-                                    static_cast<int>(n_out), static_cast<int>(k_red)));
+  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, l.map_a, l.map_b, l.map_out, l.expert_offsets, l.sa, l.sb, l.out,
+                                    static_cast<int>(l.max_rows), static_cast<int>(l.num_experts),
+                                    static_cast<int>(l.n_out), static_cast<int>(l.k_red)));
   check_launch(kCluster > 1 ? "grouped_gemm_fp8_m_contiguous_sm90<cluster 2>" : "grouped_gemm_fp8_m_contiguous_sm90");
+}
+
+// The launch of the variant v (Fp8KernelVariant) of the kernel with kStages and kCluster.
+template <int kStages, int kCluster>
+void launch_fp8_variant(Fp8KernelVariant v, const Fp8Launch& l) {
+  switch (v) {
+    case Fp8KernelVariant::kAsyncScales:
+      launch_fp8_m_contiguous_sm90_stages<kStages, kCluster, 1>(l);
+      break;
+    case Fp8KernelVariant::kAsyncScalesDirectStore:
+      launch_fp8_m_contiguous_sm90_stages<kStages, kCluster, 2>(l);
+      break;
+    default:
+      launch_fp8_m_contiguous_sm90_stages<kStages, kCluster, 0>(l);
+  }
 }
 
 void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t* x, const int32_t* expert_offsets,
@@ -524,11 +556,10 @@ int grouped_gemm_fp8_cluster_pairs(int64_t num_experts) {
   int major = 0, minor = 0;
   if (!device_is_sm90(current_device(), major, minor)) return 0;
   const int gemm_pairs = gemm_sms(multiprocessor_count(current_device())) / 2;
-  const int limit = max_shared_memory_per_block(current_device());
-  const auto smem = [&](int stages) { return k90::fp8_smem_bytes(stages, num_experts); };
-  if (smem(5) <= limit) return std::min(gemm_pairs, fp8_cluster_pairs_fit<5>(op, static_cast<size_t>(smem(5))));
-  if (smem(3) <= limit) return std::min(gemm_pairs, fp8_cluster_pairs_fit<3>(op, static_cast<size_t>(smem(3))));
-  return 0;
+  const int stages = fp8_ring_stages(num_experts);
+  if (stages == 0) return 0;
+  const size_t smem = static_cast<size_t>(k90::fp8_smem_bytes(stages, num_experts));
+  return std::min(gemm_pairs, stages == 5 ? fp8_cluster_pairs_fit<5>(op, smem) : fp8_cluster_pairs_fit<3>(op, smem));
 }
 
 void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, const float* sb,
@@ -548,45 +579,30 @@ void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, con
   // CTA pairs share A where the N tiles pair up (grouped_gemm_fp8_cluster()); each CTA then loads
   // half of A's 128 rows.
   const bool pairs = grouped_gemm_fp8_cluster() && ceil_div(n, k90::kFp8BN) % 2 == 0;
-  const CUtensorMap map_a = tensor_map(op, "qa", kMapU8, qa, {u64(k), u64(max_rows)}, {u64(k)},
-                                       {k90::kFp8BK, static_cast<uint32_t>(pairs ? k90::kBM / 2 : k90::kBM)});
-  const CUtensorMap map_b = tensor_map(op, "qb", kMapU8, qb, {u64(k), u64(n), u64(num_experts)},
-                                       {u64(k), u64(n * k)}, {k90::kFp8BK, k90::kFp8BN, 1});
-  const CUtensorMap map_out = tensor_map(op, "out", kMapBf16, out, {u64(n), u64(max_rows)}, {u64(n * 2)}, {64, 64});
-  const int limit = max_shared_memory_per_block(current_device());
+  Fp8Launch l{};
+  l.map_a = tensor_map(op, "qa", kMapU8, qa, {u64(k), u64(max_rows)}, {u64(k)},
+                       {k90::kFp8BK, static_cast<uint32_t>(pairs ? k90::kBM / 2 : k90::kBM)});
+  l.map_b = tensor_map(op, "qb", kMapU8, qb, {u64(k), u64(n), u64(num_experts)}, {u64(k), u64(n * k)},
+                       {k90::kFp8BK, k90::kFp8BN, 1});
+  l.map_out = tensor_map(op, "out", kMapBf16, out, {u64(n), u64(max_rows)}, {u64(n * 2)}, {64, 64});
+  l.op = op;
+  l.expert_offsets = expert_offsets;
+  l.sa = sa;
+  l.sb = sb;
+  l.out = out;
+  l.max_rows = max_rows;
+  l.num_experts = num_experts;
+  l.n_out = n;
+  l.k_red = k;
+  l.stream = stream;
+  const int stages = fp8_ring_stages(num_experts);
+  MOE_CHECK(stages > 0, op, ": the schedule of ", num_experts, " experts needs ", k90::fp8_smem_bytes(3, num_experts),
+            " bytes of shared memory, the device has ", max_shared_memory_per_block(current_device()));
   const Fp8KernelVariant variant = grouped_gemm_fp8_kernel();
-  const auto launch = [&](auto stages) {
-    constexpr int kStages = decltype(stages)::value;
-    const auto with_variant = [&](auto cluster) {
-      constexpr int kCluster = decltype(cluster)::value;
-      const auto run = [&](auto v) {
-        launch_fp8_m_contiguous_sm90_stages<kStages, kCluster, decltype(v)::value>(
-            map_a, map_b, map_out, op, expert_offsets, sa, sb, out, max_rows, num_experts, n, k, stream);
-      };
-      switch (variant) {
-        case Fp8KernelVariant::kAsyncScales:
-          run(std::integral_constant<int, 1>{});
-          break;
-        case Fp8KernelVariant::kAsyncScalesDirectStore:
-          run(std::integral_constant<int, 2>{});
-          break;
-        default:
-          run(std::integral_constant<int, 0>{});
-      }
-    };
-    if (pairs) {
-      with_variant(std::integral_constant<int, 2>{});
-    } else {
-      with_variant(std::integral_constant<int, 1>{});
-    }
-  };
-  if (k90::fp8_smem_bytes(5, num_experts) <= limit) {
-    launch(std::integral_constant<int, 5>{});
+  if (stages == 5) {
+    pairs ? launch_fp8_variant<5, 2>(variant, l) : launch_fp8_variant<5, 1>(variant, l);
   } else {
-    MOE_CHECK(k90::fp8_smem_bytes(3, num_experts) <= limit, op, ": the schedule of ",
-              num_experts, " experts needs ", k90::fp8_smem_bytes(3, num_experts),
-              " bytes of shared memory, the device has ", limit);
-    launch(std::integral_constant<int, 3>{});
+    pairs ? launch_fp8_variant<3, 2>(variant, l) : launch_fp8_variant<3, 1>(variant, l);
   }
 }
 
