@@ -4,9 +4,10 @@
 // Random BF16 data drawn on the GPU (truncated normals of core/rng.h, never all zeros), inputs
 // larger than L2, warm-up, CUDA events, median/min/max.
 // Prints `op | backend | us | TFLOP/s | diff`, diff = ||out - out_mma|| / ||out_mma|| of one
-// overwrite run of each backend (0 for mma itself), and writes one JSON file. Then, on sm_90, the
-// gate/up forward with SwiGLU in its epilogue against the GEMM then swiglu_forward: both times and
-// whether gate_up and h are the same bits (JSON key "gate_up_swiglu").
+// overwrite run of each backend (0 for mma itself), and writes one JSON file. Then, on sm_90, each
+// wgmma GEMM with its tiles staged for TMA stores and stored from registers
+// (grouped_gemm_direct_store): both times and whether the outputs are the same bits (JSON key
+// "store_epilogue").
 // Then causal attention forward and backward on one layer's shape (default olmoe-8l: B 4, S 4096,
 // 16/16 heads, hd 128) for each attention backend (own, cudnn), FLOPs 4*B*Hq*S*S*D/2 forward and
 // 2.5x that backward; diff against the own kernels (out; dq, dk, dv together, both backwards fed
@@ -879,35 +880,6 @@ int main(int argc, char** argv) {
         }
       }
     }
-    // The gate/up forward with SwiGLU in its epilogue against the GEMM then swiglu_forward: the
-    // time of each and whether the fused h is the two kernels' bit for bit.
-    nlohmann::json swiglu_fused;
-    if (run_gemm && grouped_gemm_forward_swiglu_fuses(I)) {
-      uint16_t *h_two = nullptr, *h_one = nullptr, *gu_one = nullptr;
-      MOE_CUDA_CHECK(cudaMalloc(&h_two, rows * I * 2));
-      MOE_CUDA_CHECK(cudaMalloc(&h_one, rows * I * 2));
-      MOE_CUDA_CHECK(cudaMalloc(&gu_one, rows * 2 * I * 2));
-      const Timing two = time_ms(a, s, [&] {
-        grouped_gemm_forward(x, w_gu, off, y_gu, rows, E, 2 * I, D, s, GroupedGemmBackend::kWgmma);
-        swiglu_forward(y_gu, h_two, rows, I, s);
-      });
-      const Timing one =
-          time_ms(a, s, [&] { grouped_gemm_forward_swiglu(x, w_gu, off, gu_one, h_one, rows, E, I, D, s); });
-      MOE_CUDA_CHECK(cudaStreamSynchronize(s));
-      const auto bits = [&](const uint16_t* p, int64_t n) {
-        std::vector<uint16_t> v(static_cast<size_t>(n));
-        MOE_CUDA_CHECK(cudaMemcpy(v.data(), p, size_t(n) * 2, cudaMemcpyDeviceToHost));
-        return v;
-      };
-      const bool same =
-          bits(h_one, rows * I) == bits(h_two, rows * I) && bits(gu_one, rows * 2 * I) == bits(y_gu, rows * 2 * I);
-      std::printf("%-34s | %9.1f us | %6.1f TFLOP/s\n", "gate_up forward, then swiglu_forward", 1e3 * two.med_ms,
-                  f_gu / (two.med_ms * 1e-3) / 1e12);
-      std::printf("%-34s | %9.1f us | %6.1f TFLOP/s | same bits: %s\n", "gate_up forward with SwiGLU (fused)",
-                  1e3 * one.med_ms, f_gu / (one.med_ms * 1e-3) / 1e12, same ? "yes" : "NO");
-      swiglu_fused = {{"two_kernels_us", 1e3 * two.med_ms}, {"fused_us", 1e3 * one.med_ms}, {"same_bits", same}};
-      for (void* p : {static_cast<void*>(h_two), static_cast<void*>(h_one), static_cast<void*>(gu_one)}) cudaFree(p);
-    }
     // The wgmma kernels with each tile staged through shared memory for TMA stores and stored
     // straight from registers (grouped_gemm_direct_store): the forward and data gradient, and the
     // weight gradients as the first backward of a step runs them (overwrite); the time of each and
@@ -945,7 +917,6 @@ int main(int argc, char** argv) {
                             {"d_model", D}, {"hidden", I}, {"rows", rows}, {"counts", counts},
                             {"warmup", a.warmup}, {"iters", a.iters}, {"results", results}};
       if (run_attention) rec["attention"] = attention;
-      if (!swiglu_fused.is_null()) rec["gate_up_swiglu"] = swiglu_fused;
       if (!store_epilogue.empty()) rec["store_epilogue"] = store_epilogue;
       std::ofstream(a.out) << rec.dump(2) << "\n";
     }

@@ -16,7 +16,6 @@
 #include "cpu/linear.h"
 #include "cuda/ops/device_info.h"
 #include "cuda/ops/grouped_gemm.h"
-#include "cuda/ops/swiglu.h"
 #include "cuda/sm_reserve.h"
 #include "gpu/gpu_test_util.h"
 #include "support/parity.h"
@@ -528,60 +527,6 @@ void expect_error_naming(Fn fn, std::initializer_list<const char*> parts) {
     for (const char* p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
   }
 }
-
-// cuda::grouped_gemm_forward_swiglu against grouped_gemm_forward then swiglu_forward (wgmma):
-// gate_up and h bitwise on the grouped rows, the rows past offsets[E] never written (NaN x rows
-// there too); groups with partial last tiles, an empty expert, one row; olmoe's expert shape.
-TEST(GroupedGemmSwiglu, IsTheForwardThenSwigluBitwise) {
-  MOE_SKIP_WITHOUT_BACKEND(Backend::kWgmma);
-  struct Case {
-    int64_t inner, k;
-    std::vector<int64_t> counts;
-    int64_t spare;
-  };
-  const std::vector<Case> cases = {{128, 72, {0, 1, 257, 64, 129, 3}, 5},
-                                   {256, 520, {300, 0, 17, 128}, 9},
-                                   {1024, 2048, drawn_counts(4096, uniform_weights(8, {5}), 71), 0}};
-  for (const Case& k : cases) {
-    const GroupedCase c{"swiglu", 2 * k.inner, k.k, k.counts, k.spare};
-    const std::string what = "inner " + std::to_string(k.inner) + ", k " + std::to_string(k.k);
-    const auto off = c.offsets();
-    auto x = random_bf16(c.max_rows() * c.k, 81);
-    poison_rows(x, c.k, c.rows());
-    const auto w = random_bf16(c.num_experts() * c.n * c.k, 82, 0.05f);
-    GuardedBuffer<uint16_t> d_x(x), d_w(w), gu_two(c.max_rows() * c.n), h_two(c.max_rows() * k.inner),
-        gu_one(c.max_rows() * c.n), h_one(c.max_rows() * k.inner);
-    GuardedBuffer<int32_t> d_off(off);
-    ASSERT_TRUE(cuda::grouped_gemm_forward_swiglu_fuses(k.inner)) << what;
-    TestStream stream;
-    cuda::grouped_gemm_forward(d_x.data(), d_w.data(), d_off.data(), gu_two.data(), c.max_rows(), c.num_experts(),
-                               c.n, c.k, stream.get(), Backend::kWgmma);
-    if (c.rows() > 0) cuda::swiglu_forward(gu_two.data(), h_two.data(), c.rows(), k.inner, stream.get());
-    cuda::grouped_gemm_forward_swiglu(d_x.data(), d_w.data(), d_off.data(), gu_one.data(), h_one.data(),
-                                      c.max_rows(), c.num_experts(), k.inner, c.k, stream.get());
-    stream.sync();
-    const auto g1 = gu_one.download(), g2 = gu_two.download(), h1 = h_one.download(), h2 = h_two.download();
-    EXPECT_TRUE(bitwise_equal(std::vector<uint16_t>(g1.begin(), g1.begin() + c.rows() * c.n),
-                              std::vector<uint16_t>(g2.begin(), g2.begin() + c.rows() * c.n)))
-        << what << ": gate_up";
-    EXPECT_TRUE(bitwise_equal(std::vector<uint16_t>(h1.begin(), h1.begin() + c.rows() * k.inner),
-                              std::vector<uint16_t>(h2.begin(), h2.begin() + c.rows() * k.inner)))
-        << what << ": h";
-    // Rows past offsets[E]: still the buffers' fill (0xFFFF).
-    EXPECT_TRUE(std::all_of(g1.begin() + c.rows() * c.n, g1.end(), [](uint16_t v) { return v == 0xFFFF; })) << what;
-    EXPECT_TRUE(std::all_of(h1.begin() + c.rows() * k.inner, h1.end(), [](uint16_t v) { return v == 0xFFFF; }))
-        << what;
-    gu_one.expect_guards_intact("gate_up");
-    h_one.expect_guards_intact("h");
-  }
-  EXPECT_FALSE(cuda::grouped_gemm_forward_swiglu_fuses(64));
-  expect_error_naming(
-      [] {
-        cuda::grouped_gemm_forward_swiglu(nullptr, nullptr, nullptr, nullptr, nullptr, 8, 2, 96, 64, nullptr);
-      },
-      {"grouped_gemm_forward_swiglu", "inner=96"});
-}
-
 
 // Size checks come before any pointer or device use, so these run without a GPU.
 TEST(GroupedGemm, RejectsWidthsNotMultipleOf8) {

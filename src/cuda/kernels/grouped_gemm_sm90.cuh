@@ -12,7 +12,6 @@
 #include <cstdint>
 
 #include "cuda/kernels/sm90_sync.cuh"
-#include "cuda/kernels/swiglu.cuh"
 #include "cuda/kernels/vec.cuh"
 
 namespace moe::cuda::kernels::sm90 {
@@ -374,44 +373,6 @@ __device__ __forceinline__ void stage_bf16_chunk(uint32_t buf, const float (&acc
   stage_bf16_values(buf, c, warp, lane, [&](int i) { return acc[i]; });
 }
 
-// The SwiGLU of a fragment whose first 128 columns are gate columns and last 128 the up columns
-// of the same hidden units (the fused forward's tile): h for the fragment's element 4 j + 2 h + c,
-// j < 16, from the gate and up values rounded to BF16 as they are stored (swiglu_forward's inputs).
-__device__ __forceinline__ float fragment_swiglu(const float (&acc)[128], int i) {
-  return swiglu_value(bf16_bits_to_f32(f32_to_bf16_bits(acc[i])), bf16_bits_to_f32(f32_to_bf16_bits(acc[i + 64])));
-}
-
-// stage_bf16_chunk of the fragment's h (chunk c < 2: h columns 64 c .. 64 c + 63 of the tile),
-// computed as it is staged (the accumulators are not written: C7518).
-__device__ __forceinline__ void stage_swiglu_chunk(uint32_t buf, const float (&acc)[128], int c, int warp, int lane) {
-  stage_bf16_values(buf, c, warp, lane, [&](int i) { return fragment_swiglu(acc, i); });
-}
-
-// An expert's last, partial tile of the fused forward from registers, rows past row_end skipped:
-// gate_up [rows, 2 inner] (the gate half at column h0 + x, the up half at inner + h0 + x) and h
-// [rows, inner] (column h0 + x), x = 2 (lane % 4) + 8 j + {0, 1} for this thread's pairs.
-__device__ __forceinline__ void store_fragment_rows_swiglu(const float (&acc)[128], uint16_t* __restrict__ gate_up,
-                                                           uint16_t* __restrict__ hout, int row_lo, int row_end,
-                                                           int col_lo, int inner) {
-  const auto pack = [](float a, float b) {
-    return static_cast<uint32_t>(f32_to_bf16_bits(a)) | (static_cast<uint32_t>(f32_to_bf16_bits(b)) << 16);
-  };
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row_lo + 8 * h;
-    if (row >= row_end) continue;
-    uint16_t* gu_row = gate_up + int64_t{row} * 2 * inner;
-    uint16_t* h_row = hout + int64_t{row} * inner;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int col = col_lo + 8 * j, i = 4 * j + 2 * h;
-      *reinterpret_cast<uint32_t*>(gu_row + col) = pack(acc[i], acc[i + 1]);
-      *reinterpret_cast<uint32_t*>(gu_row + inner + col) = pack(acc[i + 64], acc[i + 65]);
-      *reinterpret_cast<uint32_t*>(h_row + col) = pack(fragment_swiglu(acc, i), fragment_swiglu(acc, i + 1));
-    }
-  }
-}
-
 __device__ __forceinline__ void stage_f32_chunk(uint32_t buf, const float (&acc)[128], int c, int warp, int lane,
                                                 bool zero) {
 #pragma unroll
@@ -476,30 +437,17 @@ __device__ __forceinline__ void staged_store(uint32_t buf, int wg, bool leader, 
 // through TMA stores (which clip columns past n_out); an expert's last, partial tile is stored
 // from registers with the rows past its end skipped (kDirect: every tile, no staging). Persistent:
 // CTA b takes tiles b, b + gridDim.x, ... (N-tile fastest). Dynamic smem: smem_bytes(kStages, E, true).
-//
-// kSwiglu (the experts' gate/up forward with SwiGLU in its epilogue; kBMn false): w [E, 2 inner,
-// k_red] holds the gate rows then the up rows, n_out = 2 inner, inner a multiple of 128. A tile is
-// 128 hidden units h0 .. h0 + 127: its B is the gate rows h0 .. and the up rows inner + h0 .. (two
-// TMA boxes of 128 rows, map_b's box 64 x 128 x 1, together the layout of one 256-row box), so a
-// thread's fragment holds each gate value and its up value (columns 8 j + x and 8 (j + 16) + x).
-// The epilogue stores gate_up (out, through map_out) and h = swiglu(gate, up) [max_rows, inner]
-// (hout, through map_h), from the gate and up values rounded to BF16 as swiglu_forward reads them:
-// the same bits as this kernel without kSwiglu followed by swiglu_forward.
-template <bool kBMn, int kStages, bool kSwiglu = false, bool kDirect = false>
+
+template <bool kBMn, int kStages, bool kDirect = false>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_m_contiguous_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                                    const __grid_constant__ CUtensorMap map_out,
                                    const int32_t* __restrict__ expert_offsets, uint16_t* __restrict__ out,
-                                   int max_rows, int num_experts, int n_out, int k_red,
-                                   const __grid_constant__ CUtensorMap map_h, uint16_t* __restrict__ hout) {
-  static_assert(!(kSwiglu && kBMn), "SwiGLU follows the forward's gate/up GEMM");
-  static_assert(!(kSwiglu && kDirect), "the fused SwiGLU forward stages its tiles");
+                                   int max_rows, int num_experts, int n_out, int k_red) {
   using Ring = Smem<kStages>;
   extern __shared__ __align__(1024) unsigned char sm90_smem[];
   const Ring sm = setup_smem<kStages>(sm90_smem, expert_offsets, num_experts, max_rows, true);
-  constexpr int kTileCols = kSwiglu ? kBN / 2 : kBN;  // kSwiglu: hidden units a tile
-  const int inner = n_out / 2;
-  const int n_tiles = kSwiglu ? inner / kTileCols : (n_out + kBN - 1) / kBN;
+  const int n_tiles = (n_out + kBN - 1) / kBN;
   const int64_t num_tiles = int64_t{sm.s_tile[num_experts]} * n_tiles;
   const int num_k = (k_red + kBK - 1) / kBK;
 
@@ -510,17 +458,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     prefetch_tensor_map(&map_b);
     uint32_t it = 0;
     for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const MTile tile = m_tile(t, n_tiles, sm.s_start, sm.s_tile, num_experts, kTileCols);
+      const MTile tile = m_tile(t, n_tiles, sm.s_start, sm.s_tile, num_experts);
       for (int kt = 0; kt < num_k; ++kt, ++it) {
         const int s = Ring::ring_stage(it);
         mbar_wait(sm.empty(s), Ring::ring_phase(it) ^ 1u);
         const uint32_t a = sm.stage(s), b = a + kABytes, full = sm.full(s);
         mbar_arrive_expect_tx(full, kStageBytes);
         tma_load_2d(a, &map_a, full, kt * kBK, tile.row0);
-        if constexpr (kSwiglu) {
-          tma_load_3d(b, &map_b, full, kt * kBK, tile.col0, tile.expert);                  // gate rows
-          tma_load_3d(b + kBBytes / 2, &map_b, full, kt * kBK, inner + tile.col0, tile.expert);  // up rows
-        } else if constexpr (!kBMn) {
+        if constexpr (!kBMn) {
           tma_load_3d(b, &map_b, full, kt * kBK, tile.col0, tile.expert);
         } else {
 #pragma unroll
@@ -543,7 +488,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
   uint32_t it = 0;
   for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const MTile tile = m_tile(t, n_tiles, sm.s_start, sm.s_tile, num_experts, kTileCols);
+    const MTile tile = m_tile(t, n_tiles, sm.s_start, sm.s_tile, num_experts);
     for (int kt = 0; kt < num_k; ++kt, ++it) {
       const int s = Ring::ring_stage(it);
       mbar_wait(sm.full(s), Ring::ring_phase(it));
@@ -558,27 +503,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_accumulators(acc);
     if (lane == 0) mbar_arrive(sm.empty(Ring::ring_stage(it - 1)));
 
-    if constexpr (kSwiglu) {
-      if (tile.row0 + kBM <= tile.row_end) {
-        // gate_up: chunks 0, 1 (gate) and 2, 3 (up) of 64 columns; then h: 2 chunks.
-#pragma unroll
-        for (int c = 0; c < kBN / 64; ++c) {
-          const int col = c < 2 ? tile.col0 + 64 * c : inner + tile.col0 + 64 * (c - 2);
-          staged_store(
-              sm.staging(wg, c % 2), wg, leader, [&](uint32_t buf) { stage_bf16_chunk(buf, acc, c, warp, lane); },
-              [&](uint32_t buf) { tma_store_2d(&map_out, buf, col, tile.row0 + 64 * wg); });
-        }
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          staged_store(
-              sm.staging(wg, c % 2), wg, leader, [&](uint32_t buf) { stage_swiglu_chunk(buf, acc, c, warp, lane); },
-              [&](uint32_t buf) { tma_store_2d(&map_h, buf, tile.col0 + 64 * c, tile.row0 + 64 * wg); });
-        }
-      } else {
-        store_fragment_rows_swiglu(acc, out, hout, tile.row0 + wg * 64 + warp * 16 + lane / 4, tile.row_end,
-                                   tile.col0 + 2 * (lane % 4), inner);
-      }
-    } else if (!kDirect && tile.row0 + kBM <= tile.row_end) {
+    if (!kDirect && tile.row0 + kBM <= tile.row_end) {
       // Whole tile inside the expert: 4 staged chunks of 64 columns, TMA stores (clipped at n_out).
 #pragma unroll
       for (int c = 0; c < kBN / 64; ++c) {

@@ -163,54 +163,25 @@ int sm90_grid(const char* op, Kernel kernel, size_t smem, int64_t max_tiles) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_tiles, gemm_sms(multiprocessor_count(device)))));
 }
 
-// kSwiglu: map_h / hout are h's (grouped_gemm_forward_swiglu); otherwise unused (map_out, null).
-// Without kSwiglu, grouped_gemm_direct_store() chooses the kernel that stores every tile from
-// registers.
-template <bool kBMn, int kStages, bool kSwiglu = false>
+// grouped_gemm_direct_store() chooses the kernel that stores every tile from registers.
+template <bool kBMn, int kStages>
 void launch_m_contiguous_sm90_stages(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_out,
                                      const char* op, const int32_t* expert_offsets, uint16_t* out, int64_t max_rows,
-                                     int64_t num_experts, int64_t n_out, int64_t k_red, Stream stream,
-                                     const CUtensorMap* map_h = nullptr, uint16_t* hout = nullptr) {
+                                     int64_t num_experts, int64_t n_out, int64_t k_red, Stream stream) {
   namespace k90 = kernels::sm90;
-  const auto kernel = !kSwiglu && grouped_gemm_direct_store()
-                          ? k90::grouped_gemm_m_contiguous_sm90<kBMn, kStages, false, true>
-                          : k90::grouped_gemm_m_contiguous_sm90<kBMn, kStages, kSwiglu>;
+  const auto kernel = grouped_gemm_direct_store() ? k90::grouped_gemm_m_contiguous_sm90<kBMn, kStages, true>
+                                                  : k90::grouped_gemm_m_contiguous_sm90<kBMn, kStages, false>;
   const size_t smem = static_cast<size_t>(k90::smem_bytes(kStages, num_experts, true));
-  const int64_t tile_cols = kSwiglu ? k90::kBN / 2 : k90::kBN;
-  const int64_t max_tiles = (ceil_div(max_rows, k90::kBM) + num_experts) *
-                            (kSwiglu ? n_out / 2 / tile_cols : ceil_div(n_out, k90::kBN));
+  const int64_t max_tiles = (ceil_div(max_rows, k90::kBM) + num_experts) * ceil_div(n_out, k90::kBN);
   const int grid = sm90_grid(op, kernel, smem, max_tiles);
   kernel<<<grid, k90::kThreads, smem, stream>>>(map_a, map_b, map_out, expert_offsets, out,
                                                 static_cast<int>(max_rows), static_cast<int>(num_experts),
-                                                static_cast<int>(n_out), static_cast<int>(k_red),
-                                                map_h != nullptr ? *map_h : map_out, hout);
-  check_launch(kSwiglu ? "grouped_gemm_m_contiguous_sm90<K, swiglu>"
-               : kBMn  ? "grouped_gemm_m_contiguous_sm90<MN>"
-                       : "grouped_gemm_m_contiguous_sm90<K>");
-}
-
-// launch_m_contiguous_sm90_stages with a 4-stage ring when the schedule of E experts fits beside it
-// (E <= 247 on an H100/H200), else 3.
-template <bool kBMn, bool kSwiglu = false>
-void launch_m_contiguous_sm90_ring(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_out,
-                                   const char* op, const int32_t* expert_offsets, uint16_t* out, int64_t max_rows,
-                                   int64_t num_experts, int64_t n_out, int64_t k_red, Stream stream,
-                                   const CUtensorMap* map_h = nullptr, uint16_t* hout = nullptr) {
-  namespace k90 = kernels::sm90;
-  const int limit = max_shared_memory_per_block(current_device());
-  if (k90::smem_bytes(4, num_experts, true) <= limit) {
-    launch_m_contiguous_sm90_stages<kBMn, 4, kSwiglu>(map_a, map_b, map_out, op, expert_offsets, out, max_rows,
-                                                      num_experts, n_out, k_red, stream, map_h, hout);
-  } else {
-    MOE_CHECK(k90::smem_bytes(3, num_experts, true) <= limit, op, ": the wgmma schedule of ", num_experts,
-              " experts needs ", k90::smem_bytes(3, num_experts, true), " bytes of shared memory, the device has ",
-              limit);
-    launch_m_contiguous_sm90_stages<kBMn, 3, kSwiglu>(map_a, map_b, map_out, op, expert_offsets, out, max_rows,
-                                                      num_experts, n_out, k_red, stream, map_h, hout);
-  }
+                                                static_cast<int>(n_out), static_cast<int>(k_red));
+  check_launch(kBMn ? "grouped_gemm_m_contiguous_sm90<MN>" : "grouped_gemm_m_contiguous_sm90<K>");
 }
 
 // out = a @ B_e per row group on the wgmma kernels; kBMn as launch_m_contiguous's kMN (dgrad).
+// A 4-stage ring when the schedule of E experts fits beside it (E <= 247 on an H100/H200), else 3.
 template <bool kBMn>
 void launch_m_contiguous_sm90(const char* op, const uint16_t* a, const uint16_t* w, const int32_t* expert_offsets,
                               uint16_t* out, int64_t max_rows, int64_t num_experts, int64_t n_out, int64_t k_red,
@@ -228,28 +199,17 @@ void launch_m_contiguous_sm90(const char* op, const uint16_t* a, const uint16_t*
                         {u64(k_red * 2), u64(n_out * k_red * 2)}, {64, k90::kBN, 1});
   const CUtensorMap map_out = tensor_map(op, kBMn ? "dx" : "y", kMapBf16, out, {u64(n_out), u64(max_rows)},
                                          {u64(n_out * 2)}, {64, 64});
-  launch_m_contiguous_sm90_ring<kBMn>(map_a, map_b, map_out, op, expert_offsets, out, max_rows, num_experts, n_out,
-                                      k_red, stream);
-}
-
-// gate_up = x @ w_gu[e]^T and h = swiglu(gate_up) per row group in one wgmma kernel
-// (grouped_gemm_m_contiguous_sm90<false, S, true>): B in boxes of 128 rows (the gate and the up
-// rows of a tile's hidden units).
-void launch_m_contiguous_swiglu_sm90(const char* op, const uint16_t* x, const uint16_t* w,
-                                     const int32_t* expert_offsets, uint16_t* gate_up, uint16_t* h, int64_t max_rows,
-                                     int64_t num_experts, int64_t inner, int64_t k_red, Stream stream) {
-  namespace k90 = kernels::sm90;
-  const auto u64 = [](int64_t v) { return static_cast<uint64_t>(v); };
-  const int64_t n_out = 2 * inner;
-  const CUtensorMap map_a = tensor_map(op, "x", kMapBf16, x, {u64(k_red), u64(max_rows)}, {u64(k_red * 2)},
-                                       {64, k90::kBM});
-  const CUtensorMap map_b = tensor_map(op, "w", kMapBf16, w, {u64(k_red), u64(n_out), u64(num_experts)},
-                                       {u64(k_red * 2), u64(n_out * k_red * 2)}, {64, k90::kBN / 2, 1});
-  const CUtensorMap map_out = tensor_map(op, "gate_up", kMapBf16, gate_up, {u64(n_out), u64(max_rows)},
-                                         {u64(n_out * 2)}, {64, 64});
-  const CUtensorMap map_h = tensor_map(op, "h", kMapBf16, h, {u64(inner), u64(max_rows)}, {u64(inner * 2)}, {64, 64});
-  launch_m_contiguous_sm90_ring<false, true>(map_a, map_b, map_out, op, expert_offsets, gate_up, max_rows,
-                                             num_experts, n_out, k_red, stream, &map_h, h);
+  const int limit = max_shared_memory_per_block(current_device());
+  if (k90::smem_bytes(4, num_experts, true) <= limit) {
+    launch_m_contiguous_sm90_stages<kBMn, 4>(map_a, map_b, map_out, op, expert_offsets, out, max_rows, num_experts,
+                                             n_out, k_red, stream);
+  } else {
+    MOE_CHECK(k90::smem_bytes(3, num_experts, true) <= limit, op, ": the wgmma schedule of ", num_experts,
+              " experts needs ", k90::smem_bytes(3, num_experts, true), " bytes of shared memory, the device has ",
+              limit);
+    launch_m_contiguous_sm90_stages<kBMn, 3>(map_a, map_b, map_out, op, expert_offsets, out, max_rows, num_experts,
+                                             n_out, k_red, stream);
+  }
 }
 
 // The launch of a wgmma kernel (kThreads a CTA, smem bytes of dynamic shared memory) on `stream`,
@@ -450,24 +410,6 @@ void grouped_gemm_forward(const uint16_t* x, const uint16_t* w, const int32_t* e
   } else {
     launch_m_contiguous<Major::kK>(op, x, w, expert_offsets, y, max_rows, num_experts, n, k, stream);
   }
-}
-
-bool grouped_gemm_forward_swiglu_fuses(int64_t inner, GroupedGemmBackend backend) {
-  return inner > 0 && inner % (kernels::sm90::kBN / 2) == 0 &&
-         grouped_gemm_resolve_backend(backend) == GroupedGemmBackend::kWgmma;
-}
-
-void grouped_gemm_forward_swiglu(const uint16_t* x, const uint16_t* w_gu, const int32_t* expert_offsets,
-                                 uint16_t* gate_up, uint16_t* h, int64_t max_rows, int64_t num_experts, int64_t inner,
-                                 int64_t k, Stream stream, GroupedGemmBackend backend) {
-  const char* op = "cuda::grouped_gemm_forward_swiglu";
-  MOE_CHECK(grouped_gemm_forward_swiglu_fuses(inner, backend), op, ": expected the wgmma backend (sm_90) and inner "
-            "a multiple of ", kernels::sm90::kBN / 2, " (grouped_gemm_forward_swiglu_fuses), got inner=", inner);
-  check_sizes(op, max_rows, num_experts, 2 * inner, k);
-  if (max_rows == 0) return;
-  detail::check_ptrs(op, {{"x", x}, {"w_gu", w_gu}, {"gate_up", gate_up}, {"h", h}}, 16);
-  detail::check_ptrs(op, {{"expert_offsets", expert_offsets}}, 4);
-  launch_m_contiguous_swiglu_sm90(op, x, w_gu, expert_offsets, gate_up, h, max_rows, num_experts, inner, k, stream);
 }
 
 void grouped_gemm_dgrad(const uint16_t* dy, const uint16_t* w, const int32_t* expert_offsets, uint16_t* dx,

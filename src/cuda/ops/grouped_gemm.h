@@ -38,16 +38,6 @@ void grouped_gemm_forward(const uint16_t* x, const uint16_t* w, const int32_t* e
                           int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, Stream stream,
                           GroupedGemmBackend backend = GroupedGemmBackend::kAuto);
 
-// The experts' gate/up forward with SwiGLU in the GEMM's epilogue (wgmma backend): gate_up [max_rows,
-// 2 inner] as grouped_gemm_forward(x, w_gu, offsets, gate_up, max_rows, E, 2 inner, k) writes it
-// (w_gu [E, 2 inner, k]: the gate rows, then the up rows) and h [max_rows, inner] as
-// swiglu_forward(gate_up, h, max_rows, inner) then writes it, in one kernel, with the same bits.
-// Needs grouped_gemm_forward_swiglu_fuses (the wgmma backend, inner a multiple of 128).
-bool grouped_gemm_forward_swiglu_fuses(int64_t inner, GroupedGemmBackend backend = GroupedGemmBackend::kAuto);
-void grouped_gemm_forward_swiglu(const uint16_t* x, const uint16_t* w_gu, const int32_t* expert_offsets,
-                                 uint16_t* gate_up, uint16_t* h, int64_t max_rows, int64_t num_experts, int64_t inner,
-                                 int64_t k, Stream stream, GroupedGemmBackend backend = GroupedGemmBackend::kAuto);
-
 // Data gradient, M-grouped contiguous: dx[r, :] = dy[r, :] @ w[e] for the rows r of expert e.
 // dy [max_rows, n], w [E, n, k] (read as is, no transposed copy), dx [max_rows, k] (BF16,
 // overwritten on the grouped rows only).
