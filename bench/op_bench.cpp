@@ -226,48 +226,44 @@ nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, 
     quantize_w();
     quantize_a();
     const double flops = 2.0 * rows * n_out * k_red;
-    // fp8: the kernel in use (grouped_gemm_fp8_cluster(), MOECORE_FP8_CLUSTER); pairs: CTA pairs
-    // sharing A where n / 128 is even; unpaired: one CTA a tile. The two must be the same bits.
-    const bool in_use = grouped_gemm_fp8_cluster();
-    set_grouped_gemm_fp8_cluster(false);
-    const Timing tu = time_ms(a, s, run_fp8);
-    MOE_CUDA_CHECK(cudaStreamSynchronize(s));
-    const std::vector<float> y_unpaired = download(y8, rows * n_out, true);
-    set_grouped_gemm_fp8_cluster(true);
-    const Timing tp = time_ms(a, s, run_fp8);
-    MOE_CUDA_CHECK(cudaStreamSynchronize(s));
-    const bool same_bits = download(y8, rows * n_out, true) == y_unpaired;
-    set_grouped_gemm_fp8_cluster(in_use);
-    // async sc / +direct: the other kernel variants (grouped_gemm_fp8_kernel: each K block's scales
-    // copied into shared memory one block ahead; and the tile stored from registers), pairs as in
-    // use; also the same bits.
+    // fp8: the kernel in use (MOECORE_FP8_CLUSTER, MOECORE_FP8_KERNEL); pairs / unpaired: CTA pairs
+    // sharing A (where n / 128 is even) or one CTA a tile; async sc / +direct: the other kernel
+    // variants (grouped_gemm_fp8_kernel), pairs as in use. Every variant must give the same bits.
+    const bool pairs_in_use = grouped_gemm_fp8_cluster();
     const Fp8KernelVariant kernel_in_use = grouped_gemm_fp8_kernel();
-    Timing tv[2];
+    std::vector<float> y_first;
     bool variants_same_bits = true;
-    for (const int v : {0, 1}) {
-      set_grouped_gemm_fp8_kernel(v == 0 ? Fp8KernelVariant::kAsyncScales
-                                         : Fp8KernelVariant::kAsyncScalesDirectStore);
-      tv[v] = time_ms(a, s, run_fp8);
+    const auto time_variant = [&](bool pairs, Fp8KernelVariant kernel) {
+      set_grouped_gemm_fp8_cluster(pairs);
+      set_grouped_gemm_fp8_kernel(kernel);
+      const Timing t = time_ms(a, s, run_fp8);
       MOE_CUDA_CHECK(cudaStreamSynchronize(s));
-      variants_same_bits = variants_same_bits && download(y8, rows * n_out, true) == y_unpaired;
-    }
-    set_grouped_gemm_fp8_kernel(kernel_in_use);
+      std::vector<float> y = download(y8, rows * n_out, true);
+      if (y_first.empty()) {
+        y_first = std::move(y);
+      } else {
+        variants_same_bits = variants_same_bits && y == y_first;
+      }
+      set_grouped_gemm_fp8_cluster(pairs_in_use);
+      set_grouped_gemm_fp8_kernel(kernel_in_use);
+      return t;
+    };
+    const Timing tu = time_variant(false, kernel_in_use), tp = time_variant(true, kernel_in_use);
+    const Timing ta = time_variant(pairs_in_use, Fp8KernelVariant::kAsyncScales);
+    const Timing td = time_variant(pairs_in_use, Fp8KernelVariant::kAsyncScalesDirectStore);
     const Timing tb = time_ms(a, s, run_bf16), t8 = time_ms(a, s, run_fp8);
     const Timing tq = time_ms(a, s, [&] { quantize_a(); run_fp8(); }), tw = time_ms(a, s, quantize_w);
     MOE_CUDA_CHECK(cudaStreamSynchronize(s));
     const double diff = relative_difference(download(y8, rows * n_out, true), download(y16, rows * n_out, true));
     auto tf = [&](const Timing& t) { return flops / (t.med_ms * 1e-3) / 1e12; };
-    std::printf("%-16s | %8.1f | %8.1f | %8.1f | %8.1f | %8.1f | %8.1f | %8.1f | %9.1f | %9.3e%s%s\n", c.op, tf(tb),
-                tf(t8), tf(tp), tf(tu), tf(tv[0]), tf(tv[1]), tf(tq), tw.med_ms * 1e3, diff,
-                same_bits ? "" : "  (pairs and unpaired differ)",
+    std::printf("%-16s | %8.1f | %8.1f | %8.1f | %8.1f | %8.1f | %8.1f | %8.1f | %9.1f | %9.3e%s\n", c.op, tf(tb),
+                tf(t8), tf(tp), tf(tu), tf(ta), tf(td), tf(tq), tw.med_ms * 1e3, diff,
                 variants_same_bits ? "" : "  (kernel variants differ)");
     out.push_back({{"op", c.op}, {"n", n_out}, {"k", k_red}, {"bf16_tflops", tf(tb)}, {"fp8_tflops", tf(t8)},
-                   {"fp8_pairs_in_use", in_use}, {"fp8_pairs_tflops", tf(tp)}, {"fp8_unpaired_tflops", tf(tu)},
-                   {"pairs_same_bits", same_bits}, {"fp8_kernel_in_use", fp8_kernel_variant_name(kernel_in_use)},
-                   {"fp8_async_scales_tflops", tf(tv[0])}, {"fp8_async_scales_direct_tflops", tf(tv[1])},
-                   {"kernel_variants_same_bits", variants_same_bits},
-
-                   {"fp8_with_quantise_tflops", tf(tq)}, {"bf16_us", tb.med_ms * 1e3}, {"fp8_us", t8.med_ms * 1e3},
+                   {"fp8_pairs_in_use", pairs_in_use}, {"fp8_pairs_tflops", tf(tp)}, {"fp8_unpaired_tflops", tf(tu)},
+                   {"fp8_kernel_in_use", fp8_kernel_variant_name(kernel_in_use)},
+                   {"fp8_async_scales_tflops", tf(ta)}, {"fp8_async_scales_direct_tflops", tf(td)},
+                   {"variants_same_bits", variants_same_bits}, {"fp8_with_quantise_tflops", tf(tq)}, {"bf16_us", tb.med_ms * 1e3}, {"fp8_us", t8.med_ms * 1e3},
                    {"fp8_with_quantise_us", tq.med_ms * 1e3}, {"w_quantise_us", tw.med_ms * 1e3},
                    {"diff_vs_bf16", diff}});
   }

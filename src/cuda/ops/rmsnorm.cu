@@ -21,14 +21,18 @@ constexpr int kForwardWarpsPerBlock = 8;
 
 int64_t num_chunks(int64_t n) { return (n + kRmsChunkRows - 1) / kRmsChunkRows; }
 
+// The forward kernels' grid: a warp per row, kForwardWarpsPerBlock rows a block (grid-stride past
+// the grid's limit).
+unsigned forward_blocks(int64_t n) {
+  return static_cast<unsigned>(
+      std::min<int64_t>((n + kForwardWarpsPerBlock - 1) / kForwardWarpsPerBlock, detail::kMaxGridX));
+}
+
 template <int V>
 void launch_rmsnorm_forward(const uint16_t* x, const uint16_t* w, uint16_t* y, float* rstd, int64_t n,
                             int64_t d, float eps, Stream stream) {
-  const int64_t blocks = std::min<int64_t>((n + kForwardWarpsPerBlock - 1) / kForwardWarpsPerBlock,
-                                           detail::kMaxGridX);
   kernels::rmsnorm_forward_warp_per_row<V>
-      <<<static_cast<unsigned>(blocks), kForwardWarpsPerBlock * kernels::kWarpSize, 0, stream>>>(x, w, y, rstd,
-                                                                                                 n, d, eps);
+      <<<forward_blocks(n), kForwardWarpsPerBlock * kernels::kWarpSize, 0, stream>>>(x, w, y, rstd, n, d, eps);
   check_launch("rmsnorm_forward_warp_per_row");
 }
 
@@ -89,10 +93,8 @@ void rmsnorm_forward_fp8(const uint16_t* x, const uint16_t* w, uint16_t* y, floa
   detail::check_ptrs(op, {{"rstd", rstd}, {"scales", scales}}, 4);
   MOE_CHECK(rmsnorm_forward_fp8_fuses(x, w, y, q, d), op, ": expected d a multiple of 128 (got ", d,
             "), x, w, y 16-byte and q 8-byte aligned (rmsnorm_forward_fp8_fuses)");
-  const int64_t blocks = std::min<int64_t>((n + kForwardWarpsPerBlock - 1) / kForwardWarpsPerBlock,
-                                           detail::kMaxGridX);
-  kernels::rmsnorm_forward_fp8_warp_per_row<<<static_cast<unsigned>(blocks), kForwardWarpsPerBlock * kernels::kWarpSize,
-                                              0, stream>>>(x, w, y, rstd, q, scales, n, d, static_cast<float>(eps));
+  kernels::rmsnorm_forward_fp8_warp_per_row<<<forward_blocks(n), kForwardWarpsPerBlock * kernels::kWarpSize, 0,
+                                              stream>>>(x, w, y, rstd, q, scales, n, d, static_cast<float>(eps));
   check_launch("rmsnorm_forward_fp8_warp_per_row");
 }
 
