@@ -29,24 +29,32 @@ __device__ __forceinline__ void rmsnorm_piece(const uint16_t* __restrict__ x_row
   store_bf16<V>(y_row + c, out);
 }
 
-template <int V>
-__global__ void rmsnorm_forward_warp_per_row(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
-                                             uint16_t* __restrict__ y, float* __restrict__ rstd, int64_t n,
-                                             int64_t d, float eps) {
+// The forwards' rows: a warp per row (grid-stride), its rstd computed and stored (lane 0), then
+// body(row, r, lane) for the row's columns.
+template <int V, typename Body>
+__device__ __forceinline__ void rmsnorm_forward_rows(const uint16_t* __restrict__ x, float* __restrict__ rstd,
+                                                     int64_t n, int64_t d, float eps, Body&& body) {
   const int lane = threadIdx.x % kWarpSize;
   const int warps = blockDim.x / kWarpSize;
   for (int64_t row = int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; row < n;
        row += int64_t{gridDim.x} * warps) {
-    const uint16_t* x_row = x + row * d;
-    const float r = rms_row_rstd<V>(x_row, d, eps, lane);
+    const float r = rms_row_rstd<V>(x + row * d, d, eps, lane);
     if (lane == 0) rstd[row] = r;
-    uint16_t* y_row = y + row * d;
+    body(row, r, lane);
+  }
+}
+
+template <int V>
+__global__ void rmsnorm_forward_warp_per_row(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
+                                             uint16_t* __restrict__ y, float* __restrict__ rstd, int64_t n,
+                                             int64_t d, float eps) {
+  rmsnorm_forward_rows<V>(x, rstd, n, d, eps, [&](int64_t row, float r, int lane) {
 #pragma unroll 4
     for (int64_t c = int64_t{lane} * V; c < d; c += kWarpSize * V) {
       float out[V];
-      rmsnorm_piece<V>(x_row, w, y_row, c, r, out);
+      rmsnorm_piece<V>(x + row * d, w, y + row * d, c, r, out);
     }
-  }
+  });
 }
 
 // rmsnorm_forward_warp_per_row<kVecBf16> and the 1 x 128 FP8 quantisation of the stored y in the
@@ -59,13 +67,8 @@ __global__ void rmsnorm_forward_fp8_warp_per_row(const uint16_t* __restrict__ x,
                                                  uint8_t* __restrict__ q, float* __restrict__ s, int64_t n,
                                                  int64_t d, float eps) {
   constexpr int V = kVecBf16;
-  const int lane = threadIdx.x % kWarpSize;
-  const int warps = blockDim.x / kWarpSize;
-  for (int64_t row = int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; row < n;
-       row += int64_t{gridDim.x} * warps) {
+  rmsnorm_forward_rows<V>(x, rstd, n, d, eps, [&](int64_t row, float r, int lane) {
     const uint16_t* x_row = x + row * d;
-    const float r = rms_row_rstd<V>(x_row, d, eps, lane);
-    if (lane == 0) rstd[row] = r;
     uint16_t* y_row = y + row * d;
     for (int64_t base = 0; base < d; base += kWarpSize * V) {  // the same steps on every lane (shuffles)
       const int64_t c = base + int64_t{lane} * V;
@@ -81,7 +84,7 @@ __global__ void rmsnorm_forward_fp8_warp_per_row(const uint16_t* __restrict__ x,
       fp8_quantize_half_warp_block(out, valid, Fp8Format::kE4M3, q + row * d + (valid ? c : 0),
                                    s + row * (d / 128) + (valid ? c / 128 : 0), nullptr);
     }
-  }
+  });
 }
 
 // One block per chunk of kRmsChunkRows rows; blockDim.x == kRmsBackwardThreads. The chunk is

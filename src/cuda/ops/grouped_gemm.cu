@@ -263,7 +263,8 @@ struct Fp8Launch {
   CUtensorMap map_a, map_b, map_out;
   const char* op;
   const int32_t* expert_offsets;
-  const float *sa, *sb;
+  const float* sa;
+  const float* sb;
   uint16_t* out;
   int64_t max_rows, num_experts, n_out, k_red;
   Stream stream;
@@ -521,22 +522,22 @@ void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, con
   // CTA pairs share A where the N tiles pair up (grouped_gemm_fp8_cluster()); each CTA then loads
   // half of A's 128 rows.
   const bool pairs = grouped_gemm_fp8_cluster() && ceil_div(n, k90::kFp8BN) % 2 == 0;
-  Fp8Launch l{};
-  l.map_a = tensor_map(op, "qa", kMapU8, qa, {u64(k), u64(max_rows)}, {u64(k)},
-                       {k90::kFp8BK, static_cast<uint32_t>(pairs ? k90::kBM / 2 : k90::kBM)});
-  l.map_b = tensor_map(op, "qb", kMapU8, qb, {u64(k), u64(n), u64(num_experts)}, {u64(k), u64(n * k)},
-                       {k90::kFp8BK, k90::kFp8BN, 1});
-  l.map_out = tensor_map(op, "out", kMapBf16, out, {u64(n), u64(max_rows)}, {u64(n * 2)}, {64, 64});
-  l.op = op;
-  l.expert_offsets = expert_offsets;
-  l.sa = sa;
-  l.sb = sb;
-  l.out = out;
-  l.max_rows = max_rows;
-  l.num_experts = num_experts;
-  l.n_out = n;
-  l.k_red = k;
-  l.stream = stream;
+  const Fp8Launch l{
+      .map_a = tensor_map(op, "qa", kMapU8, qa, {u64(k), u64(max_rows)}, {u64(k)},
+                          {k90::kFp8BK, static_cast<uint32_t>(pairs ? k90::kBM / 2 : k90::kBM)}),
+      .map_b = tensor_map(op, "qb", kMapU8, qb, {u64(k), u64(n), u64(num_experts)}, {u64(k), u64(n * k)},
+                          {k90::kFp8BK, k90::kFp8BN, 1}),
+      .map_out = tensor_map(op, "out", kMapBf16, out, {u64(n), u64(max_rows)}, {u64(n * 2)}, {64, 64}),
+      .op = op,
+      .expert_offsets = expert_offsets,
+      .sa = sa,
+      .sb = sb,
+      .out = out,
+      .max_rows = max_rows,
+      .num_experts = num_experts,
+      .n_out = n,
+      .k_red = k,
+      .stream = stream};
   const int stages = fp8_ring_stages(num_experts);
   MOE_CHECK(stages > 0, op, ": the schedule of ", num_experts, " experts needs ", k90::fp8_smem_bytes(3, num_experts),
             " bytes of shared memory, the device has ", max_shared_memory_per_block(current_device()));
