@@ -4,10 +4,7 @@
 // Random BF16 data drawn on the GPU (truncated normals of core/rng.h, never all zeros), inputs
 // larger than L2, warm-up, CUDA events, median/min/max.
 // Prints `op | backend | us | TFLOP/s | diff`, diff = ||out - out_mma|| / ||out_mma|| of one
-// overwrite run of each backend (0 for mma itself), and writes one JSON file. Then, on sm_90, each
-// wgmma GEMM with its tiles staged for TMA stores and stored from registers
-// (grouped_gemm_direct_store): both times and whether the outputs are the same bits (JSON key
-// "store_epilogue").
+// overwrite run of each backend (0 for mma itself), and writes one JSON file.
 // Then causal attention forward and backward on one layer's shape (default olmoe-8l: B 4, S 4096,
 // 16/16 heads, hd 128) for each attention backend (own, cudnn), FLOPs 4*B*Hq*S*S*D/2 forward and
 // 2.5x that backward; diff against the own kernels (out; dq, dk, dv together, both backwards fed
@@ -17,9 +14,7 @@
 // --ops grouped_fp8: the experts' FP8 grouped GEMM (cuda::grouped_gemm_fp8) against the BF16 wgmma
 // kernels on the expert shapes, forward and data gradient of both projections, with and without
 // the activation's quantisation, and the weights' quantisation with the transposed copy (JSON key
-// "grouped_fp8"); each FP8 GEMM also in CTA pairs, unpaired and in the other kernel variants
-// (grouped_gemm_fp8_kernel), checked to give the same bits; then the whole experts of one MoE
-// layer, BF16 against the FP8 recipe.
+// "grouped_fp8"); then the whole experts of one MoE layer, BF16 against the FP8 recipe.
 // --ops adamw: cuda::adamw_apply over 256M parameters (one segment, BF16 copy written) launched a
 // block per chunk on every SM and kept to r SMs (the deferred update's reserve: r = 16, 32, 48,
 // 64), with the moments at the flat offsets (the bulk-copy ring) and shifted by 4 elements (plain
@@ -203,11 +198,7 @@ nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, 
                                    {"down dgrad", dy_dn, w_dn, D, I, true}};
   std::printf("\nexperts' grouped GEMM, FP8 (E4M3, 1x128 x 128x128, wgmma) vs BF16 (wgmma), %lld rows, %lld experts\n",
               (long long)rows, (long long)E);
-  std::printf("FP8 CTA pairs (2 x 1 clusters sharing A) that fit at once: %d; 'fp8' is the kernel in use "
-              "(pairs %s), 'pairs' / 'unpaired' force each\n",
-              grouped_gemm_fp8_cluster_pairs(E), grouped_gemm_fp8_cluster() ? "on" : "off");
-  std::printf("%-16s | %8s | %8s | %8s | %8s | %8s | %8s | %8s | %9s | %9s\n", "op", "bf16", "fp8", "pairs", "unpaired",
-              "async sc", "+direct", "fp8+q", "q(w) us", "diff");
+  std::printf("%-16s | %8s | %8s | %8s | %9s | %9s\n", "op", "bf16", "fp8", "fp8+q", "q(w) us", "diff");
   nlohmann::json out = nlohmann::json::array();
   for (const Case& c : cases) {
     const int64_t n_out = c.dgrad ? c.k_w : c.n_w, k_red = c.dgrad ? c.n_w : c.k_w;
@@ -226,44 +217,14 @@ nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, 
     quantize_w();
     quantize_a();
     const double flops = 2.0 * rows * n_out * k_red;
-    // fp8: the kernel in use (MOECORE_FP8_CLUSTER, MOECORE_FP8_KERNEL); pairs / unpaired: CTA pairs
-    // sharing A (where n / 128 is even) or one CTA a tile; async sc / +direct: the other kernel
-    // variants (grouped_gemm_fp8_kernel), pairs as in use. Every variant must give the same bits.
-    const bool pairs_in_use = grouped_gemm_fp8_cluster();
-    const Fp8KernelVariant kernel_in_use = grouped_gemm_fp8_kernel();
-    std::vector<float> y_first;
-    bool variants_same_bits = true;
-    const auto time_variant = [&](bool pairs, Fp8KernelVariant kernel) {
-      set_grouped_gemm_fp8_cluster(pairs);
-      set_grouped_gemm_fp8_kernel(kernel);
-      const Timing t = time_ms(a, s, run_fp8);
-      MOE_CUDA_CHECK(cudaStreamSynchronize(s));
-      std::vector<float> y = download(y8, rows * n_out, true);
-      if (y_first.empty()) {
-        y_first = std::move(y);
-      } else {
-        variants_same_bits = variants_same_bits && y == y_first;
-      }
-      set_grouped_gemm_fp8_cluster(pairs_in_use);
-      set_grouped_gemm_fp8_kernel(kernel_in_use);
-      return t;
-    };
-    const Timing tu = time_variant(false, kernel_in_use), tp = time_variant(true, kernel_in_use);
-    const Timing ta = time_variant(pairs_in_use, Fp8KernelVariant::kAsyncScales);
-    const Timing td = time_variant(pairs_in_use, Fp8KernelVariant::kAsyncScalesDirectStore);
     const Timing tb = time_ms(a, s, run_bf16), t8 = time_ms(a, s, run_fp8);
     const Timing tq = time_ms(a, s, [&] { quantize_a(); run_fp8(); }), tw = time_ms(a, s, quantize_w);
     MOE_CUDA_CHECK(cudaStreamSynchronize(s));
     const double diff = relative_difference(download(y8, rows * n_out, true), download(y16, rows * n_out, true));
     auto tf = [&](const Timing& t) { return flops / (t.med_ms * 1e-3) / 1e12; };
-    std::printf("%-16s | %8.1f | %8.1f | %8.1f | %8.1f | %8.1f | %8.1f | %8.1f | %9.1f | %9.3e%s\n", c.op, tf(tb),
-                tf(t8), tf(tp), tf(tu), tf(ta), tf(td), tf(tq), tw.med_ms * 1e3, diff,
-                variants_same_bits ? "" : "  (kernel variants differ)");
+    std::printf("%-16s | %8.1f | %8.1f | %8.1f | %9.1f | %9.3e\n", c.op, tf(tb), tf(t8), tf(tq), tw.med_ms * 1e3, diff);
     out.push_back({{"op", c.op}, {"n", n_out}, {"k", k_red}, {"bf16_tflops", tf(tb)}, {"fp8_tflops", tf(t8)},
-                   {"fp8_pairs_in_use", pairs_in_use}, {"fp8_pairs_tflops", tf(tp)}, {"fp8_unpaired_tflops", tf(tu)},
-                   {"fp8_kernel_in_use", fp8_kernel_variant_name(kernel_in_use)},
-                   {"fp8_async_scales_tflops", tf(ta)}, {"fp8_async_scales_direct_tflops", tf(td)},
-                   {"variants_same_bits", variants_same_bits}, {"fp8_with_quantise_tflops", tf(tq)}, {"bf16_us", tb.med_ms * 1e3}, {"fp8_us", t8.med_ms * 1e3},
+                   {"fp8_with_quantise_tflops", tf(tq)}, {"bf16_us", tb.med_ms * 1e3}, {"fp8_us", t8.med_ms * 1e3},
                    {"fp8_with_quantise_us", tq.med_ms * 1e3}, {"w_quantise_us", tw.med_ms * 1e3},
                    {"diff_vs_bf16", diff}});
   }
@@ -876,36 +837,6 @@ int main(int argc, char** argv) {
         }
       }
     }
-    // The wgmma kernels with each tile staged through shared memory for TMA stores and stored
-    // straight from registers (grouped_gemm_direct_store): the forward and data gradient, and the
-    // weight gradients as the first backward of a step runs them (overwrite); the time of each and
-    // whether the output is the same bits.
-    nlohmann::json store_epilogue = nlohmann::json::array();
-    if (run_gemm && grouped_gemm_wgmma_available()) {
-      const bool in_use = grouped_gemm_direct_store();
-      for (const Problem& p : problems) {
-        const size_t bytes = size_t(p.out_count) * (p.bf16 ? 2 : 4);
-        const auto run = [&] { p.run(GroupedGemmBackend::kWgmma, false); };  // wgrad: overwrite
-        Timing t[2];
-        std::vector<uint8_t> out[2];
-        for (const int direct : {0, 1}) {
-          set_grouped_gemm_direct_store(direct != 0);
-          t[direct] = time_ms(a, s, run);
-          MOE_CUDA_CHECK(cudaMemsetAsync(const_cast<void*>(p.out), 0xFF, bytes, s));
-          run();
-          MOE_CUDA_CHECK(cudaStreamSynchronize(s));
-          out[direct].resize(bytes);
-          MOE_CUDA_CHECK(cudaMemcpy(out[direct].data(), p.out, bytes, cudaMemcpyDeviceToHost));
-        }
-        const bool same = out[0] == out[1];
-        const auto tf = [&](const Timing& x) { return p.flops / (x.med_ms * 1e-3) / 1e12; };
-        std::printf("%-18s | staged %9.1f us %6.1f TFLOP/s | direct %9.1f us %6.1f TFLOP/s | same bits: %s\n", p.op,
-                    1e3 * t[0].med_ms, tf(t[0]), 1e3 * t[1].med_ms, tf(t[1]), same ? "yes" : "NO");
-        store_epilogue.push_back({{"op", p.op}, {"staged_us", 1e3 * t[0].med_ms}, {"direct_us", 1e3 * t[1].med_ms},
-                                  {"staged_tflops", tf(t[0])}, {"direct_tflops", tf(t[1])}, {"same_bits", same}});
-      }
-      set_grouped_gemm_direct_store(in_use);
-    }
     nlohmann::json attention;
     if (run_attention) attention = attention_section(a, s);
     if (!a.out.empty()) {
@@ -913,7 +844,6 @@ int main(int argc, char** argv) {
                             {"d_model", D}, {"hidden", I}, {"rows", rows}, {"counts", counts},
                             {"warmup", a.warmup}, {"iters", a.iters}, {"results", results}};
       if (run_attention) rec["attention"] = attention;
-      if (!store_epilogue.empty()) rec["store_epilogue"] = store_epilogue;
       std::ofstream(a.out) << rec.dump(2) << "\n";
     }
     return 0;

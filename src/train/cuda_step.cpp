@@ -1073,10 +1073,7 @@ ForwardStats CudaStepRunner::evaluate(const Batch& b, uint64_t routing_seed) {
 }
 
 nlohmann::json cuda_kernel_variants() {
-  return {{"grouped_gemm", cuda::grouped_gemm_backend_name(cuda::grouped_gemm_resolve_backend())},
-          {"fp8_cta_pairs", cuda::grouped_gemm_fp8_cluster()},
-          {"fp8_kernel", cuda::fp8_kernel_variant_name(cuda::grouped_gemm_fp8_kernel())},
-          {"grouped_gemm_direct_store", cuda::grouped_gemm_direct_store()}};
+  return {{"grouped_gemm", cuda::grouped_gemm_backend_name(cuda::grouped_gemm_resolve_backend())}};
 }
 
 }  // namespace moe

@@ -150,9 +150,8 @@ class CudaStepRunner {
   std::unique_ptr<Impl> impl_;
 };
 
-// The kernel variants this process runs (the environment switches of cuda/ops/grouped_gemm.h and
-// the grouped GEMM backend), for the bench's record: a figure is only comparable with another of
-// the same variants.
+// The kernel choices this process runs (the grouped GEMM backend, MOECORE_GROUPED_GEMM), for the
+// bench's record: a figure is only comparable with another of the same choices.
 nlohmann::json cuda_kernel_variants();
 
 }  // namespace moe

@@ -681,37 +681,14 @@ void check_grouped_fp8(const std::vector<int32_t>& offsets, int64_t max_rows, in
   GuardedBuffer<float> d_sa(sa), d_sb(sb);
   GuardedBuffer<int32_t> d_off(offsets);
   const uint16_t kSentinel = 0x7fc1;
-  // Every variant of the kernel: unpaired or CTA pairs sharing A (where n / 128 is even), and each
-  // Fp8KernelVariant (the scales loaded in each K block or copied one block ahead; the tile staged
-  // or stored from registers). The first against the CPU, the others the same bits as the first
-  // (rows outside the groups included: each output starts as sentinels).
-  const bool default_cluster = cuda::grouped_gemm_fp8_cluster();
-  const cuda::Fp8KernelVariant default_kernel = cuda::grouped_gemm_fp8_kernel();
-  std::vector<uint16_t> first;
-  for (const bool cluster : {false, true}) {
-    for (const cuda::Fp8KernelVariant kernel : {cuda::Fp8KernelVariant::kBase, cuda::Fp8KernelVariant::kAsyncScales,
-                                                cuda::Fp8KernelVariant::kAsyncScalesDirectStore}) {
-      const std::string run = what + (cluster ? " (CTA pairs, " : " (unpaired, ") +
-                              cuda::fp8_kernel_variant_name(kernel) + ")";
-      cuda::set_grouped_gemm_fp8_cluster(cluster);
-      cuda::set_grouped_gemm_fp8_kernel(kernel);
-      GuardedBuffer<uint16_t> out(std::vector<uint16_t>(size_t(max_rows * n_out), kSentinel));
-      TestStream stream;
-      cuda::grouped_gemm_fp8(d_qa.data(), d_sa.data(), d_qb.data(), d_sb.data(), d_off.data(), out.data(), max_rows,
-                             e, n_out, k_red, stream.get());
-      stream.sync();
-      const std::vector<uint16_t> got = out.download();
-      out.expect_guards_intact(run + " out");
-      if (first.empty()) {
-        compare_grouped_fp8(run, a, qb, sb, offsets, max_rows, n_out, k_red, got, &kSentinel);
-        first = got;
-      } else {
-        EXPECT_TRUE(got == first) << run << ": not the first variant's bits";
-      }
-    }
-  }
-  cuda::set_grouped_gemm_fp8_cluster(default_cluster);
-  cuda::set_grouped_gemm_fp8_kernel(default_kernel);
+  // Each output starts as sentinels: rows outside the groups must keep them.
+  GuardedBuffer<uint16_t> out(std::vector<uint16_t>(size_t(max_rows * n_out), kSentinel));
+  TestStream stream;
+  cuda::grouped_gemm_fp8(d_qa.data(), d_sa.data(), d_qb.data(), d_sb.data(), d_off.data(), out.data(), max_rows, e,
+                         n_out, k_red, stream.get());
+  stream.sync();
+  compare_grouped_fp8(what, a, qb, sb, offsets, max_rows, n_out, k_red, out.download(), &kSentinel);
+  out.expect_guards_intact(what + " out");
 }
 
 TEST(Fp8Gpu, GroupedGemmMatchesCpuOnTheSameCodes) {
@@ -725,7 +702,7 @@ TEST(Fp8Gpu, GroupedGemmMatchesCpuOnTheSameCodes) {
   }
   // One expert over many rows (several M tiles per CTA) at an expert shape.
   check_grouped_fp8({0, 700}, 700, 1024, 256, false, 17);
-  // Many experts, more tile pairs than CTA pairs (each cluster walks several), an odd N-tile count.
+  // Many experts, more tiles than CTAs (each walks several), an odd N-tile count.
   std::vector<int32_t> many = {0};
   for (int x = 0; x < 24; ++x) many.push_back(many.back() + 33 + 41 * (x % 5));
   check_grouped_fp8(many, many.back() + 5, 1024, 256, false, 19);

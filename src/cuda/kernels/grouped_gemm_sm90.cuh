@@ -300,13 +300,11 @@ struct Smem {
 };
 
 // Aligns the dynamic shared memory, initialises the barriers (full: one arrival, the producer's,
-// plus the TMA bytes; empty: one arrival per consumer warp, or empty_arrivals when the consumers of
-// a cluster's CTAs release each other's stages) and, with `schedule`, builds the
+// plus the TMA bytes; empty: one arrival per consumer warp) and, with `schedule`, builds the
 // M-grouped schedule. Ends with a block barrier.
 template <int kStages, int kStage = kStageBytes>
 __device__ __forceinline__ Smem<kStages, kStage> setup_smem(unsigned char* raw, const int32_t* __restrict__ offsets,
-                                                            int num_experts, int max_rows, bool schedule,
-                                                            int empty_arrivals = kConsumerWarps) {
+                                                            int num_experts, int max_rows, bool schedule) {
   const uint32_t raw_u32 = smem_u32(raw);
   const uint32_t aligned = (raw_u32 + kSmemAlign - 1) & ~static_cast<uint32_t>(kSmemAlign - 1);
   Smem<kStages, kStage> s;
@@ -318,7 +316,7 @@ __device__ __forceinline__ Smem<kStages, kStage> setup_smem(unsigned char* raw, 
 #pragma unroll
     for (int i = 0; i < kStages; ++i) {
       mbar_init(s.full(i), 1);
-      mbar_init(s.empty(i), empty_arrivals);
+      mbar_init(s.empty(i), kConsumerWarps);
     }
     fence_barrier_init();
   }
@@ -435,10 +433,9 @@ __device__ __forceinline__ void staged_store(uint32_t buf, int wg, bool leader, 
 // expert's, the unused tail, or zeros past max_rows): they only feed output rows that are not
 // stored. Columns past k_red read as zeros. Tiles whose 128 rows all belong to the expert leave
 // through TMA stores (which clip columns past n_out); an expert's last, partial tile is stored
-// from registers with the rows past its end skipped (kDirect: every tile, no staging). Persistent:
-// CTA b takes tiles b, b + gridDim.x, ... (N-tile fastest). Dynamic smem: smem_bytes(kStages, E, true).
-
-template <bool kBMn, int kStages, bool kDirect = false>
+// from registers with the rows past its end skipped. Persistent: CTA b takes tiles b,
+// b + gridDim.x, ... (N-tile fastest). Dynamic smem: smem_bytes(kStages, E, true).
+template <bool kBMn, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_m_contiguous_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                                    const __grid_constant__ CUtensorMap map_out,
@@ -503,7 +500,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_accumulators(acc);
     if (lane == 0) mbar_arrive(sm.empty(Ring::ring_stage(it - 1)));
 
-    if (!kDirect && tile.row0 + kBM <= tile.row_end) {
+    if (tile.row0 + kBM <= tile.row_end) {
       // Whole tile inside the expert: 4 staged chunks of 64 columns, TMA stores (clipped at n_out).
 #pragma unroll
       for (int c = 0; c < kBN / 64; ++c) {
@@ -513,8 +510,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             [&](uint32_t buf) { tma_store_2d(&map_out, buf, tile.col0 + 64 * c, tile.row0 + 64 * wg); });
       }
     } else {
-      // The expert's last tile (every tile with kDirect): BF16 pairs straight from registers, rows
-      // past its end skipped.
+      // The expert's last tile: BF16 pairs straight from registers, rows past its end skipped.
       store_fragment_rows_bf16(acc, out, tile.row0 + wg * 64 + warp * 16 + lane / 4, tile.row_end,
                                tile.col0 + 2 * (lane % 4), n_out);
     }
@@ -560,10 +556,6 @@ __device__ __forceinline__ int2 expert_range(const int32_t* __restrict__ offsets
 // old dw). Experts with no rows: dw[e] untouched (accumulate) or zeroed. Each dw element is
 // written once, by one CTA: deterministic, no atomics between CTAs. Tiles t = (e, M-tile, N-tile), N fastest; CTA b takes b,
 // b + gridDim.x, ... Dynamic smem: smem_bytes(4, E, false).
-// kDirect: an overwrite stores each thread's fragment straight from its registers (8-byte stores,
-// clipped at n and k), with no staging through shared memory and no wait for the TMA to read it;
-// the accumulating call still reduce-adds through the staging. The same values.
-template <bool kDirect>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_k_contiguous_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                                    const __grid_constant__ CUtensorMap map_dw,
@@ -651,26 +643,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (num_k > 0 && lane == 0) mbar_arrive(sm.empty(Ring::ring_stage(it - 1)));
     const bool empty_expert = num_k == 0;  // overwrite: its tile is +0.0
 
-    if constexpr (kDirect) {
-      if (!accumulate) {
-        // This thread's rows (16 warp + lane / 4, + 8) and column pairs (8 j + 2 (lane % 4)).
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = row0 + 64 * wg + 16 * warp + lane / 4 + 8 * h;
-          if (row >= n) continue;
-          float* drow = dw + (int64_t{e} * n + row) * k;
-#pragma unroll
-          for (int j = 0; j < kBN / 8; ++j) {
-            const int col = col0 + 8 * j + 2 * (lane % 4);
-            if (col >= k) continue;  // k is a multiple of 8: col + 1 < k too
-            const float2 v = empty_expert ? make_float2(0.0f, 0.0f)
-                                          : make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            *reinterpret_cast<float2*>(drow + col) = v;
-          }
-        }
-        continue;
-      }
-    }
     // 8 staged chunks of 32 columns, TMA stores clipped at n and k.
 #pragma unroll
     for (int c = 0; c < kBN / 32; ++c) {

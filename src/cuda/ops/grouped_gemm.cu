@@ -10,7 +10,6 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -163,14 +162,12 @@ int sm90_grid(const char* op, Kernel kernel, size_t smem, int64_t max_tiles) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_tiles, gemm_sms(multiprocessor_count(device)))));
 }
 
-// grouped_gemm_direct_store() chooses the kernel that stores every tile from registers.
 template <bool kBMn, int kStages>
 void launch_m_contiguous_sm90_stages(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_out,
                                      const char* op, const int32_t* expert_offsets, uint16_t* out, int64_t max_rows,
                                      int64_t num_experts, int64_t n_out, int64_t k_red, Stream stream) {
   namespace k90 = kernels::sm90;
-  const auto kernel = grouped_gemm_direct_store() ? k90::grouped_gemm_m_contiguous_sm90<kBMn, kStages, true>
-                                                  : k90::grouped_gemm_m_contiguous_sm90<kBMn, kStages, false>;
+  const auto kernel = k90::grouped_gemm_m_contiguous_sm90<kBMn, kStages>;
   const size_t smem = static_cast<size_t>(k90::smem_bytes(kStages, num_experts, true));
   const int64_t max_tiles = (ceil_div(max_rows, k90::kBM) + num_experts) * ceil_div(n_out, k90::kBN);
   const int grid = sm90_grid(op, kernel, smem, max_tiles);
@@ -212,108 +209,20 @@ void launch_m_contiguous_sm90(const char* op, const uint16_t* a, const uint16_t*
   }
 }
 
-// The launch of a wgmma kernel (kThreads a CTA, smem bytes of dynamic shared memory) on `stream`,
-// in clusters of `cluster` CTAs along x when cluster > 1; `attr` holds the cluster attribute.
-cudaLaunchConfig_t sm90_launch_config(size_t smem, Stream stream, int cluster, cudaLaunchAttribute& attr) {
-  cudaLaunchConfig_t config{};
-  config.blockDim = dim3(kernels::sm90::kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  if (cluster > 1) {
-    attr = cudaLaunchAttribute{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = static_cast<unsigned>(cluster);
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    config.attrs = &attr;
-    config.numAttrs = 1;
-  }
-  return config;
-}
-
-// How many 2 x 1 clusters of the FP8 kernel fit on the device at once (a pair needs two free
-// multiprocessors of one GPC), asked once per device and shared-memory size.
 template <int kStages>
-int fp8_cluster_pairs_fit(const char* op, size_t smem) {
+void launch_fp8_m_contiguous_sm90_stages(const CUtensorMap& map_a, const CUtensorMap& map_b,
+                                         const CUtensorMap& map_out, const char* op, const int32_t* expert_offsets,
+                                         const float* sa, const float* sb, uint16_t* out, int64_t max_rows,
+                                         int64_t num_experts, int64_t n_out, int64_t k_red, Stream stream) {
   namespace k90 = kernels::sm90;
-  struct Fit {
-    int device = -1;
-    size_t smem = 0;
-    int clusters = 0;
-  };
-  thread_local Fit fit;
-  const int device = current_device();
-  if (fit.device != device || fit.smem != smem) {
-    const auto kernel = k90::grouped_gemm_fp8_m_contiguous_sm90<kStages, 2, 0>;  // every variant alike
-    enable_shared_memory(kernel, smem);
-    cudaLaunchAttribute cluster;
-    cudaLaunchConfig_t config = sm90_launch_config(smem, nullptr, 2, cluster);
-    config.gridDim = dim3(static_cast<unsigned>(2 * std::max(1, multiprocessor_count(device) / 2)));
-    int clusters = 0;
-    MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
-    MOE_CHECK(clusters > 0, op, ": no cluster of 2 CTAs with ", smem, " bytes of shared memory each fits on device ",
-              device);
-    fit = {device, smem, clusters};
-  }
-  return fit.clusters;
-}
-
-// One grouped_gemm_fp8 call's operands, as every kernel variant takes them.
-struct Fp8Launch {
-  CUtensorMap map_a, map_b, map_out;
-  const char* op;
-  const int32_t* expert_offsets;
-  const float* sa;
-  const float* sb;
-  uint16_t* out;
-  int64_t max_rows, num_experts, n_out, k_red;
-  Stream stream;
-};
-
-// The FP8 kernel's ring depth: 5 stages when the schedule of E experts fits beside them, else 3;
-// 0 when not even 3 fit.
-int fp8_ring_stages(int64_t num_experts) {
-  namespace k90 = kernels::sm90;
-  const int limit = max_shared_memory_per_block(current_device());
-  if (k90::fp8_smem_bytes(5, num_experts) <= limit) return 5;
-  if (k90::fp8_smem_bytes(3, num_experts) <= limit) return 3;
-  return 0;
-}
-
-// kCluster = 2: CTA pairs sharing each M tile's A (grouped_gemm_fp8_sm90.cuh), launched as 2 x 1
-// clusters, as many pairs as fit at once on the multiprocessors the GEMMs may use.
-template <int kStages, int kCluster, int kVariant>
-void launch_fp8_m_contiguous_sm90_stages(const Fp8Launch& l) {
-  namespace k90 = kernels::sm90;
-  const auto kernel = k90::grouped_gemm_fp8_m_contiguous_sm90<kStages, kCluster, kVariant>;
-  const size_t smem = static_cast<size_t>(k90::fp8_smem_bytes(kStages, l.num_experts));
-  const int64_t max_tiles = (ceil_div(l.max_rows, k90::kBM) + l.num_experts) * ceil_div(l.n_out, k90::kFp8BN);
-  int grid = sm90_grid(l.op, kernel, smem, max_tiles);
-  if constexpr (kCluster > 1) {
-    grid = kCluster * std::max(1, std::min(grid / kCluster, fp8_cluster_pairs_fit<kStages>(l.op, smem)));
-  }
-  cudaLaunchAttribute cluster;
-  cudaLaunchConfig_t config = sm90_launch_config(smem, l.stream, kCluster, cluster);
-  config.gridDim = dim3(static_cast<unsigned>(grid));
-  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, l.map_a, l.map_b, l.map_out, l.expert_offsets, l.sa, l.sb, l.out,
-                                    static_cast<int>(l.max_rows), static_cast<int>(l.num_experts),
-                                    static_cast<int>(l.n_out), static_cast<int>(l.k_red)));
-  check_launch(kCluster > 1 ? "grouped_gemm_fp8_m_contiguous_sm90<cluster 2>" : "grouped_gemm_fp8_m_contiguous_sm90");
-}
-
-// The launch of the variant v (Fp8KernelVariant) of the kernel with kStages and kCluster.
-template <int kStages, int kCluster>
-void launch_fp8_variant(Fp8KernelVariant v, const Fp8Launch& l) {
-  switch (v) {
-    case Fp8KernelVariant::kAsyncScales:
-      launch_fp8_m_contiguous_sm90_stages<kStages, kCluster, 1>(l);
-      break;
-    case Fp8KernelVariant::kAsyncScalesDirectStore:
-      launch_fp8_m_contiguous_sm90_stages<kStages, kCluster, 2>(l);
-      break;
-    default:
-      launch_fp8_m_contiguous_sm90_stages<kStages, kCluster, 0>(l);
-  }
+  const auto kernel = k90::grouped_gemm_fp8_m_contiguous_sm90<kStages>;
+  const size_t smem = static_cast<size_t>(k90::smem_bytes(kStages, num_experts, true, k90::kFp8StageBytes));
+  const int64_t max_tiles = (ceil_div(max_rows, k90::kBM) + num_experts) * ceil_div(n_out, k90::kFp8BN);
+  const int grid = sm90_grid(op, kernel, smem, max_tiles);
+  kernel<<<grid, k90::kThreads, smem, stream>>>(map_a, map_b, map_out, expert_offsets, sa, sb, out,
+                                                static_cast<int>(max_rows), static_cast<int>(num_experts),
+                                                static_cast<int>(n_out), static_cast<int>(k_red));
+  check_launch("grouped_gemm_fp8_m_contiguous_sm90");
 }
 
 void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t* x, const int32_t* expert_offsets,
@@ -325,8 +234,7 @@ void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t
   const CUtensorMap map_b = tensor_map(op, "x", kMapBf16, x, {u64(k), u64(max_rows)}, {u64(k * 2)}, {64, 64});
   const CUtensorMap map_dw = tensor_map(op, "dw", kMapF32, dw, {u64(k), u64(n), u64(num_experts)},
                                         {u64(k * 4), u64(n * k * 4)}, {32, 64, 1});
-  const auto kernel = grouped_gemm_direct_store() ? k90::grouped_gemm_k_contiguous_sm90<true>
-                                                  : k90::grouped_gemm_k_contiguous_sm90<false>;
+  const auto kernel = k90::grouped_gemm_k_contiguous_sm90;
   const size_t smem = static_cast<size_t>(k90::smem_bytes(4, num_experts, false));
   const int64_t max_tiles = num_experts * ceil_div(n, k90::kBM) * ceil_div(k, k90::kBN);
   const int grid = sm90_grid(op, kernel, smem, max_tiles);
@@ -334,23 +242,6 @@ void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t
                                                 static_cast<int>(num_experts), static_cast<int>(n),
                                                 static_cast<int>(k), accumulate);
   check_launch("grouped_gemm_k_contiguous_sm90");
-}
-
-// grouped_gemm_fp8_cluster(), _fp8_kernel(), _direct_store(): -1 until read from the
-// environment or set.
-std::atomic<int> g_fp8_cluster{-1};
-std::atomic<int> g_fp8_kernel{-1};
-std::atomic<int> g_direct_store{-1};
-
-// An on/off switch of a kernel variant: its setting, else the environment variable's ("on" or
-// "off"; unset: off).
-bool variant_switch(std::atomic<int>& v, const char* var) {
-  int on = v.load(std::memory_order_relaxed);
-  if (on < 0) {
-    on = backend_choice_from_env(var, {"on", "off"}) == 1 ? 1 : 0;
-    v.store(on, std::memory_order_relaxed);
-  }
-  return on != 0;
 }
 
 // MOECORE_GROUPED_GEMM: unset or empty -> kAuto; "mma" / "wgmma"; anything else is refused.
@@ -460,51 +351,6 @@ void grouped_gemm_wgrad(const uint16_t* dy, const uint16_t* x, const int32_t* ex
   check_launch("grouped_gemm_k_contiguous");
 }
 
-bool grouped_gemm_fp8_cluster() { return variant_switch(g_fp8_cluster, "MOECORE_FP8_CLUSTER"); }
-
-void set_grouped_gemm_fp8_cluster(bool on) { g_fp8_cluster.store(on ? 1 : 0, std::memory_order_relaxed); }
-
-bool grouped_gemm_direct_store() { return variant_switch(g_direct_store, "MOECORE_GROUPED_GEMM_DIRECT_STORE"); }
-
-void set_grouped_gemm_direct_store(bool on) { g_direct_store.store(on ? 1 : 0, std::memory_order_relaxed); }
-
-const char* fp8_kernel_variant_name(Fp8KernelVariant v) {
-  switch (v) {
-    case Fp8KernelVariant::kAsyncScales:
-      return "async-scales";
-    case Fp8KernelVariant::kAsyncScalesDirectStore:
-      return "async-scales-direct";
-    default:
-      return "base";
-  }
-}
-
-Fp8KernelVariant grouped_gemm_fp8_kernel() {
-  int v = g_fp8_kernel.load(std::memory_order_relaxed);
-  if (v < 0) {  // "base" (or unset) -> 0, "async-scales" -> 1, "async-scales-direct" -> 2
-    v = std::max(0,
-                 backend_choice_from_env("MOECORE_FP8_KERNEL", {"base", "async-scales", "async-scales-direct"}) - 1);
-    g_fp8_kernel.store(v, std::memory_order_relaxed);
-  }
-  return static_cast<Fp8KernelVariant>(v);
-}
-
-void set_grouped_gemm_fp8_kernel(Fp8KernelVariant v) {
-  g_fp8_kernel.store(static_cast<int>(v), std::memory_order_relaxed);
-}
-
-int grouped_gemm_fp8_cluster_pairs(int64_t num_experts) {
-  const char* op = "cuda::grouped_gemm_fp8_cluster_pairs";
-  namespace k90 = kernels::sm90;
-  int major = 0, minor = 0;
-  if (!device_is_sm90(current_device(), major, minor)) return 0;
-  const int gemm_pairs = gemm_sms(multiprocessor_count(current_device())) / 2;
-  const int stages = fp8_ring_stages(num_experts);
-  if (stages == 0) return 0;
-  const size_t smem = static_cast<size_t>(k90::fp8_smem_bytes(stages, num_experts));
-  return std::min(gemm_pairs, stages == 5 ? fp8_cluster_pairs_fit<5>(op, smem) : fp8_cluster_pairs_fit<3>(op, smem));
-}
-
 void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, const float* sb,
                       const int32_t* expert_offsets, uint16_t* out, int64_t max_rows, int64_t num_experts, int64_t n,
                       int64_t k, Stream stream) {
@@ -519,33 +365,21 @@ void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, con
   detail::check_ptrs(op, {{"sa", sa}, {"sb", sb}, {"expert_offsets", expert_offsets}}, 4);
   namespace k90 = kernels::sm90;
   const auto u64 = [](int64_t v) { return static_cast<uint64_t>(v); };
-  // CTA pairs share A where the N tiles pair up (grouped_gemm_fp8_cluster()); each CTA then loads
-  // half of A's 128 rows.
-  const bool pairs = grouped_gemm_fp8_cluster() && ceil_div(n, k90::kFp8BN) % 2 == 0;
-  const Fp8Launch l{
-      .map_a = tensor_map(op, "qa", kMapU8, qa, {u64(k), u64(max_rows)}, {u64(k)},
-                          {k90::kFp8BK, static_cast<uint32_t>(pairs ? k90::kBM / 2 : k90::kBM)}),
-      .map_b = tensor_map(op, "qb", kMapU8, qb, {u64(k), u64(n), u64(num_experts)}, {u64(k), u64(n * k)},
-                          {k90::kFp8BK, k90::kFp8BN, 1}),
-      .map_out = tensor_map(op, "out", kMapBf16, out, {u64(n), u64(max_rows)}, {u64(n * 2)}, {64, 64}),
-      .op = op,
-      .expert_offsets = expert_offsets,
-      .sa = sa,
-      .sb = sb,
-      .out = out,
-      .max_rows = max_rows,
-      .num_experts = num_experts,
-      .n_out = n,
-      .k_red = k,
-      .stream = stream};
-  const int stages = fp8_ring_stages(num_experts);
-  MOE_CHECK(stages > 0, op, ": the schedule of ", num_experts, " experts needs ", k90::fp8_smem_bytes(3, num_experts),
-            " bytes of shared memory, the device has ", max_shared_memory_per_block(current_device()));
-  const Fp8KernelVariant variant = grouped_gemm_fp8_kernel();
-  if (stages == 5) {
-    pairs ? launch_fp8_variant<5, 2>(variant, l) : launch_fp8_variant<5, 1>(variant, l);
+  const CUtensorMap map_a = tensor_map(op, "qa", kMapU8, qa, {u64(k), u64(max_rows)}, {u64(k)},
+                                       {k90::kFp8BK, k90::kBM});
+  const CUtensorMap map_b = tensor_map(op, "qb", kMapU8, qb, {u64(k), u64(n), u64(num_experts)},
+                                       {u64(k), u64(n * k)}, {k90::kFp8BK, k90::kFp8BN, 1});
+  const CUtensorMap map_out = tensor_map(op, "out", kMapBf16, out, {u64(n), u64(max_rows)}, {u64(n * 2)}, {64, 64});
+  const int limit = max_shared_memory_per_block(current_device());
+  if (k90::smem_bytes(5, num_experts, true, k90::kFp8StageBytes) <= limit) {
+    launch_fp8_m_contiguous_sm90_stages<5>(map_a, map_b, map_out, op, expert_offsets, sa, sb, out, max_rows,
+                                           num_experts, n, k, stream);
   } else {
-    pairs ? launch_fp8_variant<3, 2>(variant, l) : launch_fp8_variant<3, 1>(variant, l);
+    MOE_CHECK(k90::smem_bytes(3, num_experts, true, k90::kFp8StageBytes) <= limit, op, ": the schedule of ",
+              num_experts, " experts needs ", k90::smem_bytes(3, num_experts, true, k90::kFp8StageBytes),
+              " bytes of shared memory, the device has ", limit);
+    launch_fp8_m_contiguous_sm90_stages<3>(map_a, map_b, map_out, op, expert_offsets, sa, sb, out, max_rows,
+                                           num_experts, n, k, stream);
   }
 }
 

@@ -55,15 +55,6 @@ void grouped_gemm_wgrad(const uint16_t* dy, const uint16_t* x, const int32_t* ex
                         int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, bool accumulate,
                         Stream stream, GroupedGemmBackend backend = GroupedGemmBackend::kAuto);
 
-// Whether the BF16 wgmma kernels store their tiles straight from registers instead of staging
-// them through shared memory for TMA stores: every tile of the forward and the data gradient
-// (BF16 pairs; the fused SwiGLU forward keeps its staging), and the weight gradient's overwriting
-// calls (8-byte FP32 stores; the accumulating calls reduce-add through the staging either way).
-// The same values; MOECORE_GROUPED_GEMM_DIRECT_STORE ("on" or "off"; unset: off) or the setter
-// chooses. Off by default until it is measured faster (docs/benchmarks.md).
-bool grouped_gemm_direct_store();
-void set_grouped_gemm_direct_store(bool on);
-
 // Block-scaled FP8 (E4M3 x E4M3), M-grouped contiguous, sm_90 only: for the rows r of expert e,
 //   out[r, j] = sum over K blocks b of (sum_{p in b} qa[r, p] qb[e, j, p]) * sa[r, b] * sb[e, j / 128, b]
 // (FP32 partial sums promoted per block of 128 K elements, cpu::fp8_gemm_block_scaled per expert).
@@ -75,29 +66,6 @@ void set_grouped_gemm_direct_store(bool on);
 void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, const float* sb,
                       const int32_t* expert_offsets, uint16_t* out, int64_t max_rows, int64_t num_experts, int64_t n,
                       int64_t k, Stream stream);
-
-// Whether grouped_gemm_fp8 runs its CTAs in pairs (2 x 1 clusters) that share each M tile's codes
-// of qa, each loading half and multicasting it to both, where n / 128 is even: the same bits as
-// the unpaired kernel, with a quarter fewer bytes read from L2, and measured at its speed, no
-// faster (docs/benchmarks.md), so off unless asked for. The default comes from the
-// environment variable MOECORE_FP8_CLUSTER ("on" or "off"; unset: off); the setter overrides it
-// for the process (tests and benches compare the two).
-bool grouped_gemm_fp8_cluster();
-void set_grouped_gemm_fp8_cluster(bool on);
-// The variant of grouped_gemm_fp8's kernel: kBase loads each K block's scales from global memory
-// in the block (where their product waits for the loads before the block's MMAs issue) and stages
-// each tile through shared memory for TMA stores; kAsyncScales copies the next block's scales into
-// shared memory (cp.async) during the current one; kAsyncScalesDirectStore does that and stores
-// each tile straight from registers. The same bits. MOECORE_FP8_KERNEL ("base", "async-scales" or
-// "async-scales-direct"; unset: base) or the setter chooses; kBase by default until another is
-// measured faster (docs/benchmarks.md).
-enum class Fp8KernelVariant { kBase = 0, kAsyncScales = 1, kAsyncScalesDirectStore = 2 };
-const char* fp8_kernel_variant_name(Fp8KernelVariant v);
-Fp8KernelVariant grouped_gemm_fp8_kernel();
-void set_grouped_gemm_fp8_kernel(Fp8KernelVariant v);
-// The CTA pairs the paired kernel launches for num_experts experts: as many as fit at once on the
-// multiprocessors the GEMMs may use (0 on a device without the wgmma kernels).
-int grouped_gemm_fp8_cluster_pairs(int64_t num_experts);
 
 // Largest num_experts the entry points accept (the M-grouped schedule lives in shared memory).
 inline constexpr int64_t kGroupedGemmMaxExperts = 4096;
