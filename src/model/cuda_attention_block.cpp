@@ -134,26 +134,26 @@ void CudaAttentionBlock::project(const CudaBlockContext& c, int64_t pos0, bool f
   const Slots& s = slots_;
   const uint16_t* x = s.x->as<uint16_t>();
   uint16_t* norm = s.norm->as<uint16_t>();
-  cuda::rmsnorm_forward(x, P + p_.attn_norm, norm, s.rstd->as<float>(), n, d, norm_eps_, st);
   uint16_t* qb = s.q->as<uint16_t>();
   uint16_t* kb = s.k->as<uint16_t>();
   uint16_t* vb = s.v->as<uint16_t>();
   if (fp8) {
-    // One quantisation of the norm output, three GEMMs on the row blocks of the stacked weight.
+    // The norm writes its output's codes (one quantisation), three GEMMs on the row blocks of the
+    // stacked weight.
     CudaFp8Scratch& sc = *fp8_scratch_;
     refresh_fp8(c);
-    fp8_quantize_operand(norm, n, d, sc, st);
+    fp8_rmsnorm_operand(x, P + p_.attn_norm, norm, s.rstd->as<float>(), n, d, norm_eps_, sc, st);
     fp8_linear(G, sc, fp8_qkv_, false, 0, n, q, d, qk_norm_ ? s.q_raw->as<uint16_t>() : qb, st);
     fp8_linear(G, sc, fp8_qkv_, false, q, n, kv, d, qk_norm_ ? s.k_raw->as<uint16_t>() : kb, st);
     fp8_linear(G, sc, fp8_qkv_, false, q + kv, n, kv, d, vb, st);
-  } else if (qk_norm_) {
-    cuda::gemm(G, false, true, n, q, d, 1.f, norm, d, P + p_.q_proj, d, 0.f, s.q_raw->as<uint16_t>(), q, st);
-    cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.k_proj, d, 0.f, s.k_raw->as<uint16_t>(), kv, st);
   } else {
-    cuda::gemm(G, false, true, n, q, d, 1.f, norm, d, P + p_.q_proj, d, 0.f, qb, q, st);
-    cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.k_proj, d, 0.f, kb, kv, st);
+    cuda::rmsnorm_forward(x, P + p_.attn_norm, norm, s.rstd->as<float>(), n, d, norm_eps_, st);
+    cuda::gemm(G, false, true, n, q, d, 1.f, norm, d, P + p_.q_proj, d, 0.f, qk_norm_ ? s.q_raw->as<uint16_t>() : qb,
+               q, st);
+    cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.k_proj, d, 0.f, qk_norm_ ? s.k_raw->as<uint16_t>() : kb,
+               kv, st);
+    cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.v_proj, d, 0.f, vb, kv, st);
   }
-  if (!fp8) cuda::gemm(G, false, true, n, kv, d, 1.f, norm, d, P + p_.v_proj, d, 0.f, vb, kv, st);
   if (qk_norm_) {
     // QK-norm and RoPE in one pass over q and k (the same bits as the norm, then the rotation).
     cuda::rmsnorm_rope_forward(s.q_raw->as<uint16_t>(), P + p_.q_norm, qb, s.q_rstd->as<float>(), batch, seq, pos0, hq,

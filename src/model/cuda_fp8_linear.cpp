@@ -7,6 +7,7 @@
 #include "core/fp8_types.h"
 #include "cuda/ops/fp8.h"
 #include "cuda/ops/gemm.h"
+#include "cuda/ops/rmsnorm.h"
 
 namespace moe {
 namespace {
@@ -59,6 +60,18 @@ void CudaFp8Weight::quantize(const uint16_t* w, CudaFp8Scratch& sc, cuda::Stream
 void fp8_quantize_operand(const uint16_t* x, int64_t n, int64_t k, CudaFp8Scratch& sc, cuda::Stream st) {
   cuda::fp8_quantize_blocks(x, n, k, kFp8ActivationBlock, Fp8Format::kE4M3, sc.q.as<uint8_t>(), sc.s.as<float>(),
                             nullptr, st);
+  cuda::fp8_scales_k_major(sc.s.as<float>(), n, k / 128, n, sc.s_t.as<float>(), st);
+}
+
+void fp8_rmsnorm_operand(const uint16_t* x, const uint16_t* w, uint16_t* y, float* rstd, int64_t n, int64_t k,
+                         double eps, CudaFp8Scratch& sc, cuda::Stream st) {
+  uint8_t* q = sc.q.as<uint8_t>();
+  if (!cuda::rmsnorm_forward_fp8_fuses(x, w, y, q, k)) {
+    cuda::rmsnorm_forward(x, w, y, rstd, n, k, eps, st);
+    fp8_quantize_operand(y, n, k, sc, st);
+    return;
+  }
+  cuda::rmsnorm_forward_fp8(x, w, y, rstd, q, sc.s.as<float>(), n, k, eps, st);
   cuda::fp8_scales_k_major(sc.s.as<float>(), n, k / 128, n, sc.s_t.as<float>(), st);
 }
 

@@ -38,6 +38,11 @@ struct CudaFp8Weight {
 
 // x [n, k] (BF16, k a multiple of 128) -> the scratch's codes [n, k] and both scale layouts.
 void fp8_quantize_operand(const uint16_t* x, int64_t n, int64_t k, CudaFp8Scratch& sc, cuda::Stream st);
+// The RMSNorm of x [n, k] (weight w, BF16) into y (BF16) and rstd [n], and y's codes and both scale
+// layouts in the scratch as fp8_quantize_operand(y) leaves them: in one pass where
+// cuda::rmsnorm_forward_fp8_fuses, else the norm then the quantiser (the same bits either way).
+void fp8_rmsnorm_operand(const uint16_t* x, const uint16_t* w, uint16_t* y, float* rstd, int64_t n, int64_t k,
+                         double eps, CudaFp8Scratch& sc, cuda::Stream st);
 // Several tensors side by side along K as one operand: x [n, k_part] -> columns [col, col + k_part)
 // of the scratch's codes [n, ld] and K blocks [col/128, (col + k_part)/128) of its K-block-major
 // scales (col and k_part multiples of 128, col + k_part <= ld).

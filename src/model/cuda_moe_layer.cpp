@@ -90,7 +90,12 @@ void CudaMoeLayer::forward(const CudaBlockContext& c, CudaResidual& res, CudaMoe
   const Slots& sl = slots_;
   c.mark(cuda::Phase::kMlp);
   uint16_t* norm = sl.norm->as<uint16_t>();
-  cuda::rmsnorm_forward(sl.x->as<uint16_t>(), P + p_.mlp_norm, norm, sl.rstd->as<float>(), n, d, norm_eps_, st);
+  if (fp8_shared_) {  // the norm also writes the shared expert's FP8 input (nothing else uses that scratch)
+    fp8_rmsnorm_operand(sl.x->as<uint16_t>(), P + p_.mlp_norm, norm, sl.rstd->as<float>(), n, d, norm_eps_,
+                        fp8_scratch_->fp8, st);
+  } else {
+    cuda::rmsnorm_forward(sl.x->as<uint16_t>(), P + p_.mlp_norm, norm, sl.rstd->as<float>(), n, d, norm_eps_, st);
+  }
   int32_t* counts = shared.counts_ME.as<int32_t>() + m * e;
   int32_t* offsets = s.dispatch.offsets_E1.as<int32_t>();
   int32_t* sorted_route = s.dispatch.sorted_route_R.as<int32_t>();
@@ -124,7 +129,7 @@ void CudaMoeLayer::forward(const CudaBlockContext& c, CudaResidual& res, CudaMoe
     shared_fp8_w_.refresh(c, P + p_.mlp_gate, P + p_.mlp_down, sc.fp8);
     uint16_t* shared_out = sc.fp8_out_ND.as<uint16_t>();
     mlp_forward_fp8(G, norm, shared_fp8_w_, n, d, p_.mlp_hidden, sl.shared_gate_up->as<uint16_t>(),
-                    sl.shared_h->as<uint16_t>(), shared_out, sc.fp8, st);
+                    sl.shared_h->as<uint16_t>(), shared_out, sc.fp8, st, /*x_quantised=*/true);
     cuda::residual_add(res.x32(), branch, nullptr, n * d, st);
     cuda::residual_add(res.x32(), shared_out, out_ND, n * d, st);
     return;
