@@ -125,16 +125,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     for (int kt = 0; kt < num_k; ++kt, ++it) {
-      // The block's scales, loaded before the wait so that their latency hides behind the MMAs.
-      const float wb = __ldg(sbt + kt);
-      const float s0 = sa0 != nullptr ? __ldg(sa0 + kt) * wb : 0.0f;
-      const float s1 = sa1 != nullptr ? __ldg(sa1 + kt) * wb : 0.0f;
       const int s = Ring::ring_stage(it);
       mbar_wait(sm.full(s), Ring::ring_phase(it));
       const uint32_t a = sm.stage(s) + wg * (kFp8ABytes / 2), b = sm.stage(s) + kFp8ABytes;
       wgmma_fence();
       fp8_mma_k_block(part, a, b);
       wgmma_commit();
+      // The block's scales, loaded once its MMAs are issued (the loads cannot move above the commit):
+      // their latency hides behind the MMAs instead of delaying their issue.
+      const float wb = __ldg(sbt + kt);
+      const float s0 = sa0 != nullptr ? __ldg(sa0 + kt) * wb : 0.0f;
+      const float s1 = sa1 != nullptr ? __ldg(sa1 + kt) * wb : 0.0f;
       wgmma_wait<0>();
       fence_accumulators(part);
       if (lane == 0) mbar_arrive(sm.empty(s));
