@@ -150,13 +150,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     if (tile.row0 + kBM <= tile.row_end) {
-      // Whole tile inside the expert: 2 staged chunks of 64 columns, TMA stores (clipped at n_out).
+      // Whole tile inside the expert: both 64-column chunks staged at once, one buffer each (the
+      // stores that last read them were issued a main loop ago), then two TMA stores clipped at
+      // n_out: two warpgroup barriers a tile instead of two a chunk.
+      if (leader) bulk_wait_read<0>();
+      warpgroup_barrier(wg);
 #pragma unroll
-      for (int c = 0; c < kFp8BN / 64; ++c) {
-        if (tile.col0 + 64 * c >= n_out) break;
-        staged_store(
-            sm.staging(wg, c % 2), wg, leader, [&](uint32_t buf) { stage_bf16_chunk(buf, acc, c, warp, lane); },
-            [&](uint32_t buf) { tma_store_2d(&map_out, buf, tile.col0 + 64 * c, tile.row0 + 64 * wg); });
+      for (int c = 0; c < kFp8BN / 64; ++c) stage_bf16_chunk(sm.staging(wg, c), acc, c, warp, lane);
+      fence_proxy_async_shared();
+      warpgroup_barrier(wg);
+      if (leader) {
+#pragma unroll
+        for (int c = 0; c < kFp8BN / 64; ++c) {
+          if (tile.col0 + 64 * c < n_out) {
+            tma_store_2d(&map_out, sm.staging(wg, c), tile.col0 + 64 * c, tile.row0 + 64 * wg);
+          }
+        }
+        bulk_commit();
       }
     } else {
       // The expert's last tile: BF16 pairs from registers, rows past its end skipped.
