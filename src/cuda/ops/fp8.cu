@@ -197,4 +197,38 @@ void fp8_scales_k_major(const float* s, int64_t rows, int64_t kb, int64_t ld, fl
   check_launch("fp8_scales_k_major_kernel");
 }
 
+int64_t fp8_expert_columns_capacity(int64_t max_rows, int64_t num_experts) {
+  MOE_CHECK(max_rows >= 0 && num_experts > 0, "cuda::fp8_expert_columns_capacity: expected max_rows >= 0 and ",
+            "num_experts > 0, got ", max_rows, " and ", num_experts);
+  return (max_rows + 127) / 128 * 128 + 128 * num_experts;
+}
+
+void fp8_quantize_expert_columns(const uint16_t* x_bf16, const int32_t* offsets, int64_t max_rows,
+                                 int64_t num_experts, int64_t width, int64_t capacity, Fp8Format f, uint8_t* q_t,
+                                 float* scales_t, int32_t* padded_offsets, uint32_t* num_nonfinite, Stream stream) {
+  const char* op = "cuda::fp8_quantize_expert_columns";
+  MOE_CHECK(max_rows >= 0 && width > 0 && num_experts > 0, op, ": expected max_rows >= 0, width > 0 and ",
+            "num_experts > 0, got ", max_rows, ", ", width, " and ", num_experts);
+  MOE_CHECK(width % 8 == 0, op, ": width ", width, " must be a multiple of 8 (rows are read in 16-byte words)");
+  const int64_t need = fp8_expert_columns_capacity(max_rows, num_experts);
+  MOE_CHECK(capacity >= need && capacity % 16 == 0, op, ": capacity ", capacity, " must be a multiple of 16 and at ",
+            "least ", need, " (fp8_expert_columns_capacity)");
+  MOE_CHECK(max_rows <= std::numeric_limits<int32_t>::max() - 128 * num_experts, op, ": ", max_rows, " rows and ",
+            num_experts, " experts overflow the int32 padded offsets");
+  detail::check_ptrs(op, {{"x", x_bf16}, {"q_t", q_t}}, 16);
+  detail::check_ptrs(op, {{"offsets", offsets}, {"padded_offsets", padded_offsets}, {"scales_t", scales_t}}, 4);
+  kernels::fp8_expert_padded_offsets_kernel<<<1, 32, 0, stream>>>(offsets, static_cast<int>(num_experts),
+                                                                 static_cast<int>(max_rows), padded_offsets);
+  check_launch("fp8_expert_padded_offsets_kernel");
+  const int64_t blocks = capacity / 128;
+  MOE_CHECK(blocks <= std::numeric_limits<int32_t>::max() && (width + 63) / 64 <= 65535, op, ": ", blocks,
+            " row blocks x ", (width + 63) / 64, " column tiles exceed one launch");
+  if (blocks == 0) return;
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>((width + 63) / 64));
+  kernels::fp8_quantize_expert_columns_kernel<<<grid, kernels::kFp8ColumnThreads, 0, stream>>>(
+      x_bf16, offsets, padded_offsets, static_cast<int>(num_experts), static_cast<int>(max_rows),
+      static_cast<int>(width), capacity, f, q_t, scales_t, num_nonfinite);
+  check_launch("fp8_quantize_expert_columns_kernel");
+}
+
 }  // namespace moe::cuda

@@ -67,4 +67,19 @@ void fp8_quantize_weights(const uint16_t* w_bf16, int64_t experts, int64_t n, in
 // [rows, ld) of each K block zero. Bitwise copies.
 void fp8_scales_k_major(const float* s, int64_t rows, int64_t kb, int64_t ld, float* out, Stream stream);
 
+// The weight gradient's operands of the experts, quantised down each expert's rows. Expert e's
+// rows (offsets[e] .. offsets[e + 1], device offsets clamped to [0, max_rows]) take the padded
+// columns padded[e] .. padded[e + 1] of the output, padded[e] = sum over e' < e of ceil(rows of
+// e' / 128) * 128 (written to padded_offsets [E + 1], device int32): x [max_rows, width] (BF16) ->
+// q_t [width, capacity] (codes of x^T, row-major, rows `capacity` bytes apart) with scales_t
+// [capacity / 128, width] (K-block-major: block b, column j), each 128-row block of an expert and
+// column one 1 x 128 block of the quantiser (scale amax / fp8_max, 1 for all zeros; rows past the
+// expert's end count as zeros and get code 0). Columns of q_t past padded[E] are not written.
+// capacity >= fp8_expert_columns_capacity(max_rows, E), a multiple of 16; the twin is
+// cpu::fp8_quantize_expert_columns. No host synchronisation.
+int64_t fp8_expert_columns_capacity(int64_t max_rows, int64_t num_experts);
+void fp8_quantize_expert_columns(const uint16_t* x_bf16, const int32_t* offsets, int64_t max_rows,
+                                 int64_t num_experts, int64_t width, int64_t capacity, Fp8Format f, uint8_t* q_t,
+                                 float* scales_t, int32_t* padded_offsets, uint32_t* num_nonfinite, Stream stream);
+
 }  // namespace moe::cuda
