@@ -278,6 +278,21 @@ nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, 
   const Timing tb16 = time_ms(a, s, bwd16);
   fwd8();
   const Timing tb8 = time_ms(a, s, bwd8);
+  // The FP8 recipe with its weight gradients in FP8 too (D and I multiples of 128): each wgrad's
+  // operands quantised down the experts' rows, then cuda::grouped_gemm_fp8_wgrad.
+  const bool fp8_dw = experts_fp8_wgrad_applies(D, I);
+  Timing tb8w{};
+  if (fp8_dw) {
+    const size_t wg_bytes = experts_fp8_wgrad_workspace_bytes(rows, E, D, I);
+    void* wg = nullptr;
+    MOE_CUDA_CHECK(cudaMalloc(&wg, wg_bytes));
+    tb8w = time_ms(a, s, [&] {
+      experts_backward_fp8(x, off, fw, gate_up, hh, dy_dn, rows, E, D, I, dx, dw_gu, dw_dn, ws, ws_bytes, f8, f8_bytes,
+                           s, true, false, wg, wg_bytes);
+    });
+    MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+    cudaFree(wg);
+  }
   MOE_CUDA_CHECK(cudaStreamSynchronize(s));
   std::printf("\nthe experts of one MoE layer (%s): BF16 vs the FP8 recipe, quantisations counted\n",
               I % 128 == 0 ? "SwiGLU writes the FP8 codes of h and dgate_up" : "h and dgate_up quantised by a pass");
@@ -286,11 +301,16 @@ nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, 
               tf16.med_ms / tf8.med_ms, tqw.med_ms * 1e3);
   std::printf("%-16s | %9.1f | %9.1f | %6.2fx | %9s\n", "experts backward", tb16.med_ms * 1e3, tb8.med_ms * 1e3,
               tb16.med_ms / tb8.med_ms, "-");
+  if (fp8_dw) {
+    std::printf("%-16s | %9.1f | %9.1f | %6.2fx | %9s\n", "  with fp8 dw", tb16.med_ms * 1e3, tb8w.med_ms * 1e3,
+                tb16.med_ms / tb8w.med_ms, "-");
+  }
   out.push_back({{"op", "experts forward"}, {"bf16_us", tf16.med_ms * 1e3}, {"fp8_us", tf8.med_ms * 1e3},
                  {"bf16_tflops", f_fwd / (tf16.med_ms * 1e-3) / 1e12}, {"fp8_tflops", f_fwd / (tf8.med_ms * 1e-3) / 1e12},
                  {"w_quantise_us", tqw.med_ms * 1e3}, {"swiglu_fused", I % 128 == 0}});
   out.push_back({{"op", "experts backward"}, {"bf16_us", tb16.med_ms * 1e3}, {"fp8_us", tb8.med_ms * 1e3},
                  {"bf16_tflops", f_bwd / (tb16.med_ms * 1e-3) / 1e12}, {"fp8_tflops", f_bwd / (tb8.med_ms * 1e-3) / 1e12},
+                 {"fp8_dw_us", fp8_dw ? nlohmann::json(tb8w.med_ms * 1e3) : nlohmann::json()},
                  {"swiglu_fused", I % 128 == 0}});
 
   // The producers of the experts' first GEMM inputs: the permute (x_sorted) and the combine's

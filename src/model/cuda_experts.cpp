@@ -142,6 +142,10 @@ void CudaLocalExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   if (!fp8_on_) return;
   fp8_.reserve(int64_t(saved_.size()), e_, d_, inner_, g);
   g.grow_bytes(fp8_ws_, cuda::experts_fp8_workspace_bytes(rows, d_, inner_), "FP8 expert activation codes");
+  if (cuda::experts_fp8_wgrad_applies(d_, inner_)) {
+    g.grow_bytes(fp8_wgrad_ws_, cuda::experts_fp8_wgrad_workspace_bytes(rows, e_, d_, inner_),
+                 "FP8 expert weight-gradient operands");
+  }
   if (side_ == nullptr) {
     side_ = cuda::stream_create();
     fork_ = cuda::event_create();
@@ -224,7 +228,8 @@ void CudaLocalExperts::backward(const CudaBlockContext& c, int64_t moe_index, co
                                gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), dy_sorted_RD,
                                rows, e_, d_, inner_, dx_sorted_RD, Gr + p.experts_gate_up, Gr + p.experts_down,
                                ws_.data(), ws_.bytes(), fp8_ws_.data(), fp8_ws_.bytes(), c.stream, !c.overwrite_grads,
-                               input_quantised);
+                               input_quantised, fp8_wgrad_ws_.bytes() > 0 ? fp8_wgrad_ws_.data() : nullptr,
+                               fp8_wgrad_ws_.bytes());
     return;
   }
   MOE_CHECK(!input_quantised, "CudaLocalExperts::backward: BF16 experts read no input codes");

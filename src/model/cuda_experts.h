@@ -211,6 +211,7 @@ class CudaLocalExperts final : public CudaExperts {
   cuda::DeviceBuffer ws_;                // experts_backward workspace (shared by the layers)
   CudaFp8ExpertCodeSet fp8_;             // [M] layers under set_fp8
   cuda::DeviceBuffer fp8_ws_;            // experts_fp8_workspace_bytes (shared by the layers)
+  cuda::DeviceBuffer fp8_wgrad_ws_;      // experts_fp8_wgrad_workspace_bytes (shared), where it applies
   // prepare's side stream, its fork event and each layer's codes-ready event (made by reserve
   // under set_fp8, outside any capture); pending_[m]: layer m's forward is to wait for ready_[m].
   cuda::Stream side_ = nullptr;

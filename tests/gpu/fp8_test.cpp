@@ -939,6 +939,50 @@ void check_experts_fp8(const int64_t I) {
   stream.sync();
   expect_equal(dw_dn.download(), ref_dn.download(), "experts fp8 dw_down");
   expect_equal(dw_gu.download(), ref_gu.download(), "experts fp8 dw_gate_up");
+  // With the FP8 weight gradients (D and I multiples of 128): dx the same bits; each dw bitwise
+  // cuda::grouped_gemm_fp8_wgrad of the operands quantised down the experts' rows (the kernels'
+  // own tests compare them with the CPU), and within FP8's error of the BF16 weight gradients.
+  if (cuda::experts_fp8_wgrad_applies(D, I)) {
+    const size_t wg_bytes = cuda::experts_fp8_wgrad_workspace_bytes(R, E, D, I);
+    GuardedBuffer<uint8_t> wg(static_cast<int64_t>(wg_bytes));
+    GuardedBuffer<uint16_t> dx3(R * D);
+    GuardedBuffer<float> dw_gu3(E * 2 * I * D), dw_dn3(E * D * I), want_gu(E * 2 * I * D), want_dn(E * D * I);
+    cuda::experts_backward_fp8(d_x.data(), d_off.data(), fw, gate_up.data(), h.data(), d_dy.data(), R, E, D, I,
+                               dx3.data(), dw_gu3.data(), dw_dn3.data(), ws.data(), ws_bytes, f8.data(), f8_bytes,
+                               stream.get(), /*accumulate_dw=*/false, /*input_quantised=*/false, wg.data(), wg_bytes);
+    const int64_t cap = cuda::fp8_expert_columns_capacity(R, E);
+    GuardedBuffer<uint8_t> qa(std::max(D, 2 * I) * cap), qb(std::max(D, I) * cap);
+    GuardedBuffer<float> sa(cap / 128 * std::max(D, 2 * I)), sb(cap / 128 * std::max(D, I));
+    GuardedBuffer<int32_t> pad(E + 1);
+    const auto wgrad = [&](const uint16_t* a, int64_t n, const uint16_t* b, int64_t k, float* out) {
+      cuda::fp8_quantize_expert_columns(a, d_off.data(), R, E, n, cap, Fp8Format::kE4M3, qa.data(), sa.data(),
+                                        pad.data(), nullptr, stream.get());
+      cuda::fp8_quantize_expert_columns(b, d_off.data(), R, E, k, cap, Fp8Format::kE4M3, qb.data(), sb.data(),
+                                        pad.data(), nullptr, stream.get());
+      cuda::grouped_gemm_fp8_wgrad(qa.data(), sa.data(), qb.data(), sb.data(), pad.data(), out, E, n, k, cap, false,
+                                   stream.get());
+    };
+    wgrad(d_dy.data(), D, h.data(), I, want_dn.data());
+    wgrad(d_dgate_up.data(), 2 * I, d_x.data(), D, want_gu.data());
+    stream.sync();
+    const auto head_of = [](const std::vector<uint16_t>& v, int64_t n) {
+      return std::vector<uint16_t>(v.begin(), v.begin() + n);
+    };
+    expect_equal(head_of(dx3.download(), offsets.back() * D), head_of(g_dx, offsets.back() * D), "fp8 wgrad: dx");
+    expect_equal(dw_dn3.download(), want_dn.download(), "fp8 wgrad: dw_down");
+    expect_equal(dw_gu3.download(), want_gu.download(), "fp8 wgrad: dw_gate_up");
+    const auto rel = [](const std::vector<float>& got, const std::vector<float>& ref) {
+      double num = 0, den = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        num += (double(got[i]) - ref[i]) * (double(got[i]) - ref[i]);
+        den += double(ref[i]) * ref[i];
+      }
+      return std::sqrt(num / std::max(den, 1e-300));
+    };
+    EXPECT_LT(rel(dw_dn3.download(), ref_dn.download()), 0.1) << "fp8 dw_down against the BF16 weight gradient";
+    EXPECT_LT(rel(dw_gu3.download(), ref_gu.download()), 0.1) << "fp8 dw_gate_up against the BF16 weight gradient";
+    wg.expect_guards_intact("fp8 wgrad workspace");
+  }
   // The inputs' codes written by their producer into the workspace (here by the quantiser, which
   // the permute and the combine's backward equal bitwise: moe_routing_test.cpp), input_quantised:
   // every output bitwise the run that quantised x and dy itself.
