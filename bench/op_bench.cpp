@@ -14,7 +14,9 @@
 // --ops grouped_fp8: the experts' FP8 grouped GEMM (cuda::grouped_gemm_fp8) against the BF16 wgmma
 // kernels on the expert shapes, forward and data gradient of both projections, with and without
 // the activation's quantisation, and the weights' quantisation with the transposed copy (JSON key
-// "grouped_fp8"); then the whole experts of one MoE layer, BF16 against the FP8 recipe.
+// "grouped_fp8"), and the weight gradients (K-grouped BF16 against cuda::grouped_gemm_fp8_wgrad, with
+// and without quantising both operands down the experts' rows); then the whole experts of one MoE
+// layer, BF16 against the FP8 recipe (its backward also with the weight gradients in FP8).
 // --ops adamw: cuda::adamw_apply over 256M parameters (one segment, BF16 copy written) launched a
 // block per chunk on every SM and kept to r SMs (the deferred update's reserve: r = 16, 32, 48,
 // 64), with the moments at the flat offsets (the bulk-copy ring) and shifted by 4 elements (plain
@@ -227,6 +229,50 @@ nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, 
                    {"fp8_with_quantise_tflops", tf(tq)}, {"bf16_us", tb.med_ms * 1e3}, {"fp8_us", t8.med_ms * 1e3},
                    {"fp8_with_quantise_us", tq.med_ms * 1e3}, {"w_quantise_us", tw.med_ms * 1e3},
                    {"diff_vs_bf16", diff}});
+  }
+  // The weight gradients (D and I multiples of 128): the BF16 K-grouped wgrad against
+  // cuda::grouped_gemm_fp8_wgrad, alone and with both operands' quantisation down the experts' rows
+  // (cuda::fp8_quantize_expert_columns) counted; diff = ||dw_fp8 - dw_bf16|| / ||dw_bf16||.
+  if (experts_fp8_wgrad_applies(D, I)) {
+    const int64_t cap = fp8_expert_columns_capacity(rows, E), wide = std::max(D, 2 * I);
+    uint8_t *ca = nullptr, *cb = nullptr;
+    float *wsa = nullptr, *wsb = nullptr, *dw8 = nullptr, *dw16 = nullptr;
+    int32_t* padded = nullptr;
+    MOE_CUDA_CHECK(cudaMalloc(&ca, wide * cap));
+    MOE_CUDA_CHECK(cudaMalloc(&cb, wide * cap));
+    MOE_CUDA_CHECK(cudaMalloc(&wsa, cap / 128 * wide * 4));
+    MOE_CUDA_CHECK(cudaMalloc(&wsb, cap / 128 * wide * 4));
+    MOE_CUDA_CHECK(cudaMalloc(&padded, (E + 1) * 4));
+    MOE_CUDA_CHECK(cudaMalloc(&dw8, E * 2 * I * D * 4));
+    MOE_CUDA_CHECK(cudaMalloc(&dw16, E * 2 * I * D * 4));
+    struct Wgrad {
+      const char* op;
+      const uint16_t* a;  // [rows, n]
+      const uint16_t* b;  // [rows, k]
+      int64_t n, k;
+    };
+    for (const Wgrad& c : {Wgrad{"gate_up wgrad", dy_gu, x, 2 * I, D}, Wgrad{"down wgrad", dy_dn, h, D, I}}) {
+      auto quantize = [&] {
+        fp8_quantize_expert_columns(c.a, off, rows, E, c.n, cap, e4, ca, wsa, padded, nullptr, s);
+        fp8_quantize_expert_columns(c.b, off, rows, E, c.k, cap, e4, cb, wsb, padded, nullptr, s);
+      };
+      auto run_fp8 = [&] { grouped_gemm_fp8_wgrad(ca, wsa, cb, wsb, padded, dw8, E, c.n, c.k, cap, false, s); };
+      auto run_bf16 = [&] {
+        grouped_gemm_wgrad(c.a, c.b, off, dw16, rows, E, c.n, c.k, false, s, GroupedGemmBackend::kWgmma);
+      };
+      quantize();
+      const double flops = 2.0 * rows * c.n * c.k;
+      const Timing tb = time_ms(a, s, run_bf16), t8 = time_ms(a, s, run_fp8);
+      const Timing tq = time_ms(a, s, [&] { quantize(); run_fp8(); });
+      MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+      const double diff = relative_difference(download(dw8, E * c.n * c.k, false), download(dw16, E * c.n * c.k, false));
+      auto tf = [&](const Timing& t) { return flops / (t.med_ms * 1e-3) / 1e12; };
+      std::printf("%-16s | %8.1f | %8.1f | %8.1f | %9s | %9.3e\n", c.op, tf(tb), tf(t8), tf(tq), "-", diff);
+      out.push_back({{"op", c.op}, {"n", c.n}, {"k", c.k}, {"bf16_tflops", tf(tb)}, {"fp8_tflops", tf(t8)},
+                     {"fp8_with_quantise_tflops", tf(tq)}, {"bf16_us", tb.med_ms * 1e3}, {"fp8_us", t8.med_ms * 1e3},
+                     {"fp8_with_quantise_us", tq.med_ms * 1e3}, {"diff_vs_bf16", diff}});
+    }
+    for (void* p : {(void*)ca, (void*)cb, (void*)wsa, (void*)wsb, (void*)padded, (void*)dw8, (void*)dw16}) cudaFree(p);
   }
   for (void* p : {(void*)qa, (void*)qw, (void*)qwt, (void*)sa, (void*)sw, (void*)swt, (void*)y8, (void*)y16})
     cudaFree(p);
