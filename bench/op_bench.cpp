@@ -265,7 +265,8 @@ nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, 
       const Timing tb = time_ms(a, s, run_bf16), t8 = time_ms(a, s, run_fp8);
       const Timing tq = time_ms(a, s, [&] { quantize(); run_fp8(); });
       MOE_CUDA_CHECK(cudaStreamSynchronize(s));
-      const double diff = relative_difference(download(dw8, E * c.n * c.k, false), download(dw16, E * c.n * c.k, false));
+      const int64_t count = E * c.n * c.k;
+      const double diff = relative_difference(download(dw8, count, false), download(dw16, count, false));
       auto tf = [&](const Timing& t) { return flops / (t.med_ms * 1e-3) / 1e12; };
       std::printf("%-16s | %8.1f | %8.1f | %8.1f | %9s | %9.3e\n", c.op, tf(tb), tf(t8), tf(tq), "-", diff);
       out.push_back({{"op", c.op}, {"n", c.n}, {"k", c.k}, {"bf16_tflops", tf(tb)}, {"fp8_tflops", tf(t8)},
