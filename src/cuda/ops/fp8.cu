@@ -228,8 +228,8 @@ void fp8_unpack_rows(const uint8_t* payload, int64_t rows, int64_t cols, Fp8Form
   if (codes != nullptr) detail::check_ptrs(op, {{"codes", codes}}, 8);
   if (scales != nullptr) detail::check_ptrs(op, {{"scales", scales}}, sizeof(float));
   if (out_bf16 != nullptr) detail::check_ptrs(op, {{"out", out_bf16}}, 16);
-  kernels::fp8_unpack_rows_kernel<<<elementwise_blocks(rows * (cols / 8)), 256, 0, stream>>>(payload, rows, cols, per,
-                                                                                             f, codes, scales, out_bf16);
+  const unsigned grid = elementwise_blocks(rows * (cols / 8));
+  kernels::fp8_unpack_rows_kernel<<<grid, 256, 0, stream>>>(payload, rows, cols, per, f, codes, scales, out_bf16);
   check_launch("fp8_unpack_rows_kernel");
 }
 
