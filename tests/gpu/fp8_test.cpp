@@ -864,6 +864,64 @@ TEST(Fp8Gpu, GroupedWgradRefusesBadShapes) {
       << msg;
 }
 
+// The expert exchange's FP8 rows: cuda::fp8_pack_rows bitwise cpu::fp8_pack_rows (block scaling,
+// both formats; rows whose payload is not 8-byte aligned, cols 384: 396 bytes a row), and
+// cuda::fp8_unpack_rows' codes and scales the payload's, its BF16 rows the rounding of
+// cpu::fp8_unpack_rows' FP32 values; an output left null is not written.
+TEST(Fp8Gpu, RowPayloadMatchesCpuBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  const int64_t rows = 37, cols = 384, kb = cols / 128;
+  const int64_t per = cuda::fp8_row_payload_bytes(cols);
+  for (const Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    const std::string what = f == Fp8Format::kE4M3 ? "e4m3" : "e5m2";
+    std::vector<uint16_t> x = random_bf16(rows * cols, 61, 3.0f);
+    for (int64_t j = 0; j < 128; ++j) x[size_t(2 * cols + j)] = 0;  // an all-zero block: scale 1
+    const std::vector<float> xf = bf16_to_f32(x);
+    cpu::Fp8Recipe r;
+    r.forward = r.grad = f;
+    ASSERT_EQ(per, cpu::fp8_row_payload_bytes(cols, r));
+    std::vector<uint8_t> want(size_t(rows * per));
+    cpu::fp8_pack_rows(xf.data(), rows, cols, f, r, want.data());
+    std::vector<float> values(size_t(rows * cols));
+    cpu::fp8_unpack_rows(want.data(), rows, cols, f, r, values.data());
+    GuardedBuffer<uint16_t> d_x(x);
+    GuardedBuffer<uint8_t> payload(rows * per), codes(std::vector<uint8_t>(size_t(rows * cols), 0xCD));
+    GuardedBuffer<float> scales(rows * kb);
+    GuardedBuffer<uint16_t> out(rows * cols);
+    GuardedBuffer<uint32_t> bad(std::vector<uint32_t>{0});
+    TestStream stream;
+    cuda::fp8_pack_rows(d_x.data(), rows, cols, f, payload.data(), bad.data(), stream.get());
+    cuda::fp8_unpack_rows(payload.data(), rows, cols, f, nullptr, scales.data(), out.data(), stream.get());
+    stream.sync();
+    EXPECT_EQ(payload.download(), want) << what << ": payload";
+    EXPECT_EQ(bad.download()[0], 0u) << what;
+    const std::vector<uint8_t> untouched = codes.download();
+    EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](uint8_t c) { return c == 0xCD; }))
+        << what << ": codes were written although null was passed for them";
+    cuda::fp8_unpack_rows(payload.data(), rows, cols, f, codes.data(), nullptr, nullptr, stream.get());
+    stream.sync();
+    const std::vector<uint8_t> got_codes = codes.download();
+    const std::vector<float> got_scales = scales.download();
+    const std::vector<uint16_t> got_out = out.download();
+    int64_t diffs = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < cols; ++j) {
+        diffs += got_codes[size_t(i * cols + j)] != want[size_t(i * per + j)];
+        diffs += got_out[size_t(i * cols + j)] != f32_to_bf16(values[size_t(i * cols + j)]);
+      }
+      for (int64_t b = 0; b < kb; ++b) {
+        float s;
+        std::memcpy(&s, want.data() + i * per + cols + 4 * b, sizeof(float));
+        diffs += std::memcmp(&s, &got_scales[size_t(i * kb + b)], sizeof(float)) != 0;
+      }
+    }
+    EXPECT_EQ(diffs, 0) << what << ": unpacked codes, scales or BF16 rows";
+    EXPECT_EQ(got_scales[size_t(2 * kb)], 1.0f) << what << ": the all-zero block's scale";
+    for (auto* b : {&payload, &codes}) b->expect_guards_intact(what);
+    out.expect_guards_intact(what + " out");
+  }
+}
+
 // The FP8 recipe's experts (cuda::experts_forward_fp8 / experts_backward_fp8) stage by stage
 // against the CPU on the same codes: gate_up from x, y from the saved h, dh from dy (the down
 // weights' transposed codes), dx from dgate_up (the gate_up weights' transposed codes); the weight

@@ -11,6 +11,7 @@
 
 #include "core/fp8_types.h"
 #include "cuda/kernels/fp8_codes.cuh"
+#include "cuda/kernels/vec.cuh"
 
 namespace moe::cuda::kernels {
 
@@ -384,6 +385,70 @@ __global__ void __launch_bounds__(kFp8ColumnThreads)
   for (int h = 0; h < 2; ++h) {
     *reinterpret_cast<uint4*>(out + 16 * h) =
         pack16([&](int i) { return fp8_encode_dev(__fdiv_rn(v[16 * h + i], sc), f); });
+  }
+}
+
+// The expert exchange's FP8 row payload (block scaling): row i of x [rows, cols] (BF16, cols a
+// multiple of 128) as payload row i of `per` bytes: its cols codes, then its cols / 128 FP32
+// scales (cpu::fp8_pack_rows). A half-warp per 1 x 128 block (fp8_half_warp_block_codes, the row
+// quantiser's codes and scales bit for bit); codes stored as two 4-byte words (a payload row is
+// 4-byte aligned). Grid-stride over the blocks, kFp8RowUnroll a half-warp per step.
+__global__ void __launch_bounds__(32 * kFp8RowWarps)
+    fp8_pack_rows_kernel(const uint16_t* __restrict__ x, int64_t blocks, int64_t per_row, int64_t cols, int64_t per,
+                         Fp8Format f, uint8_t* __restrict__ payload, uint32_t* num_nonfinite) {
+  const int lane = threadIdx.x % 32, half = lane / 16, sub = lane % 16;
+  const int64_t first = int64_t{blockIdx.x} * kFp8RowBlocksPerCta + (threadIdx.x / 32) * 2 * kFp8RowUnroll + half;
+#pragma unroll
+  for (int u = 0; u < kFp8RowUnroll; ++u) {
+    const int64_t b = first + 2 * u;
+    const bool valid = b < blocks;
+    float v[8];
+    if (valid) {
+      fp8_load8(x, b * 128 + 8 * sub, v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = 0.0f;
+    }
+    float s;
+    const uint2 codes = fp8_half_warp_block_codes(v, valid, f, s, num_nonfinite);
+    if (!valid) continue;
+    const int64_t row = b / per_row, blk = b % per_row;
+    uint8_t* out = payload + row * per;
+    uint32_t* words = reinterpret_cast<uint32_t*>(out + blk * 128 + 8 * sub);
+    words[0] = codes.x;
+    words[1] = codes.y;
+    if (sub == 0) reinterpret_cast<float*>(out + cols)[blk] = s;
+  }
+}
+
+// The payload rows back: thread t of the grid takes 8 codes of a row (cols / 8 a row), decodes them
+// with their block's scale (FP32 products, rounded to BF16 into out when out is not null), and
+// copies the codes into codes_out [rows, cols] and the scales into scales_out [rows, cols / 128]
+// (each when not null).
+__global__ void fp8_unpack_rows_kernel(const uint8_t* __restrict__ payload, int64_t rows, int64_t cols, int64_t per,
+                                       Fp8Format f, uint8_t* __restrict__ codes_out, float* __restrict__ scales_out,
+                                       uint16_t* __restrict__ out) {
+  const int64_t chunks = cols / 8, total = rows * chunks;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t row = i / chunks, c = i % chunks, blk = c / 16;
+    const uint8_t* in = payload + row * per;
+    const uint32_t w0 = reinterpret_cast<const uint32_t*>(in + 8 * c)[0];
+    const uint32_t w1 = reinterpret_cast<const uint32_t*>(in + 8 * c)[1];
+    const float s = reinterpret_cast<const float*>(in + cols)[blk];
+    if (codes_out != nullptr) *reinterpret_cast<uint2*>(codes_out + row * cols + 8 * c) = make_uint2(w0, w1);
+    if (scales_out != nullptr && c % 16 == 0) scales_out[row * (cols / 128) + blk] = s;
+    if (out != nullptr) {
+      uint32_t packed[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t w = j < 2 ? w0 : w1;
+        const int sh = 16 * (j % 2);
+        const float a = fp8_decode_dev(static_cast<uint8_t>(w >> sh), f) * s;
+        const float b = fp8_decode_dev(static_cast<uint8_t>(w >> (sh + 8)), f) * s;
+        packed[j] = uint32_t{f32_to_bf16_bits(a)} | (uint32_t{f32_to_bf16_bits(b)} << 16);
+      }
+      *reinterpret_cast<uint4*>(out + row * cols + 8 * c) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    }
   }
 }
 

@@ -231,4 +231,40 @@ void fp8_quantize_expert_columns(const uint16_t* x_bf16, const int32_t* offsets,
   check_launch("fp8_quantize_expert_columns_kernel");
 }
 
+int64_t fp8_row_payload_bytes(int64_t cols) {
+  MOE_CHECK(cols >= 0 && cols % 128 == 0, "cuda::fp8_row_payload_bytes: cols must be a non-negative multiple of 128, ",
+            "got ", cols);
+  return cols + 4 * (cols / 128);
+}
+
+void fp8_pack_rows(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Format f, uint8_t* payload,
+                   uint32_t* num_nonfinite, Stream stream) {
+  const char* op = "cuda::fp8_pack_rows";
+  MOE_CHECK(rows >= 0, op, ": rows must be >= 0, got ", rows);
+  const int64_t per = fp8_row_payload_bytes(cols);
+  if (rows == 0 || cols == 0) return;
+  detail::check_ptrs(op, {{"x", x_bf16}, {"payload", payload}}, 16);
+  const int64_t blocks = rows * (cols / 128);
+  const int64_t grid = (blocks + kernels::kFp8RowBlocksPerCta - 1) / kernels::kFp8RowBlocksPerCta;
+  MOE_CHECK(grid <= kMaxGrid, op, ": ", rows, " rows of ", cols, " exceed one launch");
+  kernels::fp8_pack_rows_kernel<<<static_cast<unsigned>(grid), 32 * kernels::kFp8RowWarps, 0, stream>>>(
+      x_bf16, blocks, cols / 128, cols, per, f, payload, num_nonfinite);
+  check_launch("fp8_pack_rows_kernel");
+}
+
+void fp8_unpack_rows(const uint8_t* payload, int64_t rows, int64_t cols, Fp8Format f, uint8_t* codes, float* scales,
+                     uint16_t* out_bf16, Stream stream) {
+  const char* op = "cuda::fp8_unpack_rows";
+  MOE_CHECK(rows >= 0, op, ": rows must be >= 0, got ", rows);
+  const int64_t per = fp8_row_payload_bytes(cols);
+  if (rows == 0 || cols == 0) return;
+  detail::check_ptrs(op, {{"payload", payload}}, 16);
+  if (codes != nullptr) detail::check_ptrs(op, {{"codes", codes}}, 8);
+  if (scales != nullptr) detail::check_ptrs(op, {{"scales", scales}}, sizeof(float));
+  if (out_bf16 != nullptr) detail::check_ptrs(op, {{"out", out_bf16}}, 16);
+  const unsigned grid = elementwise_blocks(rows * (cols / 8));
+  kernels::fp8_unpack_rows_kernel<<<grid, 256, 0, stream>>>(payload, rows, cols, per, f, codes, scales, out_bf16);
+  check_launch("fp8_unpack_rows_kernel");
+}
+
 }  // namespace moe::cuda

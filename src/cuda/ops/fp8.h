@@ -82,4 +82,18 @@ void fp8_quantize_expert_columns(const uint16_t* x_bf16, const int32_t* offsets,
                                  int64_t num_experts, int64_t width, int64_t capacity, Fp8Format f, uint8_t* q_t,
                                  float* scales_t, int32_t* padded_offsets, uint32_t* num_nonfinite, Stream stream);
 
+// The expert exchange's FP8 rows (block scaling; the twins cpu::fp8_pack_rows / fp8_unpack_rows
+// with the "blocks" recipe): fp8_row_payload_bytes(cols) = cols + 4 cols / 128 bytes a row, its
+// codes then its 1 x 128 FP32 scales. fp8_pack_rows: x [rows, cols] (BF16, cols a multiple of 128)
+// -> payload [rows, per] (the row quantiser's codes and scales bit for bit; non-finite elements
+// added to *num_nonfinite when not null). fp8_unpack_rows: payload -> codes [rows, cols] and scales
+// [rows, cols / 128] (the experts' FP8 input rows, cuda::Fp8Rows) and the dequantised rows as
+// BF16 (bf16 of cpu::fp8_unpack_rows' FP32 values), each output optional (null: not written).
+// payload 16-byte aligned; no host synchronisation.
+int64_t fp8_row_payload_bytes(int64_t cols);
+void fp8_pack_rows(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Format f, uint8_t* payload,
+                   uint32_t* num_nonfinite, Stream stream);
+void fp8_unpack_rows(const uint8_t* payload, int64_t rows, int64_t cols, Fp8Format f, uint8_t* codes, float* scales,
+                     uint16_t* out_bf16, Stream stream);
+
 }  // namespace moe::cuda
