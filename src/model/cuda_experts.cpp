@@ -31,9 +31,7 @@ void CudaExperts::backward_tokens(const CudaBlockContext&, int64_t, const LayerP
 }
 
 void CudaExperts::set_fp8(bool on) {
-  MOE_CHECK(!on, "train.precision = \"fp8\" on the GPU: the rowwise exchange (parallel.ep_backend = ",
-            "\"rowwise\") carries BF16 rows only so far; set parallel.ep_backend = \"alltoall\", or train.precision = ",
-            "\"bf16\"");
+  MOE_CHECK(!on, "train.precision = \"fp8\": these experts have no FP8 path");
 }
 
 namespace {
@@ -546,6 +544,16 @@ void CudaRowwiseExperts::reserve(int64_t rows, CudaBufferGrower& g) {
     cuda::stream_sync(nullptr);
   }
   g.grow_bytes(ws_, cuda::experts_backward_workspace_bytes(G, inner), "expert dgate_up and dh");
+  if (fp8_on_) {
+    fp8_.reserve(int64_t(saved_.size()), local_, d, inner, g);
+    g.grow_bytes(pack_RP_, size_t(rows * fp8_stride()), "FP8 row payloads packed");
+    g.grow<uint16_t>(values_GD_, G * d, "FP8 rows dequantised");
+    g.grow_bytes(fp8_ws_, cuda::experts_fp8_workspace_bytes(G, d, inner), "FP8 expert activation codes");
+    if (cuda::experts_fp8_wgrad_applies(d, inner)) {
+      g.grow_bytes(fp8_wgrad_ws_, cuda::experts_fp8_wgrad_workspace_bytes(G, local_, d, inner),
+                   "FP8 expert weight-gradient operands");
+    }
+  }
   if (rows <= reserved_rows_) return;
   // The symmetric buffers, the same sizes on every PE (collective), then their peers' addresses.
   // The table is made anew through the grower first: that refuses to run under capture and counts
@@ -568,6 +576,45 @@ void CudaRowwiseExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   cuda::copy_h2d(peer_table_.data(), table.data(), table.size() * sizeof(void*), nullptr);
   cuda::stream_sync(nullptr);
   reserved_rows_ = rows;
+}
+
+void CudaRowwiseExperts::set_fp8(bool on) {
+  MOE_CHECK(!on || (d_ % 128 == 0 && fp8_experts_shapes(d_, inner_)), "train.precision = \"fp8\" with the rowwise ",
+            "exchange: its FP8 rows are whole 1 x 128 blocks, so model.d_model (", d_, ") must be a multiple of 128 ",
+            "and moe.expert_hidden (", inner_, ") of 16");
+  fp8_on_ = on;
+}
+
+std::vector<CudaFp8ExpertTensor> CudaRowwiseExperts::fp8_weight_tensors(const std::vector<LayerParams>& layers) {
+  if (!fp8_on_) return {};
+  return fp8_.tensors(layers);
+}
+
+void CudaRowwiseExperts::fp8_codes_follow(int64_t from, int64_t to) { fp8_.follow(from, to); }
+
+void CudaRowwiseExperts::refresh_fp8(const CudaBlockContext& c, const std::vector<LayerParams>& layers) {
+  if (!fp8_on_) return;
+  for (const LayerParams& p : layers) {
+    MOE_CHECK(p.moe_index >= 0 && p.moe_index < fp8_.layers(), "CudaRowwiseExperts::refresh_fp8: layer ", p.moe_index,
+              " has no FP8 codes; reserve first");
+    fp8_.refresh(c, p.moe_index, p, c.stream);
+  }
+}
+
+int64_t CudaRowwiseExperts::fp8_stride() const { return (cuda::fp8_row_payload_bytes(d_) + 15) / 16 * 16; }
+
+const uint16_t* CudaRowwiseExperts::pack_fp8(const uint16_t* rows, int64_t n, cuda::Stream st) {
+  MOE_CHECK(pack_RP_.bytes() >= size_t(n * fp8_stride()), "CudaRowwiseExperts: ", n, " rows to pack, the FP8 payload ",
+            "buffer holds ", pack_RP_.bytes() / size_t(fp8_stride()));
+  cuda::fp8_pack_rows(rows, n, d_, Fp8Format::kE4M3, pack_RP_.as<uint8_t>(), nullptr, st, fp8_stride());
+  return pack_RP_.as<uint16_t>();
+}
+
+void CudaRowwiseExperts::unpack_fp8(void* buffer, int64_t G, cuda::Stream st) {
+  const cuda::Fp8Rows in = cuda::experts_fp8_input_rows(fp8_ws_.data(), fp8_ws_.bytes(), G, d_, inner_);
+  cuda::fp8_unpack_rows(static_cast<const uint8_t*>(buffer), G, d_, Fp8Format::kE4M3, in.codes, in.scales,
+                        values_GD_.as<uint16_t>(), st, fp8_stride());
+  cuda::copy_d2d(buffer, values_GD_.data(), size_t(G * d_) * sizeof(uint16_t), st);
 }
 
 void CudaRowwiseExperts::forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
@@ -605,13 +652,26 @@ void CudaRowwiseExperts::forward_rows(const CudaBlockContext& c, int64_t moe_ind
                               traffic_total_.as<int64_t>(), st);
   exchanges_ += 2;
   traffic_stream_ = st;
-  cuda::ep_rowwise_scatter(x, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, d_, peers(3 + size_t(moe_index)),
-                           ep_, st, sorted_route, top_k);
+  // FP8: the rows (or token rows) go as payload rows, 16-bit words of fp8_stride() bytes.
+  const uint16_t* src = fp8_on_ ? pack_fp8(x, sorted_route != nullptr ? rows / top_k : rows, st) : x;
+  const int64_t width = fp8_on_ ? fp8_stride() / 2 : d_;
+  cuda::ep_rowwise_scatter(src, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, width,
+                           peers(3 + size_t(moe_index)), ep_, st, sorted_route, top_k);
   world_.barrier(st);
   c.mark(cuda::Phase::kExperts);
-  cuda::experts_forward(static_cast<const uint16_t*>(s.x_GD), s.local_offsets_L1.as<int32_t>(), P + p.experts_gate_up,
-                        P + p.experts_down, G, local_, d_, inner_, gate_up_rows(moe_index).as<uint16_t>(),
-                        h_rows(moe_index).as<uint16_t>(), static_cast<uint16_t*>(y_GD_), st);
+  if (fp8_on_) {
+    unpack_fp8(s.x_GD, G, st);          // the codes into the FP8 input rows, the values over the payload
+    fp8_.refresh(c, moe_index, p, st);  // without the step's update (or after a newer version)
+    cuda::experts_forward_fp8(static_cast<const uint16_t*>(s.x_GD), s.local_offsets_L1.as<int32_t>(),
+                              fp8_.view(moe_index), G, local_, d_, inner_, gate_up_rows(moe_index).as<uint16_t>(),
+                              h_rows(moe_index).as<uint16_t>(), static_cast<uint16_t*>(y_GD_), fp8_ws_.data(),
+                              fp8_ws_.bytes(), st, /*input_quantised=*/true);
+  } else {
+    cuda::experts_forward(static_cast<const uint16_t*>(s.x_GD), s.local_offsets_L1.as<int32_t>(),
+                          P + p.experts_gate_up, P + p.experts_down, G, local_, d_, inner_,
+                          gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(),
+                          static_cast<uint16_t*>(y_GD_), st);
+  }
   world_.barrier(st);  // every rank's outputs written
   c.mark(cuda::Phase::kCombine);
   cuda::ep_rowwise_gather(peers(1), offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, d_, ep_, y_sorted_RD, st);
@@ -621,6 +681,12 @@ void CudaRowwiseExperts::forward_rows(const CudaBlockContext& c, int64_t moe_ind
 void CudaRowwiseExperts::recompute(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                                    const int32_t* /*offsets_E1*/, int64_t /*rows*/, uint16_t* /*y_sorted_RD*/) {
   const CudaRowwiseExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
+  if (fp8_on_) {
+    cuda::experts_recompute_fp8(gate_up_rows(moe_index).as<uint16_t>(), s.local_offsets_L1.as<int32_t>(),
+                                fp8_.view(moe_index), receive_rows(reserved_rows_), local_, d_, inner_,
+                                h_rows(moe_index).as<uint16_t>(), nullptr, fp8_ws_.data(), fp8_ws_.bytes(), c.stream);
+    return;
+  }
   cuda::experts_recompute(gate_up_rows(moe_index).as<uint16_t>(), s.local_offsets_L1.as<int32_t>(),
                           c.params + p.experts_down, receive_rows(reserved_rows_), local_, d_, inner_,
                           h_rows(moe_index).as<uint16_t>(), nullptr, c.stream);
@@ -637,11 +703,24 @@ void CudaRowwiseExperts::backward_experts(const CudaBlockContext& c, int64_t moe
   cuda::ep_rowwise_count_rows(nullptr, ep_, rank_, e_, traffic_slots_.as<int64_t>() + 2 * moe_index,
                               traffic_total_.as<int64_t>(), st);
   exchanges_ += 2;
-  cuda::ep_rowwise_scatter(dy_sorted_RD, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, d_, peers(2), ep_,
-                           st);
+  const uint16_t* src = fp8_on_ ? pack_fp8(dy_sorted_RD, rows, st) : dy_sorted_RD;
+  cuda::ep_rowwise_scatter(src, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_,
+                           fp8_on_ ? fp8_stride() / 2 : d_, peers(2), ep_, st);
   world_.barrier(st);
   c.mark(cuda::Phase::kExperts);
   uint16_t* dy = static_cast<uint16_t*>(dy_GD_);
+  if (fp8_on_) {
+    unpack_fp8(dy, G, st);  // dy's codes into the FP8 input rows, its values over the payload
+    const bool fp8_dw = fp8_wgrad_ws_.bytes() > 0;
+    cuda::experts_backward_fp8(static_cast<const uint16_t*>(s.x_GD), s.local_offsets_L1.as<int32_t>(),
+                               fp8_.view(moe_index), gate_up_rows(moe_index).as<uint16_t>(),
+                               h_rows(moe_index).as<uint16_t>(), dy, G, local_, d_, inner_, dy, Gr + p.experts_gate_up,
+                               Gr + p.experts_down, ws_.data(), ws_.bytes(), fp8_ws_.data(), fp8_ws_.bytes(), st,
+                               !c.overwrite_grads, /*input_quantised=*/true, fp8_dw ? fp8_wgrad_ws_.data() : nullptr,
+                               fp8_wgrad_ws_.bytes());
+    world_.barrier(st);  // every rank's input gradients written (in place of dy)
+    return;
+  }
   cuda::experts_backward(static_cast<const uint16_t*>(s.x_GD), s.local_offsets_L1.as<int32_t>(), P + p.experts_gate_up,
                          P + p.experts_down, gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(),
                          dy, G, local_, d_, inner_, dy, Gr + p.experts_gate_up, Gr + p.experts_down, ws_.data(),
@@ -683,8 +762,10 @@ EpTraffic CudaRowwiseExperts::traffic() const {
   // experts received back (combine: the peers load them), forward and backward alike.
   t.exchanges = exchanges_;
   t.rows_sent = rows[0] + rows[1];
-  t.bytes_sent = t.rows_sent * d_ * int64_t(sizeof(uint16_t));
-  t.bytes_received = t.bytes_sent;
+  // The rows out travel as FP8 payload rows under set_fp8, the rows back in BF16.
+  const int64_t out_row = fp8_on_ ? fp8_stride() : 2 * d_;
+  t.bytes_sent = rows[0] * out_row + rows[1] * 2 * d_;
+  t.bytes_received = rows[1] * out_row + rows[0] * 2 * d_;
   return t;
 }
 

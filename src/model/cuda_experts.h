@@ -354,6 +354,16 @@ class CudaRowwiseExperts final : public CudaExperts {
   // Symmetric heap bytes reserve(rows) allocates.
   static int64_t symmetric_bytes(const MoeConfig& e, int64_t d, int64_t num_moe_layers, int64_t ep, double cf,
                                  int64_t rows);
+  // train.precision = "fp8" (D a multiple of 128): the rows scattered into the experts' buffers
+  // (x forward, dy backward) go as FP8 payload rows (cuda::fp8_pack_rows, padded to 16-byte
+  // words) into the same symmetric buffers, and the expert rank unpacks them into the experts'
+  // FP8 input rows and writes their dequantised BF16 values back over the buffer (what the experts
+  // save and the weight gradients read); outputs and input gradients stay BF16. The weight codes as
+  // the local experts keep them (the step's update writes them; capturable).
+  void set_fp8(bool on) override;
+  std::vector<CudaFp8ExpertTensor> fp8_weight_tensors(const std::vector<LayerParams>& layers) override;
+  void fp8_codes_follow(int64_t from, int64_t to) override;
+  void refresh_fp8(const CudaBlockContext& c, const std::vector<LayerParams>& layers) override;
 
  private:
   cuda::DeviceBuffer& gate_up_rows(int64_t m) {
@@ -369,6 +379,12 @@ class CudaRowwiseExperts final : public CudaExperts {
   void backward_experts(const CudaBlockContext& c, int64_t m, const LayerParams& p, const int32_t* offsets_E1,
                         const uint16_t* dy_sorted_RD, int64_t rows);
   void free_symmetric();
+  // FP8: n rows of `rows` (BF16 [n, D]) packed into pack_RP_ as payload rows of fp8_stride() bytes,
+  // the width in 16-bit words the scatter moves; and the G payload rows in `buffer` unpacked into
+  // the experts' FP8 input rows, their dequantised values written back over `buffer` ([G, D]).
+  int64_t fp8_stride() const;
+  const uint16_t* pack_fp8(const uint16_t* rows, int64_t n, cuda::Stream st);
+  void unpack_fp8(void* buffer, int64_t G, cuda::Stream st);
 
   int64_t d_, e_, inner_, local_, ep_, rank_;
   double capacity_factor_;
@@ -390,6 +406,11 @@ class CudaRowwiseExperts final : public CudaExperts {
   cuda::DeviceBuffer traffic_slots_, traffic_total_;
   int64_t exchanges_ = 0;
   cuda::Stream traffic_stream_ = nullptr;
+  // FP8 (set_fp8): the local experts' weight codes, the packed rows [R, stride], the dequantised
+  // rows before their copy back [G, D], the experts' FP8 input rows and weight-gradient operands.
+  bool fp8_on_ = false;
+  CudaFp8ExpertCodeSet fp8_;
+  cuda::DeviceBuffer pack_RP_, values_GD_, fp8_ws_, fp8_wgrad_ws_;
 };
 
 }  // namespace moe

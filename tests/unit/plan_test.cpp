@@ -197,9 +197,9 @@ TEST(RunPlan, Fp8AddsTheExpertCodesAndTheirWorkspace) {
 }
 
 // The GPU's FP8 recipe is refused by the run plan (before anything is allocated) with expert
-// parallelism where the exchange's rows are not whole 1 x 128 blocks, with the rowwise exchange
-// and with expert rows that are not whole 16-code chunks, naming the key (expert parallelism with
-// d_model 128 is taken, its plan counting the FP8 rows sent); the cpu run plan takes them.
+// parallelism or the rowwise exchange where the exchanged rows are not whole 1 x 128 blocks, and with
+// expert rows that are not whole 16-code chunks, naming the key (with d_model 128 both are taken,
+// the plan counting the FP8 rows sent); the cpu run plan takes them.
 TEST(RunPlan, Fp8OnCudaRefusesWhatItCannotRunNamingTheKey) {
   Config c = small();
   c.model.d_model = 16;
@@ -224,8 +224,10 @@ TEST(RunPlan, Fp8OnCudaRefusesWhatItCannotRunNamingTheKey) {
                    rows * (128.0 + 4.0)) << "the FP8 rows this rank sends";
   Config rowwise = c;
   rowwise.parallel.ep_backend = "rowwise";
-  EXPECT_NE(error_of([&] { make_run_plan(rowwise, 1, "cuda"); }).find("parallel.ep_backend = \"rowwise\""),
+  EXPECT_NE(error_of([&] { make_run_plan(rowwise, 1, "cuda"); }).find("model.d_model (16) must be a multiple of 128"),
             std::string::npos);
+  rowwise.model.d_model = 128;
+  EXPECT_NO_THROW(make_run_plan(rowwise, 1, "cuda"));
   Config odd = c;
   odd.moe.expert_hidden = 24;
   EXPECT_NE(error_of([&] { make_run_plan(odd, 1, "cuda"); }).find("moe.expert_hidden (24)"), std::string::npos);

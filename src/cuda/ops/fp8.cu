@@ -237,11 +237,24 @@ int64_t fp8_row_payload_bytes(int64_t cols) {
   return cols + 4 * (cols / 128);
 }
 
+namespace {
+
+// The payload row stride: `stride` (0: the packed row's bytes), checked.
+int64_t payload_stride(const char* op, int64_t cols, int64_t stride) {
+  const int64_t per = fp8_row_payload_bytes(cols);
+  if (stride == 0) return per;
+  MOE_CHECK(stride >= per && stride % 4 == 0, op, ": payload rows ", stride, " bytes apart; expected a multiple of 4 ",
+            "of at least ", per, " (", cols, " codes and their scales)");
+  return stride;
+}
+
+}  // namespace
+
 void fp8_pack_rows(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Format f, uint8_t* payload,
-                   uint32_t* num_nonfinite, Stream stream) {
+                   uint32_t* num_nonfinite, Stream stream, int64_t stride) {
   const char* op = "cuda::fp8_pack_rows";
   MOE_CHECK(rows >= 0, op, ": rows must be >= 0, got ", rows);
-  const int64_t per = fp8_row_payload_bytes(cols);
+  const int64_t per = payload_stride(op, cols, stride);
   if (rows == 0 || cols == 0) return;
   detail::check_ptrs(op, {{"x", x_bf16}, {"payload", payload}}, 16);
   const int64_t blocks = rows * (cols / 128);
@@ -253,10 +266,10 @@ void fp8_pack_rows(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Format
 }
 
 void fp8_unpack_rows(const uint8_t* payload, int64_t rows, int64_t cols, Fp8Format f, uint8_t* codes, float* scales,
-                     uint16_t* out_bf16, Stream stream) {
+                     uint16_t* out_bf16, Stream stream, int64_t stride) {
   const char* op = "cuda::fp8_unpack_rows";
   MOE_CHECK(rows >= 0, op, ": rows must be >= 0, got ", rows);
-  const int64_t per = fp8_row_payload_bytes(cols);
+  const int64_t per = payload_stride(op, cols, stride);
   if (rows == 0 || cols == 0) return;
   detail::check_ptrs(op, {{"payload", payload}}, 16);
   if (codes != nullptr) detail::check_ptrs(op, {{"codes", codes}}, 8);

@@ -89,11 +89,13 @@ void fp8_quantize_expert_columns(const uint16_t* x_bf16, const int32_t* offsets,
 // added to *num_nonfinite when not null). fp8_unpack_rows: payload -> codes [rows, cols] and scales
 // [rows, cols / 128] (the experts' FP8 input rows, cuda::Fp8Rows) and the dequantised rows as
 // BF16 (bf16 of cpu::fp8_unpack_rows' FP32 values), each output optional (null: not written).
-// payload 16-byte aligned; no host synchronisation.
+// Payload rows `stride` bytes apart (0: fp8_row_payload_bytes(cols); else at least that, a multiple
+// of 4: an exchange that moves 16-byte words pads its rows); payload 16-byte aligned; no host
+// synchronisation.
 int64_t fp8_row_payload_bytes(int64_t cols);
 void fp8_pack_rows(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Format f, uint8_t* payload,
-                   uint32_t* num_nonfinite, Stream stream);
+                   uint32_t* num_nonfinite, Stream stream, int64_t stride = 0);
 void fp8_unpack_rows(const uint8_t* payload, int64_t rows, int64_t cols, Fp8Format f, uint8_t* codes, float* scales,
-                     uint16_t* out_bf16, Stream stream);
+                     uint16_t* out_bf16, Stream stream, int64_t stride = 0);
 
 }  // namespace moe::cuda
