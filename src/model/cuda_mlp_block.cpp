@@ -40,12 +40,10 @@ void CudaFp8MlpWeights::refresh(const CudaBlockContext& c, const uint16_t* w_gat
   version = c.params_version;
 }
 
-void mlp_forward_fp8(cuda::GemmHandle& g, const uint16_t* x, const CudaFp8MlpWeights& w, int64_t n, int64_t d,
-                     int64_t f, uint16_t* gu, uint16_t* h, uint16_t* out, CudaFp8Scratch& sc, cuda::Stream st,
-                     bool x_quantised) {
+void mlp_forward_fp8(cuda::GemmHandle& g, const CudaFp8MlpWeights& w, int64_t n, int64_t d, int64_t f, uint16_t* gu,
+                     uint16_t* h, uint16_t* out, CudaFp8Scratch& sc, cuda::Stream st) {
   MOE_CHECK(fp8_mlp_shapes(d, f) && n % 4 == 0, "mlp_forward_fp8: D (", d, ") and F (", f,
             ") must be multiples of 128 and the tokens (", n, ") of 4");
-  if (!x_quantised) fp8_quantize_operand(x, n, d, sc, st);
   fp8_linear(g, sc, w.gu, false, 0, n, 2 * f, d, gu, st);
   cuda::swiglu_forward_fp8(gu, h, sc.q.as<uint8_t>(), sc.s.as<float>(), n, f, st);
   cuda::fp8_scales_k_major(sc.s.as<float>(), n, f / 128, n, sc.s_t.as<float>(), st);
@@ -142,8 +140,8 @@ void CudaMlpBlock::forward(const CudaBlockContext& c, CudaResidual& res, uint16_
     CudaFp8Scratch& sc = fp8_scratch_->fp8;
     fp8_w_.refresh(c, P + p_.mlp_gate, P + p_.mlp_down, sc);
     fp8_rmsnorm_operand(s.x->as<uint16_t>(), P + p_.mlp_norm, norm, s.rstd->as<float>(), n, d, norm_eps_, sc, st);
-    mlp_forward_fp8(*c.gemm, norm, fp8_w_, n, d, p_.mlp_hidden, s.gate_up->as<uint16_t>(), s.h->as<uint16_t>(),
-                    branch, sc, st, /*x_quantised=*/true);
+    mlp_forward_fp8(*c.gemm, fp8_w_, n, d, p_.mlp_hidden, s.gate_up->as<uint16_t>(), s.h->as<uint16_t>(), branch,
+                    sc, st);
   } else {
     cuda::rmsnorm_forward(s.x->as<uint16_t>(), P + p_.mlp_norm, norm, s.rstd->as<float>(), n, d, norm_eps_, st);
     mlp_forward_gpu(*c.gemm, norm, P + p_.mlp_gate, P + p_.mlp_up, P + p_.mlp_down, n, d, p_.mlp_hidden,

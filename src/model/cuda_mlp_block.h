@@ -48,11 +48,11 @@ struct CudaFp8MlpWeights {
   void refresh(const CudaBlockContext& c, const uint16_t* w_gate_FD, const uint16_t* w_down_DF,
                CudaFp8Scratch& scratch);
 };
-// mlp_forward_gpu in FP8: out_ND overwritten (no accumulate), gate_up_N2F and h_NF saved in BF16.
-// x_quantised: the scratch already holds x_ND's codes and scales (fp8_rmsnorm_operand wrote them).
-void mlp_forward_fp8(cuda::GemmHandle& g, const uint16_t* x_ND, const CudaFp8MlpWeights& w, int64_t n, int64_t d,
-                     int64_t f, uint16_t* gate_up_N2F, uint16_t* h_NF, uint16_t* out_ND, CudaFp8Scratch& scratch,
-                     cuda::Stream st, bool x_quantised = false);
+// mlp_forward_gpu in FP8 on the input whose codes and scales the scratch holds (fp8_rmsnorm_operand
+// wrote them with the norm): out_ND overwritten (no accumulate), gate_up_N2F and h_NF saved in BF16.
+void mlp_forward_fp8(cuda::GemmHandle& g, const CudaFp8MlpWeights& w, int64_t n, int64_t d, int64_t f,
+                     uint16_t* gate_up_N2F, uint16_t* h_NF, uint16_t* out_ND, CudaFp8Scratch& scratch,
+                     cuda::Stream st);
 // mlp_backward_gpu in FP8: dx_ND overwritten; the weight gradients as mlp_backward_gpu's (BF16 GEMMs).
 void mlp_backward_fp8(cuda::GemmHandle& g, const uint16_t* x_ND, const CudaFp8MlpWeights& w,
                       const uint16_t* gate_up_N2F, const uint16_t* h_NF, const uint16_t* dout_ND, int64_t n, int64_t d,

@@ -128,8 +128,8 @@ void CudaMoeLayer::forward(const CudaBlockContext& c, CudaResidual& res, CudaMoe
     CudaMlpScratch& sc = *fp8_scratch_;
     shared_fp8_w_.refresh(c, P + p_.mlp_gate, P + p_.mlp_down, sc.fp8);
     uint16_t* shared_out = sc.fp8_out_ND.as<uint16_t>();
-    mlp_forward_fp8(G, norm, shared_fp8_w_, n, d, p_.mlp_hidden, sl.shared_gate_up->as<uint16_t>(),
-                    sl.shared_h->as<uint16_t>(), shared_out, sc.fp8, st, /*x_quantised=*/true);
+    mlp_forward_fp8(G, shared_fp8_w_, n, d, p_.mlp_hidden, sl.shared_gate_up->as<uint16_t>(),
+                    sl.shared_h->as<uint16_t>(), shared_out, sc.fp8, st);  // its input's codes: the norm's
     cuda::residual_add(res.x32(), branch, nullptr, n * d, st);
     cuda::residual_add(res.x32(), shared_out, out_ND, n * d, st);
     return;

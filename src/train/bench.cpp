@@ -362,12 +362,10 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
                   (long long)opt.steps, (long long)opt.warmup);
   }
   out << buf;
-  if (gpu && details.contains("kernel_variants")) {  // the kernel choices and switches this run used
+  if (gpu && details.contains("kernel_variants")) {  // the kernel choices this run used
     std::string line;
-    for (const auto& [name, value] : details.at("kernel_variants").items()) {
-      const std::string v = value.is_boolean() ? (value.get<bool>() ? "on" : "off") : value.get<std::string>();
-      line += (line.empty() ? "" : ", ") + name + " " + v;
-    }
+    for (const auto& [name, value] : details.at("kernel_variants").items())
+      line += (line.empty() ? "" : ", ") + name + " " + value.get<std::string>();
     out << "kernels: " << line << "\n";
   }
   std::string update_note;  // where the AdamW update runs, when not at the end of the step

@@ -345,15 +345,6 @@ TEST(Fp8Gpu, RefusesBadShapes) {
   EXPECT_NE(neg.find("rows and cols must be >= 0"), std::string::npos) << neg;
 }
 
-// One FP8 GEMM case: A [m, k] in 1 x 128 blocks, B [n, k] in 128 x 128 blocks (weights) or 1 x 128
-// blocks (the weight-gradient GEMM), quantised on the CPU; the GPU product from the same codes and
-// scales (A's scales and a 1 x 128 B's put K-block-major by cuda::fp8_scales_k_major) against the
-// CPU's block-scaled product: |gpu - cpu| <= 2^-11 * sum_k |a_ik b_jk| for FP32 C, and the BF16 C
-// within one BF16 rounding of that. The products of FP8 codes are exact, but Hopper's FP8 tensor
-// cores add them within a 128-wide K block in an accumulator of about 14 mantissa bits (the
-// limitation DeepSeek-V3 describes, which is why the partial sums are promoted to FP32 per block):
-// measured up to 16.6 x 2^-17 = 2^-13 of sum |a b| on these cases. A wrong scale layout errs by
-// O(1) of it.
 // The FP32-summation bound of each element of A [m, k] B [n, k]^T from the dequantised operands:
 // 2^-11 sum_p |a_ip b_jp| (plus a floor for all-zero rows).
 std::vector<double> fp32_gemm_bounds(const std::vector<float>& da, const std::vector<float>& db, int64_t m,
@@ -368,6 +359,15 @@ std::vector<double> fp32_gemm_bounds(const std::vector<float>& da, const std::ve
   return bound;
 }
 
+// One FP8 GEMM case: A [m, k] in 1 x 128 blocks, B [n, k] in 128 x 128 blocks (weights) or 1 x 128
+// blocks (the weight-gradient GEMM), quantised on the CPU; the GPU product from the same codes and
+// scales (A's scales and a 1 x 128 B's put K-block-major by cuda::fp8_scales_k_major) against the
+// CPU's block-scaled product: |gpu - cpu| <= 2^-11 * sum_k |a_ik b_jk| for FP32 C, and the BF16 C
+// within one BF16 rounding of that. The products of FP8 codes are exact, but Hopper's FP8 tensor
+// cores add them within a 128-wide K block in an accumulator of about 14 mantissa bits (the
+// limitation DeepSeek-V3 describes, which is why the partial sums are promoted to FP32 per block):
+// measured up to 16.6 x 2^-17 = 2^-13 of sum |a b| on these cases. A wrong scale layout errs by
+// O(1) of it.
 void check_fp8_gemm(int64_t m, int64_t n, int64_t k, Fp8Format fa, Fp8Format fb, cuda::Fp8BScaling bs,
                     uint64_t seed) {
   const std::string what = "fp8_gemm " + std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) +
@@ -454,10 +454,10 @@ void check_fp8_gemm(int64_t m, int64_t n, int64_t k, Fp8Format fa, Fp8Format fb,
 // cuda::mx_gemm (MX operands re-blocked to 1 x 128, then cuBLASLt's FP8 GEMM) against the CPU's
 // re-blocking and cpu::fp8_gemm_rowwise_scaled, and against cpu::mx_gemm where the re-blocking is
 // exact: within the FP32-summation bound of the dequantised operands; the count of altered codes
-// the CPU's; FP32 C overwritten and accumulated.
-// exact: magnitudes in [1, 2) times each 32-wide block's power of two (0 to 4 binades apart), so
-// every re-blocked code stays a normal E4M3 value and the re-blocking changes nothing; otherwise
-// normal values with blocks up to 16 binades apart, whose smaller blocks lose bits.
+// the CPU's; FP32 C overwritten and accumulated. With `exact`, magnitudes in [1, 2) times each
+// 32-wide block's power of two (0 to 4 binades apart), so every re-blocked code stays a normal E4M3
+// value and the re-blocking changes nothing; otherwise normal values with blocks up to 16 binades
+// apart, whose smaller blocks lose bits.
 void check_mx_gemm(int64_t m, int64_t n, int64_t k, bool exact, uint64_t seed) {
   const std::string what = "mx_gemm " + std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) +
                            (exact ? " (re-blocking exact)" : " (re-blocking lossy)");

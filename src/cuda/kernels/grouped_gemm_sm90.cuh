@@ -350,25 +350,19 @@ __device__ __forceinline__ void mma_k_step(float (&acc)[128], uint32_t a, uint32
 // u of row r at unit u ^ (r % 8)), the layout the output tensor map's TMA store reads; the
 // stores of a warp then hit 32 different banks. BF16 chunk c = columns [64 c, 64 c + 64) of the
 // warpgroup's 64 x 256 fragment, FP32 chunk c = columns [32 c, 32 c + 32).
-// value(i): the float to stage for the fragment's element i (4 j + 2 h + c).
-template <typename Value>
-__device__ __forceinline__ void stage_bf16_values(uint32_t buf, int c, int warp, int lane, Value&& value) {
+template <int kN>
+__device__ __forceinline__ void stage_bf16_chunk(uint32_t buf, const float (&acc)[kN], int c, int warp, int lane) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = warp * 16 + lane / 4 + 8 * h;  // r % 8 == lane / 4
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
       const int j = 8 * c + jj;
-      const uint32_t packed = static_cast<uint32_t>(f32_to_bf16_bits(value(4 * j + 2 * h))) |
-                              (static_cast<uint32_t>(f32_to_bf16_bits(value(4 * j + 2 * h + 1))) << 16);
+      const uint32_t packed = static_cast<uint32_t>(f32_to_bf16_bits(acc[4 * j + 2 * h])) |
+                              (static_cast<uint32_t>(f32_to_bf16_bits(acc[4 * j + 2 * h + 1])) << 16);
       st_shared_b32(buf + r * 128 + ((jj ^ (lane / 4)) << 4) + 4 * (lane % 4), packed);
     }
   }
-}
-
-template <int kN>
-__device__ __forceinline__ void stage_bf16_chunk(uint32_t buf, const float (&acc)[kN], int c, int warp, int lane) {
-  stage_bf16_values(buf, c, warp, lane, [&](int i) { return acc[i]; });
 }
 
 __device__ __forceinline__ void stage_f32_chunk(uint32_t buf, const float (&acc)[128], int c, int warp, int lane,
