@@ -140,10 +140,6 @@ void CudaLocalExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   if (!fp8_on_) return;
   fp8_.reserve(int64_t(saved_.size()), e_, d_, inner_, g);
   g.grow_bytes(fp8_ws_, cuda::experts_fp8_workspace_bytes(rows, d_, inner_), "FP8 expert activation codes");
-  if (cuda::experts_fp8_wgrad_applies(d_, inner_)) {
-    g.grow_bytes(fp8_wgrad_ws_, cuda::experts_fp8_wgrad_workspace_bytes(rows, e_, d_, inner_),
-                 "FP8 expert weight-gradient operands");
-  }
   if (side_ == nullptr) {
     side_ = cuda::stream_create();
     fork_ = cuda::event_create();
@@ -226,8 +222,7 @@ void CudaLocalExperts::backward(const CudaBlockContext& c, int64_t moe_index, co
                                gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), dy_sorted_RD,
                                rows, e_, d_, inner_, dx_sorted_RD, Gr + p.experts_gate_up, Gr + p.experts_down,
                                ws_.data(), ws_.bytes(), fp8_ws_.data(), fp8_ws_.bytes(), c.stream, !c.overwrite_grads,
-                               input_quantised, fp8_wgrad_ws_.bytes() > 0 ? fp8_wgrad_ws_.data() : nullptr,
-                               fp8_wgrad_ws_.bytes());
+                               input_quantised);
     return;
   }
   MOE_CHECK(!input_quantised, "CudaLocalExperts::backward: BF16 experts read no input codes");
@@ -283,12 +278,6 @@ void CudaEpExperts::grow_fp8(int64_t rows) {
   if (fp8_ws_.bytes() < ws) {  // scratch between the passes: released first, never both held
     g.release(fp8_ws_);
     g.grow_bytes(fp8_ws_, cuda::experts_fp8_workspace_bytes(n + n / 8, d_, inner_), "FP8 expert activation codes");
-  }
-  if (!cuda::experts_fp8_wgrad_applies(d_, inner_)) return;
-  if (fp8_wgrad_ws_.bytes() < cuda::experts_fp8_wgrad_workspace_bytes(n, local_, d_, inner_)) {
-    g.release(fp8_wgrad_ws_);
-    g.grow_bytes(fp8_wgrad_ws_, cuda::experts_fp8_wgrad_workspace_bytes(n + n / 8, local_, d_, inner_),
-                 "FP8 expert weight-gradient operands");
   }
 }
 
@@ -417,12 +406,10 @@ void CudaEpExperts::backward(const CudaBlockContext& c, int64_t moe_index, const
     dispatch_fp8(h, s, dy_sorted_RD, rows, pm, st);
     count_traffic(h, cuda::fp8_row_payload_bytes(d), 2 * d);
     c.mark(cuda::Phase::kExperts);
-    const bool fp8_dw = fp8_wgrad_ws_.bytes() > 0;
     cuda::experts_backward_fp8(s.x_GD.as<uint16_t>(), s.local_offsets_L1.as<int32_t>(), fp8_.view(moe_index),
                                gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), pm, G, L, d,
                                inner, work, Gr + p.experts_gate_up, Gr + p.experts_down, ws_.data(), ws_.bytes(),
-                               fp8_ws_.data(), fp8_ws_.bytes(), st, !c.overwrite_grads, /*input_quantised=*/true,
-                               fp8_dw ? fp8_wgrad_ws_.data() : nullptr, fp8_wgrad_ws_.bytes());
+                               fp8_ws_.data(), fp8_ws_.bytes(), st, !c.overwrite_grads, /*input_quantised=*/true);
     c.mark(cuda::Phase::kCombine);
     cuda::ep_gather_rows(work, s.ungroup_G.as<int32_t>(), G, G, d, pm, st);
     cuda::ep_combine_rows(comm_, h, pm, dx_sorted_RD, d, st);
@@ -549,10 +536,6 @@ void CudaRowwiseExperts::reserve(int64_t rows, CudaBufferGrower& g) {
     g.grow_bytes(pack_RP_, size_t(rows * fp8_stride()), "FP8 row payloads packed");
     g.grow<uint16_t>(values_GD_, G * d, "FP8 rows dequantised");
     g.grow_bytes(fp8_ws_, cuda::experts_fp8_workspace_bytes(G, d, inner), "FP8 expert activation codes");
-    if (cuda::experts_fp8_wgrad_applies(d, inner)) {
-      g.grow_bytes(fp8_wgrad_ws_, cuda::experts_fp8_wgrad_workspace_bytes(G, local_, d, inner),
-                   "FP8 expert weight-gradient operands");
-    }
   }
   if (rows <= reserved_rows_) return;
   // The symmetric buffers, the same sizes on every PE (collective), then their peers' addresses.
@@ -711,13 +694,11 @@ void CudaRowwiseExperts::backward_experts(const CudaBlockContext& c, int64_t moe
   uint16_t* dy = static_cast<uint16_t*>(dy_GD_);
   if (fp8_on_) {
     unpack_fp8(dy, G, st);  // dy's codes into the FP8 input rows, its values over the payload
-    const bool fp8_dw = fp8_wgrad_ws_.bytes() > 0;
     cuda::experts_backward_fp8(static_cast<const uint16_t*>(s.x_GD), s.local_offsets_L1.as<int32_t>(),
                                fp8_.view(moe_index), gate_up_rows(moe_index).as<uint16_t>(),
                                h_rows(moe_index).as<uint16_t>(), dy, G, local_, d_, inner_, dy, Gr + p.experts_gate_up,
                                Gr + p.experts_down, ws_.data(), ws_.bytes(), fp8_ws_.data(), fp8_ws_.bytes(), st,
-                               !c.overwrite_grads, /*input_quantised=*/true, fp8_dw ? fp8_wgrad_ws_.data() : nullptr,
-                               fp8_wgrad_ws_.bytes());
+                               !c.overwrite_grads, /*input_quantised=*/true);
     world_.barrier(st);  // every rank's input gradients written (in place of dy)
     return;
   }

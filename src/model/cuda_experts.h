@@ -211,7 +211,6 @@ class CudaLocalExperts final : public CudaExperts {
   cuda::DeviceBuffer ws_;                // experts_backward workspace (shared by the layers)
   CudaFp8ExpertCodeSet fp8_;             // [M] layers under set_fp8
   cuda::DeviceBuffer fp8_ws_;            // experts_fp8_workspace_bytes (shared by the layers)
-  cuda::DeviceBuffer fp8_wgrad_ws_;      // experts_fp8_wgrad_workspace_bytes (shared), where it applies
   // prepare's side stream, its fork event and each layer's codes-ready event (made by reserve
   // under set_fp8, outside any capture); pending_[m]: layer m's forward is to wait for ready_[m].
   cuda::Stream side_ = nullptr;
@@ -292,7 +291,7 @@ class CudaEpExperts final : public CudaExperts {
   // experts' FP8 input rows (experts_fp8_workspace_bytes) and weight-gradient operands for G rows.
   bool fp8_on_ = false;
   CudaFp8ExpertCodeSet fp8_;
-  cuda::DeviceBuffer send_RP, fp8_ws_, fp8_wgrad_ws_;
+  cuda::DeviceBuffer send_RP, fp8_ws_;
 };
 
 // What the rowwise experts keep per MoE layer: the rows this rank's experts received (symmetric:
@@ -410,7 +409,7 @@ class CudaRowwiseExperts final : public CudaExperts {
   // rows before their copy back [G, D], the experts' FP8 input rows and weight-gradient operands.
   bool fp8_on_ = false;
   CudaFp8ExpertCodeSet fp8_;
-  cuda::DeviceBuffer pack_RP_, values_GD_, fp8_ws_, fp8_wgrad_ws_;
+  cuda::DeviceBuffer pack_RP_, values_GD_, fp8_ws_;
 };
 
 }  // namespace moe

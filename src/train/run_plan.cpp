@@ -146,16 +146,6 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
     const double widest = double(std::max(cfg.model.d_model, 2 * cfg.moe.expert_hidden));
     m.activation.scratch.push_back(
         {"FP8 expert activation codes and scales", rows * widest + rows * std::ceil(widest / 128.0) * 4.0});
-    // The weight gradients in FP8 (cuda::experts_fp8_wgrad_workspace_bytes, D and I multiples of
-    // 128): one GEMM's two operands quantised down each expert's rows, padded to whole 128-row
-    // blocks per expert (capacity = ceil(R / 128) 128 + 128 E columns), and their scales.
-    const int64_t dm = cfg.model.d_model, inner = cfg.moe.expert_hidden;
-    if (dm % 128 == 0 && inner % 128 == 0) {
-      const double capacity = std::ceil(rows / 128.0) * 128.0 + 128.0 * double(cfg.moe.num_experts);
-      const double operand_rows = double(std::max(dm, 2 * inner) + std::max(dm, inner));
-      m.activation.scratch.push_back({"FP8 expert weight-gradient operands",
-                                      operand_rows * capacity + operand_rows * (capacity / 128.0) * 4.0});
-    }
   }
   // FP8 dense linears (cuda_fp8_linear.h): the attention projections where D, Q and C are multiples
   // of 128, the MLPs (dense blocks and shared experts) whose D and F are; their weights' two code

@@ -155,9 +155,10 @@ TEST_F(ExpertParallelGpu, StepsFollowOneGpu) {
 
 // train.precision = "fp8" with ep = 2: the rows travel as FP8 payload and enter the experts as the
 // same codes the one-GPU run's producers write, so the first forward is the one-GPU forward (each
-// expert output row depends on its row alone); the experts' weight gradients read the rows'
-// dequantised values (the CPU reference's FP8 exchange) in other 128-row blocks, so they follow
-// within FP8's error, the dense gradients and the losses within tolerances of that size.
+// expert output row depends on its row alone); the experts' weight gradients (BF16) read the
+// rows' dequantised values (the CPU reference's FP8 exchange) where the one-GPU run reads the BF16
+// rows, so they follow within FP8's error, the dense gradients and the losses within tolerances
+// of that size.
 TEST_F(ExpertParallelGpu, Fp8StepsFollowOneGpu) {
   Config c = dp_step_config();
   c.train.precision = "fp8";
