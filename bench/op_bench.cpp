@@ -14,7 +14,9 @@
 // --ops grouped_fp8: the experts' FP8 grouped GEMM (cuda::grouped_gemm_fp8) against the BF16 wgmma
 // kernels on the expert shapes, forward and data gradient of both projections, with and without
 // the activation's quantisation, and the weights' quantisation with the transposed copy (JSON key
-// "grouped_fp8"); then the whole experts of one MoE layer, BF16 against the FP8 recipe.
+// "grouped_fp8"), and the weight gradients (K-grouped BF16 against cuda::grouped_gemm_fp8_wgrad, with
+// and without quantising both operands down the experts' rows); then the whole experts of one MoE
+// layer, BF16 against the FP8 recipe (its backward also with the weight gradients in FP8).
 // --ops adamw: cuda::adamw_apply over 256M parameters (one segment, BF16 copy written) launched a
 // block per chunk on every SM and kept to r SMs (the deferred update's reserve: r = 16, 32, 48,
 // 64), with the moments at the flat offsets (the bulk-copy ring) and shifted by 4 elements (plain
@@ -227,6 +229,51 @@ nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, 
                    {"fp8_with_quantise_us", tq.med_ms * 1e3}, {"w_quantise_us", tw.med_ms * 1e3},
                    {"diff_vs_bf16", diff}});
   }
+  // The weight gradients (D and I multiples of 128): the BF16 K-grouped wgrad against
+  // cuda::grouped_gemm_fp8_wgrad, alone and with both operands' quantisation down the experts' rows
+  // (cuda::fp8_quantize_expert_columns) counted; diff = ||dw_fp8 - dw_bf16|| / ||dw_bf16||.
+  if (experts_fp8_wgrad_applies(D, I)) {
+    const int64_t cap = fp8_expert_columns_capacity(rows, E), wide = std::max(D, 2 * I);
+    uint8_t *ca = nullptr, *cb = nullptr;
+    float *wsa = nullptr, *wsb = nullptr, *dw8 = nullptr, *dw16 = nullptr;
+    int32_t* padded = nullptr;
+    MOE_CUDA_CHECK(cudaMalloc(&ca, wide * cap));
+    MOE_CUDA_CHECK(cudaMalloc(&cb, wide * cap));
+    MOE_CUDA_CHECK(cudaMalloc(&wsa, cap / 128 * wide * 4));
+    MOE_CUDA_CHECK(cudaMalloc(&wsb, cap / 128 * wide * 4));
+    MOE_CUDA_CHECK(cudaMalloc(&padded, (E + 1) * 4));
+    MOE_CUDA_CHECK(cudaMalloc(&dw8, E * 2 * I * D * 4));
+    MOE_CUDA_CHECK(cudaMalloc(&dw16, E * 2 * I * D * 4));
+    struct Wgrad {
+      const char* op;
+      const uint16_t* a;  // [rows, n]
+      const uint16_t* b;  // [rows, k]
+      int64_t n, k;
+    };
+    for (const Wgrad& c : {Wgrad{"gate_up wgrad", dy_gu, x, 2 * I, D}, Wgrad{"down wgrad", dy_dn, h, D, I}}) {
+      auto quantize = [&] {
+        fp8_quantize_expert_columns(c.a, off, rows, E, c.n, cap, e4, ca, wsa, padded, nullptr, s);
+        fp8_quantize_expert_columns(c.b, off, rows, E, c.k, cap, e4, cb, wsb, padded, nullptr, s);
+      };
+      auto run_fp8 = [&] { grouped_gemm_fp8_wgrad(ca, wsa, cb, wsb, padded, dw8, E, c.n, c.k, cap, false, s); };
+      auto run_bf16 = [&] {
+        grouped_gemm_wgrad(c.a, c.b, off, dw16, rows, E, c.n, c.k, false, s, GroupedGemmBackend::kWgmma);
+      };
+      quantize();
+      const double flops = 2.0 * rows * c.n * c.k;
+      const Timing tb = time_ms(a, s, run_bf16), t8 = time_ms(a, s, run_fp8);
+      const Timing tq = time_ms(a, s, [&] { quantize(); run_fp8(); });
+      MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+      const int64_t count = E * c.n * c.k;
+      const double diff = relative_difference(download(dw8, count, false), download(dw16, count, false));
+      auto tf = [&](const Timing& t) { return flops / (t.med_ms * 1e-3) / 1e12; };
+      std::printf("%-16s | %8.1f | %8.1f | %8.1f | %9s | %9.3e\n", c.op, tf(tb), tf(t8), tf(tq), "-", diff);
+      out.push_back({{"op", c.op}, {"n", c.n}, {"k", c.k}, {"bf16_tflops", tf(tb)}, {"fp8_tflops", tf(t8)},
+                     {"fp8_with_quantise_tflops", tf(tq)}, {"bf16_us", tb.med_ms * 1e3}, {"fp8_us", t8.med_ms * 1e3},
+                     {"fp8_with_quantise_us", tq.med_ms * 1e3}, {"diff_vs_bf16", diff}});
+    }
+    for (void* p : {(void*)ca, (void*)cb, (void*)wsa, (void*)wsb, (void*)padded, (void*)dw8, (void*)dw16}) cudaFree(p);
+  }
   for (void* p : {(void*)qa, (void*)qw, (void*)qwt, (void*)sa, (void*)sw, (void*)swt, (void*)y8, (void*)y16})
     cudaFree(p);
 
@@ -277,6 +324,21 @@ nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, 
   const Timing tb16 = time_ms(a, s, bwd16);
   fwd8();
   const Timing tb8 = time_ms(a, s, bwd8);
+  // The FP8 recipe with its weight gradients in FP8 too (D and I multiples of 128): each wgrad's
+  // operands quantised down the experts' rows, then cuda::grouped_gemm_fp8_wgrad.
+  const bool fp8_dw = experts_fp8_wgrad_applies(D, I);
+  Timing tb8w{};
+  if (fp8_dw) {
+    const size_t wg_bytes = experts_fp8_wgrad_workspace_bytes(rows, E, D, I);
+    void* wg = nullptr;
+    MOE_CUDA_CHECK(cudaMalloc(&wg, wg_bytes));
+    tb8w = time_ms(a, s, [&] {
+      experts_backward_fp8(x, off, fw, gate_up, hh, dy_dn, rows, E, D, I, dx, dw_gu, dw_dn, ws, ws_bytes, f8, f8_bytes,
+                           s, true, false, wg, wg_bytes);
+    });
+    MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+    cudaFree(wg);
+  }
   MOE_CUDA_CHECK(cudaStreamSynchronize(s));
   std::printf("\nthe experts of one MoE layer (%s): BF16 vs the FP8 recipe, quantisations counted\n",
               I % 128 == 0 ? "SwiGLU writes the FP8 codes of h and dgate_up" : "h and dgate_up quantised by a pass");
@@ -285,11 +347,16 @@ nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, 
               tf16.med_ms / tf8.med_ms, tqw.med_ms * 1e3);
   std::printf("%-16s | %9.1f | %9.1f | %6.2fx | %9s\n", "experts backward", tb16.med_ms * 1e3, tb8.med_ms * 1e3,
               tb16.med_ms / tb8.med_ms, "-");
+  if (fp8_dw) {
+    std::printf("%-16s | %9.1f | %9.1f | %6.2fx | %9s\n", "  with fp8 dw", tb16.med_ms * 1e3, tb8w.med_ms * 1e3,
+                tb16.med_ms / tb8w.med_ms, "-");
+  }
   out.push_back({{"op", "experts forward"}, {"bf16_us", tf16.med_ms * 1e3}, {"fp8_us", tf8.med_ms * 1e3},
                  {"bf16_tflops", f_fwd / (tf16.med_ms * 1e-3) / 1e12}, {"fp8_tflops", f_fwd / (tf8.med_ms * 1e-3) / 1e12},
                  {"w_quantise_us", tqw.med_ms * 1e3}, {"swiglu_fused", I % 128 == 0}});
   out.push_back({{"op", "experts backward"}, {"bf16_us", tb16.med_ms * 1e3}, {"fp8_us", tb8.med_ms * 1e3},
                  {"bf16_tflops", f_bwd / (tb16.med_ms * 1e-3) / 1e12}, {"fp8_tflops", f_bwd / (tb8.med_ms * 1e-3) / 1e12},
+                 {"fp8_dw_us", fp8_dw ? nlohmann::json(tb8w.med_ms * 1e3) : nlohmann::json()},
                  {"swiglu_fused", I % 128 == 0}});
 
   // The producers of the experts' first GEMM inputs: the permute (x_sorted) and the combine's

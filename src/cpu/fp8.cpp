@@ -61,6 +61,44 @@ void fp8_quantize_blocks(const float* x, int64_t rows, int64_t cols, Fp8Block bl
   }
 }
 
+void fp8_quantize_expert_columns(const float* x, const int32_t* offsets, int64_t max_rows, int64_t experts,
+                                 int64_t width, int64_t capacity, Fp8Format f, uint8_t* q_t, float* scales_t,
+                                 int32_t* padded) {
+  const char* op = "cpu::fp8_quantize_expert_columns";
+  MOE_CHECK(max_rows >= 0 && experts > 0 && width > 0, op, ": expected max_rows >= 0, experts > 0 and width > 0, got ",
+            max_rows, ", ", experts, " and ", width);
+  const auto rows_of = [&](int64_t e) {
+    const int64_t start = std::clamp<int64_t>(offsets[e], 0, max_rows);
+    return std::pair<int64_t, int64_t>{start, std::clamp<int64_t>(offsets[e + 1], start, max_rows)};
+  };
+  int64_t at = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    padded[e] = static_cast<int32_t>(at);
+    const auto [start, end] = rows_of(e);
+    at += (end - start + 127) / 128 * 128;
+  }
+  padded[experts] = static_cast<int32_t>(at);
+  MOE_CHECK(at <= capacity, op, ": the experts' padded rows need ", at, " columns, capacity is ", capacity);
+  std::vector<float> seg, sc;
+  std::vector<uint8_t> q;
+  for (int64_t e = 0; e < experts; ++e) {
+    const auto [start, end] = rows_of(e);
+    const int64_t pr = padded[e + 1] - padded[e];
+    if (pr == 0) continue;
+    seg.assign(static_cast<size_t>(width * pr), 0.0f);  // x_e^T, zero-padded to whole blocks
+    for (int64_t r = 0; r < end - start; ++r)
+      for (int64_t j = 0; j < width; ++j) seg[static_cast<size_t>(j * pr + r)] = x[(start + r) * width + j];
+    q.resize(seg.size());
+    sc.resize(static_cast<size_t>(width * (pr / 128)));
+    fp8_quantize_blocks(seg.data(), width, pr, kFp8ActivationBlock, f, q.data(), sc.data());
+    for (int64_t j = 0; j < width; ++j) {
+      std::copy_n(q.data() + j * pr, pr, q_t + j * capacity + padded[e]);
+      for (int64_t b = 0; b < pr / 128; ++b)
+        scales_t[(padded[e] / 128 + b) * width + j] = sc[static_cast<size_t>(j * (pr / 128) + b)];
+    }
+  }
+}
+
 void fp8_dequantize_blocks(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, Fp8Block block,
                            Fp8Format f, float* x) {
   check_shape("cpu::fp8_dequantize_blocks", rows, cols, block);

@@ -84,6 +84,17 @@ void fp8_gemm_rowwise_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, c
 void fp8_quantize_weights(const float* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q, float* s,
                           uint8_t* qt, float* st);
 
+// The experts' weight-gradient operands quantised down each expert's rows (the layout of
+// cuda::fp8_quantize_expert_columns): expert e's rows offsets[e] .. offsets[e + 1] (host offsets,
+// clamped to [0, max_rows]) take columns padded[e] .. padded[e + 1] of q_t [width, capacity],
+// padded[e] = sum over e' < e of ceil(rows of e' / 128) * 128 (padded [E + 1]); each column of an
+// expert's 128-row block is one 1 x 128 block of fp8_quantize_blocks (rows past the expert's end
+// as zeros), its scale at scales_t[padded[e] / 128 + block, column] (scales_t [capacity / 128,
+// width]). Columns of q_t past padded[E] are not written. Refuses capacity < padded[E].
+void fp8_quantize_expert_columns(const float* x, const int32_t* offsets, int64_t max_rows, int64_t experts,
+                                 int64_t width, int64_t capacity, Fp8Format f, uint8_t* q_t, float* scales_t,
+                                 int32_t* padded);
+
 // The M-grouped block-scaled FP8 GEMM of the experts (cuda::grouped_gemm_fp8's contract, FP32 C):
 // for the rows r of expert e (offsets[e] .. offsets[e+1], host offsets, clamped to [0, max_rows]),
 //   c[r, :] = fp8_gemm_block_scaled(qa[r, :] with sa[r, :], qb[e] with sb[e]);

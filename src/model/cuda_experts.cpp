@@ -31,9 +31,7 @@ void CudaExperts::backward_tokens(const CudaBlockContext&, int64_t, const LayerP
 }
 
 void CudaExperts::set_fp8(bool on) {
-  MOE_CHECK(!on, "train.precision = \"fp8\" on the GPU runs the FP8 experts on one GPU, data parallel or in pipeline stages; the "
-            "expert-parallel exchanges (parallel.ep > 1, or parallel.ep_backend = \"rowwise\") carry BF16 rows "
-            "only so far: set parallel.ep = 1 and parallel.ep_backend = \"alltoall\", or train.precision = \"bf16\"");
+  MOE_CHECK(!on, "train.precision = \"fp8\": these experts have no FP8 path");
 }
 
 namespace {
@@ -260,13 +258,54 @@ void CudaEpExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   g.grow<uint16_t>(pm_GD, rows * d, "exchanged rows");
   g.grow<uint16_t>(work_GD, rows * d, "expert work rows");
   g.grow_bytes(ws_, cuda::experts_backward_workspace_bytes(rows, inner), "expert dgate_up and dh");
+  if (!fp8_on_) return;
+  fp8_.reserve(int64_t(saved_.size()), local_, d, inner, g);
+  g.grow_bytes(send_RP, size_t(rows * cuda::fp8_row_payload_bytes(d)), "FP8 row payloads sent");
+  grow_fp8(rows);
+}
+
+void CudaEpExperts::set_fp8(bool on) {
+  MOE_CHECK(!on || (d_ % 128 == 0 && fp8_experts_shapes(d_, inner_)), "train.precision = \"fp8\" with expert ",
+            "parallelism: the exchange's FP8 rows are whole 1 x 128 blocks, so model.d_model (", d_, ") must be a ",
+            "multiple of 128 and moe.expert_hidden (", inner_, ") of 16");
+  fp8_on_ = on;
+}
+
+void CudaEpExperts::grow_fp8(int64_t rows) {
+  const int64_t n = std::max<int64_t>(rows, 1);
+  CudaBufferGrower& g = grower_;
+  const size_t ws = cuda::experts_fp8_workspace_bytes(n, d_, inner_);
+  if (fp8_ws_.bytes() < ws) {  // scratch between the passes: released first, never both held
+    g.release(fp8_ws_);
+    g.grow_bytes(fp8_ws_, cuda::experts_fp8_workspace_bytes(n + n / 8, d_, inner_), "FP8 expert activation codes");
+  }
+}
+
+void CudaEpExperts::dispatch_fp8(const cuda::EpHandle& h, const CudaEpExpertsSaved& s, const uint16_t* rows_RD,
+                                 int64_t rows, uint16_t* values, cuda::Stream st) {
+  const int64_t d = d_, G = h.total_recv, per = cuda::fp8_row_payload_bytes(d);
+  MOE_CHECK(send_RP.bytes() >= size_t(rows * per), "CudaEpExperts: ", rows, " rows to send, the FP8 payload buffer ",
+            "holds ", send_RP.bytes() / size_t(per));
+  MOE_CHECK(per % 2 == 0 && pm_GD.bytes() >= size_t(G * per) && work_GD.bytes() >= size_t(G * per),
+            "CudaEpExperts: the exchange buffers do not hold ", G, " FP8 payload rows");
+  uint8_t* send = send_RP.as<uint8_t>();
+  cuda::fp8_pack_rows(rows_RD, rows, d, Fp8Format::kE4M3, send, nullptr, st);
+  // The payload rows travel as per / 2 16-bit words (their bits unchanged).
+  uint16_t* pm = pm_GD.as<uint16_t>();
+  uint16_t* grouped = work_GD.as<uint16_t>();
+  cuda::ep_dispatch_rows(comm_, h, reinterpret_cast<const uint16_t*>(send), pm, per / 2, st);
+  cuda::ep_gather_rows(pm, s.regroup_G.as<int32_t>(), G, G, per / 2, grouped, st);
+  const cuda::Fp8Rows in = cuda::experts_fp8_input_rows(fp8_ws_.data(), fp8_ws_.bytes(), std::max<int64_t>(G, 1), d,
+                                                         inner_);
+  cuda::fp8_unpack_rows(reinterpret_cast<const uint8_t*>(grouped), G, d, Fp8Format::kE4M3, in.codes, in.scales,
+                        values, st);
 }
 
 // One MoE layer's forward after the dispatch permute: x_sorted_RD [R, D] rows sorted by global
 // expert; y_sorted_RD [R, D] receives the expert outputs in the same order.
 void CudaEpExperts::forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                             const int32_t* counts_E, const int32_t* /*offsets_E1*/, const uint16_t* x_sorted_RD,
-                            int64_t /*rows*/, uint16_t* y_sorted_RD, bool input_quantised) {
+                            int64_t rows, uint16_t* y_sorted_RD, bool input_quantised) {
   MOE_CHECK(!input_quantised, "CudaEpExperts::forward: the exchange carries BF16 rows, no input codes");
   CudaEpExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
   const cuda::Stream st = c.stream;
@@ -311,6 +350,7 @@ void CudaEpExperts::forward(const CudaBlockContext& c, int64_t moe_index, const 
     g.grow_bytes(ws_, cuda::experts_backward_workspace_bytes(cap, inner), "expert dgate_up and dh");
   }
   g.grow<int32_t>(s.local_offsets_L1, L + 1, "local expert offsets");
+  if (fp8_on_) grow_fp8(G);
   if (G > 0) {
     cuda::copy_h2d(s.regroup_G.data(), h.regroup.data(), size_t(G) * sizeof(int32_t), st);
     cuda::copy_h2d(s.ungroup_G.data(), h.ungroup.data(), size_t(G) * sizeof(int32_t), st);
@@ -320,14 +360,24 @@ void CudaEpExperts::forward(const CudaBlockContext& c, int64_t moe_index, const 
 
   uint16_t* pm = pm_GD.as<uint16_t>();
   uint16_t* xr = s.x_GD.as<uint16_t>();
-  cuda::ep_dispatch_rows(comm_, h, x_sorted_RD, pm, d, st);
-  cuda::ep_gather_rows(pm, s.regroup_G.as<int32_t>(), G, G, d, xr, st);
-  count_traffic(h, 2);
-  c.mark(cuda::Phase::kExperts);
   uint16_t* yr = work_GD.as<uint16_t>();
-  // G == 0 (no rows for this rank's experts) enqueues nothing.
-  cuda::experts_forward(xr, s.local_offsets_L1.as<int32_t>(), P + p.experts_gate_up, P + p.experts_down, G, L, d,
-                        inner, gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), yr, st);
+  if (fp8_on_) {
+    dispatch_fp8(h, s, x_sorted_RD, rows, xr, st);  // xr: the rows' dequantised values
+    count_traffic(h, cuda::fp8_row_payload_bytes(d), 2 * d);
+    c.mark(cuda::Phase::kExperts);
+    fp8_.refresh(c, moe_index, p, st);  // the local experts' codes, when the parameters moved
+    cuda::experts_forward_fp8(xr, s.local_offsets_L1.as<int32_t>(), fp8_.view(moe_index), G, L, d, inner,
+                              gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), yr,
+                              fp8_ws_.data(), fp8_ws_.bytes(), st, /*input_quantised=*/true);
+  } else {
+    cuda::ep_dispatch_rows(comm_, h, x_sorted_RD, pm, d, st);
+    cuda::ep_gather_rows(pm, s.regroup_G.as<int32_t>(), G, G, d, xr, st);
+    count_traffic(h, 2 * d, 2 * d);
+    c.mark(cuda::Phase::kExperts);
+    // G == 0 (no rows for this rank's experts) enqueues nothing.
+    cuda::experts_forward(xr, s.local_offsets_L1.as<int32_t>(), P + p.experts_gate_up, P + p.experts_down, G, L, d,
+                          inner, gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), yr, st);
+  }
   c.mark(cuda::Phase::kCombine);
   cuda::ep_gather_rows(yr, s.ungroup_G.as<int32_t>(), G, G, d, pm, st);
   cuda::ep_combine_rows(comm_, h, pm, y_sorted_RD, d, st);
@@ -337,7 +387,7 @@ void CudaEpExperts::forward(const CudaBlockContext& c, int64_t moe_index, const 
 // experts' ranks, local expert dgrad and wgrad there, dx_sorted_RD [R, D] back.
 void CudaEpExperts::backward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                              const int32_t* /*offsets_E1*/, const uint16_t* /*x_sorted_RD*/,
-                             const uint16_t* dy_sorted_RD, int64_t /*rows*/, uint16_t* dx_sorted_RD,
+                             const uint16_t* dy_sorted_RD, int64_t rows, uint16_t* dx_sorted_RD,
                              bool input_quantised) {
   MOE_CHECK(!input_quantised, "CudaEpExperts::backward: the exchange carries BF16 rows, no input codes");
   const CudaEpExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
@@ -350,9 +400,24 @@ void CudaEpExperts::backward(const CudaBlockContext& c, int64_t moe_index, const
   c.mark(cuda::Phase::kDispatch);
   uint16_t* pm = pm_GD.as<uint16_t>();
   uint16_t* work = work_GD.as<uint16_t>();
+  if (fp8_on_) {
+    // dy as FP8 payload: its codes into the FP8 input rows, its dequantised values into pm (the
+    // exchange buffer is free until the combine); dx by local expert into work.
+    dispatch_fp8(h, s, dy_sorted_RD, rows, pm, st);
+    count_traffic(h, cuda::fp8_row_payload_bytes(d), 2 * d);
+    c.mark(cuda::Phase::kExperts);
+    cuda::experts_backward_fp8(s.x_GD.as<uint16_t>(), s.local_offsets_L1.as<int32_t>(), fp8_.view(moe_index),
+                               gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), pm, G, L, d,
+                               inner, work, Gr + p.experts_gate_up, Gr + p.experts_down, ws_.data(), ws_.bytes(),
+                               fp8_ws_.data(), fp8_ws_.bytes(), st, !c.overwrite_grads, /*input_quantised=*/true);
+    c.mark(cuda::Phase::kCombine);
+    cuda::ep_gather_rows(work, s.ungroup_G.as<int32_t>(), G, G, d, pm, st);
+    cuda::ep_combine_rows(comm_, h, pm, dx_sorted_RD, d, st);
+    return;
+  }
   cuda::ep_dispatch_rows(comm_, h, dy_sorted_RD, pm, d, st);
   cuda::ep_gather_rows(pm, s.regroup_G.as<int32_t>(), G, G, d, work, st);  // dy rows by local expert
-  count_traffic(h, 2);
+  count_traffic(h, 2 * d, 2 * d);
   c.mark(cuda::Phase::kExperts);
   // dx rows by local expert overwrite the dy rows in place (the op reads dy in full first).
   cuda::experts_backward(s.x_GD.as<uint16_t>(), s.local_offsets_L1.as<int32_t>(), P + p.experts_gate_up,
@@ -369,11 +434,17 @@ void CudaEpExperts::backward(const CudaBlockContext& c, int64_t moe_index, const
 void CudaEpExperts::recompute(const CudaBlockContext& c, int64_t moe_index, const LayerParams& /*p*/,
                               const int32_t* /*offsets_E1*/, int64_t /*rows*/, uint16_t* /*y_sorted_RD*/) {
   const CudaEpExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
+  if (fp8_on_) {  // h through the FP8 path's SwiGLU (its codes written too), the outputs kept
+    cuda::experts_recompute_fp8(gate_up_rows(moe_index).as<uint16_t>(), s.local_offsets_L1.as<int32_t>(),
+                                fp8_.view(moe_index), s.handle.total_recv, local_, d_, inner_,
+                                h_rows(moe_index).as<uint16_t>(), nullptr, fp8_ws_.data(), fp8_ws_.bytes(), c.stream);
+    return;
+  }
   cuda::experts_recompute(gate_up_rows(moe_index).as<uint16_t>(), s.local_offsets_L1.as<int32_t>(), nullptr,
                           s.handle.total_recv, local_, d_, inner_, h_rows(moe_index).as<uint16_t>(), nullptr, c.stream);
 }
 
-void CudaEpExperts::count_traffic(const cuda::EpHandle& h, int64_t elem_bytes) {
+void CudaEpExperts::count_traffic(const cuda::EpHandle& h, int64_t dispatch_bytes, int64_t combine_bytes) {
   EpTraffic& t = traffic_;
   int64_t out = 0, in = 0;
   for (int q = 0; q < h.ep; ++q) {
@@ -384,8 +455,8 @@ void CudaEpExperts::count_traffic(const cuda::EpHandle& h, int64_t elem_bytes) {
   // Dispatch sends `out` rows and receives `in`; combine returns them the other way.
   t.exchanges += 2;
   t.rows_sent += out + in;
-  t.bytes_sent += (out + in) * d_ * elem_bytes;
-  t.bytes_received += (in + out) * d_ * elem_bytes;
+  t.bytes_sent += out * dispatch_bytes + in * combine_bytes;
+  t.bytes_received += in * dispatch_bytes + out * combine_bytes;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -460,6 +531,12 @@ void CudaRowwiseExperts::reserve(int64_t rows, CudaBufferGrower& g) {
     cuda::stream_sync(nullptr);
   }
   g.grow_bytes(ws_, cuda::experts_backward_workspace_bytes(G, inner), "expert dgate_up and dh");
+  if (fp8_on_) {
+    fp8_.reserve(int64_t(saved_.size()), local_, d, inner, g);
+    g.grow_bytes(pack_RP_, size_t(rows * fp8_stride()), "FP8 row payloads packed");
+    g.grow<uint16_t>(values_GD_, G * d, "FP8 rows dequantised");
+    g.grow_bytes(fp8_ws_, cuda::experts_fp8_workspace_bytes(G, d, inner), "FP8 expert activation codes");
+  }
   if (rows <= reserved_rows_) return;
   // The symmetric buffers, the same sizes on every PE (collective), then their peers' addresses.
   // The table is made anew through the grower first: that refuses to run under capture and counts
@@ -482,6 +559,45 @@ void CudaRowwiseExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   cuda::copy_h2d(peer_table_.data(), table.data(), table.size() * sizeof(void*), nullptr);
   cuda::stream_sync(nullptr);
   reserved_rows_ = rows;
+}
+
+void CudaRowwiseExperts::set_fp8(bool on) {
+  MOE_CHECK(!on || (d_ % 128 == 0 && fp8_experts_shapes(d_, inner_)), "train.precision = \"fp8\" with the rowwise ",
+            "exchange: its FP8 rows are whole 1 x 128 blocks, so model.d_model (", d_, ") must be a multiple of 128 ",
+            "and moe.expert_hidden (", inner_, ") of 16");
+  fp8_on_ = on;
+}
+
+std::vector<CudaFp8ExpertTensor> CudaRowwiseExperts::fp8_weight_tensors(const std::vector<LayerParams>& layers) {
+  if (!fp8_on_) return {};
+  return fp8_.tensors(layers);
+}
+
+void CudaRowwiseExperts::fp8_codes_follow(int64_t from, int64_t to) { fp8_.follow(from, to); }
+
+void CudaRowwiseExperts::refresh_fp8(const CudaBlockContext& c, const std::vector<LayerParams>& layers) {
+  if (!fp8_on_) return;
+  for (const LayerParams& p : layers) {
+    MOE_CHECK(p.moe_index >= 0 && p.moe_index < fp8_.layers(), "CudaRowwiseExperts::refresh_fp8: layer ", p.moe_index,
+              " has no FP8 codes; reserve first");
+    fp8_.refresh(c, p.moe_index, p, c.stream);
+  }
+}
+
+int64_t CudaRowwiseExperts::fp8_stride() const { return (cuda::fp8_row_payload_bytes(d_) + 15) / 16 * 16; }
+
+const uint16_t* CudaRowwiseExperts::pack_fp8(const uint16_t* rows, int64_t n, cuda::Stream st) {
+  MOE_CHECK(pack_RP_.bytes() >= size_t(n * fp8_stride()), "CudaRowwiseExperts: ", n, " rows to pack, the FP8 payload ",
+            "buffer holds ", pack_RP_.bytes() / size_t(fp8_stride()));
+  cuda::fp8_pack_rows(rows, n, d_, Fp8Format::kE4M3, pack_RP_.as<uint8_t>(), nullptr, st, fp8_stride());
+  return pack_RP_.as<uint16_t>();
+}
+
+void CudaRowwiseExperts::unpack_fp8(void* buffer, int64_t G, cuda::Stream st) {
+  const cuda::Fp8Rows in = cuda::experts_fp8_input_rows(fp8_ws_.data(), fp8_ws_.bytes(), G, d_, inner_);
+  cuda::fp8_unpack_rows(static_cast<const uint8_t*>(buffer), G, d_, Fp8Format::kE4M3, in.codes, in.scales,
+                        values_GD_.as<uint16_t>(), st, fp8_stride());
+  cuda::copy_d2d(buffer, values_GD_.data(), size_t(G * d_) * sizeof(uint16_t), st);
 }
 
 void CudaRowwiseExperts::forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
@@ -519,13 +635,26 @@ void CudaRowwiseExperts::forward_rows(const CudaBlockContext& c, int64_t moe_ind
                               traffic_total_.as<int64_t>(), st);
   exchanges_ += 2;
   traffic_stream_ = st;
-  cuda::ep_rowwise_scatter(x, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, d_, peers(3 + size_t(moe_index)),
-                           ep_, st, sorted_route, top_k);
+  // FP8: the rows (or token rows) go as payload rows, 16-bit words of fp8_stride() bytes.
+  const uint16_t* src = fp8_on_ ? pack_fp8(x, sorted_route != nullptr ? rows / top_k : rows, st) : x;
+  const int64_t width = fp8_on_ ? fp8_stride() / 2 : d_;
+  cuda::ep_rowwise_scatter(src, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, width,
+                           peers(3 + size_t(moe_index)), ep_, st, sorted_route, top_k);
   world_.barrier(st);
   c.mark(cuda::Phase::kExperts);
-  cuda::experts_forward(static_cast<const uint16_t*>(s.x_GD), s.local_offsets_L1.as<int32_t>(), P + p.experts_gate_up,
-                        P + p.experts_down, G, local_, d_, inner_, gate_up_rows(moe_index).as<uint16_t>(),
-                        h_rows(moe_index).as<uint16_t>(), static_cast<uint16_t*>(y_GD_), st);
+  if (fp8_on_) {
+    unpack_fp8(s.x_GD, G, st);          // the codes into the FP8 input rows, the values over the payload
+    fp8_.refresh(c, moe_index, p, st);  // without the step's update (or after a newer version)
+    cuda::experts_forward_fp8(static_cast<const uint16_t*>(s.x_GD), s.local_offsets_L1.as<int32_t>(),
+                              fp8_.view(moe_index), G, local_, d_, inner_, gate_up_rows(moe_index).as<uint16_t>(),
+                              h_rows(moe_index).as<uint16_t>(), static_cast<uint16_t*>(y_GD_), fp8_ws_.data(),
+                              fp8_ws_.bytes(), st, /*input_quantised=*/true);
+  } else {
+    cuda::experts_forward(static_cast<const uint16_t*>(s.x_GD), s.local_offsets_L1.as<int32_t>(),
+                          P + p.experts_gate_up, P + p.experts_down, G, local_, d_, inner_,
+                          gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(),
+                          static_cast<uint16_t*>(y_GD_), st);
+  }
   world_.barrier(st);  // every rank's outputs written
   c.mark(cuda::Phase::kCombine);
   cuda::ep_rowwise_gather(peers(1), offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, d_, ep_, y_sorted_RD, st);
@@ -535,6 +664,12 @@ void CudaRowwiseExperts::forward_rows(const CudaBlockContext& c, int64_t moe_ind
 void CudaRowwiseExperts::recompute(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
                                    const int32_t* /*offsets_E1*/, int64_t /*rows*/, uint16_t* /*y_sorted_RD*/) {
   const CudaRowwiseExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
+  if (fp8_on_) {
+    cuda::experts_recompute_fp8(gate_up_rows(moe_index).as<uint16_t>(), s.local_offsets_L1.as<int32_t>(),
+                                fp8_.view(moe_index), receive_rows(reserved_rows_), local_, d_, inner_,
+                                h_rows(moe_index).as<uint16_t>(), nullptr, fp8_ws_.data(), fp8_ws_.bytes(), c.stream);
+    return;
+  }
   cuda::experts_recompute(gate_up_rows(moe_index).as<uint16_t>(), s.local_offsets_L1.as<int32_t>(),
                           c.params + p.experts_down, receive_rows(reserved_rows_), local_, d_, inner_,
                           h_rows(moe_index).as<uint16_t>(), nullptr, c.stream);
@@ -551,11 +686,22 @@ void CudaRowwiseExperts::backward_experts(const CudaBlockContext& c, int64_t moe
   cuda::ep_rowwise_count_rows(nullptr, ep_, rank_, e_, traffic_slots_.as<int64_t>() + 2 * moe_index,
                               traffic_total_.as<int64_t>(), st);
   exchanges_ += 2;
-  cuda::ep_rowwise_scatter(dy_sorted_RD, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, d_, peers(2), ep_,
-                           st);
+  const uint16_t* src = fp8_on_ ? pack_fp8(dy_sorted_RD, rows, st) : dy_sorted_RD;
+  cuda::ep_rowwise_scatter(src, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_,
+                           fp8_on_ ? fp8_stride() / 2 : d_, peers(2), ep_, st);
   world_.barrier(st);
   c.mark(cuda::Phase::kExperts);
   uint16_t* dy = static_cast<uint16_t*>(dy_GD_);
+  if (fp8_on_) {
+    unpack_fp8(dy, G, st);  // dy's codes into the FP8 input rows, its values over the payload
+    cuda::experts_backward_fp8(static_cast<const uint16_t*>(s.x_GD), s.local_offsets_L1.as<int32_t>(),
+                               fp8_.view(moe_index), gate_up_rows(moe_index).as<uint16_t>(),
+                               h_rows(moe_index).as<uint16_t>(), dy, G, local_, d_, inner_, dy, Gr + p.experts_gate_up,
+                               Gr + p.experts_down, ws_.data(), ws_.bytes(), fp8_ws_.data(), fp8_ws_.bytes(), st,
+                               !c.overwrite_grads, /*input_quantised=*/true);
+    world_.barrier(st);  // every rank's input gradients written (in place of dy)
+    return;
+  }
   cuda::experts_backward(static_cast<const uint16_t*>(s.x_GD), s.local_offsets_L1.as<int32_t>(), P + p.experts_gate_up,
                          P + p.experts_down, gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(),
                          dy, G, local_, d_, inner_, dy, Gr + p.experts_gate_up, Gr + p.experts_down, ws_.data(),
@@ -597,8 +743,10 @@ EpTraffic CudaRowwiseExperts::traffic() const {
   // experts received back (combine: the peers load them), forward and backward alike.
   t.exchanges = exchanges_;
   t.rows_sent = rows[0] + rows[1];
-  t.bytes_sent = t.rows_sent * d_ * int64_t(sizeof(uint16_t));
-  t.bytes_received = t.bytes_sent;
+  // The rows out travel as FP8 payload rows under set_fp8, the rows back in BF16.
+  const int64_t out_row = fp8_on_ ? fp8_stride() : 2 * d_;
+  t.bytes_sent = rows[0] * out_row + rows[1] * 2 * d_;
+  t.bytes_received = rows[1] * out_row + rows[0] * 2 * d_;
   return t;
 }
 

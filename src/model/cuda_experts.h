@@ -33,8 +33,8 @@ class NvshmemWorld;
 struct EpTraffic {
   int64_t exchanges = 0;          // row exchanges (4 per MoE layer per forward + backward)
   int64_t rows_sent = 0;          // rows sent to other ranks
-  int64_t bytes_sent = 0;         // BF16 row bytes sent to other ranks
-  int64_t bytes_received = 0;     // BF16 row bytes received from other ranks
+  int64_t bytes_sent = 0;         // row bytes sent to other ranks (BF16, or FP8 payload)
+  int64_t bytes_received = 0;     // row bytes received from other ranks
 };
 
 // One routed-expert weight tensor [experts, n, k] in the flat parameters and the buffers of its FP8
@@ -252,10 +252,25 @@ class CudaEpExperts final : public CudaExperts {
                 bool input_quantised) override;
   EpTraffic traffic() const override { return traffic_; }
   void reset_traffic() override { traffic_ = {}; }
+  // train.precision = "fp8" (D a multiple of 128): the rows that feed an FP8 GEMM on the expert's
+  // rank (x_sorted forward, dy_sorted backward) travel as their FP8 payload (cuda::fp8_pack_rows:
+  // codes and 1 x 128 scales, D + D / 32 bytes a row against 2 D), unpacked on arrival into the
+  // experts' FP8 input rows and their dequantised BF16 values (what the experts save and their
+  // weight gradients read, as the CPU reference's FP8 exchange delivers); the outputs and input
+  // gradients travel in BF16. The local experts' weight codes follow the parameters' version at
+  // each forward (no fused update).
+  void set_fp8(bool on) override;
 
  private:
-  // Two row exchanges of `h` (dispatch and combine): rows to and from the other ranks.
-  void count_traffic(const cuda::EpHandle& h, int64_t elem_bytes);
+  // Two row exchanges of `h` (dispatch of dispatch_bytes a row, combine of combine_bytes): rows
+  // to and from the other ranks.
+  void count_traffic(const cuda::EpHandle& h, int64_t dispatch_bytes, int64_t combine_bytes);
+  // The G received rows' FP8 buffers, grown (like the row buffers) right after the count read.
+  void grow_fp8(int64_t rows);
+  // Rows [R, D] (BF16) to their experts' ranks as FP8 payload: pm (peer-major) then `grouped`
+  // [G, per] by local expert, unpacked into the FP8 input rows and `values` [G, D] (BF16).
+  void dispatch_fp8(const cuda::EpHandle& h, const CudaEpExpertsSaved& s, const uint16_t* rows_RD, int64_t rows,
+                    uint16_t* values, cuda::Stream st);
   cuda::DeviceBuffer& gate_up_rows(int64_t m) {
     return mode_ == Recompute::kFull ? pool_.gate_up_R2I : saved_[size_t(m)].experts.gate_up_R2I;
   }
@@ -272,6 +287,11 @@ class CudaEpExperts final : public CudaExperts {
   cuda::DeviceBuffer recv_counts_E, pm_GD, work_GD, ws_;
   std::vector<int32_t> host_counts_;
   EpTraffic traffic_;
+  // FP8 (set_fp8): the local experts' weight codes, the packed rows this rank sends [R, per], the
+  // experts' FP8 input rows (experts_fp8_workspace_bytes) and weight-gradient operands for G rows.
+  bool fp8_on_ = false;
+  CudaFp8ExpertCodeSet fp8_;
+  cuda::DeviceBuffer send_RP, fp8_ws_;
 };
 
 // What the rowwise experts keep per MoE layer: the rows this rank's experts received (symmetric:
@@ -333,6 +353,16 @@ class CudaRowwiseExperts final : public CudaExperts {
   // Symmetric heap bytes reserve(rows) allocates.
   static int64_t symmetric_bytes(const MoeConfig& e, int64_t d, int64_t num_moe_layers, int64_t ep, double cf,
                                  int64_t rows);
+  // train.precision = "fp8" (D a multiple of 128): the rows scattered into the experts' buffers
+  // (x forward, dy backward) go as FP8 payload rows (cuda::fp8_pack_rows, padded to 16-byte
+  // words) into the same symmetric buffers, and the expert rank unpacks them into the experts'
+  // FP8 input rows and writes their dequantised BF16 values back over the buffer (what the experts
+  // save and the weight gradients read); outputs and input gradients stay BF16. The weight codes as
+  // the local experts keep them (the step's update writes them; capturable).
+  void set_fp8(bool on) override;
+  std::vector<CudaFp8ExpertTensor> fp8_weight_tensors(const std::vector<LayerParams>& layers) override;
+  void fp8_codes_follow(int64_t from, int64_t to) override;
+  void refresh_fp8(const CudaBlockContext& c, const std::vector<LayerParams>& layers) override;
 
  private:
   cuda::DeviceBuffer& gate_up_rows(int64_t m) {
@@ -348,6 +378,12 @@ class CudaRowwiseExperts final : public CudaExperts {
   void backward_experts(const CudaBlockContext& c, int64_t m, const LayerParams& p, const int32_t* offsets_E1,
                         const uint16_t* dy_sorted_RD, int64_t rows);
   void free_symmetric();
+  // FP8: n rows of `rows` (BF16 [n, D]) packed into pack_RP_ as payload rows of fp8_stride() bytes,
+  // the width in 16-bit words the scatter moves; and the G payload rows in `buffer` unpacked into
+  // the experts' FP8 input rows, their dequantised values written back over `buffer` ([G, D]).
+  int64_t fp8_stride() const;
+  const uint16_t* pack_fp8(const uint16_t* rows, int64_t n, cuda::Stream st);
+  void unpack_fp8(void* buffer, int64_t G, cuda::Stream st);
 
   int64_t d_, e_, inner_, local_, ep_, rank_;
   double capacity_factor_;
@@ -369,6 +405,11 @@ class CudaRowwiseExperts final : public CudaExperts {
   cuda::DeviceBuffer traffic_slots_, traffic_total_;
   int64_t exchanges_ = 0;
   cuda::Stream traffic_stream_ = nullptr;
+  // FP8 (set_fp8): the local experts' weight codes, the packed rows [R, stride], the dequantised
+  // rows before their copy back [G, D], the experts' FP8 input rows and weight-gradient operands.
+  bool fp8_on_ = false;
+  CudaFp8ExpertCodeSet fp8_;
+  cuda::DeviceBuffer pack_RP_, values_GD_, fp8_ws_;
 };
 
 }  // namespace moe

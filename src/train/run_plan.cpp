@@ -46,10 +46,12 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   // The FP8 recipe on the GPU (docs/numerics.md) runs local experts on rows of 16 codes: refused
   // here, before anything is allocated, where CudaModel::set_fp8 would refuse it.
   if (device == "cuda" && cfg.train.precision == "fp8") {
-    MOE_CHECK(p.sizes.ep == 1 && cfg.parallel.ep_backend == "alltoall", "train.precision = \"fp8\" on train.device = ",
-              "\"cuda\" with parallel.ep = ", p.sizes.ep, " and parallel.ep_backend = \"", cfg.parallel.ep_backend,
-              "\": the expert-parallel exchanges carry BF16 rows only so far; set parallel.ep = 1 and "
-              "parallel.ep_backend = \"alltoall\", or train.precision = \"bf16\"");
+    const bool fp8_rows = p.sizes.ep > 1 || cfg.parallel.ep_backend == "rowwise";  // rows exchanged as FP8
+    MOE_CHECK(!fp8_rows || num_moe_layers(cfg.model) == 0 || cfg.model.d_model % 128 == 0,
+              "train.precision = \"fp8\" on train.device = \"cuda\" with parallel.ep = ", p.sizes.ep,
+              " and parallel.ep_backend = \"", cfg.parallel.ep_backend, "\": the expert exchange's FP8 rows are whole ",
+              "1 x 128 blocks, so model.d_model (", cfg.model.d_model, ") must be a multiple of 128; set parallel.ep = ",
+              "1 and parallel.ep_backend = \"alltoall\", or train.precision = \"bf16\"");
     MOE_CHECK(num_moe_layers(cfg.model) == 0 || fp8_experts_shapes(cfg.model.d_model, cfg.moe.expert_hidden),
               "train.precision = \"fp8\" on train.device = \"cuda\": the FP8 expert GEMMs read rows of 16 codes, so "
               "model.d_model (", cfg.model.d_model, ") and moe.expert_hidden (", cfg.moe.expert_hidden,
@@ -192,6 +194,16 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
     if (fp8_experts) m.params += double(m.expert_params) * (2.0 + 2.0 * 4.0 / (128.0 * 128.0));
     m.params += fp8_dense_params * (2.0 + 2.0 * 4.0 / (128.0 * 128.0));  // scales: padding not counted
     if (ep > 1) m.exchange = moe_layers * rows * (2.0 * d + 8.0) + 2.0 * rows * 2.0 * d;
+    // FP8 under expert parallelism: the packed rows this rank sends (D + D / 32 bytes a row; the
+    // rowwise exchange pads them to 16-byte words and also holds its G = ep R received rows'
+    // dequantised values and the FP8 buffers of G rows beyond the R the scratch counts).
+    if (cfg.train.precision == "fp8" && cfg.parallel.ep_backend == "rowwise") {
+      const double g = rows * double(ep), widest = double(std::max(cfg.model.d_model, 2 * cfg.moe.expert_hidden));
+      m.exchange += rows * std::ceil((d + d / 32.0) / 16.0) * 16.0 + g * d * 2.0 +
+                    (g - rows) * (widest + std::ceil(widest / 128.0) * 4.0);
+    } else if (ep > 1 && cfg.train.precision == "fp8") {
+      m.exchange += rows * (d + d / 32.0);
+    }
     m.host_mirror = 12.0 * n;  // FP32 weights and the two moments (no host gradients)
   }
   return p;

@@ -153,6 +153,42 @@ TEST_F(ExpertParallelGpu, StepsFollowOneGpu) {
   expect_follows_one_gpu(c, std::vector<float>(m.expert_bias().size(), 0.0f), "learned routing");
 }
 
+// train.precision = "fp8" with ep = 2: the rows travel as FP8 payload and enter the experts as the
+// same codes the one-GPU run's producers write, so the first forward is the one-GPU forward (each
+// expert output row depends on its row alone); the experts' weight gradients (BF16) read the
+// rows' dequantised values (the CPU reference's FP8 exchange) where the one-GPU run reads the BF16
+// rows, so they follow within FP8's error, the dense gradients and the losses within tolerances
+// of that size.
+TEST_F(ExpertParallelGpu, Fp8StepsFollowOneGpu) {
+  Config c = dp_step_config();
+  c.train.precision = "fp8";
+  Model<float> m(c.model, c.moe);
+  const std::vector<float> bias(m.expert_bias().size(), 0.0f);
+  CudaStepRunner one(c);
+  const EpRun ref = ep_run(c, one, 6, bias);
+  Config ce = c;
+  ce.parallel.ep = 2;
+  CudaStepRunner two(ce, g_dp.get(), g_ep.get(), nullptr);
+  const EpRun got = ep_run(ce, two, 6, bias);
+  ASSERT_EQ(ref.steps.size(), 6u);
+  ASSERT_EQ(got.steps.size(), 6u);
+  EXPECT_NEAR(dp_loss(got.steps[0]), dp_loss(ref.steps[0]), 1e-4 * dp_loss(ref.steps[0]));
+  EXPECT_EQ(got.steps[0].tokens_per_expert, ref.steps[0].tokens_per_expert) << "expert counts of step 1";
+  Model<float> shape(c.model, c.moe);
+  const std::vector<float> ref_local = local_slice(shape.layout(), ref.grads_step1, two.model());
+  for (const ParamEntry& e : two.model().layout().entries()) {
+    const double err = norm_rel_error(got.grads_step1.data() + e.offset, ref_local.data() + e.offset, e.numel);
+    EXPECT_LE(err, e.expert ? 0.1 : 2e-2) << "gradient of " << e.name << (e.expert ? " (local experts)" : "");
+  }
+  for (size_t i = 0; i < 6; ++i)
+    EXPECT_NEAR(dp_loss(got.steps[i]), dp_loss(ref.steps[i]), 3e-2 * dp_loss(ref.steps[i])) << "step " << i + 1;
+  // A row goes out as D + D / 32 bytes (dispatch) and comes back as 2 D (combine): every row of
+  // the traffic counts 264 + 512 bytes, sent and received together.
+  const EpTraffic t = two.model().ep_traffic();
+  ASSERT_GT(t.rows_sent, 0);
+  EXPECT_EQ(t.bytes_sent + t.bytes_received, t.rows_sent * (264 + 512));
+}
+
 // Expert parallelism with activation recomputation: selective (the experts' h recomputed on the
 // expert side, their outputs kept) and full (the layer's forward again, exchanges included)
 // give bitwise the ep = 2 run without recomputation.
@@ -271,6 +307,37 @@ Config trainer_config(const std::filesystem::path& run) {
   c.parallel.timeout_s = 120;
   c.run.dir = run.string();
   return c;
+}
+
+// train.precision = "fp8" over the rowwise exchange: the FP8 payload rows (padded to 16-byte
+// words) land in the same grouped layout as the all-to-all exchange's and unpack to the same codes
+// and values, and the step's update writes the same weight codes the all-to-all run quantises in
+// its forward, so the runs are bitwise equal; in the CUDA graph too.
+TEST_F(ExpertParallelGpu, Fp8RowwiseEqualsAllToAllAndRunsInTheGraph) {
+  if (!g_nvshmem) GTEST_SKIP() << "this build has no NVSHMEM: the rowwise case did not run";
+  Config c = dp_step_config();
+  c.parallel.ep = 2;
+  c.train.precision = "fp8";
+  Model<float> m(c.model, c.moe);
+  const std::vector<float> bias(m.expert_bias().size(), 0.0f);
+  CudaStepRunner a2a(c, g_dp.get(), g_ep.get(), nullptr);
+  const EpRun ref = ep_run(c, a2a, 4, bias);
+  Config cr = c;
+  cr.parallel.ep_backend = "rowwise";
+  CudaStepRunner rw(cr, make_run_plan(cr, 2, "cuda"), g_dp.get(), g_ep.get(), nullptr, g_nvshmem.get());
+  const EpRun got = ep_run(cr, rw, 4, bias);
+  ASSERT_EQ(got.steps.size(), ref.steps.size());
+  EXPECT_TRUE(same_bits(got.grads_step1, ref.grads_step1)) << "gradients of step 1";
+  for (size_t i = 0; i < ref.steps.size(); ++i) {
+    EXPECT_EQ(got.steps[i].ce_sum, ref.steps[i].ce_sum) << "step " << i + 1;
+    EXPECT_EQ(got.steps[i].grad_norm, ref.steps[i].grad_norm) << "step " << i + 1;
+  }
+  CudaStepRunner graph(cr, make_run_plan(cr, 2, "cuda"), g_dp.get(), g_ep.get(), nullptr, g_nvshmem.get());
+  EXPECT_TRUE(graph.uses_graph());
+  const DpRun on = dp_run(cr, graph, true, 4);
+  CudaStepRunner eager(cr, make_run_plan(cr, 2, "cuda"), g_dp.get(), g_ep.get(), nullptr, g_nvshmem.get());
+  const DpRun off = dp_run(cr, eager, false, 4);
+  expect_same_steps(on, off, "fp8 rowwise ep = 2, graph on against off");
 }
 
 TEST_F(ExpertParallelGpu, TrainerFollowsOneGpuAndItsCheckpointResumesOnOneGpu) {

@@ -601,11 +601,6 @@ TEST(Fp8Gpu, WeightQuantiseWithTransposeMatchesCpuBitwise) {
   }
 }
 
-// One grouped FP8 GEMM case: activations [max_rows, k_in] in 1 x 128 blocks and weights [E, n_w, k_w]
-// quantised on the CPU; forward (out = a W_e^T: n_out = n_w, k_red = k_w, B = the codes) or data
-// gradient (out = a W_e: n_out = k_w, k_red = n_w, B = the transposed copy), against the CPU's
-// grouped block-scaled product on the same codes: |gpu - cpu| <= 2^-11 sum |a b| plus one BF16
-// rounding (the bound of check_fp8_gemm), rows outside the groups never written.
 // The GPU's BF16 output of one grouped FP8 GEMM against the CPU on the same codes: `in` [max_rows,
 // k_red] (the GEMM's input before quantisation, FP32 values) quantised by the CPU in 1 x 128 blocks,
 // qb / sb the weights' codes and scales as B ([E, n_out, k_red]); |gpu - cpu| <= 2^-11 sum |a b|
@@ -723,6 +718,210 @@ TEST(Fp8Gpu, GroupedGemmRefusesBadShapes) {
   EXPECT_NE(msg.find("cuda::grouped_gemm_fp8: k=24 must be a multiple of 16"), std::string::npos) << msg;
 }
 
+// Offsets of a grouped weight-gradient case: a partial block, an empty expert, exactly one block,
+// one row, more than two blocks, and a dropped tail past offsets[E].
+const std::vector<int32_t> kColumnOffsets = {0, 100, 100, 228, 229, 520};
+constexpr int64_t kColumnMaxRows = 560;
+
+// cuda::fp8_quantize_expert_columns against cpu::fp8_quantize_expert_columns: padded offsets, the
+// codes of every expert's columns (padding included) and the scales, bitwise; the dropped tail's
+// rows (NaN) never read; widths with a partial 64-column tile.
+TEST(Fp8Gpu, ExpertColumnsMatchCpuBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  const int64_t E = int64_t(kColumnOffsets.size()) - 1, R = kColumnMaxRows;
+  const int64_t capacity = cuda::fp8_expert_columns_capacity(R, E);
+  for (const int64_t width : {int64_t{256}, int64_t{200}}) {
+    std::vector<uint16_t> x = random_bf16(R * width, 41 + width, 2.0f);
+    for (int64_t i = kColumnOffsets.back() * width; i < R * width; ++i) x[size_t(i)] = 0x7FC0;  // NaN tail
+    for (int64_t j = 0; j < width; ++j) x[size_t(5 * width + j)] = f32_to_bf16(j % 3 == 0 ? 300.0f : 0.0f);
+    const std::vector<float> xf = bf16_to_f32(x);
+    std::vector<uint8_t> q_cpu(size_t(width * capacity), 0xAB);
+    std::vector<float> s_cpu(size_t(capacity / 128 * width), -1.0f);
+    std::vector<int32_t> pad_cpu(size_t(E + 1));
+    cpu::fp8_quantize_expert_columns(xf.data(), kColumnOffsets.data(), R, E, width, capacity, Fp8Format::kE4M3,
+                                     q_cpu.data(), s_cpu.data(), pad_cpu.data());
+    GuardedBuffer<uint16_t> d_x(x);
+    GuardedBuffer<int32_t> d_off(kColumnOffsets), d_pad(E + 1);
+    GuardedBuffer<uint8_t> d_q(std::vector<uint8_t>(size_t(width * capacity), 0xAB));
+    GuardedBuffer<float> d_s(std::vector<float>(size_t(capacity / 128 * width), -1.0f));
+    GuardedBuffer<uint32_t> bad(std::vector<uint32_t>{0});
+    TestStream stream;
+    cuda::fp8_quantize_expert_columns(d_x.data(), d_off.data(), R, E, width, capacity, Fp8Format::kE4M3, d_q.data(),
+                                      d_s.data(), d_pad.data(), bad.data(), stream.get());
+    stream.sync();
+    const std::string what = "width " + std::to_string(width);
+    EXPECT_EQ(d_pad.download(), pad_cpu) << what;
+    EXPECT_EQ(pad_cpu.back(), 128 + 0 + 128 + 128 + 384) << what;
+    const std::vector<uint8_t> q = d_q.download();
+    const std::vector<float> sc = d_s.download();
+    int64_t code_diffs = 0, scale_diffs = 0;
+    for (int64_t j = 0; j < width; ++j) {
+      for (int64_t p = 0; p < pad_cpu.back(); ++p) {
+        code_diffs += q[size_t(j * capacity + p)] != q_cpu[size_t(j * capacity + p)];
+      }
+      for (int64_t p = pad_cpu.back(); p < capacity; ++p) code_diffs += q[size_t(j * capacity + p)] != 0xAB;
+    }
+    for (size_t i = 0; i < sc.size(); ++i) scale_diffs += std::memcmp(&sc[i], &s_cpu[i], sizeof(float)) != 0;
+    EXPECT_EQ(code_diffs, 0) << what;
+    EXPECT_EQ(scale_diffs, 0) << what;
+    EXPECT_EQ(bad.download()[0], 0u) << what << ": the NaN tail was read";
+    d_x.expect_guards_intact(what + " x");
+    d_q.expect_guards_intact(what + " q_t");
+    d_s.expect_guards_intact(what + " scales_t");
+  }
+}
+
+// cuda::grouped_gemm_fp8_wgrad against the CPU on the same codes: dy [R, n] and x [R, k] quantised
+// down each expert's rows by the CPU twin, dw[e] = per expert cpu::fp8_gemm_rowwise_scaled of its
+// blocks; |gpu - cpu| <= 2^-11 sum |a b| + 2^-20 |cpu| (the tensor cores' in-block sums, as
+// check_fp8_gemm), overwrite (the empty expert's dw zeros) and accumulate (onto random dw, the
+// empty expert's untouched, plus one FP32 rounding of the sum).
+TEST(Fp8Gpu, GroupedWgradMatchesCpuOnTheSameCodes) {
+  MOE_SKIP_WITHOUT_GPU();
+  if (!cuda::grouped_gemm_wgmma_available()) GTEST_SKIP() << "the FP8 grouped GEMM needs a compute capability 9.0 GPU";
+  const int64_t E = int64_t(kColumnOffsets.size()) - 1, R = kColumnMaxRows, n = 256, k = 384;
+  const int64_t capacity = cuda::fp8_expert_columns_capacity(R, E), kb = capacity / 128;
+  const std::vector<float> dyf = bf16_to_f32(random_bf16(R * n, 51, 1.0f)), xf = bf16_to_f32(random_bf16(R * k, 52));
+  std::vector<uint8_t> qa(size_t(n * capacity), 0), qb(size_t(k * capacity), 0);
+  std::vector<float> sa(size_t(kb * n), 1.0f), sb(size_t(kb * k), 1.0f);
+  std::vector<int32_t> pad(size_t(E + 1));
+  cpu::fp8_quantize_expert_columns(dyf.data(), kColumnOffsets.data(), R, E, n, capacity, Fp8Format::kE4M3, qa.data(),
+                                   sa.data(), pad.data());
+  cpu::fp8_quantize_expert_columns(xf.data(), kColumnOffsets.data(), R, E, k, capacity, Fp8Format::kE4M3, qb.data(),
+                                   sb.data(), pad.data());
+  // Per expert: its blocks as row-major operands [n, pr] / [k, pr] with [rows, pr / 128] scales.
+  std::vector<float> want(size_t(E * n * k), 0.0f), sum_ab(size_t(E * n * k), 0.0f);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t p0 = pad[size_t(e)], pr = pad[size_t(e) + 1] - p0, nb = pr / 128;
+    if (pr == 0) continue;
+    std::vector<uint8_t> a(size_t(n * pr)), b(size_t(k * pr));
+    std::vector<float> as(size_t(n * nb)), bs(size_t(k * nb));
+    for (int64_t i = 0; i < n; ++i) {
+      std::copy_n(qa.data() + i * capacity + p0, pr, a.data() + i * pr);
+      for (int64_t x = 0; x < nb; ++x) as[size_t(i * nb + x)] = sa[size_t((p0 / 128 + x) * n + i)];
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      std::copy_n(qb.data() + j * capacity + p0, pr, b.data() + j * pr);
+      for (int64_t x = 0; x < nb; ++x) bs[size_t(j * nb + x)] = sb[size_t((p0 / 128 + x) * k + j)];
+    }
+    cpu::fp8_gemm_rowwise_scaled(a.data(), as.data(), Fp8Format::kE4M3, b.data(), bs.data(), Fp8Format::kE4M3, n, k,
+                                 pr, want.data() + e * n * k, false);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < k; ++j) {
+        double t = 0;
+        for (int64_t p = 0; p < pr; ++p) {
+          const double va = cpu::fp8_decode(a[size_t(i * pr + p)], Fp8Format::kE4M3) * as[size_t(i * nb + p / 128)];
+          const double vb = cpu::fp8_decode(b[size_t(j * pr + p)], Fp8Format::kE4M3) * bs[size_t(j * nb + p / 128)];
+          t += std::fabs(va * vb);
+        }
+        sum_ab[size_t((e * n + i) * k + j)] = float(t);
+      }
+  }
+  GuardedBuffer<uint8_t> d_qa(qa), d_qb(qb);
+  GuardedBuffer<float> d_sa(sa), d_sb(sb);
+  GuardedBuffer<int32_t> d_pad(pad);
+  const std::vector<float> old = random_f32(E * n * k, 53);
+  for (const bool accumulate : {false, true}) {
+    const std::string what = accumulate ? "fp8 wgrad accumulate" : "fp8 wgrad overwrite";
+    GuardedBuffer<float> dw(accumulate ? old : std::vector<float>(size_t(E * n * k), std::nanf("")));
+    TestStream stream;
+    cuda::grouped_gemm_fp8_wgrad(d_qa.data(), d_sa.data(), d_qb.data(), d_sb.data(), d_pad.data(), dw.data(), E, n, k,
+                                 capacity, accumulate, stream.get());
+    stream.sync();
+    const std::vector<float> got = dw.download();
+    size_t bad = 0;
+    double worst = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const double base = accumulate ? old[i] : 0.0, ref = base + want[i];
+      const double bound = std::ldexp(double(sum_ab[i]), -11) + std::ldexp(std::fabs(ref), -20) +
+                           std::ldexp(std::fabs(base), -22) + 1e-30;
+      const double err = std::fabs(double(got[i]) - ref);
+      worst = std::max(worst, err / bound);
+      if (!(err <= bound) && bad++ < 3) ADD_FAILURE() << what << ": dw[" << i << "] = " << got[i] << ", CPU " << ref;
+    }
+    EXPECT_EQ(bad, 0u) << what;
+    std::printf("%s: worst |gpu - cpu| / bound %.3f\n", what.c_str(), worst);
+    // The empty expert (e = 1): zeros when overwriting, untouched when accumulating.
+    for (int64_t i = n * k; i < 2 * n * k; ++i)
+      ASSERT_EQ(got[size_t(i)], accumulate ? old[size_t(i)] : 0.0f) << what << ": the empty expert's dw";
+    dw.expect_guards_intact(what + " dw");
+  }
+}
+
+TEST(Fp8Gpu, GroupedWgradRefusesBadShapes) {
+  MOE_SKIP_WITHOUT_GPU();
+  GuardedBuffer<uint8_t> q(128 * 256);
+  GuardedBuffer<float> s(256);
+  GuardedBuffer<int32_t> pad(std::vector<int32_t>{0, 128});
+  GuardedBuffer<float> dw(128 * 192);
+  TestStream stream;
+  const std::string msg = error_of([&] {
+    cuda::grouped_gemm_fp8_wgrad(q.data(), s.data(), q.data(), s.data(), pad.data(), dw.data(), 1, 128, 192, 256,
+                                 false, stream.get());
+  });
+  EXPECT_NE(msg.find("cuda::grouped_gemm_fp8_wgrad: n=128 and k=192 must be positive multiples of 128"),
+            std::string::npos)
+      << msg;
+}
+
+// The expert exchange's FP8 rows: cuda::fp8_pack_rows bitwise cpu::fp8_pack_rows (block scaling,
+// both formats; rows whose payload is not 8-byte aligned, cols 384: 396 bytes a row), and
+// cuda::fp8_unpack_rows' codes and scales the payload's, its BF16 rows the rounding of
+// cpu::fp8_unpack_rows' FP32 values; an output left null is not written.
+TEST(Fp8Gpu, RowPayloadMatchesCpuBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  const int64_t rows = 37, cols = 384, kb = cols / 128;
+  const int64_t per = cuda::fp8_row_payload_bytes(cols);
+  for (const Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    const std::string what = f == Fp8Format::kE4M3 ? "e4m3" : "e5m2";
+    std::vector<uint16_t> x = random_bf16(rows * cols, 61, 3.0f);
+    for (int64_t j = 0; j < 128; ++j) x[size_t(2 * cols + j)] = 0;  // an all-zero block: scale 1
+    const std::vector<float> xf = bf16_to_f32(x);
+    cpu::Fp8Recipe r;
+    r.forward = r.grad = f;
+    ASSERT_EQ(per, cpu::fp8_row_payload_bytes(cols, r));
+    std::vector<uint8_t> want(size_t(rows * per));
+    cpu::fp8_pack_rows(xf.data(), rows, cols, f, r, want.data());
+    std::vector<float> values(size_t(rows * cols));
+    cpu::fp8_unpack_rows(want.data(), rows, cols, f, r, values.data());
+    GuardedBuffer<uint16_t> d_x(x);
+    GuardedBuffer<uint8_t> payload(rows * per), codes(std::vector<uint8_t>(size_t(rows * cols), 0xCD));
+    GuardedBuffer<float> scales(rows * kb);
+    GuardedBuffer<uint16_t> out(rows * cols);
+    GuardedBuffer<uint32_t> bad(std::vector<uint32_t>{0});
+    TestStream stream;
+    cuda::fp8_pack_rows(d_x.data(), rows, cols, f, payload.data(), bad.data(), stream.get());
+    cuda::fp8_unpack_rows(payload.data(), rows, cols, f, nullptr, scales.data(), out.data(), stream.get());
+    stream.sync();
+    EXPECT_EQ(payload.download(), want) << what << ": payload";
+    EXPECT_EQ(bad.download()[0], 0u) << what;
+    const std::vector<uint8_t> untouched = codes.download();
+    EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](uint8_t c) { return c == 0xCD; }))
+        << what << ": codes were written although null was passed for them";
+    cuda::fp8_unpack_rows(payload.data(), rows, cols, f, codes.data(), nullptr, nullptr, stream.get());
+    stream.sync();
+    const std::vector<uint8_t> got_codes = codes.download();
+    const std::vector<float> got_scales = scales.download();
+    const std::vector<uint16_t> got_out = out.download();
+    int64_t diffs = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < cols; ++j) {
+        diffs += got_codes[size_t(i * cols + j)] != want[size_t(i * per + j)];
+        diffs += got_out[size_t(i * cols + j)] != f32_to_bf16(values[size_t(i * cols + j)]);
+      }
+      for (int64_t b = 0; b < kb; ++b) {
+        float s;
+        std::memcpy(&s, want.data() + i * per + cols + 4 * b, sizeof(float));
+        diffs += std::memcmp(&s, &got_scales[size_t(i * kb + b)], sizeof(float)) != 0;
+      }
+    }
+    EXPECT_EQ(diffs, 0) << what << ": unpacked codes, scales or BF16 rows";
+    EXPECT_EQ(got_scales[size_t(2 * kb)], 1.0f) << what << ": the all-zero block's scale";
+    for (auto* b : {&payload, &codes}) b->expect_guards_intact(what);
+    out.expect_guards_intact(what + " out");
+  }
+}
+
 // The FP8 recipe's experts (cuda::experts_forward_fp8 / experts_backward_fp8) stage by stage
 // against the CPU on the same codes: gate_up from x, y from the saved h, dh from dy (the down
 // weights' transposed codes), dx from dgate_up (the gate_up weights' transposed codes); the weight
@@ -798,6 +997,50 @@ void check_experts_fp8(const int64_t I) {
   stream.sync();
   expect_equal(dw_dn.download(), ref_dn.download(), "experts fp8 dw_down");
   expect_equal(dw_gu.download(), ref_gu.download(), "experts fp8 dw_gate_up");
+  // With the FP8 weight gradients (D and I multiples of 128): dx the same bits; each dw bitwise
+  // cuda::grouped_gemm_fp8_wgrad of the operands quantised down the experts' rows (the kernels'
+  // own tests compare them with the CPU), and within FP8's error of the BF16 weight gradients.
+  if (cuda::experts_fp8_wgrad_applies(D, I)) {
+    const size_t wg_bytes = cuda::experts_fp8_wgrad_workspace_bytes(R, E, D, I);
+    GuardedBuffer<uint8_t> wg(static_cast<int64_t>(wg_bytes));
+    GuardedBuffer<uint16_t> dx3(R * D);
+    GuardedBuffer<float> dw_gu3(E * 2 * I * D), dw_dn3(E * D * I), want_gu(E * 2 * I * D), want_dn(E * D * I);
+    cuda::experts_backward_fp8(d_x.data(), d_off.data(), fw, gate_up.data(), h.data(), d_dy.data(), R, E, D, I,
+                               dx3.data(), dw_gu3.data(), dw_dn3.data(), ws.data(), ws_bytes, f8.data(), f8_bytes,
+                               stream.get(), /*accumulate_dw=*/false, /*input_quantised=*/false, wg.data(), wg_bytes);
+    const int64_t cap = cuda::fp8_expert_columns_capacity(R, E);
+    GuardedBuffer<uint8_t> qa(std::max(D, 2 * I) * cap), qb(std::max(D, I) * cap);
+    GuardedBuffer<float> sa(cap / 128 * std::max(D, 2 * I)), sb(cap / 128 * std::max(D, I));
+    GuardedBuffer<int32_t> pad(E + 1);
+    const auto wgrad = [&](const uint16_t* a, int64_t n, const uint16_t* b, int64_t k, float* out) {
+      cuda::fp8_quantize_expert_columns(a, d_off.data(), R, E, n, cap, Fp8Format::kE4M3, qa.data(), sa.data(),
+                                        pad.data(), nullptr, stream.get());
+      cuda::fp8_quantize_expert_columns(b, d_off.data(), R, E, k, cap, Fp8Format::kE4M3, qb.data(), sb.data(),
+                                        pad.data(), nullptr, stream.get());
+      cuda::grouped_gemm_fp8_wgrad(qa.data(), sa.data(), qb.data(), sb.data(), pad.data(), out, E, n, k, cap, false,
+                                   stream.get());
+    };
+    wgrad(d_dy.data(), D, h.data(), I, want_dn.data());
+    wgrad(d_dgate_up.data(), 2 * I, d_x.data(), D, want_gu.data());
+    stream.sync();
+    const auto head_of = [](const std::vector<uint16_t>& v, int64_t n) {
+      return std::vector<uint16_t>(v.begin(), v.begin() + n);
+    };
+    expect_equal(head_of(dx3.download(), offsets.back() * D), head_of(g_dx, offsets.back() * D), "fp8 wgrad: dx");
+    expect_equal(dw_dn3.download(), want_dn.download(), "fp8 wgrad: dw_down");
+    expect_equal(dw_gu3.download(), want_gu.download(), "fp8 wgrad: dw_gate_up");
+    const auto rel = [](const std::vector<float>& got, const std::vector<float>& ref) {
+      double num = 0, den = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        num += (double(got[i]) - ref[i]) * (double(got[i]) - ref[i]);
+        den += double(ref[i]) * ref[i];
+      }
+      return std::sqrt(num / std::max(den, 1e-300));
+    };
+    EXPECT_LT(rel(dw_dn3.download(), ref_dn.download()), 0.1) << "fp8 dw_down against the BF16 weight gradient";
+    EXPECT_LT(rel(dw_gu3.download(), ref_gu.download()), 0.1) << "fp8 dw_gate_up against the BF16 weight gradient";
+    wg.expect_guards_intact("fp8 wgrad workspace");
+  }
   // The inputs' codes written by their producer into the workspace (here by the quantiser, which
   // the permute and the combine's backward equal bitwise: moe_routing_test.cpp), input_quantised:
   // every output bitwise the run that quantised x and dy itself.

@@ -508,6 +508,57 @@ TEST(Fp8, GroupedBlockScaledGemmRunsEachExpertOnItsRows) {
   EXPECT_EQ(c[size_t(16 * n)], -7.0f) << "the tail past offsets[E] was written";
 }
 
+// The experts' weight-gradient operands quantised down each expert's rows into padded columns
+// (cpu::fp8_quantize_expert_columns, the layout of the GPU's FP8 wgrad): each expert's blocks
+// through fp8_gemm_rowwise_scaled are the recipe's FP8 wgrad of its rows (fp8_linear_wgrad, whose
+// last block is partial where the padded one ends in zeros), bit for bit; an empty expert and a
+// dropped tail take no columns; a capacity too small is refused.
+TEST(Fp8, ExpertColumnsAreTheRecipesWgradOperands) {
+  const int64_t e = 4, max_rows = 330, n = 136, k = 256;
+  const std::vector<int32_t> offsets = {0, 130, 130, 258, 300};
+  const std::vector<float> dy = randn(max_rows * n, 11), x = randn(max_rows * k, 12);
+  const int64_t capacity = 768, kb = capacity / 128;
+  std::vector<uint8_t> qa(size_t(n * capacity), 0xEE), qb(size_t(k * capacity), 0xEE);
+  std::vector<float> sa(size_t(kb * n)), sb(size_t(kb * k));
+  std::vector<int32_t> pad(size_t(e + 1)), pad_b(size_t(e + 1));
+  cpu::fp8_quantize_expert_columns(dy.data(), offsets.data(), max_rows, e, n, capacity, Fp8Format::kE4M3, qa.data(),
+                                   sa.data(), pad.data());
+  cpu::fp8_quantize_expert_columns(x.data(), offsets.data(), max_rows, e, k, capacity, Fp8Format::kE4M3, qb.data(),
+                                   sb.data(), pad_b.data());
+  EXPECT_EQ(pad, (std::vector<int32_t>{0, 256, 256, 384, 512}));
+  EXPECT_EQ(pad_b, pad);
+  EXPECT_EQ(qa[size_t(512)], 0xEE) << "a column past padded[E] was written";
+  for (int64_t x_e = 0; x_e < e; ++x_e) {
+    const int64_t r0 = offsets[size_t(x_e)], rows = offsets[size_t(x_e) + 1] - r0;
+    const int64_t p0 = pad[size_t(x_e)], pr = pad[size_t(x_e) + 1] - p0, nb = pr / 128;
+    if (rows == 0) {
+      EXPECT_EQ(pr, 0);
+      continue;
+    }
+    std::vector<uint8_t> a(size_t(n * pr)), b(size_t(k * pr));
+    std::vector<float> as(size_t(n * nb)), bs(size_t(k * nb));
+    for (int64_t i = 0; i < n; ++i) {
+      std::copy_n(qa.data() + i * capacity + p0, pr, a.data() + i * pr);
+      for (int64_t t = 0; t < nb; ++t) as[size_t(i * nb + t)] = sa[size_t((p0 / 128 + t) * n + i)];
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      std::copy_n(qb.data() + j * capacity + p0, pr, b.data() + j * pr);
+      for (int64_t t = 0; t < nb; ++t) bs[size_t(j * nb + t)] = sb[size_t((p0 / 128 + t) * k + j)];
+    }
+    std::vector<float> got(size_t(n * k), 0.0f), want(size_t(n * k), 0.0f);
+    cpu::fp8_gemm_rowwise_scaled(a.data(), as.data(), Fp8Format::kE4M3, b.data(), bs.data(), Fp8Format::kE4M3, n, k,
+                                 pr, got.data(), true);
+    cpu::fp8_linear_wgrad(dy.data() + r0 * n, x.data() + r0 * k, rows, n, k, cpu::Fp8Recipe{}, want.data());
+    size_t bad = 0;
+    for (size_t i = 0; i < got.size(); ++i) bad += std::memcmp(&got[i], &want[i], sizeof(float)) != 0;
+    EXPECT_EQ(bad, 0u) << "expert " << x_e;
+  }
+  std::vector<int32_t> small(size_t(e + 1));
+  EXPECT_THROW(cpu::fp8_quantize_expert_columns(dy.data(), offsets.data(), max_rows, e, n, 384, Fp8Format::kE4M3,
+                                                qa.data(), sa.data(), small.data()),
+               Error);
+}
+
 }  // namespace moe::testing
 
 namespace moe::testing {

@@ -190,9 +190,9 @@ TEST(RunPlan, Fp8AddsTheExpertCodesAndTheirWorkspace) {
 }
 
 // The GPU's FP8 recipe is refused by the run plan (before anything is allocated) with expert
-// parallelism, with the rowwise exchange and with expert rows that are not whole 16-code chunks,
-// naming the key; the cpu run plan takes them (the CPU model itself refuses the emulated recipe
-// under expert parallelism, model.h).
+// parallelism or the rowwise exchange where the exchanged rows are not whole 1 x 128 blocks, and with
+// expert rows that are not whole 16-code chunks, naming the key (with d_model 128 both are taken,
+// the plan counting the FP8 rows sent); the cpu run plan takes them.
 TEST(RunPlan, Fp8OnCudaRefusesWhatItCannotRunNamingTheKey) {
   Config c = small();
   c.model.d_model = 16;
@@ -204,11 +204,23 @@ TEST(RunPlan, Fp8OnCudaRefusesWhatItCannotRunNamingTheKey) {
   ep.parallel.dp = 2;
   ep.parallel.ep = 2;
   ep.train.global_batch = 4;
-  EXPECT_NE(error_of([&] { make_run_plan(ep, 2, "cuda"); }).find("parallel.ep = 2"), std::string::npos);
+  // Under expert parallelism the rows travel as FP8 payload in whole 1 x 128 blocks.
+  EXPECT_NE(error_of([&] { make_run_plan(ep, 2, "cuda"); }).find("model.d_model (16) must be a multiple of 128"),
+            std::string::npos);
+  Config ep128 = ep;
+  ep128.model.d_model = 128;
+  const RunPlan fp8_ep = make_run_plan(ep128, 2, "cuda");
+  Config ep128_bf16 = ep128;
+  ep128_bf16.train.precision = "bf16";
+  const double rows = double(fp8_ep.tokens_per_micro_batch) * double(ep128.moe.top_k);
+  EXPECT_DOUBLE_EQ(fp8_ep.memory.exchange - make_run_plan(ep128_bf16, 2, "cuda").memory.exchange,
+                   rows * (128.0 + 4.0)) << "the FP8 rows this rank sends";
   Config rowwise = c;
   rowwise.parallel.ep_backend = "rowwise";
-  EXPECT_NE(error_of([&] { make_run_plan(rowwise, 1, "cuda"); }).find("parallel.ep_backend = \"rowwise\""),
+  EXPECT_NE(error_of([&] { make_run_plan(rowwise, 1, "cuda"); }).find("model.d_model (16) must be a multiple of 128"),
             std::string::npos);
+  rowwise.model.d_model = 128;
+  EXPECT_NO_THROW(make_run_plan(rowwise, 1, "cuda"));
   Config odd = c;
   odd.moe.expert_hidden = 24;
   EXPECT_NE(error_of([&] { make_run_plan(odd, 1, "cuda"); }).find("moe.expert_hidden (24)"), std::string::npos);

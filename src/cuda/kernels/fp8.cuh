@@ -11,6 +11,7 @@
 
 #include "core/fp8_types.h"
 #include "cuda/kernels/fp8_codes.cuh"
+#include "cuda/kernels/vec.cuh"
 
 namespace moe::cuda::kernels {
 
@@ -285,6 +286,169 @@ __global__ void fp8_scales_k_major_kernel(const float* __restrict__ s, int64_t r
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t b = i / ld, r = i % ld;
     out[i] = r < rows ? s[r * kb + b] : 0.0f;
+  }
+}
+
+// padded[e] = sum over e' < e of ceil(rows of e' / 128) * 128, e = 0 .. E (rows of e: offsets
+// clamped to [0, max_rows] as the grouped GEMMs read them). One thread: E is at most a few thousand.
+__global__ void fp8_expert_padded_offsets_kernel(const int32_t* __restrict__ offsets, int num_experts, int max_rows,
+                                                 int32_t* __restrict__ padded) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  int32_t at = 0;
+  for (int e = 0; e < num_experts; ++e) {
+    padded[e] = at;
+    const int start = min(max(offsets[e], 0), max_rows), end = min(max(offsets[e + 1], start), max_rows);
+    at += (end - start + 127) / 128 * 128;
+  }
+  padded[num_experts] = at;
+}
+
+constexpr int kFp8ColumnThreads = 256;  // 64 columns x 4 quarters of the block's 128 rows
+
+// The expert rows of x [max_rows, width] (BF16) quantised down the rows: blockIdx.x is padded
+// block b (rows padded[e] + 128 i of expert e, found by binary search; blocks past padded[E] do
+// nothing), blockIdx.y 64 columns. The block's 128 rows x 64 columns go through shared memory
+// (rows past the expert's end read as zeros); thread t takes column t % 64, rows 32 (t / 64) ..
+// + 31; each column's max |x| over the 128 rows (order-free), its scale amax / fp8_max (1 for an
+// all-zero column) into scales_t[b, column], and the codes fp8(x / scale) of its 32 rows into
+// q_t[column, 128 b + 32 (t / 64) ..] as two 16-byte words.
+__global__ void __launch_bounds__(kFp8ColumnThreads)
+    fp8_quantize_expert_columns_kernel(const uint16_t* __restrict__ x, const int32_t* __restrict__ offsets,
+                                       const int32_t* __restrict__ padded, int num_experts, int max_rows, int width,
+                                       int64_t capacity, Fp8Format f, uint8_t* __restrict__ q_t,
+                                       float* __restrict__ scales_t, uint32_t* num_nonfinite) {
+  __shared__ uint16_t tile[128][64 + 2];
+  __shared__ float s_max[4][64];
+  __shared__ uint32_t s_bad[4][64];
+  const int b = static_cast<int>(blockIdx.x), col0 = static_cast<int>(blockIdx.y) * 64;
+  if (128 * b >= padded[num_experts]) return;
+  int lo = 0, hi = num_experts - 1;  // the expert e with padded[e] <= 128 b < padded[e + 1]
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (padded[mid] <= 128 * b) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int start = min(max(offsets[lo], 0), max_rows), end = min(max(offsets[lo + 1], start), max_rows);
+  const int row0 = start + 128 * b - padded[lo];
+  const int t = static_cast<int>(threadIdx.x);
+  // Load: 128 rows x 64 columns, 8 columns (16 bytes) a thread and step.
+  for (int i = t; i < 128 * 8; i += kFp8ColumnThreads) {
+    const int r = i / 8, c = 8 * (i % 8);
+    const int row = row0 + r;
+    uint4 u = make_uint4(0u, 0u, 0u, 0u);
+    if (row < end) {
+      if (col0 + c + 8 <= width) {
+        u = *reinterpret_cast<const uint4*>(x + int64_t{row} * width + col0 + c);
+      } else {
+        uint16_t e8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int j = 0; j < 8 && col0 + c + j < width; ++j) e8[j] = x[int64_t{row} * width + col0 + c + j];
+        u = make_uint4(e8[0] | uint32_t(e8[1]) << 16, e8[2] | uint32_t(e8[3]) << 16, e8[4] | uint32_t(e8[5]) << 16,
+                       e8[6] | uint32_t(e8[7]) << 16);
+      }
+    }
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      tile[r][c + 2 * j] = static_cast<uint16_t>(w[j] & 0xffffu);
+      tile[r][c + 2 * j + 1] = static_cast<uint16_t>(w[j] >> 16);
+    }
+  }
+  __syncthreads();
+  const int c = t % 64, quarter = t / 64;
+  float v[32];
+  float local = 0.0f;
+  uint32_t bad = 0;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    v[i] = __uint_as_float(static_cast<uint32_t>(tile[32 * quarter + i][c]) << 16);
+    bad += isfinite(v[i]) ? 0u : 1u;
+    local = fmaxf(local, fabsf(v[i]));
+  }
+  s_max[quarter][c] = local;
+  s_bad[quarter][c] = bad;
+  __syncthreads();
+  const float amax = fmaxf(fmaxf(s_max[0][c], s_max[1][c]), fmaxf(s_max[2][c], s_max[3][c]));
+  float sc = __fdiv_rn(amax, fp8_max_of(f));
+  if (!(sc > 0.0f)) sc = 1.0f;
+  const int col = col0 + c;
+  if (col >= width) return;
+  if (quarter == 0) {
+    scales_t[int64_t{b} * width + col] = sc;
+    const uint32_t bad_all = s_bad[0][c] + s_bad[1][c] + s_bad[2][c] + s_bad[3][c];
+    if (bad_all != 0 && num_nonfinite != nullptr) atomicAdd(num_nonfinite, bad_all);
+  }
+  uint8_t* out = q_t + int64_t{col} * capacity + 128 * int64_t{b} + 32 * quarter;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    *reinterpret_cast<uint4*>(out + 16 * h) =
+        pack16([&](int i) { return fp8_encode_dev(__fdiv_rn(v[16 * h + i], sc), f); });
+  }
+}
+
+// The expert exchange's FP8 row payload (block scaling): row i of x [rows, cols] (BF16, cols a
+// multiple of 128) as payload row i of `per` bytes: its cols codes, then its cols / 128 FP32
+// scales (cpu::fp8_pack_rows). A half-warp per 1 x 128 block (fp8_half_warp_block_codes, the row
+// quantiser's codes and scales bit for bit); codes stored as two 4-byte words (a payload row is
+// 4-byte aligned). Grid-stride over the blocks, kFp8RowUnroll a half-warp per step.
+__global__ void __launch_bounds__(32 * kFp8RowWarps)
+    fp8_pack_rows_kernel(const uint16_t* __restrict__ x, int64_t blocks, int64_t per_row, int64_t cols, int64_t per,
+                         Fp8Format f, uint8_t* __restrict__ payload, uint32_t* num_nonfinite) {
+  const int lane = threadIdx.x % 32, half = lane / 16, sub = lane % 16;
+  const int64_t first = int64_t{blockIdx.x} * kFp8RowBlocksPerCta + (threadIdx.x / 32) * 2 * kFp8RowUnroll + half;
+#pragma unroll
+  for (int u = 0; u < kFp8RowUnroll; ++u) {
+    const int64_t b = first + 2 * u;
+    const bool valid = b < blocks;
+    float v[8];
+    if (valid) {
+      fp8_load8(x, b * 128 + 8 * sub, v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = 0.0f;
+    }
+    float s;
+    const uint2 codes = fp8_half_warp_block_codes(v, valid, f, s, num_nonfinite);
+    if (!valid) continue;
+    const int64_t row = b / per_row, blk = b % per_row;
+    uint8_t* out = payload + row * per;
+    uint32_t* words = reinterpret_cast<uint32_t*>(out + blk * 128 + 8 * sub);
+    words[0] = codes.x;
+    words[1] = codes.y;
+    if (sub == 0) reinterpret_cast<float*>(out + cols)[blk] = s;
+  }
+}
+
+// The payload rows back: thread t of the grid takes 8 codes of a row (cols / 8 a row), decodes them
+// with their block's scale (FP32 products, rounded to BF16 into out when out is not null), and
+// copies the codes into codes_out [rows, cols] and the scales into scales_out [rows, cols / 128]
+// (each when not null).
+__global__ void fp8_unpack_rows_kernel(const uint8_t* __restrict__ payload, int64_t rows, int64_t cols, int64_t per,
+                                       Fp8Format f, uint8_t* __restrict__ codes_out, float* __restrict__ scales_out,
+                                       uint16_t* __restrict__ out) {
+  const int64_t chunks = cols / 8, total = rows * chunks;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t row = i / chunks, c = i % chunks, blk = c / 16;
+    const uint8_t* in = payload + row * per;
+    const uint32_t w0 = reinterpret_cast<const uint32_t*>(in + 8 * c)[0];
+    const uint32_t w1 = reinterpret_cast<const uint32_t*>(in + 8 * c)[1];
+    const float s = reinterpret_cast<const float*>(in + cols)[blk];
+    if (codes_out != nullptr) *reinterpret_cast<uint2*>(codes_out + row * cols + 8 * c) = make_uint2(w0, w1);
+    if (scales_out != nullptr && c % 16 == 0) scales_out[row * (cols / 128) + blk] = s;
+    if (out != nullptr) {
+      uint32_t packed[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t w = j < 2 ? w0 : w1;
+        const int sh = 16 * (j % 2);
+        const float a = fp8_decode_dev(static_cast<uint8_t>(w >> sh), f) * s;
+        const float b = fp8_decode_dev(static_cast<uint8_t>(w >> (sh + 8)), f) * s;
+        packed[j] = uint32_t{f32_to_bf16_bits(a)} | (uint32_t{f32_to_bf16_bits(b)} << 16);
+      }
+      *reinterpret_cast<uint4*>(out + row * cols + 8 * c) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    }
   }
 }
 

@@ -42,28 +42,38 @@ __device__ __forceinline__ void fp8_lanes_amax(const float (&v)[N], float& local
 
 // One 1 x 128 block held by a half-warp, lane l of the half its elements 8l .. 8l + 7 in v: the
 // block's max |x| by shuffles within the half (order-free, so the scale is the CPU's bit for bit),
-// the scale amax / fp8_max (1 for an all-zero block) into *scale by the half's first lane, the
-// eight codes fp8(x / scale) stored as one 8-byte word at q, the non-finite elements added to
-// *num_nonfinite (when not null). Every lane of the warp calls it (the shuffles); a lane whose
-// half holds no block passes valid = false and stores nothing.
-__device__ __forceinline__ void fp8_quantize_half_warp_block(const float (&v)[8], bool valid, Fp8Format f,
-                                                             uint8_t* q, float* scale, uint32_t* num_nonfinite) {
+// its scale amax / fp8_max (1 for an all-zero block) into s, and this lane's eight codes fp8(x / s)
+// returned as two words (byte j of the pair: element j); the non-finite elements added to
+// *num_nonfinite (when not null and valid) by the half's first lane. Every lane of the warp calls
+// it (the shuffles); a lane whose half holds no block passes valid = false and gets zeros.
+__device__ __forceinline__ uint2 fp8_half_warp_block_codes(const float (&v)[8], bool valid, Fp8Format f, float& s,
+                                                           uint32_t* num_nonfinite) {
   float local = 0.0f;
   uint32_t bad = 0;
   fp8_lanes_amax<16>(v, local, bad);  // within the half-warp
-  if (!valid) return;
-  const bool first = threadIdx.x % 16 == 0;
-  if (first && bad != 0 && num_nonfinite != nullptr) atomicAdd(num_nonfinite, bad);
-  float s = __fdiv_rn(local, fp8_max_of(f));
+  s = 1.0f;
+  if (!valid) return make_uint2(0u, 0u);
+  if (threadIdx.x % 16 == 0 && bad != 0 && num_nonfinite != nullptr) atomicAdd(num_nonfinite, bad);
+  s = __fdiv_rn(local, fp8_max_of(f));
   if (!(s > 0.0f)) s = 1.0f;
-  if (first) *scale = s;
   uint32_t lo = 0, hi = 0;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     lo |= uint32_t{fp8_encode_dev(__fdiv_rn(v[j], s), f)} << (8 * j);
     hi |= uint32_t{fp8_encode_dev(__fdiv_rn(v[j + 4], s), f)} << (8 * j);
   }
-  *reinterpret_cast<uint2*>(q) = make_uint2(lo, hi);
+  return make_uint2(lo, hi);
+}
+
+// fp8_half_warp_block_codes with the scale stored into *scale by the half's first lane and the
+// codes as one 8-byte word at q (nothing stored when not valid).
+__device__ __forceinline__ void fp8_quantize_half_warp_block(const float (&v)[8], bool valid, Fp8Format f,
+                                                             uint8_t* q, float* scale, uint32_t* num_nonfinite) {
+  float s;
+  const uint2 codes = fp8_half_warp_block_codes(v, valid, f, s, num_nonfinite);
+  if (!valid) return;
+  if (threadIdx.x % 16 == 0) *scale = s;
+  *reinterpret_cast<uint2*>(q) = codes;
 }
 
 constexpr int kFp8WeightThreads = 256;  // threads of a 128 x 128 weight block

@@ -176,4 +176,123 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (leader) bulk_wait_all();
 }
 
+// ---- The weight gradient: K-grouped over each expert's rows ------------------------------
+
+// A stage of the weight-gradient kernel: A and B codes (128 x 128 each, as above), then the K
+// block's 128 scales of A's rows and 128 of B's (512 bytes each, by bulk copies).
+constexpr int kFp8WgradScaleBytes = 128 * 4;
+constexpr int kFp8WgradStageBytes = kFp8StageBytes + 2 * kFp8WgradScaleBytes;  // 33 KiB, 1 KiB aligned
+static_assert(kFp8WgradStageBytes % 1024 == 0, "stages keep the 1 KiB alignment of the swizzled boxes");
+
+// dw[e] (+)= A_e B_e^T for every expert e, both operands quantised down the expert's rows: qa_t
+// [n, capacity] and qb_t [k, capacity] hold the codes of dy^T and x^T (cuda::fp8_quantize_expert_columns),
+// expert e's rows in columns padded_offsets[e] .. padded_offsets[e + 1] (multiples of 128, zeros
+// past its last row), sa_t [capacity / 128, n] and sb_t [capacity / 128, k] their 1 x 128 scales,
+// K-block-major. For each K block kb of the expert and element (i, j):
+//   dw[e][i, j] += (sum_{p in kb} qa_t[i, p] qb_t[j, p]) * (sa_t[kb, i] * sb_t[kb, j])
+// promoted in FP32 per block, like the forward kernel but with a scale per output column too. Tiles
+// (e, 128 rows of n, 128 columns of k), columns fastest; each consumer warpgroup 64 rows. The tile
+// leaves from registers as FP32 pairs: stored (overwrite: zeros for an expert with no rows) or
+// added to dw (accumulate; one add per element, each element written by one CTA). n and k multiples
+// of 128. map_a: qa_t (box 128 x 128), map_b: qb_t (box 128 x 128). Dynamic smem:
+// smem_bytes(kStages, 0, false, kFp8WgradStageBytes).
+template <int kStages>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_fp8_wgrad_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                                const float* __restrict__ sa_t, const float* __restrict__ sb_t,
+                                const int32_t* __restrict__ padded_offsets, float* __restrict__ dw, int num_experts,
+                                int n, int k, bool accumulate) {
+  using Ring = Smem<kStages, kFp8WgradStageBytes>;
+  extern __shared__ __align__(1024) unsigned char sm90_smem[];
+  const Ring sm = setup_smem<kStages, kFp8WgradStageBytes>(sm90_smem, padded_offsets, num_experts, 0, false);
+  const int n_tiles = n / 128, k_tiles = k / 128;
+  const int64_t num_tiles = int64_t{num_experts} * n_tiles * k_tiles;
+  // The K blocks [kb0, kb1) of tile t's expert, and the tile's first row and column.
+  const auto tile_of = [&](int64_t t, int& e, int& i0, int& j0, int& kb0, int& kb1) {
+    e = static_cast<int>(t / (int64_t{n_tiles} * k_tiles));
+    const int rest = static_cast<int>(t % (int64_t{n_tiles} * k_tiles));
+    i0 = rest / k_tiles * 128;
+    j0 = rest % k_tiles * 128;
+    kb0 = __ldg(padded_offsets + e) / 128;
+    kb1 = __ldg(padded_offsets + e + 1) / 128;
+  };
+
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    prefetch_tensor_map(&map_a);
+    prefetch_tensor_map(&map_b);
+    uint32_t it = 0;
+    for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      int e, i0, j0, kb0, kb1;
+      tile_of(t, e, i0, j0, kb0, kb1);
+      for (int kb = kb0; kb < kb1; ++kb, ++it) {
+        const int s = Ring::ring_stage(it);
+        mbar_wait(sm.empty(s), Ring::ring_phase(it) ^ 1u);
+        const uint32_t a = sm.stage(s), full = sm.full(s);
+        mbar_arrive_expect_tx(full, kFp8WgradStageBytes);
+        tma_load_2d(a, &map_a, full, kb * kFp8BK, i0);
+        tma_load_2d(a + kFp8ABytes, &map_b, full, kb * kFp8BK, j0);
+        bulk_load_1d(a + kFp8StageBytes, sa_t + int64_t{kb} * n + i0, kFp8WgradScaleBytes, full);
+        bulk_load_1d(a + kFp8StageBytes + kFp8WgradScaleBytes, sb_t + int64_t{kb} * k + j0, kFp8WgradScaleBytes,
+                     full);
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<kConsumerRegs>();
+  const int wg = static_cast<int>(threadIdx.x) / 128 - 1;  // rows 64 wg .. 64 wg + 63 of the tile
+  const int warp = static_cast<int>(threadIdx.x) % 128 / kWarpSize;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int row_in_tile = wg * 64 + warp * 16 + lane / 4;  // this thread's rows: it and it + 8
+  const int col_in_tile = 2 * (lane % 4);                   // its columns: 8 jj + col_in_tile + {0, 1}
+  float acc[64], part[64];
+  uint32_t it = 0;
+  for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    int e, i0, j0, kb0, kb1;
+    tile_of(t, e, i0, j0, kb0, kb1);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int kb = kb0; kb < kb1; ++kb, ++it) {
+      const int s = Ring::ring_stage(it);
+      mbar_wait(sm.full(s), Ring::ring_phase(it));
+      const uint32_t a = sm.stage(s) + wg * (kFp8ABytes / 2), b = sm.stage(s) + kFp8ABytes;
+      wgmma_fence();
+      fp8_mma_k_block(part, a, b);
+      wgmma_commit();
+      const float* scales = reinterpret_cast<const float*>(sm.ring + s * kFp8WgradStageBytes + kFp8StageBytes);
+      const float s0 = scales[row_in_tile], s1 = scales[row_in_tile + 8];
+      const float2* sb = reinterpret_cast<const float2*>(scales + 128 + col_in_tile);
+      wgmma_wait<0>();
+      fence_accumulators(part);
+      // Promotion: acc[4 jj + 2 h + c] is row row_in_tile + 8 h, column 8 jj + col_in_tile + c.
+#pragma unroll
+      for (int jj = 0; jj < 16; ++jj) {
+        const float2 w = sb[4 * jj];  // columns 8 jj + col_in_tile, + 1
+        acc[4 * jj + 0] = fmaf(part[4 * jj + 0], s0 * w.x, acc[4 * jj + 0]);
+        acc[4 * jj + 1] = fmaf(part[4 * jj + 1], s0 * w.y, acc[4 * jj + 1]);
+        acc[4 * jj + 2] = fmaf(part[4 * jj + 2], s1 * w.x, acc[4 * jj + 2]);
+        acc[4 * jj + 3] = fmaf(part[4 * jj + 3], s1 * w.y, acc[4 * jj + 3]);
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(sm.empty(s));  // the stage's scales are read too
+    }
+    if (accumulate && kb1 == kb0) continue;  // an expert with no rows adds nothing
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float* row = dw + (int64_t{e} * n + i0 + row_in_tile + 8 * h) * k + j0 + col_in_tile;
+#pragma unroll
+      for (int jj = 0; jj < 16; ++jj) {
+        float2 v = make_float2(acc[4 * jj + 2 * h], acc[4 * jj + 2 * h + 1]);
+        if (accumulate) {
+          const float2 old = *reinterpret_cast<const float2*>(row + 8 * jj);
+          v = make_float2(old.x + v.x, old.y + v.y);
+        }
+        *reinterpret_cast<float2*>(row + 8 * jj) = v;
+      }
+    }
+  }
+}
+
 }  // namespace moe::cuda::kernels::sm90

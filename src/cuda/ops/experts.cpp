@@ -200,7 +200,67 @@ void swiglu_down_fp8(const uint16_t* gate_up, const int32_t* offsets, const Fp8E
   }
 }
 
+// The FP8 weight gradient's workspace: A codes [max(D, 2I), capacity], B codes [max(D, I),
+// capacity], their scales [capacity / 128, rows] and the padded offsets [E + 1], each 16-byte aligned.
+struct Fp8WgradWorkspace {
+  uint8_t* a;
+  uint8_t* b;
+  float* sa;
+  float* sb;
+  int32_t* padded;
+  int64_t capacity;
+};
+
+size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
+
+Fp8WgradWorkspace fp8_wgrad_layout(void* base_ptr, int64_t max_rows, int64_t num_experts, int64_t d, int64_t inner,
+                                   size_t* total) {
+  const int64_t capacity = fp8_expert_columns_capacity(max_rows, num_experts);
+  const size_t rows_a = static_cast<size_t>(std::max(d, 2 * inner)), rows_b = static_cast<size_t>(std::max(d, inner));
+  const size_t cap = static_cast<size_t>(capacity), blocks = cap / 128;
+  uint8_t* base = static_cast<uint8_t*>(base_ptr);
+  size_t at = 0;
+  const auto take = [&](size_t bytes) {
+    uint8_t* p = base == nullptr ? nullptr : base + at;
+    at += align16(bytes);
+    return p;
+  };
+  Fp8WgradWorkspace w{};
+  w.a = take(rows_a * cap);
+  w.b = take(rows_b * cap);
+  w.sa = reinterpret_cast<float*>(take(blocks * rows_a * sizeof(float)));
+  w.sb = reinterpret_cast<float*>(take(blocks * rows_b * sizeof(float)));
+  w.padded = reinterpret_cast<int32_t*>(take(static_cast<size_t>(num_experts + 1) * sizeof(int32_t)));
+  w.capacity = capacity;
+  if (total != nullptr) *total = at;
+  return w;
+}
+
+// dw (+)= a^T b per expert in FP8: a [R, n] and b [R, k] quantised down each expert's rows.
+void fp8_wgrad(const uint16_t* a, const uint16_t* b, const int32_t* offsets, float* dw, int64_t max_rows,
+               int64_t num_experts, int64_t n, int64_t k, bool accumulate, const Fp8WgradWorkspace& ws, Stream stream) {
+  fp8_quantize_expert_columns(a, offsets, max_rows, num_experts, n, ws.capacity, Fp8Format::kE4M3, ws.a, ws.sa,
+                              ws.padded, nullptr, stream);
+  fp8_quantize_expert_columns(b, offsets, max_rows, num_experts, k, ws.capacity, Fp8Format::kE4M3, ws.b, ws.sb,
+                              ws.padded, nullptr, stream);
+  grouped_gemm_fp8_wgrad(ws.a, ws.sa, ws.b, ws.sb, ws.padded, dw, num_experts, n, k, ws.capacity, accumulate, stream);
+}
+
 }  // namespace
+
+bool experts_fp8_wgrad_applies(int64_t d, int64_t inner) {
+  return d > 0 && inner > 0 && d % 128 == 0 && inner % 128 == 0;
+}
+
+size_t experts_fp8_wgrad_workspace_bytes(int64_t max_rows, int64_t num_experts, int64_t d, int64_t inner) {
+  MOE_CHECK(max_rows >= 0 && num_experts > 0 && d >= 0 && inner >= 0, "cuda::experts_fp8_wgrad_workspace_bytes: ",
+            "expected max_rows, d, inner >= 0 and num_experts > 0, got ", max_rows, ", ", num_experts, ", ", d, ", ",
+            inner);
+  if (!experts_fp8_wgrad_applies(d, inner)) return 0;
+  size_t total = 0;
+  fp8_wgrad_layout(nullptr, max_rows, num_experts, d, inner, &total);
+  return total;
+}
 
 size_t experts_fp8_workspace_bytes(int64_t max_rows, int64_t d, int64_t inner) {
   MOE_CHECK(max_rows >= 0 && d >= 0 && inner >= 0, "cuda::experts_fp8_workspace_bytes: sizes must be >= 0, got ",
@@ -263,7 +323,8 @@ void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offset
                           const uint16_t* gate_up, const uint16_t* h, const uint16_t* dy, int64_t max_rows,
                           int64_t num_experts, int64_t d, int64_t inner, uint16_t* dx_sorted, float* dw_gate_up,
                           float* dw_down, void* workspace, size_t workspace_bytes, void* fp8_workspace,
-                          size_t fp8_workspace_bytes, Stream stream, bool accumulate_dw, bool input_quantised) {
+                          size_t fp8_workspace_bytes, Stream stream, bool accumulate_dw, bool input_quantised,
+                          void* wgrad_workspace, size_t wgrad_workspace_bytes) {
   const char* op = "cuda::experts_backward_fp8";
   if (!backward_prologue(op, x_sorted, expert_offsets, gate_up, h, dy, max_rows, num_experts, d, inner, dx_sorted,
                          dw_gate_up, dw_down, workspace, workspace_bytes, stream, accumulate_dw,
@@ -272,6 +333,17 @@ void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offset
   }
   check_fp8_weights(op, w);
   const Fp8Workspace ws = split_fp8_workspace(op, fp8_workspace, fp8_workspace_bytes, max_rows, d, inner);
+  const bool fp8_dw = wgrad_workspace != nullptr;
+  Fp8WgradWorkspace wws{};
+  if (fp8_dw) {
+    MOE_CHECK(experts_fp8_wgrad_applies(d, inner), op, ": the FP8 weight gradients need d and inner multiples of ",
+              "128, got ", d, " and ", inner, "; pass no wgrad workspace");
+    const size_t need = experts_fp8_wgrad_workspace_bytes(max_rows, num_experts, d, inner);
+    MOE_CHECK(wgrad_workspace_bytes >= need && reinterpret_cast<uintptr_t>(wgrad_workspace) % 16 == 0, op,
+              ": the FP8 weight gradients' workspace has ", wgrad_workspace_bytes, " bytes, ", need, " needed ",
+              "(experts_fp8_wgrad_workspace_bytes), 16-byte aligned");
+    wws = fp8_wgrad_layout(wgrad_workspace, max_rows, num_experts, d, inner, nullptr);
+  }
   const size_t rows = static_cast<size_t>(max_rows);
   uint16_t* dgate_up = static_cast<uint16_t*>(workspace);           // [R, 2I]
   uint16_t* dh = dgate_up + rows * 2 * static_cast<size_t>(inner);  // [R, I]
@@ -283,7 +355,11 @@ void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offset
   } else {
     fp8_grouped(dy, w.down_t, w.s_down_t, expert_offsets, dh, max_rows, num_experts, inner, d, ws, stream);
   }
-  if (dw_down != nullptr) grouped_gemm_wgrad(dy, h, expert_offsets, dw_down, max_rows, num_experts, d, inner, accumulate_dw, stream);
+  if (dw_down != nullptr && fp8_dw) {
+    fp8_wgrad(dy, h, expert_offsets, dw_down, max_rows, num_experts, d, inner, accumulate_dw, wws, stream);
+  } else if (dw_down != nullptr) {
+    grouped_gemm_wgrad(dy, h, expert_offsets, dw_down, max_rows, num_experts, d, inner, accumulate_dw, stream);
+  }
   // dx = dgate_up @ W_gate_up[e] (B: [E, D, 2I]); dy (which dx may be) was read in full above.
   if (inner % 128 == 0) {  // the SwiGLU backward writes dgate_up's codes too
     swiglu_backward_fp8(gate_up, dh, dgate_up, ws.codes, ws.scales, max_rows, inner, stream);
@@ -294,7 +370,10 @@ void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offset
     fp8_grouped(dgate_up, w.gate_up_t, w.s_gate_up_t, expert_offsets, dx_sorted, max_rows, num_experts, d,
                 2 * inner, ws, stream);
   }
-  if (dw_gate_up != nullptr) {
+  if (dw_gate_up != nullptr && fp8_dw) {
+    fp8_wgrad(dgate_up, x_sorted, expert_offsets, dw_gate_up, max_rows, num_experts, 2 * inner, d, accumulate_dw, wws,
+              stream);
+  } else if (dw_gate_up != nullptr) {
     grouped_gemm_wgrad(dgate_up, x_sorted, expert_offsets, dw_gate_up, max_rows, num_experts, 2 * inner, d,
                        accumulate_dw, stream);
   }

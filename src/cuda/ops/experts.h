@@ -112,12 +112,24 @@ void experts_recompute_fp8(const uint16_t* gate_up /*[R,2I]*/, const int32_t* ex
                            uint16_t* h /*[R,I]*/, uint16_t* y /*[R,D] or null*/, void* fp8_workspace,
                            size_t fp8_workspace_bytes, Stream stream);
 
+// The FP8 weight gradients' workspace (experts_backward_fp8's wgrad_workspace): the operands of
+// one weight-gradient GEMM quantised down each expert's rows (cuda::fp8_quantize_expert_columns:
+// codes [max(D, 2I), capacity] and [max(D, I), capacity], their scales, the padded offsets). 0 when
+// the FP8 weight gradient does not apply (D or I not a multiple of 128).
+bool experts_fp8_wgrad_applies(int64_t d, int64_t inner);
+size_t experts_fp8_wgrad_workspace_bytes(int64_t max_rows, int64_t num_experts, int64_t d, int64_t inner);
+
+// wgrad_workspace (experts_fp8_wgrad_workspace_bytes, where experts_fp8_wgrad_applies): the weight
+// gradients in FP8 too, each GEMM's operands (dy and h; dgate_up and x_sorted) quantised down each
+// expert's rows in 1 x 128 blocks (E4M3) and multiplied by cuda::grouped_gemm_fp8_wgrad, the CPU
+// recipe's fp8_linear_wgrad per expert; null: BF16 weight gradients from the saved tensors.
 void experts_backward_fp8(const uint16_t* x_sorted /*[R,D]*/, const int32_t* expert_offsets /*[E+1]*/,
                           const Fp8ExpertWeights& w, const uint16_t* gate_up /*[R,2I]*/, const uint16_t* h /*[R,I]*/,
                           const uint16_t* dy /*[R,D]*/, int64_t max_rows, int64_t num_experts, int64_t d,
                           int64_t inner, uint16_t* dx_sorted /*[R,D], may be dy*/, float* dw_gate_up /*+=*/,
                           float* dw_down /*+=*/, void* workspace, size_t workspace_bytes, void* fp8_workspace,
                           size_t fp8_workspace_bytes, Stream stream, bool accumulate_dw = true,
-                          bool input_quantised = false);
+                          bool input_quantised = false, void* wgrad_workspace = nullptr,
+                          size_t wgrad_workspace_bytes = 0);
 
 }  // namespace moe::cuda

@@ -197,4 +197,87 @@ void fp8_scales_k_major(const float* s, int64_t rows, int64_t kb, int64_t ld, fl
   check_launch("fp8_scales_k_major_kernel");
 }
 
+int64_t fp8_expert_columns_capacity(int64_t max_rows, int64_t num_experts) {
+  MOE_CHECK(max_rows >= 0 && num_experts > 0, "cuda::fp8_expert_columns_capacity: expected max_rows >= 0 and ",
+            "num_experts > 0, got ", max_rows, " and ", num_experts);
+  return (max_rows + 127) / 128 * 128 + 128 * num_experts;
+}
+
+void fp8_quantize_expert_columns(const uint16_t* x_bf16, const int32_t* offsets, int64_t max_rows,
+                                 int64_t num_experts, int64_t width, int64_t capacity, Fp8Format f, uint8_t* q_t,
+                                 float* scales_t, int32_t* padded_offsets, uint32_t* num_nonfinite, Stream stream) {
+  const char* op = "cuda::fp8_quantize_expert_columns";
+  MOE_CHECK(max_rows >= 0 && width > 0 && num_experts > 0, op, ": expected max_rows >= 0, width > 0 and ",
+            "num_experts > 0, got ", max_rows, ", ", width, " and ", num_experts);
+  MOE_CHECK(width % 8 == 0, op, ": width ", width, " must be a multiple of 8 (rows are read in 16-byte words)");
+  const int64_t need = fp8_expert_columns_capacity(max_rows, num_experts);
+  MOE_CHECK(capacity >= need && capacity % 16 == 0, op, ": capacity ", capacity, " must be a multiple of 16 and at ",
+            "least ", need, " (fp8_expert_columns_capacity)");
+  MOE_CHECK(max_rows <= std::numeric_limits<int32_t>::max() - 128 * num_experts, op, ": ", max_rows, " rows and ",
+            num_experts, " experts overflow the int32 padded offsets");
+  detail::check_ptrs(op, {{"x", x_bf16}, {"q_t", q_t}}, 16);
+  detail::check_ptrs(op, {{"offsets", offsets}, {"padded_offsets", padded_offsets}, {"scales_t", scales_t}}, 4);
+  kernels::fp8_expert_padded_offsets_kernel<<<1, 32, 0, stream>>>(offsets, static_cast<int>(num_experts),
+                                                                 static_cast<int>(max_rows), padded_offsets);
+  check_launch("fp8_expert_padded_offsets_kernel");
+  const int64_t blocks = capacity / 128;
+  MOE_CHECK(blocks <= std::numeric_limits<int32_t>::max() && (width + 63) / 64 <= 65535, op, ": ", blocks,
+            " row blocks x ", (width + 63) / 64, " column tiles exceed one launch");
+  if (blocks == 0) return;
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>((width + 63) / 64));
+  kernels::fp8_quantize_expert_columns_kernel<<<grid, kernels::kFp8ColumnThreads, 0, stream>>>(
+      x_bf16, offsets, padded_offsets, static_cast<int>(num_experts), static_cast<int>(max_rows),
+      static_cast<int>(width), capacity, f, q_t, scales_t, num_nonfinite);
+  check_launch("fp8_quantize_expert_columns_kernel");
+}
+
+int64_t fp8_row_payload_bytes(int64_t cols) {
+  MOE_CHECK(cols >= 0 && cols % 128 == 0, "cuda::fp8_row_payload_bytes: cols must be a non-negative multiple of 128, ",
+            "got ", cols);
+  return cols + 4 * (cols / 128);
+}
+
+namespace {
+
+// The payload row stride: `stride` (0: the packed row's bytes), checked.
+int64_t payload_stride(const char* op, int64_t cols, int64_t stride) {
+  const int64_t per = fp8_row_payload_bytes(cols);
+  if (stride == 0) return per;
+  MOE_CHECK(stride >= per && stride % 4 == 0, op, ": payload rows ", stride, " bytes apart; expected a multiple of 4 ",
+            "of at least ", per, " (", cols, " codes and their scales)");
+  return stride;
+}
+
+}  // namespace
+
+void fp8_pack_rows(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Format f, uint8_t* payload,
+                   uint32_t* num_nonfinite, Stream stream, int64_t stride) {
+  const char* op = "cuda::fp8_pack_rows";
+  MOE_CHECK(rows >= 0, op, ": rows must be >= 0, got ", rows);
+  const int64_t per = payload_stride(op, cols, stride);
+  if (rows == 0 || cols == 0) return;
+  detail::check_ptrs(op, {{"x", x_bf16}, {"payload", payload}}, 16);
+  const int64_t blocks = rows * (cols / 128);
+  const int64_t grid = (blocks + kernels::kFp8RowBlocksPerCta - 1) / kernels::kFp8RowBlocksPerCta;
+  MOE_CHECK(grid <= kMaxGrid, op, ": ", rows, " rows of ", cols, " exceed one launch");
+  kernels::fp8_pack_rows_kernel<<<static_cast<unsigned>(grid), 32 * kernels::kFp8RowWarps, 0, stream>>>(
+      x_bf16, blocks, cols / 128, cols, per, f, payload, num_nonfinite);
+  check_launch("fp8_pack_rows_kernel");
+}
+
+void fp8_unpack_rows(const uint8_t* payload, int64_t rows, int64_t cols, Fp8Format f, uint8_t* codes, float* scales,
+                     uint16_t* out_bf16, Stream stream, int64_t stride) {
+  const char* op = "cuda::fp8_unpack_rows";
+  MOE_CHECK(rows >= 0, op, ": rows must be >= 0, got ", rows);
+  const int64_t per = payload_stride(op, cols, stride);
+  if (rows == 0 || cols == 0) return;
+  detail::check_ptrs(op, {{"payload", payload}}, 16);
+  if (codes != nullptr) detail::check_ptrs(op, {{"codes", codes}}, 8);
+  if (scales != nullptr) detail::check_ptrs(op, {{"scales", scales}}, sizeof(float));
+  if (out_bf16 != nullptr) detail::check_ptrs(op, {{"out", out_bf16}}, 16);
+  const unsigned grid = elementwise_blocks(rows * (cols / 8));
+  kernels::fp8_unpack_rows_kernel<<<grid, 256, 0, stream>>>(payload, rows, cols, per, f, codes, scales, out_bf16);
+  check_launch("fp8_unpack_rows_kernel");
+}
+
 }  // namespace moe::cuda

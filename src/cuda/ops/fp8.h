@@ -67,4 +67,35 @@ void fp8_quantize_weights(const uint16_t* w_bf16, int64_t experts, int64_t n, in
 // [rows, ld) of each K block zero. Bitwise copies.
 void fp8_scales_k_major(const float* s, int64_t rows, int64_t kb, int64_t ld, float* out, Stream stream);
 
+// The weight gradient's operands of the experts, quantised down each expert's rows. Expert e's
+// rows (offsets[e] .. offsets[e + 1], device offsets clamped to [0, max_rows]) take the padded
+// columns padded[e] .. padded[e + 1] of the output, padded[e] = sum over e' < e of ceil(rows of
+// e' / 128) * 128 (written to padded_offsets [E + 1], device int32): x [max_rows, width] (BF16) ->
+// q_t [width, capacity] (codes of x^T, row-major, rows `capacity` bytes apart) with scales_t
+// [capacity / 128, width] (K-block-major: block b, column j), each 128-row block of an expert and
+// column one 1 x 128 block of the quantiser (scale amax / fp8_max, 1 for all zeros; rows past the
+// expert's end count as zeros and get code 0). Columns of q_t past padded[E] are not written.
+// capacity >= fp8_expert_columns_capacity(max_rows, E), a multiple of 16; the twin is
+// cpu::fp8_quantize_expert_columns. No host synchronisation.
+int64_t fp8_expert_columns_capacity(int64_t max_rows, int64_t num_experts);
+void fp8_quantize_expert_columns(const uint16_t* x_bf16, const int32_t* offsets, int64_t max_rows,
+                                 int64_t num_experts, int64_t width, int64_t capacity, Fp8Format f, uint8_t* q_t,
+                                 float* scales_t, int32_t* padded_offsets, uint32_t* num_nonfinite, Stream stream);
+
+// The expert exchange's FP8 rows (block scaling; the twins cpu::fp8_pack_rows / fp8_unpack_rows
+// with the "blocks" recipe): fp8_row_payload_bytes(cols) = cols + 4 cols / 128 bytes a row, its
+// codes then its 1 x 128 FP32 scales. fp8_pack_rows: x [rows, cols] (BF16, cols a multiple of 128)
+// -> payload [rows, per] (the row quantiser's codes and scales bit for bit; non-finite elements
+// added to *num_nonfinite when not null). fp8_unpack_rows: payload -> codes [rows, cols] and scales
+// [rows, cols / 128] (the experts' FP8 input rows, cuda::Fp8Rows) and the dequantised rows as
+// BF16 (bf16 of cpu::fp8_unpack_rows' FP32 values), each output optional (null: not written).
+// Payload rows `stride` bytes apart (0: fp8_row_payload_bytes(cols); else at least that, a multiple
+// of 4: an exchange that moves 16-byte words pads its rows); payload 16-byte aligned; no host
+// synchronisation.
+int64_t fp8_row_payload_bytes(int64_t cols);
+void fp8_pack_rows(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Format f, uint8_t* payload,
+                   uint32_t* num_nonfinite, Stream stream, int64_t stride = 0);
+void fp8_unpack_rows(const uint8_t* payload, int64_t rows, int64_t cols, Fp8Format f, uint8_t* codes, float* scales,
+                     uint16_t* out_bf16, Stream stream, int64_t stride = 0);
+
 }  // namespace moe::cuda

@@ -383,4 +383,38 @@ void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, con
   }
 }
 
+void grouped_gemm_fp8_wgrad(const uint8_t* qa_t, const float* sa_t, const uint8_t* qb_t, const float* sb_t,
+                            const int32_t* padded_offsets, float* dw, int64_t num_experts, int64_t n, int64_t k,
+                            int64_t capacity, bool accumulate, Stream stream) {
+  const char* op = "cuda::grouped_gemm_fp8_wgrad";
+  MOE_CHECK(num_experts > 0 && num_experts <= kGroupedGemmMaxExperts, op, ": num_experts=", num_experts,
+            " must be in [1, ", kGroupedGemmMaxExperts, "]");
+  MOE_CHECK(n > 0 && k > 0 && n % 128 == 0 && k % 128 == 0, op, ": n=", n, " and k=", k,
+            " must be positive multiples of 128");
+  MOE_CHECK(capacity > 0 && capacity % 16 == 0, op, ": capacity=", capacity, " must be a positive multiple of 16");
+  MOE_CHECK(num_experts * (n / 128) * (k / 128) <= std::numeric_limits<int32_t>::max(), op, ": ", num_experts,
+            " experts of ", n, " x ", k, " are too many tiles");
+  int major = 0, minor = 0;
+  MOE_CHECK(device_is_sm90(current_device(), major, minor), op, ": the FP8 grouped GEMM runs on wgmma and needs a ",
+            "compute capability 9.0 device, this one is ", major, ".", minor);
+  detail::check_ptrs(op, {{"qa_t", qa_t}, {"qb_t", qb_t}, {"dw", dw}, {"sa_t", sa_t}, {"sb_t", sb_t}}, 16);
+  detail::check_ptrs(op, {{"padded_offsets", padded_offsets}}, 4);
+  namespace k90 = kernels::sm90;
+  const auto u64 = [](int64_t v) { return static_cast<uint64_t>(v); };
+  const CUtensorMap map_a =
+      tensor_map(op, "qa_t", kMapU8, qa_t, {u64(capacity), u64(n)}, {u64(capacity)}, {k90::kFp8BK, 128});
+  const CUtensorMap map_b =
+      tensor_map(op, "qb_t", kMapU8, qb_t, {u64(capacity), u64(k)}, {u64(capacity)}, {k90::kFp8BK, 128});
+  constexpr int kStages = 5;
+  const auto kernel = k90::grouped_gemm_fp8_wgrad_sm90<kStages>;
+  const size_t smem = static_cast<size_t>(k90::smem_bytes(kStages, 0, false, k90::kFp8WgradStageBytes));
+  MOE_CHECK(static_cast<int64_t>(smem) <= max_shared_memory_per_block(current_device()), op, ": ", smem,
+            " bytes of shared memory do not fit the device's ", max_shared_memory_per_block(current_device()));
+  const int grid = sm90_grid(op, kernel, smem, num_experts * (n / 128) * (k / 128));
+  kernel<<<grid, k90::kThreads, smem, stream>>>(map_a, map_b, sa_t, sb_t, padded_offsets, dw,
+                                                static_cast<int>(num_experts), static_cast<int>(n),
+                                                static_cast<int>(k), accumulate);
+  check_launch("grouped_gemm_fp8_wgrad_sm90");
+}
+
 }  // namespace moe::cuda

@@ -67,6 +67,19 @@ void grouped_gemm_fp8(const uint8_t* qa, const float* sa, const uint8_t* qb, con
                       const int32_t* expert_offsets, uint16_t* out, int64_t max_rows, int64_t num_experts, int64_t n,
                       int64_t k, Stream stream);
 
+// The experts' FP8 weight gradient, K-grouped over each expert's rows (sm_90 only): for every
+// expert e, dw[e] [n, k] (+)= sum over the K blocks b of its padded rows (padded_offsets[e] / 128 ..
+// padded_offsets[e + 1] / 128, as cuda::fp8_quantize_expert_columns writes them) of
+//   (sum_{p in b} qa_t[i, p] qb_t[j, p]) * sa_t[b, i] * sb_t[b, j],
+// qa_t [n, capacity] and qb_t [k, capacity] the codes of dy^T and x^T down the rows (E4M3), sa_t
+// [capacity / 128, n] and sb_t [capacity / 128, k] their scales: dw = dy_e^T x_e on the quantised
+// operands, per expert cpu::fp8_gemm_rowwise_scaled of its blocks. FP32 dw [E, n, k]: overwritten
+// (experts with no rows get zeros) or accumulated. n and k multiples of 128; capacity a multiple
+// of 16; 16-byte aligned codes and dw.
+void grouped_gemm_fp8_wgrad(const uint8_t* qa_t, const float* sa_t, const uint8_t* qb_t, const float* sb_t,
+                            const int32_t* padded_offsets, float* dw, int64_t num_experts, int64_t n, int64_t k,
+                            int64_t capacity, bool accumulate, Stream stream);
+
 // Largest num_experts the entry points accept (the M-grouped schedule lives in shared memory).
 inline constexpr int64_t kGroupedGemmMaxExperts = 4096;
 
