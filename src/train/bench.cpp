@@ -25,6 +25,7 @@
 #include "optim/adamw.h"
 #include "parallel/comm.h"
 #include "parallel/topology.h"
+#include "train/ceilings.h"
 #include "train/checkpointing.h"
 #include "train/device.h"
 #include "train/metrics.h"
@@ -317,12 +318,16 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
                         {"total_params", plan.counts.total_params},
                         {"active_params", plan.counts.active_params}};
   rec.update(details);
-  // Each phase against its ceiling (GPU steps: the H200 figures of train/ceilings.h).
+  // Each phase against its ceiling (GPU steps: the measured rates of this kind of GPU in
+  // train/ceilings.h; a GPU without them is held to the H200's, and the line says so).
   std::string ceiling_line;
   if (gpu && !phases.empty()) {
+    const std::string device_name = details.at("gpu").at("name").get<std::string>();
+    const GpuRates* measured = measured_rates(device_name);
+    const GpuRates& rates = measured != nullptr ? *measured : h200_ceilings();
     nlohmann::json cj = nlohmann::json::object();
     double ideal_sum = 0, measured_sum = 0;
-    for (const PhaseCeiling& c : phase_ceilings(cfg, plan)) {
+    for (const PhaseCeiling& c : phase_ceilings(cfg, plan, rates)) {
       double measured = 0;
       for (const auto& [name, ms] : phases)
         if (name == c.phase) measured = ms;
@@ -338,12 +343,17 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
       ceiling_line += part;
     }
     rec["phase_ceilings"] = cj;
-    rec["phase_ceilings_source"] = "ideal_ms: the phase's FLOPs or bytes of one step at the H200 ceilings of "
-                                   "train/ceilings.h (docs/benchmarks.md); measured_ms: phase_ms";
+    rec["phase_ceilings_gpu"] = rates.name;
+    rec["phase_ceilings_source"] = std::string("ideal_ms: the phase's FLOPs or bytes of one step at the ") + rates.name +
+                                   "'s measured rates of train/ceilings.h (docs/benchmarks.md)" +
+                                   (measured != nullptr ? "" : ", no rates measured on " + device_name) +
+                                   "; measured_ms: phase_ms";
     char tail[160];
     std::snprintf(tail, sizeof tail, " (these phases: %.1f ms at their ceilings, %.1f ms measured)", ideal_sum,
                   measured_sum);
-    ceiling_line = "of ceiling: " + ceiling_line + tail + "\n";
+    const std::string against =
+        measured != nullptr ? "" : std::string(" (the ") + rates.name + "'s: none measured on this GPU)";
+    ceiling_line = "of ceiling" + against + ": " + ceiling_line + tail + "\n";
   }
 
   char buf[640];

@@ -1,15 +1,19 @@
-// What one NVIDIA H200 does, as `moecore plan` uses it: per-op rates measured on one H200 and the
-// olmoe-8l step's phases, with the source of every figure. Measured figures come from committed
-// results: bench/results/gpu-check-20261201T230245Z (grouped_gemm.json: grouped GEMM and cuDNN
-// attention), bench/results/deferred-update-20261202 (the step's phases), bench/results/memory-check-20261201T2315Z and
-// docs/benchmarks.md (NCCL all-reduce, expert exchange); the dense GEMM rate was measured on the
+// What one GPU does: per-op rates measured on it (GpuRates: what the bench's per-phase ceilings
+// read), and for the H200, which `moecore plan` models, the multi-GPU rates and the olmoe-8l
+// step's phases as well (GpuCeilings), with the source of every figure. The H200's measured
+// figures come from committed results: bench/results/gpu-check-20261201T230245Z (grouped_gemm.json:
+// grouped GEMM and cuDNN attention), bench/results/deferred-update-20261202 (the step's phases),
+// bench/results/memory-check-20261201T2315Z and docs/benchmarks.md (NCCL all-reduce, expert exchange); the dense GEMM rate was measured on the
 // same kind of GPU but is not in a committed result file (docs/planning.md says so). Nominal
 // figures are the vendor's datasheet values and say so.
 #pragma once
 
+#include <string>
+
 namespace moe {
 
-struct GpuCeilings {
+// The rates of one GPU; the defaults are the H200's (h100_rates() sets every field).
+struct GpuRates {
   const char* name = "NVIDIA H200";
   double memory_gib = 139.8;  // usable device memory (cudaMemGetInfo total, bench-olmoe-8l.json)
 
@@ -38,7 +42,10 @@ struct GpuCeilings {
   // alone.
   double expert_weight_bytes_per_param = 8.6;
   double expert_weight_bytes_per_s = 4.3e12;
+};
 
+// The H200 as the planner models it: its rates, and the figures of several GPUs and of a whole step.
+struct GpuCeilings : GpuRates {
   // HBM3e bandwidth, nominal (datasheet): 4.8 TB/s. NVLink 4 between two H200s, nominal: 450 GB/s
   // per direction. Printed for orientation; the model below uses the measured rates.
   double hbm_nominal_bytes_per_s = 4.8e12;
@@ -69,6 +76,38 @@ struct GpuCeilings {
 inline const GpuCeilings& h200_ceilings() {
   static const GpuCeilings c;
   return c;
+}
+
+// One NVIDIA H100 80GB HBM3 (SXM), measured in one GPU call by the op bench
+// (bench/results/h100-ceilings-20261206/, command.sh): the experts' grouped GEMMs at the olmoe
+// shape (grouped_gemm.log), cuDNN 9.14 causal attention at B 4, S 4096, 16 heads, hd 128
+// (attention.log), the dense BF16 GEMM 16384 x 2048 x 2048 through cuBLASLt (fp8_gemm.log, its bf16
+// column) and AdamW's traffic on every SM at 30 bytes a parameter (adamw.log: 2959 GB/s), the rate
+// the experts' weight traffic and the optimizer are counted at (the H200's fitted 8.6 bytes per
+// expert parameter kept: it is the step's traffic, not the GPU's). memory_gib: nvidia-smi's
+// 81559 MiB. The planner does not model this GPU (no multi-GPU or step-phase figures).
+inline const GpuRates& h100_rates() {
+  static const GpuRates r = [] {
+    GpuRates g;
+    g.name = "NVIDIA H100 80GB HBM3";
+    g.memory_gib = 79.6;
+    g.gate_up_fwd_tflops = 724.6, g.gate_up_dgrad_tflops = 680.7, g.gate_up_wgrad_tflops = 598.1;
+    g.down_fwd_tflops = 672.7, g.down_dgrad_tflops = 730.3, g.down_wgrad_tflops = 606.0;
+    g.attention_fwd_tflops = 577.8, g.attention_bwd_tflops = 406.1;
+    g.dense_gemm_tflops = 745.3;
+    g.expert_weight_bytes_per_param = 8.6;
+    g.expert_weight_bytes_per_s = 2.959e12;
+    return g;
+  }();
+  return r;
+}
+
+// The measured rates of the GPU named `device` (cudaDeviceProp::name): the H200's or the H100's
+// (80GB HBM3) by name, else null (no GPU of that kind has been measured).
+inline const GpuRates* measured_rates(const std::string& device) {
+  if (device.find("H200") != std::string::npos) return &h200_ceilings();
+  if (device.find("H100") != std::string::npos && device.find("80GB HBM3") != std::string::npos) return &h100_rates();
+  return nullptr;
 }
 
 }  // namespace moe

@@ -9,7 +9,7 @@
 
 namespace moe {
 
-std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan, const GpuCeilings& gpu) {
+std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan, const GpuRates& gpu) {
   const ModelConfig& m = cfg.model;
   const MoeConfig& e = cfg.moe;
   const double micro = double(plan.micro_steps);

@@ -327,6 +327,36 @@ TEST(PhaseCeilings, WorkAddsUpToTheModelFlops) {
   }
 }
 
+// The bench holds each GPU to its own measured rates: the H200's and the H100's (80GB HBM3) by
+// the device's name, none for another GPU; on the H100 the same work takes the rates' ratio longer.
+TEST(PhaseCeilings, EachGpuItsOwnMeasuredRates) {
+  EXPECT_EQ(measured_rates("NVIDIA H200"), &h200_ceilings());
+  EXPECT_EQ(measured_rates("NVIDIA H100 80GB HBM3"), &h100_rates());
+  EXPECT_EQ(measured_rates("NVIDIA H100 PCIe"), nullptr);  // another memory, another rate
+  EXPECT_EQ(measured_rates("NVIDIA A100-SXM4-80GB"), nullptr);
+  const GpuRates& h100 = h100_rates();
+  EXPECT_STREQ(h100.name, "NVIDIA H100 80GB HBM3");
+  for (const double r : {h100.gate_up_fwd_tflops, h100.gate_up_dgrad_tflops, h100.gate_up_wgrad_tflops,
+                         h100.down_fwd_tflops, h100.down_dgrad_tflops, h100.down_wgrad_tflops,
+                         h100.attention_fwd_tflops, h100.attention_bwd_tflops, h100.dense_gemm_tflops}) {
+    EXPECT_GT(r, 300.0);
+    EXPECT_LT(r, 989.0);  // below the dense BF16 peak
+  }
+  const Config c = load_config(kOlmoe8l, {});
+  const RunPlan plan = make_run_plan(c, 1, "cuda");
+  const std::vector<PhaseCeiling> a = phase_ceilings(c, plan, h200_ceilings()), b = phase_ceilings(c, plan, h100);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].phase, b[i].phase);
+    EXPECT_EQ(a[i].flops, b[i].flops) << a[i].phase;  // the same work
+    if (a[i].phase == "optimizer") {
+      EXPECT_NEAR(b[i].ideal_ms / a[i].ideal_ms, 4.3e12 / 2.959e12, 1e-12);
+      EXPECT_NE(b[i].ceiling.find("3.0 TB/s"), std::string::npos) << b[i].ceiling;
+    }
+    if (a[i].phase == "lm_head") EXPECT_NEAR(b[i].ideal_ms / a[i].ideal_ms, 784.0 / 745.3, 1e-12);
+  }
+}
+
 // ZeRO-1: dense moments over dp, expert moments over ep-dp; the collectives' bytes follow.
 TEST(Planner, ZeroShardsAndCommunication) {
   Config c = small();
