@@ -192,10 +192,11 @@ const CommandSpec kPlan{
      {"--json", "", "print the plan as JSON"},
      {"--html", "", "write an interactive page of every layout of 1..N GPUs (--gpus N, default 8), opened at --layout or N's best"},
      {"--out", "FILE", "with --html: the page to write (default plan.html)", false, "-o"}},
-    "Plans the run on the cuda backend (BF16) without a GPU: per-GPU memory by part (BF16 weights,\n"
-    "FP32 master, gradients, AdamW moments replicated or ZeRO-1-sharded, activations for each recompute\n"
-    "mode side by side, exchange buffers, scratch), bytes per step of each collective, and a step time\n"
-    "estimated from op rates measured on an H200 (src/train/ceilings.h). The layout comes from\n"
+    "Plans the run on the cuda backend (BF16, or FP8 with train.precision = fp8) without a GPU: per-GPU\n"
+    "memory by part (BF16 weights, FP32 master, FP8 weight codes, gradients, AdamW moments replicated or\n"
+    "ZeRO-1-sharded, activations for each recompute mode side by side, exchange buffers, scratch), bytes\n"
+    "per step of each collective, and a step time estimated from BF16 op rates measured on an H200\n"
+    "(src/train/ceilings.h; the FP8 GEMMs are not modelled). The layout comes from\n"
     "--layout, else from the config's parallel keys (parallel.dp = 0: dp = parallel.ep, one GPU by\n"
     "default). When dp x micro_batch does\n"
     "not divide train.global_batch, the plan raises the global batch to the least multiple that it\n"

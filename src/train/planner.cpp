@@ -251,7 +251,9 @@ LayoutPlan plan_layout(const Config& cfg, const LayoutRequest& layout, double gp
   LayoutPlan p;
   p.cfg = cfg;
   p.cfg.train.device = "cuda";
-  p.cfg.train.precision = "bf16";
+  // The cuda backend's precisions: FP8 as configured (its codes and workspaces in the memory), BF16
+  // otherwise (a config written for the CPU's FP32 trains in BF16 there).
+  p.cfg.train.precision = cfg.train.precision == "fp8" ? "fp8" : "bf16";
   p.cfg.parallel.dp = layout.dp;
   p.cfg.parallel.ep = layout.ep;
   p.cfg.parallel.pp = layout.pp;
@@ -322,10 +324,11 @@ std::string describe_layout_plan(const LayoutPlan& p, const GpuCeilings& g) {
     std::snprintf(buf, sizeof buf, fmt, args...);
     out += buf;
   };
+  const bool fp8 = p.cfg.train.precision == "fp8";
   line("# plan              %lld x %s (%.1f GiB per GPU): dp %lld, ep %lld, ep-dp %lld, pp %lld; the cuda backend "
-       "(BF16)\n",
+       "(%s)\n",
        (long long)run.sizes.world, g.name, p.gpu_memory / kGiB, (long long)run.sizes.dp, (long long)run.sizes.ep,
-       (long long)run.ep_dp, (long long)run.sizes.pp);
+       (long long)run.ep_dp, (long long)run.sizes.pp, fp8 ? "FP8" : "BF16");
   if (!p.batch_note.empty()) line("# batch note        %s\n", p.batch_note.c_str());
   out += describe_run_plan(run);
   auto row = [&](const char* name, const std::array<double, 3>& v) {
@@ -338,6 +341,8 @@ std::string describe_layout_plan(const LayoutPlan& p, const GpuCeilings& g) {
        head[2].c_str());
   row("BF16 params", same(2.0 * double(m.local_params)));
   row("FP32 master weights", same(4.0 * double(m.local_params)));
+  // Under FP8: the E4M3 codes of the expert and FP8 MLP weights, each with its transposed copy.
+  if (m.params > 6.0 * double(m.local_params)) row("FP8 weight codes", same(m.params - 6.0 * double(m.local_params)));
   row("FP32 gradients", same(m.grads));
   char moments[96];
   if (p.zero) {
@@ -387,7 +392,8 @@ std::string describe_layout_plan(const LayoutPlan& p, const GpuCeilings& g) {
   }
   line("  total per step                                %9s\n", gb(c.total_per_step()).c_str());
 
-  line("\nstep time estimate, ms, from %s ceilings (docs/planning.md)\n", g.name);
+  line("\nstep time estimate, ms, from %s ceilings (docs/planning.md)%s\n", g.name,
+       fp8 ? "; BF16 op rates: the FP8 GEMMs are not modelled" : "");
   line("%-40s %11s %11s %11s\n", "", head[0].c_str(), head[1].c_str(), head[2].c_str());
   auto trow = [&](const char* name, double StepTime::*f) {
     line("  %-38s %11.2f %11.2f %11.2f\n", name, p.modes[0].time.*f, p.modes[1].time.*f, p.modes[2].time.*f);
@@ -501,6 +507,7 @@ nlohmann::json layout_plan_json(const LayoutPlan& p) {
            {{"global_batch", run.global_batch}, {"micro_batch", run.micro_batch}, {"micro_steps", run.micro_steps},
             {"seq_len", run.seq_len}, {"tokens_per_step", run.tokens_per_step}, {"note", p.batch_note}}},
           {"recompute", recompute_name(run.recompute)},
+          {"precision", p.cfg.train.precision},
           {"gpu_memory_bytes", p.gpu_memory},
           {"parameters",
            {{"total", run.counts.total_params}, {"active", run.counts.active_params}, {"local", m.local_params},
@@ -509,6 +516,7 @@ nlohmann::json layout_plan_json(const LayoutPlan& p) {
           {"memory_bytes",
            {{"params_bf16", 2.0 * double(m.local_params)},
             {"master_fp32", 4.0 * double(m.local_params)},
+            {"fp8_weight_codes", m.params - 6.0 * double(m.local_params)},
             {"grads_fp32", m.grads},
             {"moments", p.moments},
             {"moments_sharding", p.zero ? "zero1" : "replicated"},

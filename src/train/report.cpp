@@ -384,13 +384,14 @@ function drawMemory(p, mode) {
   var mb = p.memory_bytes;
   var parts = [['BF16 params', function () { return mb.params_bf16; }],
                ['FP32 master weights', function () { return mb.master_fp32; }],
+               ['FP8 weight codes', function () { return mb.fp8_weight_codes || 0; }],
                ['FP32 gradients', function () { return mb.grads_fp32; }],
                ['AdamW moments (' + mb.moments_sharding + ')', function () { return mb.moments; }],
                ['activations kept', function (m) { return m.activations.kept_bytes; }],
                ['recompute pools', function (m) { return m.activations.pool_bytes; }],
                ['scratch and workspaces', function (m) { return m.activations.scratch_bytes; }],
                ['expert exchange buffers', function () { return mb.exchange; }]];
-  var colors = ['#4e79a7', '#a0cbe8', '#f28e2b', '#ffbe7d', '#59a14f', '#8cd17d', '#b6992d', '#e15759'];
+  var colors = ['#4e79a7', '#a0cbe8', '#76b7b2', '#f28e2b', '#ffbe7d', '#59a14f', '#8cd17d', '#b6992d', '#e15759'];
   var W = 1180, L = 100, R = 30, T = 10, bh = 30, gap = 14;
   var max = Math.max(p.gpu_memory_bytes, MODES.reduce(function (a, k) { return Math.max(a, p.modes[k].memory_bytes); }, 0));
   var sx = function (b) { return L + b / max * (W - L - R); };

@@ -387,6 +387,33 @@ TEST(Planner, ZeroShardsAndCommunication) {
   EXPECT_LT(p.modes[0].memory_total, q.modes[0].memory_total);
 }
 
+// train.precision = "fp8": the plan's memory is the FP8 run plan's (the weights' codes and the FP8
+// workspaces; olmoe-8l's 89.75 GiB, 6 of its layers fit an 80 GB GPU), the table shows the codes,
+// and the step time says it is from BF16 rates. A CPU config's fp32 is planned as BF16.
+TEST(Planner, Fp8PlansItsMemory) {
+  Config c = load_config(kOlmoe8l, {});
+  const LayoutPlan bf16 = plan_layout(c, LayoutRequest{}, 139.8);
+  c.train.precision = "fp8";
+  const LayoutPlan fp8 = plan_layout(c, LayoutRequest{}, 79.6);
+  Config run = c;
+  run.train.device = "cuda";
+  EXPECT_DOUBLE_EQ(fp8.modes[0].memory_total, make_run_plan(run, 1, "cuda").memory.total());
+  EXPECT_NEAR(fp8.modes[0].memory_total / kGiB, 89.75, 0.01);
+  EXPECT_GT(fp8.modes[0].memory_total, bf16.modes[0].memory_total);
+  EXPECT_FALSE(fp8.modes[0].fits);
+  const std::string text = describe_layout_plan(fp8);
+  EXPECT_NE(text.find("the cuda backend (FP8)"), std::string::npos) << text.substr(0, 200);
+  EXPECT_NE(text.find("FP8 weight codes"), std::string::npos);
+  EXPECT_NE(text.find("the FP8 GEMMs are not modelled"), std::string::npos);
+  EXPECT_EQ(layout_plan_json(fp8).at("precision"), "fp8");
+  EXPECT_EQ(describe_layout_plan(bf16).find("FP8 weight codes"), std::string::npos);
+  c.model.n_layers = 6;
+  EXPECT_TRUE(plan_layout(c, LayoutRequest{}, 79.6).modes[0].fits);
+  Config cpu = load_config(kOlmoe8l, {});
+  cpu.train.precision = "fp32";
+  EXPECT_EQ(plan_layout(cpu, LayoutRequest{}, 139.8).modes[0].memory_total, bf16.modes[0].memory_total);
+}
+
 TEST(Planner, BatchRaisedToTheLeastMultiple) {
   Config c = small();  // global 2, micro 2
   const LayoutPlan p = plan_layout(c, LayoutRequest{4, 1, 1}, 139.8);
