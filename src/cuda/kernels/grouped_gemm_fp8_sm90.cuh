@@ -86,10 +86,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int num_k = (k_red + kFp8BK - 1) / kFp8BK;
 
   if (threadIdx.x < 128) {
-    setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x != 0) return;
-    prefetch_tensor_map(&map_a);
-    prefetch_tensor_map(&map_b);
+    if (!producer_thread(&map_a, &map_b)) return;
     uint32_t it = 0;
     for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const MTile tile = m_tile(t, n_tiles, sm.s_start, sm.s_tile, num_experts, kFp8BN);
@@ -218,10 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
 
   if (threadIdx.x < 128) {
-    setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x != 0) return;
-    prefetch_tensor_map(&map_a);
-    prefetch_tensor_map(&map_b);
+    if (!producer_thread(&map_a, &map_b)) return;
     uint32_t it = 0;
     for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       int e, i0, j0, kb0, kb1;

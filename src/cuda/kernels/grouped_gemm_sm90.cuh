@@ -89,6 +89,17 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
+// The producer warpgroup's entry (threads 0 .. 127): its registers handed to the consumers, and
+// one thread kept to issue the loads, which prefetches the two tensor maps. False for the threads
+// that leave (the caller returns for them).
+__device__ __forceinline__ bool producer_thread(const CUtensorMap* map_a, const CUtensorMap* map_b) {
+  setmaxnreg_dec<kProducerRegs>();
+  if (threadIdx.x != 0) return false;
+  prefetch_tensor_map(map_a);
+  prefetch_tensor_map(map_b);
+  return true;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 
@@ -443,10 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int num_k = (k_red + kBK - 1) / kBK;
 
   if (threadIdx.x < 128) {
-    setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x != 0) return;
-    prefetch_tensor_map(&map_a);
-    prefetch_tensor_map(&map_b);
+    if (!producer_thread(&map_a, &map_b)) return;
     uint32_t it = 0;
     for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const MTile tile = m_tile(t, n_tiles, sm.s_start, sm.s_tile, num_experts);
@@ -564,10 +572,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t num_tiles = int64_t{num_experts} * tiles_per_expert;
 
   if (threadIdx.x < 128) {
-    setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x != 0) return;
-    prefetch_tensor_map(&map_a);
-    prefetch_tensor_map(&map_b);
+    if (!producer_thread(&map_a, &map_b)) return;
     uint32_t it = 0;
     for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const int e = static_cast<int>(t / tiles_per_expert), r = static_cast<int>(t % tiles_per_expert);
