@@ -188,15 +188,17 @@ const CommandSpec kPlan{
     {{"--config", "PATH", "the config file (instead of the positional CONFIG.toml)"},
      {"--gpus", "N", "plan N GPUs; without --layout: every layout (dp = N, ep dividing it) x recompute mode that fits"},
      {"--layout", "dp=N,ep=N,pp=N", "plan this layout (pp = 1: pipeline stages are not implemented yet)"},
-     {"--gpu-memory", "GiB", "usable memory per GPU (default 139.8: an H200)"},
+     {"--gpu", "h200|h100", "the GPU whose measured rates and reference step the plan uses (default h200)"},
+     {"--gpu-memory", "GiB", "usable memory per GPU (default the --gpu's: 139.8 for an H200, 79.6 for an H100)"},
      {"--json", "", "print the plan as JSON"},
      {"--html", "", "write an interactive page of every layout of 1..N GPUs (--gpus N, default 8), opened at --layout or N's best"},
      {"--out", "FILE", "with --html: the page to write (default plan.html)", false, "-o"}},
     "Plans the run on the cuda backend (BF16, or FP8 with train.precision = fp8) without a GPU: per-GPU\n"
     "memory by part (BF16 weights, FP32 master, FP8 weight codes, gradients, AdamW moments replicated or\n"
     "ZeRO-1-sharded, activations for each recompute mode side by side, exchange buffers, scratch), bytes\n"
-    "per step of each collective, and a step time estimated from BF16 op rates measured on an H200\n"
-    "(src/train/ceilings.h; the FP8 GEMMs are not modelled). The layout comes from\n"
+    "per step of each collective, and a step time estimated from BF16 op rates measured on an H200 or,\n"
+    "with --gpu h100, an H100 80GB (src/train/ceilings.h; the FP8 GEMMs are not modelled). The layout\n"
+    "comes from\n"
     "--layout, else from the config's parallel keys (parallel.dp = 0: dp = parallel.ep, one GPU by\n"
     "default). When dp x micro_batch does\n"
     "not divide train.global_batch, the plan raises the global batch to the least multiple that it\n"
@@ -218,8 +220,8 @@ double parse_gib(const std::string& flag, const std::string& text) {
 int cmd_plan(const ParsedArgs& a) {
   const std::string path = config_path(a);
   const int64_t gpus = a.int_or("--gpus", 0, 1, kMaxRanks);
-  const double mem = a.has("--gpu-memory") ? parse_gib("--gpu-memory", *a.value("--gpu-memory"))
-                                           : h200_ceilings().memory_gib;
+  const GpuCeilings& gpu = planner_gpu(a.value_or("--gpu", "h200"));
+  const double mem = a.has("--gpu-memory") ? parse_gib("--gpu-memory", *a.value("--gpu-memory")) : gpu.memory_gib;
   const bool json = a.has("--json");
   if (a.has("--out") && !a.has("--html")) usage_fail("--out FILE goes with --html (the page to write)");
   if (a.has("--html")) {
@@ -237,13 +239,13 @@ int cmd_plan(const ParsedArgs& a) {
     if (start && start->dp * start->pp > max_gpus)
       usage_fail("--layout ", *a.value("--layout"), " needs ", start->dp * start->pp, " GPUs, more than --gpus ", max_gpus);
     write_file_atomic(out, plan_html(plan_page_data(cfg, name, max_gpus, mem, /*start_at_best=*/gpus > 0,
-                                                    start ? &*start : nullptr)));
+                                                    start ? &*start : nullptr, gpu)));
     std::cout << "wrote " << out << " (layouts of 1.." << max_gpus << " GPUs)\n";
     return 0;
   }
   if (gpus > 0 && !a.has("--layout")) {
-    const Enumeration e = enumerate_layouts(cfg, gpus, mem);
-    std::cout << (json ? enumeration_json(e, gpus, mem).dump(1) + "\n" : describe_enumeration(e, gpus, mem));
+    const Enumeration e = enumerate_layouts(cfg, gpus, mem, gpu);
+    std::cout << (json ? enumeration_json(e, gpus, mem).dump(1) + "\n" : describe_enumeration(e, gpus, mem, gpu));
     return 0;
   }
   LayoutRequest layout;
@@ -255,8 +257,8 @@ int cmd_plan(const ParsedArgs& a) {
     layout.ep = cfg.parallel.ep;
     layout.pp = cfg.parallel.pp;
   }
-  const LayoutPlan p = plan_layout(cfg, layout, mem);
-  std::cout << (json ? layout_plan_json(p).dump(1) + "\n" : describe_layout_plan(p));
+  const LayoutPlan p = plan_layout(cfg, layout, mem, gpu);
+  std::cout << (json ? layout_plan_json(p).dump(1) + "\n" : describe_layout_plan(p, gpu));
   return 0;
 }
 

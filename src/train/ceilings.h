@@ -10,9 +10,11 @@
 
 #include <string>
 
+#include "core/error.h"
+
 namespace moe {
 
-// The rates of one GPU; the defaults are the H200's (h100_rates() sets every field).
+// The rates of one GPU; the defaults are the H200's (h100_ceilings() sets every one).
 struct GpuRates {
   const char* name = "NVIDIA H200";
   double memory_gib = 139.8;  // usable device memory (cudaMemGetInfo total, bench-olmoe-8l.json)
@@ -44,7 +46,9 @@ struct GpuRates {
   double expert_weight_bytes_per_s = 4.3e12;
 };
 
-// The H200 as the planner models it: its rates, and the figures of several GPUs and of a whole step.
+// A GPU as the planner models it: its rates, the figures of several GPUs, and the measured step of
+// a reference shape (olmoe-8l with ref_layers layers) the non-GEMM work scales from. The defaults
+// are the H200's.
 struct GpuCeilings : GpuRates {
   // HBM3e bandwidth, nominal (datasheet): 4.8 TB/s. NVLink 4 between two H200s, nominal: 450 GB/s
   // per direction. Printed for orientation; the model below uses the measured rates.
@@ -71,6 +75,8 @@ struct GpuCeilings : GpuRates {
   double ref_dispatch_ms = 4.134, ref_experts_ms = 68.94, ref_combine_ms = 3.743, ref_lm_head_ms = 15.58;
   double ref_optimizer_ms = 30.09;
   double ref_step_ms = 173.45;
+  // The reference shape: configs/olmoe-8l.toml with this many layers, and its parameters.
+  double ref_layers = 8, ref_params = 3562604544.0;
 };
 
 inline const GpuCeilings& h200_ceilings() {
@@ -78,17 +84,21 @@ inline const GpuCeilings& h200_ceilings() {
   return c;
 }
 
-// One NVIDIA H100 80GB HBM3 (SXM), measured in one GPU call by the op bench
+// One NVIDIA H100 80GB HBM3 (SXM). Rates measured in one GPU call by the op bench
 // (bench/results/h100-ceilings-20261206/, command.sh): the experts' grouped GEMMs at the olmoe
 // shape (grouped_gemm.log), cuDNN 9.14 causal attention at B 4, S 4096, 16 heads, hd 128
 // (attention.log), the dense BF16 GEMM 16384 x 2048 x 2048 through cuBLASLt (fp8_gemm.log, its bf16
 // column) and AdamW's traffic on every SM at 30 bytes a parameter (adamw.log: 2959 GB/s), the rate
 // the experts' weight traffic and the optimizer are counted at (the H200's fitted 8.6 bytes per
 // expert parameter kept: it is the step's traffic, not the GPU's). memory_gib: nvidia-smi's
-// 81559 MiB. The planner does not model this GPU (no multi-GPU or step-phase figures).
-inline const GpuRates& h100_rates() {
-  static const GpuRates r = [] {
-    GpuRates g;
+// 81559 MiB. The reference step: olmoe-8l with 6 of its 8 layers (what fits 80 GB), bf16, recompute
+// none, CUDA graph, bench/results/h100-step-ceilings-20261206/olmoe-8l-bf16.json
+// (phase_ms_scaled_to_step; 142.68 ms). HBM3 nominal 3.35 TB/s, NVLink 4 as the H200's. Not
+// measured on H100s: the NCCL all-reduce, its overlap and the expert exchange, which are the
+// H200's figures here (the same NVLink 4 generation).
+inline const GpuCeilings& h100_ceilings() {
+  static const GpuCeilings c = [] {
+    GpuCeilings g;
     g.name = "NVIDIA H100 80GB HBM3";
     g.memory_gib = 79.6;
     g.gate_up_fwd_tflops = 724.6, g.gate_up_dgrad_tflops = 680.7, g.gate_up_wgrad_tflops = 598.1;
@@ -97,16 +107,29 @@ inline const GpuRates& h100_rates() {
     g.dense_gemm_tflops = 745.3;
     g.expert_weight_bytes_per_param = 8.6;
     g.expert_weight_bytes_per_s = 2.959e12;
+    g.hbm_nominal_bytes_per_s = 3.35e12;
+    g.ref_embedding_ms = 0.360, g.ref_attention_ms = 33.436, g.ref_mlp_ms = 2.583, g.ref_router_ms = 1.190;
+    g.ref_dispatch_ms = 3.709, g.ref_experts_ms = 51.846, g.ref_combine_ms = 3.626, g.ref_lm_head_ms = 15.015;
+    g.ref_optimizer_ms = 30.917;
+    g.ref_step_ms = 142.68;
+    g.ref_layers = 6, g.ref_params = 2723465216.0;
     return g;
   }();
-  return r;
+  return c;
+}
+
+// The GPU `moecore plan --gpu` names: "h200" or "h100" (80GB HBM3).
+inline const GpuCeilings& planner_gpu(const std::string& name) {
+  if (name == "h200") return h200_ceilings();
+  if (name == "h100") return h100_ceilings();
+  throw Error("--gpu: expected h200 or h100 (the GPUs whose rates are measured), got '" + name + "'");
 }
 
 // The measured rates of the GPU named `device` (cudaDeviceProp::name): the H200's or the H100's
 // (80GB HBM3) by name, else null (no GPU of that kind has been measured).
 inline const GpuRates* measured_rates(const std::string& device) {
   if (device.find("H200") != std::string::npos) return &h200_ceilings();
-  if (device.find("H100") != std::string::npos && device.find("80GB HBM3") != std::string::npos) return &h100_rates();
+  if (device.find("H100") != std::string::npos && device.find("80GB HBM3") != std::string::npos) return &h100_ceilings();
   return nullptr;
 }
 

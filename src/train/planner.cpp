@@ -22,13 +22,21 @@ namespace {
 
 constexpr double kGiB = double(1ull << 30);
 
-// The reference shape: olmoe-8l, whose measured phases GpuCeilings holds (configs/olmoe-8l.toml).
+// The reference shape: olmoe-8l (configs/olmoe-8l.toml) with the GPU's ref_layers layers, whose
+// measured phases GpuCeilings holds.
 struct RefShape {
   double b = 4, s = 4096, n = 16384, d = 2048, q = 2048, c = 2048, heads = 16, hd = 128;
   double layers = 8, moe_layers = 8, experts = 64, top_k = 8, rows = 131072, inner = 1024, vocab = 50304;
   double params = 3562604544.0;
   double expert_params = 8.0 * 64 * 3 * 2048 * 1024;
 };
+RefShape ref_shape(const GpuCeilings& g) {
+  RefShape r;
+  r.layers = r.moe_layers = g.ref_layers;
+  r.params = g.ref_params;
+  r.expert_params = g.ref_layers * r.experts * 3.0 * r.d * r.inner;
+  return r;
+}
 
 double ms(double flops, double tflops) { return flops / (tflops * 1e12) * 1e3; }
 
@@ -95,7 +103,7 @@ struct RefGlue {
   double attention, experts;
 };
 RefGlue ref_glue(const GpuCeilings& g) {
-  const RefShape r;
+  const RefShape r = ref_shape(g);
   const double sdpa = r.layers * (sdpa_fwd_ms(r.b, r.heads, r.s, r.hd, g) + sdpa_bwd_ms(r.b, r.heads, r.s, r.hd, g));
   const double proj = r.layers * proj_ms(r.n, r.d, r.q, r.c, 6.0, g);
   const double gemm = r.moe_layers * expert_gemm_ms(r.rows, r.d, r.inner, g).total();
@@ -105,7 +113,7 @@ RefGlue ref_glue(const GpuCeilings& g) {
 
 StepTime estimate_step(const LayoutPlan& p, Recompute mode, const GpuCeilings& g) {
   const Shape s = shape_of(p.cfg);
-  const RefShape r;
+  const RefShape r = ref_shape(g);
   const RefGlue glue0 = ref_glue(g);
   StepTime t;
   // One micro-step's phases.

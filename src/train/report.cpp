@@ -564,7 +564,8 @@ std::string report_html(std::vector<RunMetrics> runs) {
 }
 
 nlohmann::json plan_page_data(const Config& cfg, const std::string& config_name, int64_t max_gpus,
-                              double gpu_memory_gib, bool start_at_best, const LayoutRequest* start) {
+                              double gpu_memory_gib, bool start_at_best, const LayoutRequest* start,
+                              const GpuCeilings& gpu) {
   MOE_CHECK(max_gpus >= 1, "--gpus must be >= 1, got ", max_gpus);
   nlohmann::json dense = nlohmann::json::array();
   for (int64_t l = 0; l < cfg.model.n_layers; ++l)
@@ -577,7 +578,7 @@ nlohmann::json plan_page_data(const Config& cfg, const std::string& config_name,
       if (pp > 1) {  // refused as a whole by the planner: one entry for every ep
         nlohmann::json entry = {{"gpus", g}, {"dp", dp}, {"pp", pp}, {"ep", nullptr}, {"error_all_ep", true}};
         try {
-          entry["plan"] = layout_plan_json(plan_layout(cfg, LayoutRequest{dp, 1, pp}, gpu_memory_gib));
+          entry["plan"] = layout_plan_json(plan_layout(cfg, LayoutRequest{dp, 1, pp}, gpu_memory_gib, gpu));
           entry.erase("error_all_ep");
           entry["ep"] = 1;
         } catch (const Error& e) {
@@ -590,7 +591,7 @@ nlohmann::json plan_page_data(const Config& cfg, const std::string& config_name,
         if (dp % ep != 0) continue;
         nlohmann::json entry = {{"gpus", g}, {"dp", dp}, {"ep", ep}, {"pp", pp}};
         try {
-          entry["plan"] = layout_plan_json(plan_layout(cfg, LayoutRequest{dp, ep, pp}, gpu_memory_gib));
+          entry["plan"] = layout_plan_json(plan_layout(cfg, LayoutRequest{dp, ep, pp}, gpu_memory_gib, gpu));
         } catch (const Error& e) {
           entry["error"] = e.what();
         }
@@ -598,7 +599,8 @@ nlohmann::json plan_page_data(const Config& cfg, const std::string& config_name,
       }
     }
     try {
-      rankings[std::to_string(g)] = enumeration_json(enumerate_layouts(cfg, g, gpu_memory_gib), g, gpu_memory_gib);
+      rankings[std::to_string(g)] =
+          enumeration_json(enumerate_layouts(cfg, g, gpu_memory_gib, gpu), g, gpu_memory_gib);
     } catch (const Error& e) {
       rankings[std::to_string(g)] = {{"error", e.what()}};
     }
@@ -606,7 +608,7 @@ nlohmann::json plan_page_data(const Config& cfg, const std::string& config_name,
   const int64_t conf_dp = cfg.parallel.dp > 0 ? cfg.parallel.dp : std::max<int64_t>(1, cfg.parallel.ep);
   return {{"config", config_name},
           {"generated", utc_stamp()},
-          {"gpu_name", h200_ceilings().name},
+          {"gpu_name", gpu.name},
           {"gpu_memory_gib", gpu_memory_gib},
           {"max_gpus", max_gpus},
           {"configured",

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/config.h"
+#include "train/ceilings.h"
 #include "train/planner.h"
 
 namespace moe {
@@ -37,7 +38,8 @@ std::string report_html(std::vector<RunMetrics> runs);
 // planner's refusal. The page opens at `start` when given, else with start_at_best at the best
 // fitting layout of max_gpus, else at the config's layout.
 nlohmann::json plan_page_data(const Config& cfg, const std::string& config_name, int64_t max_gpus,
-                              double gpu_memory_gib, bool start_at_best, const LayoutRequest* start = nullptr);
+                              double gpu_memory_gib, bool start_at_best, const LayoutRequest* start = nullptr,
+                              const GpuCeilings& gpu = h200_ceilings());
 std::string plan_html(const nlohmann::json& data);
 
 // `j` as text that is safe inside a <script> element ("</" written "<\/").

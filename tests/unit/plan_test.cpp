@@ -243,6 +243,27 @@ TEST(Planner, Olmoe8lStepTimeNearMeasured) {
   EXPECT_GT(p.modes[2].time.step_ms(), p.modes[1].time.step_ms());
 }
 
+// The H100 80GB's model: its reference, olmoe-8l on 6 layers (142.68 ms measured, the phases the
+// model scales from), comes back from its own rates; all 8 layers do not fit its memory in BF16
+// (83.1 GiB); `--gpu` names h200 or h100 only.
+TEST(Planner, H100ReferenceStepAndMemory) {
+  Config c = load_config(kOlmoe8l, {});
+  const GpuCeilings& h100 = planner_gpu("h100");
+  EXPECT_EQ(&h100, &h100_ceilings());
+  EXPECT_EQ(&planner_gpu("h200"), &h200_ceilings());
+  const LayoutPlan whole = plan_layout(c, LayoutRequest{}, h100.memory_gib, h100);
+  EXPECT_FALSE(whole.modes[0].fits);
+  c.model.n_layers = 6;
+  const LayoutPlan p = plan_layout(c, LayoutRequest{}, h100.memory_gib, h100);
+  EXPECT_TRUE(p.modes[0].fits);
+  EXPECT_DOUBLE_EQ(double(p.run.memory.local_params), h100.ref_params);
+  EXPECT_NEAR(p.modes[0].time.step_ms(), 142.68, 0.01 * 142.68);
+  // The same shape on the H200's figures is faster (its rates and bandwidth are higher).
+  EXPECT_LT(plan_layout(c, LayoutRequest{}, 139.8).modes[0].time.step_ms(), p.modes[0].time.step_ms());
+  EXPECT_NE(describe_layout_plan(p, h100).find("NVIDIA H100 80GB HBM3"), std::string::npos);
+  EXPECT_NE(error_of([] { planner_gpu("a100"); }).find("expected h200 or h100"), std::string::npos);
+}
+
 // The one-GPU expert-scaling sweeps on one H200 (bench/results/experiments-20261202T045008Z):
 // one micro-batch of 8192 tokens per step (sweep-scaling1.json), and 64 sequences per step in
 // micro-batches of 4 with selective recomputation (sweep-scaling1-gb64.json). The experts phase
@@ -331,10 +352,10 @@ TEST(PhaseCeilings, WorkAddsUpToTheModelFlops) {
 // the device's name, none for another GPU; on the H100 the same work takes the rates' ratio longer.
 TEST(PhaseCeilings, EachGpuItsOwnMeasuredRates) {
   EXPECT_EQ(measured_rates("NVIDIA H200"), &h200_ceilings());
-  EXPECT_EQ(measured_rates("NVIDIA H100 80GB HBM3"), &h100_rates());
+  EXPECT_EQ(measured_rates("NVIDIA H100 80GB HBM3"), &h100_ceilings());
   EXPECT_EQ(measured_rates("NVIDIA H100 PCIe"), nullptr);  // another memory, another rate
   EXPECT_EQ(measured_rates("NVIDIA A100-SXM4-80GB"), nullptr);
-  const GpuRates& h100 = h100_rates();
+  const GpuRates& h100 = h100_ceilings();
   EXPECT_STREQ(h100.name, "NVIDIA H100 80GB HBM3");
   for (const double r : {h100.gate_up_fwd_tflops, h100.gate_up_dgrad_tflops, h100.gate_up_wgrad_tflops,
                          h100.down_fwd_tflops, h100.down_dgrad_tflops, h100.down_wgrad_tflops,
