@@ -10,6 +10,7 @@
 // graph, and with a capacity. Every test is skipped, never passed, unless the job has 2 ranks and 2 GPUs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <cstdio>
@@ -17,6 +18,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/common.h"
@@ -248,32 +250,24 @@ TEST_F(ExpertParallelGpu, ExpertsWithoutTokens) {
           }
 }
 
-// The rowwise exchange over the two GPUs (NVSHMEM symmetric buffers) against the all-to-all one:
-// dropless, both place every row in the same grouped layout, so the experts see the same rows in
-// the same order and the runs are bitwise equal (losses, counts, gradients, bias), the rowwise one
-// captured in the step's CUDA graph; with parallel.ep_capacity_factor = 1 rows are dropped,
-// counted (dropped_frac) and the run goes on.
-TEST_F(ExpertParallelGpu, RowwiseEqualsAllToAllAndRunsInTheGraph) {
-  if (!g_nvshmem) GTEST_SKIP() << "this build has no NVSHMEM: the rowwise case did not run";
-  Config c = dp_step_config();
-  c.parallel.ep = 2;
-  Model<float> m(c.model, c.moe);
-  const std::vector<float> bias(m.expert_bias().size(), 0.0f);
+// `c` at ep = 2 through the all-to-all exchange and through the rowwise one (NVSHMEM symmetric
+// buffers), 4 steps each from the same bias: the runs bitwise equal (the first step's gradients,
+// every step's CE sum and grad norm), and the rowwise run in the step's CUDA graph bitwise its
+// eager run. Returns {all-to-all, rowwise}.
+std::pair<EpRun, EpRun> rowwise_against_all_to_all(const Config& c, const std::vector<float>& bias,
+                                                   const std::string& what) {
   CudaStepRunner a2a(c, g_dp.get(), g_ep.get(), nullptr);
-  const EpRun ref = ep_run(c, a2a, 4, bias);
+  EpRun ref = ep_run(c, a2a, 4, bias);
   Config cr = c;
   cr.parallel.ep_backend = "rowwise";
   CudaStepRunner rw(cr, make_run_plan(cr, 2, "cuda"), g_dp.get(), g_ep.get(), nullptr, g_nvshmem.get());
   EXPECT_TRUE(rw.model().rowwise());
-  const EpRun got = ep_run(cr, rw, 4, bias);
-  ASSERT_EQ(got.steps.size(), ref.steps.size());
-  EXPECT_TRUE(same_bits(got.grads_step1, ref.grads_step1)) << "gradients of step 1";
-  EXPECT_TRUE(same_bits(got.bias, ref.bias));
-  for (size_t i = 0; i < ref.steps.size(); ++i) {
-    EXPECT_EQ(got.steps[i].ce_sum, ref.steps[i].ce_sum) << "step " << i + 1;
-    EXPECT_EQ(got.steps[i].grad_norm, ref.steps[i].grad_norm) << "step " << i + 1;
-    EXPECT_EQ(got.steps[i].tokens_per_expert, ref.steps[i].tokens_per_expert) << "step " << i + 1;
-    EXPECT_EQ(got.steps[i].num_dropped, 0) << "step " << i + 1;
+  EpRun got = ep_run(cr, rw, 4, bias);
+  EXPECT_EQ(got.steps.size(), ref.steps.size());
+  EXPECT_TRUE(same_bits(got.grads_step1, ref.grads_step1)) << what << ": gradients of step 1";
+  for (size_t i = 0; i < std::min(ref.steps.size(), got.steps.size()); ++i) {
+    EXPECT_EQ(got.steps[i].ce_sum, ref.steps[i].ce_sum) << what << ", step " << i + 1;
+    EXPECT_EQ(got.steps[i].grad_norm, ref.steps[i].grad_norm) << what << ", step " << i + 1;
   }
   // In the graph: the same losses again (ep_run turns the graph off; this loop keeps it on).
   CudaStepRunner graph(cr, make_run_plan(cr, 2, "cuda"), g_dp.get(), g_ep.get(), nullptr, g_nvshmem.get());
@@ -281,10 +275,31 @@ TEST_F(ExpertParallelGpu, RowwiseEqualsAllToAllAndRunsInTheGraph) {
   const DpRun on = dp_run(cr, graph, true, 4);
   CudaStepRunner eager(cr, make_run_plan(cr, 2, "cuda"), g_dp.get(), g_ep.get(), nullptr, g_nvshmem.get());
   const DpRun off = dp_run(cr, eager, false, 4);
-  expect_same_steps(on, off, "rowwise ep = 2, graph on against off");
-  EXPECT_EQ(on.graph_launches, 3);
+  expect_same_steps(on, off, what + " rowwise ep = 2, graph on against off");
+  EXPECT_EQ(on.graph_launches, 3) << what;
+  return {std::move(ref), std::move(got)};
+}
+
+// The rowwise exchange over the two GPUs against the all-to-all one: dropless, both place every
+// row in the same grouped layout, so the experts see the same rows in the same order and the runs
+// are bitwise equal (losses, counts, gradients, bias), the rowwise one captured in the step's CUDA
+// graph; with parallel.ep_capacity_factor = 1 rows are dropped, counted (dropped_frac) and the run
+// goes on.
+TEST_F(ExpertParallelGpu, RowwiseEqualsAllToAllAndRunsInTheGraph) {
+  if (!g_nvshmem) GTEST_SKIP() << "this build has no NVSHMEM: the rowwise case did not run";
+  Config c = dp_step_config();
+  c.parallel.ep = 2;
+  Model<float> m(c.model, c.moe);
+  const std::vector<float> bias(m.expert_bias().size(), 0.0f);
+  const auto [ref, got] = rowwise_against_all_to_all(c, bias, "bf16");
+  EXPECT_TRUE(same_bits(got.bias, ref.bias));
+  for (size_t i = 0; i < std::min(ref.steps.size(), got.steps.size()); ++i) {
+    EXPECT_EQ(got.steps[i].tokens_per_expert, ref.steps[i].tokens_per_expert) << "step " << i + 1;
+    EXPECT_EQ(got.steps[i].num_dropped, 0) << "step " << i + 1;
+  }
   // A capacity: rows dropped and counted on every rank's statistics.
-  Config cc = cr;
+  Config cc = c;
+  cc.parallel.ep_backend = "rowwise";
   cc.parallel.ep_capacity_factor = 1.0;
   CudaStepRunner capped(cc, make_run_plan(cc, 2, "cuda"), g_dp.get(), g_ep.get(), nullptr, g_nvshmem.get());
   const EpRun cap = ep_run(cc, capped, 2, bias);
@@ -319,25 +334,7 @@ TEST_F(ExpertParallelGpu, Fp8RowwiseEqualsAllToAllAndRunsInTheGraph) {
   c.parallel.ep = 2;
   c.train.precision = "fp8";
   Model<float> m(c.model, c.moe);
-  const std::vector<float> bias(m.expert_bias().size(), 0.0f);
-  CudaStepRunner a2a(c, g_dp.get(), g_ep.get(), nullptr);
-  const EpRun ref = ep_run(c, a2a, 4, bias);
-  Config cr = c;
-  cr.parallel.ep_backend = "rowwise";
-  CudaStepRunner rw(cr, make_run_plan(cr, 2, "cuda"), g_dp.get(), g_ep.get(), nullptr, g_nvshmem.get());
-  const EpRun got = ep_run(cr, rw, 4, bias);
-  ASSERT_EQ(got.steps.size(), ref.steps.size());
-  EXPECT_TRUE(same_bits(got.grads_step1, ref.grads_step1)) << "gradients of step 1";
-  for (size_t i = 0; i < ref.steps.size(); ++i) {
-    EXPECT_EQ(got.steps[i].ce_sum, ref.steps[i].ce_sum) << "step " << i + 1;
-    EXPECT_EQ(got.steps[i].grad_norm, ref.steps[i].grad_norm) << "step " << i + 1;
-  }
-  CudaStepRunner graph(cr, make_run_plan(cr, 2, "cuda"), g_dp.get(), g_ep.get(), nullptr, g_nvshmem.get());
-  EXPECT_TRUE(graph.uses_graph());
-  const DpRun on = dp_run(cr, graph, true, 4);
-  CudaStepRunner eager(cr, make_run_plan(cr, 2, "cuda"), g_dp.get(), g_ep.get(), nullptr, g_nvshmem.get());
-  const DpRun off = dp_run(cr, eager, false, 4);
-  expect_same_steps(on, off, "fp8 rowwise ep = 2, graph on against off");
+  rowwise_against_all_to_all(c, std::vector<float>(m.expert_bias().size(), 0.0f), "fp8");
 }
 
 TEST_F(ExpertParallelGpu, TrainerFollowsOneGpuAndItsCheckpointResumesOnOneGpu) {
