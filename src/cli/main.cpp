@@ -39,6 +39,7 @@
 #include "model/model.h"
 #include "parallel/comm.h"
 #include "train/bench.h"
+#include "train/ceilings.h"
 #include "train/device.h"
 #include "train/evaluate.h"
 #include "train/model_state.h"
@@ -188,7 +189,8 @@ const CommandSpec kPlan{
     {{"--config", "PATH", "the config file (instead of the positional CONFIG.toml)"},
      {"--gpus", "N", "plan N GPUs; without --layout: every layout (dp = N, ep dividing it) x recompute mode that fits"},
      {"--layout", "dp=N,ep=N,pp=N", "plan this layout (pp = 1: pipeline stages are not implemented yet)"},
-     {"--gpu", "h200|h100", "the GPU whose measured rates and reference step the plan uses (default h200)"},
+     {"--gpu", "h200|h100", "the GPU whose measured rates and reference step the plan uses (default: the visible GPU "
+                            "where it is one of them, else h200)"},
      {"--gpu-memory", "GiB", "usable memory per GPU (default the --gpu's: 139.8 for an H200, 79.6 for an H100)"},
      {"--json", "", "print the plan as JSON"},
      {"--html", "", "write an interactive page of every layout of 1..N GPUs (--gpus N, default 8), opened at --layout or N's best"},
@@ -220,7 +222,9 @@ double parse_gib(const std::string& flag, const std::string& text) {
 int cmd_plan(const ParsedArgs& a) {
   const std::string path = config_path(a);
   const int64_t gpus = a.int_or("--gpus", 0, 1, kMaxRanks);
-  const GpuCeilings& gpu = planner_gpu(a.value_or("--gpu", "h200"));
+  // --gpu, else the visible GPU where its figures are measured, else an H200.
+  const GpuCeilings* visible = a.has("--gpu") ? nullptr : measured_rates(visible_gpu_name());
+  const GpuCeilings& gpu = visible != nullptr ? *visible : planner_gpu(a.value_or("--gpu", "h200"));
   const double mem = a.has("--gpu-memory") ? parse_gib("--gpu-memory", *a.value("--gpu-memory")) : gpu.memory_gib;
   const bool json = a.has("--json");
   if (a.has("--out") && !a.has("--html")) usage_fail("--out FILE goes with --html (the page to write)");

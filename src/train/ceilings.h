@@ -125,9 +125,9 @@ inline const GpuCeilings& planner_gpu(const std::string& name) {
   throw Error("--gpu: expected h200 or h100 (the GPUs whose rates are measured), got '" + name + "'");
 }
 
-// The measured rates of the GPU named `device` (cudaDeviceProp::name): the H200's or the H100's
+// The measured figures of the GPU named `device` (cudaDeviceProp::name): the H200's or the H100's
 // (80GB HBM3) by name, else null (no GPU of that kind has been measured).
-inline const GpuRates* measured_rates(const std::string& device) {
+inline const GpuCeilings* measured_rates(const std::string& device) {
   if (device.find("H200") != std::string::npos) return &h200_ceilings();
   if (device.find("H100") != std::string::npos && device.find("80GB HBM3") != std::string::npos) return &h100_ceilings();
   return nullptr;

@@ -6,6 +6,7 @@
 
 #ifdef MOECORE_HAS_CUDA
 #include "cuda/device.h"
+#include "cuda/ops/device_info.h"
 #endif
 
 namespace moe {
@@ -16,6 +17,13 @@ bool gpu_available() {
 #else
   return false;
 #endif
+}
+
+std::string visible_gpu_name() {
+#ifdef MOECORE_HAS_CUDA
+  if (gpu_available()) return cuda::device_info().name;
+#endif
+  return "";
 }
 
 std::string resolve_device(const TrainConfig& t) {

@@ -10,6 +10,8 @@ namespace moe {
 
 // True when this build has the CUDA backend and a GPU is visible.
 bool gpu_available();
+// The current GPU's name (cudaDeviceProp::name), "" when gpu_available() is false.
+std::string visible_gpu_name();
 // "cpu" or "cuda" for train.device and train.precision ("auto": cuda when a GPU is available
 // and precision is bf16 or fp8, else cpu for fp32 or fp8 (the FP8 recipe emulated on FP32)).
 // Throws naming the keys when the combination cannot run.
