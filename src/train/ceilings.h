@@ -129,7 +129,8 @@ inline const GpuCeilings& planner_gpu(const std::string& name) {
 // (80GB HBM3) by name, else null (no GPU of that kind has been measured).
 inline const GpuCeilings* measured_rates(const std::string& device) {
   if (device.find("H200") != std::string::npos) return &h200_ceilings();
-  if (device.find("H100") != std::string::npos && device.find("80GB HBM3") != std::string::npos) return &h100_ceilings();
+  const bool h100_80gb = device.find("H100") != std::string::npos && device.find("80GB HBM3") != std::string::npos;
+  if (h100_80gb) return &h100_ceilings();
   return nullptr;
 }
 
