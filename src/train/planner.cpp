@@ -350,7 +350,7 @@ std::string describe_layout_plan(const LayoutPlan& p, const GpuCeilings& g) {
   row("BF16 params", same(2.0 * double(m.local_params)));
   row("FP32 master weights", same(4.0 * double(m.local_params)));
   // Under FP8: the E4M3 codes of the expert and FP8 MLP weights, each with its transposed copy.
-  if (m.params > 6.0 * double(m.local_params)) row("FP8 weight codes", same(m.params - 6.0 * double(m.local_params)));
+  if (m.fp8_codes > 0) row("FP8 weight codes", same(m.fp8_codes));
   row("FP32 gradients", same(m.grads));
   char moments[96];
   if (p.zero) {
@@ -524,7 +524,7 @@ nlohmann::json layout_plan_json(const LayoutPlan& p) {
           {"memory_bytes",
            {{"params_bf16", 2.0 * double(m.local_params)},
             {"master_fp32", 4.0 * double(m.local_params)},
-            {"fp8_weight_codes", m.params - 6.0 * double(m.local_params)},
+            {"fp8_weight_codes", m.fp8_codes},
             {"grads_fp32", m.grads},
             {"moments", p.moments},
             {"moments_sharding", p.zero ? "zero1" : "replicated"},

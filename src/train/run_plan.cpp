@@ -16,6 +16,7 @@
 #include "core/checked_math.h"
 #include "core/error.h"
 #include "core/fp8_types.h"
+#include "cpu/fp8.h"
 #include "model/layout.h"
 #include "parallel/pipeline_schedule.h"
 
@@ -142,11 +143,9 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   // FP8 experts (cuda::experts_fp8_workspace_bytes): the codes and 1 x 128 scales of the widest
   // GEMM input [R, max(D, 2I)], one buffer every MoE layer shares.
   const bool fp8_experts = gpu && cfg.train.precision == "fp8" && moe_layers > 0;
-  if (fp8_experts) {
-    const double widest = double(std::max(cfg.model.d_model, 2 * cfg.moe.expert_hidden));
-    m.activation.scratch.push_back(
-        {"FP8 expert activation codes and scales", rows * widest + rows * std::ceil(widest / 128.0) * 4.0});
-  }
+  const double fp8_widest = double(std::max(cfg.model.d_model, 2 * cfg.moe.expert_hidden));
+  const double fp8_input_row = fp8_widest + std::ceil(fp8_widest / 128.0) * 4.0;  // its codes and scales
+  if (fp8_experts) m.activation.scratch.push_back({"FP8 expert activation codes and scales", rows * fp8_input_row});
   // FP8 dense linears (cuda_fp8_linear.h): the attention projections where D, Q and C are multiples
   // of 128, the MLPs (dense blocks and shared experts) whose D and F are; their weights' two code
   // copies (fp8_dense_params, below) and the model's one set of activation codes, row-major and
@@ -188,21 +187,22 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
     m.params = 4.0 * n;
     if (ep > 1) m.exchange = 2.0 * rows * d * 4.0;  // the send and receive row blocks of one exchange
   } else {
-    m.params = 6.0 * n;  // FP32 master + BF16 copy (whole on every rank, also under ZeRO-1)
-    // FP8 experts: each expert weight's E4M3 codes and their transposed copy, and both copies'
-    // 128 x 128 block scales (FP32).
-    if (fp8_experts) m.params += double(m.expert_params) * (2.0 + 2.0 * 4.0 / (128.0 * 128.0));
-    m.params += fp8_dense_params * (2.0 + 2.0 * 4.0 / (128.0 * 128.0));  // scales: padding not counted
+    // FP8 experts and MLPs: each weight's E4M3 codes and their transposed copy, and both copies'
+    // 128 x 128 block scales (FP32; padding not counted).
+    const double fp8_weights = (fp8_experts ? double(m.expert_params) : 0.0) + fp8_dense_params;
+    m.fp8_codes = fp8_weights * (2.0 + 2.0 * 4.0 / (128.0 * 128.0));
+    m.params = 6.0 * n + m.fp8_codes;  // FP32 master + BF16 copy (whole on every rank, also under ZeRO-1)
     if (ep > 1) m.exchange = moe_layers * rows * (2.0 * d + 8.0) + 2.0 * rows * 2.0 * d;
-    // FP8 under expert parallelism: the packed rows this rank sends (D + D / 32 bytes a row; the
-    // rowwise exchange pads them to 16-byte words and also holds its G = ep R received rows'
-    // dequantised values and the FP8 buffers of G rows beyond the R the scratch counts).
+    // FP8 under expert parallelism: the packed rows this rank sends (cpu::fp8_row_payload_bytes:
+    // D + D / 32 bytes a row; the rowwise exchange pads them to 16-byte words and also holds its
+    // G = ep R received rows' dequantised values and the FP8 buffers of G rows beyond the R the
+    // scratch counts).
+    const double payload = double(cpu::fp8_row_payload_bytes(cfg.model.d_model, cpu::Fp8Recipe{}));
     if (cfg.train.precision == "fp8" && cfg.parallel.ep_backend == "rowwise") {
-      const double g = rows * double(ep), widest = double(std::max(cfg.model.d_model, 2 * cfg.moe.expert_hidden));
-      m.exchange += rows * std::ceil((d + d / 32.0) / 16.0) * 16.0 + g * d * 2.0 +
-                    (g - rows) * (widest + std::ceil(widest / 128.0) * 4.0);
+      const double g = rows * double(ep);
+      m.exchange += rows * std::ceil(payload / 16.0) * 16.0 + g * d * 2.0 + (g - rows) * fp8_input_row;
     } else if (ep > 1 && cfg.train.precision == "fp8") {
-      m.exchange += rows * (d + d / 32.0);
+      m.exchange += rows * payload;
     }
     m.host_mirror = 12.0 * n;  // FP32 weights and the two moments (no host gradients)
   }

@@ -27,7 +27,8 @@ struct MemoryEstimate {
   int64_t local_params = 0;  // elements of this rank's parameter layout (its experts only under EP)
   int64_t dense_params = 0;  // of which outside the expert tensors (alignment padding included)
   int64_t expert_params = 0;  // of which in this rank's expert tensors
-  double params = 0;         // FP32 master weights (cuda: plus the BF16 copy; fp8: plus the experts' FP8 codes)
+  double params = 0;         // FP32 master weights (cuda: plus the BF16 copy; fp8: plus fp8_codes)
+  double fp8_codes = 0;      // of params under fp8 on cuda: the expert and FP8 MLP weights' codes and scales
   double grads = 0;          // FP32 gradients
   double moments = 0;        // two FP32 AdamW moments (this rank's ZeRO-1 shard when plan.zero)
   double moments_replicated = 0;  // 8 per local parameter
