@@ -577,11 +577,7 @@ void CudaRowwiseExperts::fp8_codes_follow(int64_t from, int64_t to) { fp8_.follo
 
 void CudaRowwiseExperts::refresh_fp8(const CudaBlockContext& c, const std::vector<LayerParams>& layers) {
   if (!fp8_on_) return;
-  for (const LayerParams& p : layers) {
-    MOE_CHECK(p.moe_index >= 0 && p.moe_index < fp8_.layers(), "CudaRowwiseExperts::refresh_fp8: layer ", p.moe_index,
-              " has no FP8 codes; reserve first");
-    fp8_.refresh(c, p.moe_index, p, c.stream);
-  }
+  for (const LayerParams& p : layers) fp8_.refresh(c, p.moe_index, p, c.stream);  // refuses unreserved layers
 }
 
 int64_t CudaRowwiseExperts::fp8_stride() const { return (cuda::fp8_row_payload_bytes(d_) + 15) / 16 * 16; }

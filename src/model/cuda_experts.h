@@ -287,8 +287,8 @@ class CudaEpExperts final : public CudaExperts {
   cuda::DeviceBuffer recv_counts_E, pm_GD, work_GD, ws_;
   std::vector<int32_t> host_counts_;
   EpTraffic traffic_;
-  // FP8 (set_fp8): the local experts' weight codes, the packed rows this rank sends [R, per], the
-  // experts' FP8 input rows (experts_fp8_workspace_bytes) and weight-gradient operands for G rows.
+  // FP8 (set_fp8): the local experts' weight codes, the packed rows this rank sends [R, per] and the
+  // experts' FP8 input rows for G rows (experts_fp8_workspace_bytes).
   bool fp8_on_ = false;
   CudaFp8ExpertCodeSet fp8_;
   cuda::DeviceBuffer send_RP, fp8_ws_;

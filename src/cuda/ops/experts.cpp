@@ -344,6 +344,15 @@ void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offset
               "(experts_fp8_wgrad_workspace_bytes), 16-byte aligned");
     wws = fp8_wgrad_layout(wgrad_workspace, max_rows, num_experts, d, inner, nullptr);
   }
+  // dw [E, n, k] (+)= a^T b per expert (a [R, n], b [R, k]): FP8 with a wgrad workspace, else BF16.
+  const auto wgrad = [&](const uint16_t* a, const uint16_t* b, float* dw, int64_t n, int64_t k) {
+    if (dw == nullptr) return;
+    if (fp8_dw) {
+      fp8_wgrad(a, b, expert_offsets, dw, max_rows, num_experts, n, k, accumulate_dw, wws, stream);
+    } else {
+      grouped_gemm_wgrad(a, b, expert_offsets, dw, max_rows, num_experts, n, k, accumulate_dw, stream);
+    }
+  };
   const size_t rows = static_cast<size_t>(max_rows);
   uint16_t* dgate_up = static_cast<uint16_t*>(workspace);           // [R, 2I]
   uint16_t* dh = dgate_up + rows * 2 * static_cast<size_t>(inner);  // [R, I]
@@ -355,11 +364,7 @@ void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offset
   } else {
     fp8_grouped(dy, w.down_t, w.s_down_t, expert_offsets, dh, max_rows, num_experts, inner, d, ws, stream);
   }
-  if (dw_down != nullptr && fp8_dw) {
-    fp8_wgrad(dy, h, expert_offsets, dw_down, max_rows, num_experts, d, inner, accumulate_dw, wws, stream);
-  } else if (dw_down != nullptr) {
-    grouped_gemm_wgrad(dy, h, expert_offsets, dw_down, max_rows, num_experts, d, inner, accumulate_dw, stream);
-  }
+  wgrad(dy, h, dw_down, d, inner);
   // dx = dgate_up @ W_gate_up[e] (B: [E, D, 2I]); dy (which dx may be) was read in full above.
   if (inner % 128 == 0) {  // the SwiGLU backward writes dgate_up's codes too
     swiglu_backward_fp8(gate_up, dh, dgate_up, ws.codes, ws.scales, max_rows, inner, stream);
@@ -370,13 +375,7 @@ void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offset
     fp8_grouped(dgate_up, w.gate_up_t, w.s_gate_up_t, expert_offsets, dx_sorted, max_rows, num_experts, d,
                 2 * inner, ws, stream);
   }
-  if (dw_gate_up != nullptr && fp8_dw) {
-    fp8_wgrad(dgate_up, x_sorted, expert_offsets, dw_gate_up, max_rows, num_experts, 2 * inner, d, accumulate_dw, wws,
-              stream);
-  } else if (dw_gate_up != nullptr) {
-    grouped_gemm_wgrad(dgate_up, x_sorted, expert_offsets, dw_gate_up, max_rows, num_experts, 2 * inner, d,
-                       accumulate_dw, stream);
-  }
+  wgrad(dgate_up, x_sorted, dw_gate_up, 2 * inner, d);
 }
 
 }  // namespace moe::cuda
