@@ -56,13 +56,21 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t d
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
-// One K block of a consumer warpgroup: part = A[its 64 rows] * B over the block's 128 K elements,
-// both operands K-major in 128-byte swizzled boxes; a k32 step moves the start by 32 bytes.
-__device__ __forceinline__ void fp8_mma_k_block(float (&part)[64], uint32_t a, uint32_t b) {
+// One K block of a consumer warpgroup, ring iteration `it`: waits for its stage, then issues
+// part = A[rows 64 wg ..] * B over the block's 128 K elements (both operands K-major in 128-byte
+// swizzled boxes; a k32 step moves the start by 32 bytes) and commits them. Returns the stage.
+template <typename Ring>
+__device__ __forceinline__ int fp8_issue_k_block(const Ring& sm, uint32_t it, int wg, float (&part)[64]) {
+  const int s = Ring::ring_stage(it);
+  mbar_wait(sm.full(s), Ring::ring_phase(it));
+  const uint32_t a = sm.stage(s) + wg * (kFp8ABytes / 2), b = sm.stage(s) + kFp8ABytes;
+  wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kFp8BK / 32; ++kk) {
     wgmma_m64n128k32_e4m3(part, smem_desc(a + kk * 32, 16, 1024), smem_desc(b + kk * 32, 16, 1024), kk > 0 ? 1 : 0);
   }
+  wgmma_commit();
+  return s;
 }
 
 // map_a: qa [max_rows, k_red] (uint8, box 128 x kBM); map_b: qb [E, n_out, k_red] (box 128 x 128 x 1);
@@ -122,12 +130,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     for (int kt = 0; kt < num_k; ++kt, ++it) {
-      const int s = Ring::ring_stage(it);
-      mbar_wait(sm.full(s), Ring::ring_phase(it));
-      const uint32_t a = sm.stage(s) + wg * (kFp8ABytes / 2), b = sm.stage(s) + kFp8ABytes;
-      wgmma_fence();
-      fp8_mma_k_block(part, a, b);
-      wgmma_commit();
+      const int s = fp8_issue_k_block(sm, it, wg, part);
       // The block's scales, loaded once its MMAs are issued (the loads cannot move above the commit):
       // their latency hides behind the MMAs instead of delaying their issue.
       const float wb = __ldg(sbt + kt);
@@ -249,12 +252,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     for (int kb = kb0; kb < kb1; ++kb, ++it) {
-      const int s = Ring::ring_stage(it);
-      mbar_wait(sm.full(s), Ring::ring_phase(it));
-      const uint32_t a = sm.stage(s) + wg * (kFp8ABytes / 2), b = sm.stage(s) + kFp8ABytes;
-      wgmma_fence();
-      fp8_mma_k_block(part, a, b);
-      wgmma_commit();
+      const int s = fp8_issue_k_block(sm, it, wg, part);
       const float* scales = reinterpret_cast<const float*>(sm.ring + s * kFp8WgradStageBytes + kFp8StageBytes);
       const float s0 = scales[row_in_tile], s1 = scales[row_in_tile + 8];
       const float2* sb = reinterpret_cast<const float2*>(scales + 128 + col_in_tile);
