@@ -156,7 +156,8 @@ class CudaModel {
   // copy (2 bytes per expert parameter) and quantises them from the BF16 copy at its first forward
   // after the parameters changed (params_version()), so a captured step quantises once per step,
   // in its first micro-batch's forward, unless the update wrote the codes itself
-  // (mark_params_changed_with_expert_codes). Local experts only (refused with expert parallelism).
+  // (mark_params_changed_with_expert_codes). Under expert parallelism the experts' input rows and
+  // row gradients travel as FP8 payload (D a multiple of 128, else refused; docs/expert_parallel.md).
   // Before the first forward or reserve (refused after).
   void set_fp8(bool on);
   bool fp8() const { return fp8_; }

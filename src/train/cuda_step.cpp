@@ -232,7 +232,7 @@ struct CudaStepRunner::Impl {
         ep(e && e->size() > 1 ? e : nullptr), ep_dp(ep && edp && edp->size() > 1 ? edp : nullptr),
         ep_ctx(make_ctx(c, ep, rowwise)), model(c.model, c.moe, ep || ep_ctx.rowwise ? &ep_ctx : nullptr) {
     model.set_recompute(parse_recompute(cfg.train.recompute));
-    model.set_fp8(cfg.train.precision == "fp8");  // the rowwise exchange refuses it
+    model.set_fp8(cfg.train.precision == "fp8");  // the experts refuse shapes their FP8 path cannot take
     model.set_fuse_head_backward(true);  // every step's forward is followed by its backward
     zero = use_zero;
     MOE_CHECK(!(zero && cfg.optim.deferred_update), "optim.deferred_update = true: the deferred update needs "
