@@ -491,7 +491,8 @@ void CudaRowwiseExperts::free_symmetric() {
   if (counts_all_) world_.free(counts_all_);
   if (y_GD_) world_.free(y_GD_);
   if (dy_GD_) world_.free(dy_GD_);
-  counts_all_ = y_GD_ = dy_GD_ = nullptr;
+  if (payload_GP_) world_.free(payload_GP_);
+  counts_all_ = y_GD_ = dy_GD_ = payload_GP_ = nullptr;
 }
 
 int64_t CudaRowwiseExperts::capacity(int64_t rows) const {
@@ -505,11 +506,12 @@ int64_t CudaRowwiseExperts::receive_rows(int64_t rows) const {
 }
 
 int64_t CudaRowwiseExperts::symmetric_bytes(const MoeConfig& e, int64_t d, int64_t num_moe_layers, int64_t ep,
-                                            double cf, int64_t rows) {
+                                            double cf, int64_t rows, bool fp8) {
   const int64_t cap = cf > 0 ? static_cast<int64_t>(std::ceil(cf * double(rows * ep) / double(e.num_experts))) : 0;
   const int64_t g = cap > 0 ? std::min(e.num_experts / ep * cap, rows * ep) : rows * ep;
   auto up = [](int64_t b) { return (b + 511) / 512 * 512; };  // NVSHMEM's allocation alignment
-  return up(ep * e.num_experts * 4) + (num_moe_layers + 2) * up(g * d * 2);
+  const int64_t stride = (cuda::fp8_row_payload_bytes(d) + 15) / 16 * 16;  // fp8_stride()
+  return up(ep * e.num_experts * 4) + (num_moe_layers + 2) * up(g * d * 2) + (fp8 ? up(g * stride) : 0);
 }
 
 void CudaRowwiseExperts::reserve(int64_t rows, CudaBufferGrower& g) {
@@ -534,14 +536,13 @@ void CudaRowwiseExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   if (fp8_on_) {
     fp8_.reserve(int64_t(saved_.size()), local_, d, inner, g);
     g.grow_bytes(pack_RP_, size_t(rows * fp8_stride()), "FP8 row payloads packed");
-    g.grow<uint16_t>(values_GD_, G * d, "FP8 rows dequantised");
     g.grow_bytes(fp8_ws_, cuda::experts_fp8_workspace_bytes(G, d, inner), "FP8 expert activation codes");
   }
   if (rows <= reserved_rows_) return;
   // The symmetric buffers, the same sizes on every PE (collective), then their peers' addresses.
   // The table is made anew through the grower first: that refuses to run under capture and counts
   // a reallocation (a captured graph holding the old addresses is then stale).
-  const size_t slots = 3 + saved_.size();
+  const size_t slots = 3 + saved_.size() + (fp8_on_ ? 1 : 0);
   g.release(peer_table_);
   g.grow<void*>(peer_table_, int64_t(slots) * ep_, "rowwise peer addresses");
   free_symmetric();
@@ -549,12 +550,14 @@ void CudaRowwiseExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   y_GD_ = world_.malloc(size_t(G * d) * sizeof(uint16_t));
   dy_GD_ = world_.malloc(size_t(G * d) * sizeof(uint16_t));
   for (CudaRowwiseExpertsSaved& s : saved_) s.x_GD = world_.malloc(size_t(G * d) * sizeof(uint16_t));
+  if (fp8_on_) payload_GP_ = world_.malloc(size_t(G * fp8_stride()));
   std::vector<void*> table(slots * size_t(ep_));
   for (int64_t q = 0; q < ep_; ++q) {
     table[0 * ep_ + q] = world_.peer(counts_all_, int(q));
     table[1 * ep_ + q] = world_.peer(y_GD_, int(q));
     table[2 * ep_ + q] = world_.peer(dy_GD_, int(q));
     for (size_t m = 0; m < saved_.size(); ++m) table[(3 + m) * ep_ + q] = world_.peer(saved_[m].x_GD, int(q));
+    if (fp8_on_) table[payload_slot() * ep_ + q] = world_.peer(payload_GP_, int(q));
   }
   cuda::copy_h2d(peer_table_.data(), table.data(), table.size() * sizeof(void*), nullptr);
   cuda::stream_sync(nullptr);
@@ -589,11 +592,11 @@ const uint16_t* CudaRowwiseExperts::pack_fp8(const uint16_t* rows, int64_t n, cu
   return pack_RP_.as<uint16_t>();
 }
 
-void CudaRowwiseExperts::unpack_fp8(void* buffer, int64_t G, cuda::Stream st) {
+void CudaRowwiseExperts::unpack_fp8(uint16_t* values, int64_t G, cuda::Stream st) {
+  MOE_CHECK(payload_GP_ != nullptr, "CudaRowwiseExperts: no FP8 payload buffer; set_fp8 before reserve");
   const cuda::Fp8Rows in = cuda::experts_fp8_input_rows(fp8_ws_.data(), fp8_ws_.bytes(), G, d_, inner_);
-  cuda::fp8_unpack_rows(static_cast<const uint8_t*>(buffer), G, d_, Fp8Format::kE4M3, in.codes, in.scales,
-                        values_GD_.as<uint16_t>(), st, fp8_stride());
-  cuda::copy_d2d(buffer, values_GD_.data(), size_t(G * d_) * sizeof(uint16_t), st);
+  cuda::fp8_unpack_rows(static_cast<const uint8_t*>(payload_GP_), G, d_, Fp8Format::kE4M3, in.codes, in.scales,
+                        values, st, fp8_stride());
 }
 
 void CudaRowwiseExperts::forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
@@ -635,11 +638,11 @@ void CudaRowwiseExperts::forward_rows(const CudaBlockContext& c, int64_t moe_ind
   const uint16_t* src = fp8_on_ ? pack_fp8(x, sorted_route != nullptr ? rows / top_k : rows, st) : x;
   const int64_t width = fp8_on_ ? fp8_stride() / 2 : d_;
   cuda::ep_rowwise_scatter(src, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, width,
-                           peers(3 + size_t(moe_index)), ep_, st, sorted_route, top_k);
+                           peers(fp8_on_ ? payload_slot() : 3 + size_t(moe_index)), ep_, st, sorted_route, top_k);
   world_.barrier(st);
   c.mark(cuda::Phase::kExperts);
   if (fp8_on_) {
-    unpack_fp8(s.x_GD, G, st);          // the codes into the FP8 input rows, the values over the payload
+    unpack_fp8(static_cast<uint16_t*>(s.x_GD), G, st);  // the codes into the FP8 input rows, the values into x
     fp8_.refresh(c, moe_index, p, st);  // without the step's update (or after a newer version)
     cuda::experts_forward_fp8(static_cast<const uint16_t*>(s.x_GD), s.local_offsets_L1.as<int32_t>(),
                               fp8_.view(moe_index), G, local_, d_, inner_, gate_up_rows(moe_index).as<uint16_t>(),
@@ -684,12 +687,12 @@ void CudaRowwiseExperts::backward_experts(const CudaBlockContext& c, int64_t moe
   exchanges_ += 2;
   const uint16_t* src = fp8_on_ ? pack_fp8(dy_sorted_RD, rows, st) : dy_sorted_RD;
   cuda::ep_rowwise_scatter(src, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_,
-                           fp8_on_ ? fp8_stride() / 2 : d_, peers(2), ep_, st);
+                           fp8_on_ ? fp8_stride() / 2 : d_, peers(fp8_on_ ? payload_slot() : 2), ep_, st);
   world_.barrier(st);
   c.mark(cuda::Phase::kExperts);
   uint16_t* dy = static_cast<uint16_t*>(dy_GD_);
   if (fp8_on_) {
-    unpack_fp8(dy, G, st);  // dy's codes into the FP8 input rows, its values over the payload
+    unpack_fp8(dy, G, st);  // dy's codes into the FP8 input rows, its values into the gradient rows
     cuda::experts_backward_fp8(static_cast<const uint16_t*>(s.x_GD), s.local_offsets_L1.as<int32_t>(),
                                fp8_.view(moe_index), gate_up_rows(moe_index).as<uint16_t>(),
                                h_rows(moe_index).as<uint16_t>(), dy, G, local_, d_, inner_, dy, Gr + p.experts_gate_up,

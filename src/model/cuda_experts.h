@@ -350,15 +350,16 @@ class CudaRowwiseExperts final : public CudaExperts {
   int64_t receive_rows(int64_t rows) const;
   // Per-expert capacity for R rows per rank (0: dropless).
   int64_t capacity(int64_t rows) const;
-  // Symmetric heap bytes reserve(rows) allocates.
+  // Symmetric heap bytes reserve(rows) allocates (fp8: with the FP8 payload buffer).
   static int64_t symmetric_bytes(const MoeConfig& e, int64_t d, int64_t num_moe_layers, int64_t ep, double cf,
-                                 int64_t rows);
+                                 int64_t rows, bool fp8 = false);
   // train.precision = "fp8" (D a multiple of 128): the rows scattered into the experts' buffers
   // (x forward, dy backward) go as FP8 payload rows (cuda::fp8_pack_rows, padded to 16-byte
-  // words) into the same symmetric buffers, and the expert rank unpacks them into the experts'
-  // FP8 input rows and writes their dequantised BF16 values back over the buffer (what the experts
-  // save and the weight gradients read); outputs and input gradients stay BF16. The weight codes as
-  // the local experts keep them (the step's update writes them; capturable).
+  // words) into one symmetric payload buffer every layer and pass shares, and the expert rank
+  // unpacks them into the experts' FP8 input rows and their dequantised BF16 values, written
+  // straight into the layer's received rows (forward: what the experts save and the weight
+  // gradients read) or the gradient rows (backward); outputs and input gradients stay BF16. The
+  // weight codes as the local experts keep them (the step's update writes them; capturable).
   void set_fp8(bool on) override;
   std::vector<CudaFp8ExpertTensor> fp8_weight_tensors(const std::vector<LayerParams>& layers) override;
   void fp8_codes_follow(int64_t from, int64_t to) override;
@@ -379,11 +380,13 @@ class CudaRowwiseExperts final : public CudaExperts {
                         const uint16_t* dy_sorted_RD, int64_t rows);
   void free_symmetric();
   // FP8: n rows of `rows` (BF16 [n, D]) packed into pack_RP_ as payload rows of fp8_stride() bytes,
-  // the width in 16-bit words the scatter moves; and the G payload rows in `buffer` unpacked into
-  // the experts' FP8 input rows, their dequantised values written back over `buffer` ([G, D]).
+  // the width in 16-bit words the scatter moves; and the G payload rows received in payload_GP_
+  // unpacked into the experts' FP8 input rows and their dequantised values into `values` [G, D].
+  // The payload buffer's slot in the peer table.
   int64_t fp8_stride() const;
   const uint16_t* pack_fp8(const uint16_t* rows, int64_t n, cuda::Stream st);
-  void unpack_fp8(void* buffer, int64_t G, cuda::Stream st);
+  void unpack_fp8(uint16_t* values, int64_t G, cuda::Stream st);
+  size_t payload_slot() const { return 3 + saved_.size(); }
 
   int64_t d_, e_, inner_, local_, ep_, rank_;
   double capacity_factor_;
@@ -393,11 +396,13 @@ class CudaRowwiseExperts final : public CudaExperts {
   std::vector<CudaRowwiseExpertsSaved> saved_;  // [M]
   int64_t reserved_rows_ = 0;                   // R the buffers are sized for
   // Symmetric: the counts table [ep, E] int32, the expert outputs [G, D] and the gradient rows
-  // [G, D] (dy in, dx out in place) every layer shares; the peers' addresses of each symmetric
-  // buffer (slot 0 counts, 1 outputs, 2 gradients, 3 + m layer m's received rows), ep each.
+  // [G, D] (dy in, dx out in place) every layer shares, and under FP8 the received payload rows
+  // [G, stride]; the peers' addresses of each symmetric buffer (slot 0 counts, 1 outputs, 2
+  // gradients, 3 + m layer m's received rows, 3 + M the payload), ep each.
   void* counts_all_ = nullptr;
   void* y_GD_ = nullptr;
   void* dy_GD_ = nullptr;
+  void* payload_GP_ = nullptr;
   cuda::DeviceBuffer peer_table_, kept_PE_, dropped_scratch_, ws_;
   int32_t* dropped_M_ = nullptr;
   // Traffic: per layer {rows out, rows in} of its last forward [M, 2] and the running totals [2]
@@ -405,11 +410,11 @@ class CudaRowwiseExperts final : public CudaExperts {
   cuda::DeviceBuffer traffic_slots_, traffic_total_;
   int64_t exchanges_ = 0;
   cuda::Stream traffic_stream_ = nullptr;
-  // FP8 (set_fp8): the local experts' weight codes, the packed rows [R, stride], the dequantised
-  // rows before their copy back [G, D], the experts' FP8 input rows and weight-gradient operands.
+  // FP8 (set_fp8): the local experts' weight codes, the packed rows [R, stride], the experts' FP8
+  // input rows.
   bool fp8_on_ = false;
   CudaFp8ExpertCodeSet fp8_;
-  cuda::DeviceBuffer pack_RP_, values_GD_, fp8_ws_;
+  cuda::DeviceBuffer pack_RP_, fp8_ws_;
 };
 
 }  // namespace moe

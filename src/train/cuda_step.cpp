@@ -220,7 +220,8 @@ struct CudaStepRunner::Impl {
       const int64_t rows = c.train.micro_batch * c.train.seq_len * c.moe.top_k;
       x.rowwise = rowwise ? rowwise
                           : &cuda::NvshmemWorld::one_pe(size_t(CudaRowwiseExperts::symmetric_bytes(
-                                c.moe, c.model.d_model, num_moe_layers(c.model), 1, 0.0, rows)) + (size_t(64) << 20));
+                                c.moe, c.model.d_model, num_moe_layers(c.model), 1, 0.0, rows,
+                                c.train.precision == "fp8")) + (size_t(64) << 20));
       x.capacity_factor = c.parallel.ep_capacity_factor;
     }
     return x;

@@ -102,7 +102,8 @@ GpuGroups make_gpu_groups(const Config& cfg, const RunPlan& plan, const Topology
       std::memcpy(id.data(), words.data(), id.size());
       const int64_t rows = cfg.train.micro_batch * cfg.train.seq_len * cfg.moe.top_k;
       const int64_t heap = CudaRowwiseExperts::symmetric_bytes(cfg.moe, cfg.model.d_model, num_moe_layers(cfg.model),
-                                                               plan.sizes.ep, cfg.parallel.ep_capacity_factor, rows);
+                                                               plan.sizes.ep, cfg.parallel.ep_capacity_factor, rows,
+                                                               cfg.train.precision == "fp8");
       g.rowwise = std::make_unique<cuda::NvshmemWorld>(epc.rank(), epc.size(), id, size_t(heap) + (size_t(64) << 20));
     }
     out << "expert parallel over " << plan.sizes.ep << " GPUs per group (" << cfg.moe.num_experts / plan.sizes.ep

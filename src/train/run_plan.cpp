@@ -194,13 +194,13 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
     m.params = 6.0 * n + m.fp8_codes;  // FP32 master + BF16 copy (whole on every rank, also under ZeRO-1)
     if (ep > 1) m.exchange = moe_layers * rows * (2.0 * d + 8.0) + 2.0 * rows * 2.0 * d;
     // FP8 under expert parallelism: the packed rows this rank sends (cpu::fp8_row_payload_bytes:
-    // D + D / 32 bytes a row; the rowwise exchange pads them to 16-byte words and also holds its
-    // G = ep R received rows' dequantised values and the FP8 buffers of G rows beyond the R the
-    // scratch counts).
+    // D + D / 32 bytes a row; the rowwise exchange pads them to 16-byte words, and also holds the
+    // FP8 buffers of its G = ep R received rows beyond the R the scratch counts; its received
+    // payload rows are in the NVSHMEM heap, CudaRowwiseExperts::symmetric_bytes).
     const double payload = double(cpu::fp8_row_payload_bytes(cfg.model.d_model, cpu::Fp8Recipe{}));
     if (cfg.train.precision == "fp8" && cfg.parallel.ep_backend == "rowwise") {
       const double g = rows * double(ep);
-      m.exchange += rows * std::ceil(payload / 16.0) * 16.0 + g * d * 2.0 + (g - rows) * fp8_input_row;
+      m.exchange += rows * std::ceil(payload / 16.0) * 16.0 + (g - rows) * fp8_input_row;
     } else if (ep > 1 && cfg.train.precision == "fp8") {
       m.exchange += rows * payload;
     }
