@@ -510,7 +510,7 @@ int64_t CudaRowwiseExperts::symmetric_bytes(const MoeConfig& e, int64_t d, int64
   const int64_t cap = cf > 0 ? static_cast<int64_t>(std::ceil(cf * double(rows * ep) / double(e.num_experts))) : 0;
   const int64_t g = cap > 0 ? std::min(e.num_experts / ep * cap, rows * ep) : rows * ep;
   auto up = [](int64_t b) { return (b + 511) / 512 * 512; };  // NVSHMEM's allocation alignment
-  const int64_t stride = (cuda::fp8_row_payload_bytes(d) + 15) / 16 * 16;  // fp8_stride()
+  const int64_t stride = fp8_stride(d);
   return up(ep * e.num_experts * 4) + (num_moe_layers + 2) * up(g * d * 2) + (fp8 ? up(g * stride) : 0);
 }
 
@@ -535,7 +535,7 @@ void CudaRowwiseExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   g.grow_bytes(ws_, cuda::experts_backward_workspace_bytes(G, inner), "expert dgate_up and dh");
   if (fp8_on_) {
     fp8_.reserve(int64_t(saved_.size()), local_, d, inner, g);
-    g.grow_bytes(pack_RP_, size_t(rows * fp8_stride()), "FP8 row payloads packed");
+    g.grow_bytes(pack_RP_, size_t(rows * fp8_stride(d_)), "FP8 row payloads packed");
     g.grow_bytes(fp8_ws_, cuda::experts_fp8_workspace_bytes(G, d, inner), "FP8 expert activation codes");
   }
   if (rows <= reserved_rows_) return;
@@ -550,7 +550,7 @@ void CudaRowwiseExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   y_GD_ = world_.malloc(size_t(G * d) * sizeof(uint16_t));
   dy_GD_ = world_.malloc(size_t(G * d) * sizeof(uint16_t));
   for (CudaRowwiseExpertsSaved& s : saved_) s.x_GD = world_.malloc(size_t(G * d) * sizeof(uint16_t));
-  if (fp8_on_) payload_GP_ = world_.malloc(size_t(G * fp8_stride()));
+  if (fp8_on_) payload_GP_ = world_.malloc(size_t(G * fp8_stride(d_)));
   std::vector<void*> table(slots * size_t(ep_));
   for (int64_t q = 0; q < ep_; ++q) {
     table[0 * ep_ + q] = world_.peer(counts_all_, int(q));
@@ -583,12 +583,12 @@ void CudaRowwiseExperts::refresh_fp8(const CudaBlockContext& c, const std::vecto
   for (const LayerParams& p : layers) fp8_.refresh(c, p.moe_index, p, c.stream);  // refuses unreserved layers
 }
 
-int64_t CudaRowwiseExperts::fp8_stride() const { return (cuda::fp8_row_payload_bytes(d_) + 15) / 16 * 16; }
+int64_t CudaRowwiseExperts::fp8_stride(int64_t d) { return (cuda::fp8_row_payload_bytes(d) + 15) / 16 * 16; }
 
 const uint16_t* CudaRowwiseExperts::pack_fp8(const uint16_t* rows, int64_t n, cuda::Stream st) {
-  MOE_CHECK(pack_RP_.bytes() >= size_t(n * fp8_stride()), "CudaRowwiseExperts: ", n, " rows to pack, the FP8 payload ",
-            "buffer holds ", pack_RP_.bytes() / size_t(fp8_stride()));
-  cuda::fp8_pack_rows(rows, n, d_, Fp8Format::kE4M3, pack_RP_.as<uint8_t>(), nullptr, st, fp8_stride());
+  MOE_CHECK(pack_RP_.bytes() >= size_t(n * fp8_stride(d_)), "CudaRowwiseExperts: ", n, " rows to pack, the FP8 ",
+            "payload buffer holds ", pack_RP_.bytes() / size_t(fp8_stride(d_)));
+  cuda::fp8_pack_rows(rows, n, d_, Fp8Format::kE4M3, pack_RP_.as<uint8_t>(), nullptr, st, fp8_stride(d_));
   return pack_RP_.as<uint16_t>();
 }
 
@@ -596,7 +596,7 @@ void CudaRowwiseExperts::unpack_fp8(uint16_t* values, int64_t G, cuda::Stream st
   MOE_CHECK(payload_GP_ != nullptr, "CudaRowwiseExperts: no FP8 payload buffer; set_fp8 before reserve");
   const cuda::Fp8Rows in = cuda::experts_fp8_input_rows(fp8_ws_.data(), fp8_ws_.bytes(), G, d_, inner_);
   cuda::fp8_unpack_rows(static_cast<const uint8_t*>(payload_GP_), G, d_, Fp8Format::kE4M3, in.codes, in.scales,
-                        values, st, fp8_stride());
+                        values, st, fp8_stride(d_));
 }
 
 void CudaRowwiseExperts::forward(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p,
@@ -634,9 +634,9 @@ void CudaRowwiseExperts::forward_rows(const CudaBlockContext& c, int64_t moe_ind
                               traffic_total_.as<int64_t>(), st);
   exchanges_ += 2;
   traffic_stream_ = st;
-  // FP8: the rows (or token rows) go as payload rows, 16-bit words of fp8_stride() bytes.
+  // FP8: the rows (or token rows) go as payload rows, 16-bit words of fp8_stride(d_) bytes.
   const uint16_t* src = fp8_on_ ? pack_fp8(x, sorted_route != nullptr ? rows / top_k : rows, st) : x;
-  const int64_t width = fp8_on_ ? fp8_stride() / 2 : d_;
+  const int64_t width = fp8_on_ ? fp8_stride(d_) / 2 : d_;
   cuda::ep_rowwise_scatter(src, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_, width,
                            peers(fp8_on_ ? payload_slot() : 3 + size_t(moe_index)), ep_, st, sorted_route, top_k);
   world_.barrier(st);
@@ -687,7 +687,7 @@ void CudaRowwiseExperts::backward_experts(const CudaBlockContext& c, int64_t moe
   exchanges_ += 2;
   const uint16_t* src = fp8_on_ ? pack_fp8(dy_sorted_RD, rows, st) : dy_sorted_RD;
   cuda::ep_rowwise_scatter(src, offsets_E1, s.dest_row_R.as<int32_t>(), rows, e_, local_,
-                           fp8_on_ ? fp8_stride() / 2 : d_, peers(fp8_on_ ? payload_slot() : 2), ep_, st);
+                           fp8_on_ ? fp8_stride(d_) / 2 : d_, peers(fp8_on_ ? payload_slot() : 2), ep_, st);
   world_.barrier(st);
   c.mark(cuda::Phase::kExperts);
   uint16_t* dy = static_cast<uint16_t*>(dy_GD_);
@@ -743,7 +743,7 @@ EpTraffic CudaRowwiseExperts::traffic() const {
   t.exchanges = exchanges_;
   t.rows_sent = rows[0] + rows[1];
   // The rows out travel as FP8 payload rows under set_fp8, the rows back in BF16.
-  const int64_t out_row = fp8_on_ ? fp8_stride() : 2 * d_;
+  const int64_t out_row = fp8_on_ ? fp8_stride(d_) : 2 * d_;
   t.bytes_sent = rows[0] * out_row + rows[1] * 2 * d_;
   t.bytes_received = rows[1] * out_row + rows[0] * 2 * d_;
   return t;

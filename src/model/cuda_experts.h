@@ -379,11 +379,11 @@ class CudaRowwiseExperts final : public CudaExperts {
   void backward_experts(const CudaBlockContext& c, int64_t m, const LayerParams& p, const int32_t* offsets_E1,
                         const uint16_t* dy_sorted_RD, int64_t rows);
   void free_symmetric();
-  // FP8: n rows of `rows` (BF16 [n, D]) packed into pack_RP_ as payload rows of fp8_stride() bytes,
+  // FP8: n rows of `rows` (BF16 [n, D]) packed into pack_RP_ as payload rows of fp8_stride(D) bytes,
   // the width in 16-bit words the scatter moves; and the G payload rows received in payload_GP_
   // unpacked into the experts' FP8 input rows and their dequantised values into `values` [G, D].
   // The payload buffer's slot in the peer table.
-  int64_t fp8_stride() const;
+  static int64_t fp8_stride(int64_t d);
   const uint16_t* pack_fp8(const uint16_t* rows, int64_t n, cuda::Stream st);
   void unpack_fp8(uint16_t* values, int64_t G, cuda::Stream st);
   size_t payload_slot() const { return 3 + saved_.size(); }
