@@ -22,6 +22,11 @@ inline constexpr Fp8Block kFp8WeightBlock{128, 128};
 // element saturates.
 enum class MxScale { kOcp, kNoSaturation };
 inline constexpr int64_t kMxBlock = 32;
+// Bytes of MX scales [rows, cols] in the 128 x 4 tiles Blackwell's block-scaled GEMM reads
+// (cpu::mx_scales_tiled, cuda::mx_scales_tiled): rows padded to 128, columns to 4.
+inline constexpr int64_t mx_scales_tiled_bytes(int64_t rows, int64_t cols) {
+  return (rows + 127) / 128 * ((cols + 3) / 4) * 512;
+}
 
 // Largest finite value: 448 (E4M3, OCP "fn") and 57344 (E5M2); emax, the exponent of the largest
 // normal binade: 8 and 15.

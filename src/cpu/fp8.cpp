@@ -323,6 +323,18 @@ void mx_gemm(const uint8_t* qa, const uint8_t* sa_e8m0, Fp8Format fa, const uint
                 [=](int64_t j, int64_t t, int64_t kb) { return e8m0_value(op, sb_e8m0[j * kb + t]); }, kMxBlock);
 }
 
+std::vector<uint8_t> mx_scales_tiled(const uint8_t* scales_e8m0, int64_t rows, int64_t cols) {
+  MOE_CHECK(rows >= 0 && cols >= 0, "cpu::mx_scales_tiled: expected rows, cols >= 0, got ", rows, " x ", cols);
+  std::vector<uint8_t> out(size_t(mx_scales_tiled_bytes(rows, cols)), uint8_t{127});
+  const int64_t col_tiles = (cols + 3) / 4;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t tile = (r / 128) * col_tiles + c / 4, in = r % 128;
+      out[size_t(tile * 512 + (in % 32) * 16 + (in / 32) * 4 + c % 4)] = scales_e8m0[r * cols + c];
+    }
+  return out;
+}
+
 int64_t mx_to_blocks128(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f,
                         uint8_t* q_out, float* scales_out) {
   const char* op = "cpu::mx_to_blocks128";

@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/fp8_types.h"
 
@@ -121,6 +122,14 @@ void mx_gemm(const uint8_t* qa, const uint8_t* sa_e8m0, Fp8Format fa, const uint
 // summation order.
 int64_t mx_to_blocks128(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f,
                         uint8_t* q_out, float* scales_out);
+
+// MX scales as Blackwell's block-scaled GEMM reads them (cuBLASLt's VEC32_UE8M0 scale mode): the
+// E8M0 scales [rows, cols] (cols = K / 32, row-major, as mx_quantize writes them) in tiles of 128
+// rows x 4 columns, tile (rb, cb) at (rb * ceil(cols / 4) + cb) * 512 bytes, row-block-major; in a
+// tile, scale (r, c) at (r % 32) * 16 + (r / 32) * 4 + c. Rows are padded to a multiple of 128 and
+// columns to a multiple of 4 with 127 (the scale 2^0): mx_scales_tiled_bytes(rows, cols) bytes
+// (core/fp8_types.h).
+std::vector<uint8_t> mx_scales_tiled(const uint8_t* scales_e8m0, int64_t rows, int64_t cols);
 
 // The FP8 recipe of a linear layer's three GEMMs, emulated on FP32 tensors (the CPU twin of the GPU
 // FP8 path: the operands quantised as the GPU quantises them, then the block-scaled GEMM above):

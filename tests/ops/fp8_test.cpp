@@ -614,5 +614,39 @@ TEST(Fp8, RowPayloadUnpacksToTheRowQuantisation) {
   EXPECT_EQ(cpu::fp8_row_payload_bytes(2048, cpu::fp8_recipe_named("mx")), 2048 + 64);
 }
 
+// Blackwell's MX scale layout (cuBLASLt VEC32_UE8M0): 128 x 4 tiles, row-block-major; in a tile
+// the 16 bytes at 16 i hold rows i, i + 32, i + 64, i + 96, four columns each. 200 rows of 8
+// columns: two tile rows (the second padded from row 200 with 127) of two tile columns.
+TEST(Fp8, MxScalesTiledFollowTheBlackwellLayout) {
+  const int64_t rows = 200, cols = 8;
+  std::vector<uint8_t> s(size_t(rows * cols));
+  for (size_t i = 0; i < s.size(); ++i) s[i] = uint8_t(i % 251);  // 127 appears, but not in every place
+  const std::vector<uint8_t> t = cpu::mx_scales_tiled(s.data(), rows, cols);
+  ASSERT_EQ(int64_t(t.size()), mx_scales_tiled_bytes(rows, cols));
+  ASSERT_EQ(t.size(), size_t(2 * 2 * 512));
+  auto at = [&](int64_t r, int64_t c) { return s[size_t(r * cols + c)]; };
+  for (int64_t c = 0; c < 4; ++c) {
+    EXPECT_EQ(t[size_t(c)], at(0, c));
+    EXPECT_EQ(t[size_t(4 + c)], at(32, c));
+    EXPECT_EQ(t[size_t(8 + c)], at(64, c));
+    EXPECT_EQ(t[size_t(12 + c)], at(96, c));
+    EXPECT_EQ(t[size_t(16 + c)], at(1, c));
+    EXPECT_EQ(t[size_t(31 * 16 + 12 + c)], at(127, c));
+    EXPECT_EQ(t[size_t(512 + c)], at(0, 4 + c));       // tile (0, 1): columns 4 .. 7
+    EXPECT_EQ(t[size_t(1024 + c)], at(128, c));        // tile (1, 0): rows 128 ..
+    EXPECT_EQ(t[size_t(1024 + 8 + c)], at(192, c));    // row 192 = 128 + 64
+    EXPECT_EQ(t[size_t(1024 + 12 + c)], uint8_t{127});  // row 224: padding
+    EXPECT_EQ(t[size_t(1536 + 16 * 7 + c)], at(135, 4 + c));
+  }
+  // Every scale once, the rest padding.
+  std::vector<int64_t> seen(256, 0), want(256, 0);
+  for (uint8_t v : t) ++seen[v];
+  for (uint8_t v : s) ++want[v];
+  want[127] += int64_t(t.size()) - rows * cols;
+  EXPECT_EQ(seen, want);
+  EXPECT_EQ(mx_scales_tiled_bytes(1, 1), 512);
+  EXPECT_EQ(mx_scales_tiled_bytes(0, 4), 0);
+}
+
 }  // namespace
 }  // namespace moe::testing

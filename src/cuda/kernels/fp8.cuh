@@ -452,4 +452,16 @@ __global__ void fp8_unpack_rows_kernel(const uint8_t* __restrict__ payload, int6
   }
 }
 
+// MX scales [rows, cols] in Blackwell's 128 x 4 tiles (cpu::mx_scales_tiled's layout): a thread per
+// byte of the tiled output [tiles * 512], padding (rows past rows, columns past cols) 127.
+__global__ void mx_scales_tiled_kernel(const uint8_t* __restrict__ s, int64_t rows, int64_t cols,
+                                       uint8_t* __restrict__ out, int64_t bytes) {
+  const int64_t col_tiles = (cols + 3) / 4;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < bytes; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t tile = i / 512, in = i % 512;
+    const int64_t r = tile / col_tiles * 128 + in / 16 % 32 + in % 16 / 4 * 32, c = tile % col_tiles * 4 + in % 4;
+    out[i] = r < rows && c < cols ? s[r * cols + c] : uint8_t{127};
+  }
+}
+
 }  // namespace moe::cuda::kernels

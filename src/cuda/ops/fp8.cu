@@ -175,6 +175,18 @@ void mx_to_blocks128(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows,
   check_launch("mx_to_blocks128_kernel");
 }
 
+void mx_scales_tiled(const uint8_t* scales_e8m0, int64_t rows, int64_t cols, uint8_t* out, Stream stream) {
+  const char* op = "cuda::mx_scales_tiled";
+  MOE_CHECK(rows >= 0 && cols >= 0, op, ": expected rows, cols >= 0, got ", rows, " x ", cols);
+  const int64_t bytes = mx_scales_tiled_bytes(rows, cols);
+  if (bytes == 0) return;
+  detail::check_ptrs(op, {{"scales_e8m0", scales_e8m0}, {"out", out}}, 1);
+  const int64_t blocks = std::min<int64_t>((bytes + 255) / 256, 65536);
+  kernels::mx_scales_tiled_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(scales_e8m0, rows, cols, out,
+                                                                                      bytes);
+  check_launch("mx_scales_tiled_kernel");
+}
+
 void fp8_quantize_weights(const float* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q, float* s,
                           uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream) {
   quantize_weights("cuda::fp8_quantize_weights", w, experts, n, k, f, q, s, qt, st, num_nonfinite, stream);

@@ -54,6 +54,11 @@ void mx_to_blocks128(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows,
                      uint8_t* q_out, float* scales_out, unsigned long long* changed, uint32_t* nan_scales,
                      Stream stream);
 
+// MX scales [rows, cols] (cols = K / 32, as mx_quantize writes them) in the 128 x 4 tiles
+// Blackwell's block-scaled GEMM reads (cuBLASLt's VEC32_UE8M0): out holds
+// mx_scales_tiled_bytes(rows, cols) bytes (core/fp8_types.h), cpu::mx_scales_tiled's bit for bit.
+void mx_scales_tiled(const uint8_t* scales_e8m0, int64_t rows, int64_t cols, uint8_t* out, Stream stream);
+
 // The experts' weights w [E, n, k] (FP32 or BF16) in 128 x 128 blocks per expert, the contract of
 // cpu::fp8_quantize_weights: q [E, n, k] with scales s [E, ceil(n/128), ceil(k/128)] and, when qt
 // is not null, the transposed codes qt [E, k, n] with st [E, ceil(k/128), ceil(n/128)], in one pass.

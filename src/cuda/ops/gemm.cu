@@ -95,7 +95,7 @@ namespace detail {
 // What an FP8 plan depends on (pointers are 16-byte aligned by contract).
 struct Fp8GemmKey {
   int64_t m, n, k;
-  int32_t fa, fb, b_scaling;
+  int32_t fa, fb, b_scaling;  // B's scales: 0 128 x 128, 1 1 x 128; 2: both operands MX (1 x 32 E8M0)
   bool c_f32;
   int32_t sm_target;  // as GemmKey's
   auto operator<=>(const Fp8GemmKey&) const = default;
@@ -103,7 +103,10 @@ struct Fp8GemmKey {
 
 std::string describe(const Fp8GemmKey& g) {
   return ::moe::detail::concat("fp8_gemm m=", g.m, " n=", g.n, " k=", g.k, " A=", g.fa ? "e5m2" : "e4m3",
-                               " B=", g.fb ? "e5m2" : "e4m3", " B scales=", g.b_scaling ? "1x128" : "128x128",
+                               " B=", g.fb ? "e5m2" : "e4m3",
+                               g.b_scaling == 2   ? " scales=1x32 e8m0 (MX)"
+                               : g.b_scaling == 1 ? " B scales=1x128"
+                                                  : " B scales=128x128",
                                " C=", g.c_f32 ? "f32" : "bf16",
                                g.sm_target != 0 ? ::moe::detail::concat(" on ", g.sm_target, " multiprocessors")
                                                 : std::string());
@@ -126,6 +129,7 @@ struct GemmHandle::Impl {
   cublasLtHandle_t lt = nullptr;
   void* workspace = nullptr;
   int device_sms = 0;  // the multiprocessors of the device the handle was made on
+  int device_major = 0;  // its compute capability's major version
   std::map<GemmKey, Plan> plans;
   std::map<Fp8GemmKey, Plan> fp8_plans;
 
@@ -245,7 +249,7 @@ Plan build_plan(cublasLtHandle_t lt, const GemmKey& key) {
 // cuBLASLt's A is our B (k x n column-major: B[n, k] row-major, transposed), its B our A (k x m
 // column-major, not transposed): the "TN" form FP8 needs, both operands K-major. The scale
 // pointers are set per call (scale_pointers).
-Plan build_fp8_plan(cublasLtHandle_t lt, const Fp8GemmKey& key, const float* sb, const float* sa_t) {
+Plan build_fp8_plan(cublasLtHandle_t lt, const Fp8GemmKey& key, const void* sb, const void* sa_t) {
   Plan p;
   try {
     MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), key);
@@ -259,9 +263,11 @@ Plan build_fp8_plan(cublasLtHandle_t lt, const Fp8GemmKey& key, const float* sb,
                           key);
     MOE_GEMM_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa_t, sizeof(sa_t)), key);
-    const int32_t mode_b_ours = key.b_scaling == 0 ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
-                                                   : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-    const int32_t mode_a_ours = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    const int32_t mode_b_ours = key.b_scaling == 2   ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0
+                                : key.b_scaling == 0 ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+                                                     : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    const int32_t mode_a_ours =
+        key.b_scaling == 2 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0 : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
     MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_b_ours,
                                                          sizeof(mode_b_ours)),
                           key);
@@ -278,13 +284,33 @@ Plan build_fp8_plan(cublasLtHandle_t lt, const Fp8GemmKey& key, const float* sb,
     // Split-K partials reduced in FP32 where a kernel allows it; else the library's choice.
     MOE_CHECK(choose_algorithm(lt, p, nullptr, CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE, key) ||
                   choose_algorithm(lt, p, nullptr, CUBLASLT_REDUCTION_SCHEME_MASK, key),
-              "cuda::fp8_gemm: cuBLASLt has no algorithm for ", describe(key),
-              " on this GPU (block-scaled FP8 needs compute capability 9.0 and CUDA 12.9 or later)");
+              "cuda::fp8_gemm: cuBLASLt has no algorithm for ", describe(key), " on this GPU (",
+              key.b_scaling == 2 ? "MX scales need compute capability 10.0 and CUDA 12.8 or later"
+                                 : "block-scaled FP8 needs compute capability 9.0 and CUDA 12.9 or later",
+              ")");
   } catch (...) {
     destroy_plan(p);
     throw;
   }
   return p;
+}
+
+// The plan of `key` (built at its first call) run on the operands: cuBLASLt's A is our B, so its
+// scales are b_scales; its B our A, a_scales.
+void run_fp8_plan(GemmHandle& handle, const Fp8GemmKey& key, const uint8_t* qa, const void* a_scales,
+                  const uint8_t* qb, const void* b_scales, void* c, bool accumulate, Stream stream) {
+  GemmHandle::Impl& h = handle.impl();
+  auto it = h.fp8_plans.find(key);
+  if (it == h.fp8_plans.end()) it = h.fp8_plans.emplace(key, build_fp8_plan(h.lt, key, b_scales, a_scales)).first;
+  const Plan& p = it->second;
+  MOE_GEMM_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b_scales, sizeof(b_scales)), key);
+  MOE_GEMM_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a_scales, sizeof(a_scales)), key);
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  MOE_GEMM_CUBLAS_CHECK(cublasLtMatmul(h.lt, p.desc, &alpha, qb, p.layout_b, qa, p.layout_a, &beta, c, p.layout_c, c,
+                                       p.layout_c, &p.algo, h.workspace, GemmHandle::kWorkspaceBytes, stream),
+                        key);
 }
 
 template <typename T>
@@ -313,25 +339,13 @@ void run_fp8_gemm(GemmHandle& handle, const uint8_t* qa, const float* sa_t, int6
               lds_b, " for ", describe(key));
   }
   detail::check_ptrs(op, {{"qa", qa}, {"qb", qb}, {"sa_t", sa_t}, {"sb", sb}, {"c", c}}, 16);
-  GemmHandle::Impl& h = handle.impl();
-  auto it = h.fp8_plans.find(key);
-  if (it == h.fp8_plans.end()) it = h.fp8_plans.emplace(key, build_fp8_plan(h.lt, key, sb, sa_t)).first;
-  const Plan& p = it->second;
-  // cuBLASLt's A is our B: its scales are sb; its B our A: sa_t. The scale tensors' leading
-  // dimensions are implied by the shapes; lds_a / lds_b beyond them are not expressible, so they
-  // must equal the minimum (checked here).
+  // The scale tensors' leading dimensions are implied by the shapes; lds_a / lds_b beyond them are
+  // not expressible, so they must equal the minimum (checked here).
   const int64_t want_a = (m + 3) / 4 * 4;
   const int64_t want_b = b_scaling == Fp8BScaling::kBlock128x128 ? (kb + 3) / 4 * 4 : (n + 3) / 4 * 4;
   MOE_CHECK(lds_a == want_a && lds_b == want_b, op, ": the scale tensors' leading dimensions must be the padded ",
             "minimum (lds_a = ", want_a, ", lds_b = ", want_b, "), got ", lds_a, " and ", lds_b, " for ", describe(key));
-  MOE_GEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)),
-                        key);
-  MOE_GEMM_CUBLAS_CHECK(
-      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa_t, sizeof(sa_t)), key);
-  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-  MOE_GEMM_CUBLAS_CHECK(cublasLtMatmul(h.lt, p.desc, &alpha, qb, p.layout_b, qa, p.layout_a, &beta, c, p.layout_c, c,
-                                       p.layout_c, &p.algo, h.workspace, GemmHandle::kWorkspaceBytes, stream),
-                        key);
+  run_fp8_plan(handle, key, qa, sa_t, qb, sb, c, accumulate, stream);
 }
 
 }  // namespace
@@ -348,6 +362,7 @@ GemmHandle::GemmHandle() : impl_(std::make_unique<Impl>()) {
   int device = 0;
   MOE_CUDA_CHECK(cudaGetDevice(&device));
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&impl_->device_sms, cudaDevAttrMultiProcessorCount, device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&impl_->device_major, cudaDevAttrComputeCapabilityMajor, device));
   MOE_CUDA_CHECK(cudaMalloc(&impl_->workspace, kWorkspaceBytes));
 }
 
@@ -491,6 +506,16 @@ void mx_gemm(GemmHandle& handle, const uint8_t* qa, const uint8_t* sa_e8m0, Fp8F
             " (mx_gemm_workspace_bytes(", m, ", ", n, ", ", k, "))");
   detail::check_ptrs(op, {{"workspace", workspace}}, 256);
   auto* base = static_cast<unsigned char*>(workspace);
+  if (handle.impl().device_major >= 10) {
+    // Blackwell: the scales in its tiles (the workspace's start holds both, far less than the
+    // re-blocked codes it is sized for), then the tensor cores' own MX GEMM; nothing re-blocked.
+    auto* sa_tiled = base;
+    auto* sb_tiled = base + (mx_scales_tiled_bytes(m, k / kMxBlock) + 255) / 256 * 256;
+    mx_scales_tiled(sa_e8m0, m, k / kMxBlock, sa_tiled, stream);
+    mx_scales_tiled(sb_e8m0, n, k / kMxBlock, sb_tiled, stream);
+    mx_gemm_tiled(handle, qa, sa_tiled, fa, qb, sb_tiled, fb, m, n, k, c, accumulate, stream);
+    return;
+  }
   auto* qa2 = base + w.qa;
   auto* qb2 = base + w.qb;
   auto* sa = reinterpret_cast<float*>(base + w.sa);
@@ -503,6 +528,23 @@ void mx_gemm(GemmHandle& handle, const uint8_t* qa, const uint8_t* sa_e8m0, Fp8F
   fp8_scales_k_major(sa, m, kb, m, sa_t, stream);
   fp8_scales_k_major(sb, n, kb, n, sb_t, stream);
   fp8_gemm(handle, qa2, sa_t, m, fa, qb2, sb_t, n, fb, Fp8BScaling::kRow1x128, m, n, k, c, accumulate, stream);
+}
+
+void mx_gemm_tiled(GemmHandle& handle, const uint8_t* qa, const uint8_t* sa_tiled, Fp8Format fa, const uint8_t* qb,
+                   const uint8_t* sb_tiled, Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate,
+                   Stream stream) {
+  const char* op = "cuda::mx_gemm_tiled";
+  const int major = handle.impl().device_major;
+  MOE_CHECK(major >= 10, op, ": MX scales on the tensor cores need a Blackwell GPU (compute capability 10.0 or ",
+            "later), this one is ", major, ".x; cuda::mx_gemm re-blocks MX operands for Hopper's block-scaled GEMM");
+  MOE_CHECK(m > 0 && n > 0 && k > 0 && k % 128 == 0 && n % 16 == 0 && m % 4 == 0, op,
+            ": expected k a positive multiple of 128, n of 16 and m of 4, got m=", m, " n=", n, " k=", k);
+  MOE_CHECK(!(fa == Fp8Format::kE5M2 && fb == Fp8Format::kE5M2), op, ": E5M2 x E5M2 has no tensor-core kernel; ",
+            "make one operand E4M3");
+  detail::check_ptrs(op, {{"qa", qa}, {"qb", qb}, {"sa_tiled", sa_tiled}, {"sb_tiled", sb_tiled}, {"c", c}}, 16);
+  const Fp8GemmKey key{m, n, k, fa == Fp8Format::kE5M2 ? 1 : 0, fb == Fp8Format::kE5M2 ? 1 : 0, 2, true,
+                       sm_target(handle.impl().device_sms)};
+  run_fp8_plan(handle, key, qa, sa_tiled, qb, sb_tiled, c, accumulate, stream);
 }
 
 }  // namespace moe::cuda

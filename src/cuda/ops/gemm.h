@@ -94,12 +94,21 @@ void fp8_gemm(GemmHandle& handle, const uint8_t* qa, const float* sa_t, int64_t 
 // re-blocking is exact, and always equals the CPU's re-blocking followed by
 // cpu::fp8_gemm_rowwise_scaled within it; *changed (when not null) gets the codes the re-blocking
 // altered, *nan_scales (when not null) any E8M0 NaN scale. k a multiple of 128, n of 16, m of 4,
-// code and C pointers 16-byte aligned. (Blackwell's tensor cores take 1 x 32 E8M0 scales
-// directly; this is the Hopper form.)
+// code and C pointers 16-byte aligned. On a Blackwell GPU (compute capability 10.0 or later) the
+// scales are laid out in its tiles (mx_scales_tiled, into the workspace) and the GEMM is
+// mx_gemm_tiled: nothing re-blocked, *changed untouched.
 size_t mx_gemm_workspace_bytes(int64_t m, int64_t n, int64_t k);
 void mx_gemm(GemmHandle& handle, const uint8_t* qa, const uint8_t* sa_e8m0, Fp8Format fa, const uint8_t* qb,
              const uint8_t* sb_e8m0, Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate,
              void* workspace, size_t workspace_bytes, unsigned long long* changed, uint32_t* nan_scales,
              Stream stream);
+// MXFP8's GEMM on Blackwell's tensor cores through cuBLASLt (VEC32_UE8M0 scales for both operands:
+// cpu::mx_gemm's arithmetic, promotion every 32 K elements): C [m, n] (=, or += with accumulate)
+// A [m, k] B [n, k]^T, codes as mx_gemm's, scales in Blackwell's tiles (mx_scales_tiled of the
+// [m, k / 32] and [n, k / 32] E8M0 scales). Refused, naming the compute capability, below 10.0
+// (Hopper has no 1 x 32 scale mode); not tested on a Blackwell GPU here.
+void mx_gemm_tiled(GemmHandle& handle, const uint8_t* qa, const uint8_t* sa_tiled, Fp8Format fa, const uint8_t* qb,
+                   const uint8_t* sb_tiled, Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate,
+                   Stream stream);
 
 }  // namespace moe::cuda
