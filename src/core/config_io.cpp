@@ -109,7 +109,8 @@ std::vector<ConfigKey> build_keys() {
             {"fp32", "bf16", "fp8"}),
       entry("train.fp8_scaling", &C::train, &T::fp8_scaling,
             "scaling of train.precision = \"fp8\": blocks (1 x 128 activations, 128 x 128 weights, FP32 scales), "
-            "mx (MXFP8: 1 x 32 blocks, E8M0 scales, OCP floor rule; cpu only) or mx_no_saturation (E8M0 rounded up)",
+            "mx (MXFP8: 1 x 32 blocks, E8M0 scales, OCP floor rule; cuda: re-blocked for Hopper's GEMMs) or "
+            "mx_no_saturation (E8M0 rounded up)",
             {"blocks", "mx", "mx_no_saturation"}),
       entry("train.recompute", &C::train, &T::recompute, "activation recomputation in backward",
             {"none", "selective", "full"}),

@@ -22,6 +22,16 @@ inline constexpr Fp8Block kFp8WeightBlock{128, 128};
 // element saturates.
 enum class MxScale { kOcp, kNoSaturation };
 inline constexpr int64_t kMxBlock = 32;
+
+// How the GPU's FP8 path (train.fp8_scaling) picks a 1 x 128 or 128 x 128 block's scale and codes:
+// kBlocks, the block recipe's FP32 amax / fp8_max; kMx and kMxNoSaturation, MX scaling on Hopper:
+// MX's 1 x 32 sub-blocks along the rows (E8M0 scales by MxScale::kOcp / kNoSaturation) re-blocked
+// at the block's largest sub-block scale (cpu::mx_to_blocks), so that the block-scaled GEMMs
+// compute the MX product, exactly while no re-blocked code loses bits (docs/numerics.md).
+enum class Fp8Rule : uint8_t { kBlocks, kMx, kMxNoSaturation };
+MOE_HOST_DEVICE inline constexpr MxScale mx_rule_of(Fp8Rule r) {
+  return r == Fp8Rule::kMxNoSaturation ? MxScale::kNoSaturation : MxScale::kOcp;
+}
 // Bytes of MX scales [rows, cols] in the 128 x 4 tiles Blackwell's block-scaled GEMM reads
 // (cpu::mx_scales_tiled, cuda::mx_scales_tiled): rows padded to 128, columns to 4.
 inline constexpr int64_t mx_scales_tiled_bytes(int64_t rows, int64_t cols) {

@@ -225,6 +225,12 @@ Fp8Recipe fp8_recipe_named(const std::string& scaling) {
   return r;
 }
 
+Fp8Rule fp8_rule_named(const std::string& scaling) {
+  const Fp8Recipe r = fp8_recipe_named(scaling);
+  if (r.scaling == Fp8Scaling::kBlocks) return Fp8Rule::kBlocks;
+  return r.mx_rule == MxScale::kOcp ? Fp8Rule::kMx : Fp8Rule::kMxNoSaturation;
+}
+
 void fp8_linear_forward(const float* x, const float* w, int64_t m, int64_t n, int64_t k, const Fp8Recipe& r, float* y) {
   if (r.scaling == Fp8Scaling::kMx) {
     const MxQuantised qx = mx_quantised(x, m, k, r.forward, r.mx_rule);
@@ -277,7 +283,7 @@ void fp8_gemm_block_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, con
 }
 
 void fp8_quantize_weights(const float* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q, float* s,
-                          uint8_t* qt, float* st) {
+                          uint8_t* qt, float* st, Fp8Rule rule) {
   const char* op = "cpu::fp8_quantize_weights";
   MOE_CHECK(experts >= 0, op, ": experts must be >= 0, got ", experts);
   check_shape(op, n, k, kFp8WeightBlock);
@@ -285,8 +291,16 @@ void fp8_quantize_weights(const float* w, int64_t experts, int64_t n, int64_t k,
   for (int64_t e = 0; e < experts; ++e) {
     uint8_t* qe = q + e * n * k;
     float* se = s + e * nb * kb;
-    fp8_quantize_blocks(w + e * n * k, n, k, kFp8WeightBlock, f, qe, se);
+    const float* we = w + e * n * k;
+    fp8_quantize_blocks(we, n, k, kFp8WeightBlock, f, rule, qe, se);
     if (qt == nullptr) continue;
+    if (rule != Fp8Rule::kBlocks) {  // the column copy quantised along w's columns
+      std::vector<float> wt(size_t(n * k));
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t c = 0; c < k; ++c) wt[size_t(c * n + r)] = we[r * k + c];
+      fp8_quantize_blocks(wt.data(), k, n, kFp8WeightBlock, f, rule, qt + e * n * k, st + e * nb * kb);
+      continue;
+    }
     for (int64_t r = 0; r < n; ++r)
       for (int64_t c = 0; c < k; ++c) qt[e * n * k + c * n + r] = qe[r * k + c];
     for (int64_t i = 0; i < nb; ++i)
@@ -335,33 +349,57 @@ std::vector<uint8_t> mx_scales_tiled(const uint8_t* scales_e8m0, int64_t rows, i
   return out;
 }
 
-int64_t mx_to_blocks128(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f,
-                        uint8_t* q_out, float* scales_out) {
-  const char* op = "cpu::mx_to_blocks128";
+int64_t mx_to_blocks(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f,
+                     Fp8Block block, uint8_t* q_out, float* scales_out) {
+  const char* op = "cpu::mx_to_blocks";
   MOE_CHECK(rows >= 0 && cols >= 0, op, ": rows and cols must be >= 0, got ", rows, " x ", cols);
-  const int64_t mx_cols = fp8_scale_cols(cols, {1, kMxBlock}), out_cols = fp8_scale_cols(cols, kFp8ActivationBlock);
+  MOE_CHECK(block.rows >= 1 && block.cols >= kMxBlock && block.cols % kMxBlock == 0, op, ": block ", block.rows,
+            " x ", block.cols, " must be at least one row of whole ", kMxBlock, "-wide MX sub-blocks");
+  const int64_t mx_cols = fp8_scale_cols(cols, {1, kMxBlock});
+  const int64_t out_rows = fp8_scale_rows(rows, block), out_cols = fp8_scale_cols(cols, block);
   int64_t changed = 0;
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t br = 0; br < out_rows; ++br) {
+    const int64_t r0 = br * block.rows, r1 = std::min(rows, r0 + block.rows);
     for (int64_t b = 0; b < out_cols; ++b) {
-      const int64_t c0 = b * 128, c1 = std::min(cols, c0 + 128);
+      const int64_t c0 = b * block.cols, c1 = std::min(cols, c0 + block.cols);
       int top = 0;
-      for (int64_t c = c0; c < c1; c += kMxBlock) {
-        const uint8_t code = scales_e8m0[r * mx_cols + c / kMxBlock];
-        MOE_CHECK(code != 0xFF, op, ": scale [", r, ", ", c / kMxBlock, "] is the E8M0 NaN code 0xFF");
-        top = std::max(top, int(code));
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; c += kMxBlock) {
+          const uint8_t code = scales_e8m0[r * mx_cols + c / kMxBlock];
+          MOE_CHECK(code != 0xFF, op, ": scale [", r, ", ", c / kMxBlock, "] is the E8M0 NaN code 0xFF");
+          top = std::max(top, int(code));
+        }
       }
-      scales_out[r * out_cols + b] = std::ldexp(1.0f, top - 127);
-      for (int64_t c = c0; c < c1; ++c) {
-        const int shift = int(scales_e8m0[r * mx_cols + c / kMxBlock]) - top;  // <= 0
-        const double v = std::ldexp(double(fp8_decode(q[r * cols + c], f)), shift);  // exact in FP64
-        // FP32 is exact for every v the format can hold; smaller ones encode to 0 either way.
-        const uint8_t code = fp8_encode(float(v), f);
-        q_out[r * cols + c] = code;
-        changed += double(fp8_decode(code, f)) != v;
+      scales_out[br * out_cols + b] = std::ldexp(1.0f, top - 127);
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c) {
+          const int shift = int(scales_e8m0[r * mx_cols + c / kMxBlock]) - top;  // <= 0
+          const double v = std::ldexp(double(fp8_decode(q[r * cols + c], f)), shift);  // exact in FP64
+          // FP32 is exact for every v the format can hold; smaller ones encode to 0 either way.
+          const uint8_t code = fp8_encode(float(v), f);
+          q_out[r * cols + c] = code;
+          changed += double(fp8_decode(code, f)) != v;
+        }
       }
     }
   }
   return changed;
+}
+
+int64_t mx_to_blocks128(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f,
+                        uint8_t* q_out, float* scales_out) {
+  return mx_to_blocks(q, scales_e8m0, rows, cols, f, kFp8ActivationBlock, q_out, scales_out);
+}
+
+int64_t fp8_quantize_blocks(const float* x, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f, Fp8Rule rule,
+                            uint8_t* q, float* scales) {
+  if (rule == Fp8Rule::kBlocks) {
+    fp8_quantize_blocks(x, rows, cols, block, f, q, scales);
+    return 0;
+  }
+  std::vector<uint8_t> mx_q(size_t(rows * cols)), mx_s(size_t(rows * fp8_scale_cols(cols, {1, kMxBlock})));
+  mx_quantize(x, rows, cols, f, mx_rule_of(rule), mx_q.data(), mx_s.data());
+  return mx_to_blocks(mx_q.data(), mx_s.data(), rows, cols, f, block, q, scales);
 }
 
 namespace {

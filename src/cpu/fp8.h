@@ -36,6 +36,7 @@ namespace moe::cpu {
 
 using moe::Fp8Block;
 using moe::Fp8Format;
+using moe::Fp8Rule;
 using moe::kFp8ActivationBlock;
 using moe::kFp8WeightBlock;
 using moe::kMxBlock;
@@ -81,9 +82,11 @@ void fp8_gemm_rowwise_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, c
 // The experts' weights w [E, n, k] in 128 x 128 blocks per expert: q [E, n, k] and scales
 // s [E, ceil(n/128), ceil(k/128)] (fp8_quantize_blocks of each w[e]); when qt is not null also the
 // transposed copy qt [E, k, n] (qt[e][c][r] = q[e][r][c]) with st [E, ceil(k/128), ceil(n/128)]
-// (st[e][j][i] = s[e][i][j]): the B operand of the data-gradient GEMM dx = dy W_e.
+// (st[e][j][i] = s[e][i][j]): the B operand of the data-gradient GEMM dx = dy W_e. Under an MX
+// rule (fp8_quantize_blocks with it) q quantises w[e]'s rows and qt those of w[e]^T, each copy
+// along the contraction of the GEMM that reads it (MXFP8's row-wise and column-wise copies).
 void fp8_quantize_weights(const float* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q, float* s,
-                          uint8_t* qt, float* st);
+                          uint8_t* qt, float* st, Fp8Rule rule = Fp8Rule::kBlocks);
 
 // The experts' weight-gradient operands quantised down each expert's rows (the layout of
 // cuda::fp8_quantize_expert_columns): expert e's rows offsets[e] .. offsets[e + 1] (host offsets,
@@ -112,16 +115,25 @@ void fp8_grouped_gemm_block_scaled(const uint8_t* qa, const float* sa, Fp8Format
 void mx_gemm(const uint8_t* qa, const uint8_t* sa_e8m0, Fp8Format fa, const uint8_t* qb, const uint8_t* sb_e8m0,
              Fp8Format fb, int64_t m, int64_t n, int64_t k, float* c, bool accumulate);
 
-// MX codes re-blocked into 1 x 128 blocks with FP32 scales, the other way to run MX-quantised
-// tensors on Hopper's block-scaled GEMM (cuBLASLt has no 1 x 32 mode there): each 128 block takes
-// its largest MX scale 2^e_max as its scale, and every code of a sub-block with scale 2^e is
-// re-encoded as its value times 2^(e - e_max), round to nearest even. That is exact only while the
-// shifted values stay within the format's precision: a sub-block whose scale is 2^k below the
-// block's loses up to k low bits of its codes (into subnormals, or to zero). Returns the number of
-// codes whose value changed; 0 means the 1 x 128 GEMM on the output equals mx_gemm up to FP32
-// summation order.
+// MX codes re-blocked into blocks (1 x 128, or 128 x 128) with FP32 scales, the other way to run
+// MX-quantised tensors on Hopper's block-scaled GEMMs (cuBLASLt and moecore's grouped kernel have
+// no 1 x 32 mode there): each block takes the largest MX scale 2^e_max of its sub-blocks as its
+// scale, and every code of a sub-block with scale 2^e is re-encoded as its value times
+// 2^(e - e_max), round to nearest even. That is exact only while the shifted values stay within
+// the format's precision: a sub-block whose scale is 2^k below the block's loses up to k low bits
+// of its codes (into subnormals, or to zero). Returns the number of codes whose value changed; 0
+// means the block-scaled GEMM on the output equals mx_gemm up to FP32 summation order.
+// block.cols a multiple of 32; scales_out [ceil(rows / block.rows), ceil(cols / block.cols)].
+int64_t mx_to_blocks(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f,
+                     Fp8Block block, uint8_t* q_out, float* scales_out);
+// mx_to_blocks into 1 x 128 blocks.
 int64_t mx_to_blocks128(const uint8_t* q, const uint8_t* scales_e8m0, int64_t rows, int64_t cols, Fp8Format f,
                         uint8_t* q_out, float* scales_out);
+// x quantised in `block` blocks by the GPU FP8 path's rule (core/fp8_types.h): kBlocks is
+// fp8_quantize_blocks; the MX rules mx_quantize along the rows, then mx_to_blocks into `block`.
+// Returns the codes the re-blocking changed (0 for kBlocks). What the GPU's quantisers write.
+int64_t fp8_quantize_blocks(const float* x, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f, Fp8Rule rule,
+                            uint8_t* q, float* scales);
 
 // MX scales as Blackwell's block-scaled GEMM reads them (cuBLASLt's VEC32_UE8M0 scale mode): the
 // E8M0 scales [rows, cols] (cols = K / 32, row-major, as mx_quantize writes them) in tiles of 128
@@ -157,6 +169,9 @@ struct Fp8Recipe {
 // The recipe train.fp8_scaling names: "blocks" (1 x 128 / 128 x 128, FP32 scales), "mx" (1 x 32,
 // E8M0, the OCP floor rule) or "mx_no_saturation" (1 x 32, E8M0 rounded up); anything else is refused.
 Fp8Recipe fp8_recipe_named(const std::string& scaling);
+// The GPU FP8 path's rule (core/fp8_types.h) for the scaling train.fp8_scaling names: the block
+// recipe, or MX's sub-blocks re-blocked for Hopper's block-scaled GEMMs.
+Fp8Rule fp8_rule_named(const std::string& scaling);
 void fp8_linear_forward(const float* x, const float* w, int64_t m, int64_t n, int64_t k, const Fp8Recipe& r, float* y);
 void fp8_linear_dgrad(const float* dy, const float* w, int64_t m, int64_t n, int64_t k, const Fp8Recipe& r, float* dx);
 void fp8_linear_wgrad(const float* dy, const float* x, int64_t m, int64_t n, int64_t k, const Fp8Recipe& r,

@@ -30,14 +30,15 @@ void CudaExperts::backward_tokens(const CudaBlockContext&, int64_t, const LayerP
   MOE_FAIL("CudaExperts::backward_tokens: these experts write sorted rows (takes_token_rows() is false)");
 }
 
-void CudaExperts::set_fp8(bool on) {
+void CudaExperts::set_fp8(bool on, Fp8Rule) {
   MOE_CHECK(!on, "train.precision = \"fp8\": these experts have no FP8 path");
 }
 
 namespace {
 
-cuda::Fp8ExpertWeights fp8_view(const CudaFp8ExpertCodes& q) {
+cuda::Fp8ExpertWeights fp8_view(const CudaFp8ExpertCodes& q, Fp8Rule rule) {
   cuda::Fp8ExpertWeights w;
+  w.rule = rule;
   w.gate_up = q.gate_up.as<uint8_t>();
   w.s_gate_up = q.s_gate_up.as<float>();
   w.gate_up_t = q.gate_up_t.as<uint8_t>();
@@ -50,6 +51,14 @@ cuda::Fp8ExpertWeights fp8_view(const CudaFp8ExpertCodes& q) {
 }
 
 int64_t blocks128(int64_t n) { return (n + 127) / 128; }
+
+// The MX rules quantise whole 128-wide blocks only (cuda::fp8_quantize_blocks, fp8_quantize_weights).
+void check_fp8_rule(bool on, Fp8Rule rule, int64_t d, int64_t inner) {
+  MOE_CHECK(!on || rule == Fp8Rule::kBlocks || (d % 128 == 0 && inner % 128 == 0),
+            "train.fp8_scaling = \"mx\" on the GPU: the MX codes are re-blocked into whole 1 x 128 and 128 x 128 ",
+            "blocks, so model.d_model (", d, ") and moe.expert_hidden (", inner, ") must be multiples of 128");
+}
+
 
 }  // namespace
 
@@ -81,16 +90,17 @@ void CudaFp8ExpertCodeSet::refresh(const CudaBlockContext& c, int64_t m, const L
   const uint16_t* P = c.params;
   cuda::fp8_quantize_weights(P + p.experts_gate_up, experts_, 2 * inner_, d_, Fp8Format::kE4M3,
                              q.gate_up.as<uint8_t>(), q.s_gate_up.as<float>(), q.gate_up_t.as<uint8_t>(),
-                             q.s_gate_up_t.as<float>(), nullptr, stream);
+                             q.s_gate_up_t.as<float>(), nullptr, stream, rule_);
   cuda::fp8_quantize_weights(P + p.experts_down, experts_, d_, inner_, Fp8Format::kE4M3, q.down.as<uint8_t>(),
-                             q.s_down.as<float>(), q.down_t.as<uint8_t>(), q.s_down_t.as<float>(), nullptr, stream);
+                             q.s_down.as<float>(), q.down_t.as<uint8_t>(), q.s_down_t.as<float>(), nullptr, stream,
+                             rule_);
   q.version = c.params_version;
 }
 
 cuda::Fp8ExpertWeights CudaFp8ExpertCodeSet::view(int64_t m) const {
   MOE_CHECK(m >= 0 && m < layers(), "CudaFp8ExpertCodeSet::view: the FP8 codes of MoE layer ", m,
             " are not reserved (", layers(), " layers reserved)");
-  return fp8_view(codes_[size_t(m)]);
+  return fp8_view(codes_[size_t(m)], rule_);
 }
 
 std::vector<CudaFp8ExpertTensor> CudaFp8ExpertCodeSet::tensors(const std::vector<LayerParams>& layers) {
@@ -98,9 +108,9 @@ std::vector<CudaFp8ExpertTensor> CudaFp8ExpertCodeSet::tensors(const std::vector
   for (const LayerParams& p : layers) {
     CudaFp8ExpertCodes& q = at(p.moe_index, "CudaFp8ExpertCodeSet::tensors");
     out.push_back({p.experts_gate_up, experts_, 2 * inner_, d_, q.gate_up.as<uint8_t>(), q.s_gate_up.as<float>(),
-                   q.gate_up_t.as<uint8_t>(), q.s_gate_up_t.as<float>()});
+                   q.gate_up_t.as<uint8_t>(), q.s_gate_up_t.as<float>(), rule_});
     out.push_back({p.experts_down, experts_, d_, inner_, q.down.as<uint8_t>(), q.s_down.as<float>(),
-                   q.down_t.as<uint8_t>(), q.s_down_t.as<float>()});
+                   q.down_t.as<uint8_t>(), q.s_down_t.as<float>(), rule_});
   }
   return out;
 }
@@ -119,15 +129,19 @@ CudaLocalExperts::~CudaLocalExperts() {
   if (side_ != nullptr) cuda::stream_destroy(side_);
 }
 
-void CudaLocalExperts::set_fp8(bool on) {
+void CudaLocalExperts::set_fp8(bool on, Fp8Rule rule) {
   MOE_CHECK(!on || fp8_experts_shapes(d_, inner_), "train.precision = \"fp8\": the FP8 expert GEMMs read rows of ",
             "16 codes, so model.d_model (", d_, ") and moe.expert_hidden (", inner_, ") must be multiples of 16");
+  check_fp8_rule(on, rule, d_, inner_);
   fp8_on_ = on;
+  fp8_.set_rule(rule);
 }
 
 cuda::Fp8Rows CudaLocalExperts::fp8_input_rows(int64_t rows) {
   if (!fp8_on_ || d_ % 128 != 0 || fp8_ws_.data() == nullptr) return {};
-  return cuda::experts_fp8_input_rows(fp8_ws_.data(), fp8_ws_.bytes(), rows, d_, inner_);
+  cuda::Fp8Rows in = cuda::experts_fp8_input_rows(fp8_ws_.data(), fp8_ws_.bytes(), rows, d_, inner_);
+  in.rule = fp8_.rule();
+  return in;
 }
 
 void CudaLocalExperts::reserve(int64_t rows, CudaBufferGrower& g) {
@@ -264,11 +278,13 @@ void CudaEpExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   grow_fp8(rows);
 }
 
-void CudaEpExperts::set_fp8(bool on) {
+void CudaEpExperts::set_fp8(bool on, Fp8Rule rule) {
   MOE_CHECK(!on || (d_ % 128 == 0 && fp8_experts_shapes(d_, inner_)), "train.precision = \"fp8\" with expert ",
             "parallelism: the exchange's FP8 rows are whole 1 x 128 blocks, so model.d_model (", d_, ") must be a ",
             "multiple of 128 and moe.expert_hidden (", inner_, ") of 16");
+  check_fp8_rule(on, rule, d_, inner_);
   fp8_on_ = on;
+  fp8_.set_rule(rule);
 }
 
 void CudaEpExperts::grow_fp8(int64_t rows) {
@@ -289,7 +305,7 @@ void CudaEpExperts::dispatch_fp8(const cuda::EpHandle& h, const CudaEpExpertsSav
   MOE_CHECK(per % 2 == 0 && pm_GD.bytes() >= size_t(G * per) && work_GD.bytes() >= size_t(G * per),
             "CudaEpExperts: the exchange buffers do not hold ", G, " FP8 payload rows");
   uint8_t* send = send_RP.as<uint8_t>();
-  cuda::fp8_pack_rows(rows_RD, rows, d, Fp8Format::kE4M3, send, nullptr, st);
+  cuda::fp8_pack_rows(rows_RD, rows, d, Fp8Format::kE4M3, send, nullptr, st, 0, fp8_.rule());
   // The payload rows travel as per / 2 16-bit words (their bits unchanged).
   uint16_t* pm = pm_GD.as<uint16_t>();
   uint16_t* grouped = work_GD.as<uint16_t>();
@@ -564,11 +580,13 @@ void CudaRowwiseExperts::reserve(int64_t rows, CudaBufferGrower& g) {
   reserved_rows_ = rows;
 }
 
-void CudaRowwiseExperts::set_fp8(bool on) {
+void CudaRowwiseExperts::set_fp8(bool on, Fp8Rule rule) {
   MOE_CHECK(!on || (d_ % 128 == 0 && fp8_experts_shapes(d_, inner_)), "train.precision = \"fp8\" with the rowwise ",
             "exchange: its FP8 rows are whole 1 x 128 blocks, so model.d_model (", d_, ") must be a multiple of 128 ",
             "and moe.expert_hidden (", inner_, ") of 16");
+  check_fp8_rule(on, rule, d_, inner_);
   fp8_on_ = on;
+  fp8_.set_rule(rule);
 }
 
 std::vector<CudaFp8ExpertTensor> CudaRowwiseExperts::fp8_weight_tensors(const std::vector<LayerParams>& layers) {
@@ -588,7 +606,8 @@ int64_t CudaRowwiseExperts::fp8_stride(int64_t d) { return (cuda::fp8_row_payloa
 const uint16_t* CudaRowwiseExperts::pack_fp8(const uint16_t* rows, int64_t n, cuda::Stream st) {
   MOE_CHECK(pack_RP_.bytes() >= size_t(n * fp8_stride(d_)), "CudaRowwiseExperts: ", n, " rows to pack, the FP8 ",
             "payload buffer holds ", pack_RP_.bytes() / size_t(fp8_stride(d_)));
-  cuda::fp8_pack_rows(rows, n, d_, Fp8Format::kE4M3, pack_RP_.as<uint8_t>(), nullptr, st, fp8_stride(d_));
+  cuda::fp8_pack_rows(rows, n, d_, Fp8Format::kE4M3, pack_RP_.as<uint8_t>(), nullptr, st, fp8_stride(d_),
+                      fp8_.rule());
   return pack_RP_.as<uint16_t>();
 }
 

@@ -46,6 +46,7 @@ struct CudaFp8ExpertTensor {
   float* s = nullptr;
   uint8_t* qt = nullptr;
   float* st = nullptr;
+  Fp8Rule rule = Fp8Rule::kBlocks;  // the rule its codes are written by
 };
 
 class CudaExperts {
@@ -64,10 +65,10 @@ class CudaExperts {
                          const int32_t* offsets_E1, int64_t rows, uint16_t* y_sorted_RD) = 0;
 
   // train.precision = "fp8" (CudaModel::set_fp8): the forward GEMMs and data gradients in
-  // block-scaled FP8, the weight codes rebuilt at a layer's first forward under a new
-  // CudaBlockContext::params_version. Call before reserve. Refused by experts without it (the
-  // expert-parallel exchanges).
-  virtual void set_fp8(bool on);
+  // block-scaled FP8, codes and scales by `rule` (train.fp8_scaling, core/fp8_types.h), the weight
+  // codes rebuilt at a layer's first forward under a new CudaBlockContext::params_version. Call
+  // before reserve. Refused by experts without an FP8 path.
+  virtual void set_fp8(bool on, Fp8Rule rule);
 
   // What layer moe_index's forward needs that can start before it, enqueued where the layer's block
   // begins (before its attention block): the FP8 weight codes when they are stale, quantised on a
@@ -164,10 +165,14 @@ class CudaFp8ExpertCodeSet {
   std::vector<CudaFp8ExpertTensor> tensors(const std::vector<LayerParams>& layers);
   // Codes current at version `from` become current at `to` (CudaExperts::fp8_codes_follow).
   void follow(int64_t from, int64_t to);
+  // The rule the codes are written by and the experts quantise their activations by (set_fp8).
+  void set_rule(Fp8Rule rule) { rule_ = rule; }
+  Fp8Rule rule() const { return rule_; }
 
  private:
   CudaFp8ExpertCodes& at(int64_t m, const char* what);
   int64_t experts_ = 0, d_ = 0, inner_ = 0;
+  Fp8Rule rule_ = Fp8Rule::kBlocks;
   std::vector<CudaFp8ExpertCodes> codes_;
 };
 
@@ -181,7 +186,7 @@ class CudaLocalExperts final : public CudaExperts {
   CudaLocalExperts& operator=(const CudaLocalExperts&) = delete;
   void bind(Recompute mode) override { mode_ = mode; }
   void prepare(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p) override;
-  void set_fp8(bool on) override;
+  void set_fp8(bool on, Fp8Rule rule) override;
   std::vector<CudaFp8ExpertTensor> fp8_weight_tensors(const std::vector<LayerParams>& layers) override;
   void fp8_codes_follow(int64_t from, int64_t to) override;
   void refresh_fp8(const CudaBlockContext& c, const std::vector<LayerParams>& layers) override;
@@ -259,7 +264,7 @@ class CudaEpExperts final : public CudaExperts {
   // weight gradients read, as the CPU reference's FP8 exchange delivers); the outputs and input
   // gradients travel in BF16. The local experts' weight codes follow the parameters' version at
   // each forward (no fused update).
-  void set_fp8(bool on) override;
+  void set_fp8(bool on, Fp8Rule rule) override;
 
  private:
   // Two row exchanges of `h` (dispatch of dispatch_bytes a row, combine of combine_bytes): rows
@@ -360,7 +365,7 @@ class CudaRowwiseExperts final : public CudaExperts {
   // straight into the layer's received rows (forward: what the experts save and the weight
   // gradients read) or the gradient rows (backward); outputs and input gradients stay BF16. The
   // weight codes as the local experts keep them (the step's update writes them; capturable).
-  void set_fp8(bool on) override;
+  void set_fp8(bool on, Fp8Rule rule) override;
   std::vector<CudaFp8ExpertTensor> fp8_weight_tensors(const std::vector<LayerParams>& layers) override;
   void fp8_codes_follow(int64_t from, int64_t to) override;
   void refresh_fp8(const CudaBlockContext& c, const std::vector<LayerParams>& layers) override;

@@ -46,7 +46,7 @@ void CudaFp8Weight::quantize(const uint16_t* w, CudaFp8Scratch& sc, cuda::Stream
   float* s_raw = direct ? s.as<float>() : tmp;             // [rb, cb]
   float* st_raw = direct ? st.as<float>() : tmp + rb * cb;  // [cb, rb]
   cuda::fp8_quantize_weights(w, 1, rows, cols, Fp8Format::kE4M3, q.as<uint8_t>(), s_raw, qt.as<uint8_t>(), st_raw,
-                             nullptr, stream);
+                             nullptr, stream, sc.rule);
   if (direct) return;
   // Pad each row of block scales to a multiple of 4: [rb, cb] -> [cb, rb] -> [rb, pad4(cb)] through
   // two K-major re-layouts (bitwise copies, zeros in the padding); likewise the transposed grid.
@@ -59,7 +59,7 @@ void CudaFp8Weight::quantize(const uint16_t* w, CudaFp8Scratch& sc, cuda::Stream
 
 void fp8_quantize_operand(const uint16_t* x, int64_t n, int64_t k, CudaFp8Scratch& sc, cuda::Stream st) {
   cuda::fp8_quantize_blocks(x, n, k, kFp8ActivationBlock, Fp8Format::kE4M3, sc.q.as<uint8_t>(), sc.s.as<float>(),
-                            nullptr, st);
+                            nullptr, st, sc.rule);
   cuda::fp8_scales_k_major(sc.s.as<float>(), n, k / 128, n, sc.s_t.as<float>(), st);
 }
 
@@ -71,7 +71,7 @@ void fp8_rmsnorm_operand(const uint16_t* x, const uint16_t* w, uint16_t* y, floa
     fp8_quantize_operand(y, n, k, sc, st);
     return;
   }
-  cuda::rmsnorm_forward_fp8(x, w, y, rstd, q, sc.s.as<float>(), n, k, eps, st);
+  cuda::rmsnorm_forward_fp8(x, w, y, rstd, q, sc.s.as<float>(), n, k, eps, st, sc.rule);
   cuda::fp8_scales_k_major(sc.s.as<float>(), n, k / 128, n, sc.s_t.as<float>(), st);
 }
 
@@ -81,7 +81,7 @@ void fp8_quantize_operand_part(const uint16_t* x, int64_t n, int64_t k_part, int
             "fp8_quantize_operand_part: columns [", col, ", ", col + k_part, ") of an operand ", ld,
             " wide must be whole 128 blocks inside it");
   cuda::fp8_quantize_rows_into(x, n, k_part, ld, Fp8Format::kE4M3, sc.q.as<uint8_t>() + col, sc.s.as<float>(),
-                               nullptr, st);
+                               nullptr, st, sc.rule);
   cuda::fp8_scales_k_major(sc.s.as<float>(), n, k_part / 128, n, sc.s_t.as<float>() + (col / 128) * n, st);
 }
 

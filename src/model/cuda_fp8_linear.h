@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "core/fp8_types.h"
 #include "cuda/device.h"
 #include "cuda/ops/memory.h"
 #include "model/cuda_block.h"
@@ -20,6 +21,9 @@ namespace moe {
 // (s_t, cuda::fp8_gemm's A layout), and the scale re-layout scratch of a weight refresh (w_tmp).
 struct CudaFp8Scratch {
   cuda::DeviceBuffer q, s, s_t, w_tmp;
+  // The rule of every code the dense FP8 layers write, weights' and activations' (train.fp8_scaling,
+  // core/fp8_types.h; CudaModel::set_fp8).
+  Fp8Rule rule = Fp8Rule::kBlocks;
   // Grows only: n tokens of `width` codes, and a refresh of weights up to `weight_elems` elements.
   void reserve(int64_t n, int64_t width, int64_t weight_elems, CudaBufferGrower& g);
 };
@@ -32,7 +36,7 @@ struct CudaFp8Weight {
   cuda::DeviceBuffer q, s, qt, st;
   int64_t rows = 0, cols = 0;
   void reserve(int64_t rows, int64_t cols, CudaBufferGrower& g, const char* what);
-  // The codes of w [rows, cols] (BF16, the parameters' copy), on st.
+  // The codes of w [rows, cols] (BF16, the parameters' copy) by the scratch's rule, on st.
   void quantize(const uint16_t* w, CudaFp8Scratch& scratch, cuda::Stream st);
 };
 

@@ -45,7 +45,7 @@ void mlp_forward_fp8(cuda::GemmHandle& g, const CudaFp8MlpWeights& w, int64_t n,
   MOE_CHECK(fp8_mlp_shapes(d, f) && n % 4 == 0, "mlp_forward_fp8: D (", d, ") and F (", f,
             ") must be multiples of 128 and the tokens (", n, ") of 4");
   fp8_linear(g, sc, w.gu, false, 0, n, 2 * f, d, gu, st);
-  cuda::swiglu_forward_fp8(gu, h, sc.q.as<uint8_t>(), sc.s.as<float>(), n, f, st);
+  cuda::swiglu_forward_fp8(gu, h, sc.q.as<uint8_t>(), sc.s.as<float>(), n, f, st, sc.rule);
   cuda::fp8_scales_k_major(sc.s.as<float>(), n, f / 128, n, sc.s_t.as<float>(), st);
   fp8_linear(g, sc, w.down, false, 0, n, d, f, out, st);
 }
@@ -59,7 +59,7 @@ void mlp_backward_fp8(cuda::GemmHandle& g, const uint16_t* x, const CudaFp8MlpWe
   fp8_quantize_operand(dout, n, d, q8, st);
   fp8_linear(g, q8, w.down, true, 0, n, f, d, dh, st);  // dh = dout Wd
   cuda::gemm(g, true, false, d, f, n, 1.f, dout, d, h, f, dw_beta, dwd, f, st);
-  cuda::swiglu_backward_fp8(gu, dh, dgu, q8.q.as<uint8_t>(), q8.s.as<float>(), n, f, st);
+  cuda::swiglu_backward_fp8(gu, dh, dgu, q8.q.as<uint8_t>(), q8.s.as<float>(), n, f, st, q8.rule);
   cuda::fp8_scales_k_major(q8.s.as<float>(), n, 2 * f / 128, n, q8.s_t.as<float>(), st);
   cuda::gemm(g, true, false, f, d, n, 1.f, dgu, 2 * f, x, d, dw_beta, dwg, d, st);
   cuda::gemm(g, true, false, f, d, n, 1.f, dgu + f, 2 * f, x, d, dw_beta, dwu, d, st);

@@ -441,11 +441,12 @@ void CudaModel::set_recompute(Recompute mode) {
   if (I.moe.experts) I.moe.experts->bind(mode);
 }
 
-void CudaModel::set_fp8(bool on) {
+void CudaModel::set_fp8(bool on, Fp8Rule rule) {
   Impl& I = *impl_;
-  if (on == fp8_) return;
+  if (on == fp8_ && rule == I.mlp_scratch.fp8.rule) return;
   MOE_CHECK(!I.reserved, "CudaModel::set_fp8: the precision is set before the first forward or reserve");
-  if (I.moe.experts) I.moe.experts->set_fp8(on);
+  I.mlp_scratch.fp8.rule = rule;
+  if (I.moe.experts) I.moe.experts->set_fp8(on, rule);
   for (Impl::Layer& layer : I.layers) {
     if (layer.attention) layer.attention->set_fp8(on, &I.mlp_scratch.fp8);
     if (layer.mlp) layer.mlp->set_fp8(on, &I.mlp_scratch);

@@ -151,15 +151,18 @@ class CudaModel {
 
   // train.precision = "fp8": the routed experts' forward GEMMs and data gradients in block-scaled
   // FP8 (cuda::experts_forward_fp8 / _backward_fp8: E4M3 codes, 1 x 128 activation and gradient
-  // blocks, 128 x 128 weight blocks, the weight gradients in BF16; docs/numerics.md), everything
-  // else as in BF16. Each MoE layer keeps the FP8 codes of its expert weights and their transposed
+  // blocks, 128 x 128 weight blocks, the weight gradients in BF16; docs/numerics.md), and so the
+  // attention projections, dense MLPs and shared experts (cuBLASLt), everything else as in BF16.
+  // `rule` (train.fp8_scaling) picks every block's scale and codes: the block recipe's, or MX's
+  // 1 x 32 sub-blocks re-blocked (core/fp8_types.h; the MX rules need D, the expert and MLP hidden
+  // sizes multiples of 128). Each MoE layer keeps the FP8 codes of its expert weights and their transposed
   // copy (2 bytes per expert parameter) and quantises them from the BF16 copy at its first forward
   // after the parameters changed (params_version()), so a captured step quantises once per step,
   // in its first micro-batch's forward, unless the update wrote the codes itself
   // (mark_params_changed_with_expert_codes). Under expert parallelism the experts' input rows and
   // row gradients travel as FP8 payload (D a multiple of 128, else refused; docs/expert_parallel.md).
   // Before the first forward or reserve (refused after).
-  void set_fp8(bool on);
+  void set_fp8(bool on, Fp8Rule rule = Fp8Rule::kBlocks);
   bool fp8() const { return fp8_; }
   // Counts changes to the BF16 copy: load_params, refresh_bf16 and init_params_device bump it
   // themselves; whoever updates the BF16 copy on the device otherwise (the optimizer step) calls

@@ -113,7 +113,7 @@ void CudaMoeLayer::forward(const CudaBlockContext& c, CudaResidual& res, CudaMoe
     uint16_t* xs = sl.x_sorted->as<uint16_t>();
     const cuda::Fp8Rows xq = shared.experts->fp8_input_rows(rows);  // FP8 experts: codes in the same pass
     if (xq.codes != nullptr)
-      cuda::permute_forward_fp8(norm, sorted_route, n, k, d, xs, xq.codes, xq.scales, st);
+      cuda::permute_forward_fp8(norm, sorted_route, n, k, d, xs, xq.codes, xq.scales, st, xq.rule);
     else
       cuda::permute_forward(norm, sorted_route, n, k, d, xs, st);
     shared.experts->forward(c, m, p_, counts, offsets, xs, rows, ys, xq.codes != nullptr);
@@ -238,7 +238,7 @@ void CudaMoeLayer::backward(const CudaBlockContext& c, CudaResidual& res, CudaMo
   if (dyq.codes != nullptr) {  // FP8 experts: dy's codes in the same pass
     cuda::unpermute_backward_fp8(dx, sl.y_sorted->as<uint16_t>(), s.dispatch.sorted_route_R.as<int32_t>(),
                                  route_to_row, s.topk_w_NK.as<float>(), n, k, d, dys, dtopk_w, dyq.codes, dyq.scales,
-                                 st);
+                                 st, dyq.rule);
   } else {
     cuda::unpermute_backward(dx, sl.y_sorted->as<uint16_t>(), s.dispatch.sorted_route_R.as<int32_t>(),
                              route_to_row, s.topk_w_NK.as<float>(), n, k, d, dys, dtopk_w, st);

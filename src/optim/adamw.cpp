@@ -62,7 +62,7 @@ void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const
 
 void adamw_update_fp8_weights(float* p, const float* g, float* m, float* v, int64_t experts, int64_t n, int64_t k,
                               const AdamWCoefs& c, bool decay, Fp8Format f, uint8_t* q, float* s, uint8_t* qt,
-                              float* st) {
+                              float* st, Fp8Rule rule) {
   MOE_CHECK(experts > 0 && n > 0 && k > 0 && n % 128 == 0 && k % 128 == 0,
             "adamw_update_fp8_weights: expected experts > 0 and n, k positive multiples of 128, got experts ",
             experts, " n ", n, " k ", k);
@@ -70,7 +70,7 @@ void adamw_update_fp8_weights(float* p, const float* g, float* m, float* v, int6
   adamw_update(p, g, m, v, numel, c, decay);
   std::vector<float> w16(static_cast<size_t>(numel));
   for (int64_t i = 0; i < numel; ++i) w16[size_t(i)] = bf16_to_f32(f32_to_bf16(p[i]));
-  cpu::fp8_quantize_weights(w16.data(), experts, n, k, f, q, s, qt, st);
+  cpu::fp8_quantize_weights(w16.data(), experts, n, k, f, q, s, qt, st, rule);
 }
 
 void AdamW::step(float* params, const float* grads, double lr) {

@@ -35,7 +35,7 @@ void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const
 // quantises its BF16 copy: cpu::fp8_quantize_weights of bf16(p) into q, s and the transposed qt, st.
 void adamw_update_fp8_weights(float* p, const float* g, float* m, float* v, int64_t experts, int64_t n, int64_t k,
                               const AdamWCoefs& c, bool decay, Fp8Format f, uint8_t* q, float* s, uint8_t* qt,
-                              float* st);
+                              float* st, Fp8Rule rule = Fp8Rule::kBlocks);
 
 class AdamW {
  public:

@@ -29,6 +29,7 @@
 
 #include "core/error.h"
 #include "core/recompute.h"
+#include "cpu/fp8.h"
 #include "cuda/event_timer.h"
 #include "cuda/ops/device_info.h"
 #include "cuda/ops/ep_exchange.h"
@@ -233,7 +234,8 @@ struct CudaStepRunner::Impl {
         ep(e && e->size() > 1 ? e : nullptr), ep_dp(ep && edp && edp->size() > 1 ? edp : nullptr),
         ep_ctx(make_ctx(c, ep, rowwise)), model(c.model, c.moe, ep || ep_ctx.rowwise ? &ep_ctx : nullptr) {
     model.set_recompute(parse_recompute(cfg.train.recompute));
-    model.set_fp8(cfg.train.precision == "fp8");  // the experts refuse shapes their FP8 path cannot take
+    // The experts refuse shapes their FP8 path cannot take.
+    model.set_fp8(cfg.train.precision == "fp8", cpu::fp8_rule_named(cfg.train.fp8_scaling));
     model.set_fuse_head_backward(true);  // every step's forward is followed by its backward
     zero = use_zero;
     MOE_CHECK(!(zero && cfg.optim.deferred_update), "optim.deferred_update = true: the deferred update needs "
@@ -573,7 +575,7 @@ struct CudaStepRunner::Impl {
         const CudaFp8ExpertTensor& t = fp8_tensors[i];
         cuda::adamw_apply_fp8_weights(fp8_segments[i], t.experts, t.n, t.k, cfg.optim, p, g, exp_avg.as<float>(),
                                       exp_avg_sq.as<float>(), bf16, Fp8Format::kE4M3, t.q, t.s, t.qt, t.st,
-                                      nullptr, opt(), /*deferred=*/false, st);
+                                      nullptr, opt(), /*deferred=*/false, st, t.rule);
       }
       cuda::adamw_clear_pending(opt(), st);
     } else {

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "cpu/fp8.h"
 #include "cuda/event_timer.h"
 #include "cuda/ops/device_info.h"
 #include "cuda/ops/memory.h"
@@ -95,7 +96,7 @@ class GpuPipelineStep final : public Step {
     model_ = std::make_unique<CudaModel>(cfg.model, cfg.moe, nullptr, part);
     // The last stage's backward follows its forward: the LM head's backward GEMMs run in its forward.
     model_->set_fuse_head_backward(st.head);
-    model_->set_fp8(cfg.train.precision == "fp8");
+    model_->set_fp8(cfg.train.precision == "fp8", cpu::fp8_rule_named(cfg.train.fp8_scaling));
     MOE_CHECK(model_->layout().total_numel() == host.layout().total_numel(), "GPU pipeline step: the stage's ",
               "device layout holds ", model_->layout().total_numel(), " elements, its host mirror ",
               host.layout().total_numel());

@@ -57,10 +57,15 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
               "train.precision = \"fp8\" on train.device = \"cuda\": the FP8 expert GEMMs read rows of 16 codes, so "
               "model.d_model (", cfg.model.d_model, ") and moe.expert_hidden (", cfg.moe.expert_hidden,
               ") must be multiples of 16");
-    MOE_CHECK(cfg.train.fp8_scaling == "blocks", "train.fp8_scaling = \"", cfg.train.fp8_scaling,
-              "\" on train.device = \"cuda\": the GPU's FP8 GEMMs take 1 x 128 and 128 x 128 blocks with FP32 "
-              "scales (Hopper's tensor cores and cuBLASLt have no 1 x 32 E8M0 mode); set train.fp8_scaling = "
-              "\"blocks\", or train.device = \"cpu\" to train with MX scaling emulated");
+    // MX on the GPU: the 1 x 32 sub-blocks re-blocked into the GEMMs' whole 1 x 128 and 128 x 128 blocks
+    // (core/fp8_types.h), where CudaModel::set_fp8 would refuse other shapes.
+    MOE_CHECK(cfg.train.fp8_scaling == "blocks" ||
+                  (cfg.model.d_model % 128 == 0 &&
+                   (num_moe_layers(cfg.model) == 0 || cfg.moe.expert_hidden % 128 == 0)),
+              "train.fp8_scaling = \"", cfg.train.fp8_scaling, "\" on train.device = \"cuda\": Hopper's FP8 GEMMs ",
+              "take 1 x 128 and 128 x 128 blocks, into which the MX codes are re-blocked whole, so model.d_model (",
+              cfg.model.d_model, ") and moe.expert_hidden (", cfg.moe.expert_hidden, ") must be multiples of 128; ",
+              "set train.fp8_scaling = \"blocks\", or train.device = \"cpu\"");
   }
   p.virtual_stages = cfg.parallel.virtual_stages;
   p.stage_bounds = stage_bounds(cfg);

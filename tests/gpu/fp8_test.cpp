@@ -1149,18 +1149,20 @@ TEST(Fp8Gpu, ExpertsFp8FollowTheCpuStageByStage) {
 TEST(Fp8Gpu, SwigluWritesItsOutputsCodesBitwise) {
   MOE_SKIP_WITHOUT_GPU();
   TestStream stream;
+  for (const Fp8Rule rule : {Fp8Rule::kBlocks, Fp8Rule::kMx, Fp8Rule::kMxNoSaturation})
   for (const int64_t inner : {int64_t{128}, int64_t{384}}) {
     const int64_t n = 37;
-    const std::string what = "swiglu fp8 n=" + std::to_string(n) + " inner=" + std::to_string(inner);
+    const std::string what = "swiglu fp8 n=" + std::to_string(n) + " inner=" + std::to_string(inner) + " rule " +
+                             std::to_string(int(rule));
     GuardedBuffer<uint16_t> gu(random_bf16(n * 2 * inner, 41 + uint64_t(inner), 2.0f)),
         dh(random_bf16(n * inner, 43 + uint64_t(inner), 1.0f));
     GuardedBuffer<uint16_t> h(n * inner), h_ref(n * inner), dgu(n * 2 * inner), dgu_ref(n * 2 * inner);
     GuardedBuffer<uint8_t> q(n * 2 * inner), q_ref(n * 2 * inner);
     GuardedBuffer<float> sc(n * 2 * inner / 128), sc_ref(n * 2 * inner / 128);
-    cuda::swiglu_forward_fp8(gu.data(), h.data(), q.data(), sc.data(), n, inner, stream.get());
+    cuda::swiglu_forward_fp8(gu.data(), h.data(), q.data(), sc.data(), n, inner, stream.get(), rule);
     cuda::swiglu_forward(gu.data(), h_ref.data(), n, inner, stream.get());
     cuda::fp8_quantize_blocks(h_ref.data(), n, inner, kFp8ActivationBlock, Fp8Format::kE4M3, q_ref.data(),
-                              sc_ref.data(), nullptr, stream.get());
+                              sc_ref.data(), nullptr, stream.get(), rule);
     stream.sync();
     expect_equal(h.download(), h_ref.download(), what + " h");
     const std::vector<uint8_t> qf = q.download(), qr = q_ref.download();
@@ -1169,10 +1171,10 @@ TEST(Fp8Gpu, SwigluWritesItsOutputsCodesBitwise) {
                  std::vector<uint8_t>(qr.begin(), qr.begin() + n * inner), what + " h codes");
     expect_equal(std::vector<float>(sf.begin(), sf.begin() + n * inner / 128),
                  std::vector<float>(sr.begin(), sr.begin() + n * inner / 128), what + " h scales");
-    cuda::swiglu_backward_fp8(gu.data(), dh.data(), dgu.data(), q.data(), sc.data(), n, inner, stream.get());
+    cuda::swiglu_backward_fp8(gu.data(), dh.data(), dgu.data(), q.data(), sc.data(), n, inner, stream.get(), rule);
     cuda::swiglu_backward(gu.data(), dh.data(), dgu_ref.data(), n, inner, stream.get());
     cuda::fp8_quantize_blocks(dgu_ref.data(), n, 2 * inner, kFp8ActivationBlock, Fp8Format::kE4M3, q_ref.data(),
-                              sc_ref.data(), nullptr, stream.get());
+                              sc_ref.data(), nullptr, stream.get(), rule);
     stream.sync();
     expect_equal(dgu.download(), dgu_ref.download(), what + " dgate_up");
     expect_equal(q.download(), q_ref.download(), what + " dgate_up codes");

@@ -784,15 +784,17 @@ INSTANTIATE_TEST_SUITE_P(Shapes, MoePermuteGpu,
 
 // The FP8 experts' producers: permute_forward_fp8 and unpermute_backward_fp8 write the BF16 rows
 // and dtopk_w of permute_forward / unpermute_backward bit for bit, and codes and scales bitwise
-// fp8_quantize_blocks' of those BF16 rows (whose CPU parity fp8_test.cpp checks): rows without a
-// route (capacity drops) as codes 0 with scale 1; D = 384 ends its rows half-way through a warp's
+// fp8_quantize_blocks' of those BF16 rows under each FP8 rule (whose CPU parity fp8_test.cpp and
+// fp8_mx_test.cpp check): rows without a route (capacity drops) as codes 0 with the scale of an
+// all-zero block (1; 2^-127 under MX); D = 384 ends its rows half-way through a warp's
 // 256-column step; D not a multiple of 128 is refused, naming it.
 TEST(MoePermuteGpuFp8, ProducersWriteTheirRowsCodesBitwise) {
   MOE_SKIP_WITHOUT_GPU();
   TestStream stream;
+  for (const Fp8Rule rule : {Fp8Rule::kBlocks, Fp8Rule::kMx, Fp8Rule::kMxNoSaturation})
   for (const PermuteCase& c : {PermuteCase{513, 64, 8, 2048, 0, 0}, PermuteCase{513, 64, 8, 2048, 1.0, 0},
                                PermuteCase{37, 8, 2, 384, 1.25, 0}, PermuteCase{5, 4, 3, 128, 0, 0}}) {
-    const std::string what = "fp8 producers " + permute_case_name(c);
+    const std::string what = "fp8 producers " + permute_case_name(c) + " rule " + std::to_string(int(rule));
     PermuteSetup s(c);
     const int64_t T = s.T, k = s.k, D = s.D, R = s.R;
     if (c.capacity_factor > 0) {
@@ -806,31 +808,33 @@ TEST(MoePermuteGpuFp8, ProducersWriteTheirRowsCodesBitwise) {
     GuardedBuffer<uint16_t> d_x(x), d_y(y), d_dout(dout), xs(R * D), xs_ref(R * D), dy(R * D), dy_ref(R * D);
     GuardedBuffer<float> d_w(w), dw(T * k), dw_ref(T * k), sc(R * D / 128), sc_ref(R * D / 128);
     GuardedBuffer<uint8_t> q(R * D), q_ref(R * D);
-    cuda::permute_forward_fp8(d_x.data(), s.d_sorted.data(), T, k, D, xs.data(), q.data(), sc.data(), stream.get());
+    cuda::permute_forward_fp8(d_x.data(), s.d_sorted.data(), T, k, D, xs.data(), q.data(), sc.data(), stream.get(),
+                              rule);
     cuda::permute_forward(d_x.data(), s.d_sorted.data(), T, k, D, xs_ref.data(), stream.get());
     cuda::fp8_quantize_blocks(xs_ref.data(), R, D, kFp8ActivationBlock, Fp8Format::kE4M3, q_ref.data(), sc_ref.data(),
-                              nullptr, stream.get());
+                              nullptr, stream.get(), rule);
     stream.sync();
     EXPECT_TRUE(bitwise_equal(xs.download(), xs_ref.download())) << what << ": x_sorted";
     EXPECT_TRUE(bitwise_equal(q.download(), q_ref.download())) << what << ": x_sorted codes";
     EXPECT_TRUE(bitwise_equal(sc.download(), sc_ref.download())) << what << ": x_sorted scales";
     cuda::unpermute_backward_fp8(d_dout.data(), d_y.data(), s.d_sorted.data(), s.d_r2r.data(), d_w.data(), T, k, D,
-                                 dy.data(), dw.data(), q.data(), sc.data(), stream.get());
+                                 dy.data(), dw.data(), q.data(), sc.data(), stream.get(), rule);
     cuda::unpermute_backward(d_dout.data(), d_y.data(), s.d_sorted.data(), s.d_r2r.data(), d_w.data(), T, k, D,
                              dy_ref.data(), dw_ref.data(), stream.get());
     cuda::fp8_quantize_blocks(dy_ref.data(), R, D, kFp8ActivationBlock, Fp8Format::kE4M3, q_ref.data(), sc_ref.data(),
-                              nullptr, stream.get());
+                              nullptr, stream.get(), rule);
     stream.sync();
     EXPECT_TRUE(bitwise_equal(dy.download(), dy_ref.download())) << what << ": dy_sorted";
     EXPECT_TRUE(bitwise_equal(dw.download(), dw_ref.download())) << what << ": dtopk_w";
     EXPECT_TRUE(bitwise_equal(q.download(), q_ref.download())) << what << ": dy_sorted codes";
     EXPECT_TRUE(bitwise_equal(sc.download(), sc_ref.download())) << what << ": dy_sorted scales";
-    if (c.capacity_factor > 0) {  // a dropped route's row: zero, and its blocks' scale 1
+    if (c.capacity_factor > 0) {  // a dropped route's row: zero, and its blocks' scale that of zeros
       const std::vector<float> scales = sc.download();
       int64_t empty_rows = 0;
       for (int64_t r = 0; r < R; ++r) empty_rows += s.map.sorted_route[size_t(r)] < 0 ? 1 : 0;
       EXPECT_GT(empty_rows, 0) << what;
-      EXPECT_EQ(std::count(scales.begin(), scales.end(), 1.0f), empty_rows * (D / 128)) << what;
+      const float zero_scale = rule == Fp8Rule::kBlocks ? 1.0f : std::ldexp(1.0f, -127);
+      EXPECT_EQ(std::count(scales.begin(), scales.end(), zero_scale), empty_rows * (D / 128)) << what;
     }
     for (const auto* b : {&d_x, &d_y, &d_dout, &xs, &dy}) b->expect_guards_intact(what + " bf16 rows");
     q.expect_guards_intact(what + " codes");

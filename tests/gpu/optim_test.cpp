@@ -701,6 +701,7 @@ TEST(AdamW, Float4PathIsTheScalarPathOverEveryExponent) {
 // without clipping, with clipping (grad_clip 0.5 under a norm of 2) and on a skipped step (a NaN
 // norm: nothing written, codes included); without clipping the parameters and codes are also
 // the CPU twin's (moe::adamw_update_fp8_weights). Moments at other offsets than the parameters.
+// Under each FP8 rule: the block recipe's and the two MX ones (the column copy quantised on its own).
 TEST(AdamWFp8Weights, UpdateAndCodesAreTheTwoPassesBitwise) {
   MOE_SKIP_WITHOUT_GPU();
   const int64_t E = 2, n = 256, k = 384, numel = E * n * k, offset = 64, total = offset + numel + 32;
@@ -718,6 +719,7 @@ TEST(AdamWFp8Weights, UpdateAndCodesAreTheTwoPassesBitwise) {
     const char* name;
     double grad_clip, norm;
   };
+  for (const Fp8Rule rule : {Fp8Rule::kBlocks, Fp8Rule::kMx, Fp8Rule::kMxNoSaturation})
   for (const Case cs : {Case{"unclipped", 0.0, 1.0}, Case{"clipped", 0.5, 2.0},
                         Case{"skipped", 1.0, std::numeric_limits<double>::quiet_NaN()}}) {
     const OptimConfig cfg = test_config(cs.grad_clip);
@@ -746,14 +748,14 @@ TEST(AdamWFp8Weights, UpdateAndCodesAreTheTwoPassesBitwise) {
     stream.sync();
     if (two.sc.download()[0].skipped == 0) {
       cuda::fp8_quantize_weights(two.b.data() + offset, E, n, k, Fp8Format::kE4M3, two.q.data(), two.s.data(),
-                                 two.qt.data(), two.st.data(), nullptr, stream.get());
+                                 two.qt.data(), two.st.data(), nullptr, stream.get(), rule);
     }
     cuda::adamw_prepare(cfg, one.sc.data(), stream.get());
     cuda::adamw_apply_fp8_weights(seg, E, n, k, cfg, one.p.data(), one.g.data(), one.m.data(), one.v.data(),
                                   one.b.data(), Fp8Format::kE4M3, one.q.data(), one.s.data(), one.qt.data(),
-                                  one.st.data(), nullptr, one.sc.data(), false, stream.get());
+                                  one.st.data(), nullptr, one.sc.data(), false, stream.get(), rule);
     stream.sync();
-    const std::string w = cs.name;
+    const std::string w = std::string(cs.name) + " rule " + std::to_string(int(rule));
     EXPECT_TRUE(same_bits(one.p.download(), two.p.download())) << w << ": parameters";
     EXPECT_TRUE(same_bits(one.m.download(), two.m.download())) << w << ": exp_avg";
     EXPECT_TRUE(same_bits(one.v.download(), two.v.download())) << w << ": exp_avg_sq";
@@ -773,6 +775,7 @@ TEST(AdamWFp8Weights, UpdateAndCodesAreTheTwoPassesBitwise) {
       EXPECT_TRUE(same_bits(one.p.download(), p0)) << w << ": parameters written on a skipped step";
     }
     if (std::string(cs.name) == "unclipped") {
+      const std::string r = " (rule " + std::to_string(int(rule)) + ")";
       // The CPU twin (adamw_update, bitwise the GPU's without clipping, then the quantiser).
       std::vector<float> cp(p0.begin() + offset, p0.begin() + offset + numel);
       std::vector<float> cm(m0.begin() + offset + shift, m0.begin() + offset + shift + numel);
@@ -780,13 +783,14 @@ TEST(AdamWFp8Weights, UpdateAndCodesAreTheTwoPassesBitwise) {
       std::vector<uint8_t> cq(static_cast<size_t>(numel)), cqt(static_cast<size_t>(numel));
       std::vector<float> cs_(static_cast<size_t>(ns)), cst(static_cast<size_t>(ns));
       adamw_update_fp8_weights(cp.data(), g.data() + offset, cm.data(), cv.data(), E, n, k, adamw_coefs(cfg, 5, 1e-2),
-                               true, Fp8Format::kE4M3, cq.data(), cs_.data(), cqt.data(), cst.data());
+                               true, Fp8Format::kE4M3, cq.data(), cs_.data(), cqt.data(), cst.data(), rule);
       const std::vector<float> gp = one.p.download();
       EXPECT_TRUE(same_bits(std::vector<float>(gp.begin() + offset, gp.begin() + offset + numel), cp))
-          << "parameters against the CPU twin";
-      EXPECT_EQ(one.q.download(), cq) << "codes against the CPU";
-      EXPECT_EQ(one.qt.download(), cqt) << "transposed codes against the CPU";
-      EXPECT_TRUE(same_bits(one.s.download(), cs_)) << "scales against the CPU";
+          << "parameters against the CPU twin" << r;
+      EXPECT_EQ(one.q.download(), cq) << "codes against the CPU" << r;
+      EXPECT_EQ(one.qt.download(), cqt) << "transposed codes against the CPU" << r;
+      EXPECT_TRUE(same_bits(one.s.download(), cs_)) << "scales against the CPU" << r;
+      EXPECT_TRUE(same_bits(one.st.download(), cst)) << "transposed scales against the CPU" << r;
     }
   }
 }

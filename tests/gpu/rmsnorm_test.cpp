@@ -124,12 +124,14 @@ TEST(RmsnormBackwardAdd, IsTheBackwardThenTheResidualAddBitwise) {
 }
 
 // cuda::rmsnorm_forward_fp8 against cuda::rmsnorm_forward then cuda::fp8_quantize_blocks (1 x 128,
-// E4M3) of its y: y, rstd, codes and scales bitwise; shapes it refuses (d not a multiple of 128) named.
+// E4M3) of its y, under each FP8 rule (the block recipe's and the two MX ones): y, rstd, codes and
+// scales bitwise; shapes it refuses (d not a multiple of 128) named.
 TEST(RmsnormForwardFp8, IsTheNormThenTheQuantiserBitwise) {
   MOE_SKIP_WITHOUT_GPU();
+  for (const Fp8Rule rule : {Fp8Rule::kBlocks, Fp8Rule::kMx, Fp8Rule::kMxNoSaturation})
   for (const RmsShape& sh : {RmsShape{70, 2048, 0}, RmsShape{9, 128, 0}, RmsShape{33, 384, 0}, RmsShape{1, 640, 0}}) {
     const int64_t n = sh.n, d = sh.d, nb = d / 128;
-    const std::string what = shape_name(sh);
+    const std::string what = shape_name(sh) + " rule " + std::to_string(int(rule));
     const auto x = scaled_rows(n, d, 21), w = random_bf16(d, 22, 0.5f, 1.0f);
     GuardedBuffer<uint16_t> xb(x), wb(w), y1(n * d), y2(n * d);
     GuardedBuffer<float> r1(n), r2(n), s1(n * nb), s2(n * nb);
@@ -137,10 +139,10 @@ TEST(RmsnormForwardFp8, IsTheNormThenTheQuantiserBitwise) {
     TestStream stream;
     cuda::rmsnorm_forward(xb.data(), wb.data(), y2.data(), r2.data(), n, d, kEps, stream.get());
     cuda::fp8_quantize_blocks(y2.data(), n, d, kFp8ActivationBlock, Fp8Format::kE4M3, q2.data(), s2.data(), nullptr,
-                              stream.get());
+                              stream.get(), rule);
     ASSERT_TRUE(cuda::rmsnorm_forward_fp8_fuses(xb.data(), wb.data(), y1.data(), q1.data(), d)) << what;
     cuda::rmsnorm_forward_fp8(xb.data(), wb.data(), y1.data(), r1.data(), q1.data(), s1.data(), n, d, kEps,
-                              stream.get());
+                              stream.get(), rule);
     stream.sync();
     EXPECT_EQ(y1.download(), y2.download()) << what << ": y";
     const auto ra = r1.download(), rb = r2.download(), sa = s1.download(), sb = s2.download();

@@ -3,12 +3,14 @@
 // against all 256 codes), edge blocks and all-zero blocks; MX (OCP MXFP8) scale exponents by the
 // spec's rule and the no-saturation rule, E8M0 codes, the spec's saturation; the block-scaled GEMM
 // against the product of the dequantised operands (FP32 reduction) and bitwise on exact cases.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -345,6 +347,90 @@ TEST(Fp8, MxGemmAndItsReblockingToOneBy128) {
     if (gap == 19) {
       for (int i = 32; i < 64; ++i) EXPECT_EQ(cpu::fp8_decode(qfar128[size_t(i)], Fp8Format::kE4M3), 0.0f) << i;
     }
+  }
+}
+
+// The GPU path's quantisation rule (core/fp8_types.h): kBlocks is fp8_quantize_blocks; an MX rule
+// is mx_quantize re-blocked by mx_to_blocks, whose 128 x 128 blocks take the largest scale of their
+// 128 rows' sub-blocks; random operands re-block without a change, so their values are the MX
+// ones. The weights' two copies follow their own sub-blocks under MX (qt is the quantisation of
+// w^T, not q transposed) with the same block scales, and are q transposed under kBlocks.
+TEST(Fp8, RuleQuantiseIsTheMxCodesReblocked) {
+  const int64_t rows = 256, cols = 384;
+  const std::vector<float> x = randn(rows * cols, 31);
+  std::vector<uint8_t> q1(static_cast<size_t>(rows * cols)), q2(static_cast<size_t>(rows * cols));
+  std::vector<float> s1(static_cast<size_t>(rows * cols / 128)), s2(static_cast<size_t>(rows * cols / 128));
+  EXPECT_EQ(cpu::fp8_quantize_blocks(x.data(), rows, cols, cpu::kFp8ActivationBlock, Fp8Format::kE4M3,
+                                     Fp8Rule::kBlocks, q1.data(), s1.data()), 0);
+  cpu::fp8_quantize_blocks(x.data(), rows, cols, cpu::kFp8ActivationBlock, Fp8Format::kE4M3, q2.data(), s2.data());
+  EXPECT_EQ(q1, q2);
+  EXPECT_EQ(s1, s2);
+  for (const auto& [rule, mx] : {std::pair{Fp8Rule::kMx, MxScale::kOcp},
+                                 std::pair{Fp8Rule::kMxNoSaturation, MxScale::kNoSaturation}}) {
+    std::vector<uint8_t> qm(static_cast<size_t>(rows * cols)), sm(static_cast<size_t>(rows * cols / 32));
+    cpu::mx_quantize(x.data(), rows, cols, Fp8Format::kE4M3, mx, qm.data(), sm.data());
+    std::vector<float> want(x.size()), got(x.size());
+    cpu::mx_dequantize(qm.data(), sm.data(), rows, cols, Fp8Format::kE4M3, want.data());
+    for (const Fp8Block block : {cpu::kFp8ActivationBlock, cpu::kFp8WeightBlock}) {
+      const int64_t nb = cpu::fp8_scale_rows(rows, block) * cpu::fp8_scale_cols(cols, block);
+      std::vector<float> sr(static_cast<size_t>(nb));
+      const int64_t changed =
+          cpu::fp8_quantize_blocks(x.data(), rows, cols, block, Fp8Format::kE4M3, rule, q1.data(), sr.data());
+      cpu::fp8_dequantize_blocks(q1.data(), sr.data(), rows, cols, block, Fp8Format::kE4M3, got.data());
+      const int64_t scale_cols = cpu::fp8_scale_cols(cols, block);
+      for (int64_t b = 0; b < nb; ++b) {  // each block's scale: the largest of its sub-blocks' scales
+        const int64_t br = b / scale_cols, bc = b % scale_cols;
+        int top = 0;
+        for (int64_t r = br * block.rows; r < (br + 1) * block.rows; ++r)
+          for (int64_t c = bc * 4; c < bc * 4 + 4; ++c) top = std::max(top, int(sm[size_t(r * cols / 32 + c)]));
+        ASSERT_EQ(sr[size_t(b)], std::ldexp(1.0f, top - 127)) << "block " << block.rows << " #" << b;
+      }
+      // MX's values wherever they are normal at the block's scale (2^-6 of it and up); below that
+      // within half a subnormal step (2^-10 of it), and the count is that of the values that moved.
+      int64_t moved = 0;
+      for (int64_t i = 0; i < rows * cols; ++i) {
+        const float scale = sr[size_t((i / cols / block.rows) * scale_cols + (i % cols) / 128)];
+        if (got[size_t(i)] == want[size_t(i)]) continue;
+        ++moved;
+        ASSERT_LT(std::fabs(want[size_t(i)]), std::ldexp(scale, -6)) << "block " << block.rows << " #" << i;
+        ASSERT_LE(std::fabs(got[size_t(i)] - want[size_t(i)]), std::ldexp(scale, -10)) << "block " << block.rows;
+      }
+      EXPECT_EQ(moved, changed) << "block " << block.rows;
+      EXPECT_LT(moved, rows * cols / 100) << "block " << block.rows << ": random values re-block almost unchanged";
+    }
+  }
+  // The weights' copies, [2, 256, 384]: rows 0 .. 127 of each expert ten times larger in their
+  // first 32 columns, so that w's columns and w's rows have other sub-block scales.
+  const int64_t e = 2, n = 256, k = 384, numel = e * n * k, ns = e * 2 * 3;
+  std::vector<float> w = randn(numel, 32, 0.02f);
+  for (int64_t x0 = 0; x0 < e; ++x0)
+    for (int64_t r = 0; r < 128; ++r)
+      for (int64_t c = 0; c < 32; ++c) w[size_t(x0 * n * k + r * k + c)] *= 10.0f;
+  for (const Fp8Rule rule : {Fp8Rule::kBlocks, Fp8Rule::kMx}) {
+    const auto codes = static_cast<size_t>(numel);
+    std::vector<uint8_t> q(codes), qt(codes), qt_want(codes);
+    std::vector<float> sw(static_cast<size_t>(ns)), st(static_cast<size_t>(ns)), st_want(static_cast<size_t>(ns));
+    cpu::fp8_quantize_weights(w.data(), e, n, k, Fp8Format::kE4M3, q.data(), sw.data(), qt.data(), st.data(), rule);
+    size_t transposed = 0;
+    for (int64_t x0 = 0; x0 < e; ++x0) {
+      std::vector<float> wt(static_cast<size_t>(n * k));
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t c = 0; c < k; ++c) {
+          wt[size_t(c * n + r)] = w[size_t(x0 * n * k + r * k + c)];
+          transposed += qt[size_t(x0 * n * k + c * n + r)] == q[size_t(x0 * n * k + r * k + c)];
+        }
+      cpu::fp8_quantize_blocks(wt.data(), k, n, cpu::kFp8WeightBlock, Fp8Format::kE4M3, rule,
+                               qt_want.data() + x0 * n * k, st_want.data() + x0 * 6);
+    }
+    if (rule == Fp8Rule::kBlocks) {
+      EXPECT_EQ(transposed, size_t(numel)) << "block recipe: qt is q transposed";
+    } else {
+      EXPECT_EQ(qt, qt_want) << "MX: qt quantises w's columns";
+      EXPECT_LT(transposed, size_t(numel)) << "MX: the column copy is not the row copy transposed";
+    }
+    for (int64_t x0 = 0; x0 < e; ++x0)  // the same block scales, transposed
+      for (int64_t i = 0; i < 2; ++i)
+        for (int64_t j = 0; j < 3; ++j) EXPECT_EQ(st[size_t(x0 * 6 + j * 2 + i)], sw[size_t(x0 * 6 + i * 3 + j)]);
   }
 }
 

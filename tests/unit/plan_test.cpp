@@ -192,7 +192,8 @@ TEST(RunPlan, Fp8AddsTheExpertCodesAndTheirWorkspace) {
 // The GPU's FP8 recipe is refused by the run plan (before anything is allocated) with expert
 // parallelism or the rowwise exchange where the exchanged rows are not whole 1 x 128 blocks, and with
 // expert rows that are not whole 16-code chunks, naming the key (with d_model 128 both are taken,
-// the plan counting the FP8 rows sent); the cpu run plan takes them.
+// the plan counting the FP8 rows sent), and MX scaling where d_model or the expert hidden size is
+// not whole 128-wide blocks; the cpu run plan takes them.
 TEST(RunPlan, Fp8OnCudaRefusesWhatItCannotRunNamingTheKey) {
   Config c = small();
   c.model.d_model = 16;
@@ -228,8 +229,15 @@ TEST(RunPlan, Fp8OnCudaRefusesWhatItCannotRunNamingTheKey) {
   EXPECT_NO_THROW(make_run_plan(odd, 1, "cpu"));
   Config mx = c;
   mx.train.fp8_scaling = "mx";
-  EXPECT_NE(error_of([&] { make_run_plan(mx, 1, "cuda"); }).find("train.fp8_scaling = \"mx\""), std::string::npos);
+  EXPECT_NE(error_of([&] { make_run_plan(mx, 1, "cuda"); }).find("train.fp8_scaling = \"mx\""), std::string::npos)
+      << "MX on the GPU re-blocks whole 128-wide blocks: d_model 16 is refused";
   EXPECT_NO_THROW(make_run_plan(mx, 1, "cpu"));
+  mx.model.d_model = 128;
+  EXPECT_NE(error_of([&] { make_run_plan(mx, 1, "cuda"); }).find("moe.expert_hidden (" +
+                                                                    std::to_string(mx.moe.expert_hidden) + ")"),
+            std::string::npos);
+  mx.moe.expert_hidden = 256;
+  EXPECT_NO_THROW(make_run_plan(mx, 1, "cuda"));
 }
 
 // Measured olmoe-8l steps on one H200: 178.02 ms (the reference the phases come from), and two

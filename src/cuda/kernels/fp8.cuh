@@ -85,14 +85,6 @@ __global__ void fp8_dequantize_blocks_kernel(const uint8_t* __restrict__ q, cons
   }
 }
 
-// The E8M0 exponent of cpu::mx_scale_exponent.
-__device__ __forceinline__ int mx_scale_exponent_dev(float amax, Fp8Format f, MxScale rule) {
-  if (amax == 0.0f) return -127;
-  int e = ilogbf(amax) - fp8_emax_of(f);  // floor(log2 amax), subnormals included
-  if (rule == MxScale::kNoSaturation && ldexpf(amax, -e) > fp8_max_of(f)) e += 1;
-  return max(-127, min(127, e));
-}
-
 // One CTA of 32 threads per row block of 32 elements (blockIdx.x over rows x scale_cols).
 template <typename T>
 __global__ void __launch_bounds__(32)
@@ -190,7 +182,7 @@ __device__ __forceinline__ void fp8_load8<uint16_t>(const uint16_t* x, int64_t a
 template <typename T>
 __global__ void __launch_bounds__(32 * kFp8RowWarps)
     fp8_quantize_rows128_kernel(const T* __restrict__ x, int64_t blocks, int64_t per_row, int64_t ldq, Fp8Format f,
-                                uint8_t* __restrict__ q, float* __restrict__ scales, uint32_t* num_nonfinite) {
+                                Fp8Rule rule, uint8_t* __restrict__ q, float* __restrict__ scales, uint32_t* num_nonfinite) {
   const int lane = threadIdx.x % 32, half = lane / 16, sub = lane % 16;
   const int64_t first = int64_t{blockIdx.x} * kFp8RowBlocksPerCta + (threadIdx.x / 32) * 2 * kFp8RowUnroll + half;
   float v[kFp8RowUnroll][8];
@@ -209,7 +201,7 @@ __global__ void __launch_bounds__(32 * kFp8RowWarps)
     const int64_t b = first + 2 * u;
     const bool valid = b < blocks;
     const int64_t at = valid ? b / per_row * ldq + b % per_row * 128 : 0;
-    fp8_quantize_half_warp_block(v[u], valid, f, q + at + 8 * sub, scales + (valid ? b : 0), num_nonfinite);
+    fp8_quantize_half_warp_block(v[u], valid, f, rule, q + at + 8 * sub, scales + (valid ? b : 0), num_nonfinite);
   }
 }
 
@@ -265,7 +257,7 @@ __global__ void __launch_bounds__(kFp8WeightThreads)
 // (vector loads), then fp8_weight_block_codes.
 template <typename T>
 __global__ void __launch_bounds__(kFp8WeightThreads)
-    fp8_quantize_weights_whole_kernel(const T* __restrict__ w, int64_t n, int64_t k, Fp8Format f,
+    fp8_quantize_weights_whole_kernel(const T* __restrict__ w, int64_t n, int64_t k, Fp8Format f, Fp8Rule rule,
                                       uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qt,
                                       float* __restrict__ st, uint32_t* num_nonfinite) {
   __shared__ __align__(16) Fp8WeightBlockSmem sm;
@@ -276,7 +268,7 @@ __global__ void __launch_bounds__(kFp8WeightThreads)
   float v[64];
 #pragma unroll
   for (int i = 0; i < 8; ++i) fp8_load8(w, at + 8 * i, *reinterpret_cast<float(*)[8]>(v + 8 * i));
-  fp8_weight_block_codes(v, e, bi, bj, n, k, f, q, s, qt, st, num_nonfinite, sm);
+  fp8_weight_block_codes(v, e, bi, bj, n, k, f, rule, q, s, qt, st, num_nonfinite, sm);
 }
 
 // out[b * ld + r] = s[r * kb + b] for r < rows, 0 for rows <= r < ld (grid-stride over kb * ld).
@@ -388,14 +380,14 @@ __global__ void __launch_bounds__(kFp8ColumnThreads)
   }
 }
 
-// The expert exchange's FP8 row payload (block scaling): row i of x [rows, cols] (BF16, cols a
+// The expert exchange's FP8 row payload (1 x 128 blocks by the rule): row i of x [rows, cols] (BF16, cols a
 // multiple of 128) as payload row i of `per` bytes: its cols codes, then its cols / 128 FP32
 // scales (cpu::fp8_pack_rows). A half-warp per 1 x 128 block (fp8_half_warp_block_codes, the row
 // quantiser's codes and scales bit for bit); codes stored as two 4-byte words (a payload row is
 // 4-byte aligned). Grid-stride over the blocks, kFp8RowUnroll a half-warp per step.
 __global__ void __launch_bounds__(32 * kFp8RowWarps)
     fp8_pack_rows_kernel(const uint16_t* __restrict__ x, int64_t blocks, int64_t per_row, int64_t cols, int64_t per,
-                         Fp8Format f, uint8_t* __restrict__ payload, uint32_t* num_nonfinite) {
+                         Fp8Format f, Fp8Rule rule, uint8_t* __restrict__ payload, uint32_t* num_nonfinite) {
   const int lane = threadIdx.x % 32, half = lane / 16, sub = lane % 16;
   const int64_t first = int64_t{blockIdx.x} * kFp8RowBlocksPerCta + (threadIdx.x / 32) * 2 * kFp8RowUnroll + half;
 #pragma unroll
@@ -410,7 +402,7 @@ __global__ void __launch_bounds__(32 * kFp8RowWarps)
       for (int j = 0; j < 8; ++j) v[j] = 0.0f;
     }
     float s;
-    const uint2 codes = fp8_half_warp_block_codes(v, valid, f, s, num_nonfinite);
+    const uint2 codes = fp8_half_warp_block_codes(v, valid, f, rule, s, num_nonfinite);
     if (!valid) continue;
     const int64_t row = b / per_row, blk = b % per_row;
     uint8_t* out = payload + row * per;

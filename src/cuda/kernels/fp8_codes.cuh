@@ -24,6 +24,30 @@ __device__ __forceinline__ float fp8_decode_dev(uint8_t q, Fp8Format f) {
   return __half2float(__half(h));
 }
 
+// The E8M0 exponent of cpu::mx_scale_exponent.
+__device__ __forceinline__ int mx_scale_exponent_dev(float amax, Fp8Format f, MxScale rule) {
+  if (amax == 0.0f) return -127;
+  int e = ilogbf(amax) - fp8_emax_of(f);  // floor(log2 amax), subnormals included
+  if (rule == MxScale::kNoSaturation && ldexpf(amax, -e) > fp8_max_of(f)) e += 1;
+  return max(-127, min(127, e));
+}
+
+// The exponent the rule gives a sub-block of largest magnitude amax (0 for a non-finite one: the
+// step that counted it is skipped).
+__device__ __forceinline__ int mx_exponent_of(float amax, Fp8Format f, Fp8Rule rule) {
+  return mx_scale_exponent_dev(isfinite(amax) ? amax : 0.0f, f, mx_rule_of(rule));
+}
+
+// x's MX code in a sub-block of scale 2^e_sub, re-encoded at its block's scale 2^e_max (e_max >=
+// e_sub): cpu::mx_to_blocks of cpu::mx_quantize, bit for bit. x / 2^e_sub is exact in FP32 (up to
+// underflow below its subnormals); so is the decoded code times 2^(e_sub - e_max) wherever the
+// result can be a nonzero code.
+__device__ __forceinline__ uint8_t mx_reblocked_code(float x, int e_sub, int e_max, Fp8Format f) {
+  const uint8_t code = fp8_encode_dev(ldexpf(x, -e_sub), f);
+  if (e_sub == e_max) return code;
+  return fp8_encode_dev(ldexpf(fp8_decode_dev(code, f), e_sub - e_max), f);
+}
+
 // max |x| (local) and the count of non-finite elements (bad) over the N values of each of kLanes
 // consecutive lanes (16: a half-warp, 32: the warp), every one of those lanes getting both: per
 // lane, then by shuffles (a max and an integer sum, order-free). Every lane of the warp calls it.
@@ -42,25 +66,48 @@ __device__ __forceinline__ void fp8_lanes_amax(const float (&v)[N], float& local
 
 // One 1 x 128 block held by a half-warp, lane l of the half its elements 8l .. 8l + 7 in v: the
 // block's max |x| by shuffles within the half (order-free, so the scale is the CPU's bit for bit),
-// its scale amax / fp8_max (1 for an all-zero block) into s, and this lane's eight codes fp8(x / s)
-// returned as two words (byte j of the pair: element j); the non-finite elements added to
-// *num_nonfinite (when not null and valid) by the half's first lane. Every lane of the warp calls
-// it (the shuffles); a lane whose half holds no block passes valid = false and gets zeros.
-__device__ __forceinline__ uint2 fp8_half_warp_block_codes(const float (&v)[8], bool valid, Fp8Format f, float& s,
-                                                           uint32_t* num_nonfinite) {
+// its scale into s and this lane's eight codes returned as two words (byte j of the pair: element
+// j); the non-finite elements added to *num_nonfinite (when not null and valid) by the half's first
+// lane. Under Fp8Rule::kBlocks the scale is amax / fp8_max (1 for an all-zero block) and the codes
+// fp8(x / s); under the MX rules every four lanes' 32 elements are an MX sub-block, the scale the
+// largest sub-block's 2^e_max and the codes mx_reblocked_code (cpu::fp8_quantize_blocks with the
+// rule, bit for bit). Every lane of the warp calls it (the shuffles); a lane whose half holds no
+// block passes valid = false and gets zeros.
+__device__ __forceinline__ uint2 fp8_half_warp_block_codes(const float (&v)[8], bool valid, Fp8Format f, Fp8Rule rule,
+                                                           float& s, uint32_t* num_nonfinite) {
   float local = 0.0f;
   uint32_t bad = 0;
-  fp8_lanes_amax<16>(v, local, bad);  // within the half-warp
+  int e_sub = 0;
+  if (rule == Fp8Rule::kBlocks) {
+    fp8_lanes_amax<16>(v, local, bad);  // within the half-warp
+  } else {
+    fp8_lanes_amax<4>(v, local, bad);  // the lane's MX sub-block, then on to the half-warp
+    e_sub = mx_exponent_of(local, f, rule);
+    for (int o = 4; o < 16; o <<= 1) {
+      local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, o));
+      bad += __shfl_xor_sync(0xffffffffu, bad, o);
+    }
+  }
   s = 1.0f;
   if (!valid) return make_uint2(0u, 0u);
   if (threadIdx.x % 16 == 0 && bad != 0 && num_nonfinite != nullptr) atomicAdd(num_nonfinite, bad);
-  s = __fdiv_rn(local, fp8_max_of(f));
-  if (!(s > 0.0f)) s = 1.0f;
   uint32_t lo = 0, hi = 0;
+  if (rule == Fp8Rule::kBlocks) {
+    s = __fdiv_rn(local, fp8_max_of(f));
+    if (!(s > 0.0f)) s = 1.0f;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    lo |= uint32_t{fp8_encode_dev(__fdiv_rn(v[j], s), f)} << (8 * j);
-    hi |= uint32_t{fp8_encode_dev(__fdiv_rn(v[j + 4], s), f)} << (8 * j);
+    for (int j = 0; j < 4; ++j) {
+      lo |= uint32_t{fp8_encode_dev(__fdiv_rn(v[j], s), f)} << (8 * j);
+      hi |= uint32_t{fp8_encode_dev(__fdiv_rn(v[j + 4], s), f)} << (8 * j);
+    }
+  } else {
+    const int e_max = mx_exponent_of(local, f, rule);  // the largest sub-block's: the rule is monotone
+    s = ldexpf(1.0f, e_max);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      lo |= uint32_t{mx_reblocked_code(v[j], e_sub, e_max, f)} << (8 * j);
+      hi |= uint32_t{mx_reblocked_code(v[j + 4], e_sub, e_max, f)} << (8 * j);
+    }
   }
   return make_uint2(lo, hi);
 }
@@ -68,9 +115,10 @@ __device__ __forceinline__ uint2 fp8_half_warp_block_codes(const float (&v)[8], 
 // fp8_half_warp_block_codes with the scale stored into *scale by the half's first lane and the
 // codes as one 8-byte word at q (nothing stored when not valid).
 __device__ __forceinline__ void fp8_quantize_half_warp_block(const float (&v)[8], bool valid, Fp8Format f,
-                                                             uint8_t* q, float* scale, uint32_t* num_nonfinite) {
+                                                             Fp8Rule rule, uint8_t* q, float* scale,
+                                                             uint32_t* num_nonfinite) {
   float s;
-  const uint2 codes = fp8_half_warp_block_codes(v, valid, f, s, num_nonfinite);
+  const uint2 codes = fp8_half_warp_block_codes(v, valid, f, rule, s, num_nonfinite);
   if (!valid) return;
   if (threadIdx.x % 16 == 0) *scale = s;
   *reinterpret_cast<uint2*>(q) = codes;
@@ -96,43 +144,95 @@ struct Fp8WeightBlockSmem {
   uint8_t tile[128][128 + 16];
   float max[kFp8WeightThreads / 32];
   uint32_t bad[kFp8WeightThreads / 32];
+  float col_max[kFp8WeightThreads / 32][128];  // MX rules: each warp's 16 rows' max |w| per column
 };
 
 // The codes of one whole 128 x 128 block (e, bi, bj) of weights [E, n, k] (n, k multiples of 128)
 // whose values thread t of the block's 256 holds: row t / 2 of the block, elements 64 (t % 2) ..
 // + 63, in v. The block's max |w| by shuffles and shared memory (order-free: the generic kernel's
-// scale bit for bit), its 64 codes stored as four 16-byte words into q and into a shared tile,
-// then column t / 2 of the tile, rows 64 (t % 2) .. + 63, stored the same way into qt (when not
-// null). Every thread of the block calls it once.
+// scale bit for bit), its scale into s (and st, transposed), this thread's 64 codes stored as four
+// 16-byte words into q, and the block's codes for the transposed copy qt [E, k, n] (when not null)
+// through a shared tile: column t / 2 of the tile, rows 64 (t % 2) .. + 63, stored the same way.
+// Under Fp8Rule::kBlocks both copies hold the same codes fp8(w / s), s = amax / fp8_max. Under the
+// MX rules each copy is quantised along its own rows, as MXFP8 quantises a weight for the forward
+// and for the data gradient: q's codes re-block the 1 x 32 sub-blocks of w's rows, qt's those of
+// w's columns (32 rows of a column: their max |w| by shuffles across the warp's rows, then two
+// warps through shared memory), both at the block's scale 2^e_max, which is the largest
+// sub-block's either way (cpu::fp8_quantize_blocks with the rule of w and of w^T, bit for bit).
+// Every thread of the block calls it once.
 __device__ __forceinline__ void fp8_weight_block_codes(const float (&v)[64], int64_t e, int64_t bi, int64_t bj,
-                                                       int64_t n, int64_t k, Fp8Format f, uint8_t* __restrict__ q,
-                                                       float* __restrict__ s, uint8_t* __restrict__ qt,
-                                                       float* __restrict__ st, uint32_t* num_nonfinite,
-                                                       Fp8WeightBlockSmem& sm) {
+                                                       int64_t n, int64_t k, Fp8Format f, Fp8Rule rule,
+                                                       uint8_t* __restrict__ q, float* __restrict__ s,
+                                                       uint8_t* __restrict__ qt, float* __restrict__ st,
+                                                       uint32_t* num_nonfinite, Fp8WeightBlockSmem& sm) {
   const int64_t nb = n / 128, kb = k / 128;
   const int t = threadIdx.x, r = t / 2, c0 = 64 * (t % 2);
   const int64_t at = e * n * k + (bi * 128 + r) * k + bj * 128 + c0;
+  const bool mx = rule != Fp8Rule::kBlocks;
   float local = 0.0f;
   uint32_t bad = 0;
+  float sub_max[2] = {0.0f, 0.0f};  // MX: this row's two 32-wide sub-blocks
+  if (mx) {
+#pragma unroll
+    for (int j = 0; j < 64; ++j) sub_max[j / 32] = fmaxf(sub_max[j / 32], fabsf(v[j]));
+  }
   fp8_lanes_amax<32>(v, local, bad);
   if (t % 32 == 0) sm.max[t / 32] = local, sm.bad[t / 32] = bad;
+  if (mx && qt != nullptr) {
+    // Column maxima over the warp's 16 rows: the lanes of one parity hold the same 64 columns.
+#pragma unroll
+    for (int j = 0; j < 64; ++j) {
+      float m = fabsf(v[j]);
+      for (int o = 2; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      if (t % 32 < 2) sm.col_max[t / 32][c0 + j] = m;
+    }
+  }
   __syncthreads();
   float amax = 0.0f;
   uint32_t bad_all = 0;
 #pragma unroll
   for (int i = 0; i < kFp8WeightThreads / 32; ++i) amax = fmaxf(amax, sm.max[i]), bad_all += sm.bad[i];
-  float sc = __fdiv_rn(amax, fp8_max_of(f));
-  if (!(sc > 0.0f)) sc = 1.0f;
+  float sc;
+  int e_max = 0;
+  if (mx) {
+    e_max = mx_exponent_of(amax, f, rule);
+    sc = ldexpf(1.0f, e_max);
+  } else {
+    sc = __fdiv_rn(amax, fp8_max_of(f));
+    if (!(sc > 0.0f)) sc = 1.0f;
+  }
   if (t == 0) {
     s[(e * nb + bi) * kb + bj] = sc;
     if (st != nullptr) st[(e * kb + bj) * nb + bi] = sc;
     if (bad_all != 0 && num_nonfinite != nullptr) atomicAdd(num_nonfinite, bad_all);
   }
+  if (!mx) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint4 packed = pack16([&](int x) { return fp8_encode_dev(__fdiv_rn(v[16 * i + x], sc), f); });
-    *reinterpret_cast<uint4*>(q + at + 16 * i) = packed;
-    *reinterpret_cast<uint4*>(&sm.tile[r][c0 + 16 * i]) = packed;
+    for (int i = 0; i < 4; ++i) {
+      const uint4 packed = pack16([&](int x) { return fp8_encode_dev(__fdiv_rn(v[16 * i + x], sc), f); });
+      *reinterpret_cast<uint4*>(q + at + 16 * i) = packed;
+      *reinterpret_cast<uint4*>(&sm.tile[r][c0 + 16 * i]) = packed;
+    }
+  } else {
+    const int e_row[2] = {mx_exponent_of(sub_max[0], f, rule), mx_exponent_of(sub_max[1], f, rule)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      *reinterpret_cast<uint4*>(q + at + 16 * i) =
+          pack16([&](int x) { return mx_reblocked_code(v[16 * i + x], e_row[i / 2], e_max, f); });
+    }
+    if (qt != nullptr) {
+      // The column copy's codes of this thread's elements, in place in the tile: rows 32g .. 32g + 31
+      // of a column are warps 2g and 2g + 1.
+      const int g = r / 32;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        *reinterpret_cast<uint4*>(&sm.tile[r][c0 + 16 * i]) = pack16([&](int x) {
+          const int c = c0 + 16 * i + x;
+          const int e_col = mx_exponent_of(fmaxf(sm.col_max[2 * g][c], sm.col_max[2 * g + 1][c]), f, rule);
+          return mx_reblocked_code(v[16 * i + x], e_col, e_max, f);
+        });
+      }
+    }
   }
   if (qt == nullptr) return;
   __syncthreads();

@@ -4,7 +4,7 @@
 // backward, which also reduces <dout[t], y_sorted[row]>. FP32 sums in slot order, one BF16
 // rounding per output. Indices outside [0, R = T*k) count as -1 (none). The FP8 experts'
 // producers (permute_gather_rows_fp8, unpermute_backward_warp_per_route<8, true>) write the same BF16 rows and their
-// 1 x 128 E4M3 codes and FP32 scales (fp8_quantize_half_warp_block of the stored values: bitwise
+// 1 x 128 E4M3 codes and FP32 scales by the FP8 rule (fp8_quantize_half_warp_block of the stored values: bitwise
 // what fp8_quantize_blocks writes for those rows), d a multiple of 128.
 #pragma once
 
@@ -101,7 +101,8 @@ __global__ void __launch_bounds__(kPermuteThreads)
     unpermute_backward_warp_per_route(const uint16_t* dout, const uint16_t* y_sorted,
                                       const int32_t* sorted_route, const int32_t* route_to_row,
                                       const float* topk_w, RowShape s, uint16_t* dy_sorted,
-                                      float* dtopk_w, uint8_t* q = nullptr, float* scales = nullptr) {
+                                      float* dtopk_w, uint8_t* q = nullptr, float* scales = nullptr,
+                                      Fp8Rule rule = Fp8Rule::kBlocks) {
   static_assert(!kFp8 || kVec == 8, "the FP8 producer stores 16-byte packs");
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kPermuteThreads / 32);
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
   // Quantises the pack v of row r (its 8 stored values; every lane calls it, the shuffles).
   [[maybe_unused]] const auto quantise = [&](const float (&v)[8], bool valid, int64_t r, int64_t pack) {
     if constexpr (kFp8) {
-      fp8_quantize_half_warp_block(v, valid, Fp8Format::kE4M3, q + r * s.d + pack * 8,
+      fp8_quantize_half_warp_block(v, valid, Fp8Format::kE4M3, rule, q + r * s.d + pack * 8,
                                    scales + r * per_row + pack / 16, nullptr);
     }
   };
@@ -166,7 +167,8 @@ constexpr int64_t kPermuteFp8BlocksPerCta = 2 * (kPermuteThreads / 32);
 
 __global__ void __launch_bounds__(kPermuteThreads)
     permute_gather_rows_fp8(const uint16_t* __restrict__ x, const int32_t* __restrict__ sorted_route, RowShape s,
-                            uint16_t* __restrict__ x_sorted, uint8_t* __restrict__ q, float* __restrict__ scales) {
+                            uint16_t* __restrict__ x_sorted, uint8_t* __restrict__ q, float* __restrict__ scales,
+                            Fp8Rule rule) {
   const int64_t per_row = s.d / 128, blocks = s.routes * per_row;
   const int sub = threadIdx.x % 16;
   for (int64_t b0 = int64_t{blockIdx.x} * kPermuteFp8BlocksPerCta; b0 < blocks;
@@ -186,7 +188,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
         store_zero_bf16<8>(dst);
       }
     }
-    fp8_quantize_half_warp_block(v, valid, Fp8Format::kE4M3, q + row * s.d + col, scales + b, nullptr);
+    fp8_quantize_half_warp_block(v, valid, Fp8Format::kE4M3, rule, q + row * s.d + col, scales + b, nullptr);
   }
 }
 

@@ -27,7 +27,7 @@ union AdamWFp8WeightSmem {
 __global__ void __launch_bounds__(kFp8WeightThreads)
     adamw_update_fp8_weights(int64_t offset, int64_t shift, int64_t n, int64_t k, bool decay_on,
                              float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                             float* __restrict__ v, uint16_t* __restrict__ p_bf16, Fp8Format f,
+                             float* __restrict__ v, uint16_t* __restrict__ p_bf16, Fp8Format f, Fp8Rule rule,
                              uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qt,
                              float* __restrict__ st, uint32_t* num_nonfinite, const OptimStepScalars* __restrict__ sc,
                              AdamWConstants c, bool deferred) {
@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kFp8WeightThreads)
     }
   }
   __syncthreads();  // every thread holds its values before the quantiser's shared memory overlays the tile
-  fp8_weight_block_codes(w16, e, bi, bj, n, k, f, q, s, qt, st, num_nonfinite, sm.codes);
+  fp8_weight_block_codes(w16, e, bi, bj, n, k, f, rule, q, s, qt, st, num_nonfinite, sm.codes);
 }
 
 }  // namespace moe::cuda::kernels

@@ -61,11 +61,11 @@ __global__ void rmsnorm_forward_warp_per_row(const uint16_t* __restrict__ x, con
 // same pass (d a multiple of 128): each 256-column step of a row is two 1 x 128 blocks, one per
 // half-warp, lane l of a half holding its block's elements 8 l .. 8 l + 7, as the quantiser's
 // half-warp path holds them: the codes q [n, d] (E4M3) and scales s [n, d / 128] of
-// fp8_quantize_blocks on y, bit for bit, from the BF16-rounded values it stores.
+// fp8_quantize_blocks on y by the rule, bit for bit, from the BF16-rounded values it stores.
 __global__ void rmsnorm_forward_fp8_warp_per_row(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                                                  uint16_t* __restrict__ y, float* __restrict__ rstd,
                                                  uint8_t* __restrict__ q, float* __restrict__ s, int64_t n,
-                                                 int64_t d, float eps) {
+                                                 int64_t d, float eps, Fp8Rule rule) {
   constexpr int V = kVecBf16;
   rmsnorm_forward_rows<V>(x, rstd, n, d, eps, [&](int64_t row, float r, int lane) {
     const uint16_t* x_row = x + row * d;
@@ -81,7 +81,7 @@ __global__ void rmsnorm_forward_fp8_warp_per_row(const uint16_t* __restrict__ x,
 #pragma unroll
         for (int i = 0; i < V; ++i) out[i] = 0.0f;
       }
-      fp8_quantize_half_warp_block(out, valid, Fp8Format::kE4M3, q + row * d + (valid ? c : 0),
+      fp8_quantize_half_warp_block(out, valid, Fp8Format::kE4M3, rule, q + row * d + (valid ? c : 0),
                                    s + row * (d / 128) + (valid ? c / 128 : 0), nullptr);
     }
   });

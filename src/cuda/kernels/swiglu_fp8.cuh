@@ -1,6 +1,6 @@
 // SwiGLU with the 1 x 128 FP8 quantisation of its output fused in (the FP8 experts' producers):
 // the BF16 outputs of swiglu.cuh's kernels, bitwise, plus the E4M3 codes and FP32 scales that
-// fp8_quantize_blocks would write for those BF16 outputs (fp8_quantize_half_warp_block of the
+// fp8_quantize_blocks would write by the FP8 rule for those BF16 outputs (fp8_quantize_half_warp_block of the
 // rounded values, the quantiser's own block step), so the next grouped FP8 GEMM needs no
 // quantisation pass. A half-warp per 128-column block of h (inner a multiple of 128), lane l of the half its
 // elements 8l .. 8l + 7 (16-byte loads and stores); 8 warps, 16 blocks per CTA.
@@ -18,7 +18,7 @@ constexpr int64_t kSwigluFp8BlocksPerCta = 2 * kSwigluFp8Warps;
 // h [n, inner] = silu(gate) * up, and its codes q_h [n, inner] with scales s_h [n, inner / 128].
 __global__ void __launch_bounds__(32 * kSwigluFp8Warps)
     swiglu_forward_fp8_rows(const uint16_t* __restrict__ gate_up, uint16_t* __restrict__ h, uint8_t* __restrict__ q_h,
-                            float* __restrict__ s_h, int64_t n, int64_t inner) {
+                            float* __restrict__ s_h, int64_t n, int64_t inner, Fp8Rule rule) {
   const int64_t per_row = inner / 128, blocks = n * per_row;
   const int sub = threadIdx.x % 16;
   const int64_t b = int64_t{blockIdx.x} * kSwigluFp8BlocksPerCta + threadIdx.x / 16;
@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(32 * kSwigluFp8Warps)
     round_to_bf16(out);
     store_bf16<8>(h + row * inner + col, out);
   }
-  fp8_quantize_half_warp_block(out, valid, Fp8Format::kE4M3, q_h + row * inner + col, s_h + b, nullptr);
+  fp8_quantize_half_warp_block(out, valid, Fp8Format::kE4M3, rule, q_h + row * inner + col, s_h + b, nullptr);
 }
 
 // dgate_up [n, 2 inner] from dh, and its codes q_dgu [n, 2 inner] with scales s_dgu [n, 2 inner / 128]
@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(32 * kSwigluFp8Warps)
 __global__ void __launch_bounds__(32 * kSwigluFp8Warps)
     swiglu_backward_fp8_rows(const uint16_t* __restrict__ gate_up, const uint16_t* __restrict__ dh,
                              uint16_t* __restrict__ dgate_up, uint8_t* __restrict__ q_dgu, float* __restrict__ s_dgu,
-                             int64_t n, int64_t inner) {
+                             int64_t n, int64_t inner, Fp8Rule rule) {
   const int64_t per_row = inner / 128, blocks = n * per_row;
   const int sub = threadIdx.x % 16;
   const int64_t b = int64_t{blockIdx.x} * kSwigluFp8BlocksPerCta + threadIdx.x / 16;
@@ -63,8 +63,8 @@ __global__ void __launch_bounds__(32 * kSwigluFp8Warps)
     store_bf16<8>(dgate_up + at + inner, du);
   }
   float* srow = s_dgu + row * 2 * per_row;
-  fp8_quantize_half_warp_block(dg, valid, Fp8Format::kE4M3, q_dgu + at, srow + cb, nullptr);
-  fp8_quantize_half_warp_block(du, valid, Fp8Format::kE4M3, q_dgu + at + inner, srow + per_row + cb, nullptr);
+  fp8_quantize_half_warp_block(dg, valid, Fp8Format::kE4M3, rule, q_dgu + at, srow + cb, nullptr);
+  fp8_quantize_half_warp_block(du, valid, Fp8Format::kE4M3, rule, q_dgu + at + inner, srow + per_row + cb, nullptr);
 }
 
 }  // namespace moe::cuda::kernels

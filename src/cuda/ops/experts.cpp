@@ -181,9 +181,9 @@ void check_fp8_weights(const char* op, const Fp8ExpertWeights& w) {
 // out = in @ B_e^T in FP8: in [R, k_red] BF16 quantised into the workspace, then the grouped GEMM.
 void fp8_grouped(const uint16_t* in, const uint8_t* qb, const float* sb, const int32_t* offsets, uint16_t* out,
                  int64_t max_rows, int64_t num_experts, int64_t n_out, int64_t k_red, const Fp8Workspace& ws,
-                 Stream stream) {
+                 Fp8Rule rule, Stream stream) {
   fp8_quantize_blocks(in, max_rows, k_red, kFp8ActivationBlock, Fp8Format::kE4M3, ws.codes, ws.scales, nullptr,
-                      stream);
+                      stream, rule);
   grouped_gemm_fp8(ws.codes, ws.scales, qb, sb, offsets, out, max_rows, num_experts, n_out, k_red, stream);
 }
 
@@ -192,11 +192,11 @@ void swiglu_down_fp8(const uint16_t* gate_up, const int32_t* offsets, const Fp8E
                      int64_t num_experts, int64_t d, int64_t inner, uint16_t* h, uint16_t* y, const Fp8Workspace& ws,
                      Stream stream) {
   if (inner % 128 == 0) {  // SwiGLU writes h's codes too: no quantisation pass over h
-    swiglu_forward_fp8(gate_up, h, ws.codes, ws.scales, max_rows, inner, stream);
+    swiglu_forward_fp8(gate_up, h, ws.codes, ws.scales, max_rows, inner, stream, w.rule);
     grouped_gemm_fp8(ws.codes, ws.scales, w.down, w.s_down, offsets, y, max_rows, num_experts, d, inner, stream);
   } else {
     swiglu_forward(gate_up, h, max_rows, inner, stream);
-    fp8_grouped(h, w.down, w.s_down, offsets, y, max_rows, num_experts, d, inner, ws, stream);
+    fp8_grouped(h, w.down, w.s_down, offsets, y, max_rows, num_experts, d, inner, ws, w.rule, stream);
   }
 }
 
@@ -296,7 +296,7 @@ void experts_forward_fp8(const uint16_t* x_sorted, const int32_t* expert_offsets
                      2 * inner, d, stream);
   } else {
     fp8_grouped(x_sorted, w.gate_up, w.s_gate_up, expert_offsets, gate_up, max_rows, num_experts, 2 * inner, d, ws,
-                stream);
+                w.rule, stream);
   }
   swiglu_down_fp8(gate_up, expert_offsets, w, max_rows, num_experts, d, inner, h, y, ws, stream);
 }
@@ -336,6 +336,8 @@ void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offset
   const bool fp8_dw = wgrad_workspace != nullptr;
   Fp8WgradWorkspace wws{};
   if (fp8_dw) {
+    MOE_CHECK(w.rule == Fp8Rule::kBlocks, op, ": the FP8 weight gradients quantise in the block recipe's 1 x 128 ",
+              "blocks; under an MX rule pass no wgrad workspace");
     MOE_CHECK(experts_fp8_wgrad_applies(d, inner), op, ": the FP8 weight gradients need d and inner multiples of ",
               "128, got ", d, " and ", inner, "; pass no wgrad workspace");
     const size_t need = experts_fp8_wgrad_workspace_bytes(max_rows, num_experts, d, inner);
@@ -362,18 +364,18 @@ void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offset
     grouped_gemm_fp8(ws.codes, ws.scales, w.down_t, w.s_down_t, expert_offsets, dh, max_rows, num_experts, inner, d,
                      stream);
   } else {
-    fp8_grouped(dy, w.down_t, w.s_down_t, expert_offsets, dh, max_rows, num_experts, inner, d, ws, stream);
+    fp8_grouped(dy, w.down_t, w.s_down_t, expert_offsets, dh, max_rows, num_experts, inner, d, ws, w.rule, stream);
   }
   wgrad(dy, h, dw_down, d, inner);
   // dx = dgate_up @ W_gate_up[e] (B: [E, D, 2I]); dy (which dx may be) was read in full above.
   if (inner % 128 == 0) {  // the SwiGLU backward writes dgate_up's codes too
-    swiglu_backward_fp8(gate_up, dh, dgate_up, ws.codes, ws.scales, max_rows, inner, stream);
+    swiglu_backward_fp8(gate_up, dh, dgate_up, ws.codes, ws.scales, max_rows, inner, stream, w.rule);
     grouped_gemm_fp8(ws.codes, ws.scales, w.gate_up_t, w.s_gate_up_t, expert_offsets, dx_sorted, max_rows,
                      num_experts, d, 2 * inner, stream);
   } else {
     swiglu_backward(gate_up, dh, dgate_up, max_rows, inner, stream);
     fp8_grouped(dgate_up, w.gate_up_t, w.s_gate_up_t, expert_offsets, dx_sorted, max_rows, num_experts, d,
-                2 * inner, ws, stream);
+                2 * inner, ws, w.rule, stream);
   }
   wgrad(dgate_up, x_sorted, dw_gate_up, 2 * inner, d);
 }

@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/fp8_types.h"
 #include "cuda/device.h"
 #include "cuda/ops/grouped_gemm.h"
 
@@ -81,6 +82,10 @@ struct Fp8ExpertWeights {
   const float* s_down = nullptr;
   const uint8_t* down_t = nullptr;     // [E, I, D], scales [E, I/128, D/128]
   const float* s_down_t = nullptr;
+  // The rule these codes were quantised by (cuda::fp8_quantize_weights) and by which the experts
+  // quantise their activations (core/fp8_types.h): a producer that writes the input's codes
+  // (input_quantised) uses it too. The MX rules need D and I multiples of 128.
+  Fp8Rule rule = Fp8Rule::kBlocks;
 };
 
 // Bytes of the FP8 activation workspace: the codes of the widest GEMM input [R, max(D, 2I)] and
@@ -94,6 +99,7 @@ size_t experts_fp8_workspace_bytes(int64_t max_rows, int64_t d, int64_t inner);
 struct Fp8Rows {
   uint8_t* codes = nullptr;
   float* scales = nullptr;
+  Fp8Rule rule = Fp8Rule::kBlocks;  // the experts' rule (Fp8ExpertWeights::rule), which the producer follows
 };
 Fp8Rows experts_fp8_input_rows(void* fp8_workspace, size_t fp8_workspace_bytes, int64_t max_rows, int64_t d,
                                int64_t inner);

@@ -28,20 +28,24 @@ unsigned elementwise_blocks(int64_t n) { return static_cast<unsigned>(std::clamp
 
 template <typename T>
 void quantize_blocks(const char* op, const T* x, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f, uint8_t* q,
-                     float* scales, uint32_t* num_nonfinite, Stream stream) {
+                     float* scales, uint32_t* num_nonfinite, Stream stream, Fp8Rule rule) {
   check_shape(op, rows, cols, block);
   if (rows == 0 || cols == 0) return;
   detail::check_ptrs(op, {{"x", x}}, sizeof(T));
   detail::check_ptrs(op, {{"q", q}}, 1);
   detail::check_ptrs(op, {{"scales", scales}}, sizeof(float));
-  if (block.rows == 1 && block.cols == 128 && cols % 128 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-      reinterpret_cast<uintptr_t>(q) % 8 == 0) {
+  const bool whole_rows = block.rows == 1 && block.cols == 128 && cols % 128 == 0 &&
+                          reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0;
+  MOE_CHECK(rule == Fp8Rule::kBlocks || whole_rows, op, ": the MX rules quantise whole 1 x 128 blocks (cols a ",
+            "multiple of 128, x 16-byte and q 8-byte aligned); got a ", block.rows, " x ", block.cols, " block over ",
+            rows, " x ", cols);
+  if (whole_rows) {
     // Whole 1 x 128 blocks: a half-warp per block (the same codes and scales as the generic kernel).
     const int64_t blocks = rows * (cols / 128);
     const int64_t grid = (blocks + kernels::kFp8RowBlocksPerCta - 1) / kernels::kFp8RowBlocksPerCta;
     MOE_CHECK(grid < kMaxGrid, op, ": ", blocks, " scaling blocks exceed one launch's grid");
     kernels::fp8_quantize_rows128_kernel<T><<<static_cast<unsigned>(grid), 32 * kernels::kFp8RowWarps, 0, stream>>>(
-        x, blocks, cols / 128, cols, f, q, scales, num_nonfinite);
+        x, blocks, cols / 128, cols, f, rule, q, scales, num_nonfinite);
     check_launch("fp8_quantize_rows128_kernel");
     return;
   }
@@ -71,7 +75,7 @@ void mx_quantize_impl(const char* op, const T* x, int64_t rows, int64_t cols, Fp
 
 template <typename T>
 void quantize_weights(const char* op, const T* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q,
-                      float* s, uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream) {
+                      float* s, uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream, Fp8Rule rule) {
   MOE_CHECK(experts >= 0 && n >= 0 && k >= 0, op, ": experts, n and k must be >= 0, got ", experts, ", ", n, ", ", k);
   MOE_CHECK((qt == nullptr) == (st == nullptr), op, ": the transposed codes and their scales come together (qt ",
             qt == nullptr ? "null" : "set", ", st ", st == nullptr ? "null" : "set", ")");
@@ -81,10 +85,13 @@ void quantize_weights(const char* op, const T* w, int64_t experts, int64_t n, in
   const int64_t nb = (n + 127) / 128, kb = (k + 127) / 128, grid = experts * nb * kb;
   MOE_CHECK(grid < kMaxGrid, op, ": ", grid, " scaling blocks exceed one launch's grid");
   const auto aligned = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (n % 128 == 0 && k % 128 == 0 && aligned(w) && aligned(q) && aligned(qt)) {
+  const bool whole = n % 128 == 0 && k % 128 == 0 && aligned(w) && aligned(q) && aligned(qt);
+  MOE_CHECK(rule == Fp8Rule::kBlocks || whole, op, ": the MX rules quantise whole 128 x 128 blocks (n and k ",
+            "multiples of 128, w, q and qt 16-byte aligned); got n ", n, ", k ", k);
+  if (whole) {
     // Whole blocks: vector loads and stores (the same codes and scales as the generic kernel).
     kernels::fp8_quantize_weights_whole_kernel<T>
-        <<<static_cast<unsigned>(grid), kernels::kFp8WeightThreads, 0, stream>>>(w, n, k, f, q, s, qt, st,
+        <<<static_cast<unsigned>(grid), kernels::kFp8WeightThreads, 0, stream>>>(w, n, k, f, rule, q, s, qt, st,
                                                                                  num_nonfinite);
     check_launch("fp8_quantize_weights_whole_kernel");
     return;
@@ -97,17 +104,18 @@ void quantize_weights(const char* op, const T* w, int64_t experts, int64_t n, in
 }  // namespace
 
 void fp8_quantize_blocks(const float* x, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f, uint8_t* q,
-                         float* scales, uint32_t* num_nonfinite, Stream stream) {
-  quantize_blocks("cuda::fp8_quantize_blocks", x, rows, cols, block, f, q, scales, num_nonfinite, stream);
+                         float* scales, uint32_t* num_nonfinite, Stream stream, Fp8Rule rule) {
+  quantize_blocks("cuda::fp8_quantize_blocks", x, rows, cols, block, f, q, scales, num_nonfinite, stream, rule);
 }
 
 void fp8_quantize_blocks(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f, uint8_t* q,
-                         float* scales, uint32_t* num_nonfinite, Stream stream) {
-  quantize_blocks("cuda::fp8_quantize_blocks (bf16)", x_bf16, rows, cols, block, f, q, scales, num_nonfinite, stream);
+                         float* scales, uint32_t* num_nonfinite, Stream stream, Fp8Rule rule) {
+  quantize_blocks("cuda::fp8_quantize_blocks (bf16)", x_bf16, rows, cols, block, f, q, scales, num_nonfinite, stream,
+                  rule);
 }
 
 void fp8_quantize_rows_into(const uint16_t* x_bf16, int64_t rows, int64_t cols, int64_t ldq, Fp8Format f, uint8_t* q,
-                            float* scales, uint32_t* num_nonfinite, Stream stream) {
+                            float* scales, uint32_t* num_nonfinite, Stream stream, Fp8Rule rule) {
   const char* op = "cuda::fp8_quantize_rows_into";
   MOE_CHECK(rows >= 0 && cols > 0 && cols % 128 == 0 && ldq >= cols && ldq % 8 == 0, op,
             ": expected rows >= 0, cols a positive multiple of 128 and ldq >= cols a multiple of 8, got rows ", rows,
@@ -120,8 +128,8 @@ void fp8_quantize_rows_into(const uint16_t* x_bf16, int64_t rows, int64_t cols, 
   const int64_t grid = (blocks + kernels::kFp8RowBlocksPerCta - 1) / kernels::kFp8RowBlocksPerCta;
   MOE_CHECK(grid < kMaxGrid, op, ": ", blocks, " scaling blocks exceed one launch's grid");
   kernels::fp8_quantize_rows128_kernel<uint16_t>
-      <<<static_cast<unsigned>(grid), 32 * kernels::kFp8RowWarps, 0, stream>>>(x_bf16, blocks, cols / 128, ldq, f, q,
-                                                                              scales, num_nonfinite);
+      <<<static_cast<unsigned>(grid), 32 * kernels::kFp8RowWarps, 0, stream>>>(x_bf16, blocks, cols / 128, ldq, f,
+                                                                              rule, q, scales, num_nonfinite);
   check_launch("fp8_quantize_rows128_kernel");
 }
 
@@ -188,14 +196,14 @@ void mx_scales_tiled(const uint8_t* scales_e8m0, int64_t rows, int64_t cols, uin
 }
 
 void fp8_quantize_weights(const float* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q, float* s,
-                          uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream) {
-  quantize_weights("cuda::fp8_quantize_weights", w, experts, n, k, f, q, s, qt, st, num_nonfinite, stream);
+                          uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream, Fp8Rule rule) {
+  quantize_weights("cuda::fp8_quantize_weights", w, experts, n, k, f, q, s, qt, st, num_nonfinite, stream, rule);
 }
 
 void fp8_quantize_weights(const uint16_t* w_bf16, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q,
-                          float* s, uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream) {
+                          float* s, uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream, Fp8Rule rule) {
   quantize_weights("cuda::fp8_quantize_weights (bf16)", w_bf16, experts, n, k, f, q, s, qt, st, num_nonfinite,
-                   stream);
+                   stream, rule);
 }
 
 void fp8_scales_k_major(const float* s, int64_t rows, int64_t kb, int64_t ld, float* out, Stream stream) {
@@ -263,7 +271,7 @@ int64_t payload_stride(const char* op, int64_t cols, int64_t stride) {
 }  // namespace
 
 void fp8_pack_rows(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Format f, uint8_t* payload,
-                   uint32_t* num_nonfinite, Stream stream, int64_t stride) {
+                   uint32_t* num_nonfinite, Stream stream, int64_t stride, Fp8Rule rule) {
   const char* op = "cuda::fp8_pack_rows";
   MOE_CHECK(rows >= 0, op, ": rows must be >= 0, got ", rows);
   const int64_t per = payload_stride(op, cols, stride);
@@ -273,7 +281,7 @@ void fp8_pack_rows(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Format
   const int64_t grid = (blocks + kernels::kFp8RowBlocksPerCta - 1) / kernels::kFp8RowBlocksPerCta;
   MOE_CHECK(grid <= kMaxGrid, op, ": ", rows, " rows of ", cols, " exceed one launch");
   kernels::fp8_pack_rows_kernel<<<static_cast<unsigned>(grid), 32 * kernels::kFp8RowWarps, 0, stream>>>(
-      x_bf16, blocks, cols / 128, cols, per, f, payload, num_nonfinite);
+      x_bf16, blocks, cols / 128, cols, per, f, rule, payload, num_nonfinite);
   check_launch("fp8_pack_rows_kernel");
 }
 

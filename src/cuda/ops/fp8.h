@@ -19,18 +19,20 @@
 namespace moe::cuda {
 
 // x [rows, cols] -> q [rows, cols] (FP8 codes) and scales [ceil(rows / block.rows), ceil(cols /
-// block.cols)] (FP32, row-major).
+// block.cols)] (FP32, row-major). The rule (core/fp8_types.h) picks each block's scale and codes:
+// the MX rules (cpu::fp8_quantize_blocks with the rule, bitwise) take whole 1 x 128 blocks only
+// (cols a multiple of 128, x 16-byte and q 8-byte aligned; anything else is refused).
 void fp8_quantize_blocks(const float* x, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f, uint8_t* q,
-                         float* scales, uint32_t* num_nonfinite, Stream stream);
+                         float* scales, uint32_t* num_nonfinite, Stream stream, Fp8Rule rule = Fp8Rule::kBlocks);
 void fp8_quantize_blocks(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Block block, Fp8Format f, uint8_t* q,
-                         float* scales, uint32_t* num_nonfinite, Stream stream);
+                         float* scales, uint32_t* num_nonfinite, Stream stream, Fp8Rule rule = Fp8Rule::kBlocks);
 // fp8_quantize_blocks of x_bf16 [rows, cols] in 1 x 128 blocks, its codes written into columns
 // [0, cols) of a wider code matrix whose rows are ldq apart (ldq >= cols, a multiple of 8): so that
 // several tensors' codes sit side by side along K as one GEMM operand. Scales [rows, cols / 128]
 // row-major, as fp8_quantize_blocks writes them. cols a positive multiple of 128, x 16-byte and q
 // 8-byte aligned; codes outside the columns are not touched.
 void fp8_quantize_rows_into(const uint16_t* x_bf16, int64_t rows, int64_t cols, int64_t ldq, Fp8Format f, uint8_t* q,
-                            float* scales, uint32_t* num_nonfinite, Stream stream);
+                            float* scales, uint32_t* num_nonfinite, Stream stream, Fp8Rule rule = Fp8Rule::kBlocks);
 // x = decode(q) * scale of its block (FP32).
 void fp8_dequantize_blocks(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, Fp8Block block,
                            Fp8Format f, float* x, Stream stream);
@@ -62,10 +64,16 @@ void mx_scales_tiled(const uint8_t* scales_e8m0, int64_t rows, int64_t cols, uin
 // The experts' weights w [E, n, k] (FP32 or BF16) in 128 x 128 blocks per expert, the contract of
 // cpu::fp8_quantize_weights: q [E, n, k] with scales s [E, ceil(n/128), ceil(k/128)] and, when qt
 // is not null, the transposed codes qt [E, k, n] with st [E, ceil(k/128), ceil(n/128)], in one pass.
+// Under the MX rules (whole blocks only: n and k multiples of 128, w, q, qt 16-byte aligned) q
+// re-blocks the 1 x 32 sub-blocks of w's rows and qt those of w's columns, each copy quantised
+// along the contraction of the GEMM that reads it (cpu::fp8_quantize_blocks with the rule of w
+// and of w^T in 128 x 128 blocks, bitwise); s and st are equal either way.
 void fp8_quantize_weights(const float* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q, float* s,
-                          uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream);
+                          uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream,
+                          Fp8Rule rule = Fp8Rule::kBlocks);
 void fp8_quantize_weights(const uint16_t* w_bf16, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q,
-                          float* s, uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream);
+                          float* s, uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream,
+                          Fp8Rule rule = Fp8Rule::kBlocks);
 
 // The FP8 GEMM's layout of 1 x 128 scales (cuda::fp8_gemm): s [rows, kb] as the quantiser writes
 // them (row-major) -> out [kb, ld] (K-block-major, rows contiguous), ld >= rows, entries
@@ -87,8 +95,9 @@ void fp8_quantize_expert_columns(const uint16_t* x_bf16, const int32_t* offsets,
                                  int64_t num_experts, int64_t width, int64_t capacity, Fp8Format f, uint8_t* q_t,
                                  float* scales_t, int32_t* padded_offsets, uint32_t* num_nonfinite, Stream stream);
 
-// The expert exchange's FP8 rows (block scaling; the twins cpu::fp8_pack_rows / fp8_unpack_rows
-// with the "blocks" recipe): fp8_row_payload_bytes(cols) = cols + 4 cols / 128 bytes a row, its
+// The expert exchange's FP8 rows (1 x 128 blocks by the rule; the twins cpu::fp8_pack_rows /
+// fp8_unpack_rows with the "blocks" recipe, the MX rules cpu::fp8_quantize_blocks' codes and
+// scales): fp8_row_payload_bytes(cols) = cols + 4 cols / 128 bytes a row, its
 // codes then its 1 x 128 FP32 scales. fp8_pack_rows: x [rows, cols] (BF16, cols a multiple of 128)
 // -> payload [rows, per] (the row quantiser's codes and scales bit for bit; non-finite elements
 // added to *num_nonfinite when not null). fp8_unpack_rows: payload -> codes [rows, cols] and scales
@@ -99,7 +108,7 @@ void fp8_quantize_expert_columns(const uint16_t* x_bf16, const int32_t* offsets,
 // synchronisation.
 int64_t fp8_row_payload_bytes(int64_t cols);
 void fp8_pack_rows(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Format f, uint8_t* payload,
-                   uint32_t* num_nonfinite, Stream stream, int64_t stride = 0);
+                   uint32_t* num_nonfinite, Stream stream, int64_t stride = 0, Fp8Rule rule = Fp8Rule::kBlocks);
 void fp8_unpack_rows(const uint8_t* payload, int64_t rows, int64_t cols, Fp8Format f, uint8_t* codes, float* scales,
                      uint16_t* out_bf16, Stream stream, int64_t stride = 0);
 

@@ -129,7 +129,8 @@ RowShape check_rows_fp8(int64_t num_tokens, int64_t top_k, int64_t d, const char
 }  // namespace
 
 void permute_forward_fp8(const uint16_t* x, const int32_t* sorted_route, int64_t num_tokens, int64_t top_k,
-                         int64_t d, uint16_t* x_sorted, uint8_t* q, float* scales, Stream stream) {
+                         int64_t d, uint16_t* x_sorted, uint8_t* q, float* scales, Stream stream,
+                         Fp8Rule rule) {
   constexpr const char* kOp = "cuda::permute_forward_fp8";
   const RowShape s = check_rows_fp8(num_tokens, top_k, d, kOp);
   if (s.routes == 0) return;
@@ -138,14 +139,14 @@ void permute_forward_fp8(const uint16_t* x, const int32_t* sorted_route, int64_t
   detail::check_ptrs(kOp, {{"sorted_route", sorted_route}, {"scales", scales}}, 4);
   const int64_t blocks = s.routes * (d / 128);
   kernels::permute_gather_rows_fp8<<<blocks_for(blocks, kernels::kPermuteFp8BlocksPerCta), kPermuteThreads, 0,
-                                     stream>>>(x, sorted_route, s, x_sorted, q, scales);
+                                     stream>>>(x, sorted_route, s, x_sorted, q, scales, rule);
   check_launch("permute_gather_rows_fp8");
 }
 
 void unpermute_backward_fp8(const uint16_t* dout, const uint16_t* y_sorted, const int32_t* sorted_route,
                             const int32_t* route_to_row, const float* topk_w, int64_t num_tokens, int64_t top_k,
                             int64_t d, uint16_t* dy_sorted, float* dtopk_w, uint8_t* q, float* scales,
-                            Stream stream) {
+                            Stream stream, Fp8Rule rule) {
   constexpr const char* kOp = "cuda::unpermute_backward_fp8";
   const RowShape s = check_rows_fp8(num_tokens, top_k, d, kOp);
   if (s.routes == 0) return;
@@ -157,7 +158,7 @@ void unpermute_backward_fp8(const uint16_t* dout, const uint16_t* y_sorted, cons
                      4);
   kernels::unpermute_backward_warp_per_route<kVecBf16, true>
       <<<blocks_for(s.routes, kPermuteThreads / 32), kPermuteThreads, 0, stream>>>(
-          dout, y_sorted, sorted_route, route_to_row, topk_w, s, dy_sorted, dtopk_w, q, scales);
+          dout, y_sorted, sorted_route, route_to_row, topk_w, s, dy_sorted, dtopk_w, q, scales, rule);
   check_launch("unpermute_backward_warp_per_route (fp8)");
 }
 

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/fp8_types.h"
 #include "core/moe_types.h"  // ScoreFunc, RoutingMode: shared with the CPU reference
 #include "cuda/device.h"  // Stream = CUstream_st* (cudaStream_t); no CUDA headers here
 
@@ -131,11 +132,11 @@ void unpermute_backward(const uint16_t* dout /*[T,D]*/, const uint16_t* y_sorted
 // quantisation pass over rows that were just written.
 void permute_forward_fp8(const uint16_t* x /*[T,D]*/, const int32_t* sorted_route /*[R]*/, int64_t num_tokens,
                          int64_t top_k, int64_t d, uint16_t* x_sorted /*[R,D]*/, uint8_t* q /*[R,D]*/,
-                         float* scales /*[R,D/128]*/, Stream stream);
+                         float* scales /*[R,D/128]*/, Stream stream, Fp8Rule rule = Fp8Rule::kBlocks);
 void unpermute_backward_fp8(const uint16_t* dout /*[T,D]*/, const uint16_t* y_sorted /*[R,D]*/,
                             const int32_t* sorted_route /*[R]*/, const int32_t* route_to_row /*[T*k]*/,
                             const float* topk_w /*[T,k]*/, int64_t num_tokens, int64_t top_k, int64_t d,
                             uint16_t* dy_sorted /*[R,D]*/, float* dtopk_w /*[T,k]*/, uint8_t* q /*[R,D]*/,
-                            float* scales /*[R,D/128]*/, Stream stream);
+                            float* scales /*[R,D/128]*/, Stream stream, Fp8Rule rule = Fp8Rule::kBlocks);
 
 }  // namespace moe::cuda

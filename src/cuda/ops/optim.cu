@@ -268,7 +268,7 @@ void adamw_apply_fp8_weights(const ParamSegment& segment, int64_t experts, int64
                              const OptimConfig& cfg, float* params, const float* grads, float* exp_avg,
                              float* exp_avg_sq, uint16_t* params_bf16, Fp8Format f, uint8_t* q, float* s,
                              uint8_t* qt, float* st, uint32_t* num_nonfinite, const OptimStepScalars* scalars,
-                             bool deferred, Stream stream) {
+                             bool deferred, Stream stream, Fp8Rule rule) {
   const char* op = "cuda::adamw_apply_fp8_weights";
   check_betas(op, cfg);
   MOE_CHECK(experts > 0 && n > 0 && k > 0 && n % 128 == 0 && k % 128 == 0, op,
@@ -289,7 +289,7 @@ void adamw_apply_fp8_weights(const ParamSegment& segment, int64_t experts, int64
   MOE_CHECK(blocks <= detail::kMaxGridX, op, ": ", blocks, " weight blocks exceed one launch's ", detail::kMaxGridX);
   kernels::adamw_update_fp8_weights<<<static_cast<unsigned>(blocks), kernels::kFp8WeightThreads, 0, stream>>>(
       segment.offset, state - segment.offset, n, k, segment.decay != 0, params, grads, exp_avg, exp_avg_sq,
-      params_bf16, f, q, s, qt, st, num_nonfinite, scalars, adamw_constants(cfg), deferred);
+      params_bf16, f, rule, q, s, qt, st, num_nonfinite, scalars, adamw_constants(cfg), deferred);
   check_launch("adamw_update_fp8_weights");
 }
 

@@ -110,7 +110,7 @@ void adamw_clear_pending(OptimStepScalars* scalars, Stream stream);
 // adamw_apply of one segment that holds the experts' weights [experts, n, k] (segment.numel = experts
 // * n * k), with the FP8 codes of its BF16 copy written in the same pass: q, s, qt, st and the
 // non-finite count exactly as fp8_quantize_weights(params_bf16 + segment.offset, experts, n, k, f,
-// ...) writes them after the update (the weight cast of the FP8 recipe without a second pass over
+// ..., rule) writes them after the update (the weight cast of the FP8 recipe without a second pass over
 // the BF16 copy; params_bf16 may be null, the codes are those of the BF16 rounding all the same).
 // n and k positive multiples of 128; params, grads, exp_avg, exp_avg_sq 16-byte aligned, params_bf16
 // 8-byte, q and qt 16-byte; state_offset - offset and offset multiples of 4; segment inside the
@@ -119,6 +119,6 @@ void adamw_apply_fp8_weights(const ParamSegment& segment, int64_t experts, int64
                              const OptimConfig& cfg, float* params, const float* grads, float* exp_avg,
                              float* exp_avg_sq, uint16_t* params_bf16, Fp8Format f, uint8_t* q, float* s,
                              uint8_t* qt, float* st, uint32_t* num_nonfinite, const OptimStepScalars* scalars,
-                             bool deferred, Stream stream);
+                             bool deferred, Stream stream, Fp8Rule rule = Fp8Rule::kBlocks);
 
 }  // namespace moe::cuda

@@ -84,7 +84,7 @@ bool rmsnorm_forward_fp8_fuses(const uint16_t* x, const uint16_t* w, const uint1
 }
 
 void rmsnorm_forward_fp8(const uint16_t* x, const uint16_t* w, uint16_t* y, float* rstd, uint8_t* q, float* scales,
-                         int64_t n, int64_t d, double eps, Stream stream) {
+                         int64_t n, int64_t d, double eps, Stream stream, Fp8Rule rule) {
   const char* op = "cuda::rmsnorm_forward_fp8";
   check_sizes(op, n, d);
   MOE_CHECK(eps >= 0.0, op, ": expected eps >= 0, got ", eps);
@@ -94,7 +94,7 @@ void rmsnorm_forward_fp8(const uint16_t* x, const uint16_t* w, uint16_t* y, floa
   MOE_CHECK(rmsnorm_forward_fp8_fuses(x, w, y, q, d), op, ": expected d a multiple of 128 (got ", d,
             "), x, w, y 16-byte and q 8-byte aligned (rmsnorm_forward_fp8_fuses)");
   kernels::rmsnorm_forward_fp8_warp_per_row<<<forward_blocks(n), kForwardWarpsPerBlock * kernels::kWarpSize, 0,
-                                              stream>>>(x, w, y, rstd, q, scales, n, d, static_cast<float>(eps));
+                                              stream>>>(x, w, y, rstd, q, scales, n, d, static_cast<float>(eps), rule);
   check_launch("rmsnorm_forward_fp8_warp_per_row");
 }
 

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/fp8_types.h"
 #include "cuda/device.h"
 
 namespace moe::cuda {
@@ -20,7 +21,7 @@ void rmsnorm_forward(const uint16_t* x, const uint16_t* w, uint16_t* y, float* r
 // and q 8-byte aligned). The CPU twin is cpu::rmsnorm_forward followed by cpu::fp8_quantize_blocks.
 bool rmsnorm_forward_fp8_fuses(const uint16_t* x, const uint16_t* w, const uint16_t* y, const uint8_t* q, int64_t d);
 void rmsnorm_forward_fp8(const uint16_t* x, const uint16_t* w, uint16_t* y, float* rstd, uint8_t* q, float* scales,
-                         int64_t n, int64_t d, double eps, Stream stream);
+                         int64_t n, int64_t d, double eps, Stream stream, Fp8Rule rule = Fp8Rule::kBlocks);
 
 // Bytes of 16-byte-aligned device scratch the backward needs: ceil(n / 32) * d * 4.
 size_t rmsnorm_backward_workspace_bytes(int64_t n, int64_t d);

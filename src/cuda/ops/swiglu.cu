@@ -79,23 +79,23 @@ unsigned swiglu_fp8_grid(const char* op, int64_t blocks) {
 }  // namespace
 
 void swiglu_forward_fp8(const uint16_t* gate_up, uint16_t* h, uint8_t* q_h, float* s_h, int64_t n, int64_t inner,
-                        Stream stream) {
+                        Stream stream, Fp8Rule rule) {
   const char* op = "cuda::swiglu_forward_fp8";
   check_swiglu_fp8(op, n, inner, {{"gate_up", gate_up}, {"h", h}, {"q_h", q_h}}, s_h);
   if (n == 0 || inner == 0) return;
   kernels::swiglu_forward_fp8_rows<<<swiglu_fp8_grid(op, n * (inner / 128)), 32 * kernels::kSwigluFp8Warps, 0,
-                                     stream>>>(gate_up, h, q_h, s_h, n, inner);
+                                     stream>>>(gate_up, h, q_h, s_h, n, inner, rule);
   check_launch("swiglu_forward_fp8_rows");
 }
 
 void swiglu_backward_fp8(const uint16_t* gate_up, const uint16_t* dh, uint16_t* dgate_up, uint8_t* q_dgu,
-                         float* s_dgu, int64_t n, int64_t inner, Stream stream) {
+                         float* s_dgu, int64_t n, int64_t inner, Stream stream, Fp8Rule rule) {
   const char* op = "cuda::swiglu_backward_fp8";
   check_swiglu_fp8(op, n, inner, {{"gate_up", gate_up}, {"dh", dh}, {"dgate_up", dgate_up}, {"q_dgu", q_dgu}},
                    s_dgu);
   if (n == 0 || inner == 0) return;
   kernels::swiglu_backward_fp8_rows<<<swiglu_fp8_grid(op, n * (inner / 128)), 32 * kernels::kSwigluFp8Warps, 0,
-                                      stream>>>(gate_up, dh, dgate_up, q_dgu, s_dgu, n, inner);
+                                      stream>>>(gate_up, dh, dgate_up, q_dgu, s_dgu, n, inner, rule);
   check_launch("swiglu_backward_fp8_rows");
 }
 
