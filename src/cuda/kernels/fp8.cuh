@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "core/fp8_types.h"
 #include "cuda/kernels/fp8_codes.cuh"
@@ -254,13 +255,21 @@ __global__ void __launch_bounds__(kFp8WeightThreads)
 
 // The experts' weights when n and k are multiples of 128 (whole blocks; w 16-byte, q and qt
 // 16-byte aligned): a block per 128 x 128 block, each thread's row half loaded in registers
-// (vector loads), then fp8_weight_block_codes.
-template <typename T>
+// (vector loads), then fp8_weight_block_codes, or under an MX rule (kMx) mx_weight_block_codes,
+// whose column copy reads a BF16 block from a shared tile of the loaded values and an FP32 one
+// from w again (a block just read, from L2).
+struct MxWeightWholeSmem {
+  uint16_t w[128][128 + 8];
+  Fp8BlockReduceSmem reduce;
+};
+
+template <typename T, bool kMx>
 __global__ void __launch_bounds__(kFp8WeightThreads)
     fp8_quantize_weights_whole_kernel(const T* __restrict__ w, int64_t n, int64_t k, Fp8Format f, Fp8Rule rule,
                                       uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qt,
                                       float* __restrict__ st, uint32_t* num_nonfinite) {
-  __shared__ __align__(16) Fp8WeightBlockSmem sm;
+  using Smem = std::conditional_t<kMx, MxWeightWholeSmem, Fp8WeightBlockSmem>;
+  __shared__ __align__(16) Smem sm;
   const int64_t nb = n / 128, kb = k / 128;
   const int64_t b = blockIdx.x, e = b / (nb * kb), bi = b / kb % nb, bj = b % kb;
   const int t = threadIdx.x, r = t / 2, c0 = 64 * (t % 2);
@@ -268,7 +277,19 @@ __global__ void __launch_bounds__(kFp8WeightThreads)
   float v[64];
 #pragma unroll
   for (int i = 0; i < 8; ++i) fp8_load8(w, at + 8 * i, *reinterpret_cast<float(*)[8]>(v + 8 * i));
-  fp8_weight_block_codes(v, e, bi, bj, n, k, f, rule, q, s, qt, st, num_nonfinite, sm);
+  if constexpr (!kMx) {
+    fp8_weight_block_codes(v, e, bi, bj, n, k, f, q, s, qt, st, num_nonfinite, sm);
+  } else if constexpr (std::is_same_v<T, uint16_t>) {
+#pragma unroll
+    for (int j = 0; j < 64; ++j) sm.w[r][c0 + j] = static_cast<uint16_t>(__float_as_uint(v[j]) >> 16);  // exact
+    // mx_weight_block_codes synchronises the block before any thread reads the tile.
+    mx_weight_block_codes(v, e, bi, bj, n, k, f, rule, q, s, qt, st, num_nonfinite, sm.reduce,
+                          [&](int row, int col) { return __uint_as_float(uint32_t{sm.w[row][col]} << 16); });
+  } else {
+    const T* block = w + e * n * k + bi * 128 * k + bj * 128;
+    mx_weight_block_codes(v, e, bi, bj, n, k, f, rule, q, s, qt, st, num_nonfinite, sm.reduce,
+                          [&](int row, int col) { return fp8_load(block, int64_t{row} * k + col); });
+  }
 }
 
 // out[b * ld + r] = s[r * kb + b] for r < rows, 0 for rows <= r < ld (grid-stride over kb * ld).

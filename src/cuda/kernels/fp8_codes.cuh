@@ -144,95 +144,43 @@ struct Fp8WeightBlockSmem {
   uint8_t tile[128][128 + 16];
   float max[kFp8WeightThreads / 32];
   uint32_t bad[kFp8WeightThreads / 32];
-  float col_max[kFp8WeightThreads / 32][128];  // MX rules: each warp's 16 rows' max |w| per column
 };
 
 // The codes of one whole 128 x 128 block (e, bi, bj) of weights [E, n, k] (n, k multiples of 128)
 // whose values thread t of the block's 256 holds: row t / 2 of the block, elements 64 (t % 2) ..
 // + 63, in v. The block's max |w| by shuffles and shared memory (order-free: the generic kernel's
-// scale bit for bit), its scale into s (and st, transposed), this thread's 64 codes stored as four
-// 16-byte words into q, and the block's codes for the transposed copy qt [E, k, n] (when not null)
-// through a shared tile: column t / 2 of the tile, rows 64 (t % 2) .. + 63, stored the same way.
-// Under Fp8Rule::kBlocks both copies hold the same codes fp8(w / s), s = amax / fp8_max. Under the
-// MX rules each copy is quantised along its own rows, as MXFP8 quantises a weight for the forward
-// and for the data gradient: q's codes re-block the 1 x 32 sub-blocks of w's rows, qt's those of
-// w's columns (32 rows of a column: their max |w| by shuffles across the warp's rows, then two
-// warps through shared memory), both at the block's scale 2^e_max, which is the largest
-// sub-block's either way (cpu::fp8_quantize_blocks with the rule of w and of w^T, bit for bit).
-// Every thread of the block calls it once.
+// scale bit for bit), its 64 codes stored as four 16-byte words into q and into a shared tile,
+// then column t / 2 of the tile, rows 64 (t % 2) .. + 63, stored the same way into qt (when not
+// null). Every thread of the block calls it once.
 __device__ __forceinline__ void fp8_weight_block_codes(const float (&v)[64], int64_t e, int64_t bi, int64_t bj,
-                                                       int64_t n, int64_t k, Fp8Format f, Fp8Rule rule,
-                                                       uint8_t* __restrict__ q, float* __restrict__ s,
-                                                       uint8_t* __restrict__ qt, float* __restrict__ st,
-                                                       uint32_t* num_nonfinite, Fp8WeightBlockSmem& sm) {
+                                                       int64_t n, int64_t k, Fp8Format f, uint8_t* __restrict__ q,
+                                                       float* __restrict__ s, uint8_t* __restrict__ qt,
+                                                       float* __restrict__ st, uint32_t* num_nonfinite,
+                                                       Fp8WeightBlockSmem& sm) {
   const int64_t nb = n / 128, kb = k / 128;
   const int t = threadIdx.x, r = t / 2, c0 = 64 * (t % 2);
   const int64_t at = e * n * k + (bi * 128 + r) * k + bj * 128 + c0;
-  const bool mx = rule != Fp8Rule::kBlocks;
   float local = 0.0f;
   uint32_t bad = 0;
-  float sub_max[2] = {0.0f, 0.0f};  // MX: this row's two 32-wide sub-blocks
-  if (mx) {
-#pragma unroll
-    for (int j = 0; j < 64; ++j) sub_max[j / 32] = fmaxf(sub_max[j / 32], fabsf(v[j]));
-  }
   fp8_lanes_amax<32>(v, local, bad);
   if (t % 32 == 0) sm.max[t / 32] = local, sm.bad[t / 32] = bad;
-  if (mx && qt != nullptr) {
-    // Column maxima over the warp's 16 rows: the lanes of one parity hold the same 64 columns.
-#pragma unroll
-    for (int j = 0; j < 64; ++j) {
-      float m = fabsf(v[j]);
-      for (int o = 2; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-      if (t % 32 < 2) sm.col_max[t / 32][c0 + j] = m;
-    }
-  }
   __syncthreads();
   float amax = 0.0f;
   uint32_t bad_all = 0;
 #pragma unroll
   for (int i = 0; i < kFp8WeightThreads / 32; ++i) amax = fmaxf(amax, sm.max[i]), bad_all += sm.bad[i];
-  float sc;
-  int e_max = 0;
-  if (mx) {
-    e_max = mx_exponent_of(amax, f, rule);
-    sc = ldexpf(1.0f, e_max);
-  } else {
-    sc = __fdiv_rn(amax, fp8_max_of(f));
-    if (!(sc > 0.0f)) sc = 1.0f;
-  }
+  float sc = __fdiv_rn(amax, fp8_max_of(f));
+  if (!(sc > 0.0f)) sc = 1.0f;
   if (t == 0) {
     s[(e * nb + bi) * kb + bj] = sc;
     if (st != nullptr) st[(e * kb + bj) * nb + bi] = sc;
     if (bad_all != 0 && num_nonfinite != nullptr) atomicAdd(num_nonfinite, bad_all);
   }
-  if (!mx) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint4 packed = pack16([&](int x) { return fp8_encode_dev(__fdiv_rn(v[16 * i + x], sc), f); });
-      *reinterpret_cast<uint4*>(q + at + 16 * i) = packed;
-      *reinterpret_cast<uint4*>(&sm.tile[r][c0 + 16 * i]) = packed;
-    }
-  } else {
-    const int e_row[2] = {mx_exponent_of(sub_max[0], f, rule), mx_exponent_of(sub_max[1], f, rule)};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      *reinterpret_cast<uint4*>(q + at + 16 * i) =
-          pack16([&](int x) { return mx_reblocked_code(v[16 * i + x], e_row[i / 2], e_max, f); });
-    }
-    if (qt != nullptr) {
-      // The column copy's codes of this thread's elements, in place in the tile: rows 32g .. 32g + 31
-      // of a column are warps 2g and 2g + 1.
-      const int g = r / 32;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        *reinterpret_cast<uint4*>(&sm.tile[r][c0 + 16 * i]) = pack16([&](int x) {
-          const int c = c0 + 16 * i + x;
-          const int e_col = mx_exponent_of(fmaxf(sm.col_max[2 * g][c], sm.col_max[2 * g + 1][c]), f, rule);
-          return mx_reblocked_code(v[16 * i + x], e_col, e_max, f);
-        });
-      }
-    }
+  for (int i = 0; i < 4; ++i) {
+    const uint4 packed = pack16([&](int x) { return fp8_encode_dev(__fdiv_rn(v[16 * i + x], sc), f); });
+    *reinterpret_cast<uint4*>(q + at + 16 * i) = packed;
+    *reinterpret_cast<uint4*>(&sm.tile[r][c0 + 16 * i]) = packed;
   }
   if (qt == nullptr) return;
   __syncthreads();
@@ -242,6 +190,68 @@ __device__ __forceinline__ void fp8_weight_block_codes(const float (&v)[64], int
   for (int i = 0; i < 4; ++i) {
     *reinterpret_cast<uint4*>(qt + at_t + 16 * i) = pack16([&](int x) { return sm.tile[c0 + 16 * i + x][r]; });
   }
+}
+
+// The block's max |w| and non-finite count of mx_weight_block_codes, through shared memory.
+struct Fp8BlockReduceSmem {
+  float max[kFp8WeightThreads / 32];
+  uint32_t bad[kFp8WeightThreads / 32];
+};
+
+// The MX rules' codes of one whole 128 x 128 block (e, bi, bj) of weights [E, n, k] (n, k
+// multiples of 128): each copy quantised along its own rows, as MXFP8 quantises a weight for the
+// forward and for the data gradient. Thread t of the block's 256 holds row t / 2 of the block,
+// elements 64 (t % 2) .. + 63, in v: its two 1 x 32 sub-blocks' codes re-blocked into q at the
+// block's scale 2^e_max (the largest sub-block's, that of the block's max |w| by shuffles and
+// shared memory, order-free), which goes to s and, transposed, st. For the transposed copy qt [E,
+// k, n] (when not null) the same thread takes column t / 2 of the block, rows 64 (t % 2) .. + 63,
+// read through column_value(row, col) (the block's values, e.g. from a shared tile the caller has
+// filled and synchronised): that column's two 32-row sub-blocks re-blocked at the same scale, 64
+// codes stored as four 16-byte words into row bj * 128 + t / 2 of qt[e]. cpu::fp8_quantize_weights
+// with the rule, bit for bit. Every thread of the block calls it once.
+template <typename ColumnValue>
+__device__ __forceinline__ void mx_weight_block_codes(const float (&v)[64], int64_t e, int64_t bi, int64_t bj,
+                                                      int64_t n, int64_t k, Fp8Format f, Fp8Rule rule,
+                                                      uint8_t* __restrict__ q, float* __restrict__ s,
+                                                      uint8_t* __restrict__ qt, float* __restrict__ st,
+                                                      uint32_t* num_nonfinite, Fp8BlockReduceSmem& sm,
+                                                      ColumnValue&& column_value) {
+  const int64_t nb = n / 128, kb = k / 128;
+  const int t = threadIdx.x, r = t / 2, c0 = 64 * (t % 2);
+  float local = 0.0f;
+  uint32_t bad = 0;
+  fp8_lanes_amax<32>(v, local, bad);
+  if (t % 32 == 0) sm.max[t / 32] = local, sm.bad[t / 32] = bad;
+  __syncthreads();
+  float amax = 0.0f;
+  uint32_t bad_all = 0;
+#pragma unroll
+  for (int i = 0; i < kFp8WeightThreads / 32; ++i) amax = fmaxf(amax, sm.max[i]), bad_all += sm.bad[i];
+  const int e_max = mx_exponent_of(amax, f, rule);  // the largest sub-block's: the rule is monotone
+  if (t == 0) {
+    const float sc = ldexpf(1.0f, e_max);
+    s[(e * nb + bi) * kb + bj] = sc;
+    if (st != nullptr) st[(e * kb + bj) * nb + bi] = sc;
+    if (bad_all != 0 && num_nonfinite != nullptr) atomicAdd(num_nonfinite, bad_all);
+  }
+  // The codes of 64 values x (two sub-blocks of 32) as four 16-byte words at out.
+  const auto store = [&](const float (&x)[64], uint8_t* out) {
+    float m0 = 0.0f, m1 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) m0 = fmaxf(m0, fabsf(x[j])), m1 = fmaxf(m1, fabsf(x[32 + j]));
+    const int e0 = mx_exponent_of(m0, f, rule), e1 = mx_exponent_of(m1, f, rule);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      *reinterpret_cast<uint4*>(out + 16 * i) =
+          pack16([&](int j) { return mx_reblocked_code(x[16 * i + j], i < 2 ? e0 : e1, e_max, f); });
+    }
+  };
+  store(v, q + e * n * k + (bi * 128 + r) * k + bj * 128 + c0);
+  if (qt == nullptr) return;
+  float col[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) col[i] = column_value(c0 + i, r);
+  store(col, qt + e * n * k + (bj * 128 + r) * n + bi * 128 + c0);
 }
 
 }  // namespace moe::cuda::kernels

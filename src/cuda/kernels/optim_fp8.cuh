@@ -2,6 +2,8 @@
 // weight cast after the optimizer step, without a second pass that reads the BF16 copy back.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/kernels/fp8_codes.cuh"
 #include "cuda/kernels/optim.cuh"
 
@@ -13,6 +15,11 @@ union AdamWFp8WeightSmem {
   uint16_t w[128][128 + 8];
   Fp8WeightBlockSmem codes;
 };
+// Under an MX rule the tile stays: the column copy's codes read its columns.
+struct AdamWMxWeightSmem {
+  uint16_t w[128][128 + 8];
+  Fp8BlockReduceSmem reduce;
+};
 
 // Weights [E, n, k] (n, k multiples of 128) at flat offset `offset` of p / g / p_bf16, moments at
 // offset + shift of m / v (offset and shift multiples of 4, every FP32 buffer 16-byte aligned,
@@ -22,8 +29,10 @@ union AdamWFp8WeightSmem {
 //   adamw_update_segments, bit for bit: p, m, v and the BF16 copy stored), the BF16 values into a
 //   shared tile;
 // - the codes: thread t reads row t / 2, elements 64 (t % 2) .. + 63 of the tile and hands them to
-//   fp8_weight_block_codes (the quantiser's codes of that BF16 copy, bit for bit).
+//   fp8_weight_block_codes (the quantiser's codes of that BF16 copy, bit for bit), or under an MX
+//   rule (kMx) to mx_weight_block_codes, the column copy read from the tile's columns.
 // Nothing is written when the step is skipped or (deferred) nothing is pending.
+template <bool kMx>
 __global__ void __launch_bounds__(kFp8WeightThreads)
     adamw_update_fp8_weights(int64_t offset, int64_t shift, int64_t n, int64_t k, bool decay_on,
                              float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
@@ -33,7 +42,7 @@ __global__ void __launch_bounds__(kFp8WeightThreads)
                              AdamWConstants c, bool deferred) {
   static_assert(kFp8WeightThreads == 256, "eight warps, each a row of the block per step");
   if (sc->skipped != 0 || (deferred && sc->pending == 0)) return;
-  __shared__ __align__(16) AdamWFp8WeightSmem sm;
+  __shared__ __align__(16) std::conditional_t<kMx, AdamWMxWeightSmem, AdamWFp8WeightSmem> sm;
   const AdamWCoefficients coef{sc->step_size, sc->inv_sqrt_bc2, sc->decay, sc->grad_scale};
   const float decay = decay_on ? coef.decay : 1.0f;
   const int64_t nb = n / 128, kb = k / 128;
@@ -62,8 +71,13 @@ __global__ void __launch_bounds__(kFp8WeightThreads)
       w16[8 * i + 2 * h + 1] = bf16_bits_to_f32(uint16_t(words[h] >> 16));
     }
   }
-  __syncthreads();  // every thread holds its values before the quantiser's shared memory overlays the tile
-  fp8_weight_block_codes(w16, e, bi, bj, n, k, f, rule, q, s, qt, st, num_nonfinite, sm.codes);
+  if constexpr (kMx) {
+    mx_weight_block_codes(w16, e, bi, bj, n, k, f, rule, q, s, qt, st, num_nonfinite, sm.reduce,
+                          [&](int row, int col) { return bf16_bits_to_f32(sm.w[row][col]); });
+  } else {
+    __syncthreads();  // every thread holds its values before the quantiser's shared memory overlays the tile
+    fp8_weight_block_codes(w16, e, bi, bj, n, k, f, q, s, qt, st, num_nonfinite, sm.codes);
+  }
 }
 
 }  // namespace moe::cuda::kernels

@@ -90,9 +90,15 @@ void quantize_weights(const char* op, const T* w, int64_t experts, int64_t n, in
             "multiples of 128, w, q and qt 16-byte aligned); got n ", n, ", k ", k);
   if (whole) {
     // Whole blocks: vector loads and stores (the same codes and scales as the generic kernel).
-    kernels::fp8_quantize_weights_whole_kernel<T>
-        <<<static_cast<unsigned>(grid), kernels::kFp8WeightThreads, 0, stream>>>(w, n, k, f, rule, q, s, qt, st,
-                                                                                 num_nonfinite);
+    if (rule == Fp8Rule::kBlocks) {
+      kernels::fp8_quantize_weights_whole_kernel<T, false>
+          <<<static_cast<unsigned>(grid), kernels::kFp8WeightThreads, 0, stream>>>(w, n, k, f, rule, q, s, qt, st,
+                                                                                   num_nonfinite);
+    } else {
+      kernels::fp8_quantize_weights_whole_kernel<T, true>
+          <<<static_cast<unsigned>(grid), kernels::kFp8WeightThreads, 0, stream>>>(w, n, k, f, rule, q, s, qt, st,
+                                                                                   num_nonfinite);
+    }
     check_launch("fp8_quantize_weights_whole_kernel");
     return;
   }

@@ -287,7 +287,9 @@ void adamw_apply_fp8_weights(const ParamSegment& segment, int64_t experts, int64
   if (params_bf16 != nullptr) detail::check_ptrs(op, {{"params_bf16", params_bf16}}, 8);
   const int64_t blocks = experts * (n / 128) * (k / 128);
   MOE_CHECK(blocks <= detail::kMaxGridX, op, ": ", blocks, " weight blocks exceed one launch's ", detail::kMaxGridX);
-  kernels::adamw_update_fp8_weights<<<static_cast<unsigned>(blocks), kernels::kFp8WeightThreads, 0, stream>>>(
+  const auto kernel =
+      rule == Fp8Rule::kBlocks ? kernels::adamw_update_fp8_weights<false> : kernels::adamw_update_fp8_weights<true>;
+  kernel<<<static_cast<unsigned>(blocks), kernels::kFp8WeightThreads, 0, stream>>>(
       segment.offset, state - segment.offset, n, k, segment.decay != 0, params, grads, exp_avg, exp_avg_sq,
       params_bf16, f, rule, q, s, qt, st, num_nonfinite, scalars, adamw_constants(cfg), deferred);
   check_launch("adamw_update_fp8_weights");
