@@ -38,14 +38,21 @@ __device__ __forceinline__ int mx_exponent_of(float amax, Fp8Format f, Fp8Rule r
   return mx_scale_exponent_dev(isfinite(amax) ? amax : 0.0f, f, mx_rule_of(rule));
 }
 
+// 2^k in FP32, exactly, for k <= 127 (a subnormal from -127 to -149; 0 below): a product with it is
+// ldexpf's, one correctly rounded multiplication instead of a library call.
+__device__ __forceinline__ float exp2_exact(int k) {
+  return k >= -126 ? __int_as_float((k + 127) << 23) : k >= -149 ? __int_as_float(1 << (k + 149)) : 0.0f;
+}
+
 // x's MX code in a sub-block of scale 2^e_sub, re-encoded at its block's scale 2^e_max (e_max >=
 // e_sub): cpu::mx_to_blocks of cpu::mx_quantize, bit for bit. x / 2^e_sub is exact in FP32 (up to
-// underflow below its subnormals); so is the decoded code times 2^(e_sub - e_max) wherever the
-// result can be a nonzero code.
+// underflow below its subnormals); so is the decoded code (at most 448 or 57344) times
+// 2^(e_sub - e_max) wherever the result can be a nonzero code (a factor below 2^-149, taken as 0,
+// gives the signed zero code that the exact product encodes to).
 __device__ __forceinline__ uint8_t mx_reblocked_code(float x, int e_sub, int e_max, Fp8Format f) {
-  const uint8_t code = fp8_encode_dev(ldexpf(x, -e_sub), f);
+  const uint8_t code = fp8_encode_dev(x * exp2_exact(-e_sub), f);
   if (e_sub == e_max) return code;
-  return fp8_encode_dev(ldexpf(fp8_decode_dev(code, f), e_sub - e_max), f);
+  return fp8_encode_dev(fp8_decode_dev(code, f) * exp2_exact(e_sub - e_max), f);
 }
 
 // max |x| (local) and the count of non-finite elements (bad) over the N values of each of kLanes
