@@ -114,7 +114,8 @@ TEST(Fp8MxRule, RowQuantisersMatchCpuBitwise) {
         const int64_t ldq = cols + 256;
         GuardedBuffer<uint8_t> wide(std::vector<uint8_t>(size_t(rows * ldq), 0x5a));
         GuardedBuffer<float> ws(nb);
-        cuda::fp8_quantize_rows_into(dx.data(), rows, cols, ldq, f, wide.data(), ws.data(), nullptr, stream.get(), rule);
+        cuda::fp8_quantize_rows_into(dx.data(), rows, cols, ldq, f, wide.data(), ws.data(), nullptr, stream.get(),
+                                     rule);
         const int64_t per = cuda::fp8_row_payload_bytes(cols);
         GuardedBuffer<uint8_t> payload(rows * per);
         cuda::fp8_pack_rows(dx.data(), rows, cols, f, payload.data(), nullptr, stream.get(), 0, rule);

@@ -180,10 +180,15 @@ __device__ __forceinline__ void fp8_load8<uint16_t>(const uint16_t* x, int64_t a
   }
 }
 
-template <typename T>
+// kMx: compiled for the MX rules (rule one of them), else for the block recipe (rule ignored), so
+// that the block recipe's machine code carries none of the MX path. So for every kernel that writes
+// codes through fp8_quantize_half_warp_block.
+template <typename T, bool kMx>
 __global__ void __launch_bounds__(32 * kFp8RowWarps)
     fp8_quantize_rows128_kernel(const T* __restrict__ x, int64_t blocks, int64_t per_row, int64_t ldq, Fp8Format f,
-                                Fp8Rule rule, uint8_t* __restrict__ q, float* __restrict__ scales, uint32_t* num_nonfinite) {
+                                Fp8Rule rule, uint8_t* __restrict__ q, float* __restrict__ scales,
+                                uint32_t* num_nonfinite) {
+  if constexpr (!kMx) rule = Fp8Rule::kBlocks;
   const int lane = threadIdx.x % 32, half = lane / 16, sub = lane % 16;
   const int64_t first = int64_t{blockIdx.x} * kFp8RowBlocksPerCta + (threadIdx.x / 32) * 2 * kFp8RowUnroll + half;
   float v[kFp8RowUnroll][8];
@@ -406,9 +411,11 @@ __global__ void __launch_bounds__(kFp8ColumnThreads)
 // scales (cpu::fp8_pack_rows). A half-warp per 1 x 128 block (fp8_half_warp_block_codes, the row
 // quantiser's codes and scales bit for bit); codes stored as two 4-byte words (a payload row is
 // 4-byte aligned). Grid-stride over the blocks, kFp8RowUnroll a half-warp per step.
+template <bool kMx>
 __global__ void __launch_bounds__(32 * kFp8RowWarps)
     fp8_pack_rows_kernel(const uint16_t* __restrict__ x, int64_t blocks, int64_t per_row, int64_t cols, int64_t per,
                          Fp8Format f, Fp8Rule rule, uint8_t* __restrict__ payload, uint32_t* num_nonfinite) {
+  if constexpr (!kMx) rule = Fp8Rule::kBlocks;
   const int lane = threadIdx.x % 32, half = lane / 16, sub = lane % 16;
   const int64_t first = int64_t{blockIdx.x} * kFp8RowBlocksPerCta + (threadIdx.x / 32) * 2 * kFp8RowUnroll + half;
 #pragma unroll

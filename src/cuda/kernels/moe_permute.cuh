@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
 // producer) can quantise each 128-column block by a half-warp as it stores it: q [R, d] codes and
 // scales [R, d / 128] of the stored BF16 values, a row without a route as codes 0 with scale 1.
 // dtopk_w sums in the same order either way.
-template <int kVec, bool kFp8 = false>
+template <int kVec, bool kFp8 = false, bool kMx = false>  // kMx: the MX rules (else rule is ignored)
 __global__ void __launch_bounds__(kPermuteThreads)
     unpermute_backward_warp_per_route(const uint16_t* dout, const uint16_t* y_sorted,
                                       const int32_t* sorted_route, const int32_t* route_to_row,
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
   // Quantises the pack v of row r (its 8 stored values; every lane calls it, the shuffles).
   [[maybe_unused]] const auto quantise = [&](const float (&v)[8], bool valid, int64_t r, int64_t pack) {
     if constexpr (kFp8) {
-      fp8_quantize_half_warp_block(v, valid, Fp8Format::kE4M3, rule, q + r * s.d + pack * 8,
+      fp8_quantize_half_warp_block(v, valid, Fp8Format::kE4M3, kMx ? rule : Fp8Rule::kBlocks, q + r * s.d + pack * 8,
                                    scales + r * per_row + pack / 16, nullptr);
     }
   };
@@ -165,10 +165,12 @@ __global__ void __launch_bounds__(kPermuteThreads)
 // lane of a warp runs the same iterations (the block's amax is a shuffle within the half).
 constexpr int64_t kPermuteFp8BlocksPerCta = 2 * (kPermuteThreads / 32);
 
+template <bool kMx>  // compiled for the MX rules, or for the block recipe (rule ignored)
 __global__ void __launch_bounds__(kPermuteThreads)
     permute_gather_rows_fp8(const uint16_t* __restrict__ x, const int32_t* __restrict__ sorted_route, RowShape s,
                             uint16_t* __restrict__ x_sorted, uint8_t* __restrict__ q, float* __restrict__ scales,
                             Fp8Rule rule) {
+  if constexpr (!kMx) rule = Fp8Rule::kBlocks;
   const int64_t per_row = s.d / 128, blocks = s.routes * per_row;
   const int sub = threadIdx.x % 16;
   for (int64_t b0 = int64_t{blockIdx.x} * kPermuteFp8BlocksPerCta; b0 < blocks;

@@ -62,10 +62,12 @@ __global__ void rmsnorm_forward_warp_per_row(const uint16_t* __restrict__ x, con
 // half-warp, lane l of a half holding its block's elements 8 l .. 8 l + 7, as the quantiser's
 // half-warp path holds them: the codes q [n, d] (E4M3) and scales s [n, d / 128] of
 // fp8_quantize_blocks on y by the rule, bit for bit, from the BF16-rounded values it stores.
+template <bool kMx>  // compiled for the MX rules, or for the block recipe (rule ignored)
 __global__ void rmsnorm_forward_fp8_warp_per_row(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                                                  uint16_t* __restrict__ y, float* __restrict__ rstd,
                                                  uint8_t* __restrict__ q, float* __restrict__ s, int64_t n,
                                                  int64_t d, float eps, Fp8Rule rule) {
+  if constexpr (!kMx) rule = Fp8Rule::kBlocks;
   constexpr int V = kVecBf16;
   rmsnorm_forward_rows<V>(x, rstd, n, d, eps, [&](int64_t row, float r, int lane) {
     const uint16_t* x_row = x + row * d;

@@ -16,9 +16,12 @@ constexpr int kSwigluFp8Warps = 8;
 constexpr int64_t kSwigluFp8BlocksPerCta = 2 * kSwigluFp8Warps;
 
 // h [n, inner] = silu(gate) * up, and its codes q_h [n, inner] with scales s_h [n, inner / 128].
+// kMx (both kernels): compiled for the MX rules, or for the block recipe (rule ignored).
+template <bool kMx>
 __global__ void __launch_bounds__(32 * kSwigluFp8Warps)
     swiglu_forward_fp8_rows(const uint16_t* __restrict__ gate_up, uint16_t* __restrict__ h, uint8_t* __restrict__ q_h,
                             float* __restrict__ s_h, int64_t n, int64_t inner, Fp8Rule rule) {
+  if constexpr (!kMx) rule = Fp8Rule::kBlocks;
   const int64_t per_row = inner / 128, blocks = n * per_row;
   const int sub = threadIdx.x % 16;
   const int64_t b = int64_t{blockIdx.x} * kSwigluFp8BlocksPerCta + threadIdx.x / 16;
@@ -39,10 +42,12 @@ __global__ void __launch_bounds__(32 * kSwigluFp8Warps)
 
 // dgate_up [n, 2 inner] from dh, and its codes q_dgu [n, 2 inner] with scales s_dgu [n, 2 inner / 128]
 // (the gate half's blocks first, then the up half's, as fp8_quantize_blocks lays out the row).
+template <bool kMx>
 __global__ void __launch_bounds__(32 * kSwigluFp8Warps)
     swiglu_backward_fp8_rows(const uint16_t* __restrict__ gate_up, const uint16_t* __restrict__ dh,
                              uint16_t* __restrict__ dgate_up, uint8_t* __restrict__ q_dgu, float* __restrict__ s_dgu,
                              int64_t n, int64_t inner, Fp8Rule rule) {
+  if constexpr (!kMx) rule = Fp8Rule::kBlocks;
   const int64_t per_row = inner / 128, blocks = n * per_row;
   const int sub = threadIdx.x % 16;
   const int64_t b = int64_t{blockIdx.x} * kSwigluFp8BlocksPerCta + threadIdx.x / 16;

@@ -44,8 +44,10 @@ void quantize_blocks(const char* op, const T* x, int64_t rows, int64_t cols, Fp8
     const int64_t blocks = rows * (cols / 128);
     const int64_t grid = (blocks + kernels::kFp8RowBlocksPerCta - 1) / kernels::kFp8RowBlocksPerCta;
     MOE_CHECK(grid < kMaxGrid, op, ": ", blocks, " scaling blocks exceed one launch's grid");
-    kernels::fp8_quantize_rows128_kernel<T><<<static_cast<unsigned>(grid), 32 * kernels::kFp8RowWarps, 0, stream>>>(
-        x, blocks, cols / 128, cols, f, rule, q, scales, num_nonfinite);
+    const auto kernel = rule == Fp8Rule::kBlocks ? kernels::fp8_quantize_rows128_kernel<T, false>
+                                                 : kernels::fp8_quantize_rows128_kernel<T, true>;
+    kernel<<<static_cast<unsigned>(grid), 32 * kernels::kFp8RowWarps, 0, stream>>>(x, blocks, cols / 128, cols, f, rule,
+                                                                                  q, scales, num_nonfinite);
     check_launch("fp8_quantize_rows128_kernel");
     return;
   }
@@ -133,9 +135,10 @@ void fp8_quantize_rows_into(const uint16_t* x_bf16, int64_t rows, int64_t cols, 
   const int64_t blocks = rows * (cols / 128);
   const int64_t grid = (blocks + kernels::kFp8RowBlocksPerCta - 1) / kernels::kFp8RowBlocksPerCta;
   MOE_CHECK(grid < kMaxGrid, op, ": ", blocks, " scaling blocks exceed one launch's grid");
-  kernels::fp8_quantize_rows128_kernel<uint16_t>
-      <<<static_cast<unsigned>(grid), 32 * kernels::kFp8RowWarps, 0, stream>>>(x_bf16, blocks, cols / 128, ldq, f,
-                                                                              rule, q, scales, num_nonfinite);
+  const auto kernel = rule == Fp8Rule::kBlocks ? kernels::fp8_quantize_rows128_kernel<uint16_t, false>
+                                               : kernels::fp8_quantize_rows128_kernel<uint16_t, true>;
+  kernel<<<static_cast<unsigned>(grid), 32 * kernels::kFp8RowWarps, 0, stream>>>(x_bf16, blocks, cols / 128, ldq, f,
+                                                                                rule, q, scales, num_nonfinite);
   check_launch("fp8_quantize_rows128_kernel");
 }
 
@@ -286,8 +289,10 @@ void fp8_pack_rows(const uint16_t* x_bf16, int64_t rows, int64_t cols, Fp8Format
   const int64_t blocks = rows * (cols / 128);
   const int64_t grid = (blocks + kernels::kFp8RowBlocksPerCta - 1) / kernels::kFp8RowBlocksPerCta;
   MOE_CHECK(grid <= kMaxGrid, op, ": ", rows, " rows of ", cols, " exceed one launch");
-  kernels::fp8_pack_rows_kernel<<<static_cast<unsigned>(grid), 32 * kernels::kFp8RowWarps, 0, stream>>>(
-      x_bf16, blocks, cols / 128, cols, per, f, rule, payload, num_nonfinite);
+  const auto kernel =
+      rule == Fp8Rule::kBlocks ? kernels::fp8_pack_rows_kernel<false> : kernels::fp8_pack_rows_kernel<true>;
+  kernel<<<static_cast<unsigned>(grid), 32 * kernels::kFp8RowWarps, 0, stream>>>(x_bf16, blocks, cols / 128, cols,
+                                                                                per, f, rule, payload, num_nonfinite);
   check_launch("fp8_pack_rows_kernel");
 }
 

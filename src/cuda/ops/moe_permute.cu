@@ -138,8 +138,10 @@ void permute_forward_fp8(const uint16_t* x, const int32_t* sorted_route, int64_t
   detail::check_ptrs(kOp, {{"q", q}}, 8);
   detail::check_ptrs(kOp, {{"sorted_route", sorted_route}, {"scales", scales}}, 4);
   const int64_t blocks = s.routes * (d / 128);
-  kernels::permute_gather_rows_fp8<<<blocks_for(blocks, kernels::kPermuteFp8BlocksPerCta), kPermuteThreads, 0,
-                                     stream>>>(x, sorted_route, s, x_sorted, q, scales, rule);
+  const auto kernel =
+      rule == Fp8Rule::kBlocks ? kernels::permute_gather_rows_fp8<false> : kernels::permute_gather_rows_fp8<true>;
+  kernel<<<blocks_for(blocks, kernels::kPermuteFp8BlocksPerCta), kPermuteThreads, 0, stream>>>(
+      x, sorted_route, s, x_sorted, q, scales, rule);
   check_launch("permute_gather_rows_fp8");
 }
 
@@ -156,9 +158,10 @@ void unpermute_backward_fp8(const uint16_t* dout, const uint16_t* y_sorted, cons
                      {{"sorted_route", sorted_route}, {"route_to_row", route_to_row}, {"topk_w", topk_w},
                       {"dtopk_w", dtopk_w}, {"scales", scales}},
                      4);
-  kernels::unpermute_backward_warp_per_route<kVecBf16, true>
-      <<<blocks_for(s.routes, kPermuteThreads / 32), kPermuteThreads, 0, stream>>>(
-          dout, y_sorted, sorted_route, route_to_row, topk_w, s, dy_sorted, dtopk_w, q, scales, rule);
+  const auto kernel = rule == Fp8Rule::kBlocks ? kernels::unpermute_backward_warp_per_route<kVecBf16, true, false>
+                                               : kernels::unpermute_backward_warp_per_route<kVecBf16, true, true>;
+  kernel<<<blocks_for(s.routes, kPermuteThreads / 32), kPermuteThreads, 0, stream>>>(
+      dout, y_sorted, sorted_route, route_to_row, topk_w, s, dy_sorted, dtopk_w, q, scales, rule);
   check_launch("unpermute_backward_warp_per_route (fp8)");
 }
 

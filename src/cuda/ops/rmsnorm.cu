@@ -93,8 +93,10 @@ void rmsnorm_forward_fp8(const uint16_t* x, const uint16_t* w, uint16_t* y, floa
   detail::check_ptrs(op, {{"rstd", rstd}, {"scales", scales}}, 4);
   MOE_CHECK(rmsnorm_forward_fp8_fuses(x, w, y, q, d), op, ": expected d a multiple of 128 (got ", d,
             "), x, w, y 16-byte and q 8-byte aligned (rmsnorm_forward_fp8_fuses)");
-  kernels::rmsnorm_forward_fp8_warp_per_row<<<forward_blocks(n), kForwardWarpsPerBlock * kernels::kWarpSize, 0,
-                                              stream>>>(x, w, y, rstd, q, scales, n, d, static_cast<float>(eps), rule);
+  const auto kernel = rule == Fp8Rule::kBlocks ? kernels::rmsnorm_forward_fp8_warp_per_row<false>
+                                               : kernels::rmsnorm_forward_fp8_warp_per_row<true>;
+  kernel<<<forward_blocks(n), kForwardWarpsPerBlock * kernels::kWarpSize, 0, stream>>>(
+      x, w, y, rstd, q, scales, n, d, static_cast<float>(eps), rule);
   check_launch("rmsnorm_forward_fp8_warp_per_row");
 }
 

@@ -83,8 +83,10 @@ void swiglu_forward_fp8(const uint16_t* gate_up, uint16_t* h, uint8_t* q_h, floa
   const char* op = "cuda::swiglu_forward_fp8";
   check_swiglu_fp8(op, n, inner, {{"gate_up", gate_up}, {"h", h}, {"q_h", q_h}}, s_h);
   if (n == 0 || inner == 0) return;
-  kernels::swiglu_forward_fp8_rows<<<swiglu_fp8_grid(op, n * (inner / 128)), 32 * kernels::kSwigluFp8Warps, 0,
-                                     stream>>>(gate_up, h, q_h, s_h, n, inner, rule);
+  const auto kernel =
+      rule == Fp8Rule::kBlocks ? kernels::swiglu_forward_fp8_rows<false> : kernels::swiglu_forward_fp8_rows<true>;
+  kernel<<<swiglu_fp8_grid(op, n * (inner / 128)), 32 * kernels::kSwigluFp8Warps, 0, stream>>>(gate_up, h, q_h, s_h,
+                                                                                               n, inner, rule);
   check_launch("swiglu_forward_fp8_rows");
 }
 
@@ -94,8 +96,10 @@ void swiglu_backward_fp8(const uint16_t* gate_up, const uint16_t* dh, uint16_t* 
   check_swiglu_fp8(op, n, inner, {{"gate_up", gate_up}, {"dh", dh}, {"dgate_up", dgate_up}, {"q_dgu", q_dgu}},
                    s_dgu);
   if (n == 0 || inner == 0) return;
-  kernels::swiglu_backward_fp8_rows<<<swiglu_fp8_grid(op, n * (inner / 128)), 32 * kernels::kSwigluFp8Warps, 0,
-                                      stream>>>(gate_up, dh, dgate_up, q_dgu, s_dgu, n, inner, rule);
+  const auto kernel =
+      rule == Fp8Rule::kBlocks ? kernels::swiglu_backward_fp8_rows<false> : kernels::swiglu_backward_fp8_rows<true>;
+  kernel<<<swiglu_fp8_grid(op, n * (inner / 128)), 32 * kernels::kSwigluFp8Warps, 0, stream>>>(
+      gate_up, dh, dgate_up, q_dgu, s_dgu, n, inner, rule);
   check_launch("swiglu_backward_fp8_rows");
 }
 
