@@ -44,15 +44,25 @@ __device__ __forceinline__ float exp2_exact(int k) {
   return k >= -126 ? __int_as_float((k + 127) << 23) : k >= -149 ? __int_as_float(1 << (k + 149)) : 0.0f;
 }
 
-// x's MX code in a sub-block of scale 2^e_sub, re-encoded at its block's scale 2^e_max (e_max >=
-// e_sub): cpu::mx_to_blocks of cpu::mx_quantize, bit for bit. x / 2^e_sub is exact in FP32 (up to
-// underflow below its subnormals); so is the decoded code (at most 448 or 57344) times
-// 2^(e_sub - e_max) wherever the result can be a nonzero code (a factor below 2^-149, taken as 0,
-// gives the signed zero code that the exact product encodes to).
-__device__ __forceinline__ uint8_t mx_reblocked_code(float x, int e_sub, int e_max, Fp8Format f) {
-  const uint8_t code = fp8_encode_dev(x * exp2_exact(-e_sub), f);
-  if (e_sub == e_max) return code;
-  return fp8_encode_dev(fp8_decode_dev(code, f) * exp2_exact(e_sub - e_max), f);
+// The factors that re-block one MX sub-block of scale 2^e_sub at its block's scale 2^e_max
+// (e_max >= e_sub), computed once per sub-block: 2^-e_sub and 2^(e_sub - e_max).
+struct MxReblock {
+  float to_sub, to_block;
+  bool same;  // e_sub == e_max: the MX code is the block's
+};
+__device__ __forceinline__ MxReblock mx_reblock(int e_sub, int e_max) {
+  return {exp2_exact(-e_sub), exp2_exact(e_sub - e_max), e_sub == e_max};
+}
+
+// x's MX code in its sub-block, re-encoded at its block's scale: cpu::mx_to_blocks of
+// cpu::mx_quantize, bit for bit. x / 2^e_sub is exact in FP32 (up to underflow below its
+// subnormals); so is the decoded code (at most 448 or 57344) times 2^(e_sub - e_max) wherever the
+// result can be a nonzero code (a factor below 2^-149, taken as 0, gives the signed zero code that
+// the exact product encodes to).
+__device__ __forceinline__ uint8_t mx_reblocked_code(float x, const MxReblock& r, Fp8Format f) {
+  const uint8_t code = fp8_encode_dev(x * r.to_sub, f);
+  if (r.same) return code;
+  return fp8_encode_dev(fp8_decode_dev(code, f) * r.to_block, f);
 }
 
 // max |x| (local) and the count of non-finite elements (bad) over the N values of each of kLanes
@@ -110,10 +120,11 @@ __device__ __forceinline__ uint2 fp8_half_warp_block_codes(const float (&v)[8], 
   } else {
     const int e_max = mx_exponent_of(local, f, rule);  // the largest sub-block's: the rule is monotone
     s = ldexpf(1.0f, e_max);
+    const MxReblock rb = mx_reblock(e_sub, e_max);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      lo |= uint32_t{mx_reblocked_code(v[j], e_sub, e_max, f)} << (8 * j);
-      hi |= uint32_t{mx_reblocked_code(v[j + 4], e_sub, e_max, f)} << (8 * j);
+      lo |= uint32_t{mx_reblocked_code(v[j], rb, f)} << (8 * j);
+      hi |= uint32_t{mx_reblocked_code(v[j + 4], rb, f)} << (8 * j);
     }
   }
   return make_uint2(lo, hi);
@@ -246,11 +257,12 @@ __device__ __forceinline__ void mx_weight_block_codes(const float (&v)[64], int6
     float m0 = 0.0f, m1 = 0.0f;
 #pragma unroll
     for (int j = 0; j < 32; ++j) m0 = fmaxf(m0, fabsf(x[j])), m1 = fmaxf(m1, fabsf(x[32 + j]));
-    const int e0 = mx_exponent_of(m0, f, rule), e1 = mx_exponent_of(m1, f, rule);
+    const MxReblock r0 = mx_reblock(mx_exponent_of(m0, f, rule), e_max);
+    const MxReblock r1 = mx_reblock(mx_exponent_of(m1, f, rule), e_max);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       *reinterpret_cast<uint4*>(out + 16 * i) =
-          pack16([&](int j) { return mx_reblocked_code(x[16 * i + j], i < 2 ? e0 : e1, e_max, f); });
+          pack16([&](int j) { return mx_reblocked_code(x[16 * i + j], i < 2 ? r0 : r1, f); });
     }
   };
   store(v, q + e * n * k + (bi * 128 + r) * k + bj * 128 + c0);
