@@ -157,11 +157,36 @@ __device__ __forceinline__ uint4 pack16(F&& byte_at) {
   return make_uint4(word[0], word[1], word[2], word[3]);
 }
 
+// The max |w| and non-finite count of a whole 128 x 128 weight block, through shared memory
+// (fp8_weight_block_amax).
+struct Fp8BlockReduceSmem {
+  float max[kFp8WeightThreads / 32];
+  uint32_t bad[kFp8WeightThreads / 32];
+};
+
+// The block's max |w| (returned to every thread) and its count of non-finite elements (bad_all)
+// over thread t's 64 values v, by shuffles within each warp and the warps' results through
+// shared memory (order-free, so the scale is the generic kernel's bit for bit). Every thread of
+// the block calls it; it synchronises the block.
+__device__ __forceinline__ float fp8_weight_block_amax(const float (&v)[64], Fp8BlockReduceSmem& sm,
+                                                       uint32_t& bad_all) {
+  const int t = threadIdx.x;
+  float local = 0.0f;
+  uint32_t bad = 0;
+  fp8_lanes_amax<32>(v, local, bad);
+  if (t % 32 == 0) sm.max[t / 32] = local, sm.bad[t / 32] = bad;
+  __syncthreads();
+  float amax = 0.0f;
+  bad_all = 0;
+#pragma unroll
+  for (int i = 0; i < kFp8WeightThreads / 32; ++i) amax = fmaxf(amax, sm.max[i]), bad_all += sm.bad[i];
+  return amax;
+}
+
 // Shared memory of one whole 128 x 128 weight block's quantisation (fp8_weight_block_codes).
 struct Fp8WeightBlockSmem {
   uint8_t tile[128][128 + 16];
-  float max[kFp8WeightThreads / 32];
-  uint32_t bad[kFp8WeightThreads / 32];
+  Fp8BlockReduceSmem reduce;
 };
 
 // The codes of one whole 128 x 128 block (e, bi, bj) of weights [E, n, k] (n, k multiples of 128)
@@ -178,15 +203,8 @@ __device__ __forceinline__ void fp8_weight_block_codes(const float (&v)[64], int
   const int64_t nb = n / 128, kb = k / 128;
   const int t = threadIdx.x, r = t / 2, c0 = 64 * (t % 2);
   const int64_t at = e * n * k + (bi * 128 + r) * k + bj * 128 + c0;
-  float local = 0.0f;
-  uint32_t bad = 0;
-  fp8_lanes_amax<32>(v, local, bad);
-  if (t % 32 == 0) sm.max[t / 32] = local, sm.bad[t / 32] = bad;
-  __syncthreads();
-  float amax = 0.0f;
   uint32_t bad_all = 0;
-#pragma unroll
-  for (int i = 0; i < kFp8WeightThreads / 32; ++i) amax = fmaxf(amax, sm.max[i]), bad_all += sm.bad[i];
+  const float amax = fp8_weight_block_amax(v, sm.reduce, bad_all);
   float sc = __fdiv_rn(amax, fp8_max_of(f));
   if (!(sc > 0.0f)) sc = 1.0f;
   if (t == 0) {
@@ -210,12 +228,6 @@ __device__ __forceinline__ void fp8_weight_block_codes(const float (&v)[64], int
   }
 }
 
-// The block's max |w| and non-finite count of mx_weight_block_codes, through shared memory.
-struct Fp8BlockReduceSmem {
-  float max[kFp8WeightThreads / 32];
-  uint32_t bad[kFp8WeightThreads / 32];
-};
-
 // The MX rules' codes of one whole 128 x 128 block (e, bi, bj) of weights [E, n, k] (n, k
 // multiples of 128): each copy quantised along its own rows, as MXFP8 quantises a weight for the
 // forward and for the data gradient. Thread t of the block's 256 holds row t / 2 of the block,
@@ -236,15 +248,8 @@ __device__ __forceinline__ void mx_weight_block_codes(const float (&v)[64], int6
                                                       ColumnValue&& column_value) {
   const int64_t nb = n / 128, kb = k / 128;
   const int t = threadIdx.x, r = t / 2, c0 = 64 * (t % 2);
-  float local = 0.0f;
-  uint32_t bad = 0;
-  fp8_lanes_amax<32>(v, local, bad);
-  if (t % 32 == 0) sm.max[t / 32] = local, sm.bad[t / 32] = bad;
-  __syncthreads();
-  float amax = 0.0f;
   uint32_t bad_all = 0;
-#pragma unroll
-  for (int i = 0; i < kFp8WeightThreads / 32; ++i) amax = fmaxf(amax, sm.max[i]), bad_all += sm.bad[i];
+  const float amax = fp8_weight_block_amax(v, sm, bad_all);
   const int e_max = mx_exponent_of(amax, f, rule);  // the largest sub-block's: the rule is monotone
   if (t == 0) {
     const float sc = ldexpf(1.0f, e_max);
