@@ -9,12 +9,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "core/error.h"
 #include "parallel/tcp/frame.h"
@@ -188,8 +190,10 @@ class TcpComm final : public Comm {
         peer.stash.erase(it);
         return;
       }
-      if (peer.closed)
+      if (peer.closed) {
+        linger_after_close();
         MOE_FAIL(head, call, " failed: ", who(src), " ", peer.why_closed);
+      }
       if (Clock::now() >= deadline) {
         std::ostringstream t;
         t << timeout_s_;
@@ -311,6 +315,12 @@ class TcpComm final : public Comm {
     MOE_FAIL(msg);
   }
 
+  // Before failing a call because a peer closed its connection: this rank keeps its own
+  // connections open a moment (kCloseGrace), so that the other ranks see the peer that died close
+  // before this rank does (its exit closes them) and name that rank, not this one failing after it.
+  static void linger_after_close() { std::this_thread::sleep_for(kCloseGrace); }
+  static constexpr std::chrono::milliseconds kCloseGrace{250};
+
   // Frame from group rank p for this round, if it is in p's stash; a frame of this group with
   // another round or another call is a mismatch (the first frame of this group from p must be it).
   bool take(const Call& c, uint64_t round, int p, const In& in, Frame* out) {
@@ -394,7 +404,10 @@ class TcpComm final : public Comm {
                                         : std::any_of(sending.begin(), sending.end(), [&](const Sending& s) {
                                             return s.p == p && s.sent < sizeof(FrameHeader) + size_t(s.h.bytes);
                                           });
-          if (needed) fail(where(c) + " failed: " + who(p) + " " + peer.why_closed);
+          if (needed) {
+            linger_after_close();
+            fail(where(c) + " failed: " + who(p) + " " + peer.why_closed);
+          }
         }
       }
       if (Clock::now() >= c.deadline) {
