@@ -49,5 +49,8 @@ MOE_HOST_DEVICE inline constexpr int fp8_emax_of(Fp8Format f) { return f == Fp8F
 // block-scaled FP8 when D and its hidden F are whole 128-wide scaling blocks (else it stays BF16).
 inline constexpr bool fp8_experts_shapes(int64_t d, int64_t inner) { return d % 16 == 0 && inner % 16 == 0; }
 inline constexpr bool fp8_mlp_shapes(int64_t d, int64_t f) { return d > 0 && f > 0 && d % 128 == 0 && f % 128 == 0; }
+// Under an MX rule the routed experts' codes are re-blocked into whole 1 x 128 and 128 x 128
+// blocks: D and the expert hidden I multiples of 128.
+inline constexpr bool fp8_mx_experts_shapes(int64_t d, int64_t inner) { return d % 128 == 0 && inner % 128 == 0; }
 
 }  // namespace moe

@@ -54,11 +54,10 @@ int64_t blocks128(int64_t n) { return (n + 127) / 128; }
 
 // The MX rules quantise whole 128-wide blocks only (cuda::fp8_quantize_blocks, fp8_quantize_weights).
 void check_fp8_rule(bool on, Fp8Rule rule, int64_t d, int64_t inner) {
-  MOE_CHECK(!on || rule == Fp8Rule::kBlocks || (d % 128 == 0 && inner % 128 == 0),
+  MOE_CHECK(!on || rule == Fp8Rule::kBlocks || fp8_mx_experts_shapes(d, inner),
             "train.fp8_scaling = \"mx\" on the GPU: the MX codes are re-blocked into whole 1 x 128 and 128 x 128 ",
             "blocks, so model.d_model (", d, ") and moe.expert_hidden (", inner, ") must be multiples of 128");
 }
-
 
 }  // namespace
 

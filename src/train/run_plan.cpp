@@ -60,8 +60,8 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
     // MX on the GPU: the 1 x 32 sub-blocks re-blocked into the GEMMs' whole 1 x 128 and 128 x 128 blocks
     // (core/fp8_types.h), where CudaModel::set_fp8 would refuse other shapes.
     MOE_CHECK(cfg.train.fp8_scaling == "blocks" ||
-                  (cfg.model.d_model % 128 == 0 &&
-                   (num_moe_layers(cfg.model) == 0 || cfg.moe.expert_hidden % 128 == 0)),
+                  fp8_mx_experts_shapes(cfg.model.d_model,
+                                        num_moe_layers(cfg.model) == 0 ? 128 : cfg.moe.expert_hidden),
               "train.fp8_scaling = \"", cfg.train.fp8_scaling, "\" on train.device = \"cuda\": Hopper's FP8 GEMMs ",
               "take 1 x 128 and 128 x 128 blocks, into which the MX codes are re-blocked whole, so model.d_model (",
               cfg.model.d_model, ") and moe.expert_hidden (", cfg.moe.expert_hidden, ") must be multiples of 128; ",

@@ -56,15 +56,6 @@ std::vector<uint16_t> to_bf16(const std::vector<float>& f) {
   return b;
 }
 
-template <typename T>
-void expect_bits(const std::vector<T>& got, const std::vector<T>& want, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  size_t bad = 0, first = 0;
-  for (size_t i = 0; i < got.size(); ++i)
-    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0 && bad++ == 0) first = i;
-  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size() << " differ, first at " << first;
-}
-
 TEST(Fp8MxRule, RowQuantisersMatchCpuBitwise) {
   MOE_SKIP_WITHOUT_GPU();
   TestStream stream;
@@ -99,8 +90,8 @@ TEST(Fp8MxRule, RowQuantisersMatchCpuBitwise) {
           }
           stream.sync();
           const std::string w = what + (bf16 ? " bf16" : " f32");
-          expect_bits(q.download(), q_ref, w + " codes");
-          expect_bits(s.download(), s_ref, w + " scales");
+          expect_equal(q.download(), q_ref, w + " codes");
+          expect_equal(s.download(), s_ref, w + " scales");
           EXPECT_EQ(bad.download()[0], 0u) << w;
           q.expect_guards_intact(w + " codes");
           s.expect_guards_intact(w + " scales");
@@ -131,11 +122,11 @@ TEST(Fp8MxRule, RowQuantisersMatchCpuBitwise) {
           std::memcpy(&payload_scales[size_t(r * (cols / 128))], &pl[size_t(r * per + cols)],
                       size_t(cols / 128) * sizeof(float));
         }
-        expect_bits(wide_codes, q_ref, what + " rows into a wider operand: codes");
-        expect_bits(ws.download(), s_ref, what + " rows into a wider operand: scales");
+        expect_equal(wide_codes, q_ref, what + " rows into a wider operand: codes");
+        expect_equal(ws.download(), s_ref, what + " rows into a wider operand: scales");
         EXPECT_EQ(untouched, size_t(rows * (ldq - cols))) << what << ": codes outside the columns written";
-        expect_bits(payload_codes, q_ref, what + " payload codes");
-        expect_bits(payload_scales, s_ref, what + " payload scales");
+        expect_equal(payload_codes, q_ref, what + " payload codes");
+        expect_equal(payload_scales, s_ref, what + " payload scales");
       }
     }
   }
@@ -172,10 +163,10 @@ TEST(Fp8MxRule, WeightCopiesFollowTheirOwnSubBlocksBitwise) {
                                    nullptr, stream.get(), rule);
       }
       stream.sync();
-      expect_bits(q.download(), q_ref, what + " codes");
-      expect_bits(s.download(), s_ref, what + " scales");
-      expect_bits(qt.download(), qt_ref, what + " column copy");
-      expect_bits(st.download(), st_ref, what + " column copy's scales");
+      expect_equal(q.download(), q_ref, what + " codes");
+      expect_equal(s.download(), s_ref, what + " scales");
+      expect_equal(qt.download(), qt_ref, what + " column copy");
+      expect_equal(st.download(), st_ref, what + " column copy's scales");
       qt.expect_guards_intact(what + " qt");
       st.expect_guards_intact(what + " st");
     }

@@ -68,15 +68,6 @@ std::string where(const char* what, Shape s, Fp8Format f) {
          (f == Fp8Format::kE4M3 ? " e4m3" : " e5m2");
 }
 
-template <typename T>
-void expect_equal(const std::vector<T>& got, const std::vector<T>& want, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  size_t bad = 0, first = 0;
-  for (size_t i = 0; i < got.size(); ++i)
-    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0 && bad++ == 0) first = i;
-  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size() << " differ, first at " << first;
-}
-
 const std::vector<Shape> kShapes = {{1, 1}, {1, 128}, {3, 200}, {129, 257}, {256, 384}, {5, 4096}};
 
 TEST(Fp8Gpu, BlockScaledQuantiseMatchesCpuBitwise) {
