@@ -4,7 +4,10 @@
 // dx_e = dgate_up @ w_gate_up[e], dw_gate_up[e] += dgate_up^T @ x_e.
 #include "cpu/experts.h"
 
+#include <algorithm>
+
 #include "core/error.h"
+#include "core/square_blocks.h"
 #include "cpu/linear.h"
 #include "cpu/linear_precision.h"
 #include "cpu/swiglu.h"
@@ -90,5 +93,22 @@ template void experts_backward<float>(const float*, const int32_t*, const float*
 template void experts_backward<double>(const double*, const int32_t*, const double*, const double*,
                                        const double*, const double*, const double*, int64_t,
                                        int64_t, int64_t, double*, double*, double*, double*, const Fp8Recipe*);
+
+void block_square_sums(const float* dw, int64_t num_experts, int64_t n, int64_t k, double* out) {
+  MOE_CHECK(num_experts >= 0 && n >= 0 && k >= 0, "cpu::block_square_sums: expected E, n, k >= 0, got ", num_experts,
+            ", ", n, ", ", k);
+  const int64_t rb = (n + kSquareBlock - 1) / kSquareBlock, cb = (k + kSquareBlock - 1) / kSquareBlock;
+  for (int64_t e = 0; e < num_experts; ++e)
+    for (int64_t i = 0; i < rb; ++i)
+      for (int64_t j = 0; j < cb; ++j) {
+        double sum = 0.0;
+        for (int64_t r = i * kSquareBlock; r < std::min(n, (i + 1) * kSquareBlock); ++r)
+          for (int64_t c = j * kSquareBlock; c < std::min(k, (j + 1) * kSquareBlock); ++c) {
+            const double v = dw[(e * n + r) * k + c];
+            sum += v * v;
+          }
+        out[(e * rb + i) * cb + j] = sum;
+      }
+}
 
 }  // namespace moe::cpu

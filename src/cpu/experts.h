@@ -37,4 +37,9 @@ void experts_backward(const T* x_sorted, const int32_t* expert_offsets, const T*
                       T* dx_sorted /*[R,D] overwritten*/, T* dw_gate_up /* += */,
                       T* dw_down /* += */, T* scratch /*[R, 3I]*/, const Fp8Recipe* fp8 = nullptr);
 
+// out[b] = the sum of squares (FP64) of block b of the experts' weight gradient dw [E, n, k], the
+// 128 x 128 blocks of core/square_blocks.h (square_blocks(E, n, k) values), each summed row by
+// row: the twin of cuda::grouped_gemm_wgrad's `squares` (the same values up to the FP64 sum's order).
+void block_square_sums(const float* dw, int64_t num_experts, int64_t n, int64_t k, double* out);
+
 }  // namespace moe::cpu

@@ -32,6 +32,10 @@ struct CudaBlockContext {
   // overwrite), not added, so those gradients were never zeroed nor read; the others (norm weights,
   // embedding) accumulate into the zeros prepare_grads_for_step wrote.
   bool overwrite_grads = false;
+  // With overwrite_grads (CudaModel::set_expert_grad_squares): where the routed experts write the
+  // block sums of squares of the weight gradients they write, MoE layer m's at
+  // m * CudaModel::expert_square_blocks_per_layer (gate_up's blocks, then down's); null: none.
+  double* expert_grad_squares = nullptr;
   cuda::EventTimer* timer = nullptr;  // phase marks while set (eager profiling only)
   int64_t batch = 0, seq = 0;
   // Decoding (CudaModel::decode): MoE layers keep every route (moe.capacity_factor is not applied),

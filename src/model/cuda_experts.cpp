@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/square_blocks.h"
 #include "cuda/ops/ep_placement.h"
 #include "cuda/ops/ep_rowwise.h"
 #include "cuda/ops/experts.h"
@@ -230,19 +231,25 @@ void CudaLocalExperts::backward(const CudaBlockContext& c, int64_t moe_index, co
   const uint16_t* P = c.params;
   float* Gr = c.grads;
   c.mark(cuda::Phase::kExperts);
+  cuda::ExpertGradSquares squares;
+  if (c.expert_grad_squares != nullptr) {
+    const int64_t gate_up_blocks = square_blocks(e_, 2 * inner_, d_);
+    squares.gate_up = c.expert_grad_squares + moe_index * (gate_up_blocks + square_blocks(e_, d_, inner_));
+    squares.down = squares.gate_up + gate_up_blocks;
+  }
   if (fp8_on_) {
     cuda::experts_backward_fp8(x_sorted_RD, offsets_E1, fp8_.view(moe_index),
                                gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), dy_sorted_RD,
                                rows, e_, d_, inner_, dx_sorted_RD, Gr + p.experts_gate_up, Gr + p.experts_down,
                                ws_.data(), ws_.bytes(), fp8_ws_.data(), fp8_ws_.bytes(), c.stream, !c.overwrite_grads,
-                               input_quantised);
+                               input_quantised, nullptr, 0, squares);
     return;
   }
   MOE_CHECK(!input_quantised, "CudaLocalExperts::backward: BF16 experts read no input codes");
   cuda::experts_backward(x_sorted_RD, offsets_E1, P + p.experts_gate_up, P + p.experts_down,
                          gate_up_rows(moe_index).as<uint16_t>(), h_rows(moe_index).as<uint16_t>(), dy_sorted_RD, rows, e_, d_, inner_,
                          dx_sorted_RD, Gr + p.experts_gate_up, Gr + p.experts_down, ws_.data(), ws_.bytes(),
-                         c.stream, cuda::GroupedGemmBackend::kAuto, !c.overwrite_grads);
+                         c.stream, cuda::GroupedGemmBackend::kAuto, !c.overwrite_grads, squares);
 }
 
 CudaEpExperts::CudaEpExperts(const MoeConfig& e, int64_t d, int64_t num_moe_layers, cuda::NcclComm& comm,
@@ -404,6 +411,8 @@ void CudaEpExperts::backward(const CudaBlockContext& c, int64_t moe_index, const
                              const int32_t* /*offsets_E1*/, const uint16_t* /*x_sorted_RD*/,
                              const uint16_t* dy_sorted_RD, int64_t rows, uint16_t* dx_sorted_RD,
                              bool input_quantised) {
+  MOE_CHECK(c.expert_grad_squares == nullptr, "CudaEpExperts::backward: the experts' square sums are written by local "
+            "experts only");
   MOE_CHECK(!input_quantised, "CudaEpExperts::backward: the exchange carries BF16 rows, no input codes");
   const CudaEpExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
   const cuda::Stream st = c.stream;
@@ -730,6 +739,8 @@ void CudaRowwiseExperts::backward(const CudaBlockContext& c, int64_t moe_index, 
                                   const int32_t* offsets_E1, const uint16_t* /*x_sorted_RD*/,
                                   const uint16_t* dy_sorted_RD, int64_t rows, uint16_t* dx_sorted_RD,
                                   bool input_quantised) {
+  MOE_CHECK(c.expert_grad_squares == nullptr, "CudaRowwiseExperts::backward: the experts' square sums are written by local "
+            "experts only");
   MOE_CHECK(!input_quantised, "CudaRowwiseExperts::backward: the exchange carries BF16 rows, no input codes");
   backward_experts(c, moe_index, p, offsets_E1, dy_sorted_RD, rows);
   const CudaRowwiseExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];

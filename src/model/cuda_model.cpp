@@ -19,6 +19,7 @@
 
 #include "core/error.h"
 #include "core/moe_types.h"
+#include "core/square_blocks.h"
 #include "cuda/event_timer.h"
 #include "cuda/ops/attention.h"
 #include "cuda/ops/embedding.h"
@@ -97,6 +98,8 @@ struct CudaModel::Impl {
   bool reserved = false;  // reserve ran (set_recompute is refused after)
   std::vector<Layer> layers;
   std::vector<LayerParams> moe_params;  // the present MoE layers' parameters, in layer order
+  DeviceBuffer expert_squares;  // set_expert_grad_squares: [M * expert_square_blocks_per_layer()] FP64
+  bool squares_current = false;  // the last backward wrote them (and none added to the gradients since)
   std::unique_ptr<CudaLmHead> head;
 
   // The BF16 input buffer of layer l (l == layers.size(): the LM head's), or the stage's output
@@ -402,6 +405,7 @@ std::vector<float> CudaModel::download_expert_bias() {
 void CudaModel::zero_grads() {
   impl_->grads_fresh = false;
   cuda::device_memset(grads(), 0, layout_.total_numel() * sizeof(float), stream_);
+  impl_->squares_current = false;
 }
 
 void CudaModel::prepare_grads_for_step() {
@@ -439,6 +443,39 @@ void CudaModel::set_recompute(Recompute mode) {
     if (layer.moe) layer.moe->bind(mode, pooled ? &I.moe_pool : nullptr, local_experts);
   }
   if (I.moe.experts) I.moe.experts->bind(mode);
+}
+
+void CudaModel::set_expert_grad_squares(bool on) {
+  Impl& I = *impl_;
+  if (on == expert_squares_on_) return;
+  const char* op = "CudaModel::set_expert_grad_squares";
+  MOE_CHECK(!I.reserved, op, ": set before the first forward or reserve");
+  MOE_CHECK(!on || (ep_size_ == 1 && !rowwise_ && part_.whole()), op, ": the experts' square sums are written by "
+            "the local experts of a whole model; this one runs expert parallelism, the rowwise exchange or one "
+            "pipeline stage");
+  expert_squares_on_ = on;
+  if (on && num_moe_layers_ > 0)
+    I.grower.grow<double>(I.expert_squares, num_moe_layers_ * expert_square_blocks_per_layer(), "expert_squares");
+}
+
+const double* CudaModel::expert_grad_squares() const {
+  return impl_->squares_current && num_moe_layers_ > 0 ? impl_->expert_squares.as<double>() : nullptr;
+}
+
+int64_t CudaModel::expert_square_blocks_per_layer() const {
+  const int64_t e = ecfg_.num_experts, d = mcfg_.d_model, i = ecfg_.expert_hidden;
+  return square_blocks(e, 2 * i, d) + square_blocks(e, d, i);
+}
+
+std::vector<FlatRange> CudaModel::expert_grad_square_ranges() const {
+  std::vector<FlatRange> out;
+  const int64_t e = ecfg_.num_experts, d = mcfg_.d_model, i = ecfg_.expert_hidden;
+  for (const LayerParams& p : impl_->moe_params) {
+    out.push_back({p.experts_gate_up, p.experts_gate_up + e * 2 * i * d});
+    out.push_back({p.experts_down, p.experts_down + e * d * i});
+  }
+  std::sort(out.begin(), out.end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
+  return out;
 }
 
 void CudaModel::set_fp8(bool on, Fp8Rule rule) {
@@ -742,7 +779,9 @@ void CudaModel::backward_blocks(int64_t first, int64_t last) {
             ") are not a range of [0, ", layers, ")");
   check_layers("CudaModel::backward_blocks", first, last);
   Impl& I = *impl_;
-  const CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh, params_version_);
+  CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh, params_version_);
+  if (I.grads_fresh && expert_squares_on_) c.expert_grad_squares = I.expert_squares.as<double>();
+  I.squares_current = c.expert_grad_squares != nullptr;
   const float* dlb = I.scalars.as<float>() + 1;
   const float* dz = I.scalars.as<float>() + 2;
   for (int64_t l = last - 1; l >= first; --l) {

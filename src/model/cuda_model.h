@@ -135,6 +135,24 @@ class CudaModel {
   // that backward ran, grads() holds stale values outside the zeroed ranges.
   void prepare_grads_for_step();
 
+  // The step's gradient norm without a second read of the routed experts' weight gradients: with
+  // this on, the first backward after prepare_grads_for_step also writes the sums of squares of
+  // those gradients by 128 x 128 blocks, as their grouped GEMMs write them (cuda::grouped_gemm_wgrad's
+  // squares, core/square_blocks.h), into expert_grad_squares(): MoE layer m's
+  // expert_square_blocks_per_layer() values at m times that, gate_up's blocks then down's. They are
+  // the squares of the gradients while nothing else changes those: one backward a step, no
+  // gradient reduction. Local experts of a whole model only (refused under expert parallelism, the
+  // rowwise exchange and pipeline stages). Before the first forward or reserve.
+  void set_expert_grad_squares(bool on);
+  bool expert_grad_squares_on() const { return expert_squares_on_; }
+  // The sums, while they are current: the last backward ran first in its step and wrote them, and
+  // no backward ran since; else null (e.g. after a step's second micro-batch).
+  const double* expert_grad_squares() const;
+  int64_t expert_square_blocks_per_layer() const;
+  // The flat ranges of the gradients those sums cover: each MoE layer's two expert weight tensors
+  // (without the alignment padding after them), in layout order.
+  std::vector<FlatRange> expert_grad_square_ranges() const;
+
   // Activation recomputation (core/recompute.h): which saved tensors every layer keeps; the others
   // live in one pool all layers share and backward_blocks recomputes them per layer before its
   // backward (under the phase `recompute`). Gradients equal those of Recompute::kNone bitwise (the
@@ -319,6 +337,7 @@ class CudaModel {
   Recompute recompute_ = Recompute::kNone;
   bool fuse_head_backward_ = false;
   bool fp8_ = false;
+  bool expert_squares_on_ = false;
   int64_t params_version_ = 0;
   // Flat offsets where the gradients of the embedding [0], block l [l + 1] and the final norm and
   // LM head [n_layers + 1] begin (the layout holds them in this order).

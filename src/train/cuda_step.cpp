@@ -30,6 +30,7 @@
 #include "core/error.h"
 #include "core/recompute.h"
 #include "cpu/fp8.h"
+#include "cuda/common.h"
 #include "cuda/event_timer.h"
 #include "cuda/ops/device_info.h"
 #include "cuda/ops/ep_exchange.h"
@@ -181,6 +182,16 @@ struct CudaStepRunner::Impl {
   StepShape eager_shape;
   int64_t eager_generation = -1;
 
+  // The gradient norm from the experts' block square sums (CudaModel::set_expert_grad_squares):
+  // on one GPU without expert parallelism or the rowwise exchange, for steps of one micro-batch
+  // (a second backward would add to the gradients the sums were taken of; the model then has none). The norm is then the
+  // root of the sums of squares of the other gradients' ranges (norm_rest, read as ever) and of the
+  // experts' sums, norm_parts [norm_rest.size() + 1]. MOECORE_GRAD_NORM=separate: every gradient
+  // read by the norm's own pass, as before.
+  bool expert_squares = false;
+  std::vector<FlatRange> norm_rest;
+  cuda::DeviceBuffer norm_parts;
+
   // Expert parallelism (null: none): groups, the layout's dense and expert flat ranges, and
   // device FP64 scratch for the per-range norms [ranges] and the two squared norms [2].
   std::vector<FlatRange> dense_ranges, expert_ranges;
@@ -304,6 +315,19 @@ struct CudaStepRunner::Impl {
       for (cuda::Event& e : ready_events) e = cuda::event_create();
       reduced = cuda::event_create();
       model.set_grads_ready_hook([this](int64_t ready_from) { reduce_ready_grads(ready_from); });
+    }
+    const bool separate_norm = cuda::backend_choice_from_env("MOECORE_GRAD_NORM", {"fused", "separate"}) == 2;
+    if (!separate_norm && dp == nullptr && !zero && model.ep_size() == 1 && !model.rowwise() &&
+        model.num_moe_layers() > 0) {
+      expert_squares = true;
+      model.set_expert_grad_squares(true);
+      int64_t at = 0;
+      for (const FlatRange& r : model.expert_grad_square_ranges()) {
+        if (r.begin > at) norm_rest.push_back({at, r.begin});
+        at = r.end;
+      }
+      if (layout.total_numel() > at) norm_rest.push_back({at, layout.total_numel()});
+      norm_parts.reserve((norm_rest.size() + 1) * sizeof(double));
     }
     if (ep) {
       dense_ranges = flat_ranges(model.layout(), false);
@@ -540,6 +564,14 @@ struct CudaStepRunner::Impl {
     cuda::StepStatsRecord* rec = model.stats_record();
     if (zero) {
       sharded_grad_norm(st);
+    } else if (expert_squares && model.expert_grad_squares() != nullptr) {
+      double* parts = norm_parts.as<double>();
+      for (size_t i = 0; i < norm_rest.size(); ++i)
+        cuda::grad_sum_squares(model.grads() + norm_rest[i].begin, norm_rest[i].end - norm_rest[i].begin, parts + i,
+                               norm_ws.data(), norm_ws_bytes, st);
+      cuda::sum_f64(model.expert_grad_squares(), model.num_moe_layers() * model.expert_square_blocks_per_layer(),
+                    parts + norm_rest.size(), norm_ws.data(), norm_ws_bytes, st);
+      cuda::sqrt_of_sum(parts, int64_t(norm_rest.size()) + 1, &opt()->grad_norm, st);
     } else if (ep == nullptr) {
       cuda::global_grad_norm(model.grads(), total, &opt()->grad_norm, norm_ws.data(), norm_ws_bytes, st);
     } else {

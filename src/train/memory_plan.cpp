@@ -10,6 +10,7 @@
 #include <map>
 
 #include "core/error.h"
+#include "core/square_blocks.h"
 #include "model/layout.h"
 
 namespace moe {
@@ -165,6 +166,11 @@ std::vector<MemoryItem> scratch_items(const ModelConfig& m, const MoeConfig& e, 
     s.push_back({"router state (expert bias, counts, losses)", mm * ne * 8.0 + mm * 8.0});
     // cuda::experts_backward_workspace_bytes(R, I): dgate_up [R, 2I] then dh [R, I], BF16.
     s.push_back({"experts backward workspace", r * 3.0 * inner * 2.0});
+    // CudaModel::set_expert_grad_squares (one GPU, no gradient reduction; counted on every layout):
+    // the experts' weight gradients' block sums of squares, FP64.
+    const int64_t ei = e.expert_hidden, ed = m.d_model;
+    s.push_back({"experts' gradient square sums",
+                 mm * 8.0 * double(square_blocks(e.num_experts, 2 * ei, ed) + square_blocks(e.num_experts, ed, ei))});
   }
   if (widest_mlp > 0) s.push_back({"mlp backward dh, dgate_up", n * 3.0 * widest_mlp * 2.0});
   s.push_back({"lm_head.x, norm, dnorm", 3.0 * n * d * 2.0});

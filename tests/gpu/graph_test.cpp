@@ -452,6 +452,59 @@ TEST(CudaStep, Fp8ExpertsOffTheBlockGridQuantiseInTheForward) {
   EXPECT_EQ(deferred.params, graph.params);
 }
 
+// The gradient norm from the experts' block square sums (one micro-batch a step: the grouped
+// wgrad writes them with the gradients) against MOECORE_GRAD_NORM=separate (every gradient read by
+// the norm's own pass): the same norm up to the order of its FP64 sum (relative 1e-12), so the same
+// FP32 clip factor and bitwise the same parameters and moments; in the graph and eagerly, with the
+// update at the end and deferred, BF16 and FP8. Two micro-batches a step fall back to the norm's
+// own pass (bitwise the separate run's norm).
+TEST(CudaStep, GradNormFromTheExpertSquareSumsIsTheNormsOwnPass) {
+  MOE_SKIP_WITHOUT_GPU();
+  const auto run_separate = [](const Config& c, bool graph, int64_t steps) {
+    ::setenv("MOECORE_GRAD_NORM", "separate", 1);
+    RunResult r;
+    try {
+      r = run_steps(c, graph, steps);
+    } catch (...) {
+      ::unsetenv("MOECORE_GRAD_NORM");
+      throw;
+    }
+    ::unsetenv("MOECORE_GRAD_NORM");
+    return r;
+  };
+  Config c = step_config();
+  c.train.global_batch = c.train.micro_batch;
+  constexpr int64_t kSteps = 4;
+  for (const char* precision : {"bf16", "fp8"}) {
+    c.train.precision = precision;
+    for (bool deferred : {false, true}) {
+      c.optim.deferred_update = deferred;
+      for (bool graph : {true, false}) {
+        const std::string what = std::string(precision) + (deferred ? ", deferred" : ", at the end") +
+                                 (graph ? ", graph" : ", eager");
+        const RunResult fused = run_steps(c, graph, kSteps);
+        const RunResult separate = run_separate(c, graph, kSteps);
+        ASSERT_EQ(fused.steps.size(), separate.steps.size()) << what;
+        for (size_t i = 0; i < fused.steps.size(); ++i) {
+          EXPECT_GT(fused.steps[i].grad_norm, 0.0) << what;
+          EXPECT_LE(rel_diff(fused.steps[i].grad_norm, separate.steps[i].grad_norm), 1e-12) << what << " step " << i + 1;
+          EXPECT_EQ(fused.steps[i].ce_sum, separate.steps[i].ce_sum) << what << " step " << i + 1;
+        }
+        EXPECT_EQ(fused.params, separate.params) << what << ": parameters not bitwise equal";
+        EXPECT_EQ(fused.exp_avg, separate.exp_avg) << what;
+        EXPECT_EQ(fused.exp_avg_sq, separate.exp_avg_sq) << what;
+      }
+    }
+  }
+  c = step_config();  // two micro-batches a step
+  const RunResult two = run_steps(c, true, 3);
+  const RunResult two_separate = run_separate(c, true, 3);
+  ASSERT_EQ(two.steps.size(), two_separate.steps.size());
+  for (size_t i = 0; i < two.steps.size(); ++i)
+    EXPECT_EQ(two.steps[i].grad_norm, two_separate.steps[i].grad_norm) << "two micro-batches, step " << i + 1;
+  EXPECT_EQ(two.params, two_separate.params);
+}
+
 TEST(CudaStep, DeferredUpdateRefusesZeroOne) {
   MOE_SKIP_WITHOUT_GPU();
   Config c = step_config();

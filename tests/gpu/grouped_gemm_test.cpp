@@ -13,6 +13,8 @@
 #include <ostream>
 #include <tuple>
 
+#include "core/square_blocks.h"
+#include "cpu/experts.h"
 #include "cpu/linear.h"
 #include "cuda/ops/device_info.h"
 #include "cuda/ops/grouped_gemm.h"
@@ -355,6 +357,46 @@ TEST_P(GroupedGemmParity, WgradOverwrite) {
   run_wgrad_case(problem(), backend(), false);
 }
 
+// Overwrite with square sums: dw bitwise the call without them, each 128 x 128 block's sum the
+// CPU's sum of squares of that block of the GPU's dw (FP64, up to the order of the sum: relative
+// 1e-11 for up to 16384 exact squares), empty experts' blocks +0.0 exactly.
+TEST_P(GroupedGemmParity, WgradSquareSums) {
+  MOE_SKIP_WITHOUT_BACKEND(backend());
+  const GroupedCase& c = problem();
+  const auto off = c.offsets();
+  const HostInputs in = make_inputs(c, 501);
+  GuardedBuffer<uint16_t> d_dy(in.dy), d_x(in.x);
+  GuardedBuffer<float> d_dw(random_f32(c.num_experts() * c.n * c.k, 502)), d_plain(c.num_experts() * c.n * c.k);
+  GuardedBuffer<int32_t> d_off(off);
+  const int64_t blocks = square_blocks(c.num_experts(), c.n, c.k);
+  GuardedBuffer<double> d_sq(std::vector<double>(static_cast<size_t>(blocks), std::nan("")));
+  TestStream stream;
+  cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_plain.data(), c.max_rows(), c.num_experts(), c.n,
+                           c.k, false, stream.get(), backend());
+  cuda::grouped_gemm_wgrad(d_dy.data(), d_x.data(), d_off.data(), d_dw.data(), c.max_rows(), c.num_experts(), c.n,
+                           c.k, false, stream.get(), backend(), d_sq.data());
+  stream.sync();
+  const auto dw = d_dw.download();
+  const auto plain = d_plain.download();
+  EXPECT_EQ(std::memcmp(dw.data(), plain.data(), dw.size() * sizeof(float)), 0)
+      << label("dw") << " differs from the call without square sums";
+  std::vector<double> want(static_cast<size_t>(blocks));
+  cpu::block_square_sums(dw.data(), c.num_experts(), c.n, c.k, want.data());
+  const auto got = d_sq.download();
+  const int64_t per_expert = blocks / std::max<int64_t>(1, c.num_experts());
+  int bad = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const double g = got[size_t(b)], w = want[size_t(b)];
+    const bool empty = c.counts[size_t(b / per_expert)] == 0;
+    const bool ok = empty ? (g == 0.0 && !std::signbit(g)) : std::abs(g - w) <= 1e-11 * w;
+    if (!ok && ++bad <= 5)
+      ADD_FAILURE() << label("squares") << " block " << b << ": got " << g << ", the CPU's sum of the GPU's dw " << w;
+  }
+  EXPECT_EQ(bad, 0);
+  d_sq.expect_guards_intact("squares");
+  d_dw.expect_guards_intact("dw");
+}
+
 std::string backend_suffix(Backend b) { return std::string("_") + cuda::grouped_gemm_backend_name(b); }
 
 INSTANTIATE_TEST_SUITE_P(Groups, GroupedGemmParity,
@@ -544,6 +586,18 @@ TEST(GroupedGemm, ZeroMaxRows) {
   stream.sync();
   EXPECT_EQ(d_dw.download(), std::vector<float>(dw0.size(), 0.0f));
   d_dw.expect_guards_intact("dw");
+  // With square sums: zeros too (2 experts x one 128 x 128 block each).
+  GuardedBuffer<double> d_sq(std::vector<double>{1.0, 2.0});
+  d_dw.upload(dw0);
+  cuda::grouped_gemm_wgrad(nullptr, nullptr, nullptr, d_dw.data(), 0, 2, 16, 24, false, stream.get(), Backend::kAuto,
+                           d_sq.data());
+  stream.sync();
+  EXPECT_EQ(d_sq.download(), std::vector<double>(2, 0.0));
+  d_sq.expect_guards_intact("squares");
+  // Accumulate with square sums is refused: they would miss what dw held.
+  EXPECT_THROW(cuda::grouped_gemm_wgrad(nullptr, nullptr, nullptr, d_dw.data(), 0, 2, 16, 24, true, stream.get(),
+                                        Backend::kAuto, d_sq.data()),
+               Error);
 }
 
 // One captured graph of forward, dgrad and wgrad (accumulate and overwrite), replayed after the

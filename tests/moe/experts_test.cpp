@@ -5,6 +5,7 @@
 #include <cstring>
 #include <string>
 
+#include "core/square_blocks.h"
 #include "moe_test_util.h"
 
 namespace moe::testing {
@@ -150,6 +151,31 @@ TEST(Experts, BadOffsetsNameTheValue) {
                          h.data(), y.data());
   });
   EXPECT_NE(msg.find("expert_offsets[0] must be 0, got 1"), std::string::npos) << msg;
+}
+
+// The block sums of squares (the twin of the grouped wgrad's square sums): 128 x 128 blocks of each
+// expert's [n, k] gradient in core/square_blocks.h's order, clipped at n and k; together the
+// squared norm.
+TEST(Experts, BlockSquareSumsAreTheBlocksOfTheNorm) {
+  const int64_t E = 3, n = 200, k = 130;  // 2 x 2 blocks per expert, the last ones partial
+  std::vector<float> dw(static_cast<size_t>(E * n * k));
+  for (size_t i = 0; i < dw.size(); ++i) dw[i] = static_cast<float>(static_cast<int64_t>(i % 17) - 8) * 0.25f;
+  ASSERT_EQ(square_blocks(E, n, k), 12);
+  std::vector<double> sums(12, -1.0);
+  cpu::block_square_sums(dw.data(), E, n, k, sums.data());
+  double total = 0, blocks = 0;
+  for (float v : dw) total += double(v) * double(v);
+  for (double s : sums) blocks += s;
+  EXPECT_EQ(blocks, total);  // integers times 1/16: every partial sum exact
+  // Expert 2, row block 1 (rows 128..199), column block 1 (column 128..129).
+  double want = 0;
+  for (int64_t r = 128; r < n; ++r)
+    for (int64_t c = 128; c < k; ++c) {
+      const double v = dw[size_t((2 * n + r) * k + c)];
+      want += v * v;
+    }
+  EXPECT_EQ(sums[size_t((2 * 2 + 1) * 2 + 1)], want);
+  EXPECT_THROW(cpu::block_square_sums(dw.data(), E, -1, k, sums.data()), Error);
 }
 
 }  // namespace

@@ -375,15 +375,51 @@ __global__ void __launch_bounds__(kGemmThreads, 2)
   }
 }
 
+// The sum of the squares of a tile's stored elements (rows below `rows`, columns below `cols`),
+// in FP64 (a float's square is exact there): each thread its fragment in register order, each
+// warp by a butterfly, then the 8 warps in order through s_warp. Every thread calls it; thread 0
+// gets the total. Ends with a block barrier.
+__device__ __forceinline__ double tile_square_sum(const GemmAcc& acc, const WarpPos& w, int rows, int cols, int row0,
+                                                  int col0, double* s_warp) {
+  double sum = 0.0;
+#pragma unroll
+  for (int i = 0; i < kGemmFragsM; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const bool row_in = row0 + w.m0 + i * 16 + w.lane / 4 + h * 8 < rows;
+#pragma unroll
+      for (int j = 0; j < kGemmFragsN; ++j) {
+        const bool in = row_in && col0 + w.n0 + j * 8 + (w.lane % 4) * 2 < cols;  // cols is even
+#pragma unroll
+        for (int v = 0; v < 2; ++v) {
+          const double x = in ? static_cast<double>(acc[i][j][2 * h + v]) : 0.0;
+          sum = __fma_rn(x, x, sum);
+        }
+      }
+    }
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (w.lane == 0) s_warp[w.tid / kWarpSize] = sum;
+  __syncthreads();
+  double total = 0.0;
+  if (w.tid == 0)
+    for (int i = 0; i < kGemmThreads / kWarpSize; ++i) total += s_warp[i];
+  return total;
+}
+
 // K-grouped GEMM (weight gradient): for expert e = blockIdx.y and the dw tile blockIdx.x
 // (M-tile of n, N-tile of k, the latter fastest),
 //   dw[e] (+)= dy[rows of e, :]^T @ x[rows of e, :],   dy: [max_rows, n], x: [max_rows, k] BF16,
 // dw: [E, n, k] FP32. An expert with no rows leaves dw[e] alone (accumulate) or zeroes it.
-// Dynamic shared memory: kGemmPipelineBytes.
+// kSquares (overwrite only): squares[(e * ceil(n / 128) + M-tile) * ceil(k / 128) + N-tile] = the
+// sum of the tile's squares (tile_square_sum; the tiles are the 128 x 128 blocks of
+// core/square_blocks.h). Dynamic shared memory: kGemmPipelineBytes.
+template <bool kSquares>
 __global__ void __launch_bounds__(kGemmThreads, 2)
     grouped_gemm_k_contiguous(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ x,
                               const int32_t* __restrict__ expert_offsets, float* __restrict__ dw, int max_rows,
-                              int n, int k, bool accumulate) {
+                              int n, int k, bool accumulate, double* __restrict__ squares) {
+  static_assert(kGemmBM == 128 && kGemmBN == 128, "square sums are kept per 128 x 128 block");
   extern __shared__ __align__(128) unsigned char gemm_smem[];
   const int e = static_cast<int>(blockIdx.y);
   int start, end;
@@ -401,6 +437,11 @@ __global__ void __launch_bounds__(kGemmThreads, 2)
   gemm_tile_mainloop<Major::kMN, Major::kMN>(reinterpret_cast<uint16_t*>(gemm_smem), op_a, op_b, num_k_tiles, wp,
                                              acc);
   store_tile_f32(acc, wp, dw + int64_t{e} * n * k, n, k, row0, col0, accumulate);
+  if constexpr (kSquares) {
+    __shared__ double s_warp[kGemmThreads / kWarpSize];
+    const double total = tile_square_sum(acc, wp, n, k, row0, col0, s_warp);
+    if (wp.tid == 0) squares[int64_t{e} * gridDim.x + blockIdx.x] = total;
+  }
 }
 
 }  // namespace moe::cuda::kernels

@@ -546,6 +546,53 @@ __device__ __forceinline__ int2 expert_range(const int32_t* __restrict__ offsets
   return make_int2(start, min(max(offsets[e + 1], start), max_rows));
 }
 
+// The sums of the squares of a 128 x 256 wgrad tile's two 128-column halves, in FP64 (a float's
+// square is exact there): each consumer thread its fragment in register order (columns 8 j + ...,
+// j < 16 the first half), each warp by a butterfly, then the 8 consumer warps in order through
+// s_warp[8][2]; consumer thread 0 writes the halves inside k to squares[slot], squares[slot + 1].
+// The accumulators of rows past n and columns past k are zeros (their operand boxes were filled
+// with zeros past n and k), so the sums are those of the stored elements without a mask. Every
+// consumer thread calls it (one consumer barrier); s_warp alternates between two buffers from tile
+// to tile, so a warpgroup that runs ahead into the next tile's sums never overwrites what thread 0
+// still reads.
+__device__ __forceinline__ void tile_square_sums(const float (&acc)[128], int warp, int lane, int wg, int ctid,
+                                                 int col0, int k, double* s_warp, double* __restrict__ squares,
+                                                 int64_t slot) {
+  double sum[2] = {0.0, 0.0};
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const double x = static_cast<double>(acc[4 * j + v]);
+      sum[j / 16] = __fma_rn(x, x, sum[j / 16]);
+    }
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int offset = kWarpSize / 2; offset > 0; offset >>= 1)
+      sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], offset);
+  }
+  if (lane == 0) {
+    s_warp[2 * (4 * wg + warp)] = sum[0];
+    s_warp[2 * (4 * wg + warp) + 1] = sum[1];
+  }
+  consumer_barrier();
+  if (ctid == 0) {
+    double total[2] = {0.0, 0.0};
+    for (int w = 0; w < kConsumerWarps; ++w) {
+      total[0] += s_warp[2 * w];
+      total[1] += s_warp[2 * w + 1];
+    }
+    squares[slot] = total[0];
+    if (col0 + 128 < k) squares[slot + 1] = total[1];
+  }
+}
+
+// Shared-memory bytes the wgrad's square sums take after the barriers: two buffers of
+// s_warp[kConsumerWarps][2] doubles.
+constexpr int kSquareSumBytes = 2 * kConsumerWarps * 2 * 8;
+
 // K-grouped GEMM (weight gradient, same contract as grouped_gemm_k_contiguous): for every expert e
 // and tile (kBM rows of n, kBN columns of k) of dw[e],
 //   dw[e] (+)= dy[rows of e, :]^T @ x[rows of e, :],  both operands MN-major in shared memory.
@@ -557,12 +604,17 @@ __device__ __forceinline__ int2 expert_range(const int32_t* __restrict__ offsets
 // dw (accumulate: dw[e] + tile, one FP32 add per element done by L2, so no consumer waits for the
 // old dw). Experts with no rows: dw[e] untouched (accumulate) or zeroed. Each dw element is
 // written once, by one CTA: deterministic, no atomics between CTAs. Tiles t = (e, M-tile, N-tile), N fastest; CTA b takes b,
-// b + gridDim.x, ... Dynamic smem: smem_bytes(4, E, false).
+// b + gridDim.x, ... kSquares (overwrite only): also the sum of squares of each 128 x 128 block of
+// dw[e] (tile_square_sums) into squares[(e * ceil(n / 128) + M-tile) * ceil(k / 128) + column
+// block], the blocks of core/square_blocks.h. Dynamic smem: smem_bytes(4, E, false), plus
+// kSquareSumBytes with kSquares.
+template <bool kSquares>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_k_contiguous_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                                    const __grid_constant__ CUtensorMap map_dw,
                                    const int32_t* __restrict__ expert_offsets, float* __restrict__ dw, int max_rows,
-                                   int num_experts, int n, int k, bool accumulate) {
+                                   int num_experts, int n, int k, bool accumulate, double* __restrict__ squares) {
+  static_assert(kBM == 128 && kBN == 256, "a tile holds two 128 x 128 square-sum blocks");
   constexpr int kStages = 4;
   using Ring = Smem<kStages>;
   extern __shared__ __align__(1024) unsigned char sm90_smem[];
@@ -607,6 +659,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int64_t t = blockIdx.x;
   int2 rows = t < num_tiles ? expert_range(expert_offsets, static_cast<int>(t / tiles_per_expert), max_rows)
                             : make_int2(0, 0);
+  [[maybe_unused]] int parity = 0;  // kSquares: the s_warp buffer of this tile
   for (; t < num_tiles; t += gridDim.x) {
     const int e = static_cast<int>(t / tiles_per_expert), r = static_cast<int>(t % tiles_per_expert);
     const int row0 = r / n_tiles * kBM, col0 = r % n_tiles * kBN;
@@ -656,6 +709,14 @@ __global__ void __launch_bounds__(kThreads, 1)
               tma_store_3d(&map_dw, buf, col0 + 32 * c, row0 + 64 * wg, e);
             }
           });
+    }
+    if constexpr (kSquares) {
+      // After the stores are issued, so that the TMA writes the tile while the sums run.
+      double* s_warp = reinterpret_cast<double*>(sm.s_start) + parity * 2 * kConsumerWarps;
+      const int row_blocks = (n + kBM - 1) / kBM, col_blocks = (k + 127) / 128;
+      const int64_t slot = (int64_t{e} * row_blocks + row0 / kBM) * col_blocks + col0 / 128;
+      tile_square_sums(acc, warp, lane, wg, ctid, col0, k, s_warp, squares, slot);
+      parity ^= 1;
     }
   }
   if (leader) bulk_wait_all();

@@ -67,6 +67,18 @@ __global__ void __launch_bounds__(kNormThreads)
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
+// partials[blockIdx.x] = sum of v over the block's elements: thread t of the grid takes t, t +
+// threads, ... (the order of grad_sum_squares_block_partials' groups, one value a group).
+__global__ void __launch_bounds__(kNormThreads)
+    f64_sum_block_partials(const double* __restrict__ v, int64_t n, double* __restrict__ partials) {
+  __shared__ double s_warp[kNormThreads / kWarpSize];
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  double acc = 0.0;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) acc += v[i];
+  const double total = block_sum_f64(acc, s_warp);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+}
+
 // One block: *norm = sqrt(sum of partials[0..num_partials)), in a fixed order.
 __global__ void __launch_bounds__(kNormThreads)
     grad_norm_from_partials(const double* __restrict__ partials, int num_partials, double* __restrict__ norm) {

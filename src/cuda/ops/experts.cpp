@@ -51,15 +51,20 @@ bool backward_prologue(const char* op, const uint16_t* x_sorted, const int32_t* 
                        const uint16_t* gate_up, const uint16_t* h, const uint16_t* dy, int64_t max_rows,
                        int64_t num_experts, int64_t d, int64_t inner, const uint16_t* dx_sorted, float* dw_gate_up,
                        float* dw_down, const void* workspace, size_t workspace_bytes, Stream stream,
-                       bool accumulate_dw, GroupedGemmBackend backend) {
+                       bool accumulate_dw, GroupedGemmBackend backend, const ExpertGradSquares& squares) {
   check_sizes(op, max_rows, num_experts, d, inner);
+  MOE_CHECK(!accumulate_dw || (squares.gate_up == nullptr && squares.down == nullptr), op,
+            ": square sums are written with the weight gradients (accumulate_dw = false); with accumulate_dw they "
+            "would miss what the gradients held, so pass none");
   if (max_rows == 0) {
-    // No rows: accumulate leaves the weight gradients as they are, overwrite zeroes them.
+    // No rows: accumulate leaves the weight gradients as they are, overwrite zeroes them (and their sums).
     if (!accumulate_dw) {
       if (dw_down != nullptr)
-        grouped_gemm_wgrad(nullptr, nullptr, nullptr, dw_down, 0, num_experts, d, inner, false, stream, backend);
+        grouped_gemm_wgrad(nullptr, nullptr, nullptr, dw_down, 0, num_experts, d, inner, false, stream, backend,
+                           squares.down);
       if (dw_gate_up != nullptr)
-        grouped_gemm_wgrad(nullptr, nullptr, nullptr, dw_gate_up, 0, num_experts, 2 * inner, d, false, stream, backend);
+        grouped_gemm_wgrad(nullptr, nullptr, nullptr, dw_gate_up, 0, num_experts, 2 * inner, d, false, stream, backend,
+                           squares.gate_up);
     }
     return false;
   }
@@ -124,10 +129,10 @@ void experts_backward(const uint16_t* x_sorted, const int32_t* expert_offsets, c
                       const uint16_t* w_down, const uint16_t* gate_up, const uint16_t* h, const uint16_t* dy,
                       int64_t max_rows, int64_t num_experts, int64_t d, int64_t inner, uint16_t* dx_sorted,
                       float* dw_gate_up, float* dw_down, void* workspace, size_t workspace_bytes, Stream stream,
-                      GroupedGemmBackend backend, bool accumulate_dw) {
+                      GroupedGemmBackend backend, bool accumulate_dw, const ExpertGradSquares& squares) {
   const char* op = "cuda::experts_backward";
   if (!backward_prologue(op, x_sorted, expert_offsets, gate_up, h, dy, max_rows, num_experts, d, inner, dx_sorted,
-                         dw_gate_up, dw_down, workspace, workspace_bytes, stream, accumulate_dw, backend)) {
+                         dw_gate_up, dw_down, workspace, workspace_bytes, stream, accumulate_dw, backend, squares)) {
     return;
   }
   check_ptrs(op, {{"w_gate_up", w_gate_up, 0}, {"w_down", w_down, 0}});
@@ -136,7 +141,8 @@ void experts_backward(const uint16_t* x_sorted, const int32_t* expert_offsets, c
   uint16_t* dh = dgate_up + rows * 2 * static_cast<size_t>(inner);  // [R, I]
   grouped_gemm_dgrad(dy, w_down, expert_offsets, dh, max_rows, num_experts, d, inner, stream, backend);
   if (dw_down != nullptr) {
-    grouped_gemm_wgrad(dy, h, expert_offsets, dw_down, max_rows, num_experts, d, inner, accumulate_dw, stream, backend);
+    grouped_gemm_wgrad(dy, h, expert_offsets, dw_down, max_rows, num_experts, d, inner, accumulate_dw, stream, backend,
+                       squares.down);
   }
   swiglu_backward(gate_up, dh, dgate_up, max_rows, inner, stream);
   // dx is written only now: every read of dy (which it may be) is enqueued above.
@@ -144,7 +150,7 @@ void experts_backward(const uint16_t* x_sorted, const int32_t* expert_offsets, c
                      backend);
   if (dw_gate_up != nullptr) {
     grouped_gemm_wgrad(dgate_up, x_sorted, expert_offsets, dw_gate_up, max_rows, num_experts, 2 * inner, d,
-                       accumulate_dw, stream, backend);
+                       accumulate_dw, stream, backend, squares.gate_up);
   }
 }
 
@@ -324,11 +330,14 @@ void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offset
                           int64_t num_experts, int64_t d, int64_t inner, uint16_t* dx_sorted, float* dw_gate_up,
                           float* dw_down, void* workspace, size_t workspace_bytes, void* fp8_workspace,
                           size_t fp8_workspace_bytes, Stream stream, bool accumulate_dw, bool input_quantised,
-                          void* wgrad_workspace, size_t wgrad_workspace_bytes) {
+                          void* wgrad_workspace, size_t wgrad_workspace_bytes, const ExpertGradSquares& squares) {
   const char* op = "cuda::experts_backward_fp8";
+  MOE_CHECK(wgrad_workspace == nullptr || (squares.gate_up == nullptr && squares.down == nullptr), op,
+            ": square sums come with the BF16 weight gradients; with a wgrad workspace (FP8 weight gradients) pass "
+            "none");
   if (!backward_prologue(op, x_sorted, expert_offsets, gate_up, h, dy, max_rows, num_experts, d, inner, dx_sorted,
                          dw_gate_up, dw_down, workspace, workspace_bytes, stream, accumulate_dw,
-                         GroupedGemmBackend::kAuto)) {
+                         GroupedGemmBackend::kAuto, squares)) {
     return;
   }
   check_fp8_weights(op, w);
@@ -347,12 +356,13 @@ void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offset
     wws = fp8_wgrad_layout(wgrad_workspace, max_rows, num_experts, d, inner, nullptr);
   }
   // dw [E, n, k] (+)= a^T b per expert (a [R, n], b [R, k]): FP8 with a wgrad workspace, else BF16.
-  const auto wgrad = [&](const uint16_t* a, const uint16_t* b, float* dw, int64_t n, int64_t k) {
+  const auto wgrad = [&](const uint16_t* a, const uint16_t* b, float* dw, int64_t n, int64_t k, double* sq) {
     if (dw == nullptr) return;
     if (fp8_dw) {
       fp8_wgrad(a, b, expert_offsets, dw, max_rows, num_experts, n, k, accumulate_dw, wws, stream);
     } else {
-      grouped_gemm_wgrad(a, b, expert_offsets, dw, max_rows, num_experts, n, k, accumulate_dw, stream);
+      grouped_gemm_wgrad(a, b, expert_offsets, dw, max_rows, num_experts, n, k, accumulate_dw, stream,
+                         GroupedGemmBackend::kAuto, sq);
     }
   };
   const size_t rows = static_cast<size_t>(max_rows);
@@ -366,7 +376,7 @@ void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offset
   } else {
     fp8_grouped(dy, w.down_t, w.s_down_t, expert_offsets, dh, max_rows, num_experts, inner, d, ws, w.rule, stream);
   }
-  wgrad(dy, h, dw_down, d, inner);
+  wgrad(dy, h, dw_down, d, inner, squares.down);
   // dx = dgate_up @ W_gate_up[e] (B: [E, D, 2I]); dy (which dx may be) was read in full above.
   if (inner % 128 == 0) {  // the SwiGLU backward writes dgate_up's codes too
     swiglu_backward_fp8(gate_up, dh, dgate_up, ws.codes, ws.scales, max_rows, inner, stream, w.rule);
@@ -377,7 +387,7 @@ void experts_backward_fp8(const uint16_t* x_sorted, const int32_t* expert_offset
     fp8_grouped(dgate_up, w.gate_up_t, w.s_gate_up_t, expert_offsets, dx_sorted, max_rows, num_experts, d,
                 2 * inner, ws, w.rule, stream);
   }
-  wgrad(dgate_up, x_sorted, dw_gate_up, 2 * inner, d);
+  wgrad(dgate_up, x_sorted, dw_gate_up, 2 * inner, d, squares.gate_up);
 }
 
 }  // namespace moe::cuda

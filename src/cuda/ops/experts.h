@@ -51,10 +51,19 @@ void experts_recompute(const uint16_t* gate_up /*[R,2I]*/, const int32_t* expert
 // Bytes of the backward's workspace: max_rows * 3 * inner BF16 values.
 size_t experts_backward_workspace_bytes(int64_t max_rows, int64_t inner);
 
+// Where the backward writes the sums of squares of the weight gradients it writes (accumulate_dw =
+// false only): square_blocks(E, 2I, D) values for dw_gate_up, square_blocks(E, D, I) for dw_down
+// (core/square_blocks.h; grouped_gemm_wgrad's `squares`). Null: none.
+struct ExpertGradSquares {
+  double* gate_up = nullptr;
+  double* down = nullptr;
+};
+
 // dx_sorted (overwritten on the grouped rows) and dw_gate_up, dw_down (+=; either may be null to
 // skip it) from dy and the forward's x_sorted, gate_up and h. accumulate_dw = false writes the
 // weight gradients instead (an expert without rows gets zeros; R == 0 zeroes both), never reading
-// what they held: the step's first backward, with no zeroing pass before it.
+// what they held: the step's first backward, with no zeroing pass before it. squares: with
+// accumulate_dw = false, the block sums of squares of the gradients written (R == 0: zeros).
 void experts_backward(const uint16_t* x_sorted /*[R,D]*/, const int32_t* expert_offsets /*[E+1]*/,
                       const uint16_t* w_gate_up /*[E,2I,D]*/, const uint16_t* w_down /*[E,D,I]*/,
                       const uint16_t* gate_up /*[R,2I]*/, const uint16_t* h /*[R,I]*/,
@@ -62,7 +71,8 @@ void experts_backward(const uint16_t* x_sorted /*[R,D]*/, const int32_t* expert_
                       int64_t inner, uint16_t* dx_sorted /*[R,D], may be dy*/,
                       float* dw_gate_up /*[E,2I,D] +=*/, float* dw_down /*[E,D,I] +=*/, void* workspace,
                       size_t workspace_bytes, Stream stream,
-                      GroupedGemmBackend backend = GroupedGemmBackend::kAuto, bool accumulate_dw = true);
+                      GroupedGemmBackend backend = GroupedGemmBackend::kAuto, bool accumulate_dw = true,
+                      const ExpertGradSquares& squares = {});
 
 // ---- The FP8 recipe (train.precision = "fp8") ------------------------------------------------
 // The experts' forward GEMMs and data gradients in block-scaled FP8 (cuda::grouped_gemm_fp8, E4M3
@@ -129,6 +139,7 @@ size_t experts_fp8_wgrad_workspace_bytes(int64_t max_rows, int64_t num_experts, 
 // gradients in FP8 too, each GEMM's operands (dy and h; dgate_up and x_sorted) quantised down each
 // expert's rows in 1 x 128 blocks (E4M3) and multiplied by cuda::grouped_gemm_fp8_wgrad, the CPU
 // recipe's fp8_linear_wgrad per expert; null: BF16 weight gradients from the saved tensors.
+// squares as experts_backward's (BF16 weight gradients only: refused with a wgrad workspace).
 void experts_backward_fp8(const uint16_t* x_sorted /*[R,D]*/, const int32_t* expert_offsets /*[E+1]*/,
                           const Fp8ExpertWeights& w, const uint16_t* gate_up /*[R,2I]*/, const uint16_t* h /*[R,I]*/,
                           const uint16_t* dy /*[R,D]*/, int64_t max_rows, int64_t num_experts, int64_t d,
@@ -136,6 +147,6 @@ void experts_backward_fp8(const uint16_t* x_sorted /*[R,D]*/, const int32_t* exp
                           float* dw_down /*+=*/, void* workspace, size_t workspace_bytes, void* fp8_workspace,
                           size_t fp8_workspace_bytes, Stream stream, bool accumulate_dw = true,
                           bool input_quantised = false, void* wgrad_workspace = nullptr,
-                          size_t wgrad_workspace_bytes = 0);
+                          size_t wgrad_workspace_bytes = 0, const ExpertGradSquares& squares = {});
 
 }  // namespace moe::cuda

@@ -227,20 +227,21 @@ void launch_fp8_m_contiguous_sm90_stages(const CUtensorMap& map_a, const CUtenso
 
 void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t* x, const int32_t* expert_offsets,
                               float* dw, int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, bool accumulate,
-                              Stream stream) {
+                              double* squares, Stream stream) {
   namespace k90 = kernels::sm90;
   const auto u64 = [](int64_t v) { return static_cast<uint64_t>(v); };
   const CUtensorMap map_a = tensor_map(op, "dy", kMapBf16, dy, {u64(n), u64(max_rows)}, {u64(n * 2)}, {64, 64});
   const CUtensorMap map_b = tensor_map(op, "x", kMapBf16, x, {u64(k), u64(max_rows)}, {u64(k * 2)}, {64, 64});
   const CUtensorMap map_dw = tensor_map(op, "dw", kMapF32, dw, {u64(k), u64(n), u64(num_experts)},
                                         {u64(k * 4), u64(n * k * 4)}, {32, 64, 1});
-  const auto kernel = k90::grouped_gemm_k_contiguous_sm90;
-  const size_t smem = static_cast<size_t>(k90::smem_bytes(4, num_experts, false));
+  const bool sums = squares != nullptr;
+  const auto kernel = sums ? k90::grouped_gemm_k_contiguous_sm90<true> : k90::grouped_gemm_k_contiguous_sm90<false>;
+  const size_t smem = static_cast<size_t>(k90::smem_bytes(4, num_experts, false) + (sums ? k90::kSquareSumBytes : 0));
   const int64_t max_tiles = num_experts * ceil_div(n, k90::kBM) * ceil_div(k, k90::kBN);
   const int grid = sm90_grid(op, kernel, smem, max_tiles);
   kernel<<<grid, k90::kThreads, smem, stream>>>(map_a, map_b, map_dw, expert_offsets, dw, static_cast<int>(max_rows),
                                                 static_cast<int>(num_experts), static_cast<int>(n),
-                                                static_cast<int>(k), accumulate);
+                                                static_cast<int>(k), accumulate, squares);
   check_launch("grouped_gemm_k_contiguous_sm90");
 }
 
@@ -322,32 +323,39 @@ void grouped_gemm_dgrad(const uint16_t* dy, const uint16_t* w, const int32_t* ex
 
 void grouped_gemm_wgrad(const uint16_t* dy, const uint16_t* x, const int32_t* expert_offsets, float* dw,
                         int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, bool accumulate,
-                        Stream stream, GroupedGemmBackend backend) {
+                        Stream stream, GroupedGemmBackend backend, double* squares) {
   const char* op = "cuda::grouped_gemm_wgrad";
   check_sizes(op, max_rows, num_experts, n, k);
+  MOE_CHECK(squares == nullptr || !accumulate, op, ": square sums are of the gradient this call writes; with ",
+            "accumulate they would miss what dw held, so pass squares = null");
+  if (squares != nullptr) detail::check_ptrs(op, {{"squares", squares}}, sizeof(double));
   if (max_rows == 0) {
-    // Every expert has zero rows: accumulate leaves dw alone, overwrite zeroes it.
+    // Every expert has zero rows: accumulate leaves dw alone, overwrite zeroes it (and its sums).
     if (accumulate) return;
     detail::check_ptrs(op, {{"dw", dw}}, 16);
     MOE_CUDA_CHECK(cudaMemsetAsync(dw, 0, static_cast<size_t>(num_experts * n * k) * sizeof(float), stream));
+    if (squares != nullptr)  // FP64 +0.0 is all zero bytes
+      MOE_CUDA_CHECK(cudaMemsetAsync(squares, 0, static_cast<size_t>(square_blocks(num_experts, n, k)) *
+                                                     sizeof(double), stream));
     return;
   }
   detail::check_ptrs(op, {{"dy", dy}, {"x", x}}, 16);
   detail::check_ptrs(op, {{"dw", dw}}, 16);
   detail::check_ptrs(op, {{"expert_offsets", expert_offsets}}, 4);
   if (grouped_gemm_resolve_backend(backend) == GroupedGemmBackend::kWgmma) {
-    launch_k_contiguous_sm90(op, dy, x, expert_offsets, dw, max_rows, num_experts, n, k, accumulate, stream);
+    launch_k_contiguous_sm90(op, dy, x, expert_offsets, dw, max_rows, num_experts, n, k, accumulate, squares, stream);
     return;
   }
   const int64_t tiles = ceil_div(n, kGemmBM) * ceil_div(k, kGemmBN);
   MOE_CHECK(tiles <= detail::kMaxGridX, op, ": n=", n, " x k=", k, " needs ", tiles, " tiles of ", kGemmBM, "x",
             kGemmBN, ", more than the supported ", detail::kMaxGridX);
-  const auto kernel = kernels::grouped_gemm_k_contiguous;
+  const auto kernel =
+      squares != nullptr ? kernels::grouped_gemm_k_contiguous<true> : kernels::grouped_gemm_k_contiguous<false>;
   const size_t smem = static_cast<size_t>(kGemmPipelineBytes);
   enable_shared_memory(kernel, smem);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(num_experts));
   kernel<<<grid, kGemmThreads, smem, stream>>>(dy, x, expert_offsets, dw, static_cast<int>(max_rows),
-                                               static_cast<int>(n), static_cast<int>(k), accumulate);
+                                               static_cast<int>(n), static_cast<int>(k), accumulate, squares);
   check_launch("grouped_gemm_k_contiguous");
 }
 

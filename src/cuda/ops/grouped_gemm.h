@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "core/square_blocks.h"
 #include "cuda/device.h"
 
 namespace moe::cuda {
@@ -51,9 +52,14 @@ void grouped_gemm_dgrad(const uint16_t* dy, const uint16_t* w, const int32_t* ex
 // each dw tile is reduced by one CTA over the expert's rows in order (no row split, no two writers
 // of an element). Accumulate: both backends add dw[e] to the finished sum in one FP32 add (mma in
 // registers; wgmma by a TMA reduce-add of the tile into dw, done in L2, subnormals flushed).
+// squares (overwrite only; null: none): also the sum of squares of each 128 x 128 block of the dw
+// this call writes, square_blocks(E, n, k) FP64 values in core/square_blocks.h's order, each summed
+// by the CTA that computed the block in a fixed order (deterministic; cpu::block_square_sums is the
+// twin, equal up to the order of the FP64 sum), at no extra read of dw.
 void grouped_gemm_wgrad(const uint16_t* dy, const uint16_t* x, const int32_t* expert_offsets, float* dw,
                         int64_t max_rows, int64_t num_experts, int64_t n, int64_t k, bool accumulate,
-                        Stream stream, GroupedGemmBackend backend = GroupedGemmBackend::kAuto);
+                        Stream stream, GroupedGemmBackend backend = GroupedGemmBackend::kAuto,
+                        double* squares = nullptr);
 
 // Block-scaled FP8 (E4M3 x E4M3), M-grouped contiguous, sm_90 only: for the rows r of expert e,
 //   out[r, j] = sum over K blocks b of (sum_{p in b} qa[r, p] qb[e, j, p]) * sa[r, b] * sb[e, j / 128, b]

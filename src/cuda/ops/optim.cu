@@ -87,6 +87,26 @@ void grad_sum_squares(const float* grads, int64_t n, double* sum, void* workspac
   sum_of_squares("cuda::grad_sum_squares", grads, n, sum, false, workspace, workspace_bytes, stream);
 }
 
+void sum_f64(const double* values, int64_t n, double* sum, void* workspace, size_t workspace_bytes, Stream stream) {
+  const char* op = "cuda::sum_f64";
+  MOE_CHECK(n >= 0, op, ": expected n >= 0, got n=", n);
+  detail::check_ptrs(op, {{"sum", sum}}, sizeof(double));
+  if (n == 0) {
+    MOE_CUDA_CHECK(cudaMemsetAsync(sum, 0, sizeof(double), stream));  // FP64 +0.0 is all zero bytes
+    return;
+  }
+  detail::check_ptrs(op, {{"values", values}, {"workspace", workspace}}, sizeof(double));
+  const size_t need = global_grad_norm_workspace_bytes(n);
+  MOE_CHECK(workspace_bytes >= need, op, ": workspace of ", workspace_bytes, " bytes is too small, need ", need,
+            " (global_grad_norm_workspace_bytes(", n, "))");
+  double* partials = static_cast<double*>(workspace);
+  const int blocks = norm_blocks(n);
+  kernels::f64_sum_block_partials<<<blocks, kNormThreads, 0, stream>>>(values, n, partials);
+  check_launch("f64_sum_block_partials");
+  kernels::grad_sum_from_partials<<<1, kNormThreads, 0, stream>>>(partials, blocks, sum);
+  check_launch("grad_sum_from_partials");
+}
+
 ParamSegmentTable::ParamSegmentTable(const ParamLayout& layout)
     : ParamSegmentTable(
           [&layout] {

@@ -38,6 +38,12 @@ void global_grad_norm(const float* grads, int64_t n, double* norm, void* workspa
 void grad_sum_squares(const float* grads, int64_t n, double* sum, void* workspace, size_t workspace_bytes,
                       Stream stream);
 
+// *sum (device FP64) = the sum of values[0, n) (FP64), by the block partition and partial order of
+// grad_sum_squares (values instead of squares): deterministic, the same for the same n. Same
+// workspace as global_grad_norm(n). The step adds the experts' block square sums with it
+// (grouped_gemm_wgrad's squares).
+void sum_f64(const double* values, int64_t n, double* sum, void* workspace, size_t workspace_bytes, Stream stream);
+
 // The segments AdamW updates, validated on the host (sorted by offset, non-overlapping, inside
 // [0, total_numel), decay 0 or 1; moments inside [0, state_numel), pairwise disjoint) and copied
 // once to the device. Elements outside every segment (the layout's alignment padding, or what
