@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "model/layout.h"
 
@@ -77,22 +79,32 @@ std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan,
     c.ceiling = gemm_ceiling;
     out.push_back(c);
   }
-  // Optimizer: the gradient norm's read (4 bytes) and AdamW's update (FP32 weight, gradient and two
-  // moments read, weight and moments written, the BF16 copy written: 30 bytes) per parameter. With
-  // the update deferred into the next forward (optim.deferred_update) only the norm's read is left
-  // in the phase; the update's time shows in the forward's phases.
+  // Optimizer: the gradient norm's read (4 bytes; none for the experts' gradients when the norm
+  // comes from their block square sums) and AdamW's update (FP32 weight, gradient and two moments
+  // read, weight and moments written, the BF16 copy written: 30 bytes) per parameter. With the
+  // update deferred into the next forward (optim.deferred_update) only the norm's read is left in
+  // the phase; the update's time shows in the forward's phases.
   {
     PhaseCeiling c;
     c.phase = "optimizer";
-    const double per_param = cfg.optim.deferred_update ? 4.0 : 34.0;
-    c.bytes = per_param * double(plan.memory.local_params);
+    const double params = double(plan.memory.local_params);
+    const double norm_params = norm_from_expert_squares(cfg, plan) ? params - double(plan.memory.expert_params) : params;
+    const double update = cfg.optim.deferred_update ? 0.0 : 30.0;
+    c.bytes = 4.0 * norm_params + update * params;
     c.ideal_ms = 1e3 * c.bytes / gpu.expert_weight_bytes_per_s;
-    std::snprintf(what, sizeof what, "%.0f B/param at %.1f TB/s%s", per_param, gpu.expert_weight_bytes_per_s / 1e12,
+    std::snprintf(what, sizeof what, "%.1f B/param at %.1f TB/s%s", c.bytes / params, gpu.expert_weight_bytes_per_s / 1e12,
                   cfg.optim.deferred_update ? " (the norm; the update deferred)" : "");
     c.ceiling = what;
     out.push_back(c);
   }
   return out;
+}
+
+bool norm_from_expert_squares(const Config& cfg, const RunPlan& plan) {
+  const char* env = std::getenv("MOECORE_GRAD_NORM");
+  return plan.device == "cuda" && plan.sizes.dp == 1 && plan.sizes.ep == 1 && plan.sizes.pp == 1 &&
+         cfg.parallel.ep_backend != "rowwise" && plan.micro_steps == 1 && num_moe_layers(cfg.model) > 0 &&
+         !(env != nullptr && std::string(env) == "separate");
 }
 
 }  // namespace moe
