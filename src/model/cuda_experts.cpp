@@ -411,8 +411,8 @@ void CudaEpExperts::backward(const CudaBlockContext& c, int64_t moe_index, const
                              const int32_t* /*offsets_E1*/, const uint16_t* /*x_sorted_RD*/,
                              const uint16_t* dy_sorted_RD, int64_t rows, uint16_t* dx_sorted_RD,
                              bool input_quantised) {
-  MOE_CHECK(c.expert_grad_squares == nullptr, "CudaEpExperts::backward: the experts' square sums are written by local "
-            "experts only");
+  MOE_CHECK(c.expert_grad_squares == nullptr,
+            "CudaEpExperts::backward: the experts' square sums are written by local experts only");
   MOE_CHECK(!input_quantised, "CudaEpExperts::backward: the exchange carries BF16 rows, no input codes");
   const CudaEpExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];
   const cuda::Stream st = c.stream;
@@ -739,8 +739,8 @@ void CudaRowwiseExperts::backward(const CudaBlockContext& c, int64_t moe_index, 
                                   const int32_t* offsets_E1, const uint16_t* /*x_sorted_RD*/,
                                   const uint16_t* dy_sorted_RD, int64_t rows, uint16_t* dx_sorted_RD,
                                   bool input_quantised) {
-  MOE_CHECK(c.expert_grad_squares == nullptr, "CudaRowwiseExperts::backward: the experts' square sums are written by local "
-            "experts only");
+  MOE_CHECK(c.expert_grad_squares == nullptr,
+            "CudaRowwiseExperts::backward: the experts' square sums are written by local experts only");
   MOE_CHECK(!input_quantised, "CudaRowwiseExperts::backward: the exchange carries BF16 rows, no input codes");
   backward_experts(c, moe_index, p, offsets_E1, dy_sorted_RD, rows);
   const CudaRowwiseExpertsSaved& s = saved_[static_cast<size_t>(moe_index)];

@@ -779,7 +779,8 @@ void CudaModel::backward_blocks(int64_t first, int64_t last) {
             ") are not a range of [0, ", layers, ")");
   check_layers("CudaModel::backward_blocks", first, last);
   Impl& I = *impl_;
-  CudaBlockContext c = block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh, params_version_);
+  CudaBlockContext c =
+      block_context(stream_, *I.gemm, params_bf16(), grads(), timer_, I.batch, I.seq, I.grads_fresh, params_version_);
   if (I.grads_fresh && expert_squares_on_) c.expert_grad_squares = I.expert_squares.as<double>();
   I.squares_current = c.expert_grad_squares != nullptr;
   const float* dlb = I.scalars.as<float>() + 1;

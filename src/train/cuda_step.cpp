@@ -183,11 +183,11 @@ struct CudaStepRunner::Impl {
   int64_t eager_generation = -1;
 
   // The gradient norm from the experts' block square sums (CudaModel::set_expert_grad_squares):
-  // on one GPU without expert parallelism or the rowwise exchange, for steps of one micro-batch
-  // (a second backward would add to the gradients the sums were taken of; the model then has none). The norm is then the
-  // root of the sums of squares of the other gradients' ranges (norm_rest, read as ever) and of the
-  // experts' sums, norm_parts [norm_rest.size() + 1]. MOECORE_GRAD_NORM=separate: every gradient
-  // read by the norm's own pass, as before.
+  // on one GPU without expert parallelism or the rowwise exchange, for steps of one micro-batch (a
+  // second backward would add to the gradients the sums were taken of; the model then has none).
+  // The norm is then the root of the sums of squares of the other gradients' ranges (norm_rest,
+  // read as ever) and of the experts' sums, norm_parts [norm_rest.size() + 1].
+  // MOECORE_GRAD_NORM=separate: every gradient read by the norm's own pass, as before.
   bool expert_squares = false;
   std::vector<FlatRange> norm_rest;
   cuda::DeviceBuffer norm_parts;

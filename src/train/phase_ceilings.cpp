@@ -88,12 +88,14 @@ std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan,
     PhaseCeiling c;
     c.phase = "optimizer";
     const double params = double(plan.memory.local_params);
-    const double norm_params = norm_from_expert_squares(cfg, plan) ? params - double(plan.memory.expert_params) : params;
+    const double norm_params =
+        norm_from_expert_squares(cfg, plan) ? params - double(plan.memory.expert_params) : params;
     const double update = cfg.optim.deferred_update ? 0.0 : 30.0;
     c.bytes = 4.0 * norm_params + update * params;
     c.ideal_ms = 1e3 * c.bytes / gpu.expert_weight_bytes_per_s;
-    std::snprintf(what, sizeof what, "%.1f B/param at %.1f TB/s%s", c.bytes / params, gpu.expert_weight_bytes_per_s / 1e12,
-                  cfg.optim.deferred_update ? " (the norm; the update deferred)" : "");
+    const char* deferred = cfg.optim.deferred_update ? " (the norm; the update deferred)" : "";
+    std::snprintf(what, sizeof what, "%.1f B/param at %.1f TB/s%s", c.bytes / params,
+                  gpu.expert_weight_bytes_per_s / 1e12, deferred);
     c.ceiling = what;
     out.push_back(c);
   }

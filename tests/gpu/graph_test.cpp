@@ -487,7 +487,8 @@ TEST(CudaStep, GradNormFromTheExpertSquareSumsIsTheNormsOwnPass) {
         ASSERT_EQ(fused.steps.size(), separate.steps.size()) << what;
         for (size_t i = 0; i < fused.steps.size(); ++i) {
           EXPECT_GT(fused.steps[i].grad_norm, 0.0) << what;
-          EXPECT_LE(rel_diff(fused.steps[i].grad_norm, separate.steps[i].grad_norm), 1e-12) << what << " step " << i + 1;
+          EXPECT_LE(rel_diff(fused.steps[i].grad_norm, separate.steps[i].grad_norm), 1e-12)
+              << what << " step " << i + 1;
           EXPECT_EQ(fused.steps[i].ce_sum, separate.steps[i].ce_sum) << what << " step " << i + 1;
         }
         EXPECT_EQ(fused.params, separate.params) << what << ": parameters not bitwise equal";
