@@ -15,4 +15,9 @@ constexpr int64_t square_blocks(int64_t num_experts, int64_t n, int64_t k) {
   return num_experts * ((n + kSquareBlock - 1) / kSquareBlock) * ((k + kSquareBlock - 1) / kSquareBlock);
 }
 
+// One MoE layer's: its experts' gate_up [E, 2I, D] blocks, then their down [E, D, I] blocks.
+constexpr int64_t expert_square_blocks(int64_t num_experts, int64_t d, int64_t inner) {
+  return square_blocks(num_experts, 2 * inner, d) + square_blocks(num_experts, d, inner);
+}
+
 }  // namespace moe

@@ -233,9 +233,8 @@ void CudaLocalExperts::backward(const CudaBlockContext& c, int64_t moe_index, co
   c.mark(cuda::Phase::kExperts);
   cuda::ExpertGradSquares squares;
   if (c.expert_grad_squares != nullptr) {
-    const int64_t gate_up_blocks = square_blocks(e_, 2 * inner_, d_);
-    squares.gate_up = c.expert_grad_squares + moe_index * (gate_up_blocks + square_blocks(e_, d_, inner_));
-    squares.down = squares.gate_up + gate_up_blocks;
+    squares.gate_up = c.expert_grad_squares + moe_index * expert_square_blocks(e_, d_, inner_);
+    squares.down = squares.gate_up + square_blocks(e_, 2 * inner_, d_);
   }
   if (fp8_on_) {
     cuda::experts_backward_fp8(x_sorted_RD, offsets_E1, fp8_.view(moe_index),

@@ -463,19 +463,7 @@ const double* CudaModel::expert_grad_squares() const {
 }
 
 int64_t CudaModel::expert_square_blocks_per_layer() const {
-  const int64_t e = ecfg_.num_experts, d = mcfg_.d_model, i = ecfg_.expert_hidden;
-  return square_blocks(e, 2 * i, d) + square_blocks(e, d, i);
-}
-
-std::vector<FlatRange> CudaModel::expert_grad_square_ranges() const {
-  std::vector<FlatRange> out;
-  const int64_t e = ecfg_.num_experts, d = mcfg_.d_model, i = ecfg_.expert_hidden;
-  for (const LayerParams& p : impl_->moe_params) {
-    out.push_back({p.experts_gate_up, p.experts_gate_up + e * 2 * i * d});
-    out.push_back({p.experts_down, p.experts_down + e * d * i});
-  }
-  std::sort(out.begin(), out.end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
-  return out;
+  return expert_square_blocks(ecfg_.num_experts, mcfg_.d_model, ecfg_.expert_hidden);
 }
 
 void CudaModel::set_fp8(bool on, Fp8Rule rule) {

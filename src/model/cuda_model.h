@@ -144,14 +144,10 @@ class CudaModel {
   // gradient reduction. Local experts of a whole model only (refused under expert parallelism, the
   // rowwise exchange and pipeline stages). Before the first forward or reserve.
   void set_expert_grad_squares(bool on);
-  bool expert_grad_squares_on() const { return expert_squares_on_; }
   // The sums, while they are current: the last backward ran first in its step and wrote them, and
   // no backward ran since; else null (e.g. after a step's second micro-batch).
   const double* expert_grad_squares() const;
   int64_t expert_square_blocks_per_layer() const;
-  // The flat ranges of the gradients those sums cover: each MoE layer's two expert weight tensors
-  // (without the alignment padding after them), in layout order.
-  std::vector<FlatRange> expert_grad_square_ranges() const;
 
   // Activation recomputation (core/recompute.h): which saved tensors every layer keeps; the others
   // live in one pool all layers share and backward_blocks recomputes them per layer before its

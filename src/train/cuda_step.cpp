@@ -30,7 +30,6 @@
 #include "core/error.h"
 #include "core/recompute.h"
 #include "cpu/fp8.h"
-#include "cuda/common.h"
 #include "cuda/event_timer.h"
 #include "cuda/ops/device_info.h"
 #include "cuda/ops/ep_exchange.h"
@@ -182,12 +181,10 @@ struct CudaStepRunner::Impl {
   StepShape eager_shape;
   int64_t eager_generation = -1;
 
-  // The gradient norm from the experts' block square sums (CudaModel::set_expert_grad_squares):
-  // on one GPU without expert parallelism or the rowwise exchange, for steps of one micro-batch (a
-  // second backward would add to the gradients the sums were taken of; the model then has none).
-  // The norm is then the root of the sums of squares of the other gradients' ranges (norm_rest,
-  // read as ever) and of the experts' sums, norm_parts [norm_rest.size() + 1].
-  // MOECORE_GRAD_NORM=separate: every gradient read by the norm's own pass, as before.
+  // The gradient norm from the experts' block square sums (CudaModel::set_expert_grad_squares),
+  // where the run plan says so (RunPlan::norm_from_expert_squares: one GPU, one micro-batch a step,
+  // MOECORE_GRAD_NORM not "separate"): the root of the sums of squares of the other tensors' ranges
+  // (norm_rest, read as ever) and of the experts' sums, norm_parts [norm_rest.size() + 1].
   bool expert_squares = false;
   std::vector<FlatRange> norm_rest;
   cuda::DeviceBuffer norm_parts;
@@ -239,8 +236,8 @@ struct CudaStepRunner::Impl {
     return x;
   }
 
-  Impl(const Config& c, bool use_zero, cuda::NcclComm* d, cuda::NcclComm* e, cuda::NcclComm* edp,
-       cuda::NvshmemWorld* rowwise)
+  Impl(const Config& c, bool use_zero, bool norm_from_expert_squares, cuda::NcclComm* d, cuda::NcclComm* e,
+       cuda::NcclComm* edp, cuda::NvshmemWorld* rowwise)
       : cfg(c), dp(d), dp_size(d ? d->size() : 1), dp_rank(d ? d->rank() : 0),
         ep(e && e->size() > 1 ? e : nullptr), ep_dp(ep && edp && edp->size() > 1 ? edp : nullptr),
         ep_ctx(make_ctx(c, ep, rowwise)), model(c.model, c.moe, ep || ep_ctx.rowwise ? &ep_ctx : nullptr) {
@@ -316,17 +313,11 @@ struct CudaStepRunner::Impl {
       reduced = cuda::event_create();
       model.set_grads_ready_hook([this](int64_t ready_from) { reduce_ready_grads(ready_from); });
     }
-    const bool separate_norm = cuda::backend_choice_from_env("MOECORE_GRAD_NORM", {"fused", "separate"}) == 2;
-    if (!separate_norm && dp == nullptr && !zero && model.ep_size() == 1 && !model.rowwise() &&
-        model.num_moe_layers() > 0) {
+    if (norm_from_expert_squares) {
       expert_squares = true;
-      model.set_expert_grad_squares(true);
-      int64_t at = 0;
-      for (const FlatRange& r : model.expert_grad_square_ranges()) {
-        if (r.begin > at) norm_rest.push_back({at, r.begin});
-        at = r.end;
-      }
-      if (layout.total_numel() > at) norm_rest.push_back({at, layout.total_numel()});
+      model.set_expert_grad_squares(true);  // refuses expert parallelism and the rowwise exchange
+      // The other tensors' ranges; the expert ranges' padding, which the sums skip, holds zeros.
+      norm_rest = flat_ranges(layout, false);
       norm_parts.reserve((norm_rest.size() + 1) * sizeof(double));
     }
     if (ep) {
@@ -788,7 +779,8 @@ CudaStepRunner::CudaStepRunner(const Config& cfg, cuda::NcclComm* dp, cuda::Nccl
 
 CudaStepRunner::CudaStepRunner(const Config& cfg, const RunPlan& plan, cuda::NcclComm* dp, cuda::NcclComm* ep,
                                cuda::NcclComm* ep_dp, cuda::NvshmemWorld* rowwise)
-    : impl_(std::make_unique<Impl>(checked_config(cfg, dp, ep, ep_dp), plan.zero, dp, ep, ep_dp, rowwise)) {
+    : impl_(std::make_unique<Impl>(checked_config(cfg, dp, ep, ep_dp), plan.zero, plan.norm_from_expert_squares, dp,
+                                   ep, ep_dp, rowwise)) {
   Impl& I = *impl_;
   MOE_CHECK(plan.sizes.dp == I.dp_size && plan.micro_steps > 0, "CudaStepRunner: the run plan is for dp = ",
             plan.sizes.dp, " but the data-parallel NCCL group has ", I.dp_size, " rank(s)");

@@ -168,9 +168,8 @@ std::vector<MemoryItem> scratch_items(const ModelConfig& m, const MoeConfig& e, 
     s.push_back({"experts backward workspace", r * 3.0 * inner * 2.0});
     // CudaModel::set_expert_grad_squares (one GPU, no gradient reduction; counted on every layout):
     // the experts' weight gradients' block sums of squares, FP64.
-    const int64_t ei = e.expert_hidden, ed = m.d_model;
     s.push_back({"experts' gradient square sums",
-                 mm * 8.0 * double(square_blocks(e.num_experts, 2 * ei, ed) + square_blocks(e.num_experts, ed, ei))});
+                 mm * 8.0 * double(expert_square_blocks(e.num_experts, m.d_model, e.expert_hidden))});
   }
   if (widest_mlp > 0) s.push_back({"mlp backward dh, dgate_up", n * 3.0 * widest_mlp * 2.0});
   s.push_back({"lm_head.x, norm, dnorm", 3.0 * n * d * 2.0});

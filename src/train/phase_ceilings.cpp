@@ -4,8 +4,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
-#include <string>
 
 #include "model/layout.h"
 
@@ -88,8 +86,7 @@ std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan,
     PhaseCeiling c;
     c.phase = "optimizer";
     const double params = double(plan.memory.local_params);
-    const double norm_params =
-        norm_from_expert_squares(cfg, plan) ? params - double(plan.memory.expert_params) : params;
+    const double norm_params = plan.norm_from_expert_squares ? params - double(plan.memory.expert_params) : params;
     const double update = cfg.optim.deferred_update ? 0.0 : 30.0;
     c.bytes = 4.0 * norm_params + update * params;
     c.ideal_ms = 1e3 * c.bytes / gpu.expert_weight_bytes_per_s;
@@ -100,13 +97,6 @@ std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan,
     out.push_back(c);
   }
   return out;
-}
-
-bool norm_from_expert_squares(const Config& cfg, const RunPlan& plan) {
-  const char* env = std::getenv("MOECORE_GRAD_NORM");
-  return plan.device == "cuda" && plan.sizes.dp == 1 && plan.sizes.ep == 1 && plan.sizes.pp == 1 &&
-         cfg.parallel.ep_backend != "rowwise" && plan.micro_steps == 1 && num_moe_layers(cfg.model) > 0 &&
-         !(env != nullptr && std::string(env) == "separate");
 }
 
 }  // namespace moe

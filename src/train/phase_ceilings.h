@@ -30,10 +30,4 @@ struct PhaseCeiling {
 std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan,
                                          const GpuRates& gpu = h200_ceilings());
 
-// Whether the GPU step takes its gradient norm from the experts' block square sums (their
-// weight-gradient GEMMs write them; docs/cuda.md), so the norm reads no expert gradient: one GPU
-// (dp, ep and pp of 1, no rowwise exchange), one micro-batch a step, MoE layers, and
-// MOECORE_GRAD_NORM not "separate" (as CudaStepRunner decides).
-bool norm_from_expert_squares(const Config& cfg, const RunPlan& plan);
-
 }  // namespace moe

@@ -51,6 +51,11 @@ struct RunPlan {
   Recompute recompute = Recompute::kNone;  // train.recompute
   int64_t seq_len = 0, micro_batch = 0, global_batch = 0;  // tokens, sequences per rank, sequences
   int64_t micro_steps = 0;     // micro-batches per rank per step: global_batch / (dp x micro_batch)
+  // The GPU step takes its gradient norm from the experts' block square sums that their
+  // weight-gradient GEMMs write (docs/cuda.md), reading no expert gradient again: cuda on one GPU
+  // (dp, ep, pp of 1, no rowwise exchange), one micro-step, MoE layers, and MOECORE_GRAD_NORM
+  // unset, empty or "fused" ("separate": the norm's own pass over every gradient).
+  bool norm_from_expert_squares = false;
   int64_t micro_batches = 0;   // micro-batches of the global batch: dp x micro_steps
   int64_t tokens_per_micro_batch = 0;
   int64_t tokens_per_step = 0;  // global_batch x seq_len, over every rank

@@ -461,16 +461,8 @@ TEST(CudaStep, Fp8ExpertsOffTheBlockGridQuantiseInTheForward) {
 TEST(CudaStep, GradNormFromTheExpertSquareSumsIsTheNormsOwnPass) {
   MOE_SKIP_WITHOUT_GPU();
   const auto run_separate = [](const Config& c, bool graph, int64_t steps) {
-    ::setenv("MOECORE_GRAD_NORM", "separate", 1);
-    RunResult r;
-    try {
-      r = run_steps(c, graph, steps);
-    } catch (...) {
-      ::unsetenv("MOECORE_GRAD_NORM");
-      throw;
-    }
-    ::unsetenv("MOECORE_GRAD_NORM");
-    return r;
+    const ScopedEnv env("MOECORE_GRAD_NORM", "separate");
+    return run_steps(c, graph, steps);
   };
   Config c = step_config();
   c.train.global_batch = c.train.micro_batch;

@@ -21,6 +21,7 @@
 #include "cuda/sm_reserve.h"
 #include "gpu/gpu_test_util.h"
 #include "support/parity.h"
+#include "support/test_util.h"
 
 namespace moe::testing {
 namespace {
@@ -685,25 +686,6 @@ INSTANTIATE_TEST_SUITE_P(Backends, GroupedGemmBackends, ::testing::Values(Backen
 
 // MOECORE_GROUPED_GEMM picks the backend of kAuto calls; an explicit backend argument wins; a bad
 // value is refused naming the variable (checked before any device query, so this runs anywhere).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
-    ::setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      ::setenv(name_, old_.c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::string old_;
-  bool had_ = false;
-};
 
 TEST(GroupedGemm, BackendFromEnvironment) {
   {

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -24,6 +23,7 @@ namespace moe {
 namespace {
 
 using testing::error_of;
+using testing::ScopedEnv;
 using testing::run_cli;
 
 const std::string kOlmoe8l = std::string(MOECORE_SOURCE_DIR) + "/configs/olmoe-8l.toml";
@@ -336,7 +336,7 @@ TEST(PhaseCeilings, WorkAddsUpToTheModelFlops) {
   const double want = plan.flops_per_step - router + core_formula / 6.0;  // 7 x instead of 6 x
   EXPECT_NEAR(flops, want, 1e-9 * want);
   // olmoe-8l on one GPU, one micro-batch a step: the norm reads the non-expert gradients only.
-  ASSERT_TRUE(norm_from_expert_squares(c, plan));
+  ASSERT_TRUE(plan.norm_from_expert_squares);
   const double params = double(plan.memory.local_params), experts = double(plan.memory.expert_params);
   EXPECT_NEAR(optimizer_ms, 1e3 * (34.0 * params - 4.0 * experts) / 4.3e12, 1e-9);
   EXPECT_GT(optimizer_ms, 24.0);  // 3.56B parameters, 3.22B of them in experts: about 25 ms
@@ -356,15 +356,20 @@ TEST(PhaseCeilings, WorkAddsUpToTheModelFlops) {
   Config two = c;
   two.train.global_batch = 2 * c.train.micro_batch;
   const RunPlan plan_two = make_run_plan(two, 1, "cuda");
-  EXPECT_FALSE(norm_from_expert_squares(two, plan_two));
+  EXPECT_FALSE(plan_two.norm_from_expert_squares);
   EXPECT_NEAR(optimizer_of(two, plan_two).ideal_ms, 1e3 * 34.0 * params / 4.3e12, 1e-9);
-  ::setenv("MOECORE_GRAD_NORM", "separate", 1);
-  const bool separate_fused = norm_from_expert_squares(c, plan);
-  const double separate_ms = optimizer_of(c, plan).ideal_ms;
-  ::unsetenv("MOECORE_GRAD_NORM");
-  EXPECT_FALSE(separate_fused);
-  EXPECT_NEAR(separate_ms, 1e3 * 34.0 * params / 4.3e12, 1e-9);
-  EXPECT_FALSE(norm_from_expert_squares(c, make_run_plan(c, 1, "cpu")));
+  {
+    const ScopedEnv env("MOECORE_GRAD_NORM", "separate");
+    const RunPlan separate = make_run_plan(c, 1, "cuda");
+    EXPECT_FALSE(separate.norm_from_expert_squares);
+    EXPECT_NEAR(optimizer_of(c, separate).ideal_ms, 1e3 * 34.0 * params / 4.3e12, 1e-9);
+  }
+  {
+    const ScopedEnv env("MOECORE_GRAD_NORM", "sometimes");
+    EXPECT_NE(error_of([&] { make_run_plan(c, 1, "cuda"); }).find("MOECORE_GRAD_NORM is 'sometimes'"),
+              std::string::npos);
+  }
+  EXPECT_FALSE(make_run_plan(c, 1, "cpu").norm_from_expert_squares);
 
   // scaling1-e128, one micro-batch of 8192 tokens: 256 rows per expert; 12 bytes per expert
   // parameter outweigh the GEMMs' FLOPs.
