@@ -485,6 +485,35 @@ TEST(GradSumSquares, MatchesCpuAndItsRootIsTheNorm) {
   }
 }
 
+// sum_f64 (the step's sum of the experts' block square sums): the plain FP64 sum within its
+// rounding, the same bits run to run, zero for n = 0.
+TEST(SumF64, MatchesCpuAndRepeats) {
+  MOE_SKIP_WITHOUT_GPU();
+  for (const int64_t n : {int64_t(0), int64_t(1), int64_t(98304), (int64_t{1} << 20) + 7}) {
+    const auto f = random_f32(std::max<int64_t>(n, 1), 204, 1.0f);
+    std::vector<double> v(static_cast<size_t>(n));
+    double ref = 0;
+    for (int64_t i = 0; i < n; ++i) ref += v[size_t(i)] = double(f[size_t(i)]) * double(f[size_t(i)]);
+    GuardedBuffer<double> d_v(std::max<int64_t>(n, 1)), sum(1), again(1);
+    if (n > 0) d_v.upload(v);
+    const size_t bytes = cuda::global_grad_norm_workspace_bytes(std::max<int64_t>(n, 1));
+    GuardedBuffer<uint8_t> ws(static_cast<int64_t>(bytes));
+    TestStream stream;
+    settle_uploads();
+    cuda::sum_f64(d_v.data(), n, sum.data(), ws.data(), bytes, stream.get());
+    cuda::sum_f64(d_v.data(), n, again.data(), ws.data(), bytes, stream.get());
+    stream.sync();
+    const double got = sum.download()[0], got2 = again.download()[0];
+    EXPECT_NEAR(got, ref, 1e-13 * ref) << "n=" << n;
+    if (n == 0) {
+      EXPECT_EQ(got, 0.0);
+    }
+    EXPECT_EQ(std::memcmp(&got, &got2, sizeof(double)), 0) << "n=" << n;
+    sum.expect_guards_intact("sum");
+    d_v.expect_guards_intact("values");
+  }
+}
+
 // AdamW on a shard: the segments of rank 1 of 3 (FlatShardPlan: its chunk and the replicated
 // tail, cut at the layout's entries) with compact moments [state_numel]; and the same segments
 // with their moments shifted by one element (no float4 path). Updated elements are bitwise the
