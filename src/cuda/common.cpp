@@ -3,8 +3,6 @@
 // user can act on, then [file:line] as every moe::Error does.
 #include "cuda/common.h"
 
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 namespace moe::cuda {
@@ -65,19 +63,6 @@ int cuda_device_count() {
     return 0;
   }
   return count;
-}
-
-int backend_choice_from_env(const char* var, std::initializer_list<const char*> choices) {
-  const char* v = std::getenv(var);
-  if (v == nullptr || *v == '\0') return 0;
-  int i = 0;
-  std::string allowed;
-  for (const char* c : choices) {
-    ++i;
-    if (std::strcmp(v, c) == 0) return i;
-    allowed += (allowed.empty() ? "'" : " or '") + std::string(c) + "'";
-  }
-  MOE_FAIL("environment variable ", var, " must be ", allowed, " (or unset), got '", v, "'");
 }
 
 }  // namespace moe::cuda

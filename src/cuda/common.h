@@ -7,7 +7,6 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
-#include <initializer_list>
 #include <source_location>
 
 #include "core/error.h"
@@ -41,9 +40,5 @@ namespace moe::cuda {
 // synchronising call's MOE_CUDA_CHECK instead. Never synchronises, so it is legal during
 // stream capture.
 void check_launch(const char* kernel, std::source_location where = std::source_location::current());
-
-// A backend choice read from environment variable `var`: 0 when unset or empty, i + 1 when it
-// equals choices[i]; any other value throws, naming the variable and the allowed values.
-int backend_choice_from_env(const char* var, std::initializer_list<const char*> choices);
 
 }  // namespace moe::cuda

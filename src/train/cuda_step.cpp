@@ -447,13 +447,19 @@ struct CudaStepRunner::Impl {
     cuda::cast_f32_to_bf16(params, model.params_bf16(), model.layout().total_numel(), st);
   }
 
+  // parts[i] = the sum of the squares of the gradients in ranges[i] (FlatRange or FlatPiece).
+  template <typename Range>
+  void range_sum_squares(const std::vector<Range>& ranges, double* parts, cuda::Stream st) {
+    for (size_t i = 0; i < ranges.size(); ++i)
+      cuda::grad_sum_squares(model.grads() + ranges[i].begin, ranges[i].end - ranges[i].begin, parts + i,
+                             norm_ws.data(), norm_ws_bytes, st);
+  }
+
   // ZeRO-1: *norm = sqrt(sum over ranks of this rank's norm pieces' squares), each element once.
   void sharded_grad_norm(cuda::Stream st) {
     double* parts = shard_squares.as<double>();
     cuda::device_memset(parts, 0, size_t(norm_slots) * sizeof(double), st);
-    for (size_t i = 0; i < norm_pieces.size(); ++i)
-      cuda::grad_sum_squares(model.grads() + norm_pieces[i].begin, norm_pieces[i].end - norm_pieces[i].begin,
-                             parts + i, norm_ws.data(), norm_ws_bytes, st);
+    range_sum_squares(norm_pieces, parts, st);
     dp->all_reduce_sum(parts, norm_slots, cuda::NcclDType::kF64, st);
     cuda::sqrt_of_sum(parts, norm_slots, &opt()->grad_norm, st);
   }
@@ -557,9 +563,7 @@ struct CudaStepRunner::Impl {
       sharded_grad_norm(st);
     } else if (expert_squares && model.expert_grad_squares() != nullptr) {
       double* parts = norm_parts.as<double>();
-      for (size_t i = 0; i < norm_rest.size(); ++i)
-        cuda::grad_sum_squares(model.grads() + norm_rest[i].begin, norm_rest[i].end - norm_rest[i].begin, parts + i,
-                               norm_ws.data(), norm_ws_bytes, st);
+      range_sum_squares(norm_rest, parts, st);
       cuda::sum_f64(model.expert_grad_squares(), model.num_moe_layers() * model.expert_square_blocks_per_layer(),
                     parts + norm_rest.size(), norm_ws.data(), norm_ws_bytes, st);
       cuda::sqrt_of_sum(parts, int64_t(norm_rest.size()) + 1, &opt()->grad_norm, st);

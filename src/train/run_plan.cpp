@@ -10,12 +10,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 
 #include <unistd.h>
 
 #include "core/checked_math.h"
+#include "core/env_choice.h"
 #include "core/error.h"
 #include "core/fp8_types.h"
 #include "cpu/fp8.h"
@@ -80,13 +80,10 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   p.global_batch = cfg.train.global_batch;
   p.micro_steps = p.global_batch / checked_mul(dp, p.micro_batch, "sequences per micro-step (dp x train.micro_batch)");
   p.micro_batches = checked_mul(dp, p.micro_steps, "micro-batches per step (dp x micro-steps)");
-  const char* norm_env = std::getenv("MOECORE_GRAD_NORM");
-  const std::string norm_choice = norm_env != nullptr ? norm_env : "";
-  MOE_CHECK(norm_choice.empty() || norm_choice == "fused" || norm_choice == "separate",
-            "environment variable MOECORE_GRAD_NORM is '", norm_choice, "'; expected fused or separate (or unset)");
+  const bool separate_norm = env_choice("MOECORE_GRAD_NORM", {"fused", "separate"}) == 2;
   p.norm_from_expert_squares = device == "cuda" && dp == 1 && ep == 1 && p.sizes.pp == 1 &&
                                cfg.parallel.ep_backend != "rowwise" && p.micro_steps == 1 &&
-                               num_moe_layers(cfg.model) > 0 && norm_choice != "separate";
+                               num_moe_layers(cfg.model) > 0 && !separate_norm;
   p.tokens_per_micro_batch =
       checked_mul(p.micro_batch, p.seq_len, "tokens per micro-batch (train.micro_batch x train.seq_len)");
   p.tokens_per_step = checked_mul(p.global_batch, p.seq_len, "tokens per step (train.global_batch x train.seq_len)");

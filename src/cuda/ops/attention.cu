@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 
+#include "core/env_choice.h"
 #include "cuda/common.h"
 #include "cuda/kernels/attention.cuh"
 #include "cuda/kernels/attention_single_key.cuh"
@@ -128,7 +129,7 @@ void launch_backward_single_key(const uint16_t* dout, uint16_t* dq, uint16_t* dk
 
 // MOECORE_ATTENTION: unset or empty -> kAuto; "own" / "cudnn"; anything else is refused.
 AttentionBackend backend_from_environment() {
-  switch (backend_choice_from_env("MOECORE_ATTENTION", {"own", "cudnn"})) {
+  switch (env_choice("MOECORE_ATTENTION", {"own", "cudnn"})) {
     case 1:
       return AttentionBackend::kOwn;
     case 2:

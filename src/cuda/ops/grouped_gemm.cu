@@ -15,6 +15,7 @@
 #include <initializer_list>
 #include <limits>
 
+#include "core/env_choice.h"
 #include "cuda/common.h"
 #include "cuda/kernels/grouped_gemm.cuh"
 #include "cuda/kernels/grouped_gemm_fp8_sm90.cuh"
@@ -247,7 +248,7 @@ void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t
 
 // MOECORE_GROUPED_GEMM: unset or empty -> kAuto; "mma" / "wgmma"; anything else is refused.
 GroupedGemmBackend backend_from_environment() {
-  switch (backend_choice_from_env("MOECORE_GROUPED_GEMM", {"mma", "wgmma"})) {
+  switch (env_choice("MOECORE_GROUPED_GEMM", {"mma", "wgmma"})) {
     case 1:
       return GroupedGemmBackend::kMma;
     case 2:
