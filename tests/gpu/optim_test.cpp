@@ -485,15 +485,18 @@ TEST(GradSumSquares, MatchesCpuAndItsRootIsTheNorm) {
   }
 }
 
-// sum_f64 (the step's sum of the experts' block square sums): the plain FP64 sum within its
-// rounding, the same bits run to run, zero for n = 0.
+// sum_f64 (the step's sum of the experts' block square sums): the exact sum within FP64 rounding
+// of a tree of n terms, the same bits run to run, zero for n = 0.
 TEST(SumF64, MatchesCpuAndRepeats) {
   MOE_SKIP_WITHOUT_GPU();
   for (const int64_t n : {int64_t(0), int64_t(1), int64_t(98304), (int64_t{1} << 20) + 7}) {
     const auto f = random_f32(std::max<int64_t>(n, 1), 204, 1.0f);
     std::vector<double> v(static_cast<size_t>(n));
-    double ref = 0;
-    for (int64_t i = 0; i < n; ++i) ref += v[size_t(i)] = double(f[size_t(i)]) * double(f[size_t(i)]);
+    // The reference in long double: a plain FP64 running sum of 2^20 terms can itself be off by
+    // about 1e-13 relative, the tolerance below.
+    long double ref_sum = 0;
+    for (int64_t i = 0; i < n; ++i) ref_sum += v[size_t(i)] = double(f[size_t(i)]) * double(f[size_t(i)]);
+    const double ref = static_cast<double>(ref_sum);
     GuardedBuffer<double> d_v(std::max<int64_t>(n, 1)), sum(1), again(1);
     if (n > 0) d_v.upload(v);
     const size_t bytes = cuda::global_grad_norm_workspace_bytes(std::max<int64_t>(n, 1));
