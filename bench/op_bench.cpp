@@ -841,8 +841,9 @@ int main(int argc, char** argv) {
                    a.backend.c_str());
       return 2;
     }
-    // One problem: the timed call (wgrad accumulates, as in training) and an overwrite call whose
-    // output the backends' results are compared on.
+    // One problem: the timed call and an overwrite call whose output the backends' results are
+    // compared on. The weight gradients are timed both ways: overwriting (the first micro-batch of
+    // a step writes them whole) and accumulating (the later micro-batches, "+=").
     struct Problem {
       const char* op;
       double flops;
@@ -850,6 +851,7 @@ int main(int argc, char** argv) {
       int64_t out_count;
       bool bf16;
       std::function<void(GroupedGemmBackend, bool)> run;  // (backend, timed)
+      bool accumulate_when_timed = false;
     };
     const std::vector<Problem> problems = {
         {"gate_up forward", f_gu, y_gu, rows * 2 * I, true,
@@ -857,15 +859,19 @@ int main(int argc, char** argv) {
         {"gate_up dgrad", f_gu, dx, rows * D, true,
          [&](GroupedGemmBackend b, bool) { grouped_gemm_dgrad(dy_gu, w_gu, off, dx, rows, E, 2 * I, D, s, b); }},
         {"gate_up wgrad", f_gu, dw, E * 2 * I * D, false,
-         [&](GroupedGemmBackend b, bool timed) {
-           grouped_gemm_wgrad(dy_gu, x, off, dw, rows, E, 2 * I, D, timed, s, b);
-         }},
+         [&](GroupedGemmBackend b, bool acc) { grouped_gemm_wgrad(dy_gu, x, off, dw, rows, E, 2 * I, D, acc, s, b); }},
+        {"gate_up wgrad +=", f_gu, dw, E * 2 * I * D, false,
+         [&](GroupedGemmBackend b, bool acc) { grouped_gemm_wgrad(dy_gu, x, off, dw, rows, E, 2 * I, D, acc, s, b); },
+         true},
         {"down forward", f_dn, y_dn, rows * D, true,
          [&](GroupedGemmBackend b, bool) { grouped_gemm_forward(h, w_dn, off, y_dn, rows, E, D, I, s, b); }},
         {"down dgrad", f_dn, dx, rows * I, true,
          [&](GroupedGemmBackend b, bool) { grouped_gemm_dgrad(dy_dn, w_dn, off, dx, rows, E, D, I, s, b); }},
         {"down wgrad", f_dn, dw, E * D * I, false,
-         [&](GroupedGemmBackend b, bool timed) { grouped_gemm_wgrad(dy_dn, h, off, dw, rows, E, D, I, timed, s, b); }},
+         [&](GroupedGemmBackend b, bool acc) { grouped_gemm_wgrad(dy_dn, h, off, dw, rows, E, D, I, acc, s, b); }},
+        {"down wgrad +=", f_dn, dw, E * D * I, false,
+         [&](GroupedGemmBackend b, bool acc) { grouped_gemm_wgrad(dy_dn, h, off, dw, rows, E, D, I, acc, s, b); },
+         true},
     };
     if (a.ops == "grouped_fp8") {
       const nlohmann::json g = grouped_fp8_section(a, s, rows, E, D, I, off, x, h, w_gu, w_dn, dy_gu, dy_dn);
@@ -882,7 +888,7 @@ int main(int argc, char** argv) {
       for (const Problem& p : problems) {
         std::vector<float> reference;
         for (GroupedGemmBackend b : backends) {
-          nlohmann::json r = time_op(p.op, b, p.flops, a, s, [&] { p.run(b, true); });
+          nlohmann::json r = time_op(p.op, b, p.flops, a, s, [&] { p.run(b, p.accumulate_when_timed); });
           // The compared run starts from NaN bytes, so an element a backend skipped shows.
           MOE_CUDA_CHECK(cudaMemsetAsync(const_cast<void*>(p.out), 0xFF, p.out_count * (p.bf16 ? 2 : 4), s));
           p.run(b, false);
