@@ -342,7 +342,15 @@ std::vector<CudaFp8ExpertTensor> CudaModel::fp8_expert_tensors() {
   return I.moe.experts->fp8_weight_tensors(I.moe_params);
 }
 
+void CudaModel::mark_params_changed() {
+  MOE_CHECK(!expert_bf16_stale_, "CudaModel::mark_params_changed: the routed experts' BF16 copy is stale (the ",
+            "update wrote only their FP8 codes), so the next forward cannot quantise them from it; refresh_bf16 ",
+            "after changing the FP32 weights");
+  ++params_version_;
+}
+
 void CudaModel::mark_params_changed_with_expert_codes() {
+  expert_bf16_stale_ = true;
   const int64_t from = params_version_++;
   if (impl_->moe.experts) impl_->moe.experts->fp8_codes_follow(from, params_version_);
 }
@@ -381,6 +389,7 @@ void CudaModel::reset_ep_traffic() { impl_->moe.experts->reset_traffic(); }
 
 void CudaModel::refresh_bf16() {
   cuda::cast_f32_to_bf16(params(), params_bf16(), layout_.total_numel(), stream_);
+  expert_bf16_stale_ = false;
   mark_params_changed();
 }
 

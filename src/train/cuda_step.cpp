@@ -591,7 +591,9 @@ struct CudaStepRunner::Impl {
     if (deferred) {
       cuda::adamw_prepare(cfg.optim, opt(), st);  // the next step (or flush_update) applies it
     } else if (fp8_update()) {
-      // adamw_step, with the experts' weights updated by the op that also writes their FP8 codes.
+      // adamw_step, with the experts' weights updated by the op that also writes their FP8 codes,
+      // and not their BF16 copy: no op reads it while the codes follow the update (the model
+      // refuses a parameter change that would quantise from it; refresh_bf16 rewrites it).
       float* p = model.params();
       const float* g = model.grads();
       uint16_t* bf16 = model.params_bf16();
@@ -601,7 +603,7 @@ struct CudaStepRunner::Impl {
       for (size_t i = 0; i < fp8_tensors.size(); ++i) {
         const CudaFp8ExpertTensor& t = fp8_tensors[i];
         cuda::adamw_apply_fp8_weights(fp8_segments[i], t.experts, t.n, t.k, cfg.optim, p, g, exp_avg.as<float>(),
-                                      exp_avg_sq.as<float>(), bf16, Fp8Format::kE4M3, t.q, t.s, t.qt, t.st,
+                                      exp_avg_sq.as<float>(), nullptr, Fp8Format::kE4M3, t.q, t.s, t.qt, t.st,
                                       nullptr, opt(), /*deferred=*/false, st, t.rule);
       }
       cuda::adamw_clear_pending(opt(), st);
