@@ -308,6 +308,16 @@ void fp8_quantize_weights(const float* w, int64_t experts, int64_t n, int64_t k,
   }
 }
 
+void fp8_quantize_weights_bf16_rounded(const float* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q,
+                                       float* s, uint8_t* qt, float* st, Fp8Rule rule) {
+  MOE_CHECK(experts >= 0 && n >= 0 && k >= 0, "cpu::fp8_quantize_weights_bf16_rounded: experts, n and k must be >= 0, ",
+            "got ", experts, ", ", n, ", ", k);
+  const int64_t numel = experts * n * k;
+  std::vector<float> w16(static_cast<size_t>(numel));
+  for (int64_t i = 0; i < numel; ++i) w16[size_t(i)] = bf16_to_f32(f32_to_bf16(w[i]));
+  fp8_quantize_weights(w16.data(), experts, n, k, f, q, s, qt, st, rule);
+}
+
 void fp8_grouped_gemm_block_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, const uint8_t* qb,
                                    const float* sb, Fp8Format fb, const int32_t* offsets, int64_t max_rows,
                                    int64_t experts, int64_t n, int64_t k, float* c) {

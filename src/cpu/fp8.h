@@ -87,6 +87,10 @@ void fp8_gemm_rowwise_scaled(const uint8_t* qa, const float* sa, Fp8Format fa, c
 // along the contraction of the GEMM that reads it (MXFP8's row-wise and column-wise copies).
 void fp8_quantize_weights(const float* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q, float* s,
                           uint8_t* qt, float* st, Fp8Rule rule = Fp8Rule::kBlocks);
+// fp8_quantize_weights of the BF16 rounding of w (round-to-nearest-even): the codes of the BF16
+// copy of FP32 weights, from the FP32 weights.
+void fp8_quantize_weights_bf16_rounded(const float* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q,
+                                       float* s, uint8_t* qt, float* st, Fp8Rule rule = Fp8Rule::kBlocks);
 
 // The experts' weight-gradient operands quantised down each expert's rows (the layout of
 // cuda::fp8_quantize_expert_columns): expert e's rows offsets[e] .. offsets[e + 1] (host offsets,

@@ -68,9 +68,7 @@ void adamw_update_fp8_weights(float* p, const float* g, float* m, float* v, int6
             experts, " n ", n, " k ", k);
   const int64_t numel = experts * n * k;
   adamw_update(p, g, m, v, numel, c, decay);
-  std::vector<float> w16(static_cast<size_t>(numel));
-  for (int64_t i = 0; i < numel; ++i) w16[size_t(i)] = bf16_to_f32(f32_to_bf16(p[i]));
-  cpu::fp8_quantize_weights(w16.data(), experts, n, k, f, q, s, qt, st, rule);
+  cpu::fp8_quantize_weights_bf16_rounded(p, experts, n, k, f, q, s, qt, st, rule);
 }
 
 void AdamW::step(float* params, const float* grads, double lr) {

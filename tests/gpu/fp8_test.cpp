@@ -28,6 +28,7 @@
 #include "cuda/ops/experts.h"
 #include "cuda/ops/gemm.h"
 #include "cuda/ops/grouped_gemm.h"
+#include "cuda/ops/memory.h"
 #include "cuda/ops/swiglu.h"
 #include "gpu/gpu_test_util.h"
 #include "support/test_util.h"
@@ -198,6 +199,52 @@ TEST(Fp8Gpu, QuotientsBesideEveryRoundingBoundaryMatchCpuBitwise) {
       expect_equal(q.download(), q_ref, what + " codes");
       expect_equal(qt.download(), qt_ref, what + " transposed codes");
       expect_equal(sc.download(), s_ref, what + " scales");
+    }
+  }
+}
+
+// cuda::fp8_quantize_weights_bf16_rounded: the codes of FP32 weights' BF16 rounding, bitwise its CPU
+// twin and cuda::fp8_quantize_weights of the BF16 copy (cast_f32_to_bf16), whole blocks and the
+// generic kernel, by the block and MX rules; and not the codes of the FP32 values themselves.
+TEST(Fp8Gpu, WeightsFromFp32AreTheCodesOfTheirBf16Rounding) {
+  MOE_SKIP_WITHOUT_GPU();
+  TestStream stream;
+  for (const Shape s : std::vector<Shape>{{256, 384}, {200, 136}}) {
+    for (const Fp8Rule rule : {Fp8Rule::kBlocks, Fp8Rule::kMx}) {
+      if (rule != Fp8Rule::kBlocks && (s.rows % 128 != 0 || s.cols % 128 != 0)) continue;
+      const int64_t e = 2, n = s.rows, k = s.cols, numel = e * n * k;
+      const int64_t ns = e * cpu::fp8_scale_rows(n, kFp8WeightBlock) * cpu::fp8_scale_cols(k, kFp8WeightBlock);
+      const std::string what = where("bf16-rounded weights", s, Fp8Format::kE4M3) +
+                               (rule == Fp8Rule::kBlocks ? " blocks" : " mx");
+      const std::vector<float> w = wide_values(e * n, k, 29 + uint64_t(numel));
+      std::vector<uint8_t> q_ref(static_cast<size_t>(numel)), qt_ref(static_cast<size_t>(numel));
+      std::vector<float> s_ref(static_cast<size_t>(ns)), st_ref(static_cast<size_t>(ns));
+      cpu::fp8_quantize_weights_bf16_rounded(w.data(), e, n, k, Fp8Format::kE4M3, q_ref.data(), s_ref.data(),
+                                             qt_ref.data(), st_ref.data(), rule);
+      std::vector<uint8_t> q_f32(static_cast<size_t>(numel));
+      std::vector<float> s_f32(static_cast<size_t>(ns));
+      cpu::fp8_quantize_weights(w.data(), e, n, k, Fp8Format::kE4M3, q_f32.data(), s_f32.data(), nullptr, nullptr,
+                                rule);
+      EXPECT_TRUE(q_f32 != q_ref || s_f32 != s_ref) << what << ": the rounding changes no code (a weak case)";
+      GuardedBuffer<float> dw(w);
+      GuardedBuffer<uint16_t> dw16(numel);
+      GuardedBuffer<uint8_t> q(numel), qt(numel), q16(numel), qt16(numel);
+      GuardedBuffer<float> sc(ns), sct(ns), sc16(ns), sct16(ns);
+      cuda::fp8_quantize_weights_bf16_rounded(dw.data(), e, n, k, Fp8Format::kE4M3, q.data(), sc.data(), qt.data(),
+                                              sct.data(), nullptr, stream.get(), rule);
+      cuda::cast_f32_to_bf16(dw.data(), dw16.data(), numel, stream.get());
+      cuda::fp8_quantize_weights(dw16.data(), e, n, k, Fp8Format::kE4M3, q16.data(), sc16.data(), qt16.data(),
+                                 sct16.data(), nullptr, stream.get(), rule);
+      stream.sync();
+      expect_equal(q.download(), q_ref, what + " codes");
+      expect_equal(qt.download(), qt_ref, what + " transposed codes");
+      expect_equal(sc.download(), s_ref, what + " scales");
+      expect_equal(sct.download(), st_ref, what + " transposed scales");
+      expect_equal(q16.download(), q_ref, what + " codes of the BF16 copy");
+      expect_equal(qt16.download(), qt_ref, what + " transposed codes of the BF16 copy");
+      expect_equal(sc16.download(), s_ref, what + " scales of the BF16 copy");
+      qt.expect_guards_intact(what + " qt");
+      sct.expect_guards_intact(what + " st");
     }
   }
 }

@@ -215,6 +215,13 @@ void fp8_quantize_weights(const uint16_t* w_bf16, int64_t experts, int64_t n, in
                    stream, rule);
 }
 
+void fp8_quantize_weights_bf16_rounded(const float* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q,
+                                       float* s, uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream,
+                                       Fp8Rule rule) {
+  quantize_weights("cuda::fp8_quantize_weights_bf16_rounded", reinterpret_cast<const kernels::Bf16OfF32*>(w), experts,
+                   n, k, f, q, s, qt, st, num_nonfinite, stream, rule);
+}
+
 void fp8_scales_k_major(const float* s, int64_t rows, int64_t kb, int64_t ld, float* out, Stream stream) {
   const char* op = "cuda::fp8_scales_k_major";
   MOE_CHECK(rows >= 0 && kb >= 0 && ld >= rows, op, ": expected rows, kb >= 0 and ld >= rows, got rows ", rows,

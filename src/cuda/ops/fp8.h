@@ -74,6 +74,11 @@ void fp8_quantize_weights(const float* w, int64_t experts, int64_t n, int64_t k,
 void fp8_quantize_weights(const uint16_t* w_bf16, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q,
                           float* s, uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream,
                           Fp8Rule rule = Fp8Rule::kBlocks);
+// fp8_quantize_weights of the BF16 rounding of FP32 weights w (cpu::fp8_quantize_weights_bf16_rounded):
+// bit for bit the codes and scales of fp8_quantize_weights(cast_f32_to_bf16(w)), without the BF16 copy.
+void fp8_quantize_weights_bf16_rounded(const float* w, int64_t experts, int64_t n, int64_t k, Fp8Format f, uint8_t* q,
+                                       float* s, uint8_t* qt, float* st, uint32_t* num_nonfinite, Stream stream,
+                                       Fp8Rule rule = Fp8Rule::kBlocks);
 
 // The FP8 GEMM's layout of 1 x 128 scales (cuda::fp8_gemm): s [rows, kb] as the quantiser writes
 // them (row-major) -> out [kb, ld] (K-block-major, rows contiguous), ld >= rows, entries
