@@ -35,18 +35,22 @@ void CudaExperts::set_fp8(bool on, Fp8Rule) {
   MOE_CHECK(!on, "train.precision = \"fp8\": these experts have no FP8 path");
 }
 
+void CudaExperts::place_fp8_codes(const std::vector<LayerParams>&, uint16_t*, const float*) {
+  MOE_FAIL("CudaExperts::place_fp8_codes: these experts keep no FP8 weight codes that their update writes");
+}
+
 namespace {
 
 cuda::Fp8ExpertWeights fp8_view(const CudaFp8ExpertCodes& q, Fp8Rule rule) {
   cuda::Fp8ExpertWeights w;
   w.rule = rule;
-  w.gate_up = q.gate_up.as<uint8_t>();
+  w.gate_up = q.q_gate_up;
   w.s_gate_up = q.s_gate_up.as<float>();
-  w.gate_up_t = q.gate_up_t.as<uint8_t>();
+  w.gate_up_t = q.q_gate_up_t;
   w.s_gate_up_t = q.s_gate_up_t.as<float>();
-  w.down = q.down.as<uint8_t>();
+  w.down = q.q_down;
   w.s_down = q.s_down.as<float>();
-  w.down_t = q.down_t.as<uint8_t>();
+  w.down_t = q.q_down_t;
   w.s_down_t = q.s_down_t.as<float>();
   return w;
 }
@@ -62,19 +66,49 @@ void check_fp8_rule(bool on, Fp8Rule rule, int64_t d, int64_t inner) {
 
 }  // namespace
 
+void CudaFp8ExpertCodeSet::place(const std::vector<LayerParams>& layers, uint16_t* bf16, const float* f32) {
+  MOE_CHECK(codes_.empty(), "CudaFp8ExpertCodeSet::place: the codes are reserved already (place before reserve)");
+  MOE_CHECK(bf16 != nullptr && f32 != nullptr, "CudaFp8ExpertCodeSet::place: null parameters");
+  placed_offsets_.clear();
+  for (const LayerParams& p : layers) {
+    MOE_CHECK(p.moe_index >= 0 && p.experts_gate_up >= 0 && p.experts_down >= 0 && p.experts_gate_up % 8 == 0 &&
+                  p.experts_down % 8 == 0,
+              "CudaFp8ExpertCodeSet::place: MoE layer ", p.moe_index, "'s expert weights at offsets ",
+              p.experts_gate_up, " and ", p.experts_down, " (expected 8-element aligned offsets: 16-byte codes)");
+    if (size_t(p.moe_index) >= placed_offsets_.size()) placed_offsets_.resize(size_t(p.moe_index) + 1, {-1, -1});
+    placed_offsets_[size_t(p.moe_index)] = {p.experts_gate_up, p.experts_down};
+  }
+  bf16_ = bf16;
+  f32_ = f32;
+}
+
 void CudaFp8ExpertCodeSet::reserve(int64_t layers, int64_t experts, int64_t d, int64_t inner, CudaBufferGrower& g) {
   experts_ = experts, d_ = d, inner_ = inner;
   codes_.resize(size_t(layers));
   const int64_t E = experts, D = d, I2 = 2 * inner, I = inner;
-  for (CudaFp8ExpertCodes& q : codes_) {
-    g.grow<uint8_t>(q.gate_up, E * I2 * D, "FP8 expert gate_up codes");
+  for (size_t m = 0; m < codes_.size(); ++m) {
+    CudaFp8ExpertCodes& q = codes_[m];
     g.grow<float>(q.s_gate_up, E * blocks128(I2) * blocks128(D), "FP8 expert gate_up scales");
-    g.grow<uint8_t>(q.gate_up_t, E * D * I2, "FP8 expert gate_up transposed codes");
     g.grow<float>(q.s_gate_up_t, E * blocks128(D) * blocks128(I2), "FP8 expert gate_up transposed scales");
-    g.grow<uint8_t>(q.down, E * D * I, "FP8 expert down codes");
     g.grow<float>(q.s_down, E * blocks128(D) * blocks128(I), "FP8 expert down scales");
-    g.grow<uint8_t>(q.down_t, E * I * D, "FP8 expert down transposed codes");
     g.grow<float>(q.s_down_t, E * blocks128(I) * blocks128(D), "FP8 expert down transposed scales");
+    if (placed()) {  // the codes, then the transposed codes, where the tensor's BF16 copy was
+      MOE_CHECK(m < placed_offsets_.size() && placed_offsets_[m].first >= 0, "CudaFp8ExpertCodeSet::reserve: MoE ",
+                "layer ", m, "'s codes have no place (CudaFp8ExpertCodeSet::place named no such layer)");
+      q.q_gate_up = reinterpret_cast<uint8_t*>(bf16_ + placed_offsets_[m].first);
+      q.q_gate_up_t = q.q_gate_up + E * I2 * D;
+      q.q_down = reinterpret_cast<uint8_t*>(bf16_ + placed_offsets_[m].second);
+      q.q_down_t = q.q_down + E * D * I;
+      continue;
+    }
+    g.grow<uint8_t>(q.gate_up, E * I2 * D, "FP8 expert gate_up codes");
+    g.grow<uint8_t>(q.gate_up_t, E * D * I2, "FP8 expert gate_up transposed codes");
+    g.grow<uint8_t>(q.down, E * D * I, "FP8 expert down codes");
+    g.grow<uint8_t>(q.down_t, E * I * D, "FP8 expert down transposed codes");
+    q.q_gate_up = q.gate_up.as<uint8_t>();
+    q.q_gate_up_t = q.gate_up_t.as<uint8_t>();
+    q.q_down = q.down.as<uint8_t>();
+    q.q_down_t = q.down_t.as<uint8_t>();
   }
 }
 
@@ -87,13 +121,21 @@ CudaFp8ExpertCodes& CudaFp8ExpertCodeSet::at(int64_t m, const char* what) {
 void CudaFp8ExpertCodeSet::refresh(const CudaBlockContext& c, int64_t m, const LayerParams& p, cuda::Stream stream) {
   CudaFp8ExpertCodes& q = at(m, "CudaFp8ExpertCodeSet::refresh");
   if (q.version == c.params_version) return;
-  const uint16_t* P = c.params;
-  cuda::fp8_quantize_weights(P + p.experts_gate_up, experts_, 2 * inner_, d_, Fp8Format::kE4M3,
-                             q.gate_up.as<uint8_t>(), q.s_gate_up.as<float>(), q.gate_up_t.as<uint8_t>(),
-                             q.s_gate_up_t.as<float>(), nullptr, stream, rule_);
-  cuda::fp8_quantize_weights(P + p.experts_down, experts_, d_, inner_, Fp8Format::kE4M3, q.down.as<uint8_t>(),
-                             q.s_down.as<float>(), q.down_t.as<uint8_t>(), q.s_down_t.as<float>(), nullptr, stream,
-                             rule_);
+  if (placed()) {  // the BF16 copy is not kept: the codes of the FP32 weights' BF16 rounding
+    cuda::fp8_quantize_weights_bf16_rounded(f32_ + p.experts_gate_up, experts_, 2 * inner_, d_, Fp8Format::kE4M3,
+                                            q.q_gate_up, q.s_gate_up.as<float>(), q.q_gate_up_t,
+                                            q.s_gate_up_t.as<float>(), nullptr, stream, rule_);
+    cuda::fp8_quantize_weights_bf16_rounded(f32_ + p.experts_down, experts_, d_, inner_, Fp8Format::kE4M3, q.q_down,
+                                            q.s_down.as<float>(), q.q_down_t, q.s_down_t.as<float>(), nullptr, stream,
+                                            rule_);
+  } else {
+    const uint16_t* P = c.params;
+    cuda::fp8_quantize_weights(P + p.experts_gate_up, experts_, 2 * inner_, d_, Fp8Format::kE4M3, q.q_gate_up,
+                               q.s_gate_up.as<float>(), q.q_gate_up_t, q.s_gate_up_t.as<float>(), nullptr, stream,
+                               rule_);
+    cuda::fp8_quantize_weights(P + p.experts_down, experts_, d_, inner_, Fp8Format::kE4M3, q.q_down,
+                               q.s_down.as<float>(), q.q_down_t, q.s_down_t.as<float>(), nullptr, stream, rule_);
+  }
   q.version = c.params_version;
 }
 
@@ -107,10 +149,10 @@ std::vector<CudaFp8ExpertTensor> CudaFp8ExpertCodeSet::tensors(const std::vector
   std::vector<CudaFp8ExpertTensor> out;
   for (const LayerParams& p : layers) {
     CudaFp8ExpertCodes& q = at(p.moe_index, "CudaFp8ExpertCodeSet::tensors");
-    out.push_back({p.experts_gate_up, experts_, 2 * inner_, d_, q.gate_up.as<uint8_t>(), q.s_gate_up.as<float>(),
-                   q.gate_up_t.as<uint8_t>(), q.s_gate_up_t.as<float>(), rule_});
-    out.push_back({p.experts_down, experts_, d_, inner_, q.down.as<uint8_t>(), q.s_down.as<float>(),
-                   q.down_t.as<uint8_t>(), q.s_down_t.as<float>(), rule_});
+    out.push_back({p.experts_gate_up, experts_, 2 * inner_, d_, q.q_gate_up, q.s_gate_up.as<float>(), q.q_gate_up_t,
+                   q.s_gate_up_t.as<float>(), rule_});
+    out.push_back({p.experts_down, experts_, d_, inner_, q.q_down, q.s_down.as<float>(), q.q_down_t,
+                   q.s_down_t.as<float>(), rule_});
   }
   return out;
 }
@@ -177,6 +219,13 @@ void CudaLocalExperts::refresh_fp8(const CudaBlockContext& c, const std::vector<
               "'s codes are being quantised on the side stream (prepare without its forward)");
     fp8_.refresh(c, p.moe_index, p, c.stream);
   }
+}
+
+void CudaLocalExperts::place_fp8_codes(const std::vector<LayerParams>& layers, uint16_t* bf16, const float* f32) {
+  MOE_CHECK(fp8_on_ && d_ % 128 == 0 && inner_ % 128 == 0, "CudaLocalExperts::place_fp8_codes: the codes an update ",
+            "writes are FP8 experts' of whole 128 x 128 blocks (fp8 ", fp8_on_ ? "on" : "off", ", D ", d_, ", I ",
+            inner_, ")");
+  fp8_.place(layers, bf16, f32);
 }
 
 void CudaLocalExperts::prepare(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p) {
@@ -602,6 +651,13 @@ std::vector<CudaFp8ExpertTensor> CudaRowwiseExperts::fp8_weight_tensors(const st
 }
 
 void CudaRowwiseExperts::fp8_codes_follow(int64_t from, int64_t to) { fp8_.follow(from, to); }
+
+void CudaRowwiseExperts::place_fp8_codes(const std::vector<LayerParams>& layers, uint16_t* bf16, const float* f32) {
+  MOE_CHECK(fp8_on_ && d_ % 128 == 0 && inner_ % 128 == 0, "CudaRowwiseExperts::place_fp8_codes: the codes an ",
+            "update writes are FP8 experts' of whole 128 x 128 blocks (fp8 ", fp8_on_ ? "on" : "off", ", D ", d_,
+            ", I ", inner_, ")");
+  fp8_.place(layers, bf16, f32);
+}
 
 void CudaRowwiseExperts::refresh_fp8(const CudaBlockContext& c, const std::vector<LayerParams>& layers) {
   if (!fp8_on_) return;

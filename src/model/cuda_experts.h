@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "core/config.h"
@@ -88,6 +89,10 @@ class CudaExperts {
   virtual void fp8_codes_follow(int64_t /*from*/, int64_t /*to*/) {}
   // Quantises each of `layers`' codes that is stale at c.params_version, on c.stream. Nothing by default.
   virtual void refresh_fp8(const CudaBlockContext& /*c*/, const std::vector<LayerParams>& /*layers*/) {}
+  // Under set_fp8, before reserve: the weight codes of `layers` kept in the place of those weights'
+  // BF16 copy in the flat BF16 parameters bf16 and quantised from the FP32 ones at f32
+  // (CudaFp8ExpertCodeSet::place). Refused by experts that keep no such codes.
+  virtual void place_fp8_codes(const std::vector<LayerParams>& layers, uint16_t* bf16, const float* f32);
 
   // Saved rows of every MoE layer and the scratch for `rows` (R = N*K) routed rows per layer.
   virtual void reserve(int64_t rows, CudaBufferGrower& g) = 0;
@@ -142,23 +147,35 @@ struct CudaExpertsSaved {
 // One MoE layer's expert weights in FP8 (cuda::Fp8ExpertWeights): gate_up [E, 2I, D] and down
 // [E, D, I] as E4M3 codes with their 128 x 128 block scales, and their transposed copies (the
 // data gradients' B), quantised from the BF16 copy at parameter version `version` (-1: never).
+// The codes are at the q_* pointers: in the buffers here, or where CudaFp8ExpertCodeSet::place
+// put them (the buffers then stay empty).
 struct CudaFp8ExpertCodes {
   cuda::DeviceBuffer gate_up, s_gate_up, gate_up_t, s_gate_up_t, down, s_down, down_t, s_down_t;
+  uint8_t *q_gate_up = nullptr, *q_gate_up_t = nullptr, *q_down = nullptr, *q_down_t = nullptr;
   int64_t version = -1;
 };
 
 // The FP8 codes of every MoE layer's experts on this GPU (E experts, gate_up [E, 2I, D] and down
 // [E, D, I] each), as the FP8 experts (local or behind the rowwise exchange) keep them: grown by
-// reserve, quantised from the BF16 copy when the parameters' version moves, and handed to the
-// update that writes them itself (CudaExperts::fp8_weight_tensors).
+// reserve (or placed in the weights' BF16 copy), quantised from the BF16 weights when the
+// parameters' version moves, and handed to the update that writes them itself
+// (CudaExperts::fp8_weight_tensors).
 class CudaFp8ExpertCodeSet {
  public:
+  // Before reserve: each layer's codes and transposed codes (1 + 1 bytes per parameter) in the
+  // place of its weights' BF16 copy (2 bytes per parameter at bf16 + the tensor's offset), which
+  // is then not kept, and quantised from the FP32 weights at f32 (their BF16 rounding: the same
+  // codes). For an update that writes the codes and no BF16 copy of these tensors
+  // (CudaModel::set_fp8_codes_in_bf16_copy). Offsets 8-element aligned.
+  void place(const std::vector<LayerParams>& layers, uint16_t* bf16, const float* f32);
+  bool placed() const { return f32_ != nullptr; }
   // Codes for `layers` MoE layers of `experts` experts (D = d, I = inner).
   void reserve(int64_t layers, int64_t experts, int64_t d, int64_t inner, CudaBufferGrower& g);
   int64_t layers() const { return int64_t(codes_.size()); }
   // Whether layer m's codes are those of the parameters at `version`.
   bool current(int64_t m, int64_t version) const { return codes_[size_t(m)].version == version; }
-  // Layer m's codes from the BF16 weights at p (c.params), on `stream`, when stale at c.params_version.
+  // Layer m's codes from the BF16 weights at p (c.params; placed: the BF16 rounding of the FP32
+  // weights), on `stream`, when stale at c.params_version.
   void refresh(const CudaBlockContext& c, int64_t m, const LayerParams& p, cuda::Stream stream);
   cuda::Fp8ExpertWeights view(int64_t m) const;
   // The weight tensors of `layers` with their code buffers (CudaExperts::fp8_weight_tensors).
@@ -174,6 +191,10 @@ class CudaFp8ExpertCodeSet {
   int64_t experts_ = 0, d_ = 0, inner_ = 0;
   Fp8Rule rule_ = Fp8Rule::kBlocks;
   std::vector<CudaFp8ExpertCodes> codes_;
+  // place: the flat parameters and each MoE layer's (gate_up, down) offsets in them.
+  uint16_t* bf16_ = nullptr;
+  const float* f32_ = nullptr;
+  std::vector<std::pair<int64_t, int64_t>> placed_offsets_;
 };
 
 // Every expert on this GPU: cuda::experts_* on the dispatched rows, sync-free and capturable;
@@ -190,6 +211,7 @@ class CudaLocalExperts final : public CudaExperts {
   std::vector<CudaFp8ExpertTensor> fp8_weight_tensors(const std::vector<LayerParams>& layers) override;
   void fp8_codes_follow(int64_t from, int64_t to) override;
   void refresh_fp8(const CudaBlockContext& c, const std::vector<LayerParams>& layers) override;
+  void place_fp8_codes(const std::vector<LayerParams>& layers, uint16_t* bf16, const float* f32) override;
   cuda::Fp8Rows fp8_input_rows(int64_t rows) override;
   bool recomputes_outputs() const override { return true; }
   void recompute(const CudaBlockContext& c, int64_t moe_index, const LayerParams& p, const int32_t* offsets_E1,
@@ -369,6 +391,7 @@ class CudaRowwiseExperts final : public CudaExperts {
   std::vector<CudaFp8ExpertTensor> fp8_weight_tensors(const std::vector<LayerParams>& layers) override;
   void fp8_codes_follow(int64_t from, int64_t to) override;
   void refresh_fp8(const CudaBlockContext& c, const std::vector<LayerParams>& layers) override;
+  void place_fp8_codes(const std::vector<LayerParams>& layers, uint16_t* bf16, const float* f32) override;
 
  private:
   cuda::DeviceBuffer& gate_up_rows(int64_t m) {

@@ -55,6 +55,7 @@ struct CudaModel::Impl {
   std::unique_ptr<cuda::GemmHandle> gemm;
   CudaBufferGrower grower;  // counts buffer reallocations
   DeviceBuffer params, params_bf16, grads;
+  bool fp8_codes_placed = false;  // CudaModel::set_fp8_codes_in_bf16_copy's codes placed (at the first reserve)
   int64_t emb = 0;
   // prepare_grads_for_step: the flat ranges it zeroes (every gradient no single GEMM writes whole,
   // alignment padding included), and whether the next backward writes the others (cleared by backward()).
@@ -343,7 +344,8 @@ std::vector<CudaFp8ExpertTensor> CudaModel::fp8_expert_tensors() {
 }
 
 void CudaModel::mark_params_changed() {
-  MOE_CHECK(!expert_bf16_stale_, "CudaModel::mark_params_changed: the routed experts' BF16 copy is stale (the ",
+  MOE_CHECK(!expert_bf16_stale_ || fp8_codes_in_bf16_copy_,
+            "CudaModel::mark_params_changed: the routed experts' BF16 copy is stale (the ",
             "update wrote only their FP8 codes), so the next forward cannot quantise them from it; refresh_bf16 ",
             "after changing the FP32 weights");
   ++params_version_;
@@ -489,6 +491,15 @@ void CudaModel::set_fp8(bool on, Fp8Rule rule) {
   fp8_ = on;
 }
 
+void CudaModel::set_fp8_codes_in_bf16_copy(bool on) {
+  if (on == fp8_codes_in_bf16_copy_) return;
+  Impl& I = *impl_;
+  MOE_CHECK(!I.reserved, "CudaModel::set_fp8_codes_in_bf16_copy: set before the first forward or reserve");
+  MOE_CHECK(!on || (fp8_ && I.moe.experts && !I.moe_params.empty()), "CudaModel::set_fp8_codes_in_bf16_copy: the ",
+            "experts' FP8 codes exist under train.precision = \"fp8\" in a model with MoE layers");
+  fp8_codes_in_bf16_copy_ = on;
+}
+
 void CudaModel::reserve_forward(int64_t batch, int64_t seq) {
   Impl& I = *impl_;
   I.reserved = true;
@@ -516,6 +527,10 @@ void CudaModel::reserve_forward(int64_t batch, int64_t seq) {
   }
   if (num_moe_layers_ > 0) {
     CudaMoeLayer::reserve_shared(ecfg_, d, batch, seq, I.moe, g);
+    if (fp8_codes_in_bf16_copy_ && !I.fp8_codes_placed) {
+      I.moe.experts->place_fp8_codes(I.moe_params, params_bf16(), params());
+      I.fp8_codes_placed = true;
+    }
     I.moe.experts->reserve(rows, g);
   }
 }

@@ -178,6 +178,17 @@ class CudaModel {
   // Before the first forward or reserve (refused after).
   void set_fp8(bool on, Fp8Rule rule = Fp8Rule::kBlocks);
   bool fp8() const { return fp8_; }
+  // Under set_fp8, for a step whose update writes the experts' codes (cuda::adamw_apply_fp8_weights,
+  // the update at the end of the step: RunPlan::fp8_codes_in_bf16_copy): each MoE layer's expert
+  // weight codes and their transposed copy (1 + 1 bytes per parameter) live where the experts'
+  // BF16 copy was (2 bytes per parameter of params_bf16()), which is then not kept, and are
+  // quantised from the FP32 weights' BF16 rounding when stale (after load_params, refresh_bf16,
+  // init_params_device): the same codes, and the BF16 copy's 2 bytes per expert parameter saved.
+  // Nothing may then read or write the experts' part of params_bf16() as BF16 but refresh_bf16
+  // (whose codes it leaves stale), nor update their weights without writing their codes. Local or
+  // rowwise experts with D and I multiples of 128. Before the first forward or reserve.
+  void set_fp8_codes_in_bf16_copy(bool on);
+  bool fp8_codes_in_bf16_copy() const { return fp8_codes_in_bf16_copy_; }
   // Counts changes to the BF16 copy: load_params, refresh_bf16 and init_params_device bump it
   // themselves; whoever updates the BF16 copy on the device otherwise (the optimizer step) calls
   // mark_params_changed() once that update is enqueued, and before any forward that must see it.
@@ -337,6 +348,7 @@ class CudaModel {
   Recompute recompute_ = Recompute::kNone;
   bool fuse_head_backward_ = false;
   bool fp8_ = false;
+  bool fp8_codes_in_bf16_copy_ = false;
   bool expert_squares_on_ = false;
   int64_t params_version_ = 0;
   bool expert_bf16_stale_ = false;  // mark_params_changed_with_expert_codes ran since refresh_bf16

@@ -337,6 +337,9 @@ struct CudaStepRunner::Impl {
     if (std::any_of(fp8_tensors.begin(), fp8_tensors.end(),
                     [](const CudaFp8ExpertTensor& t) { return t.n % 128 != 0 || t.k % 128 != 0; }))
       fp8_tensors.clear();
+    MOE_CHECK(!model.fp8_codes_in_bf16_copy() || !fp8_tensors.empty(), "CudaStepRunner: the experts' FP8 codes ",
+              "are in their BF16 copy's place, so the update must write them, but the experts have no whole-block ",
+              "codes for it");
     if (fp8_tensors.empty()) return;
     // Both lists in offset order: each expert tensor is the next segment of the layout that starts there.
     std::sort(fp8_tensors.begin(), fp8_tensors.end(),
@@ -790,6 +793,11 @@ CudaStepRunner::CudaStepRunner(const Config& cfg, const RunPlan& plan, cuda::Ncc
   Impl& I = *impl_;
   MOE_CHECK(plan.sizes.dp == I.dp_size && plan.micro_steps > 0, "CudaStepRunner: the run plan is for dp = ",
             plan.sizes.dp, " but the data-parallel NCCL group has ", I.dp_size, " rank(s)");
+  if (plan.fp8_codes_in_bf16_copy) {
+    MOE_CHECK(!I.zero && !I.deferred, "CudaStepRunner: the run plan keeps the experts' FP8 codes in their BF16 ",
+              "copy's place, which needs the update at the end of the step (no ZeRO-1, no deferred update)");
+    I.model.set_fp8_codes_in_bf16_copy(true);
+  }
   const int64_t total = I.model.layout().total_numel();
   const size_t bytes = size_t(std::max<int64_t>(1, I.moment_numel())) * sizeof(float);
   I.exp_avg.reserve(bytes);

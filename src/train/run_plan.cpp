@@ -84,6 +84,10 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   p.norm_from_expert_squares = device == "cuda" && dp == 1 && ep == 1 && p.sizes.pp == 1 &&
                                cfg.parallel.ep_backend != "rowwise" && p.micro_steps == 1 &&
                                num_moe_layers(cfg.model) > 0 && !separate_norm;
+  p.fp8_codes_in_bf16_copy = device == "cuda" && cfg.train.precision == "fp8" && num_moe_layers(cfg.model) > 0 &&
+                             !p.zero && !cfg.optim.deferred_update && p.sizes.pp == 1 &&
+                             (p.sizes.ep == 1 || cfg.parallel.ep_backend == "rowwise") &&
+                             cfg.model.d_model % 128 == 0 && cfg.moe.expert_hidden % 128 == 0;
   p.tokens_per_micro_batch =
       checked_mul(p.micro_batch, p.seq_len, "tokens per micro-batch (train.micro_batch x train.seq_len)");
   p.tokens_per_step = checked_mul(p.global_batch, p.seq_len, "tokens per step (train.global_batch x train.seq_len)");
@@ -200,8 +204,10 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   } else {
     // FP8 experts and MLPs: each weight's E4M3 codes and their transposed copy, and both copies'
     // 128 x 128 block scales (FP32; padding not counted).
+    // Where the experts' codes take their BF16 copy's place (p.fp8_codes_in_bf16_copy), only their scales.
     const double fp8_weights = (fp8_experts ? double(m.expert_params) : 0.0) + fp8_dense_params;
-    m.fp8_codes = fp8_weights * (2.0 + 2.0 * 4.0 / (128.0 * 128.0));
+    const double per_scales = 2.0 * 4.0 / (128.0 * 128.0);
+    m.fp8_codes = fp8_weights * (2.0 + per_scales) - (p.fp8_codes_in_bf16_copy ? 2.0 * double(m.expert_params) : 0.0);
     m.params = 6.0 * n + m.fp8_codes;  // FP32 master + BF16 copy (whole on every rank, also under ZeRO-1)
     if (ep > 1) m.exchange = moe_layers * rows * (2.0 * d + 8.0) + 2.0 * rows * 2.0 * d;
     // FP8 under expert parallelism: the packed rows this rank sends (cpu::fp8_row_payload_bytes:

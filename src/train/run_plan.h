@@ -29,6 +29,7 @@ struct MemoryEstimate {
   int64_t expert_params = 0;  // of which in this rank's expert tensors
   double params = 0;         // FP32 master weights (cuda: plus the BF16 copy; fp8: plus fp8_codes)
   double fp8_codes = 0;      // of params under fp8 on cuda: the expert and FP8 MLP weights' codes and scales
+                             // (the experts' scales only where the codes take their BF16 copy's place)
   double grads = 0;          // FP32 gradients
   double moments = 0;        // two FP32 AdamW moments (this rank's ZeRO-1 shard when plan.zero)
   double moments_replicated = 0;  // 8 per local parameter
@@ -56,6 +57,11 @@ struct RunPlan {
   // (dp, ep, pp of 1, no rowwise exchange), one micro-step, MoE layers, and MOECORE_GRAD_NORM
   // unset, empty or "fused" ("separate": the norm's own pass over every gradient).
   bool norm_from_expert_squares = false;
+  // FP8 on the GPU with the update at the end of each step (no ZeRO-1, no deferred update, one
+  // stage, local or rowwise experts, D and the expert hidden size multiples of 128): that update
+  // writes the experts' weight codes, which live in the place of the experts' BF16 copy
+  // (CudaModel::set_fp8_codes_in_bf16_copy), so the codes cost no memory beyond their scales.
+  bool fp8_codes_in_bf16_copy = false;
   int64_t micro_batches = 0;   // micro-batches of the global batch: dp x micro_steps
   int64_t tokens_per_micro_batch = 0;
   int64_t tokens_per_step = 0;  // global_batch x seq_len, over every rank

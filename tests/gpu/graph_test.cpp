@@ -23,6 +23,7 @@
 #include "model/model.h"
 #include "support/test_util.h"
 #include "train/cuda_step.h"
+#include "train/run_plan.h"
 
 namespace moe::testing {
 namespace {
@@ -433,6 +434,23 @@ TEST(CudaStep, Fp8CodesFollowTheUpdateAndALoadedState) {
   // The load took effect: step 4 starts again from other weights, so its loss is not step 3's trend.
   const RunResult plain = run_steps(c, true, kSteps);
   EXPECT_NE(plain.steps[3].ce_sum, graph.steps[3].ce_sum);
+}
+
+// With the update at the end of the step the experts' codes take the place of their BF16 copy
+// (RunPlan::fp8_codes_in_bf16_copy; the steps are the deferred update's bit for bit, above): the
+// model holds 2 bytes per expert parameter fewer than with the deferred update, which keeps both.
+TEST(CudaStep, Fp8ExpertCodesTakeTheirBf16CopysPlace) {
+  MOE_SKIP_WITHOUT_GPU();
+  Config c = step_config();
+  c.train.precision = "fp8";
+  CudaStepRunner at_end(c);
+  ASSERT_TRUE(at_end.model().fp8_codes_in_bf16_copy());
+  c.optim.deferred_update = true;
+  CudaStepRunner deferred(c);
+  EXPECT_FALSE(deferred.model().fp8_codes_in_bf16_copy());
+  const int64_t experts = make_run_plan(c, 1, "cuda").memory.expert_params;
+  ASSERT_GT(experts, 0);
+  EXPECT_EQ(deferred.model().device_bytes() - at_end.model().device_bytes(), 2 * experts);
 }
 
 // Experts whose weights are not whole 128 x 128 blocks (expert hidden 192) keep the quantisation in

@@ -150,14 +150,18 @@ TEST(RunPlan, Olmoe8lGpuEstimateMatchesMeasuredPeaks) {
 }
 
 // train.precision = "fp8" on cuda: each expert parameter's two FP8 code copies and their scales
-// on top of the BF16 plan, and the FP8 activation workspace in the scratch; on cpu nothing changes
-// (the emulation keeps FP32 tensors). The olmoe-8l figure is the measured device_alloc peak of
-// bench/results/fp8-attention-20261203/olmoe-8l-fp8.log (one H200).
+// on top of the BF16 plan (with the update at the end of the step the codes take the place of the
+// experts' BF16 copy: their scales only), and the FP8 activation workspace in the scratch; on cpu
+// nothing changes (the emulation keeps FP32 tensors). The figures of the layout that keeps both
+// (the deferred update's) are the measured device_alloc peaks of
+// bench/results/fp8-attention-20261203/olmoe-8l-fp8.log (one H200), where every FP8 step kept both.
 TEST(RunPlan, Fp8AddsTheExpertCodesAndTheirWorkspace) {
   Config c = load_config(kOlmoe8l, {});
+  c.optim.deferred_update = true;
   const RunPlan bf16 = make_run_plan(c, 1, "cuda");
   c.train.precision = "fp8";
   const RunPlan fp8 = make_run_plan(c, 1, "cuda");
+  EXPECT_FALSE(fp8.fp8_codes_in_bf16_copy);
   const double experts = double(fp8.memory.expert_params);
   EXPECT_GT(experts, 0.0);
   // The attention projections (Wq, Wk, Wv, Wo: D, Q and C are 2048) have codes too.
@@ -172,11 +176,16 @@ TEST(RunPlan, Fp8AddsTheExpertCodesAndTheirWorkspace) {
                    rows * widest + rows * std::ceil(widest / 128.0) * 4.0 +  // expert rows
                        tokens * qkv + 2.0 * tokens * (qkv / 128.0) * 4.0 + 3.0 * qkv * d / (128.0 * 128.0) * 4.0);
   EXPECT_NEAR(fp8.memory.total() / kGiB, 89.75, 0.01);
+  c.optim.deferred_update = false;
+  const RunPlan at_end = make_run_plan(c, 1, "cuda");
+  EXPECT_TRUE(at_end.fp8_codes_in_bf16_copy);
+  EXPECT_DOUBLE_EQ(fp8.memory.total() - at_end.memory.total(), 2.0 * experts);
   // scaling-e8 (a dense MLP of 20480 and a shared expert per MoE layer, all in FP8): measured
   // peaks 99.20 GiB (bf16) and 106.85 GiB (fp8) in one call (bench/results/fp8-attention-20261203/),
   // the estimates 0.13 and 0.12 GiB below them.
   Config e8 = load_config(std::string(MOECORE_SOURCE_DIR) + "/configs/scaling-e8.toml", {});
   e8.moe.capacity_factor = 0;
+  e8.optim.deferred_update = true;
   const double e8_bf16 = make_run_plan(e8, 1, "cuda").memory.total() / kGiB;
   e8.train.precision = "fp8";
   const RunPlan e8_fp8 = make_run_plan(e8, 1, "cuda");
@@ -445,8 +454,9 @@ TEST(Planner, ZeroShardsAndCommunication) {
 }
 
 // train.precision = "fp8": the plan's memory is the FP8 run plan's (the weights' codes and the FP8
-// workspaces; olmoe-8l's 89.75 GiB, 6 of its layers fit an 80 GB GPU), the table shows the codes,
-// and the step time says it is from BF16 rates. A CPU config's fp32 is planned as BF16.
+// workspaces; olmoe-8l's 83.76 GiB with the experts' codes in their BF16 copy's place, 89.75 GiB
+// with the deferred update, which keeps both; 6 of its layers fit an 80 GB GPU), the table shows
+// the codes, and the step time says it is from BF16 rates. A CPU config's fp32 is planned as BF16.
 TEST(Planner, Fp8PlansItsMemory) {
   Config c = load_config(kOlmoe8l, {});
   const LayoutPlan bf16 = plan_layout(c, LayoutRequest{}, 139.8);
@@ -454,8 +464,19 @@ TEST(Planner, Fp8PlansItsMemory) {
   const LayoutPlan fp8 = plan_layout(c, LayoutRequest{}, 79.6);
   Config run = c;
   run.train.device = "cuda";
-  EXPECT_DOUBLE_EQ(fp8.modes[0].memory_total, make_run_plan(run, 1, "cuda").memory.total());
-  EXPECT_NEAR(fp8.modes[0].memory_total / kGiB, 89.75, 0.01);
+  const RunPlan run_plan = make_run_plan(run, 1, "cuda");
+  EXPECT_TRUE(run_plan.fp8_codes_in_bf16_copy);
+  EXPECT_DOUBLE_EQ(fp8.modes[0].memory_total, run_plan.memory.total());
+  EXPECT_NEAR(fp8.modes[0].memory_total / kGiB, 83.76, 0.01);
+  run.optim.deferred_update = true;
+  const RunPlan deferred = make_run_plan(run, 1, "cuda");
+  EXPECT_FALSE(deferred.fp8_codes_in_bf16_copy);
+  EXPECT_NEAR(deferred.memory.total() / kGiB, 89.75, 0.01);
+  // The codes' two bytes per expert parameter, which the BF16 copy's place holds otherwise.
+  EXPECT_DOUBLE_EQ(deferred.memory.fp8_codes - run_plan.memory.fp8_codes, 2.0 * double(run_plan.memory.expert_params));
+  run.optim.deferred_update = false;
+  run.moe.expert_hidden = 1040;  // not whole 128 x 128 blocks: the forward quantises from the BF16 copy
+  EXPECT_FALSE(make_run_plan(run, 1, "cuda").fp8_codes_in_bf16_copy);
   EXPECT_GT(fp8.modes[0].memory_total, bf16.modes[0].memory_total);
   EXPECT_FALSE(fp8.modes[0].fits);
   const std::string text = describe_layout_plan(fp8);
