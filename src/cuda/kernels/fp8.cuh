@@ -18,13 +18,12 @@ namespace moe::cuda::kernels {
 
 constexpr int kFp8MaxThreads = 256;
 
-// An FP32 value read as its BF16 rounding (round-to-nearest-even, as cast_f32_to_bf16 and the
-// optimizer's BF16 copy round): the quantisers on FP32 memory give the codes of the BF16 copy.
+// An FP32 value read as its BF16 rounding (round_to_bf16: round-to-nearest-even, as
+// cast_f32_to_bf16 and the optimizer's BF16 copy round): the quantisers on FP32 memory give the
+// codes of the BF16 copy.
 struct Bf16OfF32 {
   float v;
 };
-
-__device__ __forceinline__ float bf16_rounded(float x) { return __uint_as_float(uint32_t{f32_to_bf16_bits(x)} << 16); }
 
 template <typename T>
 __device__ __forceinline__ float fp8_load(const T* x, int64_t i);
@@ -38,7 +37,7 @@ __device__ __forceinline__ float fp8_load<uint16_t>(const uint16_t* x, int64_t i
 }
 template <>
 __device__ __forceinline__ float fp8_load<Bf16OfF32>(const Bf16OfF32* x, int64_t i) {
-  return bf16_rounded(x[i].v);
+  return bf16_bits_to_f32(f32_to_bf16_bits(x[i].v));
 }
 
 
@@ -184,8 +183,7 @@ __device__ __forceinline__ void fp8_load8<float>(const float* x, int64_t at, flo
 template <>
 __device__ __forceinline__ void fp8_load8<Bf16OfF32>(const Bf16OfF32* x, int64_t at, float (&v)[8]) {
   fp8_load8(reinterpret_cast<const float*>(x), at, v);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = bf16_rounded(v[i]);
+  round_to_bf16(v);
 }
 template <>
 __device__ __forceinline__ void fp8_load8<uint16_t>(const uint16_t* x, int64_t at, float (&v)[8]) {
