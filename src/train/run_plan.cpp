@@ -203,11 +203,11 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
     if (ep > 1) m.exchange = 2.0 * rows * d * 4.0;  // the send and receive row blocks of one exchange
   } else {
     // FP8 experts and MLPs: each weight's E4M3 codes and their transposed copy, and both copies'
-    // 128 x 128 block scales (FP32; padding not counted).
-    // Where the experts' codes take their BF16 copy's place (p.fp8_codes_in_bf16_copy), only their scales.
-    const double fp8_weights = (fp8_experts ? double(m.expert_params) : 0.0) + fp8_dense_params;
-    const double per_scales = 2.0 * 4.0 / (128.0 * 128.0);
-    m.fp8_codes = fp8_weights * (2.0 + per_scales) - (p.fp8_codes_in_bf16_copy ? 2.0 * double(m.expert_params) : 0.0);
+    // 128 x 128 block scales (FP32; padding not counted); the experts' codes only their scales where
+    // they take the place of the experts' BF16 copy (p.fp8_codes_in_bf16_copy).
+    const double scales = 2.0 * 4.0 / (128.0 * 128.0);
+    const double expert_bytes = p.fp8_codes_in_bf16_copy ? scales : 2.0 + scales;
+    m.fp8_codes = (fp8_experts ? double(m.expert_params) * expert_bytes : 0.0) + fp8_dense_params * (2.0 + scales);
     m.params = 6.0 * n + m.fp8_codes;  // FP32 master + BF16 copy (whole on every rank, also under ZeRO-1)
     if (ep > 1) m.exchange = moe_layers * rows * (2.0 * d + 8.0) + 2.0 * rows * 2.0 * d;
     // FP8 under expert parallelism: the packed rows this rank sends (cpu::fp8_row_payload_bytes:
