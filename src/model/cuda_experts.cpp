@@ -67,22 +67,24 @@ void check_fp8_rule(bool on, Fp8Rule rule, int64_t d, int64_t inner) {
 }  // namespace
 
 void CudaFp8ExpertCodeSet::place(const std::vector<LayerParams>& layers, uint16_t* bf16, const float* f32) {
-  MOE_CHECK(codes_.empty(), "CudaFp8ExpertCodeSet::place: the codes are reserved already (place before reserve)");
+  MOE_CHECK(experts_ == 0 && !placed(), "CudaFp8ExpertCodeSet::place: the codes are reserved or placed already");
   MOE_CHECK(bf16 != nullptr && f32 != nullptr, "CudaFp8ExpertCodeSet::place: null parameters");
-  placed_offsets_.clear();
   for (const LayerParams& p : layers) {
     MOE_CHECK(p.moe_index >= 0 && p.experts_gate_up >= 0 && p.experts_down >= 0 && p.experts_gate_up % 8 == 0 &&
                   p.experts_down % 8 == 0,
               "CudaFp8ExpertCodeSet::place: MoE layer ", p.moe_index, "'s expert weights at offsets ",
               p.experts_gate_up, " and ", p.experts_down, " (expected 8-element aligned offsets: 16-byte codes)");
-    if (size_t(p.moe_index) >= placed_offsets_.size()) placed_offsets_.resize(size_t(p.moe_index) + 1, {-1, -1});
-    placed_offsets_[size_t(p.moe_index)] = {p.experts_gate_up, p.experts_down};
+    if (size_t(p.moe_index) >= codes_.size()) codes_.resize(size_t(p.moe_index) + 1);
+    CudaFp8ExpertCodes& q = codes_[size_t(p.moe_index)];
+    q.q_gate_up = reinterpret_cast<uint8_t*>(bf16 + p.experts_gate_up);
+    q.q_down = reinterpret_cast<uint8_t*>(bf16 + p.experts_down);
   }
-  bf16_ = bf16;
   f32_ = f32;
 }
 
 void CudaFp8ExpertCodeSet::reserve(int64_t layers, int64_t experts, int64_t d, int64_t inner, CudaBufferGrower& g) {
+  MOE_CHECK(!placed() || codes_.size() == size_t(layers), "CudaFp8ExpertCodeSet::reserve: the codes of ",
+            codes_.size(), " MoE layers are placed, ", layers, " reserved");
   experts_ = experts, d_ = d, inner_ = inner;
   codes_.resize(size_t(layers));
   const int64_t E = experts, D = d, I2 = 2 * inner, I = inner;
@@ -93,11 +95,9 @@ void CudaFp8ExpertCodeSet::reserve(int64_t layers, int64_t experts, int64_t d, i
     g.grow<float>(q.s_down, E * blocks128(D) * blocks128(I), "FP8 expert down scales");
     g.grow<float>(q.s_down_t, E * blocks128(I) * blocks128(D), "FP8 expert down transposed scales");
     if (placed()) {  // the codes, then the transposed codes, where the tensor's BF16 copy was
-      MOE_CHECK(m < placed_offsets_.size() && placed_offsets_[m].first >= 0, "CudaFp8ExpertCodeSet::reserve: MoE ",
-                "layer ", m, "'s codes have no place (CudaFp8ExpertCodeSet::place named no such layer)");
-      q.q_gate_up = reinterpret_cast<uint8_t*>(bf16_ + placed_offsets_[m].first);
+      MOE_CHECK(q.q_gate_up != nullptr && q.q_down != nullptr, "CudaFp8ExpertCodeSet::reserve: MoE layer ", m,
+                "'s codes have no place (CudaFp8ExpertCodeSet::place named no such layer)");
       q.q_gate_up_t = q.q_gate_up + E * I2 * D;
-      q.q_down = reinterpret_cast<uint8_t*>(bf16_ + placed_offsets_[m].second);
       q.q_down_t = q.q_down + E * D * I;
       continue;
     }
@@ -222,9 +222,6 @@ void CudaLocalExperts::refresh_fp8(const CudaBlockContext& c, const std::vector<
 }
 
 void CudaLocalExperts::place_fp8_codes(const std::vector<LayerParams>& layers, uint16_t* bf16, const float* f32) {
-  MOE_CHECK(fp8_on_ && d_ % 128 == 0 && inner_ % 128 == 0, "CudaLocalExperts::place_fp8_codes: the codes an update ",
-            "writes are FP8 experts' of whole 128 x 128 blocks (fp8 ", fp8_on_ ? "on" : "off", ", D ", d_, ", I ",
-            inner_, ")");
   fp8_.place(layers, bf16, f32);
 }
 
@@ -653,9 +650,6 @@ std::vector<CudaFp8ExpertTensor> CudaRowwiseExperts::fp8_weight_tensors(const st
 void CudaRowwiseExperts::fp8_codes_follow(int64_t from, int64_t to) { fp8_.follow(from, to); }
 
 void CudaRowwiseExperts::place_fp8_codes(const std::vector<LayerParams>& layers, uint16_t* bf16, const float* f32) {
-  MOE_CHECK(fp8_on_ && d_ % 128 == 0 && inner_ % 128 == 0, "CudaRowwiseExperts::place_fp8_codes: the codes an ",
-            "update writes are FP8 experts' of whole 128 x 128 blocks (fp8 ", fp8_on_ ? "on" : "off", ", D ", d_,
-            ", I ", inner_, ")");
   fp8_.place(layers, bf16, f32);
 }
 

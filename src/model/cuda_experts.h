@@ -11,7 +11,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <utility>
 #include <vector>
 
 #include "core/config.h"
@@ -166,7 +165,7 @@ class CudaFp8ExpertCodeSet {
   // place of its weights' BF16 copy (2 bytes per parameter at bf16 + the tensor's offset), which
   // is then not kept, and quantised from the FP32 weights at f32 (their BF16 rounding: the same
   // codes). For an update that writes the codes and no BF16 copy of these tensors
-  // (CudaModel::set_fp8_codes_in_bf16_copy). Offsets 8-element aligned.
+  // (CudaModel::keep_fp8_codes_in_bf16_copy). Offsets 8-element aligned; once only.
   void place(const std::vector<LayerParams>& layers, uint16_t* bf16, const float* f32);
   bool placed() const { return f32_ != nullptr; }
   // Codes for `layers` MoE layers of `experts` experts (D = d, I = inner).
@@ -191,10 +190,7 @@ class CudaFp8ExpertCodeSet {
   int64_t experts_ = 0, d_ = 0, inner_ = 0;
   Fp8Rule rule_ = Fp8Rule::kBlocks;
   std::vector<CudaFp8ExpertCodes> codes_;
-  // place: the flat parameters and each MoE layer's (gate_up, down) offsets in them.
-  uint16_t* bf16_ = nullptr;
-  const float* f32_ = nullptr;
-  std::vector<std::pair<int64_t, int64_t>> placed_offsets_;
+  const float* f32_ = nullptr;  // place: the FP32 weights the placed codes are quantised from
 };
 
 // Every expert on this GPU: cuda::experts_* on the dispatched rows, sync-free and capturable;

@@ -55,7 +55,6 @@ struct CudaModel::Impl {
   std::unique_ptr<cuda::GemmHandle> gemm;
   CudaBufferGrower grower;  // counts buffer reallocations
   DeviceBuffer params, params_bf16, grads;
-  bool fp8_codes_placed = false;  // CudaModel::set_fp8_codes_in_bf16_copy's codes placed (at the first reserve)
   int64_t emb = 0;
   // prepare_grads_for_step: the flat ranges it zeroes (every gradient no single GEMM writes whole,
   // alignment padding included), and whether the next backward writes the others (cleared by backward()).
@@ -343,16 +342,7 @@ std::vector<CudaFp8ExpertTensor> CudaModel::fp8_expert_tensors() {
   return I.moe.experts->fp8_weight_tensors(I.moe_params);
 }
 
-void CudaModel::mark_params_changed() {
-  MOE_CHECK(!expert_bf16_stale_ || fp8_codes_in_bf16_copy_,
-            "CudaModel::mark_params_changed: the routed experts' BF16 copy is stale (the ",
-            "update wrote only their FP8 codes), so the next forward cannot quantise them from it; refresh_bf16 ",
-            "after changing the FP32 weights");
-  ++params_version_;
-}
-
 void CudaModel::mark_params_changed_with_expert_codes() {
-  expert_bf16_stale_ = true;
   const int64_t from = params_version_++;
   if (impl_->moe.experts) impl_->moe.experts->fp8_codes_follow(from, params_version_);
 }
@@ -391,7 +381,6 @@ void CudaModel::reset_ep_traffic() { impl_->moe.experts->reset_traffic(); }
 
 void CudaModel::refresh_bf16() {
   cuda::cast_f32_to_bf16(params(), params_bf16(), layout_.total_numel(), stream_);
-  expert_bf16_stale_ = false;
   mark_params_changed();
 }
 
@@ -481,6 +470,8 @@ void CudaModel::set_fp8(bool on, Fp8Rule rule) {
   Impl& I = *impl_;
   if (on == fp8_ && rule == I.mlp_scratch.fp8.rule) return;
   MOE_CHECK(!I.reserved, "CudaModel::set_fp8: the precision is set before the first forward or reserve");
+  MOE_CHECK(on || !fp8_codes_in_bf16_copy_, "CudaModel::set_fp8: the experts' FP8 codes are kept in their BF16 ",
+            "copy's place (keep_fp8_codes_in_bf16_copy), so FP8 stays on");
   I.mlp_scratch.fp8.rule = rule;
   if (I.moe.experts) I.moe.experts->set_fp8(on, rule);
   for (Impl::Layer& layer : I.layers) {
@@ -491,13 +482,14 @@ void CudaModel::set_fp8(bool on, Fp8Rule rule) {
   fp8_ = on;
 }
 
-void CudaModel::set_fp8_codes_in_bf16_copy(bool on) {
-  if (on == fp8_codes_in_bf16_copy_) return;
+void CudaModel::keep_fp8_codes_in_bf16_copy() {
   Impl& I = *impl_;
-  MOE_CHECK(!I.reserved, "CudaModel::set_fp8_codes_in_bf16_copy: set before the first forward or reserve");
-  MOE_CHECK(!on || (fp8_ && I.moe.experts && !I.moe_params.empty()), "CudaModel::set_fp8_codes_in_bf16_copy: the ",
-            "experts' FP8 codes exist under train.precision = \"fp8\" in a model with MoE layers");
-  fp8_codes_in_bf16_copy_ = on;
+  MOE_CHECK(!I.reserved && !fp8_codes_in_bf16_copy_, "CudaModel::keep_fp8_codes_in_bf16_copy: once, before the ",
+            "first forward or reserve");
+  MOE_CHECK(fp8_ && I.moe.experts && !I.moe_params.empty(), "CudaModel::keep_fp8_codes_in_bf16_copy: the experts' ",
+            "FP8 codes exist under train.precision = \"fp8\" in a model with MoE layers");
+  I.moe.experts->place_fp8_codes(I.moe_params, params_bf16(), params());
+  fp8_codes_in_bf16_copy_ = true;
 }
 
 void CudaModel::reserve_forward(int64_t batch, int64_t seq) {
@@ -527,10 +519,6 @@ void CudaModel::reserve_forward(int64_t batch, int64_t seq) {
   }
   if (num_moe_layers_ > 0) {
     CudaMoeLayer::reserve_shared(ecfg_, d, batch, seq, I.moe, g);
-    if (fp8_codes_in_bf16_copy_ && !I.fp8_codes_placed) {
-      I.moe.experts->place_fp8_codes(I.moe_params, params_bf16(), params());
-      I.fp8_codes_placed = true;
-    }
     I.moe.experts->reserve(rows, g);
   }
 }

@@ -186,25 +186,22 @@ class CudaModel {
   // init_params_device): the same codes, and the BF16 copy's 2 bytes per expert parameter saved.
   // Nothing may then read or write the experts' part of params_bf16() as BF16 but refresh_bf16
   // (whose codes it leaves stale), nor update their weights without writing their codes. Local or
-  // rowwise experts with D and I multiples of 128. Before the first forward or reserve.
-  void set_fp8_codes_in_bf16_copy(bool on);
+  // rowwise experts. Once, before the first forward or reserve; FP8 stays on after it.
+  void keep_fp8_codes_in_bf16_copy();
   bool fp8_codes_in_bf16_copy() const { return fp8_codes_in_bf16_copy_; }
   // Counts changes to the BF16 copy: load_params, refresh_bf16 and init_params_device bump it
   // themselves; whoever updates the BF16 copy on the device otherwise (the optimizer step) calls
   // mark_params_changed() once that update is enqueued, and before any forward that must see it.
   int64_t params_version() const { return params_version_; }
-  // Refused while the experts' BF16 copy is stale (mark_params_changed_with_expert_codes): the
-  // forward would quantise their codes from it.
-  void mark_params_changed();
+  void mark_params_changed() { ++params_version_; }
   // The routed experts' weight tensors with the buffers of their FP8 codes (train.precision =
   // "fp8" with local experts; empty otherwise), for an update that writes the codes in its own pass
   // over the weights (cuda::adamw_apply_fp8_weights). After reserve.
   std::vector<CudaFp8ExpertTensor> fp8_expert_tensors();
   // mark_params_changed for an update that wrote the codes of every fp8_expert_tensors() tensor
-  // (from the BF16 rounding of the weights it wrote) and not those tensors' BF16 copy: the experts'
-  // codes that were current stay current, so the next forward does not quantise them again (the
-  // other FP8 weights are rebuilt as ever), and their BF16 copy is stale, read by nothing, until
-  // refresh_bf16 (or load_params, init_params_device) rewrites it.
+  // (from the BF16 rounding of the weights it wrote; in their BF16 copy's place,
+  // keep_fp8_codes_in_bf16_copy): the experts' codes that were current stay current, so the next
+  // forward does not quantise them again (the other FP8 weights are rebuilt as ever).
   void mark_params_changed_with_expert_codes();
   // Quantises the experts' stale FP8 codes now, on the model's stream: before a captured step, so
   // that its forward finds them current. Nothing without FP8 experts.
@@ -351,7 +348,6 @@ class CudaModel {
   bool fp8_codes_in_bf16_copy_ = false;
   bool expert_squares_on_ = false;
   int64_t params_version_ = 0;
-  bool expert_bf16_stale_ = false;  // mark_params_changed_with_expert_codes ran since refresh_bf16
   // Flat offsets where the gradients of the embedding [0], block l [l + 1] and the final norm and
   // LM head [n_layers + 1] begin (the layout holds them in this order).
   std::vector<int64_t> grads_ready_from_;

@@ -140,10 +140,10 @@ struct CudaStepRunner::Impl {
   bool bf16_reduce = false;
   cuda::DeviceBuffer reduce_stage;
   std::unique_ptr<cuda::ParamSegmentTable> segments;
-  // train.precision = "fp8" with the update at the end of the step (no ZeRO-1, no deferred
-  // update): the routed experts' weight tensors, updated by cuda::adamw_apply_fp8_weights, which
-  // writes their FP8 codes in the same pass (`segments` then leaves them out), so no forward
-  // quantises them again; empty otherwise.
+  // train.precision = "fp8" with the experts' codes in their BF16 copy's place (the run plan's
+  // fp8_codes_in_bf16_copy: the update at the end of the step): the routed experts' weight
+  // tensors, updated by cuda::adamw_apply_fp8_weights, which writes their FP8 codes in the same
+  // pass (`segments` then leaves them out), so no forward quantises them again; empty otherwise.
   std::vector<CudaFp8ExpertTensor> fp8_tensors;
   std::vector<cuda::ParamSegment> fp8_segments;  // [fp8_tensors]
   cuda::DeviceBuffer exp_avg, exp_avg_sq, norm_ws, opt_scalars;
@@ -328,19 +328,17 @@ struct CudaStepRunner::Impl {
     }
   }
 
-  // After model.reserve (the experts' code buffers exist): the FP8 experts' fused update, where
-  // the update runs as one step at the end of each step.
+  // After model.reserve (the experts' code buffers exist): the FP8 experts' fused update, where the
+  // run plan keeps their codes in their BF16 copy's place (the update at the end of each step, whole
+  // 128 x 128 blocks); elsewhere the forward quantises them.
   void setup_fp8_update() {
-    if (zero || deferred || !model.fp8()) return;
+    if (!model.fp8_codes_in_bf16_copy()) return;
     fp8_tensors = model.fp8_expert_tensors();
-    // The fused op updates whole 128 x 128 blocks; other shapes keep the quantisation in the forward.
-    if (std::any_of(fp8_tensors.begin(), fp8_tensors.end(),
-                    [](const CudaFp8ExpertTensor& t) { return t.n % 128 != 0 || t.k % 128 != 0; }))
-      fp8_tensors.clear();
-    MOE_CHECK(!model.fp8_codes_in_bf16_copy() || !fp8_tensors.empty(), "CudaStepRunner: the experts' FP8 codes ",
-              "are in their BF16 copy's place, so the update must write them, but the experts have no whole-block ",
-              "codes for it");
-    if (fp8_tensors.empty()) return;
+    MOE_CHECK(!fp8_tensors.empty() &&
+                  std::none_of(fp8_tensors.begin(), fp8_tensors.end(),
+                               [](const CudaFp8ExpertTensor& t) { return t.n % 128 != 0 || t.k % 128 != 0; }),
+              "CudaStepRunner: the experts' FP8 codes are in their BF16 copy's place, so the update must write ",
+              "them, but the experts have no whole 128 x 128 block codes for it");
     // Both lists in offset order: each expert tensor is the next segment of the layout that starts there.
     std::sort(fp8_tensors.begin(), fp8_tensors.end(),
               [](const CudaFp8ExpertTensor& a, const CudaFp8ExpertTensor& b) { return a.offset < b.offset; });
@@ -595,8 +593,7 @@ struct CudaStepRunner::Impl {
       cuda::adamw_prepare(cfg.optim, opt(), st);  // the next step (or flush_update) applies it
     } else if (fp8_update()) {
       // adamw_step, with the experts' weights updated by the op that also writes their FP8 codes,
-      // and not their BF16 copy: no op reads it while the codes follow the update (the model
-      // refuses a parameter change that would quantise from it; refresh_bf16 rewrites it).
+      // and no BF16 copy of them: the codes take its place (CudaModel::keep_fp8_codes_in_bf16_copy).
       float* p = model.params();
       const float* g = model.grads();
       uint16_t* bf16 = model.params_bf16();
@@ -796,7 +793,7 @@ CudaStepRunner::CudaStepRunner(const Config& cfg, const RunPlan& plan, cuda::Ncc
   if (plan.fp8_codes_in_bf16_copy) {
     MOE_CHECK(!I.zero && !I.deferred, "CudaStepRunner: the run plan keeps the experts' FP8 codes in their BF16 ",
               "copy's place, which needs the update at the end of the step (no ZeRO-1, no deferred update)");
-    I.model.set_fp8_codes_in_bf16_copy(true);
+    I.model.keep_fp8_codes_in_bf16_copy();
   }
   const int64_t total = I.model.layout().total_numel();
   const size_t bytes = size_t(std::max<int64_t>(1, I.moment_numel())) * sizeof(float);

@@ -60,7 +60,7 @@ struct RunPlan {
   // FP8 on the GPU with the update at the end of each step (no ZeRO-1, no deferred update, one
   // stage, local or rowwise experts, D and the expert hidden size multiples of 128): that update
   // writes the experts' weight codes, which live in the place of the experts' BF16 copy
-  // (CudaModel::set_fp8_codes_in_bf16_copy), so the codes cost no memory beyond their scales.
+  // (CudaModel::keep_fp8_codes_in_bf16_copy), so the codes cost no memory beyond their scales.
   bool fp8_codes_in_bf16_copy = false;
   int64_t micro_batches = 0;   // micro-batches of the global batch: dp x micro_steps
   int64_t tokens_per_micro_batch = 0;
