@@ -187,8 +187,9 @@ const CommandSpec kPlan{
     0,
     true,
     {{"--config", "PATH", "the config file (instead of the positional CONFIG.toml)"},
-     {"--gpus", "N", "plan N GPUs; without --layout: every layout (dp = N, ep dividing it) x recompute mode that fits"},
-     {"--layout", "dp=N,ep=N,pp=N", "plan this layout (pp = 1: pipeline stages are not implemented yet)"},
+     {"--gpus", "N", "plan N GPUs; without --layout: every layout (pp dividing N, dp = N / pp, ep dividing dp at "
+                      "pp = 1) x recompute mode, best first"},
+     {"--layout", "dp=N,ep=N,pp=N", "plan this layout (pp > 1: as the GPU pipeline step runs it, ep 1)"},
      {"--gpu", "h200|h100", "the GPU whose measured rates and reference step the plan uses (default: the visible GPU "
                             "where it is one of them, else h200)"},
      {"--gpu-memory", "GiB", "usable memory per GPU (default the --gpu's: 139.8 for an H200, 79.6 for an H100)"},

@@ -15,6 +15,7 @@
 #include "core/config_io.h"
 #include "core/error.h"
 #include "model/layout.h"
+#include "parallel/pipeline_schedule.h"
 
 namespace moe {
 
@@ -193,7 +194,135 @@ CommVolume comm_volume(const LayoutPlan& p) {
     v.ep_dispatch_fwd_micro = v.ep_combine_fwd_micro = v.ep_dispatch_bwd_micro = v.ep_combine_bwd_micro = one;
     v.ep_per_step = 4.0 * one * double(run.micro_steps);
   }
+  if (run.sizes.pp > 1) {
+    v.pp_send_per_micro = 4.0 * double(run.tokens_per_micro_batch) * double(p.cfg.model.d_model);
+    v.pp_per_step = (run.sizes.pp > 2 ? 2.0 : 1.0) * double(run.micro_steps) * v.pp_send_per_micro;
+  }
   return v;
+}
+
+// pp > 1, recompute none: the step of the GPU pipeline step's 1F1B schedule. Each layer's share of
+// the whole model's phases of one micro-batch (estimate_step over the whole model: attention and
+// the MoE phases equal per layer, the MLP's glue equal per layer and its GEMMs and SwiGLU by the
+// layer's hidden width), a stage's forward a third of its layers' time (the planner's convention
+// for recompute), its backward two thirds; the first stage also runs the embedding, the last the
+// LM head (its backward inside the forward, as the step fuses them). A stage other than the last
+// runs a micro-batch's forward again before a backward that does not follow it. Each send of the
+// FP32 residual stream [N, D] or its gradient occupies the sender's stream for 4 N D bytes at the
+// all-reduce's measured bus rate (no point-to-point rate is measured), and the receiver's next
+// operation starts after it. The schedule is simulated operation by operation; the phases returned
+// are those of the stage busiest in it, with its sends and the rest of the makespan (its waits),
+// the optimizer over its parameters and its dp gradient all-reduce. Fills p.stages and p.makespan_ms.
+StepTime estimate_pipeline_step(LayoutPlan& p, const GpuCeilings& g) {
+  const Shape s = shape_of(p.cfg);
+  const RefShape r = ref_shape(g);
+  const int64_t P = p.run.sizes.pp, m = p.run.micro_steps, L = p.cfg.model.n_layers;
+  const double micro = double(m);
+  LayoutPlan whole = p;
+  whole.run.memory.expert_params = int64_t(s.moe_layers * s.experts * 3.0 * s.d * s.inner);
+  const StepTime t = estimate_step(whole, Recompute::kNone, g);
+  const double mlp_glue = g.ref_mlp_ms * (s.layers * s.n * s.d) / (r.layers * r.n * r.d);
+  const double hidden_total = s.dense_layers * s.dense_hidden + s.moe_layers * s.shared_hidden;
+  const double mlp_hidden = std::max(0.0, t.mlp / micro - mlp_glue);
+  struct Layer {
+    double attention = 0, mlp = 0, router = 0, dispatch = 0, experts = 0, combine = 0;
+    double total() const { return attention + mlp + router + dispatch + experts + combine; }
+  };
+  std::vector<Layer> layers(static_cast<size_t>(L));
+  for (int64_t l = 0; l < L; ++l) {
+    Layer& x = layers[size_t(l)];
+    const bool dense = is_dense_layer(p.cfg.model, l);
+    x.attention = t.attention / micro / s.layers;
+    x.mlp = mlp_glue / s.layers +
+            (hidden_total > 0 ? mlp_hidden * (dense ? s.dense_hidden : s.shared_hidden) / hidden_total : 0.0);
+    if (!dense) {
+      x.router = t.router / micro / s.moe_layers;
+      x.dispatch = t.dispatch / micro / s.moe_layers;
+      x.experts = t.experts / micro / s.moe_layers;
+      x.combine = t.combine / micro / s.moe_layers;
+    }
+  }
+  const double embedding = t.embedding / micro, head = t.lm_head / micro;
+  const double send = p.comm.pp_send_per_micro / g.allreduce_bus_bytes_per_s * 1e3;
+  p.stages.assign(size_t(P), StagePlan{});
+  for (int64_t k = 0; k < P; ++k) {
+    StagePlan& st = p.stages[size_t(k)];
+    st.first_layer = p.run.stage_bounds[size_t(k)];
+    st.end_layer = p.run.stage_bounds[size_t(k) + 1];
+    double work = 0;
+    for (int64_t l = st.first_layer; l < st.end_layer; ++l) work += layers[size_t(l)].total();
+    st.forward_ms = work / 3.0 + (k == 0 ? embedding / 3.0 : 0.0) + (k == P - 1 ? head : 0.0);
+    st.backward_ms = 2.0 * work / 3.0 + (k == 0 ? 2.0 * embedding / 3.0 : 0.0);
+  }
+  // The schedule, operation by operation: an operation starts when its stage is free and its input
+  // (the previous stage's forward, the next stage's backward) has been sent.
+  std::vector<std::vector<PipelineOp>> ops(static_cast<size_t>(P));
+  for (int64_t k = 0; k < P; ++k) ops[size_t(k)] = pipeline_schedule(P, 1, m, k);
+  std::vector<size_t> next(static_cast<size_t>(P), 0);
+  std::vector<double> free_at(static_cast<size_t>(P), 0.0);
+  std::vector<int64_t> last_forward(static_cast<size_t>(P), -1);
+  const std::vector<double> unsent(static_cast<size_t>(m), -1.0);
+  std::vector<std::vector<double>> fwd_sent(static_cast<size_t>(P), unsent), bwd_sent(static_cast<size_t>(P), unsent);
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int64_t k = 0; k < P; ++k) {
+      StagePlan& st = p.stages[size_t(k)];
+      while (next[size_t(k)] < ops[size_t(k)].size()) {
+        const PipelineOp& op = ops[size_t(k)][next[size_t(k)]];
+        const size_t mb = size_t(op.micro_batch);
+        double ready = 0;
+        if (op.forward && k > 0) ready = fwd_sent[size_t(k) - 1][mb];
+        if (!op.forward && k < P - 1) ready = bwd_sent[size_t(k) + 1][mb];
+        if (ready < 0) break;  // its input is not sent yet
+        double busy = op.forward ? st.forward_ms : st.backward_ms;
+        if (!op.forward && k < P - 1 && last_forward[size_t(k)] != op.micro_batch) {
+          busy += st.forward_ms;  // the forward again, from the stage's saved input
+          ++st.forwards_again;
+        }
+        if (op.forward || k < P - 1) last_forward[size_t(k)] = op.micro_batch;
+        const bool sends = op.forward ? k < P - 1 : k > 0;
+        const double done = std::max(free_at[size_t(k)], ready) + busy + (sends ? send : 0.0);
+        st.busy_ms += busy;
+        if (sends) st.sends_ms += send;
+        (op.forward ? fwd_sent : bwd_sent)[size_t(k)][mb] = done;
+        free_at[size_t(k)] = done;
+        ++next[size_t(k)];
+        progress = true;
+      }
+    }
+  }
+  for (int64_t k = 0; k < P; ++k)
+    MOE_CHECK(next[size_t(k)] == ops[size_t(k)].size(), "planner: the pipeline schedule of stage ", k,
+              " did not finish (an operation waits for one that never runs)");
+  p.makespan_ms = *std::max_element(free_at.begin(), free_at.end());
+  p.busiest_stage = 0;
+  for (int64_t k = 1; k < P; ++k) {
+    const StagePlan &a = p.stages[size_t(k)], &b = p.stages[size_t(p.busiest_stage)];
+    if (a.busy_ms + a.sends_ms > b.busy_ms + b.sends_ms) p.busiest_stage = k;
+  }
+  const int64_t k = p.busiest_stage;
+  const StagePlan& st = p.stages[size_t(k)];
+  StepTime out;
+  for (int64_t l = st.first_layer; l < st.end_layer; ++l) {
+    const Layer& x = layers[size_t(l)];
+    out.attention += micro * x.attention;
+    out.mlp += micro * x.mlp;
+    out.router += micro * x.router;
+    out.dispatch += micro * x.dispatch;
+    out.experts += micro * x.experts;
+    out.combine += micro * x.combine;
+  }
+  if (k == 0) out.embedding = micro * embedding;
+  if (k == P - 1) out.lm_head = micro * head;
+  out.recompute = double(st.forwards_again) * st.forward_ms;
+  out.pipeline_sends = st.sends_ms;
+  out.pipeline_wait = std::max(0.0, p.makespan_ms - st.busy_ms - st.sends_ms);
+  // The optimizer over the stage's parameters (the largest stage's: the run plan's local figures)
+  // and its dp all-reduce, after the schedule.
+  const StepTime local = estimate_step(p, Recompute::kNone, g);
+  out.optimizer = local.optimizer;
+  out.grad_reduce = local.grad_reduce;
+  return out;
 }
 
 int64_t gcd64(int64_t a, int64_t b) { return b == 0 ? a : gcd64(b, a % b); }
@@ -243,8 +372,6 @@ LayoutRequest parse_layout(const std::string& text, int64_t gpus) {
     if (comma == std::string::npos) break;
     start = comma + 1;
   }
-  MOE_CHECK(r.pp == 1, "--layout '", text, "': pp = ", r.pp, ": the planner does not plan pipeline stages yet "
-            "(their step time and memory per stage are not modelled), so it plans pp = 1 only (set pp=1 or leave it out)");
   if (!seen[0]) r.dp = gpus > 0 ? gpus / r.pp : 1;
   MOE_CHECK(gpus <= 0 || r.dp * r.pp == gpus, "--layout '", text, "': dp x pp = ", r.dp, " x ", r.pp, " = ",
             r.dp * r.pp, " GPUs, but --gpus is ", gpus);
@@ -252,8 +379,8 @@ LayoutRequest parse_layout(const std::string& text, int64_t gpus) {
 }
 
 LayoutPlan plan_layout(const Config& cfg, const LayoutRequest& layout, double gpu_memory_gib, const GpuCeilings& g) {
-  MOE_CHECK(layout.pp == 1, "layout pp = ", layout.pp, ": the planner does not plan pipeline stages yet "
-            "(their step time and memory per stage are not modelled); it plans pp = 1 only");
+  MOE_CHECK(layout.pp == 1 || layout.ep == 1, "layout dp ", layout.dp, ", ep ", layout.ep, ", pp ", layout.pp,
+            ": the GPU pipeline step runs no expert parallelism inside a stage; plan ep = 1 with pp > 1");
   MOE_CHECK(gpu_memory_gib > 0 && std::isfinite(gpu_memory_gib), "--gpu-memory must be a positive number of GiB, got ",
             gpu_memory_gib);
   LayoutPlan p;
@@ -265,6 +392,23 @@ LayoutPlan plan_layout(const Config& cfg, const LayoutRequest& layout, double gp
   p.cfg.parallel.dp = layout.dp;
   p.cfg.parallel.ep = layout.ep;
   p.cfg.parallel.pp = layout.pp;
+  if (layout.pp > 1) {
+    // What the GPU pipeline step runs (train/gpu_pipeline_step.cpp refuses the rest).
+    if (cfg.parallel.virtual_stages != 1) {
+      p.notes.push_back("parallel.virtual_stages " + std::to_string(cfg.parallel.virtual_stages) +
+                        " -> 1 (the GPU pipeline step runs one stage a rank)");
+    }
+    if (cfg.parallel.zero && layout.dp > 1) {
+      p.notes.push_back("parallel.zero true -> false (the GPU pipeline step keeps each stage's moments whole)");
+    }
+    if (parse_recompute(cfg.train.recompute) != Recompute::kNone) {
+      p.notes.push_back("train.recompute \"" + cfg.train.recompute +
+                        "\" -> \"none\" (a stage runs a micro-batch's forward again before its backward instead)");
+    }
+    p.cfg.parallel.virtual_stages = 1;
+    p.cfg.parallel.zero = false;
+    p.cfg.train.recompute = "none";
+  }
   // The global batch must split over dp x micro-batch: raise it to the least multiple that does.
   const int64_t per_step = checked_mul(layout.dp, cfg.train.micro_batch, "dp x train.micro_batch");
   if (cfg.train.global_batch > 0 && cfg.train.global_batch % per_step != 0) {
@@ -283,14 +427,28 @@ LayoutPlan plan_layout(const Config& cfg, const LayoutRequest& layout, double gp
       p.cfg.model, p.cfg.moe, p.run.micro_batch, p.run.seq_len, p.run.micro_steps, true, layout.ep);
   // The run's own scratch (make_run_plan may add the BF16 reduce stage): every mode has it.
   for (ActivationMemory& a : acts) a.scratch = p.run.memory.activation.scratch;
+  // pp > 1: the stage's activations as the run plan counts them (recompute none).
+  if (layout.pp > 1) acts[0] = p.run.memory.activation;
   const MemoryEstimate& m = p.run.memory;
+  const StepTime pipeline = layout.pp > 1 ? estimate_pipeline_step(p, g) : StepTime{};
+  if (layout.pp > 1) p.bubble_formula = bubble_fraction_formula(layout.pp, 1, p.run.micro_steps);
   for (size_t i = 0; i < 3; ++i) {
     ModePlan& mp = p.modes[i];
     mp.mode = Recompute(i);
     mp.activations = acts[i];
     mp.memory_total = m.params + m.grads + p.moments + acts[i].total() + m.exchange;
+    if (layout.pp > 1 && i > 0) {  // mode none's memory, no time: the mode cannot run
+      mp = p.modes[0];
+      mp.mode = Recompute(i);
+      mp.fits = false;
+      mp.time = StepTime{};
+      mp.tokens_per_s_per_gpu = mp.tflops_per_gpu = mp.mfu = 0;
+      mp.refused = "the GPU pipeline step runs train.recompute = \"none\" only (it runs a stage's forward again "
+                   "itself)";
+      continue;
+    }
     mp.fits = mp.memory_total <= p.gpu_memory;
-    mp.time = estimate_step(p, mp.mode, g);
+    mp.time = layout.pp > 1 ? pipeline : estimate_step(p, mp.mode, g);
     const double step_s = mp.time.step_ms() / 1e3;
     const double world = double(p.run.sizes.world);
     mp.tokens_per_s_per_gpu = double(p.run.tokens_per_step) / world / step_s;
@@ -302,16 +460,19 @@ LayoutPlan plan_layout(const Config& cfg, const LayoutRequest& layout, double gp
 
 Enumeration enumerate_layouts(const Config& cfg, int64_t gpus, double gpu_memory_gib, const GpuCeilings& g) {
   MOE_CHECK(gpus >= 1, "--gpus must be >= 1, got ", gpus);
-  MOE_CHECK(cfg.parallel.pp == 1, "parallel.pp = ", cfg.parallel.pp, ": the planner does not plan pipeline stages yet "
-            "(their step time and memory per stage are not modelled); it enumerates pp = 1 layouts only");
   Enumeration out;
   const int64_t experts = num_moe_layers(cfg.model) > 0 ? cfg.moe.num_experts : 1;
-  for (int64_t ep = 1; ep <= gpus; ++ep) {
-    if (gpus % ep != 0 || experts % ep != 0) continue;
-    const LayoutPlan plan = plan_layout(cfg, LayoutRequest{gpus, ep, 1}, gpu_memory_gib, g);
-    for (size_t i = 0; i < 3; ++i) {
-      LayoutChoice c{plan, Recompute(i)};
-      (plan.modes[i].fits ? out.fitting : out.not_fitting).push_back(std::move(c));
+  for (int64_t pp = 1; pp <= std::min(gpus, cfg.model.n_layers); ++pp) {
+    if (gpus % pp != 0) continue;
+    const int64_t dp = gpus / pp;
+    for (int64_t ep = 1; ep <= (pp > 1 ? 1 : dp); ++ep) {
+      if (dp % ep != 0 || experts % ep != 0) continue;
+      const LayoutPlan plan = plan_layout(cfg, LayoutRequest{dp, ep, pp}, gpu_memory_gib, g);
+      for (size_t i = 0; i < 3; ++i) {
+        if (!plan.modes[i].refused.empty()) continue;
+        LayoutChoice c{plan, Recompute(i)};
+        (plan.modes[i].fits ? out.fitting : out.not_fitting).push_back(std::move(c));
+      }
     }
   }
   std::stable_sort(out.fitting.begin(), out.fitting.end(), [](const LayoutChoice& a, const LayoutChoice& b) {
@@ -338,6 +499,7 @@ std::string describe_layout_plan(const LayoutPlan& p, const GpuCeilings& g) {
        (long long)run.sizes.world, g.name, p.gpu_memory / kGiB, (long long)run.sizes.dp, (long long)run.sizes.ep,
        (long long)run.ep_dp, (long long)run.sizes.pp, fp8 ? "FP8" : "BF16");
   if (!p.batch_note.empty()) line("# batch note        %s\n", p.batch_note.c_str());
+  for (const std::string& n : p.notes) line("# pipeline note     %s\n", n.c_str());
   out += describe_run_plan(run);
   auto row = [&](const char* name, const std::array<double, 3>& v) {
     line("  %-38s %11s %11s %11s\n", name, gib(v[0]).c_str(), gib(v[1]).c_str(), gib(v[2]).c_str());
@@ -372,8 +534,10 @@ std::string describe_layout_plan(const LayoutPlan& p, const GpuCeilings& g) {
   row("scratch and workspaces", scratch);
   if (m.exchange > 0) row("expert exchange buffers", same(m.exchange));
   row("total", total);
-  line("  %-38s %11s %11s %11s\n", "fits", p.modes[0].fits ? "yes" : "no", p.modes[1].fits ? "yes" : "no",
-       p.modes[2].fits ? "yes" : "no");
+  auto fits = [&](const ModePlan& mp) { return !mp.refused.empty() ? "refused" : mp.fits ? "yes" : "no"; };
+  line("  %-38s %11s %11s %11s\n", "fits", fits(p.modes[0]), fits(p.modes[1]), fits(p.modes[2]));
+  for (const ModePlan& mp : p.modes)
+    if (!mp.refused.empty()) line("  %s: refused: %s\n", kModeNames[size_t(mp.mode)], mp.refused.c_str());
 
   const ActivationMemory& cur = p.modes[configured].activations;
   line("\nactivations of train.recompute = \"%s\", GiB\n", kModeNames[configured]);
@@ -398,7 +562,27 @@ std::string describe_layout_plan(const LayoutPlan& p, const GpuCeilings& g) {
     line("  EP all-to-all, per step (%lld micro-steps)      %9s\n", (long long)run.micro_steps,
          gb(c.ep_per_step).c_str());
   }
+  if (run.sizes.pp > 1) {
+    line("  pipeline send (FP32 [N, D]), per micro-batch  %9s\n", gb(c.pp_send_per_micro).c_str());
+    line("  pipeline sends, per step (the busiest stage)  %9s\n", gb(c.pp_per_step).c_str());
+  }
   line("  total per step                                %9s\n", gb(c.total_per_step()).c_str());
+  if (run.sizes.pp > 1) {
+    line("\npipeline, recompute none: 1F1B over %lld micro-batches, simulated (docs/planning.md); bubble formula "
+         "(pp-1)/(m+pp-1) = %.3f, makespan %.2f ms\n",
+         (long long)run.micro_steps, p.bubble_formula, p.makespan_ms);
+    line("  %-7s %-9s %12s %12s %14s %10s %10s %10s\n", "stage", "layers", "forward ms", "backward ms",
+         "forward again", "busy ms", "sends ms", "idle");
+    for (size_t k = 0; k < p.stages.size(); ++k) {
+      const StagePlan& st = p.stages[k];
+      const std::string layers = std::to_string(st.first_layer) + ".." + std::to_string(st.end_layer - 1);
+      line("  %-7s %-9s %12.2f %12.2f %14lld %10.2f %10.2f %9.1f%%\n",
+           (std::to_string(k) + (int64_t(k) == p.busiest_stage ? "*" : "")).c_str(), layers.c_str(), st.forward_ms,
+           st.backward_ms, (long long)st.forwards_again, st.busy_ms, st.sends_ms,
+           100.0 * (1.0 - (st.busy_ms + st.sends_ms) / p.makespan_ms));
+    }
+    line("  (* = the busiest stage, whose phases the step time below shows)\n");
+  }
 
   line("\nstep time estimate, ms, from %s ceilings (docs/planning.md)%s\n", g.name,
        fp8 ? "; BF16 op rates: the FP8 GEMMs are not modelled" : "");
@@ -418,6 +602,10 @@ std::string describe_layout_plan(const LayoutPlan& p, const GpuCeilings& g) {
   trow("ep exchange", &StepTime::ep_exchange);
   trow(p.zero ? "ZeRO-1 collectives" : "grad reduce (paid)", &StepTime::grad_reduce);
   trow("optimizer", &StepTime::optimizer);
+  if (run.sizes.pp > 1) {
+    trow("pipeline sends", &StepTime::pipeline_sends);
+    trow("pipeline wait (bubble)", &StepTime::pipeline_wait);
+  }
   line("  %-38s %11.2f %11.2f %11.2f\n", "step", p.modes[0].time.step_ms(), p.modes[1].time.step_ms(),
        p.modes[2].time.step_ms());
   line("  %-38s %11.0f %11.0f %11.0f\n", "tokens/s/GPU", p.modes[0].tokens_per_s_per_gpu,
@@ -433,23 +621,28 @@ std::string describe_enumeration(const Enumeration& e, int64_t gpus, double gpu_
   std::string out;
   char buf[512];
   std::snprintf(buf, sizeof buf,
-                "# layouts of %lld x %s (%.1f GiB per GPU), pp 1, ep dividing dp and moe.num_experts; best first by "
-                "estimated tokens/s/GPU (docs/planning.md)\n",
+                "# layouts of %lld x %s (%.1f GiB per GPU): pp dividing the GPUs, ep dividing dp and "
+                "moe.num_experts (1 with pp > 1); best first by estimated tokens/s/GPU (docs/planning.md)\n",
                 (long long)gpus, g.name, gpu_memory_gib);
   out += buf;
-  const LayoutPlan* first = !e.fitting.empty() ? &e.fitting.front().plan
-                                               : !e.not_fitting.empty() ? &e.not_fitting.front().plan : nullptr;
-  if (first != nullptr && !first->batch_note.empty()) out += "# batch note        " + first->batch_note + "\n";
-  std::snprintf(buf, sizeof buf, "%-4s %-4s %-4s %-6s %-10s %10s %10s %13s %12s %12s\n", "rank", "dp", "ep", "ep-dp",
-                "recompute", "GiB/GPU", "step ms", "tokens/s/GPU", "TFLOP/s/GPU", "comm GB/step");
+  // Each dp raises the global batch to its own least multiple: every distinct note once.
+  std::vector<std::string> notes;
+  for (const auto* list : {&e.fitting, &e.not_fitting})
+    for (const LayoutChoice& c : *list)
+      if (!c.plan.batch_note.empty() && std::find(notes.begin(), notes.end(), c.plan.batch_note) == notes.end())
+        notes.push_back(c.plan.batch_note);
+  for (const std::string& n : notes) out += "# batch note        " + n + "\n";
+  std::snprintf(buf, sizeof buf, "%-4s %-4s %-4s %-6s %-4s %-10s %10s %10s %13s %12s %12s\n", "rank", "dp", "ep",
+                "ep-dp", "pp", "recompute", "GiB/GPU", "step ms", "tokens/s/GPU", "TFLOP/s/GPU", "comm GB/step");
   out += buf;
   int rank = 0;
   auto row = [&](const LayoutChoice& c, const char* tag) {
     const ModePlan& mp = c.mode_plan();
     const RunPlan& r = c.plan.run;
     std::string rk = tag[0] ? tag : std::to_string(++rank);
-    std::snprintf(buf, sizeof buf, "%-4s %-4lld %-4lld %-6lld %-10s %10.2f %10.1f %13.0f %12.1f %12.2f\n", rk.c_str(),
-                  (long long)r.sizes.dp, (long long)r.sizes.ep, (long long)r.ep_dp, kModeNames[size_t(c.mode)],
+    std::snprintf(buf, sizeof buf, "%-4s %-4lld %-4lld %-6lld %-4lld %-10s %10.2f %10.1f %13.0f %12.1f %12.2f\n",
+                  rk.c_str(), (long long)r.sizes.dp, (long long)r.sizes.ep, (long long)r.ep_dp,
+                  (long long)r.sizes.pp, kModeNames[size_t(c.mode)],
                   mp.memory_total / kGiB, mp.time.step_ms(), mp.tokens_per_s_per_gpu, mp.tflops_per_gpu,
                   c.plan.comm.total_per_step() / 1e9);
     out += buf;
@@ -482,6 +675,7 @@ nlohmann::json layout_plan_json(const LayoutPlan& p) {
     modes[kModeNames[size_t(mp.mode)]] = {
         {"memory_bytes", mp.memory_total},
         {"fits", mp.fits},
+        {"refused", mp.refused},
         {"activations",
          {{"kept_bytes", mp.activations.kept_bytes()},
           {"pool_bytes", mp.activations.pool_bytes()},
@@ -502,12 +696,32 @@ nlohmann::json layout_plan_json(const LayoutPlan& p) {
           {"ep_exchange", t.ep_exchange},
           {"grad_reduce", t.grad_reduce},
           {"optimizer", t.optimizer},
+          {"pipeline_sends", t.pipeline_sends},
+          {"pipeline_wait", t.pipeline_wait},
           {"step", t.step_ms()}}},
         {"tokens_per_s_per_gpu", mp.tokens_per_s_per_gpu},
         {"tflops_per_gpu", mp.tflops_per_gpu},
         {"mfu", mp.mfu}};
   }
   const CommVolume& c = p.comm;
+  nlohmann::json pipeline = nullptr;
+  if (run.sizes.pp > 1) {
+    nlohmann::json stages = nlohmann::json::array();
+    for (const StagePlan& st : p.stages)
+      stages.push_back({{"first_layer", st.first_layer},
+                        {"end_layer", st.end_layer},
+                        {"forward_ms", st.forward_ms},
+                        {"backward_ms", st.backward_ms},
+                        {"forwards_again", st.forwards_again},
+                        {"busy_ms", st.busy_ms},
+                        {"sends_ms", st.sends_ms}});
+    pipeline = {{"schedule", "1f1b"},
+                {"micro_batches", run.micro_steps},
+                {"makespan_ms", p.makespan_ms},
+                {"bubble_formula", p.bubble_formula},
+                {"busiest_stage", p.busiest_stage},
+                {"stages", stages}};
+  }
   return {{"layout",
            {{"gpus", run.sizes.world}, {"dp", run.sizes.dp}, {"ep", run.sizes.ep}, {"ep_dp", run.ep_dp},
             {"pp", run.sizes.pp}}},
@@ -541,7 +755,11 @@ nlohmann::json layout_plan_json(const LayoutPlan& p) {
             {"ep_dispatch_bwd_per_micro_step", c.ep_dispatch_bwd_micro},
             {"ep_combine_bwd_per_micro_step", c.ep_combine_bwd_micro},
             {"ep_per_step", c.ep_per_step},
+            {"pp_send_per_micro_batch", c.pp_send_per_micro},
+            {"pp_per_step", c.pp_per_step},
             {"total", c.total_per_step()}}},
+          {"notes", p.notes},
+          {"pipeline", pipeline},
           {"modes", modes}};
 }
 

@@ -4,7 +4,10 @@
 // Memory comes from make_run_plan (the same MemoryEstimate `moecore train --dry-run` prints) on
 // the cuda backend, the AdamW moments ZeRO-1-sharded when parallel.zero and dp > 1 (dense over dp,
 // experts over ep-dp = dp / ep), as the GPU step shards them. Formulas and their accuracy: docs/planning.md.
-// Pipeline stages are not implemented: a layout with pp > 1 is refused.
+// Pipeline stages (pp > 1) are planned as the GPU pipeline step runs them (train/gpu_pipeline_step.cpp):
+// one stage a rank, 1F1B, no expert parallelism inside a stage, no ZeRO-1, recompute none (the
+// stage runs a micro-batch's forward again before a backward that does not follow it); the step
+// is the makespan of the schedule with each stage's measured-rate costs (estimate below).
 #pragma once
 
 #include <array>
@@ -39,8 +42,12 @@ struct CommVolume {
   double ep_dispatch_fwd_micro = 0, ep_combine_fwd_micro = 0;  // per micro-step, BF16 rows
   double ep_dispatch_bwd_micro = 0, ep_combine_bwd_micro = 0;
   double ep_per_step = 0;  // the four exchanges x micro-steps
+  // pp > 1: the FP32 residual stream [N, D] sent forward and its gradient sent back per micro-batch
+  // by a middle stage (the first stage sends only forward, the last only back).
+  double pp_send_per_micro = 0;  // one direction, one micro-batch
+  double pp_per_step = 0;        // the most any stage sends in a step
   double total_per_step() const {
-    return dp_allreduce_sent + zero_reduce_scatter_sent + zero_all_gather_sent + ep_per_step;
+    return dp_allreduce_sent + zero_reduce_scatter_sent + zero_all_gather_sent + ep_per_step + pp_per_step;
   }
 };
 
@@ -51,9 +58,12 @@ struct StepTime {
   double ep_exchange = 0;     // all-to-all time not overlapped with compute
   double grad_reduce = 0;     // the part of the DP all-reduce or ZeRO collectives paid in the step
   double optimizer = 0;
+  // pp > 1 (the phases above are then those of the busiest stage): its sends and receives on its
+  // stream, and the rest of the schedule's makespan, where it waits for its neighbours (the bubble).
+  double pipeline_sends = 0, pipeline_wait = 0;
   double step_ms() const {
     return embedding + attention + mlp + router + dispatch + experts + combine + lm_head + recompute + ep_exchange +
-           grad_reduce + optimizer;
+           grad_reduce + optimizer + pipeline_sends + pipeline_wait;
   }
 };
 
@@ -64,6 +74,15 @@ struct ModePlan {
   bool fits = false;
   StepTime time;
   double tokens_per_s_per_gpu = 0, tflops_per_gpu = 0, mfu = 0;
+  std::string refused;  // non-empty when the layout cannot run this mode (then fits is false): why
+};
+
+// pp > 1: each stage's layers and its time in one step of the schedule (ms).
+struct StagePlan {
+  int64_t first_layer = 0, end_layer = 0;
+  double forward_ms = 0, backward_ms = 0;  // one micro-batch (the LM head's backward in the last forward)
+  int64_t forwards_again = 0;              // the micro-batches it runs forward twice
+  double busy_ms = 0, sends_ms = 0;        // its compute and its sends in the step
 };
 
 struct LayoutPlan {
@@ -75,14 +94,21 @@ struct LayoutPlan {
   CommVolume comm;
   std::array<ModePlan, 3> modes;  // none, selective, full
   double gpu_memory = 0;      // bytes per GPU the plan fits against
+  std::vector<std::string> notes;  // what the plan set differently from the config (pp > 1), and why
+  std::vector<StagePlan> stages;   // pp > 1
+  int64_t busiest_stage = 0;       // pp > 1: the stage whose phases modes[0].time shows
+  double makespan_ms = 0;          // pp > 1: the schedule's length (recompute none)
+  double bubble_formula = 0;       // pp > 1: (pp - 1) / (micro-steps + pp - 1)
 };
 
-// One layout: world = dp x pp GPUs. Refuses pp > 1 and every layout resolve_parallel refuses.
+// One layout: world = dp x pp GPUs. Refuses every layout resolve_parallel refuses, and ep > 1 with
+// pp > 1 (the GPU pipeline step runs none).
 LayoutPlan plan_layout(const Config& cfg, const LayoutRequest& layout, double gpu_memory_gib,
                        const GpuCeilings& gpu = h200_ceilings());
 
-// Every layout of `gpus` GPUs (pp = 1, dp = gpus, ep dividing dp and moe.num_experts) x recompute
-// mode that fits gpu_memory_gib, best first by estimated tokens/s/GPU (ties: less memory).
+// Every layout of `gpus` GPUs (pp dividing gpus and at most the layer count, dp = gpus / pp; ep
+// dividing dp and moe.num_experts at pp = 1, ep 1 at pp > 1) x recompute mode it can run, split by
+// whether it fits gpu_memory_gib, the fitting best first by estimated tokens/s/GPU (ties: less memory).
 struct LayoutChoice {
   LayoutPlan plan;
   Recompute mode = Recompute::kNone;

@@ -340,7 +340,9 @@ function draw(l, mode, g) {
   }
   var p = l.plan, m = p.modes[mode];
   st.className = m.fits ? 'note' : 'warn';
-  st.textContent = 'dp ' + p.layout.dp + ', ep ' + p.layout.ep + ', ep-dp ' + p.layout.ep_dp + ', pp ' + p.layout.pp +
+  if (m.refused) st.textContent = 'dp ' + p.layout.dp + ', pp ' + p.layout.pp + ', recompute ' + mode + ': refused: ' +
+    m.refused;
+  else st.textContent = 'dp ' + p.layout.dp + ', ep ' + p.layout.ep + ', ep-dp ' + p.layout.ep_dp + ', pp ' + p.layout.pp +
     ', recompute ' + mode + ': ' + gib(m.memory_bytes) + ' GiB per GPU of ' + gib(p.gpu_memory_bytes) +
     (m.fits ? ' (fits)' : ' (DOES NOT FIT)') + '; step ' + m.time_ms.step.toFixed(1) + ' ms, ' +
     Math.round(m.tokens_per_s_per_gpu) + ' tokens/s/GPU, MFU ' + (100 * m.mfu).toFixed(1) + '%; global batch ' +
@@ -359,13 +361,20 @@ function drawGrid(p) {
   for (var c = 0; c < nl; ++c)
     el('text', {x: L + c * cw + cw / 2, y: 15, 'font-size': 10, 'text-anchor': 'middle'}, svg,
        (DATA.model.dense_layers.indexOf(c) >= 0 ? 'dense ' : 'L') + c);
-  var local = E / ep;
+  var local = E / ep, dp = p.layout.dp, stages = p.pipeline ? p.pipeline.stages : null;
   for (var r = 0; r < shown; ++r) {
-    var er = r % ep, first = er * local, y = T + r * rowH;
+    // Pipeline outermost: GPU r is in stage r / dp and holds only that stage's layers.
+    var er = r % ep, first = er * local, y = T + r * rowH, s = Math.floor(r / dp), st = stages ? stages[s] : null;
     el('text', {x: L - 6, y: y + rowH * 0.7, 'font-size': 11, 'text-anchor': 'end'}, svg,
-       'GPU ' + r + ' (dp ' + r + ', ep ' + er + ')');
+       'GPU ' + r + (st ? ' (stage ' + s + ', dp ' + (r % dp) + ')' : ' (dp ' + r + ', ep ' + er + ')'));
     for (var c2 = 0; c2 < nl; ++c2) {
       var x = L + c2 * cw;
+      if (st && (c2 < st.first_layer || c2 >= st.end_layer)) {
+        var off = el('rect', {x: x + 1, y: y + 1, width: cw - 2, height: rowH - 2, fill: '#f7f7f7', stroke: '#fff',
+                              class: 'grid-cell'}, svg);
+        el('title', {}, off, 'GPU ' + r + ', layer ' + c2 + ': on another pipeline stage');
+        continue;
+      }
       var dense = DATA.model.dense_layers.indexOf(c2) >= 0;
       var box = el('rect', {x: x + 1, y: y + 1, width: cw - 2, height: rowH - 2, fill: dense ? '#bbb' : '#e4ecf7',
                             stroke: '#fff', class: 'grid-cell'}, svg);
@@ -575,7 +584,7 @@ nlohmann::json plan_page_data(const Config& cfg, const std::string& config_name,
     for (const int64_t pp : {1, 2, 4, 8}) {
       if (g % pp != 0) continue;
       const int64_t dp = g / pp;
-      if (pp > 1) {  // refused as a whole by the planner: one entry for every ep
+      if (pp > 1) {  // the GPU pipeline step runs ep 1 only: one entry
         nlohmann::json entry = {{"gpus", g}, {"dp", dp}, {"pp", pp}, {"ep", nullptr}, {"error_all_ep", true}};
         try {
           entry["plan"] = layout_plan_json(plan_layout(cfg, LayoutRequest{dp, 1, pp}, gpu_memory_gib, gpu));

@@ -175,12 +175,17 @@ TEST(PlanHtml, HoldsThePlannersFiguresForEveryLayout) {
   const json data = embedded_json(slurp(out), out);
   EXPECT_EQ(data["max_gpus"], 4);
   EXPECT_EQ(data["model"]["n_layers"], 8);
-  int plans = 0, pp_refusals = 0, ep_refusals = 0;
+  int plans = 0, pp_plans = 0, ep_refusals = 0;
   for (const json& l : data["layouts"]) {
-    if (l["pp"].get<int64_t>() > 1) {
-      ++pp_refusals;
-      ASSERT_TRUE(l.contains("error")) << l.dump();
-      EXPECT_NE(l["error"].get<std::string>().find("pipeline"), std::string::npos) << l.dump();
+    if (l["pp"].get<int64_t>() > 1) {  // the GPU pipeline step's layouts: ep 1, the planner's plan
+      ++pp_plans;
+      ASSERT_TRUE(l.contains("plan")) << l.dump();
+      EXPECT_EQ(l["ep"], 1) << l.dump();
+      const std::string layout =
+          "dp=" + std::to_string(l["dp"].get<int64_t>()) + ",pp=" + std::to_string(l["pp"].get<int64_t>());
+      const CmdResult j = run_cli("plan " + cfg + " --layout " + layout + " --json");
+      ASSERT_EQ(j.status, 0) << j.output;
+      EXPECT_EQ(l["plan"], json::parse(j.output)) << layout;
       continue;
     }
     if (l["ep"] == 3) {  // 64 experts over 3 ranks: the planner's refusal, kept
@@ -197,7 +202,7 @@ TEST(PlanHtml, HoldsThePlannersFiguresForEveryLayout) {
   }
   EXPECT_EQ(plans, 1 + 2 + 1 + 3);       // ep dividing dp and the 64 experts, 1..4 GPUs
   EXPECT_EQ(ep_refusals, 1);
-  EXPECT_EQ(pp_refusals, 1 + 1 + 1);     // 2 GPUs pp 2; 4 GPUs pp 2 and pp 4
+  EXPECT_EQ(pp_plans, 1 + 1 + 1);        // 2 GPUs pp 2; 4 GPUs pp 2 and pp 4
   const CmdResult e = run_cli("plan " + cfg + " --gpus 4 --json");
   ASSERT_EQ(e.status, 0) << e.output;
   EXPECT_EQ(data["rankings"]["4"], json::parse(e.output));

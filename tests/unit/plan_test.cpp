@@ -506,19 +506,29 @@ TEST(Planner, EnumeratesOnlyValidLayoutsBestFirst) {
   Config c = load_config(kOlmoe8l, {});
   c.moe.num_experts = 12;  // ep 8 does not divide 12; ep 3 does not divide dp 8
   const Enumeration e = enumerate_layouts(c, 8, 139.8);
-  std::vector<int64_t> eps;
+  std::vector<int64_t> eps, pps;
   for (const LayoutChoice& l : e.fitting) {
-    EXPECT_EQ(l.plan.run.sizes.dp, 8);
-    EXPECT_EQ(l.plan.run.sizes.pp, 1);
-    EXPECT_EQ(8 % l.plan.run.sizes.ep, 0);
-    EXPECT_EQ(12 % l.plan.run.sizes.ep, 0);
+    const ParallelSizes& z = l.plan.run.sizes;
+    EXPECT_EQ(z.dp * z.pp, 8);
+    EXPECT_EQ(z.dp % z.ep, 0);
+    EXPECT_EQ(12 % z.ep, 0);
+    if (z.pp > 1) {  // the GPU pipeline step: ep 1, recompute none
+      EXPECT_EQ(z.ep, 1);
+      EXPECT_EQ(l.mode, Recompute::kNone);
+    }
+    EXPECT_TRUE(l.mode_plan().refused.empty());
     EXPECT_LE(l.mode_plan().memory_total, 139.8 * kGiB);
-    eps.push_back(l.plan.run.sizes.ep);
+    if (z.pp == 1) eps.push_back(z.ep);
+    pps.push_back(z.pp);
   }
-  EXPECT_EQ(e.fitting.size() + e.not_fitting.size(), 3u * 3u);  // ep 1, 2, 4 x three modes
-  std::sort(eps.begin(), eps.end());
-  eps.erase(std::unique(eps.begin(), eps.end()), eps.end());
+  // pp 1: ep 1, 2, 4 x three modes; pp 2, 4, 8 (olmoe-8l's 8 layers): ep 1, recompute none.
+  EXPECT_EQ(e.fitting.size() + e.not_fitting.size(), 3u * 3u + 3u);
+  for (std::vector<int64_t>* v : {&eps, &pps}) {
+    std::sort(v->begin(), v->end());
+    v->erase(std::unique(v->begin(), v->end()), v->end());
+  }
   EXPECT_EQ(eps, (std::vector<int64_t>{1, 2, 4}));
+  EXPECT_EQ(pps, (std::vector<int64_t>{1, 2, 4, 8}));
   for (size_t i = 1; i < e.fitting.size(); ++i)
     EXPECT_GE(e.fitting[i - 1].mode_plan().tokens_per_s_per_gpu, e.fitting[i].mode_plan().tokens_per_s_per_gpu);
   // A smaller GPU: what does not fit moves out of the ranking.
@@ -537,7 +547,9 @@ TEST(Planner, LayoutParsing) {
   EXPECT_EQ(parse_layout("ep=2", 8).dp, 8);
   EXPECT_NE(error_of([] { parse_layout("dp=8,xp=2", 0); }).find("unknown key 'xp'"), std::string::npos);
   EXPECT_NE(error_of([] { parse_layout("dp=two", 0); }).find("got 'two'"), std::string::npos);
-  EXPECT_NE(error_of([] { parse_layout("dp=2,pp=2", 0); }).find("the planner does not plan pipeline stages yet"),
+  EXPECT_EQ(parse_layout("dp=2,pp=2", 0).pp, 2);
+  EXPECT_EQ(parse_layout("pp=2", 8).dp, 4);
+  EXPECT_NE(error_of([] { parse_layout("dp=2,pp=2", 8); }).find("dp x pp = 2 x 2 = 4 GPUs, but --gpus is 8"),
             std::string::npos);
   EXPECT_NE(error_of([] { parse_layout("dp=4", 8); }).find("--gpus is 8"), std::string::npos);
   EXPECT_NE(error_of([] { parse_layout("dp=2,dp=2", 0); }).find("given twice"), std::string::npos);
@@ -578,13 +590,82 @@ TEST(PlanCli, JsonParsesAndBadValuesAreNamed) {
   const auto bad = run_cli("plan " + kOlmoe8l + " --layout dp=2,ep=x");
   EXPECT_EQ(bad.status, 1);
   EXPECT_NE(bad.output.find("--layout 'dp=2,ep=x'"), std::string::npos) << bad.output;
-  const auto pp = run_cli("plan " + kOlmoe8l + " --layout dp=1,pp=2");
+  const auto pp = run_cli("plan " + kOlmoe8l + " --layout dp=2,ep=2,pp=2");
   EXPECT_EQ(pp.status, 1);
-  EXPECT_NE(pp.output.find("the planner does not plan pipeline stages yet"), std::string::npos) << pp.output;
+  EXPECT_NE(pp.output.find("the GPU pipeline step runs no expert parallelism inside a stage"), std::string::npos)
+      << pp.output;
   const auto mem = run_cli("plan " + kOlmoe8l + " --gpu-memory lots");
   EXPECT_EQ(mem.status, 1);
   EXPECT_NE(mem.output.find("--gpu-memory: expected a positive number of GiB, got 'lots'"), std::string::npos)
       << mem.output;
+}
+
+// pp > 1 as the GPU pipeline step runs it: 1F1B simulated with each stage's costs. Two stages and
+// one micro-batch: F0, send, F1 (with the LM head), B1, send, B0 one after another.
+TEST(Planner, PipelineStagesFollowTheSchedule) {
+  Config c = load_config(kOlmoe8l, {});
+  c.train.recompute = "full";
+  c.train.global_batch = 4;
+  const LayoutPlan one = plan_layout(c, LayoutRequest{1, 1, 2}, 139.8);
+  ASSERT_EQ(one.stages.size(), 2u);
+  EXPECT_EQ(one.run.micro_steps, 1);
+  EXPECT_EQ(one.stages[0].first_layer, 0);
+  EXPECT_EQ(one.stages[0].end_layer, 4);
+  EXPECT_EQ(one.stages[1].end_layer, 8);
+  const double send = one.comm.pp_send_per_micro / h200_ceilings().allreduce_bus_bytes_per_s * 1e3;
+  EXPECT_DOUBLE_EQ(one.comm.pp_send_per_micro, 4.0 * 16384 * 2048);
+  const StagePlan &s0 = one.stages[0], &s1 = one.stages[1];
+  EXPECT_EQ(s0.forwards_again + s1.forwards_again, 0);
+  EXPECT_NEAR(one.makespan_ms, s0.forward_ms + s1.forward_ms + s1.backward_ms + s0.backward_ms + 2.0 * send, 1e-9);
+  EXPECT_GT(s1.forward_ms, s0.forward_ms);  // the LM head, its backward inside
+  EXPECT_NEAR(one.bubble_formula, 0.5, 1e-12);
+  // Recompute none only (the configured full is noted), its step the makespan plus the optimizer.
+  ASSERT_EQ(one.notes.size(), 1u);
+  EXPECT_NE(one.notes[0].find("train.recompute \"full\" -> \"none\""), std::string::npos) << one.notes[0];
+  EXPECT_TRUE(one.modes[0].refused.empty());
+  for (size_t i = 1; i < 3; ++i) {
+    EXPECT_FALSE(one.modes[i].fits);
+    EXPECT_NE(one.modes[i].refused.find("runs train.recompute = \"none\" only"), std::string::npos);
+  }
+  const StepTime& t = one.modes[0].time;
+  EXPECT_NEAR(t.step_ms(), one.makespan_ms + t.optimizer + t.grad_reduce, 1e-6);
+  EXPECT_GT(t.pipeline_wait, 0.0);
+  // The stage's memory is the run plan's (one micro-batch of its layers, the FP32 stage inputs).
+  EXPECT_DOUBLE_EQ(one.modes[0].activations.total(), one.run.memory.activation.total());
+  // Eight micro-batches: every backward of stage 0 but none of stage 1 runs its forward again
+  // (stage 0 runs one forward ahead), and the bubble shrinks.
+  c.train.global_batch = 16;
+  c.train.micro_batch = 2;
+  const LayoutPlan eight = plan_layout(c, LayoutRequest{1, 1, 2}, 139.8);
+  EXPECT_EQ(eight.run.micro_steps, 8);
+  EXPECT_EQ(eight.stages[0].forwards_again, 8);
+  EXPECT_EQ(eight.stages[1].forwards_again, 0);
+  EXPECT_EQ(eight.busiest_stage, 0);
+  EXPECT_NEAR(eight.modes[0].time.recompute, 8.0 * eight.stages[0].forward_ms, 1e-9);
+  EXPECT_EQ(eight.comm.pp_per_step, 8.0 * eight.comm.pp_send_per_micro);
+  for (const StagePlan& st : eight.stages) EXPECT_LE(st.busy_ms + st.sends_ms, eight.makespan_ms + 1e-9);
+  const double idle = 1.0 - (eight.stages[1].busy_ms + eight.stages[1].sends_ms) / eight.makespan_ms;
+  EXPECT_LT(idle, 0.5);
+  EXPECT_GT(eight.modes[0].tokens_per_s_per_gpu, one.modes[0].tokens_per_s_per_gpu);
+  // ep with pp is refused, naming both.
+  EXPECT_NE(error_of([&] { plan_layout(c, LayoutRequest{2, 2, 2}, 139.8); })
+                .find("the GPU pipeline step runs no expert parallelism inside a stage"),
+            std::string::npos);
+}
+
+TEST(PlanCli, PlansPipelineStages) {
+  const auto r = run_cli("plan " + kOlmoe8l + " --layout pp=2 --gpus 2 --train.global_batch=16 --train.micro_batch=2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  for (const char* s : {"pipeline, recompute none: 1F1B over 8 micro-batches, simulated", "pipeline wait (bubble)",
+                        "selective: refused", "pipeline send (FP32 [N, D]), per micro-batch", "  0*      0..3"})
+    EXPECT_NE(r.output.find(s), std::string::npos) << s << "\n" << r.output;
+  const auto j = run_cli("plan " + kOlmoe8l + " --layout pp=2 --gpus 2 --json");
+  ASSERT_EQ(j.status, 0) << j.output;
+  const nlohmann::json doc = nlohmann::json::parse(j.output);
+  EXPECT_EQ(doc.at("layout").at("pp"), 2);
+  EXPECT_EQ(doc.at("pipeline").at("stages").size(), 2u);
+  EXPECT_GT(doc.at("modes").at("none").at("time_ms").at("pipeline_wait").get<double>(), 0.0);
+  EXPECT_FALSE(doc.at("modes").at("full").at("refused").get<std::string>().empty());
 }
 
 // Pipeline parallelism: planned on cpu (the grid in the description, the largest stage's
