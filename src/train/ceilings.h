@@ -44,6 +44,25 @@ struct GpuRates {
   // alone.
   double expert_weight_bytes_per_param = 8.6;
   double expert_weight_bytes_per_s = 4.3e12;
+
+  // train.precision = fp8 (the planner): the experts' FP8 grouped GEMM (own wgmma kernel, E4M3 with
+  // 1 x 128 and 128 x 128 scales) at the same shape, forward on the weights' codes and data gradient
+  // on their transposed copy, the inputs' quantisation not counted (their producers write the
+  // codes), TFLOP/s: the mean of three op-bench runs on H200s at 00984e8
+  // (bench/results/h200-main-20261207/fp8-kernel-tried/op-base-*.log: the kernel's rate moves by up
+  // to 20% from run to run). Its weight gradients run in BF16 (the rates above).
+  double gate_up_fwd_fp8_tflops = 927.4, gate_up_dgrad_fp8_tflops = 870.4;
+  double down_fwd_fp8_tflops = 814.4, down_dgrad_fp8_tflops = 966.2;
+  // Block-scaled FP8 GEMM through cuBLASLt, 16384 x 2048 x 2048, the activation's quantisation not
+  // counted: 1089.8 TFLOP/s (bench/results/gpu-suite-20261202-63025a6/fp8_gemm.log), the rate of
+  // the FP8 projections' and MLPs' forward and data-gradient GEMMs.
+  double dense_fp8_gemm_tflops = 1089.8;
+};
+
+// The measured phases of a reference step (ms, phase_ms_scaled_to_step of `moecore bench`).
+struct RefStep {
+  double embedding = 0, attention = 0, mlp = 0, router = 0, dispatch = 0, experts = 0, combine = 0, lm_head = 0;
+  double optimizer = 0, step = 0;
 };
 
 // A GPU as the planner models it: its rates, the figures of several GPUs, and the measured step of
@@ -75,6 +94,11 @@ struct GpuCeilings : GpuRates {
   double ref_dispatch_ms = 4.134, ref_experts_ms = 68.94, ref_combine_ms = 3.743, ref_lm_head_ms = 15.58;
   double ref_optimizer_ms = 30.09;
   double ref_step_ms = 173.45;
+  // The same shape with train.precision = fp8 (the routed experts', projections' and MLPs' forward
+  // and data-gradient GEMMs in FP8, every quantisation counted; the experts' codes written by their
+  // update): the mean of three runs on one H200 at 00984e8,
+  // bench/results/h200-main-20261207/{steps/fp8-base,steps/fp8-base-r2,steps-r2/fp8}.json (161.75 ms).
+  RefStep ref_fp8{0.299, 41.678, 2.699, 1.377, 4.810, 61.277, 4.807, 14.752, 30.050, 161.75};
   // The reference shape: configs/olmoe-8l.toml with this many layers, and its parameters.
   double ref_layers = 8, ref_params = 3562604544.0;
 };
@@ -112,6 +136,14 @@ inline const GpuCeilings& h100_ceilings() {
     g.ref_dispatch_ms = 3.709, g.ref_experts_ms = 51.846, g.ref_combine_ms = 3.626, g.ref_lm_head_ms = 15.015;
     g.ref_optimizer_ms = 30.917;
     g.ref_step_ms = 142.68;
+    // FP8 (the H100 rows of the rates above): the grouped GEMM from two op-bench runs on an H100
+    // (bench/results/fp8-scale-loads-20261206/new-{1,2}.log, the kernel with its scale loads after
+    // the MMAs), cuBLASLt's FP8 GEMM from fp8_gemm.log above; the reference step: olmoe-8l with 6
+    // layers in fp8 at 0bfa3ac, bench/results/fp8-codes-in-bf16-20261207/fp8-nobf16.json (132.66 ms).
+    g.gate_up_fwd_fp8_tflops = 951.5, g.gate_up_dgrad_fp8_tflops = 988.2;
+    g.down_fwd_fp8_tflops = 844.4, g.down_dgrad_fp8_tflops = 973.7;
+    g.dense_fp8_gemm_tflops = 1108.7;
+    g.ref_fp8 = {0.362, 30.976, 2.579, 1.181, 4.272, 45.601, 4.323, 13.910, 29.457, 132.66};
     g.ref_layers = 6, g.ref_params = 2723465216.0;
     return g;
   }();

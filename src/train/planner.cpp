@@ -14,6 +14,7 @@
 #include "core/checked_math.h"
 #include "core/config_io.h"
 #include "core/error.h"
+#include "core/fp8_types.h"
 #include "model/layout.h"
 #include "parallel/pipeline_schedule.h"
 
@@ -77,19 +78,55 @@ double sdpa_fwd_ms(double b, double heads, double s, double hd, const GpuCeiling
 double sdpa_bwd_ms(double b, double heads, double s, double hd, const GpuCeilings& g) {
   return ms(2.5 * 4.0 * b * heads * s * s * hd / 2.0, g.attention_bwd_tflops);
 }
-double proj_ms(double n, double d, double q, double c, double factor, const GpuCeilings& g) {
-  return ms(factor * n * (d * q + 2.0 * d * c + q * d), g.dense_gemm_tflops);
+// A dense linear's GEMMs of `flops` forward FLOPs (2 x its MACs): forward, data and weight
+// gradients; under the FP8 recipe (fp8) the first two at the FP8 rate, the weight gradient in BF16.
+// factor: 6 for all three, 2 for the forward alone.
+double linear_ms(double flops, double factor, bool fp8, const GpuCeilings& g) {
+  if (!fp8) return ms(factor / 2.0 * flops, g.dense_gemm_tflops);
+  const double fwd_dgrad = std::min(factor, 4.0) / 2.0, wgrad = std::max(0.0, factor - 4.0) / 2.0;
+  return ms(fwd_dgrad * flops, g.dense_fp8_gemm_tflops) + ms(wgrad * flops, g.dense_gemm_tflops);
 }
-// One MoE layer's grouped GEMMs for `rows` rows: gate_up and down, forward, dgrad and wgrad.
+double proj_ms(double n, double d, double q, double c, double factor, const GpuCeilings& g, bool fp8 = false) {
+  return linear_ms(2.0 * n * (d * q + 2.0 * d * c + q * d), factor, fp8, g);
+}
+// One MoE layer's grouped GEMMs for `rows` rows: gate_up and down, forward, dgrad and wgrad (the
+// forward and data gradients at the FP8 kernel's rates under the FP8 recipe).
 struct ExpertGemm {
   double gate_up_fwd, down_fwd, backward;
   double total() const { return gate_up_fwd + down_fwd + backward; }
 };
-ExpertGemm expert_gemm_ms(double rows, double d, double inner, const GpuCeilings& g) {
+ExpertGemm expert_gemm_ms(double rows, double d, double inner, const GpuCeilings& g, bool fp8 = false) {
   const double gu = 2.0 * rows * d * 2.0 * inner, dn = 2.0 * rows * inner * d;
-  return {ms(gu, g.gate_up_fwd_tflops), ms(dn, g.down_fwd_tflops),
-          ms(gu, g.gate_up_dgrad_tflops) + ms(gu, g.gate_up_wgrad_tflops) + ms(dn, g.down_dgrad_tflops) +
-              ms(dn, g.down_wgrad_tflops)};
+  return {ms(gu, fp8 ? g.gate_up_fwd_fp8_tflops : g.gate_up_fwd_tflops),
+          ms(dn, fp8 ? g.down_fwd_fp8_tflops : g.down_fwd_tflops),
+          ms(gu, fp8 ? g.gate_up_dgrad_fp8_tflops : g.gate_up_dgrad_tflops) + ms(gu, g.gate_up_wgrad_tflops) +
+              ms(dn, fp8 ? g.down_dgrad_fp8_tflops : g.down_dgrad_tflops) + ms(dn, g.down_wgrad_tflops)};
+}
+
+// What runs in FP8 under train.precision = fp8 on the GPU (the run plan's rules): the routed
+// experts, the attention projections where D, Q and C are multiples of 128, each MLP (dense layer
+// or shared experts) whose D and F are.
+struct Fp8Parts {
+  bool any = false, experts = false, projections = false, dense_mlp = false, shared_mlp = false;
+};
+Fp8Parts fp8_parts(const Config& cfg) {
+  Fp8Parts f;
+  if (cfg.train.precision != "fp8") return f;
+  const ModelConfig& m = cfg.model;
+  const int64_t q = m.n_heads * m.head_dim(), c = m.n_kv_heads * m.head_dim();
+  f.any = true;
+  f.experts = num_moe_layers(m) > 0;
+  f.projections = fp8_mlp_shapes(m.d_model, q) && c % 128 == 0;
+  f.dense_mlp = fp8_mlp_shapes(m.d_model, m.dense_hidden);
+  f.shared_mlp = fp8_mlp_shapes(m.d_model, cfg.moe.shared_experts * cfg.moe.expert_hidden);
+  return f;
+}
+
+// The reference step's phases: the BF16 step's, or under the FP8 recipe the FP8 step's.
+RefStep ref_step(const GpuCeilings& g, bool fp8) {
+  if (fp8) return g.ref_fp8;
+  return {g.ref_embedding_ms, g.ref_attention_ms, g.ref_mlp_ms,    g.ref_router_ms,    g.ref_dispatch_ms,
+          g.ref_experts_ms,   g.ref_combine_ms,   g.ref_lm_head_ms, g.ref_optimizer_ms, g.ref_step_ms};
 }
 
 // The experts' weight traffic of one micro-step (BF16 weight reads, FP32 gradient accumulation)
@@ -103,55 +140,61 @@ double expert_weight_ms(double expert_params, const GpuCeilings& g) {
 struct RefGlue {
   double attention, experts;
 };
-RefGlue ref_glue(const GpuCeilings& g) {
+// fp8: the glue of the reference's FP8 step (olmoe-8l: its experts and projections in FP8, no
+// MLP), which holds the FP8 recipe's quantisation passes.
+RefGlue ref_glue(const GpuCeilings& g, bool fp8 = false) {
   const RefShape r = ref_shape(g);
+  const RefStep ref = ref_step(g, fp8);
   const double sdpa = r.layers * (sdpa_fwd_ms(r.b, r.heads, r.s, r.hd, g) + sdpa_bwd_ms(r.b, r.heads, r.s, r.hd, g));
-  const double proj = r.layers * proj_ms(r.n, r.d, r.q, r.c, 6.0, g);
-  const double gemm = r.moe_layers * expert_gemm_ms(r.rows, r.d, r.inner, g).total();
-  return {std::max(0.0, g.ref_attention_ms - sdpa - proj),
-          std::max(0.0, g.ref_experts_ms - gemm - expert_weight_ms(r.expert_params, g))};
+  const double proj = r.layers * proj_ms(r.n, r.d, r.q, r.c, 6.0, g, fp8);
+  const double gemm = r.moe_layers * expert_gemm_ms(r.rows, r.d, r.inner, g, fp8).total();
+  return {std::max(0.0, ref.attention - sdpa - proj),
+          std::max(0.0, ref.experts - gemm - expert_weight_ms(r.expert_params, g))};
 }
 
 StepTime estimate_step(const LayoutPlan& p, Recompute mode, const GpuCeilings& g) {
   const Shape s = shape_of(p.cfg);
   const RefShape r = ref_shape(g);
-  const RefGlue glue0 = ref_glue(g);
+  const Fp8Parts f8 = fp8_parts(p.cfg);
+  const RefStep ref = ref_step(g, f8.any);
+  const RefGlue glue0 = ref_glue(g, f8.any);
   StepTime t;
   // One micro-step's phases.
   const double sdpa_f = s.layers * sdpa_fwd_ms(s.b, s.heads, s.s, s.hd, g);
   const double sdpa_b = s.layers * sdpa_bwd_ms(s.b, s.heads, s.s, s.hd, g);
-  const double proj = s.layers * proj_ms(s.n, s.d, s.q, s.c, 6.0, g);
+  const double proj = s.layers * proj_ms(s.n, s.d, s.q, s.c, 6.0, g, f8.projections);
   const double attn_glue = glue0.attention * (s.layers * s.n * (s.d + s.q + s.c)) / (r.layers * r.n * (r.d + r.q + r.c));
-  const double mlp_glue = g.ref_mlp_ms * (s.layers * s.n * s.d) / (r.layers * r.n * r.d);
-  const double mlp_gemm = ms(6.0 * s.n * 3.0 * s.d * (s.dense_layers * s.dense_hidden + s.moe_layers * s.shared_hidden),
-                             g.dense_gemm_tflops);
+  const double mlp_glue = ref.mlp * (s.layers * s.n * s.d) / (r.layers * r.n * r.d);
+  const double mlp_gemm = linear_ms(2.0 * s.n * 3.0 * s.d * s.dense_layers * s.dense_hidden, 6.0, f8.dense_mlp, g) +
+                          linear_ms(2.0 * s.n * 3.0 * s.d * s.moe_layers * s.shared_hidden, 6.0, f8.shared_mlp, g);
   // SwiGLU of dense and shared MLPs at the experts' glue rate per hidden element.
   const double glue_per_hidden = glue0.experts / (r.moe_layers * r.rows * r.inner);
   const double mlp_swiglu = glue_per_hidden * s.n * (s.dense_layers * s.dense_hidden + s.moe_layers * s.shared_hidden);
-  const ExpertGemm eg = expert_gemm_ms(s.rows, s.d, s.inner, g);
+  const ExpertGemm eg = expert_gemm_ms(s.rows, s.d, s.inner, g, f8.experts);
   const double experts_glue = glue_per_hidden * s.moe_layers * s.rows * s.inner;
   const double route_scale = (s.moe_layers * s.rows * s.d) / (r.moe_layers * r.rows * r.d);
   const double micro = double(p.run.micro_steps);
-  t.embedding = micro * g.ref_embedding_ms * (s.n * s.d) / (r.n * r.d);
+  t.embedding = micro * ref.embedding * (s.n * s.d) / (r.n * r.d);
   t.attention = micro * (sdpa_f + sdpa_b + proj + attn_glue);
   t.mlp = micro * (mlp_glue + mlp_gemm + mlp_swiglu);
-  t.router = micro * g.ref_router_ms * (s.moe_layers * s.n * s.experts) / (r.moe_layers * r.n * r.experts);
-  t.dispatch = micro * g.ref_dispatch_ms * route_scale;
-  t.combine = micro * g.ref_combine_ms * route_scale;
+  t.router = micro * ref.router * (s.moe_layers * s.n * s.experts) / (r.moe_layers * r.n * r.experts);
+  t.dispatch = micro * ref.dispatch * route_scale;
+  t.combine = micro * ref.combine * route_scale;
   const double weights = expert_weight_ms(double(p.run.memory.expert_params), g);
   t.experts = micro * (s.moe_layers * eg.total() + experts_glue + weights);
-  t.lm_head = micro * g.ref_lm_head_ms * (s.n * s.d * s.vocab) / (r.n * r.d * r.vocab);
+  t.lm_head = micro * ref.lm_head * (s.n * s.d * s.vocab) / (r.n * r.d * r.vocab);
   // Recompute: the forward work backward redoes (core/recompute.h). Forward glue is taken as a
   // third of each phase's glue (backward does about twice the forward's traffic), a permute as
   // half of the dispatch / combine phase.
   if (mode == Recompute::kSelective) {
-    t.recompute = micro * (ms(2.0 * s.n * s.d * (s.q + 2.0 * s.c) * s.layers, g.dense_gemm_tflops) + attn_glue / 3.0 +
+    t.recompute = micro * (linear_ms(2.0 * s.n * s.d * (s.q + 2.0 * s.c) * s.layers, 2.0, f8.projections, g) +
+                           attn_glue / 3.0 +
                            mlp_glue / 3.0 + mlp_swiglu / 3.0 + s.moe_layers * eg.down_fwd + experts_glue / 3.0 +
-                           g.ref_dispatch_ms * route_scale / 2.0);
+                           ref.dispatch * route_scale / 2.0);
   } else if (mode == Recompute::kFull) {
     t.recompute = micro * (sdpa_f + proj / 3.0 + attn_glue / 3.0 + (mlp_glue + mlp_gemm + mlp_swiglu) / 3.0 +
                            s.moe_layers * (eg.gate_up_fwd + eg.down_fwd) + experts_glue / 3.0 +
-                           (g.ref_dispatch_ms + g.ref_combine_ms) * route_scale / 2.0);
+                           (ref.dispatch + ref.combine) * route_scale / 2.0);
   }
   // The optimizer: 34 bytes per parameter in the reference (the grad norm's read, 4, over every
   // local parameter; the AdamW update, 30, over this GPU's moment shard; the gradients are not
@@ -159,7 +202,7 @@ StepTime estimate_step(const LayoutPlan& p, Recompute mode, const GpuCeilings& g
   const MemoryEstimate& m = p.run.memory;
   const double local = double(m.local_params);
   const double shard = p.zero ? p.moments / 8.0 : local;
-  t.optimizer = g.ref_optimizer_ms * (4.0 * local + 30.0 * shard) / (34.0 * r.params);
+  t.optimizer = ref.optimizer * (4.0 * local + 30.0 * shard) / (34.0 * r.params);
   // Collectives.
   // The gradient reduction (all-reduce, or ZeRO-1's reduce-scatter) overlaps backward under
   // parallel.overlap_grad_reduce without ep; ZeRO-1's all-gather follows the update.
@@ -221,7 +264,7 @@ StepTime estimate_pipeline_step(LayoutPlan& p, const GpuCeilings& g) {
   LayoutPlan whole = p;
   whole.run.memory.expert_params = int64_t(s.moe_layers * s.experts * 3.0 * s.d * s.inner);
   const StepTime t = estimate_step(whole, Recompute::kNone, g);
-  const double mlp_glue = g.ref_mlp_ms * (s.layers * s.n * s.d) / (r.layers * r.n * r.d);
+  const double mlp_glue = ref_step(g, fp8_parts(p.cfg).any).mlp * (s.layers * s.n * s.d) / (r.layers * r.n * r.d);
   const double hidden_total = s.dense_layers * s.dense_hidden + s.moe_layers * s.shared_hidden;
   const double mlp_hidden = std::max(0.0, t.mlp / micro - mlp_glue);
   struct Layer {
@@ -585,7 +628,7 @@ std::string describe_layout_plan(const LayoutPlan& p, const GpuCeilings& g) {
   }
 
   line("\nstep time estimate, ms, from %s ceilings (docs/planning.md)%s\n", g.name,
-       fp8 ? "; BF16 op rates: the FP8 GEMMs are not modelled" : "");
+       fp8 ? "; FP8: the FP8 GEMMs at their measured rates, the rest from the FP8 reference step" : "");
   line("%-40s %11s %11s %11s\n", "", head[0].c_str(), head[1].c_str(), head[2].c_str());
   auto trow = [&](const char* name, double StepTime::*f) {
     line("  %-38s %11.2f %11.2f %11.2f\n", name, p.modes[0].time.*f, p.modes[1].time.*f, p.modes[2].time.*f);
