@@ -2,7 +2,8 @@
 // read), and for the H200, which `moecore plan` models, the multi-GPU rates and the olmoe-8l
 // step's phases as well (GpuCeilings), with the source of every figure. The H200's measured
 // figures come from committed results: bench/results/gpu-check-20261201T230245Z (grouped_gemm.json:
-// grouped GEMM and cuDNN attention), bench/results/deferred-update-20261202 (the step's phases),
+// grouped GEMM and cuDNN attention), bench/results/h200-main-20261207 (the step's phases in bf16
+// and fp8, the FP8 grouped GEMM), bench/results/gpu-suite-20261202-63025a6 (the dense FP8 GEMM),
 // bench/results/memory-check-20261201T2315Z and docs/benchmarks.md (NCCL all-reduce, expert exchange); the dense GEMM rate was measured on the
 // same kind of GPU but is not in a committed result file (docs/planning.md says so). Nominal
 // figures are the vendor's datasheet values and say so.
@@ -85,15 +86,16 @@ struct GpuCeilings : GpuRates {
   // count reads and regroups included; docs/benchmarks.md).
   double ep_exchange_bytes_per_s = 128.5e9;
 
-  // The olmoe-8l step on one H200, recompute none, CUDA graph: the mean of the two rounds of
-  // bench/results/deferred-update-20261202/olmoe-8l-deferred-false-{1,2}.json
-  // (phase_ms_scaled_to_step; 173.45 ms): the phases the model scales from. That step writes the
-  // weight gradients on its first backward (no zeroing pass) and does the LM head's backward GEMMs
-  // in its forward (three vocabulary GEMMs per micro-step).
-  double ref_embedding_ms = 0.323, ref_attention_ms = 45.79, ref_mlp_ms = 3.424, ref_router_ms = 1.417;
-  double ref_dispatch_ms = 4.134, ref_experts_ms = 68.94, ref_combine_ms = 3.743, ref_lm_head_ms = 15.58;
-  double ref_optimizer_ms = 30.09;
-  double ref_step_ms = 173.45;
+  // The olmoe-8l step on one H200, recompute none, CUDA graph: the mean of the two BF16 runs at
+  // 00984e8, bench/results/h200-main-20261207/{steps,steps-r2}/bf16.json (phase_ms_scaled_to_step;
+  // 168.67 ms): the phases the model scales from. That step writes the weight gradients on its
+  // first backward (no zeroing pass), does the LM head's backward GEMMs in its forward (three
+  // vocabulary GEMMs per micro-step) and takes the norm's squares of the expert gradients from their
+  // weight-gradient GEMMs (one GPU, one micro-step: the run plan's norm_from_expert_squares).
+  double ref_embedding_ms = 0.305, ref_attention_ms = 44.383, ref_mlp_ms = 2.749, ref_router_ms = 1.402;
+  double ref_dispatch_ms = 4.127, ref_experts_ms = 68.992, ref_combine_ms = 3.907, ref_lm_head_ms = 15.741;
+  double ref_optimizer_ms = 27.061;
+  double ref_step_ms = 168.67;
   // The same shape with train.precision = fp8 (the routed experts', projections' and MLPs' forward
   // and data-gradient GEMMs in FP8, every quantisation counted; the experts' codes written by their
   // update): the mean of three runs on one H200 at 00984e8,
@@ -116,8 +118,8 @@ inline const GpuCeilings& h200_ceilings() {
 // the experts' weight traffic and the optimizer are counted at (the H200's fitted 8.6 bytes per
 // expert parameter kept: it is the step's traffic, not the GPU's). memory_gib: nvidia-smi's
 // 81559 MiB. The reference step: olmoe-8l with 6 of its 8 layers (what fits 80 GB), bf16, recompute
-// none, CUDA graph, bench/results/h100-step-ceilings-20261206/olmoe-8l-bf16.json
-// (phase_ms_scaled_to_step; 142.68 ms). HBM3 nominal 3.35 TB/s, NVLink 4 as the H200's. Not
+// none, CUDA graph, bench/results/fp8-codes-in-bf16-20261207/bf16.json (phase_ms_scaled_to_step;
+// 138.45 ms, the call of the FP8 reference below). HBM3 nominal 3.35 TB/s, NVLink 4 as the H200's. Not
 // measured on H100s: the NCCL all-reduce, its overlap and the expert exchange, which are the
 // H200's figures here (the same NVLink 4 generation).
 inline const GpuCeilings& h100_ceilings() {
@@ -132,10 +134,10 @@ inline const GpuCeilings& h100_ceilings() {
     g.expert_weight_bytes_per_param = 8.6;
     g.expert_weight_bytes_per_s = 2.959e12;
     g.hbm_nominal_bytes_per_s = 3.35e12;
-    g.ref_embedding_ms = 0.360, g.ref_attention_ms = 33.436, g.ref_mlp_ms = 2.583, g.ref_router_ms = 1.190;
-    g.ref_dispatch_ms = 3.709, g.ref_experts_ms = 51.846, g.ref_combine_ms = 3.626, g.ref_lm_head_ms = 15.015;
-    g.ref_optimizer_ms = 30.917;
-    g.ref_step_ms = 142.68;
+    g.ref_embedding_ms = 0.360, g.ref_attention_ms = 33.054, g.ref_mlp_ms = 2.552, g.ref_router_ms = 1.176;
+    g.ref_dispatch_ms = 3.663, g.ref_experts_ms = 51.646, g.ref_combine_ms = 3.578, g.ref_lm_head_ms = 14.919;
+    g.ref_optimizer_ms = 27.507;
+    g.ref_step_ms = 138.45;
     // FP8 (the H100 rows of the rates above): the grouped GEMM from two op-bench runs on an H100
     // (bench/results/fp8-scale-loads-20261206/new-{1,2}.log, the kernel with its scale loads after
     // the MMAs), cuBLASLt's FP8 GEMM from fp8_gemm.log above; the reference step: olmoe-8l with 6

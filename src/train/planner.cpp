@@ -196,13 +196,15 @@ StepTime estimate_step(const LayoutPlan& p, Recompute mode, const GpuCeilings& g
                            s.moe_layers * (eg.gate_up_fwd + eg.down_fwd) + experts_glue / 3.0 +
                            (ref.dispatch + ref.combine) * route_scale / 2.0);
   }
-  // The optimizer: 34 bytes per parameter in the reference (the grad norm's read, 4, over every
-  // local parameter; the AdamW update, 30, over this GPU's moment shard; the gradients are not
-  // zeroed: the first backward writes them).
+  // The optimizer: the grad norm's read (4 bytes a local parameter, but none of an expert
+  // parameter where the norm takes the experts' squares from their weight-gradient GEMMs: the run
+  // plan's norm_from_expert_squares, as in the reference step) and the AdamW update (30 bytes over
+  // this GPU's moment shard); the gradients are not zeroed (the first backward writes them).
   const MemoryEstimate& m = p.run.memory;
   const double local = double(m.local_params);
   const double shard = p.zero ? p.moments / 8.0 : local;
-  t.optimizer = ref.optimizer * (4.0 * local + 30.0 * shard) / (34.0 * r.params);
+  const double norm_read = local - (p.run.norm_from_expert_squares ? double(m.expert_params) : 0.0);
+  t.optimizer = ref.optimizer * (4.0 * norm_read + 30.0 * shard) / (4.0 * (r.params - r.expert_params) + 30.0 * r.params);
   // Collectives.
   // The gradient reduction (all-reduce, or ZeRO-1's reduce-scatter) overlaps backward under
   // parallel.overlap_grad_reduce without ep; ZeRO-1's all-gather follows the update.
