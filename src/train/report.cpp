@@ -422,7 +422,7 @@ function drawMemory(p, mode) {
       el('title', {}, r2, k + ': other ' + gib(other) + ' GiB');
     }
     if (k === mode) el('rect', {x: L, y: y - 2, width: sx(m.memory_bytes) - L, height: bh + 4, fill: 'none', stroke: '#000', 'stroke-width': 2}, svg);
-    el('text', {x: sx(m.memory_bytes) + 4, y: y + bh * 0.65, 'font-size': 11}, svg, gib(m.memory_bytes) + ' GiB' + (m.fits ? '' : ' (does not fit)'));
+    el('text', {x: sx(m.memory_bytes) + 4, y: y + bh * 0.65, 'font-size': 11}, svg, gib(m.memory_bytes) + ' GiB' + (m.refused ? ' (refused)' : m.fits ? '' : ' (does not fit)'));
   });
   var yl = T + 3 * (bh + gap);
   el('line', {x1: sx(p.gpu_memory_bytes), x2: sx(p.gpu_memory_bytes), y1: T - 4, y2: yl - gap + 4, stroke: '#d00', 'stroke-width': 2}, svg);
@@ -439,6 +439,7 @@ function drawTraffic(p) {
               ['ZeRO-1 all-gather (FP32 parameters)', c.zero_all_gather_sent],
               ['EP dispatch forward', c.ep_dispatch_fwd_per_micro_step * mstep], ['EP combine forward', c.ep_combine_fwd_per_micro_step * mstep],
               ['EP dispatch backward', c.ep_dispatch_bwd_per_micro_step * mstep], ['EP combine backward', c.ep_combine_bwd_per_micro_step * mstep]];
+  if (p.layout.pp > 1) rows.push(['pipeline sends (residual stream)', c.pp_per_step]);
   var W = 1180, L = 260, R = 120, T = 8, bh = 18;
   var max = Math.max(1, c.total);
   var H = T + (rows.length + 1) * (bh + 6) + 4;
@@ -455,13 +456,13 @@ function drawRanking(g) {
   var e = DATA.rankings[String(g)], host = $('ranking');
   if (!e) { host.textContent = 'not available'; return; }
   if (e.error) { host.textContent = e.error; return; }
-  var h = '<table><tr><th>rank</th><th>dp</th><th>ep</th><th>ep-dp</th><th class="l">recompute</th><th>GiB/GPU</th><th>step ms</th><th>tokens/s/GPU</th><th>TFLOP/s/GPU</th><th>comm GB/step</th></tr>';
+  var h = '<table><tr><th>rank</th><th>dp</th><th>ep</th><th>ep-dp</th><th>pp</th><th class="l">recompute</th><th>GiB/GPU</th><th>step ms</th><th>tokens/s/GPU</th><th>TFLOP/s/GPU</th><th>comm GB/step</th></tr>';
   e.fitting.forEach(function (f, i) {
-    h += '<tr><td>' + (i + 1) + '</td><td>' + f.dp + '</td><td>' + f.ep + '</td><td>' + f.ep_dp + '</td><td class="l">' + f.recompute +
+    h += '<tr><td>' + (i + 1) + '</td><td>' + f.dp + '</td><td>' + f.ep + '</td><td>' + f.ep_dp + '</td><td>' + f.pp + '</td><td class="l">' + f.recompute +
          '</td><td>' + gib(f.memory_bytes) + '</td><td>' + f.step_ms.toFixed(1) + '</td><td>' + Math.round(f.tokens_per_s_per_gpu) +
          '</td><td>' + f.tflops_per_gpu.toFixed(1) + '</td><td>' + (f.comm_bytes_per_step / 1e9).toFixed(2) + '</td></tr>';
   });
-  if (!e.fitting.length) h += '<tr><td colspan="10" class="l">no layout of ' + g + ' GPUs fits</td></tr>';
+  if (!e.fitting.length) h += '<tr><td colspan="11" class="l">no layout of ' + g + ' GPUs fits</td></tr>';
   host.innerHTML = h + '</table>';
 }
 (function () {
