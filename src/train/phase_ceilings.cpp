@@ -17,9 +17,20 @@ std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan,
   const double d = double(m.d_model), hd = double(m.head_dim());
   const double q = double(m.n_heads) * hd, kv = double(m.n_kv_heads) * hd;
   const double dense_rate = 1e12 * gpu.dense_gemm_tflops;
-  char what[96];
+  char what[160];
   std::snprintf(what, sizeof what, "%.0f TFLOP/s dense BF16 GEMM", gpu.dense_gemm_tflops);
   const std::string gemm_ceiling = what;
+  // The FP8 recipe's GEMMs: forward and data gradient at the dense FP8 GEMM's rate (the same
+  // convention: cuBLASLt's dense GEMM is the ceiling of the grouped ones too), the weight gradient
+  // at the BF16 rate. ms of `flops` (forward + dgrad + wgrad FLOPs, 2 : 2 : 2).
+  const Fp8Parts f8 = fp8_parts(cfg);
+  const double fp8_rate = 1e12 * gpu.dense_fp8_gemm_tflops;
+  std::snprintf(what, sizeof what, "%.0f TFLOP/s dense FP8 GEMM (forward, dgrad), %.0f BF16 (wgrad)",
+                gpu.dense_fp8_gemm_tflops, gpu.dense_gemm_tflops);
+  const std::string fp8_ceiling = what;
+  const auto gemm_s = [&](double flops, bool fp8) {
+    return fp8 ? flops * 4.0 / 6.0 / fp8_rate + flops * 2.0 / 6.0 / dense_rate : flops / dense_rate;
+  };
   int64_t moe_layers = 0, dense_layers = 0;
   for (int64_t l = 0; l < m.n_layers; ++l) (is_dense_layer(m, l) ? dense_layers : moe_layers) += 1;
   std::vector<PhaseCeiling> out;
@@ -33,10 +44,11 @@ std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan,
     const double core_bwd = 2.5 * core_fwd;
     c.flops = micro * double(m.n_layers) * (proj + core_fwd + core_bwd);
     c.ideal_ms = 1e3 * micro * double(m.n_layers) *
-                 (proj / dense_rate + core_fwd / (1e12 * gpu.attention_fwd_tflops) +
+                 (gemm_s(proj, f8.projections) + core_fwd / (1e12 * gpu.attention_fwd_tflops) +
                   core_bwd / (1e12 * gpu.attention_bwd_tflops));
-    std::snprintf(what, sizeof what, "%s; core %.0f / %.0f TFLOP/s (cuDNN fwd / bwd)", gemm_ceiling.c_str(),
-                  gpu.attention_fwd_tflops, gpu.attention_bwd_tflops);
+    std::snprintf(what, sizeof what, "%s; core %.0f / %.0f TFLOP/s (cuDNN fwd / bwd)",
+                  (f8.projections ? fp8_ceiling : gemm_ceiling).c_str(), gpu.attention_fwd_tflops,
+                  gpu.attention_bwd_tflops);
     c.ceiling = what;
     out.push_back(c);
   }
@@ -45,9 +57,11 @@ std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan,
     const double f_dense = double(m.dense_hidden), f_shared = double(e.shared_experts * e.expert_hidden);
     PhaseCeiling c;
     c.phase = "mlp";
-    c.flops = micro * 6.0 * n * 3.0 * d * (double(dense_layers) * f_dense + double(moe_layers) * f_shared);
-    c.ideal_ms = 1e3 * c.flops / dense_rate;
-    c.ceiling = gemm_ceiling;
+    const double dense_flops = micro * 6.0 * n * 3.0 * d * double(dense_layers) * f_dense;
+    const double shared_flops = micro * 6.0 * n * 3.0 * d * double(moe_layers) * f_shared;
+    c.flops = dense_flops + shared_flops;
+    c.ideal_ms = 1e3 * (gemm_s(dense_flops, f8.dense_mlp) + gemm_s(shared_flops, f8.shared_mlp));
+    c.ceiling = f8.dense_mlp || f8.shared_mlp ? fp8_ceiling : gemm_ceiling;
     if (c.flops > 0) out.push_back(c);
   }
   // Routed experts: the grouped GEMMs over n x top_k rows, or their weight traffic.
@@ -57,14 +71,14 @@ std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan,
     const double rows = n * double(e.top_k), inner = double(e.expert_hidden);
     c.flops = micro * double(moe_layers) * 6.0 * rows * 3.0 * d * inner;
     c.bytes = micro * gpu.expert_weight_bytes_per_param * double(plan.memory.expert_params);
-    const double by_flops = c.flops / dense_rate, by_bytes = c.bytes / gpu.expert_weight_bytes_per_s;
+    const double by_flops = gemm_s(c.flops, f8.experts), by_bytes = c.bytes / gpu.expert_weight_bytes_per_s;
     c.ideal_ms = 1e3 * std::max(by_flops, by_bytes);
     if (by_bytes > by_flops) {
       std::snprintf(what, sizeof what, "weight traffic, %.0f B/param at %.1f TB/s", gpu.expert_weight_bytes_per_param,
                     gpu.expert_weight_bytes_per_s / 1e12);
       c.ceiling = what;
     } else {
-      c.ceiling = gemm_ceiling;
+      c.ceiling = f8.experts ? fp8_ceiling : gemm_ceiling;
     }
     out.push_back(c);
   }

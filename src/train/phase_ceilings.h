@@ -1,7 +1,8 @@
 // How close each phase of a measured step came to the GPU's ceiling for its work: the bench's
 // "achieved fraction of the phase's ceiling" line, so the next bottleneck shows in one line.
 // Per phase, the work of one step on one rank (summed over its micro-steps) at the ceilings of
-// train/ceilings.h (the GPU's measured rates): the GEMM phases at the dense BF16 GEMM rate, the attention core at cuDNN's
+// train/ceilings.h (the GPU's measured rates): the GEMM phases at the dense BF16 GEMM rate (under
+// the FP8 recipe, the FP8 GEMMs' forward and data gradient at the dense FP8 GEMM rate), the attention core at cuDNN's
 // causal forward and backward rates, the experts' grouped GEMMs at the dense rate or, when
 // larger, their weight traffic at the HBM rate, the optimizer's bytes at the HBM rate (only the
 // gradient norm's when the update is deferred into the next forward). The small

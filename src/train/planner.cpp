@@ -14,7 +14,6 @@
 #include "core/checked_math.h"
 #include "core/config_io.h"
 #include "core/error.h"
-#include "core/fp8_types.h"
 #include "model/layout.h"
 #include "parallel/pipeline_schedule.h"
 
@@ -101,25 +100,6 @@ ExpertGemm expert_gemm_ms(double rows, double d, double inner, const GpuCeilings
           ms(dn, fp8 ? g.down_fwd_fp8_tflops : g.down_fwd_tflops),
           ms(gu, fp8 ? g.gate_up_dgrad_fp8_tflops : g.gate_up_dgrad_tflops) + ms(gu, g.gate_up_wgrad_tflops) +
               ms(dn, fp8 ? g.down_dgrad_fp8_tflops : g.down_dgrad_tflops) + ms(dn, g.down_wgrad_tflops)};
-}
-
-// What runs in FP8 under train.precision = fp8 on the GPU (the run plan's rules): the routed
-// experts, the attention projections where D, Q and C are multiples of 128, each MLP (dense layer
-// or shared experts) whose D and F are.
-struct Fp8Parts {
-  bool any = false, experts = false, projections = false, dense_mlp = false, shared_mlp = false;
-};
-Fp8Parts fp8_parts(const Config& cfg) {
-  Fp8Parts f;
-  if (cfg.train.precision != "fp8") return f;
-  const ModelConfig& m = cfg.model;
-  const int64_t q = m.n_heads * m.head_dim(), c = m.n_kv_heads * m.head_dim();
-  f.any = true;
-  f.experts = num_moe_layers(m) > 0;
-  f.projections = fp8_mlp_shapes(m.d_model, q) && c % 128 == 0;
-  f.dense_mlp = fp8_mlp_shapes(m.d_model, m.dense_hidden);
-  f.shared_mlp = fp8_mlp_shapes(m.d_model, cfg.moe.shared_experts * cfg.moe.expert_hidden);
-  return f;
 }
 
 // The reference step's phases: the BF16 step's, or under the FP8 recipe the FP8 step's.

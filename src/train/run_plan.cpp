@@ -36,6 +36,19 @@ int64_t range_numel(const std::vector<FlatRange>& ranges) {
 
 }  // namespace
 
+Fp8Parts fp8_parts(const Config& cfg) {
+  Fp8Parts f;
+  if (cfg.train.precision != "fp8") return f;
+  const ModelConfig& m = cfg.model;
+  const int64_t q = m.n_heads * m.head_dim(), c = m.n_kv_heads * m.head_dim();
+  f.any = true;
+  f.experts = num_moe_layers(m) > 0;
+  f.projections = fp8_mlp_shapes(m.d_model, q) && c % 128 == 0;
+  f.dense_mlp = fp8_mlp_shapes(m.d_model, m.dense_hidden);
+  f.shared_mlp = fp8_mlp_shapes(m.d_model, cfg.moe.shared_experts * cfg.moe.expert_hidden);
+  return f;
+}
+
 RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& device) {
   MOE_CHECK(device == "cpu" || device == "cuda", "run plan: device must be \"cpu\" or \"cuda\", got \"", device, "\"");
   const Recompute recompute = parse_recompute(cfg.train.recompute);

@@ -76,10 +76,18 @@ struct RunPlan {
 };
 
 // Resolves and checks the layout for `world_size` ranks (resolve_parallel: every problem in one
-// message with its arithmetic) and derives the rest. device: "cpu" or "cuda"; parallel.pp > 1
-// is refused on cuda (pipeline stages run on the CPU backend only). Every
+// message with its arithmetic) and derives the rest. device: "cpu" or "cuda". Every
 // train.recompute mode is planned (core/recompute.h).
 RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& device);
+
+// What the GPU's FP8 recipe (train.precision = "fp8" on cuda, docs/numerics.md) runs in FP8: the
+// routed experts; the attention projections where D, Q and C are multiples of 128; each MLP (a
+// dense layer's, or a MoE layer's shared experts) whose D and F are: their forward and
+// data-gradient GEMMs (the weight gradients stay BF16). All false under another precision.
+struct Fp8Parts {
+  bool any = false, experts = false, projections = false, dense_mlp = false, shared_mlp = false;
+};
+Fp8Parts fp8_parts(const Config& cfg);
 
 // The plan as the dry run prints it: layout, batch arithmetic, FLOPs, one rank's memory by kind
 // with the activations of the configured mode split into kept, pool and scratch; with pp > 1 the

@@ -393,6 +393,32 @@ TEST(PhaseCeilings, WorkAddsUpToTheModelFlops) {
 
 // The bench holds each GPU to its own measured rates: the H200's and the H100's (80GB HBM3) by
 // the device's name, none for another GPU; on the H100 the same work takes the rates' ratio longer.
+// Under the FP8 recipe the FP8 GEMMs' forward and data gradient (4 of their 6 FLOPs per MAC pair)
+// are held to the dense FP8 GEMM's rate, their weight gradient to the BF16 one; the same FLOPs.
+TEST(PhaseCeilings, Fp8GemmsAtTheFp8Rate) {
+  Config c = load_config(kOlmoe8l, {});
+  const RunPlan plan = make_run_plan(c, 1, "cuda");
+  Config f = c;
+  f.train.precision = "fp8";
+  const Fp8Parts parts = fp8_parts(f);
+  EXPECT_TRUE(parts.any && parts.experts && parts.projections);
+  EXPECT_FALSE(fp8_parts(c).any);
+  const RunPlan plan8 = make_run_plan(f, 1, "cuda");
+  const GpuRates& g = h200_ceilings();
+  const std::vector<PhaseCeiling> a = phase_ceilings(c, plan, g), b = phase_ceilings(f, plan8, g);
+  ASSERT_EQ(a.size(), b.size());
+  const double share = (4.0 / 6.0) / g.dense_fp8_gemm_tflops + (2.0 / 6.0) / g.dense_gemm_tflops;
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].flops, b[i].flops) << a[i].phase;
+    if (a[i].phase == "experts") {
+      EXPECT_NEAR(b[i].ideal_ms / a[i].ideal_ms, share * g.dense_gemm_tflops, 1e-12);
+      EXPECT_NE(b[i].ceiling.find("dense FP8 GEMM (forward, dgrad)"), std::string::npos) << b[i].ceiling;
+    }
+    if (a[i].phase == "attention") EXPECT_LT(b[i].ideal_ms, a[i].ideal_ms);
+    if (a[i].phase == "lm_head") EXPECT_EQ(b[i].ideal_ms, a[i].ideal_ms);  // BF16 under the recipe
+  }
+}
+
 TEST(PhaseCeilings, EachGpuItsOwnMeasuredRates) {
   EXPECT_EQ(measured_rates("NVIDIA H200"), &h200_ceilings());
   EXPECT_EQ(measured_rates("NVIDIA H100 80GB HBM3"), &h100_ceilings());
