@@ -170,7 +170,8 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
     m.activation.scratch.push_back({"BF16 gradient reduce stage", 2.0 * std::min(n, double(int64_t(64) << 20))});
   // FP8 experts (cuda::experts_fp8_workspace_bytes): the codes and 1 x 128 scales of the widest
   // GEMM input [R, max(D, 2I)], one buffer every MoE layer shares.
-  const bool fp8_experts = gpu && cfg.train.precision == "fp8" && moe_layers > 0;
+  const Fp8Parts f8 = gpu ? fp8_parts(cfg) : Fp8Parts{};
+  const bool fp8_experts = f8.experts;
   const double fp8_widest = double(std::max(cfg.model.d_model, 2 * cfg.moe.expert_hidden));
   const double fp8_input_row = fp8_widest + std::ceil(fp8_widest / 128.0) * 4.0;  // its codes and scales
   if (fp8_experts) m.activation.scratch.push_back({"FP8 expert activation codes and scales", rows * fp8_input_row});
@@ -179,17 +180,17 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   // copies (fp8_dense_params, below) and the model's one set of activation codes, row-major and
   // K-major scales, weight-scale scratch, and the shared-expert output of an FP8 MLP.
   double fp8_dense_params = 0, widest_fp8_mlp = 0, fp8_width = 0, fp8_weight_elems = 0;
-  if (gpu && cfg.train.precision == "fp8") {
+  if (f8.any) {
     const double q = double(cfg.model.n_heads * cfg.model.head_dim()), kv = double(cfg.model.n_kv_heads * cfg.model.head_dim());
-    if (fp8_mlp_shapes(cfg.model.d_model, cfg.model.n_heads * cfg.model.head_dim()) &&
-        int64_t(kv) % 128 == 0) {
+    if (f8.projections) {
       fp8_dense_params += double(cfg.model.n_layers) * (2.0 * q + 2.0 * kv) * d;
       fp8_width = std::max(d, q + 2.0 * kv);
       fp8_weight_elems = (q + 2.0 * kv) * d;
     }
     for (int64_t l = 0; l < cfg.model.n_layers; ++l) {
-      const int64_t f = is_dense_layer(cfg.model, l) ? cfg.model.dense_hidden : cfg.moe.shared_experts * cfg.moe.expert_hidden;
-      if (fp8_mlp_shapes(cfg.model.d_model, f)) {
+      const bool dense = is_dense_layer(cfg.model, l);
+      const int64_t f = dense ? cfg.model.dense_hidden : cfg.moe.shared_experts * cfg.moe.expert_hidden;
+      if (dense ? f8.dense_mlp : f8.shared_mlp) {
         fp8_dense_params += 3.0 * double(f) * d;
         widest_fp8_mlp = std::max(widest_fp8_mlp, double(f));
       }
