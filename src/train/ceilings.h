@@ -92,10 +92,7 @@ struct GpuCeilings : GpuRates {
   // first backward (no zeroing pass), does the LM head's backward GEMMs in its forward (three
   // vocabulary GEMMs per micro-step) and takes the norm's squares of the expert gradients from their
   // weight-gradient GEMMs (one GPU, one micro-step: the run plan's norm_from_expert_squares).
-  double ref_embedding_ms = 0.305, ref_attention_ms = 44.383, ref_mlp_ms = 2.749, ref_router_ms = 1.402;
-  double ref_dispatch_ms = 4.127, ref_experts_ms = 68.992, ref_combine_ms = 3.907, ref_lm_head_ms = 15.741;
-  double ref_optimizer_ms = 27.061;
-  double ref_step_ms = 168.67;
+  RefStep ref_bf16{0.305, 44.383, 2.749, 1.402, 4.127, 68.992, 3.907, 15.741, 27.061, 168.67};
   // The same shape with train.precision = fp8 (the routed experts', projections' and MLPs' forward
   // and data-gradient GEMMs in FP8, every quantisation counted; the experts' codes written by their
   // update): the mean of three runs on one H200 at 00984e8,
@@ -134,10 +131,7 @@ inline const GpuCeilings& h100_ceilings() {
     g.expert_weight_bytes_per_param = 8.6;
     g.expert_weight_bytes_per_s = 2.959e12;
     g.hbm_nominal_bytes_per_s = 3.35e12;
-    g.ref_embedding_ms = 0.360, g.ref_attention_ms = 33.054, g.ref_mlp_ms = 2.552, g.ref_router_ms = 1.176;
-    g.ref_dispatch_ms = 3.663, g.ref_experts_ms = 51.646, g.ref_combine_ms = 3.578, g.ref_lm_head_ms = 14.919;
-    g.ref_optimizer_ms = 27.507;
-    g.ref_step_ms = 138.45;
+    g.ref_bf16 = {0.360, 33.054, 2.552, 1.176, 3.663, 51.646, 3.578, 14.919, 27.507, 138.45};
     // FP8 (the H100 rows of the rates above): the grouped GEMM from two op-bench runs on an H100
     // (bench/results/fp8-scale-loads-20261206/new-{1,2}.log, the kernel with its scale loads after
     // the MMAs), cuBLASLt's FP8 GEMM from fp8_gemm.log above; the reference step: olmoe-8l with 6

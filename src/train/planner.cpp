@@ -103,10 +103,12 @@ ExpertGemm expert_gemm_ms(double rows, double d, double inner, const GpuCeilings
 }
 
 // The reference step's phases: the BF16 step's, or under the FP8 recipe the FP8 step's.
-RefStep ref_step(const GpuCeilings& g, bool fp8) {
-  if (fp8) return g.ref_fp8;
-  return {g.ref_embedding_ms, g.ref_attention_ms, g.ref_mlp_ms,    g.ref_router_ms,    g.ref_dispatch_ms,
-          g.ref_experts_ms,   g.ref_combine_ms,   g.ref_lm_head_ms, g.ref_optimizer_ms, g.ref_step_ms};
+const RefStep& ref_step(const GpuCeilings& g, bool fp8) { return fp8 ? g.ref_fp8 : g.ref_bf16; }
+
+// The MLP phase's memory traffic of one micro-step (norms, residual adds), equal per layer: the
+// reference's MLP phase (olmoe-8l has no MLP GEMMs) scaled by layers x N x D.
+double mlp_glue_ms(const Shape& s, const RefShape& r, const RefStep& ref) {
+  return ref.mlp * (s.layers * s.n * s.d) / (r.layers * r.n * r.d);
 }
 
 // The experts' weight traffic of one micro-step (BF16 weight reads, FP32 gradient accumulation)
@@ -124,7 +126,7 @@ struct RefGlue {
 // MLP), which holds the FP8 recipe's quantisation passes.
 RefGlue ref_glue(const GpuCeilings& g, bool fp8 = false) {
   const RefShape r = ref_shape(g);
-  const RefStep ref = ref_step(g, fp8);
+  const RefStep& ref = ref_step(g, fp8);
   const double sdpa = r.layers * (sdpa_fwd_ms(r.b, r.heads, r.s, r.hd, g) + sdpa_bwd_ms(r.b, r.heads, r.s, r.hd, g));
   const double proj = r.layers * proj_ms(r.n, r.d, r.q, r.c, 6.0, g, fp8);
   const double gemm = r.moe_layers * expert_gemm_ms(r.rows, r.d, r.inner, g, fp8).total();
@@ -136,7 +138,7 @@ StepTime estimate_step(const LayoutPlan& p, Recompute mode, const GpuCeilings& g
   const Shape s = shape_of(p.cfg);
   const RefShape r = ref_shape(g);
   const Fp8Parts f8 = fp8_parts(p.cfg);
-  const RefStep ref = ref_step(g, f8.any);
+  const RefStep& ref = ref_step(g, f8.any);
   const RefGlue glue0 = ref_glue(g, f8.any);
   StepTime t;
   // One micro-step's phases.
@@ -144,7 +146,7 @@ StepTime estimate_step(const LayoutPlan& p, Recompute mode, const GpuCeilings& g
   const double sdpa_b = s.layers * sdpa_bwd_ms(s.b, s.heads, s.s, s.hd, g);
   const double proj = s.layers * proj_ms(s.n, s.d, s.q, s.c, 6.0, g, f8.projections);
   const double attn_glue = glue0.attention * (s.layers * s.n * (s.d + s.q + s.c)) / (r.layers * r.n * (r.d + r.q + r.c));
-  const double mlp_glue = ref.mlp * (s.layers * s.n * s.d) / (r.layers * r.n * r.d);
+  const double mlp_glue = mlp_glue_ms(s, r, ref);
   const double mlp_gemm = linear_ms(2.0 * s.n * 3.0 * s.d * s.dense_layers * s.dense_hidden, 6.0, f8.dense_mlp, g) +
                           linear_ms(2.0 * s.n * 3.0 * s.d * s.moe_layers * s.shared_hidden, 6.0, f8.shared_mlp, g);
   // SwiGLU of dense and shared MLPs at the experts' glue rate per hidden element.
@@ -246,7 +248,7 @@ StepTime estimate_pipeline_step(LayoutPlan& p, const GpuCeilings& g) {
   LayoutPlan whole = p;
   whole.run.memory.expert_params = int64_t(s.moe_layers * s.experts * 3.0 * s.d * s.inner);
   const StepTime t = estimate_step(whole, Recompute::kNone, g);
-  const double mlp_glue = ref_step(g, fp8_parts(p.cfg).any).mlp * (s.layers * s.n * s.d) / (r.layers * r.n * r.d);
+  const double mlp_glue = mlp_glue_ms(s, r, ref_step(g, fp8_parts(p.cfg).any));
   const double hidden_total = s.dense_layers * s.dense_hidden + s.moe_layers * s.shared_hidden;
   const double mlp_hidden = std::max(0.0, t.mlp / micro - mlp_glue);
   struct Layer {
