@@ -458,7 +458,6 @@ LayoutPlan plan_layout(const Config& cfg, const LayoutRequest& layout, double gp
   if (layout.pp > 1) acts[0] = p.run.memory.activation;
   const MemoryEstimate& m = p.run.memory;
   const StepTime pipeline = layout.pp > 1 ? estimate_pipeline_step(p, g) : StepTime{};
-  if (layout.pp > 1) p.bubble_formula = bubble_fraction_formula(layout.pp, 1, p.run.micro_steps);
   for (size_t i = 0; i < 3; ++i) {
     ModePlan& mp = p.modes[i];
     mp.mode = Recompute(i);
@@ -597,7 +596,7 @@ std::string describe_layout_plan(const LayoutPlan& p, const GpuCeilings& g) {
   if (run.sizes.pp > 1) {
     line("\npipeline, recompute none: 1F1B over %lld micro-batches, simulated (docs/planning.md); bubble formula "
          "(pp-1)/(m+pp-1) = %.3f, makespan %.2f ms\n",
-         (long long)run.micro_steps, p.bubble_formula, p.makespan_ms);
+         (long long)run.micro_steps, bubble_fraction_formula(run.sizes.pp, 1, run.micro_steps), p.makespan_ms);
     line("  %-7s %-9s %12s %12s %14s %10s %10s %10s\n", "stage", "layers", "forward ms", "backward ms",
          "forward again", "busy ms", "sends ms", "idle");
     for (size_t k = 0; k < p.stages.size(); ++k) {
@@ -745,7 +744,7 @@ nlohmann::json layout_plan_json(const LayoutPlan& p) {
     pipeline = {{"schedule", "1f1b"},
                 {"micro_batches", run.micro_steps},
                 {"makespan_ms", p.makespan_ms},
-                {"bubble_formula", p.bubble_formula},
+                {"bubble_formula", bubble_fraction_formula(run.sizes.pp, 1, run.micro_steps)},
                 {"busiest_stage", p.busiest_stage},
                 {"stages", stages}};
   }

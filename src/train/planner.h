@@ -98,7 +98,6 @@ struct LayoutPlan {
   std::vector<StagePlan> stages;   // pp > 1
   int64_t busiest_stage = 0;       // pp > 1: the stage whose phases modes[0].time shows
   double makespan_ms = 0;          // pp > 1: the schedule's length (recompute none)
-  double bubble_formula = 0;       // pp > 1: (pp - 1) / (micro-steps + pp - 1)
 };
 
 // One layout: world = dp x pp GPUs. Refuses every layout resolve_parallel refuses, and ep > 1 with

@@ -671,7 +671,7 @@ TEST(Planner, PipelineStagesFollowTheSchedule) {
   EXPECT_EQ(s0.forwards_again + s1.forwards_again, 0);
   EXPECT_NEAR(one.makespan_ms, s0.forward_ms + s1.forward_ms + s1.backward_ms + s0.backward_ms + 2.0 * send, 1e-9);
   EXPECT_GT(s1.forward_ms, s0.forward_ms);  // the LM head, its backward inside
-  EXPECT_NEAR(one.bubble_formula, 0.5, 1e-12);
+  EXPECT_NEAR(layout_plan_json(one).at("pipeline").at("bubble_formula").get<double>(), 0.5, 1e-12);
   // Recompute none only (the configured full is noted), its step the makespan plus the optimizer.
   ASSERT_EQ(one.notes.size(), 1u);
   EXPECT_NE(one.notes[0].find("train.recompute \"full\" -> \"none\""), std::string::npos) << one.notes[0];
