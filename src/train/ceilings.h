@@ -60,6 +60,18 @@ struct GpuRates {
   double dense_fp8_gemm_tflops = 1089.8;
 };
 
+// Milliseconds of a dense linear's GEMMs at `g`'s rates, `forward_flops` its forward's FLOPs (2 x
+// its MACs), factor 6 for the forward, data and weight gradients (2 : 2 : 2) or 2 for the forward
+// alone. Under the FP8 recipe (fp8) the forward and data gradient run at the dense FP8 GEMM's rate
+// and the weight gradient at the BF16 one, as the GPU step runs them.
+inline double dense_linear_ms(double forward_flops, double factor, bool fp8, const GpuRates& g) {
+  const double ms_per_tflop = 1e3 / 1e12;
+  if (!fp8) return factor / 2.0 * forward_flops / g.dense_gemm_tflops * ms_per_tflop;
+  const double fwd_dgrad = (factor < 4.0 ? factor : 4.0) / 2.0, wgrad = (factor > 4.0 ? factor - 4.0 : 0.0) / 2.0;
+  return (fwd_dgrad * forward_flops / g.dense_fp8_gemm_tflops + wgrad * forward_flops / g.dense_gemm_tflops) *
+         ms_per_tflop;
+}
+
 // The measured phases of a reference step (ms, phase_ms_scaled_to_step of `moecore bench`).
 struct RefStep {
   double embedding = 0, attention = 0, mlp = 0, router = 0, dispatch = 0, experts = 0, combine = 0, lm_head = 0;

@@ -22,15 +22,12 @@ std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan,
   const std::string gemm_ceiling = what;
   // The FP8 recipe's GEMMs: forward and data gradient at the dense FP8 GEMM's rate (the same
   // convention: cuBLASLt's dense GEMM is the ceiling of the grouped ones too), the weight gradient
-  // at the BF16 rate. ms of `flops` (forward + dgrad + wgrad FLOPs, 2 : 2 : 2).
+  // at the BF16 rate. Seconds of `flops` (forward + dgrad + wgrad FLOPs, 2 : 2 : 2).
   const Fp8Parts f8 = fp8_parts(cfg);
-  const double fp8_rate = 1e12 * gpu.dense_fp8_gemm_tflops;
   std::snprintf(what, sizeof what, "%.0f TFLOP/s dense FP8 GEMM (forward, dgrad), %.0f BF16 (wgrad)",
                 gpu.dense_fp8_gemm_tflops, gpu.dense_gemm_tflops);
   const std::string fp8_ceiling = what;
-  const auto gemm_s = [&](double flops, bool fp8) {
-    return fp8 ? flops * 4.0 / 6.0 / fp8_rate + flops * 2.0 / 6.0 / dense_rate : flops / dense_rate;
-  };
+  const auto gemm_s = [&](double flops, bool fp8) { return dense_linear_ms(flops / 3.0, 6.0, fp8, gpu) / 1e3; };
   int64_t moe_layers = 0, dense_layers = 0;
   for (int64_t l = 0; l < m.n_layers; ++l) (is_dense_layer(m, l) ? dense_layers : moe_layers) += 1;
   std::vector<PhaseCeiling> out;

@@ -77,16 +77,8 @@ double sdpa_fwd_ms(double b, double heads, double s, double hd, const GpuCeiling
 double sdpa_bwd_ms(double b, double heads, double s, double hd, const GpuCeilings& g) {
   return ms(2.5 * 4.0 * b * heads * s * s * hd / 2.0, g.attention_bwd_tflops);
 }
-// A dense linear's GEMMs of `flops` forward FLOPs (2 x its MACs): forward, data and weight
-// gradients; under the FP8 recipe (fp8) the first two at the FP8 rate, the weight gradient in BF16.
-// factor: 6 for all three, 2 for the forward alone.
-double linear_ms(double flops, double factor, bool fp8, const GpuCeilings& g) {
-  if (!fp8) return ms(factor / 2.0 * flops, g.dense_gemm_tflops);
-  const double fwd_dgrad = std::min(factor, 4.0) / 2.0, wgrad = std::max(0.0, factor - 4.0) / 2.0;
-  return ms(fwd_dgrad * flops, g.dense_fp8_gemm_tflops) + ms(wgrad * flops, g.dense_gemm_tflops);
-}
 double proj_ms(double n, double d, double q, double c, double factor, const GpuCeilings& g, bool fp8 = false) {
-  return linear_ms(2.0 * n * (d * q + 2.0 * d * c + q * d), factor, fp8, g);
+  return dense_linear_ms(2.0 * n * (d * q + 2.0 * d * c + q * d), factor, fp8, g);
 }
 // One MoE layer's grouped GEMMs for `rows` rows: gate_up and down, forward, dgrad and wgrad (the
 // forward and data gradients at the FP8 kernel's rates under the FP8 recipe).
@@ -147,8 +139,9 @@ StepTime estimate_step(const LayoutPlan& p, Recompute mode, const GpuCeilings& g
   const double proj = s.layers * proj_ms(s.n, s.d, s.q, s.c, 6.0, g, f8.projections);
   const double attn_glue = glue0.attention * (s.layers * s.n * (s.d + s.q + s.c)) / (r.layers * r.n * (r.d + r.q + r.c));
   const double mlp_glue = mlp_glue_ms(s, r, ref);
-  const double mlp_gemm = linear_ms(2.0 * s.n * 3.0 * s.d * s.dense_layers * s.dense_hidden, 6.0, f8.dense_mlp, g) +
-                          linear_ms(2.0 * s.n * 3.0 * s.d * s.moe_layers * s.shared_hidden, 6.0, f8.shared_mlp, g);
+  const double mlp_fwd = 2.0 * s.n * 3.0 * s.d;  // per hidden unit
+  const double mlp_gemm = dense_linear_ms(mlp_fwd * s.dense_layers * s.dense_hidden, 6.0, f8.dense_mlp, g) +
+                          dense_linear_ms(mlp_fwd * s.moe_layers * s.shared_hidden, 6.0, f8.shared_mlp, g);
   // SwiGLU of dense and shared MLPs at the experts' glue rate per hidden element.
   const double glue_per_hidden = glue0.experts / (r.moe_layers * r.rows * r.inner);
   const double mlp_swiglu = glue_per_hidden * s.n * (s.dense_layers * s.dense_hidden + s.moe_layers * s.shared_hidden);
@@ -169,8 +162,8 @@ StepTime estimate_step(const LayoutPlan& p, Recompute mode, const GpuCeilings& g
   // third of each phase's glue (backward does about twice the forward's traffic), a permute as
   // half of the dispatch / combine phase.
   if (mode == Recompute::kSelective) {
-    t.recompute = micro * (linear_ms(2.0 * s.n * s.d * (s.q + 2.0 * s.c) * s.layers, 2.0, f8.projections, g) +
-                           attn_glue / 3.0 +
+    const double qkv_fwd = 2.0 * s.n * s.d * (s.q + 2.0 * s.c) * s.layers;
+    t.recompute = micro * (dense_linear_ms(qkv_fwd, 2.0, f8.projections, g) + attn_glue / 3.0 +
                            mlp_glue / 3.0 + mlp_swiglu / 3.0 + s.moe_layers * eg.down_fwd + experts_glue / 3.0 +
                            ref.dispatch * route_scale / 2.0);
   } else if (mode == Recompute::kFull) {
@@ -186,7 +179,8 @@ StepTime estimate_step(const LayoutPlan& p, Recompute mode, const GpuCeilings& g
   const double local = double(m.local_params);
   const double shard = p.zero ? p.moments / 8.0 : local;
   const double norm_read = local - (p.run.norm_from_expert_squares ? double(m.expert_params) : 0.0);
-  t.optimizer = ref.optimizer * (4.0 * norm_read + 30.0 * shard) / (4.0 * (r.params - r.expert_params) + 30.0 * r.params);
+  const double ref_bytes = 4.0 * (r.params - r.expert_params) + 30.0 * r.params;
+  t.optimizer = ref.optimizer * (4.0 * norm_read + 30.0 * shard) / ref_bytes;
   // Collectives.
   // The gradient reduction (all-reduce, or ZeRO-1's reduce-scatter) overlaps backward under
   // parallel.overlap_grad_reduce without ep; ZeRO-1's all-gather follows the update.
