@@ -62,6 +62,9 @@ struct OptimConfig {
   double eps = 1e-8;
   double weight_decay = 0.1;
   double grad_clip = 1.0;
+  // "fp32" | "bf16": how the two AdamW moments are stored. The update computes in FP32 either way;
+  // bf16 stores each moment rounded to nearest even (half their memory and bytes a step).
+  std::string moment_dtype = "fp32";
   // GPU: apply each step's AdamW update during the next step, each block's on a second stream
   // just before that block's forward (the same values; not with ZeRO-1, not on the CPU backend).
   bool deferred_update = false;
@@ -69,6 +72,9 @@ struct OptimConfig {
   // GEMMs beside it leave free; 0: the update takes every multiprocessor it can (no reserve).
   int64_t deferred_update_sms = 0;
 };
+
+// The largest optim.beta2 accepted with optim.moment_dtype = "bf16" (config_io.cpp says why).
+inline constexpr double kMaxBeta2WithBf16Moments = 0.99;
 
 // One source of a weighted mix ([[data.sources]]): its token files, concatenated, and its share
 // of the instances, weight / (sum of the weights).

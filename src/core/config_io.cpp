@@ -130,6 +130,9 @@ std::vector<ConfigKey> build_keys() {
       entry("optim.weight_decay", &C::optim, &O::weight_decay, "AdamW decoupled weight decay"),
       entry("optim.grad_clip", &C::optim, &O::grad_clip,
             "clip the global gradient norm to this; 0: no clipping"),
+      entry("optim.moment_dtype", &C::optim, &O::moment_dtype,
+            "storage of the two AdamW moments (the update computes in FP32); bf16 halves their memory and traffic",
+            {"fp32", "bf16"}),
       entry("optim.deferred_update", &C::optim, &O::deferred_update,
             "GPU: apply each step's update in the next step, block by block on a second stream just before "
             "the block's forward (the same values); not with parallel.zero"),
@@ -986,6 +989,12 @@ void validate_config(const Config& c) {
   p.need(o.eps > 0, "optim.eps must be > 0, got ", num(o.eps));
   p.need(o.weight_decay >= 0, "optim.weight_decay must be >= 0, got ", num(o.weight_decay));
   p.need(o.grad_clip >= 0, "optim.grad_clip must be >= 0 (0: no clipping), got ", num(o.grad_clip));
+  // A BF16 moment moves only by more than half its last place (2^-9 to 2^-8 of its value): with
+  // 1 - beta2 below that a second moment could never decay, and close to it only large deviations move it.
+  p.need(o.moment_dtype != "bf16" || o.beta2 <= kMaxBeta2WithBf16Moments, "optim.beta2 = ", num(o.beta2),
+         " with optim.moment_dtype = \"bf16\": at most ", num(kMaxBeta2WithBf16Moments),
+         " (a BF16 second moment keeps 8 significant bits, so a step that moves it by less than 0.4% "
+         "rounds back to the old value); use optim.moment_dtype = \"fp32\" or a smaller beta2");
   p.need(o.deferred_update_sms >= 0 && o.deferred_update_sms <= 1024,
          "optim.deferred_update_sms must be in [0, 1024] (multiprocessors; 0: no reserve), got ", o.deferred_update_sms);
   p.need(o.deferred_update_sms == 0 || o.deferred_update,

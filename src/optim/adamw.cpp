@@ -47,16 +47,39 @@ AdamWCoefs adamw_coefs(const OptimConfig& cfg, int64_t t, double lr) {
   c.inv_sqrt_bc2 = float(1.0 / std::sqrt(bc2));
   c.eps = float(cfg.eps);
   c.decay_factor = float(1.0 - lr * cfg.weight_decay);
+  MOE_CHECK(cfg.moment_dtype == "fp32" || cfg.moment_dtype == "bf16",
+            "optim.moment_dtype: expected fp32 or bf16, got '", cfg.moment_dtype, "'");
+  c.bf16_moments = cfg.moment_dtype == "bf16";
   return c;
 }
 
-void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const AdamWCoefs& c, bool decay) {
+namespace {
+
+float round_to_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+template <bool kBf16>
+void adamw_update_as(float* p, const float* g, float* m, float* v, int64_t n, const AdamWCoefs& c, bool decay) {
   const float b1 = c.b1, b2 = c.b2, step_size = c.step_size, inv_sqrt_bc2 = c.inv_sqrt_bc2, eps = c.eps;
   const float d = decay ? c.decay_factor : 1.f;
   for (int64_t i = 0; i < n; ++i) {
-    m[i] = b1 * m[i] + (1.f - b1) * g[i];
-    v[i] = b2 * v[i] + (1.f - b2) * g[i] * g[i];
-    p[i] = p[i] * d - step_size * m[i] / (std::sqrt(v[i]) * inv_sqrt_bc2 + eps);
+    // BF16 moments: what the buffers hold is read as its BF16 value (a no-op after the first
+    // update; the moments a checkpoint restored are rounded here, as the GPU rounds them on load).
+    const float mi = kBf16 ? round_to_bf16(m[i]) : m[i], vi = kBf16 ? round_to_bf16(v[i]) : v[i];
+    const float mn = b1 * mi + (1.f - b1) * g[i];
+    const float vn = b2 * vi + (1.f - b2) * g[i] * g[i];
+    p[i] = p[i] * d - step_size * mn / (std::sqrt(vn) * inv_sqrt_bc2 + eps);
+    m[i] = kBf16 ? round_to_bf16(mn) : mn;
+    v[i] = kBf16 ? round_to_bf16(vn) : vn;
+  }
+}
+
+}  // namespace
+
+void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const AdamWCoefs& c, bool decay) {
+  if (c.bf16_moments) {
+    adamw_update_as<true>(p, g, m, v, n, c, decay);
+  } else {
+    adamw_update_as<false>(p, g, m, v, n, c, decay);
   }
 }
 

@@ -2,6 +2,9 @@
 // rate schedule. Update per element (t = step count after increment):
 //   p -= lr * wd * p (decay tensors only);  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
 //   p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps).
+// optim.moment_dtype = "bf16": the moments are kept as BF16 values (here in FP32 buffers, each
+// rounded to nearest even after its update; the GPU stores the BF16 bits); the update reads the
+// rounded moments and computes in FP32, so p's step uses the FP32 m and v before their rounding.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +30,7 @@ double clip_grads(float* grads, int64_t n, double norm, double max_norm);
 // run the same FP32 math. decay = false: no weight decay (norms).
 struct AdamWCoefs {
   float b1 = 0, b2 = 0, step_size = 0, inv_sqrt_bc2 = 0, eps = 0, decay_factor = 1;
+  bool bf16_moments = false;  // optim.moment_dtype = "bf16": m and v read and stored as BF16 values
 };
 AdamWCoefs adamw_coefs(const OptimConfig& cfg, int64_t t, double lr);
 void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const AdamWCoefs& c, bool decay);

@@ -104,7 +104,8 @@ nlohmann::json bench_settings(const Config& cfg, const RunPlan& plan, const std:
           {"zero", plan.zero},
           {"overlap_grad_reduce", cfg.parallel.overlap_grad_reduce},
           {"deferred_update", cfg.optim.deferred_update},
-          {"deferred_update_sms", cfg.optim.deferred_update_sms}};
+          {"deferred_update_sms", cfg.optim.deferred_update_sms},
+          {"moment_dtype", cfg.optim.moment_dtype}};
 }
 
 }  // namespace
@@ -378,9 +379,10 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
       line += (line.empty() ? "" : ", ") + name + " " + value.get<std::string>();
     out << "kernels: " << line << "\n";
   }
-  std::string update_note;  // where the AdamW update runs, when not at the end of the step
+  std::string update_note;  // where the AdamW update runs, when not at the end of the step, and its moments
+  if (cfg.optim.moment_dtype != "fp32") update_note = ", AdamW moments " + cfg.optim.moment_dtype;
   if (cfg.optim.deferred_update) {
-    update_note = ", update deferred into the next forward";
+    update_note += ", update deferred into the next forward";
     if (cfg.optim.deferred_update_sms > 0)
       update_note += " on " + std::to_string(cfg.optim.deferred_update_sms) + " reserved SMs";
   }

@@ -26,6 +26,7 @@
 #include <cstddef>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "core/recompute.h"
@@ -146,7 +147,9 @@ struct CudaStepRunner::Impl {
   // pass (`segments` then leaves them out), so no forward quantises them again; empty otherwise.
   std::vector<CudaFp8ExpertTensor> fp8_tensors;
   std::vector<cuda::ParamSegment> fp8_segments;  // [fp8_tensors]
+  // The AdamW moments: FP32, or BF16 bits under optim.moment_dtype = "bf16" (bf16_moments).
   cuda::DeviceBuffer exp_avg, exp_avg_sq, norm_ws, opt_scalars;
+  bool bf16_moments = false;
   size_t norm_ws_bytes = 0;
   // Token ids of the step on the device: inputs [micro * n] then targets [micro * n], int32.
   cuda::DeviceBuffer tokens;
@@ -371,6 +374,16 @@ struct CudaStepRunner::Impl {
   cuda::OptimStepScalars* opt() const { return opt_scalars.as<cuda::OptimStepScalars>(); }
   // Elements of each moment buffer: this rank's shard state under ZeRO-1, else the whole layout.
   int64_t moment_numel() const { return zero ? shards->state_numel() : model.layout().total_numel(); }
+  size_t moment_elem_bytes() const { return bf16_moments ? 2 : 4; }
+  // fn(m, v) with the moment buffers as what they hold: float* (FP32) or uint16_t* (BF16 bits).
+  template <typename Fn>
+  void with_moments(Fn&& fn) const {
+    if (bf16_moments) {
+      fn(exp_avg.as<uint16_t>(), exp_avg_sq.as<uint16_t>());
+    } else {
+      fn(exp_avg.as<float>(), exp_avg_sq.as<float>());
+    }
+  }
   bool overlap_grad_reduce() const { return comm_stream != nullptr; }
   bool graph_allowed() const {
     return use_graph && timer == nullptr && (ep == nullptr || model.rowwise());
@@ -598,19 +611,22 @@ struct CudaStepRunner::Impl {
       const float* g = model.grads();
       uint16_t* bf16 = model.params_bf16();
       cuda::adamw_prepare(cfg.optim, opt(), st);
-      cuda::adamw_apply(*segments, cfg.optim, p, g, exp_avg.as<float>(), exp_avg_sq.as<float>(), bf16, opt(),
-                        /*deferred=*/false, st);
-      for (size_t i = 0; i < fp8_tensors.size(); ++i) {
-        const CudaFp8ExpertTensor& t = fp8_tensors[i];
-        cuda::adamw_apply_fp8_weights(fp8_segments[i], t.experts, t.n, t.k, cfg.optim, p, g, exp_avg.as<float>(),
-                                      exp_avg_sq.as<float>(), nullptr, Fp8Format::kE4M3, t.q, t.s, t.qt, t.st,
-                                      nullptr, opt(), /*deferred=*/false, st, t.rule);
-      }
+      with_moments([&](auto* m, auto* v) {
+        cuda::adamw_apply(*segments, cfg.optim, p, g, m, v, bf16, opt(), /*deferred=*/false, st);
+        for (size_t i = 0; i < fp8_tensors.size(); ++i) {
+          const CudaFp8ExpertTensor& t = fp8_tensors[i];
+          cuda::adamw_apply_fp8_weights(fp8_segments[i], t.experts, t.n, t.k, cfg.optim, p, g, m, v, nullptr,
+                                        Fp8Format::kE4M3, t.q, t.s, t.qt, t.st, nullptr, opt(), /*deferred=*/false,
+                                        st, t.rule);
+        }
+      });
       cuda::adamw_clear_pending(opt(), st);
     } else {
       // ZeRO-1: this rank's pieces only (moments of its shard), then the gather and the BF16 copy.
-      cuda::adamw_step(*segments, cfg.optim, model.params(), model.grads(), exp_avg.as<float>(),
-                       exp_avg_sq.as<float>(), zero ? nullptr : model.params_bf16(), opt(), st);
+      with_moments([&](auto* m, auto* v) {
+        cuda::adamw_step(*segments, cfg.optim, model.params(), model.grads(), m, v,
+                         zero ? nullptr : model.params_bf16(), opt(), st);
+      });
     }
     if (zero) all_gather_params(st);
     if (cfg.moe.bias_update_rate > 0 && model.num_moe_layers() > 0) {
@@ -636,9 +652,10 @@ struct CudaStepRunner::Impl {
     cuda::event_record(opt_fork, st);
     cuda::stream_wait_event(opt_stream, opt_fork);
     for (size_t g = 0; g < groups.size(); ++g) {
-      cuda::adamw_apply(*group_segments[g], cfg.optim, model.params(), model.grads(), exp_avg.as<float>(),
-                        exp_avg_sq.as<float>(), model.params_bf16(), opt(), /*deferred=*/true, opt_stream,
-                        reserved_update_sms(g));
+      with_moments([&](auto* m, auto* v) {
+        cuda::adamw_apply(*group_segments[g], cfg.optim, model.params(), model.grads(), m, v, model.params_bf16(),
+                          opt(), /*deferred=*/true, opt_stream, reserved_update_sms(g));
+      });
       model.zero_accumulated_grads(groups[g].begin, groups[g].end, opt_stream);
       if (g + 1 == groups.size()) cuda::adamw_clear_pending(opt(), opt_stream);
       cuda::event_record(group_updated[g], opt_stream);
@@ -652,8 +669,10 @@ struct CudaStepRunner::Impl {
   void flush_update() {
     if (!deferred || num_submitted == 0) return;
     const cuda::Stream st = stream();
-    cuda::adamw_apply(*segments, cfg.optim, model.params(), model.grads(), exp_avg.as<float>(), exp_avg_sq.as<float>(),
-                      model.params_bf16(), opt(), /*deferred=*/true, st);
+    with_moments([&](auto* m, auto* v) {
+      cuda::adamw_apply(*segments, cfg.optim, model.params(), model.grads(), m, v, model.params_bf16(), opt(),
+                        /*deferred=*/true, st);
+    });
     cuda::adamw_clear_pending(opt(), st);
     model.mark_params_changed();
   }
@@ -796,7 +815,8 @@ CudaStepRunner::CudaStepRunner(const Config& cfg, const RunPlan& plan, cuda::Ncc
     I.model.keep_fp8_codes_in_bf16_copy();
   }
   const int64_t total = I.model.layout().total_numel();
-  const size_t bytes = size_t(std::max<int64_t>(1, I.moment_numel())) * sizeof(float);
+  I.bf16_moments = I.cfg.optim.moment_dtype == "bf16";
+  const size_t bytes = size_t(std::max<int64_t>(1, I.moment_numel())) * I.moment_elem_bytes();
   I.exp_avg.reserve(bytes);
   I.exp_avg_sq.reserve(bytes);
   I.norm_ws_bytes = cuda::global_grad_norm_workspace_bytes(total);
@@ -957,17 +977,26 @@ void CudaStepRunner::load_state(const float* params, const float* exp_avg, const
   const cuda::Stream st = I.stream();
   cuda::stream_sync(st);
   I.model.load_params(params);
-  // The moments this rank keeps: the whole layout, or (ZeRO-1) its chunks and the tails.
-  auto load_moments = [&](const float* host, cuda::DeviceBuffer& dev) {
-    if (host == nullptr) {
-      cuda::device_memset(dev.data(), 0, size_t(I.moment_numel()) * sizeof(float), st);
-    } else if (!I.zero) {
-      cuda::copy_h2d(dev.data(), host, size_t(I.moment_numel()) * sizeof(float), st);
+  // The moments this rank keeps: the whole layout, or (ZeRO-1) its chunks and the tails. BF16
+  // moments are rounded to nearest even here (AdamW::step reads host moments the same way).
+  auto upload = [&](char* dev, const float* host, int64_t n) {
+    if (I.bf16_moments) {
+      cuda::copy_h2d_f32_as_bf16(reinterpret_cast<uint16_t*>(dev), host, n, st);
     } else {
-      float* state = dev.as<float>();
+      cuda::copy_h2d(dev, host, size_t(n) * sizeof(float), st);
+    }
+  };
+  const size_t elem = I.moment_elem_bytes();
+  auto load_moments = [&](const float* host, cuda::DeviceBuffer& dev) {
+    char* state = static_cast<char*>(dev.data());
+    if (host == nullptr) {
+      cuda::device_memset(state, 0, size_t(I.moment_numel()) * elem, st);
+    } else if (!I.zero) {
+      upload(state, host, I.moment_numel());
+    } else {
       for (const FlatBucket& b : I.shards->buckets()) {
-        cuda::copy_h2d(state + b.state_chunk, host + b.own_begin(), size_t(b.chunk) * sizeof(float), st);
-        cuda::copy_h2d(state + b.state_tail, host + b.scattered_end(), size_t(b.tail_numel()) * sizeof(float), st);
+        upload(state + size_t(b.state_chunk) * elem, host + b.own_begin(), b.chunk);
+        upload(state + size_t(b.state_tail) * elem, host + b.scattered_end(), b.tail_numel());
       }
     }
   };
@@ -990,27 +1019,39 @@ void CudaStepRunner::download_state(float* params, float* exp_avg, float* exp_av
   // ZeRO-1: each bucket's chunks all-gathered into a device scratch bucket (the layout's order),
   // the replicated tail after them, then copied out; collective over the groups, so every rank
   // asks for the same moments (a null pointer on one rank must be null on all).
+  const size_t elem = I.moment_elem_bytes();
+  // n moments from the device (FP32, or BF16 widened exactly) into host[0, n).
+  auto copy_out = [&](float* host, const void* dev, int64_t n) {
+    if (I.bf16_moments) {
+      cuda::copy_d2h_bf16_as_f32(host, static_cast<const uint16_t*>(dev), n, st);
+    } else {
+      cuda::copy_d2h(host, dev, size_t(n) * sizeof(float), st);
+    }
+  };
   auto download_moments = [&](float* host, const cuda::DeviceBuffer& dev) {
     if (host == nullptr) return;
     if (!I.zero) {
-      cuda::copy_d2h(host, dev.data(), bytes, st);
+      copy_out(host, dev.data(), I.model.layout().total_numel());
       return;
     }
     cuda::DeviceBuffer scratch;
-    scratch.reserve(size_t(std::max<int64_t>(1, I.shards->max_bucket_numel())) * sizeof(float));
-    float* t = scratch.as<float>();
-    const float* state = dev.as<const float>();
+    scratch.reserve(size_t(std::max<int64_t>(1, I.shards->max_bucket_numel())) * elem);
+    char* t = static_cast<char*>(scratch.data());
+    const char* state = static_cast<const char*>(dev.data());
     cuda::Event gathered = cuda::event_create();
     try {
       for (const FlatBucket& b : I.shards->buckets()) {
         cuda::NcclComm* comm = I.group_comms[size_t(b.group)];
         const int64_t scattered = b.scattered_end() - b.begin;
-        cuda::copy_d2d(t + b.group_rank * b.chunk, state + b.state_chunk, size_t(b.chunk) * sizeof(float), st);
-        if (comm != nullptr) comm->all_gather(t, b.chunk, cuda::NcclDType::kF32, st);
-        cuda::copy_d2d(t + scattered, state + b.state_tail, size_t(b.tail_numel()) * sizeof(float), st);
+        cuda::copy_d2d(t + size_t(b.group_rank * b.chunk) * elem, state + size_t(b.state_chunk) * elem,
+                       size_t(b.chunk) * elem, st);
+        if (comm != nullptr)
+          comm->all_gather(t, b.chunk, I.bf16_moments ? cuda::NcclDType::kBF16 : cuda::NcclDType::kF32, st);
+        cuda::copy_d2d(t + size_t(scattered) * elem, state + size_t(b.state_tail) * elem, size_t(b.tail_numel()) * elem,
+                       st);
         cuda::event_record(gathered, st);
         I.wait(gathered, "the ZeRO-1 moment gather of a checkpoint download");
-        cuda::copy_d2h(host + b.begin, t, size_t(b.end - b.begin) * sizeof(float), st);
+        copy_out(host + b.begin, t, b.end - b.begin);
       }
     } catch (...) {
       cuda::event_destroy(gathered);

@@ -105,12 +105,20 @@ class GpuPipelineStep final : public Step {
     bias_ = host.expert_bias();
     if (model_->num_moe_layers() > 0) model_->load_expert_bias(bias_);
     segments_ = std::make_unique<cuda::ParamSegmentTable>(model_->layout());
-    exp_avg_.reserve(size_t(total) * sizeof(float));
-    exp_avg_sq_.reserve(size_t(total) * sizeof(float));
-    cuda::copy_h2d(exp_avg_.data(), state ? state->opt.exp_avg().data() : own_moments_.data(),
-                   size_t(total) * sizeof(float), model_->stream());
-    cuda::copy_h2d(exp_avg_sq_.data(), state ? state->opt.exp_avg_sq().data() : own_moments_.data(),
-                   size_t(total) * sizeof(float), model_->stream());
+    // The moments as optim.moment_dtype keeps them: FP32, or BF16 rounded to nearest even.
+    bf16_moments_ = cfg.optim.moment_dtype == "bf16";
+    const size_t moment_bytes = size_t(total) * (bf16_moments_ ? 2 : 4);
+    exp_avg_.reserve(moment_bytes);
+    exp_avg_sq_.reserve(moment_bytes);
+    auto upload = [&](cuda::DeviceBuffer& dev, const float* host) {
+      if (bf16_moments_) {
+        cuda::copy_h2d_f32_as_bf16(dev.as<uint16_t>(), host, total, model_->stream());
+      } else {
+        cuda::copy_h2d(dev.data(), host, moment_bytes, model_->stream());
+      }
+    };
+    upload(exp_avg_, state ? state->opt.exp_avg().data() : own_moments_.data());
+    upload(exp_avg_sq_, state ? state->opt.exp_avg_sq().data() : own_moments_.data());
     opt_.reserve(sizeof(cuda::OptimStepScalars));
     scalars_.step = state ? state->opt.steps_taken() : 0;
     norm_ws_bytes_ = cuda::global_grad_norm_workspace_bytes(total);
@@ -214,8 +222,13 @@ class GpuPipelineStep final : public Step {
     scalars_.lr = in.lr;
     scalars_.grad_norm = st.skipped ? std::nan("") : st.grad_norm;
     cuda::copy_h2d(opt_.data(), &scalars_, sizeof(scalars_), s);
-    cuda::adamw_step(*segments_, cfg_.optim, model.params(), model.grads(), exp_avg_.as<float>(),
-                     exp_avg_sq_.as<float>(), model.params_bf16(), opt_.as<cuda::OptimStepScalars>(), s);
+    if (bf16_moments_) {
+      cuda::adamw_step(*segments_, cfg_.optim, model.params(), model.grads(), exp_avg_.as<uint16_t>(),
+                       exp_avg_sq_.as<uint16_t>(), model.params_bf16(), opt_.as<cuda::OptimStepScalars>(), s);
+    } else {
+      cuda::adamw_step(*segments_, cfg_.optim, model.params(), model.grads(), exp_avg_.as<float>(),
+                       exp_avg_sq_.as<float>(), model.params_bf16(), opt_.as<cuda::OptimStepScalars>(), s);
+    }
     model.mark_params_changed();
     cuda::copy_d2h(&scalars_, opt_.data(), sizeof(scalars_), s);
     if (!st.skipped && cfg_.moe.bias_update_rate > 0) update_bias(st.tokens_per_expert);
@@ -281,9 +294,15 @@ class GpuPipelineStep final : public Step {
     const int64_t total = model_->layout().total_numel();
     const std::vector<float> p = model_->download_params();
     std::copy(p.begin(), p.end(), state_->model.params());
-    cuda::copy_d2h(state_->opt.exp_avg().data(), exp_avg_.data(), size_t(total) * sizeof(float), model_->stream());
-    cuda::copy_d2h(state_->opt.exp_avg_sq().data(), exp_avg_sq_.data(), size_t(total) * sizeof(float),
-                   model_->stream());
+    auto download = [&](float* host, const cuda::DeviceBuffer& dev) {
+      if (bf16_moments_) {
+        cuda::copy_d2h_bf16_as_f32(host, dev.as<uint16_t>(), total, model_->stream());
+      } else {
+        cuda::copy_d2h(host, dev.data(), size_t(total) * sizeof(float), model_->stream());
+      }
+    };
+    download(state_->opt.exp_avg().data(), exp_avg_);
+    download(state_->opt.exp_avg_sq().data(), exp_avg_sq_);
     state_->opt.set_steps_taken(scalars_.step);
     state_->model.expert_bias() = bias_;
     state_->initialised = true;
@@ -436,6 +455,7 @@ class GpuPipelineStep final : public Step {
   std::vector<float> own_moments_;
   std::unique_ptr<CudaModel> model_;
   std::unique_ptr<cuda::ParamSegmentTable> segments_;
+  bool bf16_moments_ = false;  // optim.moment_dtype = "bf16": exp_avg_ and exp_avg_sq_ hold BF16 bits
   cuda::DeviceBuffer exp_avg_, exp_avg_sq_, opt_, norm_ws_, squares_, ids_, x_in_, dx_in_;
   size_t norm_ws_bytes_ = 0, used_before_ = 0;
   cuda::OptimStepScalars scalars_{};

@@ -90,7 +90,8 @@ std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan,
   }
   // Optimizer: the gradient norm's read (4 bytes; none for the experts' gradients when the norm
   // comes from their block square sums) and AdamW's update (FP32 weight, gradient and two moments
-  // read, weight and moments written, the BF16 copy written: 30 bytes) per parameter. With the
+  // read, weight and moments written, the BF16 copy written: 30 bytes, 22 with BF16 moments:
+  // adamw_update_bytes) per parameter. With the
   // update deferred into the next forward (optim.deferred_update) only the norm's read is left in
   // the phase; the update's time shows in the forward's phases.
   {
@@ -98,7 +99,7 @@ std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan,
     c.phase = "optimizer";
     const double params = double(plan.memory.local_params);
     const double norm_params = plan.norm_from_expert_squares ? params - double(plan.memory.expert_params) : params;
-    const double update = cfg.optim.deferred_update ? 0.0 : 30.0;
+    const double update = cfg.optim.deferred_update ? 0.0 : adamw_update_bytes(plan.memory.moment_bytes);
     c.bytes = 4.0 * norm_params + update * params;
     c.ideal_ms = 1e3 * c.bytes / gpu.expert_weight_bytes_per_s;
     const char* deferred = cfg.optim.deferred_update ? " (the norm; the update deferred)" : "";

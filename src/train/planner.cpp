@@ -174,13 +174,14 @@ StepTime estimate_step(const LayoutPlan& p, Recompute mode, const GpuCeilings& g
   // The optimizer: the grad norm's read (4 bytes a local parameter, but none of an expert
   // parameter where the norm takes the experts' squares from their weight-gradient GEMMs: the run
   // plan's norm_from_expert_squares, as in the reference step) and the AdamW update (30 bytes over
-  // this GPU's moment shard); the gradients are not zeroed (the first backward writes them).
+  // this GPU's moment shard, 22 with BF16 moments; the reference step's moments are FP32); the
+  // gradients are not zeroed (the first backward writes them).
   const MemoryEstimate& m = p.run.memory;
   const double local = double(m.local_params);
-  const double shard = p.zero ? p.moments / 8.0 : local;
+  const double shard = p.zero ? p.moments / (2.0 * m.moment_bytes) : local;
   const double norm_read = local - (p.run.norm_from_expert_squares ? double(m.expert_params) : 0.0);
-  const double ref_bytes = 4.0 * (r.params - r.expert_params) + 30.0 * r.params;
-  t.optimizer = ref.optimizer * (4.0 * norm_read + 30.0 * shard) / ref_bytes;
+  const double ref_bytes = 4.0 * (r.params - r.expert_params) + adamw_update_bytes(4.0) * r.params;
+  t.optimizer = ref.optimizer * (4.0 * norm_read + adamw_update_bytes(m.moment_bytes) * shard) / ref_bytes;
   // Collectives.
   // The gradient reduction (all-reduce, or ZeRO-1's reduce-scatter) overlaps backward under
   // parallel.overlap_grad_reduce without ep; ZeRO-1's all-gather follows the update.

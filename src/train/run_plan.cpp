@@ -2,7 +2,7 @@
 // Memory per rank (bytes): cpu holds FP32 weights, gradients and moments (4 + 4 + 8 per local
 // parameter; ZeRO-1 keeps 8 per parameter of this rank's shard: dense / dp + experts / ep-dp)
 // and FP32 activations; cuda holds FP32 master, BF16 copy, FP32 gradients and moments (18 per
-// parameter; under train.precision = "fp8" 2 more per expert and FP8 MLP parameter, the FP8 codes; ZeRO-1 moments 8 per parameter of the shard, as on cpu), BF16 activations, and with ep > 1 the exchange buffers CudaModel adds (received
+// parameter, 14 with BF16 moments; under train.precision = "fp8" 2 more per expert and FP8 MLP parameter, the FP8 codes; ZeRO-1 moments 8 per parameter of the shard, as on cpu), BF16 activations, and with ep > 1 the exchange buffers CudaModel adds (received
 // BF16 rows and two int32 maps per MoE layer, two row buffers), plus a host mirror of 16 per parameter.
 // Activations: activation_memory (train/memory_plan.h) for train.recompute.
 #include "train/run_plan.h"
@@ -131,11 +131,15 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   const double d = double(cfg.model.d_model);
   const double moe_layers = double(num_moe_layers(cfg.model));
   const bool gpu = device == "cuda";
-  m.moments_replicated = 8.0 * n;
+  // Two moments, 4 bytes each, or 2 on the GPU under optim.moment_dtype = "bf16" (the CPU backend
+  // keeps their BF16 values in FP32 buffers).
+  m.moment_bytes = gpu && cfg.optim.moment_dtype == "bf16" ? 2.0 : 4.0;
+  const double moment_pair = 2.0 * m.moment_bytes;
+  m.moments_replicated = moment_pair * n;
   // ZeRO-1: dense moments over dp, expert moments over ep-dp (either backend).
-  m.moments_sharded = p.zero
-                          ? 8.0 * (double(m.dense_params) / double(dp) + double(m.expert_params) / double(p.ep_dp))
-                          : m.moments_replicated;
+  m.moments_sharded = p.zero ? moment_pair * (double(m.dense_params) / double(dp) +
+                                              double(m.expert_params) / double(p.ep_dp))
+                             : m.moments_replicated;
   m.activation = activation_memory(cfg.model, cfg.moe, p.micro_batch, p.seq_len, p.micro_steps, gpu, recompute, ep);
   if (p.sizes.pp > 1) {
     // A stage keeps the saved activations of every chunk it ran forward and not yet backward:
@@ -262,7 +266,7 @@ std::string describe_run_plan(const RunPlan& p) {
       "# layout            %lld rank(s) on %s: dp %lld, ep %lld, ep-dp %lld, pp %lld%s\n"
       "# batch             global %lld sequences = dp %lld x micro-batch %lld x %lld micro-steps; %lld tokens per "
       "micro-batch, %lld per step\n"
-      "# memory estimate   per rank on %s: %.3f GiB total = %.3f weights + %.3f grads + %.3f AdamW moments%s + %.3f "
+      "# memory estimate   per rank on %s: %.3f GiB total = %.3f weights + %.3f grads + %.3f AdamW moments%s%s + %.3f "
       "activations of %s%s (%lld parameters on this rank)\n"
       "# activations       train.recompute = \"%s\"%s: %.3f GiB = %.3f kept by the layers + %.3f recompute pools "
       "(one layer per block kind) + %.3f model-wide scratch\n",
@@ -272,7 +276,8 @@ std::string describe_run_plan(const RunPlan& p) {
       p.zero ? ", ZeRO-1 moment shards" : "", (long long)p.global_batch, (long long)p.sizes.dp,
       (long long)p.micro_batch, (long long)p.micro_steps, (long long)p.tokens_per_micro_batch,
       (long long)p.tokens_per_step, p.device == "cuda" ? "the GPU" : "the host", m.total() / kGiB, m.params / kGiB,
-      m.grads / kGiB, m.moments / kGiB, p.zero ? " (this rank's shard)" : "", m.activations() / kGiB,
+      m.grads / kGiB, m.moments / kGiB, m.moment_bytes == 2.0 ? " (BF16)" : "", p.zero ? " (this rank's shard)" : "",
+      m.activations() / kGiB,
       p.sizes.pp > 1 ? "the busiest stage's micro-batches in flight" : "one micro-batch", exchange,
       (long long)m.local_params, recompute_name(p.recompute),
       p.device == "cuda" ? "" : " (approximate: Model<float>'s saved FP32 tensors)", m.activations() / kGiB,

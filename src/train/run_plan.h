@@ -31,9 +31,10 @@ struct MemoryEstimate {
   double fp8_codes = 0;      // of params under fp8 on cuda: the expert and FP8 MLP weights' codes and scales
                              // (the experts' scales only where the codes take their BF16 copy's place)
   double grads = 0;          // FP32 gradients
-  double moments = 0;        // two FP32 AdamW moments (this rank's ZeRO-1 shard when plan.zero)
-  double moments_replicated = 0;  // 8 per local parameter
-  double moments_sharded = 0;     // ZeRO-1's shard: 8 x (dense / dp + experts / ep-dp)
+  double moments = 0;        // two AdamW moments (this rank's ZeRO-1 shard when plan.zero)
+  double moments_replicated = 0;  // 8 per local parameter (4: BF16 moments on cuda)
+  double moments_sharded = 0;     // ZeRO-1's shard: 8 (or 4) x (dense / dp + experts / ep-dp)
+  double moment_bytes = 4;        // of one moment element: 2 for BF16 moments on cuda (optim.moment_dtype)
   ActivationMemory activation;    // one micro-batch under train.recompute, buffer by buffer
   double activations_kept = 0;    // activation.kept_bytes(): saved per layer, all layers
   double activations_pool = 0;    // activation.pool_bytes(): the recompute pool (largest layer)
@@ -93,6 +94,11 @@ Fp8Parts fp8_parts(const Config& cfg);
 // with the activations of the configured mode split into kept, pool and scratch; with pp > 1 the
 // grid: each stage's ranks, layers, dp and ep groups, and the schedule's bubble fraction.
 std::string describe_run_plan(const RunPlan& plan);
+
+// Bytes AdamW's update moves a parameter: the FP32 weight and gradient read, the weight written,
+// the two moments read and written (moment_bytes each: 4, or 2 in BF16), the BF16 copy written:
+// 30, or 22 with BF16 moments.
+inline double adamw_update_bytes(double moment_bytes) { return 14.0 + 4.0 * moment_bytes; }
 
 // Why one rank of `plan` does not fit this machine's memory ("" when it does): the CPU step's
 // whole estimate, or the GPU step's host mirror, against 90% of the physical memory.

@@ -63,6 +63,37 @@ TEST(Train, ResumeIsBitExact) {
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed[i], straight[4 + i]) << "step " << 5 + i;
 }
 
+// optim.moment_dtype = "bf16" on the CPU: a resumed run is the straight run bit for bit (the
+// checkpoint holds the BF16 moments' values as FP32), and the losses part from the FP32 moments'
+// run after the first steps, by little.
+TEST(Train, Bf16MomentsResumeBitExact) {
+  const TempDir tmp("resume-bf16-moments");
+  const fs::path root = tmp.root();
+  std::ostringstream log;
+  Config a = small_config(root / "straight");
+  a.optim.moment_dtype = "bf16";
+  a.checkpoint.interval = 4;
+  train(a, log);
+  const std::vector<double> straight = train_losses(root / "straight");
+  ASSERT_EQ(straight.size(), 8u);
+  Config b = small_config(root / "resumed");
+  b.optim.moment_dtype = "bf16";
+  b.checkpoint.resume = (root / "straight" / "checkpoints" / "step_4").string();
+  b.checkpoint.dir = (root / "resumed_ckpt").string();
+  train(b, log);
+  const std::vector<double> resumed = train_losses(root / "resumed");
+  ASSERT_EQ(resumed.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed[i], straight[4 + i]) << "step " << 5 + i;
+  Config f = small_config(root / "fp32");
+  f.checkpoint.enabled = false;
+  train(f, log);
+  const std::vector<double> fp32 = train_losses(root / "fp32");
+  ASSERT_EQ(fp32.size(), 8u);
+  EXPECT_EQ(fp32[0], straight[0]);  // the same weights before any update
+  EXPECT_NE(fp32.back(), straight.back()) << "optim.moment_dtype changed nothing";
+  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(straight[i], fp32[i], 1e-2 * fp32[i]) << "step " << i + 1;
+}
+
 TEST(Train, CheckpointsOffWritesNone) {
   const TempDir tmp("no-ckpt");
   Config a = small_config(tmp.root() / "run");

@@ -644,8 +644,9 @@ TEST(AdamW, OnAFewMultiprocessorsIsTheFullLaunchBitwise) {
     few.v.expect_guards_intact("exp_avg_sq");
     few.b.expect_guards_intact("params_bf16");
   }
-  EXPECT_THROW(cuda::adamw_apply(cuda::ParamSegmentTable(test_layout()), test_config(0.0), nullptr, nullptr, nullptr,
-                                 nullptr, nullptr, nullptr, false, nullptr, -1),
+  EXPECT_THROW(cuda::adamw_apply(cuda::ParamSegmentTable(test_layout()), test_config(0.0), nullptr, nullptr,
+                                 static_cast<float*>(nullptr), static_cast<float*>(nullptr), nullptr, nullptr, false,
+                                 nullptr, -1),
                Error);
 }
 
@@ -825,6 +826,138 @@ TEST(AdamWFp8Weights, UpdateAndCodesAreTheTwoPassesBitwise) {
       EXPECT_TRUE(same_bits(one.st.download(), cst)) << "transposed scales against the CPU" << r;
     }
   }
+}
+
+// optim.moment_dtype = "bf16": the moments held as BF16 bits (read widened, the update in FP32,
+// stored rounded to nearest even) on every path of the update, each bitwise the CPU twin
+// (adamw_update with AdamWCoefs::bf16_moments, which reads and keeps the moments as BF16 values):
+// the block-per-chunk launch (float4, and scalar where the moments sit 1 element off or the
+// buffers are misaligned), a few multiprocessors (the bulk-copy ring with its BF16 stages, and the
+// plain loads), and the experts' update that writes their FP8 codes. The overload taken must
+// match the config: FP32 buffers with a bf16 config are refused, and BF16 ones with fp32.
+TEST(AdamW, Bf16MomentsAreTheCpuTwinOnEveryPath) {
+  MOE_SKIP_WITHOUT_GPU();
+  OptimConfig cfg = test_config(/*grad_clip=*/0.0);
+  cfg.moment_dtype = "bf16";
+  const AdamWCoefs coefs = adamw_coefs(cfg, 3, 1e-2);  // the step after sc.step = 2, at lr 1e-2
+  ASSERT_TRUE(coefs.bf16_moments);
+  auto bits_of = [](const std::vector<float>& x) {
+    std::vector<uint16_t> b(x.size());
+    for (size_t i = 0; i < x.size(); ++i) b[i] = f32_to_bf16(x[i]);
+    return b;
+  };
+  auto values_of = [](const std::vector<uint16_t>& b) {
+    std::vector<float> x(b.size());
+    for (size_t i = 0; i < b.size(); ++i) x[i] = moe::bf16_to_f32(b[i]);
+    return x;
+  };
+  std::vector<cuda::OptimStepScalars> sc0(1);
+  sc0[0].lr = 1e-2;
+  sc0[0].grad_norm = 1.0;
+  sc0[0].step = 2;
+  const int64_t total = 60016;
+  struct Path {
+    const char* name;
+    int64_t shift;     // moments at offset + shift
+    int sms;           // 0: a block per chunk
+    size_t misalign;   // bytes added to the FP32 buffers (half of it to the BF16 ones)
+  };
+  for (const Path path : {Path{"float4", 0, 0, 0}, Path{"scalar (shift 1)", 1, 0, 0}, Path{"misaligned", 0, 0, 4},
+                          Path{"ring on 2 SMs", 0, 2, 0}, Path{"plain loads on 2 SMs", 4, 2, 0}}) {
+    const int64_t shift = path.shift, state_numel = total + shift;
+    const std::vector<cuda::ParamSegment> segs = {{0, 10000, 1, 0, shift},
+                                                  {10003, 30001, 0, 0, 10003 + shift},
+                                                  {40008, 5, 1, 0, 40008 + shift},
+                                                  {40016, 20000, 1, 0, 40016 + shift}};
+    const cuda::ParamSegmentTable table(segs, total, state_numel);
+    const std::vector<float> p0 = random_f32(total, 51, 1.0f), g = random_f32(total, 52, 0.1f);
+    std::vector<float> v_init = random_f32(state_numel, 54, 1e-3f);
+    for (float& x : v_init) x = std::fabs(x);
+    const std::vector<uint16_t> m0 = bits_of(random_f32(state_numel, 53, 0.01f)), v0 = bits_of(v_init);
+    GuardedBuffer<float> p(p0, path.misalign), gd(g, path.misalign);
+    GuardedBuffer<uint16_t> m(m0, path.misalign / 2), v(v0, path.misalign / 2);
+    GuardedBuffer<uint16_t> b(std::vector<uint16_t>(size_t(total), 0), path.misalign / 2);
+    GuardedBuffer<cuda::OptimStepScalars> sc(sc0);
+    settle_uploads();
+    TestStream stream;
+    cuda::adamw_prepare(cfg, sc.data(), stream.get());
+    cuda::adamw_apply(table, cfg, p.data(), gd.data(), m.data(), v.data(), b.data(), sc.data(), false, stream.get(),
+                      path.sms);
+    stream.sync();
+    // The CPU twin, segment by segment.
+    std::vector<float> cp = p0, cm = values_of(m0), cv = values_of(v0);
+    for (const cuda::ParamSegment& s : segs)
+      adamw_update(cp.data() + s.offset, g.data() + s.offset, cm.data() + s.state_offset, cv.data() + s.state_offset,
+                   s.numel, coefs, s.decay != 0);
+    const std::string w = path.name;
+    const std::vector<float> gp = p.download();
+    EXPECT_FALSE(same_bits(gp, p0)) << w << ": the update changed nothing";
+    EXPECT_TRUE(same_bits(gp, cp)) << w << ": parameters against the CPU twin";
+    EXPECT_EQ(m.download(), bits_of(cm)) << w << ": exp_avg against the CPU twin";
+    EXPECT_EQ(v.download(), bits_of(cv)) << w << ": exp_avg_sq against the CPU twin";
+    std::vector<uint16_t> want_b(size_t(total), 0);
+    for (const cuda::ParamSegment& s : segs)
+      for (int64_t i = s.offset; i < s.offset + s.numel; ++i) want_b[size_t(i)] = f32_to_bf16(cp[size_t(i)]);
+    EXPECT_EQ(b.download(), want_b) << w << ": BF16 copy";
+    p.expect_guards_intact("params");
+    m.expect_guards_intact("exp_avg");
+    v.expect_guards_intact("exp_avg_sq");
+    b.expect_guards_intact("params_bf16");
+  }
+
+  // The experts' update with their FP8 codes.
+  {
+    const int64_t E = 2, n = 256, k = 384, numel = E * n * k, offset = 64, etotal = offset + numel + 32, shift = 8;
+    const cuda::ParamSegment seg{offset, numel, 1, 0, offset + shift};
+    const std::vector<float> p0 = random_f32(etotal, 61, 0.05f), g = random_f32(etotal, 62, 0.02f);
+    std::vector<float> v_init = random_f32(etotal + shift, 64, 1e-4f);
+    for (float& x : v_init) x = std::fabs(x);
+    const std::vector<uint16_t> m0 = bits_of(random_f32(etotal + shift, 63, 0.01f)), v0 = bits_of(v_init);
+    const int64_t ns = E * (n / 128) * (k / 128);
+    GuardedBuffer<float> p(p0), gd(g), s(ns), st(ns);
+    GuardedBuffer<uint16_t> m(m0), v(v0);
+    GuardedBuffer<uint8_t> q(numel), qt(numel);
+    GuardedBuffer<cuda::OptimStepScalars> sc(sc0);
+    settle_uploads();
+    TestStream stream;
+    cuda::adamw_prepare(cfg, sc.data(), stream.get());
+    cuda::adamw_apply_fp8_weights(seg, E, n, k, cfg, p.data(), gd.data(), m.data(), v.data(), nullptr,
+                                  Fp8Format::kE4M3, q.data(), s.data(), qt.data(), st.data(), nullptr, sc.data(),
+                                  false, stream.get());
+    stream.sync();
+    std::vector<float> cp(p0.begin() + offset, p0.begin() + offset + numel);
+    const std::vector<float> mv = values_of(m0), vv = values_of(v0);
+    std::vector<float> cm(mv.begin() + offset + shift, mv.begin() + offset + shift + numel);
+    std::vector<float> cv(vv.begin() + offset + shift, vv.begin() + offset + shift + numel);
+    std::vector<uint8_t> cq(static_cast<size_t>(numel)), cqt(static_cast<size_t>(numel));
+    std::vector<float> cs(static_cast<size_t>(ns)), cst(static_cast<size_t>(ns));
+    adamw_update_fp8_weights(cp.data(), g.data() + offset, cm.data(), cv.data(), E, n, k, coefs, true,
+                             Fp8Format::kE4M3, cq.data(), cs.data(), cqt.data(), cst.data());
+    const std::vector<float> gp = p.download();
+    EXPECT_TRUE(same_bits(std::vector<float>(gp.begin() + offset, gp.begin() + offset + numel), cp))
+        << "FP8 experts' update: parameters against the CPU twin";
+    const std::vector<uint16_t> gm = m.download(), gv = v.download();
+    EXPECT_EQ(std::vector<uint16_t>(gm.begin() + offset + shift, gm.begin() + offset + shift + numel), bits_of(cm))
+        << "FP8 experts' update: exp_avg";
+    EXPECT_EQ(std::vector<uint16_t>(gv.begin() + offset + shift, gv.begin() + offset + shift + numel), bits_of(cv))
+        << "FP8 experts' update: exp_avg_sq";
+    EXPECT_EQ(q.download(), cq) << "FP8 experts' update: codes";
+    EXPECT_EQ(qt.download(), cqt) << "FP8 experts' update: transposed codes";
+    EXPECT_TRUE(same_bits(s.download(), cs)) << "FP8 experts' update: scales";
+  }
+
+  // The buffers' type must be the config's.
+  const cuda::ParamSegmentTable table(test_layout());
+  const int64_t n = table.total_numel();
+  GuardedBuffer<float> p(n), g(n), m32(n), v32(n);
+  GuardedBuffer<uint16_t> m16(n), v16(n);
+  GuardedBuffer<cuda::OptimStepScalars> sc(sc0);
+  EXPECT_THROW(cuda::adamw_apply(table, cfg, p.data(), g.data(), m32.data(), v32.data(), nullptr, sc.data(), false,
+                                 nullptr),
+               Error);
+  EXPECT_THROW(cuda::adamw_apply(table, test_config(0.0), p.data(), g.data(), m16.data(), v16.data(), nullptr,
+                                 sc.data(), false, nullptr),
+               Error);
 }
 
 TEST(AdamWFp8Weights, RefusesShapesOffsetsAndAlignment) {

@@ -51,6 +51,45 @@ TEST(CudaTrain, FollowsCpuLossCurve) {
   EXPECT_FALSE(gpu.last_checkpoint.empty());
 }
 
+// optim.moment_dtype = "bf16" on the GPU (the moments as BF16 bits): the loss follows the CPU
+// reference with BF16 moments, a run resumed from its step-10 checkpoint (the moments widened to
+// FP32 in the checkpoint, rounded again on load) is the straight run bit for bit, and the run is
+// not the FP32 moments' run.
+TEST(CudaTrain, Bf16MomentsFollowCpuAndResumeBitExact) {
+  MOE_SKIP_WITHOUT_GPU();
+  const TempDir tmp("cuda_bf16_moments");
+  std::ostringstream log;
+  auto config = [&](const char* name, const char* device, const char* precision, const char* moments) {
+    Config c = small(tmp / name, device, precision);
+    c.optim.moment_dtype = moments;
+    c.checkpoint.interval = 10;
+    return c;
+  };
+  train(config("cpu", "cpu", "fp32", "bf16"), log);
+  train(config("gpu", "cuda", "bf16", "bf16"), log);
+  train(config("gpu_fp32", "cuda", "bf16", "fp32"), log);
+  Config resume = config("resumed", "cuda", "bf16", "bf16");
+  resume.checkpoint.resume = (tmp / "gpu" / "checkpoints" / "step_10").string();
+  resume.checkpoint.dir = (tmp / "resumed_ckpt").string();
+  const TrainSummary r = train(resume, log);
+  EXPECT_EQ(r.start_step, 10);
+  const std::vector<double> cpu = train_losses(tmp / "cpu"), gpu = train_losses(tmp / "gpu"),
+                            gpu32 = train_losses(tmp / "gpu_fp32"), resumed = train_losses(tmp / "resumed");
+  ASSERT_EQ(cpu.size(), 20u);
+  ASSERT_EQ(gpu.size(), 20u);
+  ASSERT_EQ(gpu32.size(), 20u);
+  ASSERT_EQ(resumed.size(), 10u);
+  for (size_t i = 0; i < 20; ++i) {
+    const double rel = std::abs(cpu[i] - gpu[i]) / cpu[i];
+    std::printf("step %2zu loss cpu %.5f cuda %.5f (fp32 moments %.5f) rel diff %.2e\n", i + 1, cpu[i], gpu[i],
+                gpu32[i], rel);
+    EXPECT_LE(rel, 3e-2) << "step " << i + 1;
+  }
+  for (size_t i = 0; i < 10; ++i) EXPECT_EQ(resumed[i], gpu[10 + i]) << "step " << 11 + i;
+  EXPECT_NE(gpu, gpu32) << "optim.moment_dtype changed nothing on the GPU";
+  EXPECT_LT(gpu.back(), 0.9 * gpu.front());  // it trains
+}
+
 // Capacity and random routing on the GPU trainer (the CUDA graph on): the loss follows the CPU
 // reference, and each record's dropped_frac is the CPU's (random routing draws the same experts,
 // the same routes are dropped).

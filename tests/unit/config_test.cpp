@@ -46,8 +46,8 @@ TEST(ConfigKeys, EveryKeyHasItsOwnFieldAndDescription) {
     EXPECT_FALSE(k.description.empty()) << k.name;
     EXPECT_EQ(find_config_key(k.name), &k);
   }
-  // 11 model + 11 moe + 10 train + 11 optim + 7 data + 11 parallel + 5 checkpoint + 1 run + 3 log.
-  EXPECT_EQ(config_keys().size(), 71u);
+  // 11 model + 11 moe + 10 train + 12 optim + 7 data + 11 parallel + 5 checkpoint + 1 run + 3 log.
+  EXPECT_EQ(config_keys().size(), 72u);
   EXPECT_EQ(find_config_key("moe.topk"), nullptr);
   EXPECT_EQ(find_config_key("model.dense_layers")->type, ConfigType::kIntList);
   EXPECT_EQ(find_config_key("train.seed")->type, ConfigType::kUint);
@@ -357,6 +357,9 @@ INSTANTIATE_TEST_SUITE_P(
         over("grad_clip", {"optim.grad_clip=-1"}, {"optim.grad_clip must be >= 0"}),
         over("update_sms_negative", {"optim.deferred_update=true", "optim.deferred_update_sms=-1"},
              {"optim.deferred_update_sms must be in [0, 1024]"}),
+        raw("moment_dtype_enum", "optim.moment_dtype", "fp16", {"optim.moment_dtype"}),
+        over("bf16_moments_beta2", {"optim.moment_dtype=bf16", "optim.beta2=0.999"},
+             {"optim.beta2 = 0.999 with optim.moment_dtype = \"bf16\": at most 0.99", "8 significant bits"}),
         over("update_sms_without_deferred", {"optim.deferred_update_sms=16"},
              {"optim.deferred_update_sms = 16 needs optim.deferred_update = true"}),
         over("tokens_paths", {"data.source=tokens"}, {"data.paths must name at least one token file"}),
@@ -450,6 +453,7 @@ TEST(ConfigValidate, BoundaryValuesPass) {
   EXPECT_NO_THROW(validate_config(with({"parallel.dp=4", "parallel.ep=4", "train.steps=0"})));
   EXPECT_NO_THROW(validate_config(with({"train.eval_interval=0", "train.eval_batches=0"})));
   EXPECT_NO_THROW(validate_config(with({"optim.deferred_update=true", "optim.deferred_update_sms=1024"})));
+  EXPECT_NO_THROW(validate_config(with({"optim.moment_dtype=bf16", "optim.beta2=0.99"})));
   EXPECT_NO_THROW(
       validate_config(with({"checkpoint.keep_last=0", "checkpoint.resume=auto", "log.interval=1"})));
 }

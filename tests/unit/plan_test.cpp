@@ -483,6 +483,52 @@ TEST(Planner, ZeroShardsAndCommunication) {
   EXPECT_LT(p.modes[0].memory_total, q.modes[0].memory_total);
 }
 
+// optim.moment_dtype = "bf16": the GPU keeps 2 bytes a moment (olmoe-8l: 3.56B parameters, 13.3 GiB
+// less), ZeRO-1 shards them the same way, the CPU backend keeps FP32 buffers (8 bytes a parameter);
+// the optimizer's ceiling and the planner's optimizer time move 22 bytes a parameter instead of 30.
+TEST(Planner, Bf16MomentsHalveTheMomentsOnTheGpu) {
+  Config c = load_config(kOlmoe8l, {});
+  c.train.device = "cuda";
+  const RunPlan fp32 = make_run_plan(c, 1, "cuda");
+  c.optim.moment_dtype = "bf16";
+  const RunPlan bf16 = make_run_plan(c, 1, "cuda");
+  const double n = double(bf16.memory.local_params);
+  EXPECT_DOUBLE_EQ(fp32.memory.moments, 8.0 * n);
+  EXPECT_DOUBLE_EQ(bf16.memory.moments, 4.0 * n);
+  EXPECT_DOUBLE_EQ(bf16.memory.moment_bytes, 2.0);
+  EXPECT_NEAR((fp32.memory.total() - bf16.memory.total()) / kGiB, 4.0 * n / kGiB, 1e-9);
+  EXPECT_NE(describe_run_plan(bf16).find("AdamW moments (BF16)"), std::string::npos) << describe_run_plan(bf16);
+  EXPECT_EQ(describe_run_plan(fp32).find("(BF16)"), std::string::npos);
+  // The optimizer phase's ceiling: the update's bytes 30 -> 22 a parameter (the norm's read beside it).
+  auto optimizer = [&](const Config& cfg, const RunPlan& plan) {
+    for (const PhaseCeiling& pc : phase_ceilings(cfg, plan, h200_ceilings()))
+      if (pc.phase == "optimizer") return pc.bytes;
+    return 0.0;
+  };
+  Config c32 = c;
+  c32.optim.moment_dtype = "fp32";
+  EXPECT_NEAR(optimizer(c32, fp32) - optimizer(c, bf16), 8.0 * n, 1e-3 * n);
+  // The planner prices the update's bytes: its optimizer time falls by 8 of 30 + 4 bytes.
+  const LayoutPlan p32 = plan_layout(c32, LayoutRequest{}, 139.8), p16 = plan_layout(c, LayoutRequest{}, 139.8);
+  EXPECT_LT(p16.modes[0].memory_total, p32.modes[0].memory_total - 13.0 * kGiB);
+  EXPECT_LT(p16.modes[0].time.optimizer, p32.modes[0].time.optimizer * 0.8);
+  EXPECT_GT(p16.modes[0].time.optimizer, p32.modes[0].time.optimizer * 0.6);
+  // ZeRO-1 shards of BF16 moments: 4 bytes a parameter of the shard.
+  Config z = small();
+  z.train.global_batch = 8;
+  z.parallel.zero = true;
+  z.optim.moment_dtype = "bf16";
+  const LayoutPlan zp = plan_layout(z, LayoutRequest{4, 2, 1}, 139.8);
+  z.optim.moment_dtype = "fp32";
+  const LayoutPlan zq = plan_layout(z, LayoutRequest{4, 2, 1}, 139.8);
+  EXPECT_DOUBLE_EQ(zp.moments, zq.moments / 2);
+  // The CPU backend keeps the BF16 values in FP32 buffers.
+  Config cpu = small();
+  cpu.optim.moment_dtype = "bf16";
+  const RunPlan on_cpu = make_run_plan(cpu, 1, "cpu");
+  EXPECT_DOUBLE_EQ(on_cpu.memory.moments, 8.0 * double(on_cpu.memory.local_params));
+}
+
 // train.precision = "fp8": the plan's memory is the FP8 run plan's (the weights' codes and the FP8
 // workspaces; olmoe-8l's 83.76 GiB with the experts' codes in their BF16 copy's place, 89.75 GiB
 // with the deferred update, which keeps both; 6 of its layers fit an 80 GB GPU), the table shows

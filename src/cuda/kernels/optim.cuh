@@ -237,51 +237,82 @@ __device__ __forceinline__ void adamw_element4(float4& pv, float4 gv, float4& mv
   vv = make_float4(v[0], v[1], v[2], v[3]);
 }
 
+// The moments in memory: FP32, or BF16 bits (optim.moment_dtype = "bf16": read widened, stored
+// rounded to nearest even; the update itself computes in FP32). Element j, or [4j, 4j + 4) as one
+// float4 (16-byte aligned FP32) or one uint2 (8-byte aligned BF16).
+__device__ __forceinline__ float load_moment(const float* __restrict__ m, int64_t j) { return m[j]; }
+__device__ __forceinline__ float load_moment(const uint16_t* __restrict__ m, int64_t j) {
+  return bf16_bits_to_f32(m[j]);
+}
+__device__ __forceinline__ void store_moment(float* __restrict__ m, int64_t j, float x) { m[j] = x; }
+__device__ __forceinline__ void store_moment(uint16_t* __restrict__ m, int64_t j, float x) {
+  m[j] = f32_to_bf16_bits(x);
+}
+__device__ __forceinline__ uint2 pack_bf16x4(float4 x) {
+  return make_uint2(uint32_t(f32_to_bf16_bits(x.x)) | (uint32_t(f32_to_bf16_bits(x.y)) << 16),
+                    uint32_t(f32_to_bf16_bits(x.z)) | (uint32_t(f32_to_bf16_bits(x.w)) << 16));
+}
+__device__ __forceinline__ float4 unpack_bf16x4(uint2 u) {
+  return make_float4(bf16_bits_to_f32(uint16_t(u.x & 0xffffu)), bf16_bits_to_f32(uint16_t(u.x >> 16)),
+                     bf16_bits_to_f32(uint16_t(u.y & 0xffffu)), bf16_bits_to_f32(uint16_t(u.y >> 16)));
+}
+__device__ __forceinline__ float4 load_moment4(const float* __restrict__ m, int64_t j) {
+  return reinterpret_cast<const float4*>(m)[j];
+}
+__device__ __forceinline__ float4 load_moment4(const uint16_t* __restrict__ m, int64_t j) {
+  return unpack_bf16x4(reinterpret_cast<const uint2*>(m)[j]);
+}
+__device__ __forceinline__ void store_moment4(float* __restrict__ m, int64_t j, float4 x) {
+  reinterpret_cast<float4*>(m)[j] = x;
+}
+__device__ __forceinline__ void store_moment4(uint16_t* __restrict__ m, int64_t j, float4 x) {
+  reinterpret_cast<uint2*>(m)[j] = pack_bf16x4(x);
+}
+
 // Updates element i of the flat buffers (its moments at element j) from the loaded values pi, gi,
-// mi, vi and stores the results (the BF16 copy too, when there is one).
+// mi, vi and stores the results (the BF16 copy too, when there is one). M: float or uint16_t (BF16 moments).
+template <typename M>
 __device__ __forceinline__ void adamw_store_scalar(int64_t i, int64_t j, float pi, float gi, float mi, float vi,
-                                                   float* __restrict__ p, float* __restrict__ m, float* __restrict__ v,
+                                                   float* __restrict__ p, M* __restrict__ m, M* __restrict__ v,
                                                    uint16_t* __restrict__ p_bf16, float decay,
                                                    const AdamWCoefficients& k, const AdamWConstants& c) {
   adamw_element(pi, gi, mi, vi, decay, k, c);
   p[i] = pi;
-  m[j] = mi;
-  v[j] = vi;
+  store_moment(m, j, mi);
+  store_moment(v, j, vi);
   if (p_bf16 != nullptr) p_bf16[i] = f32_to_bf16_bits(pi);
 }
 
 // Element i of the flat buffers, its moments at element j.
+template <typename M>
 __device__ __forceinline__ void adamw_scalar(int64_t i, int64_t j, float* __restrict__ p, const float* __restrict__ g,
-                                             float* __restrict__ m, float* __restrict__ v, uint16_t* __restrict__ p_bf16,
+                                             M* __restrict__ m, M* __restrict__ v, uint16_t* __restrict__ p_bf16,
                                              float decay, const AdamWCoefficients& k, const AdamWConstants& c) {
-  adamw_store_scalar(i, j, p[i], g[i], m[j], v[j], p, m, v, p_bf16, decay, k, c);
+  adamw_store_scalar(i, j, p[i], g[i], load_moment(m, j), load_moment(v, j), p, m, v, p_bf16, decay, k, c);
 }
 
 // adamw_store_scalar for elements [4i, 4i + 4), moments [4j, 4j + 4): float4 stores (16-byte aligned
-// FP32 buffers, 8-byte aligned BF16 copy). Returns the updated parameters.
+// FP32 buffers, 8-byte aligned BF16 copy and BF16 moments). Returns the updated parameters.
+template <typename M>
 __device__ __forceinline__ float4 adamw_store_vec4(int64_t i, int64_t j, float4 pv, float4 gv, float4 mv, float4 vv,
-                                                   float* __restrict__ p, float* __restrict__ m, float* __restrict__ v,
+                                                   float* __restrict__ p, M* __restrict__ m, M* __restrict__ v,
                                                    uint16_t* __restrict__ p_bf16, float decay,
                                                    const AdamWCoefficients& k, const AdamWConstants& c) {
   adamw_element4(pv, gv, mv, vv, decay, k, c);
   reinterpret_cast<float4*>(p)[i] = pv;
-  reinterpret_cast<float4*>(m)[j] = mv;
-  reinterpret_cast<float4*>(v)[j] = vv;
-  if (p_bf16 != nullptr) {
-    const uint32_t lo = static_cast<uint32_t>(f32_to_bf16_bits(pv.x)) | (static_cast<uint32_t>(f32_to_bf16_bits(pv.y)) << 16);
-    const uint32_t hi = static_cast<uint32_t>(f32_to_bf16_bits(pv.z)) | (static_cast<uint32_t>(f32_to_bf16_bits(pv.w)) << 16);
-    reinterpret_cast<uint2*>(p_bf16)[i] = make_uint2(lo, hi);
-  }
+  store_moment4(m, j, mv);
+  store_moment4(v, j, vv);
+  if (p_bf16 != nullptr) reinterpret_cast<uint2*>(p_bf16)[i] = pack_bf16x4(pv);
   return pv;
 }
 
-// Elements [4i, 4i + 4), moments [4j, 4j + 4), loaded as float4. Returns the updated parameters.
+// Elements [4i, 4i + 4), moments [4j, 4j + 4), loaded as vectors. Returns the updated parameters.
+template <typename M>
 __device__ __forceinline__ float4 adamw_vec4(int64_t i, int64_t j, float* __restrict__ p, const float* __restrict__ g,
-                                           float* __restrict__ m, float* __restrict__ v, uint16_t* __restrict__ p_bf16,
+                                           M* __restrict__ m, M* __restrict__ v, uint16_t* __restrict__ p_bf16,
                                            float decay, const AdamWCoefficients& k, const AdamWConstants& c) {
   return adamw_store_vec4(i, j, reinterpret_cast<const float4*>(p)[i], reinterpret_cast<const float4*>(g)[i],
-                          reinterpret_cast<const float4*>(m)[j], reinterpret_cast<const float4*>(v)[j], p, m, v,
-                          p_bf16, decay, k, c);
+                          load_moment4(m, j), load_moment4(v, j), p, m, v, p_bf16, decay, k, c);
 }
 
 // Index of the first segment ending after `pos` (segments sorted, non-overlapping: ends non-decreasing).
@@ -353,12 +384,12 @@ __device__ __forceinline__ int64_t chunk_of_runs(const ChunkRun* __restrict__ ru
 // within a chunk, each segment's overlap [lo, hi) is updated by the block's threads (kVec4: scalar
 // head up to a multiple of 4, float4 body, scalar tail). Does nothing when the prepare kernel
 // marked the step skipped, or (deferred) when no update is pending.
-template <bool kVec4, int kThreads = kAdamWThreads>
+template <bool kVec4, typename M, int kThreads = kAdamWThreads>
 __global__ void __launch_bounds__(kThreads)
     adamw_update_segments(const ParamSegment* __restrict__ segs, int num_segs, const ChunkRun* __restrict__ runs,
                           int num_runs, int64_t num_chunks, int64_t total_numel, float* __restrict__ p,
-                          const float* __restrict__ g,
-                          float* __restrict__ m, float* __restrict__ v, uint16_t* __restrict__ p_bf16,
+                          const float* __restrict__ g, M* __restrict__ m, M* __restrict__ v,
+                          uint16_t* __restrict__ p_bf16,
                           const OptimStepScalars* __restrict__ s, AdamWConstants c, bool deferred) {
   if (s->skipped != 0 || (deferred && s->pending == 0)) return;
   const AdamWCoefficients k{s->step_size, s->inv_sqrt_bc2, s->decay, s->grad_scale};

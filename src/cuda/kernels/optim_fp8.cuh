@@ -23,7 +23,8 @@ struct AdamWMxWeightSmem {
 
 // Weights [E, n, k] (n, k multiples of 128) at flat offset `offset` of p / g / p_bf16, moments at
 // offset + shift of m / v (offset and shift multiples of 4, every FP32 buffer 16-byte aligned,
-// p_bf16 8-byte aligned). Block b = (e, bi, bj) of the 128 x 128 blocks, two passes:
+// p_bf16 and BF16 moments (M = uint16_t) 8-byte aligned). Block b = (e, bi, bj) of the 128 x 128
+// blocks, two passes:
 // - the update, coalesced: warp w takes rows w, w + 8, .., w + 120 of the block, a whole row of
 //   128 elements per step, lane l elements 4l .. 4l + 3 through adamw_vec4 (the update of
 //   adamw_update_segments, bit for bit: p, m, v and the BF16 copy stored), the BF16 values into a
@@ -32,11 +33,11 @@ struct AdamWMxWeightSmem {
 //   fp8_weight_block_codes (the quantiser's codes of that BF16 copy, bit for bit), or under an MX
 //   rule (kMx) to mx_weight_block_codes, the column copy read from the tile's columns.
 // Nothing is written when the step is skipped or (deferred) nothing is pending.
-template <bool kMx>
+template <bool kMx, typename M>
 __global__ void __launch_bounds__(kFp8WeightThreads)
     adamw_update_fp8_weights(int64_t offset, int64_t shift, int64_t n, int64_t k, bool decay_on,
-                             float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                             float* __restrict__ v, uint16_t* __restrict__ p_bf16, Fp8Format f, Fp8Rule rule,
+                             float* __restrict__ p, const float* __restrict__ g, M* __restrict__ m,
+                             M* __restrict__ v, uint16_t* __restrict__ p_bf16, Fp8Format f, Fp8Rule rule,
                              uint8_t* __restrict__ q, float* __restrict__ s, uint8_t* __restrict__ qt,
                              float* __restrict__ st, uint32_t* num_nonfinite, const OptimStepScalars* __restrict__ sc,
                              AdamWConstants c, bool deferred) {
@@ -54,9 +55,7 @@ __global__ void __launch_bounds__(kFp8WeightThreads)
     const int row = 8 * j + warp;
     const int64_t at = first + row * k;
     const float4 pv = adamw_vec4(at / 4, (at + shift) / 4, p, g, m, v, p_bf16, decay, coef, c);
-    const uint32_t lo = uint32_t(f32_to_bf16_bits(pv.x)) | (uint32_t(f32_to_bf16_bits(pv.y)) << 16);
-    const uint32_t hi = uint32_t(f32_to_bf16_bits(pv.z)) | (uint32_t(f32_to_bf16_bits(pv.w)) << 16);
-    *reinterpret_cast<uint2*>(&sm.w[row][4 * lane]) = make_uint2(lo, hi);
+    *reinterpret_cast<uint2*>(&sm.w[row][4 * lane]) = pack_bf16x4(pv);
   }
   __syncthreads();
   const int r = t / 2, c0 = 64 * (t % 2);

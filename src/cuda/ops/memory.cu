@@ -5,10 +5,14 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
+#include "core/dtype.h"
+#include "core/error.h"
 #include "cuda/common.h"
 
 namespace moe::cuda {
@@ -104,6 +108,32 @@ void copy_d2h(void* dst, const void* src, size_t bytes, Stream stream) {
   if (bytes == 0) return;
   MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream));
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+namespace {
+constexpr int64_t kConvertChunk = int64_t{1} << 22;  // elements staged on the host at a time
+}  // namespace
+
+void copy_h2d_f32_as_bf16(uint16_t* dst, const float* src, int64_t n, Stream stream) {
+  MOE_CHECK(n >= 0, "cuda::copy_h2d_f32_as_bf16: expected n >= 0, got ", n);
+  std::vector<uint16_t> bits(size_t(std::min(n, kConvertChunk)));
+  for (int64_t at = 0; at < n; at += kConvertChunk) {
+    const int64_t len = std::min(kConvertChunk, n - at);
+    for (int64_t i = 0; i < len; ++i) bits[size_t(i)] = f32_to_bf16(src[at + i]);
+    MOE_CUDA_CHECK(cudaMemcpyAsync(dst + at, bits.data(), size_t(len) * 2, cudaMemcpyHostToDevice, stream));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));  // `bits` is refilled next
+  }
+}
+
+void copy_d2h_bf16_as_f32(float* dst, const uint16_t* src, int64_t n, Stream stream) {
+  MOE_CHECK(n >= 0, "cuda::copy_d2h_bf16_as_f32: expected n >= 0, got ", n);
+  std::vector<uint16_t> bits(size_t(std::min(n, kConvertChunk)));
+  for (int64_t at = 0; at < n; at += kConvertChunk) {
+    const int64_t len = std::min(kConvertChunk, n - at);
+    MOE_CUDA_CHECK(cudaMemcpyAsync(bits.data(), src + at, size_t(len) * 2, cudaMemcpyDeviceToHost, stream));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    for (int64_t i = 0; i < len; ++i) dst[at + i] = bf16_to_f32(bits[size_t(i)]);
+  }
 }
 
 void copy_d2h_async(void* dst, const void* src, size_t bytes, Stream stream) {

@@ -38,6 +38,11 @@ void copy_d2h(void* dst, const void* src, size_t bytes, Stream stream);  // wait
 // before an event recorded after the copy has completed.
 void copy_d2h_async(void* dst, const void* src, size_t bytes, Stream stream);
 void copy_d2d(void* dst, const void* src, size_t bytes, Stream stream);
+// n FP32 host values stored on the device as BF16 bits, rounded to nearest even on the host (a
+// bounded staging buffer at a time); returns when the host values have been read.
+void copy_h2d_f32_as_bf16(uint16_t* dst, const float* src, int64_t n, Stream stream);
+// n BF16 values on the device widened (exactly) into FP32 on the host; waits for the stream.
+void copy_d2h_bf16_as_f32(float* dst, const uint16_t* src, int64_t n, Stream stream);
 void device_memset(void* p, int value, size_t bytes, Stream stream);
 Stream stream_create();              // a non-blocking stream
 void stream_destroy(Stream stream);  // never throws

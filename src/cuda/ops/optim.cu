@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <utility>
 
 #include "core/arena.h"
@@ -223,36 +224,52 @@ void adamw_prepare(const OptimConfig& cfg, OptimStepScalars* scalars, Stream str
   check_launch("adamw_prepare_step");
 }
 
-void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
-                 float* exp_avg, float* exp_avg_sq, uint16_t* params_bf16, const OptimStepScalars* scalars,
-                 bool deferred, Stream stream, int sms) {
+namespace {
+
+// The moments' type the config asks for must be the one the buffers hold.
+template <typename M>
+void check_moment_type(const char* op, const OptimConfig& cfg) {
+  constexpr bool bf16 = std::is_same_v<M, uint16_t>;
+  MOE_CHECK(cfg.moment_dtype == (bf16 ? "bf16" : "fp32"), op, ": optim.moment_dtype is '", cfg.moment_dtype,
+            "' but the moment buffers given hold ", bf16 ? "BF16" : "FP32", " values");
+}
+
+template <typename M>
+void adamw_apply_as(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
+                    M* exp_avg, M* exp_avg_sq, uint16_t* params_bf16, const OptimStepScalars* scalars,
+                    bool deferred, Stream stream, int sms) {
   const char* op = "cuda::adamw_apply";
   check_betas(op, cfg);
+  check_moment_type<M>(op, cfg);
   MOE_CHECK(sms >= 0, op, ": expected sms >= 0 (0: every multiprocessor), got ", sms);
   detail::check_ptrs(op, {{"scalars", scalars}}, alignof(OptimStepScalars));
   const int64_t total = segments.total_numel();
   const std::vector<ParamSegment>& host = segments.segments();
   const int num_segs = static_cast<int>(host.size());
   if (total == 0 || num_segs == 0) return;
-  detail::check_ptrs(op, {{"params", params}, {"grads", grads}, {"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}},
-                     sizeof(float));
+  detail::check_ptrs(op, {{"params", params}, {"grads", grads}}, sizeof(float));
+  detail::check_ptrs(op, {{"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}}, sizeof(M));
   if (params_bf16 != nullptr) detail::check_ptrs(op, {{"params_bf16", params_bf16}}, 2);
   // Only the chunks the segments touch (a group's table covers part of the flat buffers, the FP8
   // step's table leaves out the experts' weights between the other tensors of each layer).
   const int64_t chunks = segments.num_chunks();
   if (chunks == 0) return;
   const bool vec4 = segments.states_vec4() && detail::aligned16(params) && detail::aligned16(grads) &&
-                    detail::aligned16(exp_avg) && detail::aligned16(exp_avg_sq) &&
+                    aligned_to(exp_avg, 4 * sizeof(M)) && aligned_to(exp_avg_sq, 4 * sizeof(M)) &&
                     (params_bf16 == nullptr || aligned_to(params_bf16, 8));
   if (sms > 0) {
     // One block on each of `sms` multiprocessors: its chunks streamed through shared memory by
     // bulk copies (optim_resident.cuh) where the moments sit at the flat offsets, else plain loads
     // by kAdamWResidentThreads (the dynamic shared memory, unused there, is more than half a
     // multiprocessor's, so no two blocks share one either way).
-    const bool ring = vec4 && segments.states_at_offsets() && total % 4 == 0;
-    const auto kernel = ring   ? kernels::adamw_update_resident
-                        : vec4 ? kernels::adamw_update_segments<true, kernels::kAdamWResidentThreads>
-                               : kernels::adamw_update_segments<false, kernels::kAdamWResidentThreads>;
+    // Bulk copies move whole 16-byte units from 16-byte aligned addresses: BF16 moments need the
+    // buffers 16-byte aligned and total a multiple of 8.
+    constexpr int64_t kPerUnit = 16 / int64_t(sizeof(M));
+    const bool ring = vec4 && segments.states_at_offsets() && total % kPerUnit == 0 && detail::aligned16(exp_avg) &&
+                      detail::aligned16(exp_avg_sq);
+    const auto kernel = ring   ? kernels::adamw_update_resident<M>
+                        : vec4 ? kernels::adamw_update_segments<true, M, kernels::kAdamWResidentThreads>
+                               : kernels::adamw_update_segments<false, M, kernels::kAdamWResidentThreads>;
     const int threads = ring ? kernels::kAdamWRingThreads : kernels::kAdamWResidentThreads;
     const size_t smem = resident_smem_bytes(kernel, threads, ring ? size_t(kernels::kAdamWResidentSmemBytes) : 0);
     // At the device's greatest priority (a launch attribute, so a captured graph keeps it): when a
@@ -277,20 +294,22 @@ void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, floa
     return;
   }
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(chunks, detail::kMaxGridX));
-  const auto kernel = vec4 ? kernels::adamw_update_segments<true> : kernels::adamw_update_segments<false>;
+  const auto kernel = vec4 ? kernels::adamw_update_segments<true, M> : kernels::adamw_update_segments<false, M>;
   kernel<<<blocks, kAdamWThreads, 0, stream>>>(segments.device_segments(), num_segs, segments.device_chunk_runs(),
                                                segments.num_chunk_runs(), chunks, total, params, grads, exp_avg,
                                                exp_avg_sq, params_bf16, scalars, adamw_constants(cfg), deferred);
   check_launch("adamw_update_segments");
 }
 
-void adamw_apply_fp8_weights(const ParamSegment& segment, int64_t experts, int64_t n, int64_t k,
-                             const OptimConfig& cfg, float* params, const float* grads, float* exp_avg,
-                             float* exp_avg_sq, uint16_t* params_bf16, Fp8Format f, uint8_t* q, float* s,
-                             uint8_t* qt, float* st, uint32_t* num_nonfinite, const OptimStepScalars* scalars,
-                             bool deferred, Stream stream, Fp8Rule rule) {
+template <typename M>
+void adamw_apply_fp8_weights_as(const ParamSegment& segment, int64_t experts, int64_t n, int64_t k,
+                                const OptimConfig& cfg, float* params, const float* grads, M* exp_avg, M* exp_avg_sq,
+                                uint16_t* params_bf16, Fp8Format f, uint8_t* q, float* s, uint8_t* qt, float* st,
+                                uint32_t* num_nonfinite, const OptimStepScalars* scalars, bool deferred,
+                                Stream stream, Fp8Rule rule) {
   const char* op = "cuda::adamw_apply_fp8_weights";
   check_betas(op, cfg);
+  check_moment_type<M>(op, cfg);
   MOE_CHECK(experts > 0 && n > 0 && k > 0 && n % 128 == 0 && k % 128 == 0, op,
             ": expected experts > 0 and n, k positive multiples of 128, got experts ", experts, " n ", n, " k ", k);
   MOE_CHECK(segment.numel == experts * n * k, op, ": the segment holds ", segment.numel, " elements, [", experts,
@@ -300,19 +319,50 @@ void adamw_apply_fp8_weights(const ParamSegment& segment, int64_t experts, int64
             ": the segment's offset (", segment.offset, ") and its moments' offset (", state,
             ") must be non-negative multiples of 4");
   detail::check_ptrs(op, {{"scalars", scalars}}, alignof(OptimStepScalars));
-  detail::check_ptrs(op, {{"params", params}, {"grads", grads}, {"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq},
-                          {"q", q}, {"qt", qt}},
-                     16);
+  detail::check_ptrs(op, {{"params", params}, {"grads", grads}, {"q", q}, {"qt", qt}}, 16);
+  detail::check_ptrs(op, {{"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}}, 4 * sizeof(M));
   detail::check_ptrs(op, {{"s", s}, {"st", st}}, sizeof(float));
   if (params_bf16 != nullptr) detail::check_ptrs(op, {{"params_bf16", params_bf16}}, 8);
   const int64_t blocks = experts * (n / 128) * (k / 128);
   MOE_CHECK(blocks <= detail::kMaxGridX, op, ": ", blocks, " weight blocks exceed one launch's ", detail::kMaxGridX);
-  const auto kernel =
-      rule == Fp8Rule::kBlocks ? kernels::adamw_update_fp8_weights<false> : kernels::adamw_update_fp8_weights<true>;
+  const auto kernel = rule == Fp8Rule::kBlocks ? kernels::adamw_update_fp8_weights<false, M>
+                                                : kernels::adamw_update_fp8_weights<true, M>;
   kernel<<<static_cast<unsigned>(blocks), kernels::kFp8WeightThreads, 0, stream>>>(
       segment.offset, state - segment.offset, n, k, segment.decay != 0, params, grads, exp_avg, exp_avg_sq,
       params_bf16, f, rule, q, s, qt, st, num_nonfinite, scalars, adamw_constants(cfg), deferred);
   check_launch("adamw_update_fp8_weights");
+}
+
+}  // namespace
+
+void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
+                 float* exp_avg, float* exp_avg_sq, uint16_t* params_bf16, const OptimStepScalars* scalars,
+                 bool deferred, Stream stream, int sms) {
+  adamw_apply_as(segments, cfg, params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, deferred, stream, sms);
+}
+
+void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
+                 uint16_t* exp_avg, uint16_t* exp_avg_sq, uint16_t* params_bf16, const OptimStepScalars* scalars,
+                 bool deferred, Stream stream, int sms) {
+  adamw_apply_as(segments, cfg, params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, deferred, stream, sms);
+}
+
+void adamw_apply_fp8_weights(const ParamSegment& segment, int64_t experts, int64_t n, int64_t k,
+                             const OptimConfig& cfg, float* params, const float* grads, float* exp_avg,
+                             float* exp_avg_sq, uint16_t* params_bf16, Fp8Format f, uint8_t* q, float* s,
+                             uint8_t* qt, float* st, uint32_t* num_nonfinite, const OptimStepScalars* scalars,
+                             bool deferred, Stream stream, Fp8Rule rule) {
+  adamw_apply_fp8_weights_as(segment, experts, n, k, cfg, params, grads, exp_avg, exp_avg_sq, params_bf16, f, q, s,
+                             qt, st, num_nonfinite, scalars, deferred, stream, rule);
+}
+
+void adamw_apply_fp8_weights(const ParamSegment& segment, int64_t experts, int64_t n, int64_t k,
+                             const OptimConfig& cfg, float* params, const float* grads, uint16_t* exp_avg,
+                             uint16_t* exp_avg_sq, uint16_t* params_bf16, Fp8Format f, uint8_t* q, float* s,
+                             uint8_t* qt, float* st, uint32_t* num_nonfinite, const OptimStepScalars* scalars,
+                             bool deferred, Stream stream, Fp8Rule rule) {
+  adamw_apply_fp8_weights_as(segment, experts, n, k, cfg, params, grads, exp_avg, exp_avg_sq, params_bf16, f, q, s,
+                             qt, st, num_nonfinite, scalars, deferred, stream, rule);
 }
 
 void adamw_clear_pending(OptimStepScalars* scalars, Stream stream) {
@@ -323,6 +373,14 @@ void adamw_clear_pending(OptimStepScalars* scalars, Stream stream) {
 
 void adamw_step(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
                 float* exp_avg, float* exp_avg_sq, uint16_t* params_bf16, OptimStepScalars* scalars, Stream stream) {
+  adamw_prepare(cfg, scalars, stream);
+  adamw_apply(segments, cfg, params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, /*deferred=*/false, stream);
+  adamw_clear_pending(scalars, stream);
+}
+
+void adamw_step(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
+                uint16_t* exp_avg, uint16_t* exp_avg_sq, uint16_t* params_bf16, OptimStepScalars* scalars,
+                Stream stream) {
   adamw_prepare(cfg, scalars, stream);
   adamw_apply(segments, cfg, params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, /*deferred=*/false, stream);
   adamw_clear_pending(scalars, stream);
