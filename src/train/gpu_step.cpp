@@ -127,8 +127,11 @@ std::string fit_problem(const RunPlan& plan, const cuda::DeviceInfo& dev) {
             " GiB of activations for a micro-batch of ", plan.tokens_per_micro_batch, " tokens) but the GPU has ",
             gib(double(dev.free_bytes)), " GiB free of ", gib(double(dev.total_bytes)),
             " GiB; use fewer layers or experts (configs/olmoe-8l.toml fits one H200), split the experts over GPUs "
-            "(parallel.ep), recompute activations (train.recompute = \"selective\" or \"full\"), or lower "
-            "train.micro_batch / train.seq_len (moecore plan shows each choice's memory)");
+            "(parallel.ep), recompute activations (train.recompute = \"selective\" or \"full\"), ",
+            m.moment_bytes > 2 ? detail::concat("keep the AdamW moments in BF16 (optim.moment_dtype = \"bf16\": ",
+                                                gib(m.moments / 2), " GiB less), ")
+                               : std::string(),
+            "or lower train.micro_batch / train.seq_len (moecore plan shows each choice's memory)");
 }
 
 // Refuses, before anything is allocated on the device, a plan whose estimate exceeds its free memory.
