@@ -20,7 +20,8 @@
 // --ops adamw: cuda::adamw_apply over 256M parameters (one segment, BF16 copy written) launched a
 // block per chunk on every SM and kept to r SMs (the deferred update's reserve: r = 16, 32, 48,
 // 64), with the moments at the flat offsets (the bulk-copy ring) and shifted by 4 elements (plain
-// float4 loads): ms and GB/s at 30 bytes a parameter, alone on the GPU (JSON key "adamw"); then
+// float4 loads): ms and GB/s at 30 bytes a parameter, alone on the GPU (JSON key "adamw"; the same
+// with BF16 moments, optim.moment_dtype = "bf16", at 22 bytes a parameter, on every SM and 32); then
 // the ring on r SMs beside 12 grouped GEMMs held to the other SMs (olmoe-8l's gate_up forward,
 // 131072 rows of 2048 over 64 experts): the update's time and the GEMMs' with and without it,
 // after the GEMMs on every SM without a reserve (r = 0; JSON key "adamw_beside_gemm").
@@ -543,8 +544,33 @@ nlohmann::json adamw_section(const Args& a, cudaStream_t s) {
       const Timing t = time_ms(a, s, [&] { moe::cuda::adamw_apply(table, cfg, p, g, m, v, b, scalars, false, s, sms); });
       const double gbs = 30.0 * double(kN) / (t.med_ms * 1e-3) / 1e9;
       std::printf("%-26s | %4s | %9.3f | %8.1f\n", path, sms == 0 ? "all" : std::to_string(sms).c_str(), t.med_ms, gbs);
-      out.push_back({{"path", path}, {"sms", sms}, {"ms_median", t.med_ms}, {"ms_min", t.min_ms}, {"gb_per_s", gbs}});
+      out.push_back({{"path", path}, {"moments", "fp32"}, {"sms", sms}, {"ms_median", t.med_ms}, {"ms_min", t.min_ms},
+                     {"gb_per_s", gbs}});
     }
+  }
+  // BF16 moments (optim.moment_dtype = "bf16"): 22 bytes a parameter.
+  {
+    moe::OptimConfig cfg16;
+    cfg16.moment_dtype = "bf16";
+    std::vector<uint16_t> bits(size_t(kN + kShift));
+    for (size_t i = 0; i < bits.size(); ++i) bits[i] = moe::f32_to_bf16(host[i]);  // |N(0, 0.02)|, as v above
+    uint16_t* m16 = device_copy(bits);
+    uint16_t* v16 = device_copy(bits);
+    for (const int64_t shift : {int64_t{0}, kShift}) {
+      const moe::cuda::ParamSegmentTable table({{0, kN, 1, 0, shift}}, kN, kN + kShift);
+      const char* path = shift == 0 ? "BF16 moments (ring)" : "BF16 moments shifted";
+      for (const int sms : {0, 32}) {
+        const Timing t =
+            time_ms(a, s, [&] { moe::cuda::adamw_apply(table, cfg16, p, g, m16, v16, b, scalars, false, s, sms); });
+        const double gbs = 22.0 * double(kN) / (t.med_ms * 1e-3) / 1e9;
+        std::printf("%-26s | %4s | %9.3f | %8.1f\n", path, sms == 0 ? "all" : std::to_string(sms).c_str(), t.med_ms,
+                    gbs);
+        out.push_back({{"path", path}, {"moments", "bf16"}, {"sms", sms}, {"ms_median", t.med_ms},
+                       {"ms_min", t.min_ms}, {"gb_per_s", gbs}});
+      }
+    }
+    MOE_CUDA_CHECK(cudaFree(m16));
+    MOE_CUDA_CHECK(cudaFree(v16));
   }
   // The ring beside the experts' grouped GEMM held to the other SMs (cuda/sm_reserve.h), as the
   // deferred update runs beside the forward: the update enqueued on a second stream right after

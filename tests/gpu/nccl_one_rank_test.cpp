@@ -167,6 +167,41 @@ TEST(NcclOneRank, ZeroStepMatchesReplicatedStepBitwise) {
   }
 }
 
+// BF16 moments (optim.moment_dtype = "bf16") under ZeRO-1 over a one-rank group: the shard's compact
+// BF16 moments (2-byte elements at the buckets' state offsets), their BF16 all-gather on download,
+// and the loaded state's rounding give the replicated BF16-moment step bitwise, graph on and off;
+// and the run is not the FP32 moments' run.
+TEST(NcclOneRank, ZeroStepWithBf16MomentsMatchesReplicatedBitwise) {
+  MOE_SKIP_WITHOUT_GPU();
+  Config c = dp_step_config();
+  c.optim.moment_dtype = "bf16";
+  auto comm = one_rank_comm();
+  for (const bool graph : {true, false}) {
+    const std::string what = std::string("bf16 moments, ") + (graph ? "graph on" : "graph off");
+    const RunPlan plan = make_run_plan(c, 1, "cuda");
+    RunPlan sharded_plan = plan;
+    sharded_plan.zero = true;
+    DpRun a, b, f;
+    {
+      CudaStepRunner replicated(c, plan, comm.get(), nullptr, nullptr);
+      a = dp_run(c, replicated, graph, 4);
+    }
+    {
+      CudaStepRunner sharded(c, sharded_plan, comm.get(), nullptr, nullptr);
+      EXPECT_TRUE(sharded.zero());
+      b = dp_run(c, sharded, graph, 4);
+    }
+    expect_same_steps(a, b, what + ": ZeRO-1 vs replicated");
+    Config c32 = c;
+    c32.optim.moment_dtype = "fp32";
+    {
+      CudaStepRunner fp32(c32, make_run_plan(c32, 1, "cuda"), comm.get(), nullptr, nullptr);
+      f = dp_run(c32, fp32, graph, 4);
+    }
+    EXPECT_FALSE(same_bits(a.params, f.params)) << what << ": optim.moment_dtype changed nothing";
+  }
+}
+
 TEST(NcclOneRank, ZeroNeedsTheDataParallelGroup) {
   MOE_SKIP_WITHOUT_GPU();
   const Config c = dp_step_config();
