@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <numeric>
 
 #include "core/checked_math.h"
@@ -542,6 +543,7 @@ std::string describe_layout_plan(const LayoutPlan& p, const GpuCeilings& g) {
   } else {
     std::snprintf(moments, sizeof moments, "AdamW moments (replicated)");
   }
+  if (m.moment_bytes == 2.0) std::strncat(moments, ", BF16", sizeof moments - std::strlen(moments) - 1);
   row(moments, same(p.moments));
   std::array<double, 3> kept{}, pool{}, scratch{}, total{};
   for (size_t i = 0; i < 3; ++i) {
@@ -557,6 +559,17 @@ std::string describe_layout_plan(const LayoutPlan& p, const GpuCeilings& g) {
   row("total", total);
   auto fits = [&](const ModePlan& mp) { return !mp.refused.empty() ? "refused" : mp.fits ? "yes" : "no"; };
   line("  %-38s %11s %11s %11s\n", "fits", fits(p.modes[0]), fits(p.modes[1]), fits(p.modes[2]));
+  // FP32 moments where a mode does not fit: what BF16 moments (optim.moment_dtype) would leave.
+  if (m.moment_bytes > 2.0 && !(p.modes[0].fits && p.modes[1].fits && p.modes[2].fits)) {
+    std::array<double, 3> t16{};
+    const char* f16[3];
+    for (size_t i = 0; i < 3; ++i) {
+      t16[i] = total[i] - p.moments / 2.0;
+      f16[i] = !p.modes[i].refused.empty() ? "refused" : t16[i] <= p.gpu_memory ? "yes" : "no";
+    }
+    row("total, optim.moment_dtype = \"bf16\"", t16);
+    line("  %-38s %11s %11s %11s\n", "fits, optim.moment_dtype = \"bf16\"", f16[0], f16[1], f16[2]);
+  }
   for (const ModePlan& mp : p.modes)
     if (!mp.refused.empty()) line("  %s: refused: %s\n", kModeNames[size_t(mp.mode)], mp.refused.c_str());
 
@@ -763,6 +776,7 @@ nlohmann::json layout_plan_json(const LayoutPlan& p) {
             {"grads_fp32", m.grads},
             {"moments", p.moments},
             {"moments_sharding", p.zero ? "zero1" : "replicated"},
+            {"moment_bytes", m.moment_bytes},
             {"moments_replicated", m.moments_replicated},
             {"exchange", m.exchange},
             {"host_mirror", m.host_mirror}}},

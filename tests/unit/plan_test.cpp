@@ -499,6 +499,14 @@ TEST(Planner, Bf16MomentsHalveTheMomentsOnTheGpu) {
   EXPECT_NEAR((fp32.memory.total() - bf16.memory.total()) / kGiB, 4.0 * n / kGiB, 1e-9);
   EXPECT_NE(describe_run_plan(bf16).find("AdamW moments (BF16)"), std::string::npos) << describe_run_plan(bf16);
   EXPECT_EQ(describe_run_plan(fp32).find("(BF16)"), std::string::npos);
+  // The plan's text: on 80 GB the FP32 moments' step does not fit, and the table says BF16 moments would.
+  Config c80 = c;
+  c80.optim.moment_dtype = "fp32";
+  const std::string text = describe_layout_plan(plan_layout(c80, LayoutRequest{}, 79.2));
+  EXPECT_NE(text.find("total, optim.moment_dtype = \"bf16\"          69.876"), std::string::npos) << text;
+  EXPECT_NE(text.find("fits, optim.moment_dtype = \"bf16\"              yes"), std::string::npos) << text;
+  EXPECT_NE(describe_layout_plan(plan_layout(c, LayoutRequest{}, 79.2)).find("AdamW moments (replicated), BF16"),
+            std::string::npos);
   // The optimizer phase's ceiling: the update's bytes 30 -> 22 a parameter (the norm's read beside it).
   auto optimizer = [&](const Config& cfg, const RunPlan& plan) {
     for (const PhaseCeiling& pc : phase_ceilings(cfg, plan, h200_ceilings()))
