@@ -12,6 +12,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <sys/wait.h>
@@ -64,8 +65,8 @@ TEST(Train, ResumeIsBitExact) {
 }
 
 // optim.moment_dtype = "bf16" on the CPU: a resumed run is the straight run bit for bit (the
-// checkpoint holds the BF16 moments' values as FP32), and the losses part from the FP32 moments'
-// run after the first steps, by little.
+// checkpoint holds the BF16 moments' values as FP32), the losses part from the FP32 moments'
+// run after the first steps, by little, and either setting resumes the other's checkpoint.
 TEST(Train, Bf16MomentsResumeBitExact) {
   const TempDir tmp("resume-bf16-moments");
   const fs::path root = tmp.root();
@@ -85,13 +86,26 @@ TEST(Train, Bf16MomentsResumeBitExact) {
   ASSERT_EQ(resumed.size(), 4u);
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed[i], straight[4 + i]) << "step " << 5 + i;
   Config f = small_config(root / "fp32");
-  f.checkpoint.enabled = false;
+  f.checkpoint.interval = 4;
   train(f, log);
   const std::vector<double> fp32 = train_losses(root / "fp32");
   ASSERT_EQ(fp32.size(), 8u);
   EXPECT_EQ(fp32[0], straight[0]);  // the same weights before any update
   EXPECT_NE(fp32.back(), straight.back()) << "optim.moment_dtype changed nothing";
   for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(straight[i], fp32[i], 1e-2 * fp32[i]) << "step " << i + 1;
+  // Either setting resumes the other's checkpoint: the same weights give the same next loss.
+  for (const auto& [from, moments, want] :
+       {std::tuple{"fp32", "bf16", fp32[4]}, std::tuple{"straight", "fp32", straight[4]}}) {
+    Config x = small_config(root / (std::string(from) + "-as-" + moments));
+    x.optim.moment_dtype = moments;
+    x.checkpoint.resume = (root / from / "checkpoints" / "step_4").string();
+    x.checkpoint.dir = (root / (std::string(from) + "-as-" + moments + "-ckpt")).string();
+    const TrainSummary r = train(x, log);
+    EXPECT_EQ(r.start_step, 4) << from;
+    const std::vector<double> l = train_losses(root / (std::string(from) + "-as-" + moments));
+    ASSERT_EQ(l.size(), 4u) << from;
+    EXPECT_EQ(l[0], want) << from << " resumed with " << moments << " moments";
+  }
 }
 
 TEST(Train, CheckpointsOffWritesNone) {
