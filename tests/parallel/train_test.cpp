@@ -183,6 +183,27 @@ TEST(DataParallel, ZeroOnAndOffAgree) {
   }
 }
 
+// BF16 moments (optim.moment_dtype = "bf16") under ZeRO-1: each rank's shard keeps them as BF16
+// values, and on two ranks the run is the replicated one bit for bit, as with FP32 moments; it is
+// not the FP32 moments' run.
+TEST(DataParallel, Bf16MomentsZeroOnAndOffAgree) {
+  Comm& w = world_comm();
+  if (!needs_ranks(2)) GTEST_SKIP() << "needs >= 2 ranks";
+  const SharedDir dir(w, "zero-bf16-moments");
+  Config on = small_parallel_config(dir / "on"), off = small_parallel_config(dir / "off");
+  Config fp32 = small_parallel_config(dir / "fp32");
+  on.optim.moment_dtype = off.optim.moment_dtype = "bf16";
+  off.parallel.zero = false;
+  std::ostringstream log;
+  const TrainSummary a = train(on, log, w), b = train(off, log, w), f = train(fp32, log, w);
+  if (w.size() == 2) {
+    EXPECT_EQ(a.losses, b.losses);
+  }
+  EXPECT_LT(worst_relative_difference(a.losses, b.losses), kLossTolerance);
+  EXPECT_NE(a.losses, f.losses) << "optim.moment_dtype changed nothing";
+  EXPECT_LT(worst_relative_difference(a.losses, f.losses), 1e-2);
+}
+
 TEST(DataParallel, CheckpointOfTwoRanksResumesOnOtherLayouts) {
   Comm& w = world_comm();
   if (!needs_ranks(2)) GTEST_SKIP() << "needs >= 2 ranks";
