@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.h"
 #include "cuda/common.h"
 #include "cuda/ops/memory.h"
 #include "cuda/ops/nccl.h"
@@ -359,6 +360,46 @@ TEST_F(NcclDataParallel, ZeroFollowsReplicatedAdamWAndDownloadsWholeState) {
     EXPECT_TRUE(same_bits(rank0_copy(world(), run.exp_avg_sq), run.exp_avg_sq)) << name << ": moments differ between ranks";
   }
   EXPECT_FALSE(same_bits(runs["bf16/zero"].params, runs["fp32/zero"].params)) << "BF16 reduction changed nothing";
+}
+
+// BF16 moments (optim.moment_dtype = "bf16") under ZeRO-1 on 2 GPUs: each rank's shard holds BF16
+// bits, the download gathers them (a BF16 all-gather) into whole FP32 moments that are BF16 values,
+// identical on both ranks; loaded into a fresh ZeRO runner (each rank rounding its shard) they
+// download again bit for bit; over 6 steps the losses follow the replicated BF16-moment run.
+TEST_F(NcclDataParallel, ZeroKeepsBf16MomentsAndDownloadsThemWhole) {
+  Config z = dp_step_config();
+  z.optim.moment_dtype = "bf16";
+  Config r = z;
+  r.parallel.zero = false;
+  const int64_t steps = 6;
+  DpRun a, b;
+  {
+    CudaStepRunner runner(z, &nccl());
+    EXPECT_TRUE(runner.zero());
+    a = dp_run(z, runner, /*graph=*/true, steps);
+  }
+  {
+    CudaStepRunner runner(r, &nccl());
+    b = dp_run(r, runner, /*graph=*/true, steps);
+  }
+  ASSERT_EQ(a.steps.size(), size_t(steps));
+  ASSERT_EQ(b.steps.size(), size_t(steps));
+  for (int64_t i = 0; i < steps; ++i)
+    EXPECT_NEAR(dp_loss(a.steps[size_t(i)]), dp_loss(b.steps[size_t(i)]), 2e-2 * dp_loss(b.steps[size_t(i)]))
+        << "step " << i + 1;
+  size_t not_bf16 = 0;
+  for (const std::vector<float>* m : {&a.exp_avg, &a.exp_avg_sq})
+    for (const float x : *m) not_bf16 += moe::bf16_to_f32(moe::f32_to_bf16(x)) != x;
+  EXPECT_EQ(not_bf16, 0u) << "downloaded moments that are not BF16 values";
+  EXPECT_TRUE(same_bits(rank0_copy(world(), a.exp_avg), a.exp_avg)) << "gathered exp_avg differs between ranks";
+  EXPECT_TRUE(same_bits(rank0_copy(world(), a.params), a.params)) << "parameters differ between ranks";
+  CudaStepRunner runner(z, &nccl());
+  runner.load_state(a.params.data(), a.exp_avg.data(), a.exp_avg_sq.data(), a.optimizer_steps, a.bias);
+  const size_t n = a.params.size();
+  std::vector<float> p(n), m(n), v(n);
+  runner.download_state(p.data(), m.data(), v.data(), nullptr, nullptr);
+  EXPECT_TRUE(same_bits(m, a.exp_avg)) << "BF16 exp_avg scattered and gathered back";
+  EXPECT_TRUE(same_bits(v, a.exp_avg_sq)) << "BF16 exp_avg_sq scattered and gathered back";
 }
 
 Config trainer_config(const std::filesystem::path& run) {
