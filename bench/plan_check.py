@@ -24,6 +24,8 @@ def main(paths):
         if s.get("device") != "cuda" or "mem_peak_gib" not in r or "mem_estimate_gib" not in r:
             continue
         layout = f"dp={s.get('dp', 1)} ep={s.get('ep', 1)}" + (" zero" if s.get("zero") else "")
+        if s.get("moment_dtype", "fp32") != "fp32":
+            layout += f" {s['moment_dtype']} moments"
         err = (r["mem_estimate_gib"] - r["mem_peak_gib"]) / r["mem_peak_gib"]
         rows.append((r["config"], layout, s.get("recompute", "none"), r["mem_peak_gib"], r["mem_estimate_gib"], err))
     if not rows:

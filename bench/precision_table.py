@@ -24,6 +24,10 @@ def main(paths):
             sys.exit(f"{r.get('command', '?')}: expected train.precision = {want!r}, the record says {got!r}")
     if recs[0]["config"] != recs[1]["config"]:
         sys.exit(f"the records are of different configs: {recs[0]['config']} and {recs[1]['config']}")
+    moments = [r.get("settings", {}).get("moment_dtype", "fp32") for r in recs]
+    if moments[0] != moments[1]:
+        sys.exit(f"the records differ in optim.moment_dtype ({moments[0]} and {moments[1]}): the optimizer "
+                 "phase would not compare the precisions")
     b, f = recs
     print(f"train.precision on {b['config']}: bf16 vs fp8 (fp8: the forward GEMMs and data gradients of the "
           f"routed experts, MLPs and attention projections in block-scaled FP8, quantisation counted)")

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """bench/precision_table.py on committed bench records (bench/results/fp8-model-20261202/mlp/):
 the ratios it prints are the records' figures divided (tokens/s, peak memory, the experts and mlp
-phases), and it refuses records in the wrong order or of different configs, naming the problem.
+phases), and it refuses records in the wrong order, of different configs or of different moment
+dtypes (optim.moment_dtype), naming the problem.
 Usage: precision_table_check.py --source-dir DIR
 """
 import argparse
@@ -51,7 +52,13 @@ def main():
         mixed = run(script, bf16, path)
         if mixed.returncode == 0 or "different configs" not in mixed.stderr:
             sys.exit(f"records of different configs were not refused: {mixed.returncode} {mixed.stderr}")
-    print("precision_table.py: ratios as the records give them; wrong order and mixed configs refused")
+        other = dict(f)
+        other["settings"] = dict(f.get("settings", {}), moment_dtype="bf16")
+        json.dump(other, open(path, "w"))
+        mixed = run(script, bf16, path)
+        if mixed.returncode == 0 or "optim.moment_dtype (fp32 and bf16)" not in mixed.stderr:
+            sys.exit(f"records of different moment dtypes were not refused: {mixed.returncode} {mixed.stderr}")
+    print("precision_table.py: ratios as the records give them; wrong order, mixed configs and moment dtypes refused")
 
 
 if __name__ == "__main__":
