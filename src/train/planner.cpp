@@ -686,6 +686,18 @@ std::string describe_enumeration(const Enumeration& e, int64_t gpus, double gpu_
   if (!e.not_fitting.empty()) {
     out += "# do not fit:\n";
     for (const LayoutChoice& c : e.not_fitting) row(c, "-");
+    // With FP32 moments: the layouts BF16 moments (optim.moment_dtype) would fit, and at what size.
+    std::string bf16;
+    for (const LayoutChoice& c : e.not_fitting) {
+      const ModePlan& mp = c.mode_plan();
+      const double with_bf16 = mp.memory_total - c.plan.moments / 2.0;
+      if (c.plan.run.memory.moment_bytes <= 2.0 || !mp.refused.empty() || with_bf16 > c.plan.gpu_memory) continue;
+      std::snprintf(buf, sizeof buf, "%sdp %lld ep %lld pp %lld %s %.2f GiB", bf16.empty() ? "" : ", ",
+                    (long long)c.plan.run.sizes.dp, (long long)c.plan.run.sizes.ep, (long long)c.plan.run.sizes.pp,
+                    kModeNames[size_t(c.mode)], with_bf16 / kGiB);
+      bf16 += buf;
+    }
+    if (!bf16.empty()) out += "# fit with optim.moment_dtype = \"bf16\" (AdamW moments in BF16): " + bf16 + "\n";
   }
   return out;
 }

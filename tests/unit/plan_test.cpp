@@ -507,6 +507,13 @@ TEST(Planner, Bf16MomentsHalveTheMomentsOnTheGpu) {
   EXPECT_NE(text.find("fits, optim.moment_dtype = \"bf16\"              yes"), std::string::npos) << text;
   EXPECT_NE(describe_layout_plan(plan_layout(c, LayoutRequest{}, 79.2)).find("AdamW moments (replicated), BF16"),
             std::string::npos);
+  // The layouts of one 80 GB GPU: recompute none does not fit, and would with BF16 moments.
+  const std::string layouts = describe_enumeration(enumerate_layouts(c80, 1, 79.2), 1, 79.2);
+  EXPECT_NE(layouts.find("# fit with optim.moment_dtype = \"bf16\" (AdamW moments in BF16): dp 1 ep 1 pp 1 none "
+                         "69.88 GiB"),
+            std::string::npos)
+      << layouts;
+  EXPECT_EQ(describe_enumeration(enumerate_layouts(c, 1, 79.2), 1, 79.2).find("# fit with"), std::string::npos);
   // The optimizer phase's ceiling: the update's bytes 30 -> 22 a parameter (the norm's read beside it).
   auto optimizer = [&](const Config& cfg, const RunPlan& plan) {
     for (const PhaseCeiling& pc : phase_ceilings(cfg, plan, h200_ceilings()))
