@@ -1,7 +1,8 @@
 // cuda/ops/memory.h: the FP32 -> BF16 cast and the FP32 residual add with its BF16 copy against
 // host arithmetic (bitwise: one FP32 add, round to nearest even), the BF16 -> FP32 cast against
-// bf16_to_f32, and the byte copies.
+// bf16_to_f32, the BF16 moments' rounding and widening copies, and the byte copies.
 #include <cstring>
+#include <iterator>
 
 #include "core/dtype.h"
 #include "cuda/ops/memory.h"
@@ -89,6 +90,37 @@ TEST(CudaMemory, CastBf16ToF32MatchesHostBitwise) {
     EXPECT_EQ(bad, 0) << "n=" << n;
     out.expect_guards_intact("cast_bf16_to_f32 output");
   }
+}
+
+// copy_h2d_f32_as_bf16 / copy_d2h_bf16_as_f32 (the BF16 AdamW moments' load and download): across
+// their 4 Mi-element staging chunks, the device holds f32_to_bf16 of every host value (NaN, Inf,
+// subnormals and the rounding ties included) and the host gets bf16_to_f32 of every device value.
+TEST(CudaMemory, Bf16MomentCopiesRoundAndWidenLikeTheHost) {
+  MOE_SKIP_WITHOUT_GPU();
+  TestStream s;
+  const int64_t n = (int64_t{1} << 23) + 5;  // two full chunks and a partial one
+  std::vector<float> host = random_f32(n, 17, 3.0f);
+  const uint32_t specials[] = {0x7fc00000u, 0xff800000u, 0x7f800000u, 0x00000001u, 0x80008000u, 0x3f808000u,
+                               0x3f818000u, 0x7f7fffffu};
+  for (size_t i = 0; i < std::size(specials); ++i) std::memcpy(&host[size_t(i) * 1000003], &specials[i], 4);
+  GuardedBuffer<uint16_t> dev{n};
+  cuda::copy_h2d_f32_as_bf16(dev.data(), host.data(), n, s.get());
+  s.sync();
+  const std::vector<uint16_t> bits = dev.download();
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad += bits[size_t(i)] != moe::f32_to_bf16(host[size_t(i)]);
+  EXPECT_EQ(bad, 0) << "values not rounded as f32_to_bf16 rounds them";
+  std::vector<float> back(size_t(n), -1.0f);
+  cuda::copy_d2h_bf16_as_f32(back.data(), dev.data(), n, s.get());
+  bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float want = moe::bf16_to_f32(bits[size_t(i)]);
+    bad += std::memcmp(&back[size_t(i)], &want, sizeof(float)) != 0;
+  }
+  EXPECT_EQ(bad, 0) << "values not widened as bf16_to_f32 widens them";
+  dev.expect_guards_intact("BF16 moments");
+  cuda::copy_h2d_f32_as_bf16(dev.data(), host.data(), 0, s.get());  // nothing to copy
+  EXPECT_THROW(cuda::copy_d2h_bf16_as_f32(back.data(), dev.data(), -1, s.get()), Error);
 }
 
 TEST(CudaMemory, CopiesMemsetAndBufferGrowth) {
