@@ -234,10 +234,12 @@ void check_moment_type(const char* op, const OptimConfig& cfg) {
             "' but the moment buffers given hold ", bf16 ? "BF16" : "FP32", " values");
 }
 
+}  // namespace
+
 template <typename M>
-void adamw_apply_as(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
-                    M* exp_avg, M* exp_avg_sq, uint16_t* params_bf16, const OptimStepScalars* scalars,
-                    bool deferred, Stream stream, int sms) {
+void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
+                 M* exp_avg, M* exp_avg_sq, uint16_t* params_bf16, const OptimStepScalars* scalars, bool deferred,
+                 Stream stream, int sms) {
   const char* op = "cuda::adamw_apply";
   check_betas(op, cfg);
   check_moment_type<M>(op, cfg);
@@ -302,11 +304,11 @@ void adamw_apply_as(const ParamSegmentTable& segments, const OptimConfig& cfg, f
 }
 
 template <typename M>
-void adamw_apply_fp8_weights_as(const ParamSegment& segment, int64_t experts, int64_t n, int64_t k,
-                                const OptimConfig& cfg, float* params, const float* grads, M* exp_avg, M* exp_avg_sq,
-                                uint16_t* params_bf16, Fp8Format f, uint8_t* q, float* s, uint8_t* qt, float* st,
-                                uint32_t* num_nonfinite, const OptimStepScalars* scalars, bool deferred,
-                                Stream stream, Fp8Rule rule) {
+void adamw_apply_fp8_weights(const ParamSegment& segment, int64_t experts, int64_t n, int64_t k,
+                             const OptimConfig& cfg, float* params, const float* grads, M* exp_avg, M* exp_avg_sq,
+                             uint16_t* params_bf16, Fp8Format f, uint8_t* q, float* s, uint8_t* qt, float* st,
+                             uint32_t* num_nonfinite, const OptimStepScalars* scalars, bool deferred, Stream stream,
+                             Fp8Rule rule) {
   const char* op = "cuda::adamw_apply_fp8_weights";
   check_betas(op, cfg);
   check_moment_type<M>(op, cfg);
@@ -333,57 +335,32 @@ void adamw_apply_fp8_weights_as(const ParamSegment& segment, int64_t experts, in
   check_launch("adamw_update_fp8_weights");
 }
 
-}  // namespace
-
-void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
-                 float* exp_avg, float* exp_avg_sq, uint16_t* params_bf16, const OptimStepScalars* scalars,
-                 bool deferred, Stream stream, int sms) {
-  adamw_apply_as(segments, cfg, params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, deferred, stream, sms);
-}
-
-void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
-                 uint16_t* exp_avg, uint16_t* exp_avg_sq, uint16_t* params_bf16, const OptimStepScalars* scalars,
-                 bool deferred, Stream stream, int sms) {
-  adamw_apply_as(segments, cfg, params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, deferred, stream, sms);
-}
-
-void adamw_apply_fp8_weights(const ParamSegment& segment, int64_t experts, int64_t n, int64_t k,
-                             const OptimConfig& cfg, float* params, const float* grads, float* exp_avg,
-                             float* exp_avg_sq, uint16_t* params_bf16, Fp8Format f, uint8_t* q, float* s,
-                             uint8_t* qt, float* st, uint32_t* num_nonfinite, const OptimStepScalars* scalars,
-                             bool deferred, Stream stream, Fp8Rule rule) {
-  adamw_apply_fp8_weights_as(segment, experts, n, k, cfg, params, grads, exp_avg, exp_avg_sq, params_bf16, f, q, s,
-                             qt, st, num_nonfinite, scalars, deferred, stream, rule);
-}
-
-void adamw_apply_fp8_weights(const ParamSegment& segment, int64_t experts, int64_t n, int64_t k,
-                             const OptimConfig& cfg, float* params, const float* grads, uint16_t* exp_avg,
-                             uint16_t* exp_avg_sq, uint16_t* params_bf16, Fp8Format f, uint8_t* q, float* s,
-                             uint8_t* qt, float* st, uint32_t* num_nonfinite, const OptimStepScalars* scalars,
-                             bool deferred, Stream stream, Fp8Rule rule) {
-  adamw_apply_fp8_weights_as(segment, experts, n, k, cfg, params, grads, exp_avg, exp_avg_sq, params_bf16, f, q, s,
-                             qt, st, num_nonfinite, scalars, deferred, stream, rule);
-}
-
 void adamw_clear_pending(OptimStepScalars* scalars, Stream stream) {
   detail::check_ptrs("cuda::adamw_clear_pending", {{"scalars", scalars}}, alignof(OptimStepScalars));
   kernels::adamw_clear_pending_kernel<<<1, 1, 0, stream>>>(scalars);
   check_launch("adamw_clear_pending");
 }
 
+template <typename M>
 void adamw_step(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
-                float* exp_avg, float* exp_avg_sq, uint16_t* params_bf16, OptimStepScalars* scalars, Stream stream) {
+                M* exp_avg, M* exp_avg_sq, uint16_t* params_bf16, OptimStepScalars* scalars, Stream stream) {
   adamw_prepare(cfg, scalars, stream);
   adamw_apply(segments, cfg, params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, /*deferred=*/false, stream);
   adamw_clear_pending(scalars, stream);
 }
 
-void adamw_step(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
-                uint16_t* exp_avg, uint16_t* exp_avg_sq, uint16_t* params_bf16, OptimStepScalars* scalars,
-                Stream stream) {
-  adamw_prepare(cfg, scalars, stream);
-  adamw_apply(segments, cfg, params, grads, exp_avg, exp_avg_sq, params_bf16, scalars, /*deferred=*/false, stream);
-  adamw_clear_pending(scalars, stream);
-}
+// The two moment types: FP32, and BF16 bits.
+#define MOE_ADAMW_INSTANTIATE(M)                                                                                 \
+  template void adamw_apply<M>(const ParamSegmentTable&, const OptimConfig&, float*, const float*, M*, M*,       \
+                               uint16_t*, const OptimStepScalars*, bool, Stream, int);                           \
+  template void adamw_apply_fp8_weights<M>(const ParamSegment&, int64_t, int64_t, int64_t, const OptimConfig&,   \
+                                           float*, const float*, M*, M*, uint16_t*, Fp8Format, uint8_t*, float*, \
+                                           uint8_t*, float*, uint32_t*, const OptimStepScalars*, bool, Stream,   \
+                                           Fp8Rule);                                                             \
+  template void adamw_step<M>(const ParamSegmentTable&, const OptimConfig&, float*, const float*, M*, M*,        \
+                              uint16_t*, OptimStepScalars*, Stream);
+MOE_ADAMW_INSTANTIATE(float)
+MOE_ADAMW_INSTANTIATE(uint16_t)
+#undef MOE_ADAMW_INSTANTIATE
 
 }  // namespace moe::cuda

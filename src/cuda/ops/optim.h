@@ -94,14 +94,12 @@ class ParamSegmentTable {
 // segments.state_numel() (element offset + i of a segment uses moment state_offset + i), FP32
 // ones 4-byte and BF16 2-byte aligned (16 and 8, with states_vec4(), take the vector path). Three
 // launches, no host synchronisation: capturable in a CUDA graph.
-// The moments are FP32 (float*) or, under cfg.moment_dtype = "bf16", BF16 bits (uint16_t*: read
-// widened, the update in FP32, stored rounded to nearest even, as AdamW::step keeps them); the
-// overload taken must match cfg.moment_dtype. Every entry point below has both.
+// The moments M are FP32 (float) or, under cfg.moment_dtype = "bf16", BF16 bits (uint16_t: read
+// widened, the update in FP32, stored rounded to nearest even, as AdamW::step keeps them); M must
+// match cfg.moment_dtype (else moe::Error). Every entry point below is instantiated for both.
+template <typename M>
 void adamw_step(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
-                float* exp_avg, float* exp_avg_sq, uint16_t* params_bf16, OptimStepScalars* scalars, Stream stream);
-void adamw_step(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
-                uint16_t* exp_avg, uint16_t* exp_avg_sq, uint16_t* params_bf16, OptimStepScalars* scalars,
-                Stream stream);
+                M* exp_avg, M* exp_avg_sq, uint16_t* params_bf16, OptimStepScalars* scalars, Stream stream);
 
 // adamw_step in parts, for an update deferred into the next step (optim.deferred_update): adamw_prepare
 // is its first launch (skip or clip factor, step count, coefficients) and sets scalars->pending
@@ -114,12 +112,10 @@ void adamw_prepare(const OptimConfig& cfg, OptimStepScalars* scalars, Stream str
 // sms > 0 keeps the update to that many multiprocessors (one resident block on each, walking the
 // chunks), for an update beside GEMMs that leave them free (cuda/sm_reserve.h); 0 launches a block
 // per chunk on every multiprocessor. The same values bit for bit either way.
+template <typename M>
 void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
-                 float* exp_avg, float* exp_avg_sq, uint16_t* params_bf16, const OptimStepScalars* scalars,
-                 bool deferred, Stream stream, int sms = 0);
-void adamw_apply(const ParamSegmentTable& segments, const OptimConfig& cfg, float* params, const float* grads,
-                 uint16_t* exp_avg, uint16_t* exp_avg_sq, uint16_t* params_bf16, const OptimStepScalars* scalars,
-                 bool deferred, Stream stream, int sms = 0);
+                 M* exp_avg, M* exp_avg_sq, uint16_t* params_bf16, const OptimStepScalars* scalars, bool deferred,
+                 Stream stream, int sms = 0);
 void adamw_clear_pending(OptimStepScalars* scalars, Stream stream);
 
 // adamw_apply of one segment that holds the experts' weights [experts, n, k] (segment.numel = experts
@@ -130,15 +126,11 @@ void adamw_clear_pending(OptimStepScalars* scalars, Stream stream);
 // n and k positive multiples of 128; params, grads, FP32 exp_avg, exp_avg_sq 16-byte aligned, BF16
 // ones and params_bf16 8-byte, q and qt 16-byte; state_offset - offset and offset multiples of 4; segment inside the
 // flat buffers. A skipped step (or, deferred, nothing pending) writes nothing, codes included.
+template <typename M>
 void adamw_apply_fp8_weights(const ParamSegment& segment, int64_t experts, int64_t n, int64_t k,
-                             const OptimConfig& cfg, float* params, const float* grads, float* exp_avg,
-                             float* exp_avg_sq, uint16_t* params_bf16, Fp8Format f, uint8_t* q, float* s,
-                             uint8_t* qt, float* st, uint32_t* num_nonfinite, const OptimStepScalars* scalars,
-                             bool deferred, Stream stream, Fp8Rule rule = Fp8Rule::kBlocks);
-void adamw_apply_fp8_weights(const ParamSegment& segment, int64_t experts, int64_t n, int64_t k,
-                             const OptimConfig& cfg, float* params, const float* grads, uint16_t* exp_avg,
-                             uint16_t* exp_avg_sq, uint16_t* params_bf16, Fp8Format f, uint8_t* q, float* s,
-                             uint8_t* qt, float* st, uint32_t* num_nonfinite, const OptimStepScalars* scalars,
-                             bool deferred, Stream stream, Fp8Rule rule = Fp8Rule::kBlocks);
+                             const OptimConfig& cfg, float* params, const float* grads, M* exp_avg, M* exp_avg_sq,
+                             uint16_t* params_bf16, Fp8Format f, uint8_t* q, float* s, uint8_t* qt, float* st,
+                             uint32_t* num_nonfinite, const OptimStepScalars* scalars, bool deferred, Stream stream,
+                             Fp8Rule rule = Fp8Rule::kBlocks);
 
 }  // namespace moe::cuda
