@@ -119,7 +119,7 @@ void copy_h2d_f32_as_bf16(uint16_t* dst, const float* src, int64_t n, Stream str
   std::vector<uint16_t> bits(size_t(std::min(n, kConvertChunk)));
   for (int64_t at = 0; at < n; at += kConvertChunk) {
     const int64_t len = std::min(kConvertChunk, n - at);
-    for (int64_t i = 0; i < len; ++i) bits[size_t(i)] = f32_to_bf16(src[at + i]);
+    convert_from_f32(src + at, bits.data(), DType::kBF16, len);
     MOE_CUDA_CHECK(cudaMemcpyAsync(dst + at, bits.data(), size_t(len) * 2, cudaMemcpyHostToDevice, stream));
     MOE_CUDA_CHECK(cudaStreamSynchronize(stream));  // `bits` is refilled next
   }
@@ -132,7 +132,7 @@ void copy_d2h_bf16_as_f32(float* dst, const uint16_t* src, int64_t n, Stream str
     const int64_t len = std::min(kConvertChunk, n - at);
     MOE_CUDA_CHECK(cudaMemcpyAsync(bits.data(), src + at, size_t(len) * 2, cudaMemcpyDeviceToHost, stream));
     MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-    for (int64_t i = 0; i < len; ++i) dst[at + i] = bf16_to_f32(bits[size_t(i)]);
+    convert_to_f32(bits.data(), DType::kBF16, dst + at, len);
   }
 }
 
