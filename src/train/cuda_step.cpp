@@ -815,7 +815,7 @@ CudaStepRunner::CudaStepRunner(const Config& cfg, const RunPlan& plan, cuda::Ncc
     I.model.keep_fp8_codes_in_bf16_copy();
   }
   const int64_t total = I.model.layout().total_numel();
-  I.bf16_moments = I.cfg.optim.moment_dtype == "bf16";
+  I.bf16_moments = plan.memory.moment_bytes == 2.0;  // the run plan's storage of the moments
   const size_t bytes = size_t(std::max<int64_t>(1, I.moment_numel())) * I.moment_elem_bytes();
   I.exp_avg.reserve(bytes);
   I.exp_avg_sq.reserve(bytes);

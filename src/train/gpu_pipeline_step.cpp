@@ -105,9 +105,9 @@ class GpuPipelineStep final : public Step {
     bias_ = host.expert_bias();
     if (model_->num_moe_layers() > 0) model_->load_expert_bias(bias_);
     segments_ = std::make_unique<cuda::ParamSegmentTable>(model_->layout());
-    // The moments as optim.moment_dtype keeps them: FP32, or BF16 rounded to nearest even.
-    bf16_moments_ = cfg.optim.moment_dtype == "bf16";
-    const size_t moment_bytes = size_t(total) * (bf16_moments_ ? 2 : 4);
+    // The moments as the run plan stores them (optim.moment_dtype): FP32, or BF16 rounded to nearest even.
+    bf16_moments_ = plan.memory.moment_bytes == 2.0;
+    const size_t moment_bytes = size_t(total) * size_t(plan.memory.moment_bytes);
     exp_avg_.reserve(moment_bytes);
     exp_avg_sq_.reserve(moment_bytes);
     auto upload = [&](cuda::DeviceBuffer& dev, const float* host) {
