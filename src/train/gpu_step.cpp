@@ -120,6 +120,7 @@ GpuGroups make_gpu_groups(const Config& cfg, const RunPlan& plan, const Topology
 std::string fit_problem(const RunPlan& plan, const cuda::DeviceInfo& dev) {
   const MemoryEstimate& m = plan.memory;
   if (m.total() <= double(dev.free_bytes)) return "";
+  const double saving = bf16_moment_saving(m);
   return detail::concat("this run does not fit on one ", dev.name, ": it needs about ",
             gib(m.total()), " GiB per GPU (", m.local_params, " parameters: ", gib(m.params + m.grads + m.moments),
             " GiB of FP32 weights, BF16 copy, FP32 gradients and two AdamW moments",
@@ -128,9 +129,9 @@ std::string fit_problem(const RunPlan& plan, const cuda::DeviceInfo& dev) {
             gib(double(dev.free_bytes)), " GiB free of ", gib(double(dev.total_bytes)),
             " GiB; use fewer layers or experts (configs/olmoe-8l.toml fits one H200), split the experts over GPUs "
             "(parallel.ep), recompute activations (train.recompute = \"selective\" or \"full\"), ",
-            m.moment_bytes > 2 ? detail::concat("keep the AdamW moments in BF16 (optim.moment_dtype = \"bf16\": ",
-                                                gib(m.moments / 2), " GiB less), ")
-                               : std::string(),
+            saving > 0 ? detail::concat("keep the AdamW moments in BF16 (optim.moment_dtype = \"bf16\": ", gib(saving),
+                                        " GiB less), ")
+                       : std::string(),
             "or lower train.micro_batch / train.seq_len (moecore plan shows each choice's memory)");
 }
 

@@ -560,11 +560,12 @@ std::string describe_layout_plan(const LayoutPlan& p, const GpuCeilings& g) {
   auto fits = [&](const ModePlan& mp) { return !mp.refused.empty() ? "refused" : mp.fits ? "yes" : "no"; };
   line("  %-38s %11s %11s %11s\n", "fits", fits(p.modes[0]), fits(p.modes[1]), fits(p.modes[2]));
   // FP32 moments where a mode does not fit: what BF16 moments (optim.moment_dtype) would leave.
-  if (m.moment_bytes > 2.0 && !(p.modes[0].fits && p.modes[1].fits && p.modes[2].fits)) {
+  const double saving = bf16_moment_saving(m);
+  if (saving > 0 && !(p.modes[0].fits && p.modes[1].fits && p.modes[2].fits)) {
     std::array<double, 3> t16{};
     const char* f16[3];
     for (size_t i = 0; i < 3; ++i) {
-      t16[i] = total[i] - p.moments / 2.0;
+      t16[i] = total[i] - saving;
       f16[i] = !p.modes[i].refused.empty() ? "refused" : t16[i] <= p.gpu_memory ? "yes" : "no";
     }
     row("total, optim.moment_dtype = \"bf16\"", t16);
@@ -690,8 +691,8 @@ std::string describe_enumeration(const Enumeration& e, int64_t gpus, double gpu_
     std::string bf16;
     for (const LayoutChoice& c : e.not_fitting) {
       const ModePlan& mp = c.mode_plan();
-      const double with_bf16 = mp.memory_total - c.plan.moments / 2.0;
-      if (c.plan.run.memory.moment_bytes <= 2.0 || !mp.refused.empty() || with_bf16 > c.plan.gpu_memory) continue;
+      const double saving = bf16_moment_saving(c.plan.run.memory), with_bf16 = mp.memory_total - saving;
+      if (saving == 0 || !mp.refused.empty() || with_bf16 > c.plan.gpu_memory) continue;
       std::snprintf(buf, sizeof buf, "%sdp %lld ep %lld pp %lld %s %.2f GiB", bf16.empty() ? "" : ", ",
                     (long long)c.plan.run.sizes.dp, (long long)c.plan.run.sizes.ep, (long long)c.plan.run.sizes.pp,
                     kModeNames[size_t(c.mode)], with_bf16 / kGiB);

@@ -100,6 +100,10 @@ std::string describe_run_plan(const RunPlan& plan);
 // 30, or 22 with BF16 moments.
 inline double adamw_update_bytes(double moment_bytes) { return 14.0 + 4.0 * moment_bytes; }
 
+// Bytes per rank that BF16 moments (optim.moment_dtype = "bf16") would save over these: half the
+// moments where they are FP32 on the GPU, else 0.
+inline double bf16_moment_saving(const MemoryEstimate& m) { return m.moment_bytes > 2.0 ? m.moments / 2.0 : 0.0; }
+
 // Why one rank of `plan` does not fit this machine's memory ("" when it does): the CPU step's
 // whole estimate, or the GPU step's host mirror, against 90% of the physical memory.
 std::string host_memory_problem(const RunPlan& plan);
