@@ -846,11 +846,6 @@ TEST(AdamW, Bf16MomentsAreTheCpuTwinOnEveryPath) {
     for (size_t i = 0; i < x.size(); ++i) b[i] = f32_to_bf16(x[i]);
     return b;
   };
-  auto values_of = [](const std::vector<uint16_t>& b) {
-    std::vector<float> x(b.size());
-    for (size_t i = 0; i < b.size(); ++i) x[i] = moe::bf16_to_f32(b[i]);
-    return x;
-  };
   std::vector<cuda::OptimStepScalars> sc0(1);
   sc0[0].lr = 1e-2;
   sc0[0].grad_norm = 1.0;
@@ -885,7 +880,7 @@ TEST(AdamW, Bf16MomentsAreTheCpuTwinOnEveryPath) {
                       path.sms);
     stream.sync();
     // The CPU twin, segment by segment.
-    std::vector<float> cp = p0, cm = values_of(m0), cv = values_of(v0);
+    std::vector<float> cp = p0, cm = bf16_to_f32(m0), cv = bf16_to_f32(v0);
     for (const cuda::ParamSegment& s : segs)
       adamw_update(cp.data() + s.offset, g.data() + s.offset, cm.data() + s.state_offset, cv.data() + s.state_offset,
                    s.numel, coefs, s.decay != 0);
@@ -926,7 +921,7 @@ TEST(AdamW, Bf16MomentsAreTheCpuTwinOnEveryPath) {
                                   false, stream.get());
     stream.sync();
     std::vector<float> cp(p0.begin() + offset, p0.begin() + offset + numel);
-    const std::vector<float> mv = values_of(m0), vv = values_of(v0);
+    const std::vector<float> mv = bf16_to_f32(m0), vv = bf16_to_f32(v0);
     std::vector<float> cm(mv.begin() + offset + shift, mv.begin() + offset + shift + numel);
     std::vector<float> cv(vv.begin() + offset + shift, vv.begin() + offset + shift + numel);
     std::vector<uint8_t> cq(static_cast<size_t>(numel)), cqt(static_cast<size_t>(numel));
