@@ -21,7 +21,9 @@
 // block per chunk on every SM and kept to r SMs (the deferred update's reserve: r = 16, 32, 48,
 // 64), with the moments at the flat offsets (the bulk-copy ring) and shifted by 4 elements (plain
 // float4 loads): ms and GB/s at 30 bytes a parameter, alone on the GPU (JSON key "adamw"; the same
-// with BF16 moments, optim.moment_dtype = "bf16", at 22 bytes a parameter, on every SM and 32); then
+// with BF16 moments, optim.moment_dtype = "bf16", at 22 bytes a parameter, on every SM and 32; and
+// the FP8 step's update of the experts' weights, cuda::adamw_apply_fp8_weights, which writes their
+// codes and transposed codes instead of a BF16 copy: 30 and 22 bytes a parameter); then
 // the ring on r SMs beside 12 grouped GEMMs held to the other SMs (olmoe-8l's gate_up forward,
 // 131072 rows of 2048 over 64 experts): the update's time and the GEMMs' with and without it,
 // after the GEMMs on every SM without a reserve (r = 0; JSON key "adamw_beside_gemm").
@@ -568,6 +570,44 @@ nlohmann::json adamw_section(const Args& a, cudaStream_t s) {
         out.push_back({{"path", path}, {"moments", "bf16"}, {"sms", sms}, {"ms_median", t.med_ms},
                        {"ms_min", t.min_ms}, {"gb_per_s", gbs}});
       }
+    }
+    // The experts' update that also writes their FP8 codes (cuda::adamw_apply_fp8_weights, the FP8
+    // step's update with the codes in the BF16 copy's place: no BF16 copy), the 256M parameters as
+    // 64 experts' [2048, 2048] weights: 28 (FP32 moments) or 20 bytes a parameter plus the two codes.
+    {
+      const int64_t kExperts = 64, kRowsW = 2048, kColsW = kN / (kExperts * kRowsW);
+      const moe::cuda::ParamSegment seg{0, kN, 1, 0, -1};
+      uint8_t *q = nullptr, *qt = nullptr;
+      float *sq = nullptr, *sqt = nullptr;
+      uint32_t* bad = nullptr;
+      const int64_t blocks = kExperts * (kRowsW / 128) * (kColsW / 128);
+      MOE_CUDA_CHECK(cudaMalloc(&q, size_t(kN)));
+      MOE_CUDA_CHECK(cudaMalloc(&qt, size_t(kN)));
+      MOE_CUDA_CHECK(cudaMalloc(&sq, size_t(blocks) * sizeof(float)));
+      MOE_CUDA_CHECK(cudaMalloc(&sqt, size_t(blocks) * sizeof(float)));
+      MOE_CUDA_CHECK(cudaMalloc(&bad, sizeof(uint32_t)));
+      MOE_CUDA_CHECK(cudaMemset(bad, 0, sizeof(uint32_t)));
+      const moe::Fp8Format e4 = moe::Fp8Format::kE4M3;
+      for (const bool bf16 : {false, true}) {
+        const char* path = bf16 ? "FP8 codes, BF16 moments" : "FP8 codes, FP32 moments";
+        const Timing t = time_ms(a, s, [&] {
+          if (bf16) {
+            moe::cuda::adamw_apply_fp8_weights(seg, kExperts, kRowsW, kColsW, cfg16, p, g, m16, v16, nullptr, e4, q, sq,
+                                               qt, sqt, bad, scalars, false, s);
+          } else {
+            moe::cuda::adamw_apply_fp8_weights(seg, kExperts, kRowsW, kColsW, cfg, p, g, m, v, nullptr, e4, q, sq, qt,
+                                               sqt, bad, scalars, false, s);
+          }
+        });
+        const double bytes = bf16 ? 22.0 : 30.0;
+        const double gbs = bytes * double(kN) / (t.med_ms * 1e-3) / 1e9;
+        std::printf("%-26s | %4s | %9.3f | %8.1f\n", path, "all", t.med_ms, gbs);
+        out.push_back({{"path", path}, {"moments", bf16 ? "bf16" : "fp32"}, {"sms", 0}, {"ms_median", t.med_ms},
+                       {"ms_min", t.min_ms}, {"gb_per_s", gbs}});
+      }
+      for (void* ptr : {static_cast<void*>(q), static_cast<void*>(qt), static_cast<void*>(sq),
+                        static_cast<void*>(sqt), static_cast<void*>(bad)})
+        MOE_CUDA_CHECK(cudaFree(ptr));
     }
     MOE_CUDA_CHECK(cudaFree(m16));
     MOE_CUDA_CHECK(cudaFree(v16));
