@@ -9,6 +9,9 @@ Record a run's kernel durations (every kernel of the bench, one replay each, GPU
 then `bench/kernel_table.py bf16.csv [fp8.csv ...]` prints, for the last whole step of each file
 (the kernels after the previous step's optimizer update through the last one), every kernel name
 with its launches and milliseconds, largest first, side by side when several files are given.
+Where the file also holds `dram__bytes_read.sum` and `dram__bytes_write.sum` (add them to ncu's
+--metrics), each row also gives the kernel's DRAM traffic in TB/s (its bytes over its time), so a
+memory-bound kernel below the GPU's bandwidth shows in the table.
 A step ends with the AdamW update kernel (--step-kernel names another). Files may be gzipped.
 The durations are of kernels run one at a time under the profiler: their sum is below the step
 the bench times (no overlap between streams, and the clocks of an idle-between-kernels GPU).
@@ -22,8 +25,12 @@ import re
 import sys
 
 
+DRAM_COLUMNS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
+BYTE_UNITS = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
+
+
 def read_kernels(path):
-    """[(kernel name, duration in ns)] in launch order."""
+    """[(kernel name, duration in ns, DRAM bytes read and written or None)] in launch order."""
     opener = gzip.open if path.endswith(".gz") else open
     try:
         with opener(path, "rt") as f:
@@ -39,12 +46,23 @@ def read_kernels(path):
     scale = {"ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6}.get(unit)
     if scale is None:
         sys.exit(f"kernel_table: {path}: unknown duration unit '{unit}'")
+    # DRAM bytes, where both columns are there.
+    byte_cols = []
+    if all(c in rows[0] for c in DRAM_COLUMNS):
+        for c in DRAM_COLUMNS:
+            col = rows[0].index(c)
+            u = rows[1][col] if len(rows) > 1 else ""
+            if u not in BYTE_UNITS:
+                sys.exit(f"kernel_table: {path}: unknown unit '{u}' of {c}")
+            byte_cols.append((col, BYTE_UNITS[u]))
     out = []
     for r in rows[2:]:
         try:
-            out.append((r[name_col], float(r[time_col].replace(",", "")) * scale))
+            ns = float(r[time_col].replace(",", "")) * scale
+            nbytes = sum(float(r[c].replace(",", "")) * u for c, u in byte_cols) if byte_cols else None
         except (IndexError, ValueError):
             continue
+        out.append((r[name_col], ns, nbytes))
     return out
 
 
@@ -65,7 +83,7 @@ def short_name(full):
 
 
 def last_step(kernels, step_kernel):
-    ends = [i for i, (n, _) in enumerate(kernels) if step_kernel in n]
+    ends = [i for i, (n, *_) in enumerate(kernels) if step_kernel in n]
     if not ends:
         sys.exit(f"kernel_table: no launch of '{step_kernel}' (the kernel that ends a step)")
     start = ends[-2] + 1 if len(ends) >= 2 else 0
@@ -84,20 +102,26 @@ def main():
     for path in a.csv:
         step, steps = last_step(read_kernels(path), a.step_kernel)
         agg = collections.OrderedDict()
-        for name, ns in step:
+        has_bytes = bool(step) and step[0][2] is not None
+        for name, ns, nbytes in step:
             k = short_name(name)
-            calls, total = agg.get(k, (0, 0.0))
-            agg[k] = (calls + 1, total + ns)
-        tables.append({"file": path, "steps_seen": steps, "kernels": len(step),
-                       "total_ms": sum(ns for _, ns in step) / 1e6,
-                       "by_kernel": {k: {"calls": c, "ms": t / 1e6} for k, (c, t) in agg.items()}})
+            calls, total, total_bytes = agg.get(k, (0, 0.0, 0.0))
+            agg[k] = (calls + 1, total + ns, total_bytes + (nbytes or 0.0))
+        by_kernel = {}
+        for k, (c, t, b) in agg.items():
+            by_kernel[k] = {"calls": c, "ms": t / 1e6}
+            if has_bytes:
+                by_kernel[k].update({"dram_gb": b / 1e9, "dram_tb_per_s": b / t / 1e3 if t > 0 else 0.0})
+        tables.append({"file": path, "steps_seen": steps, "kernels": len(step), "dram": has_bytes,
+                       "total_ms": sum(ns for _, ns, _ in step) / 1e6, "by_kernel": by_kernel})
 
     names = sorted({k for t in tables for k in t["by_kernel"]},
                    key=lambda k: -max(t["by_kernel"].get(k, {"ms": 0.0})["ms"] for t in tables))
     if a.top > 0:
         names = names[:a.top]
     width = max([len(n) for n in names] + [6])
-    head = f"{'kernel':<{width}}" + "".join(f" | {'calls':>5} {'ms':>8} {'share':>6}" for _ in tables)
+    head = f"{'kernel':<{width}}" + "".join(
+        f" | {'calls':>5} {'ms':>8} {'share':>6}" + (f" {'TB/s':>5}" if t["dram"] else "") for t in tables)
     print("one step's kernels, largest first; columns per file: " +
           ", ".join(f"[{i}] {t['file']} ({t['kernels']} kernels, {t['total_ms']:.2f} ms)"
                     for i, t in enumerate(tables)))
@@ -109,8 +133,11 @@ def main():
             e = t["by_kernel"].get(n)
             line += (f" | {e['calls']:>5} {e['ms']:>8.3f} {100 * e['ms'] / t['total_ms']:>5.1f}%" if e
                      else f" | {'-':>5} {'-':>8} {'-':>6}")
+            if t["dram"]:
+                line += f" {e['dram_tb_per_s']:>5.2f}" if e else f" {'-':>5}"
         print(line)
-    print(f"{'sum':<{width}}" + "".join(f" | {t['kernels']:>5} {t['total_ms']:>8.3f} {100.0:>5.1f}%" for t in tables))
+    print(f"{'sum':<{width}}" + "".join(f" | {t['kernels']:>5} {t['total_ms']:>8.3f} {100.0:>5.1f}%" +
+                                        (f" {'':>5}" if t["dram"] else "") for t in tables))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(tables, f, indent=1)

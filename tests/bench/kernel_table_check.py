@@ -2,8 +2,9 @@
 """bench/kernel_table.py on the committed kernel profile of one olmoe-8l step
 (bench/results/step-kernels-20261204/): its step is the kernels after the second-to-last AdamW
 update through the last (summed here from the CSV independently), the experts' four grouped GEMMs
-forward and data gradient appear 4 x n_layers times and the AdamW update once, and files without
-the duration column or without a step-ending kernel are refused, naming the problem.
+forward and data gradient appear 4 x n_layers times and the AdamW update once, a file with DRAM
+byte columns gives each kernel's TB/s, and files without the duration column, without a
+step-ending kernel or with an unknown byte unit are refused, naming the problem.
 Usage: kernel_table_check.py --source-dir DIR
 """
 import argparse
@@ -69,8 +70,31 @@ def main():
         r = run(script, no_step)
         if r.returncode == 0 or "adamw_update_segments" not in r.stderr:
             sys.exit(f"a file without a step-ending kernel was not refused: {r.returncode} {r.stderr}")
+        # With DRAM bytes: a kernel's TB/s is its bytes read and written over its time, summed over
+        # its launches (2 launches: 3 MB + 1 GB and 1 MB + 2 GB in 1 + 0.5 ms: 3.004 GB / 1.5 ms).
+        dram = os.path.join(tmp, "dram.csv")
+        open(dram, "w").write(
+            '"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum"\n'
+            '"","","Mbyte","Gbyte","msecond"\n'
+            '"0","adamw_update_segments","0","0","1"\n'
+            '"1","copy_kernel(float*)","3","1","1"\n'
+            '"2","copy_kernel(float*)","1","2","0.5"\n'
+            '"3","adamw_update_segments","1000","1","1"\n')
+        r = run(script, dram)
+        line = next((x for x in r.stdout.splitlines() if x.startswith("copy_kernel")), "")
+        parts = line.split("|")[1].split() if "|" in line else []
+        if r.returncode != 0 or parts != ["2", "1.500", "60.0%", "2.00"]:
+            sys.exit(f"DRAM columns: expected copy_kernel at 2 launches, 1.500 ms, 60.0%, 2.00 TB/s, got "
+                     f"{line!r} (rc {r.returncode}, {r.stderr})")
+        bad_unit = os.path.join(tmp, "badunit.csv")
+        open(bad_unit, "w").write(
+            '"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum"\n'
+            '"","","bits","byte","ns"\n"0","adamw_update_segments","1","1","1"\n')
+        r = run(script, bad_unit)
+        if r.returncode == 0 or "dram__bytes_read.sum" not in r.stderr:
+            sys.exit(f"an unknown byte unit was not refused by name: {r.returncode} {r.stderr}")
     print(f"kernel_table.py: a step of {len(step)} kernels, {total_ms:.3f} ms, as the CSV gives it; "
-          "bad files refused")
+          "DRAM rates per kernel; bad files refused")
 
 
 if __name__ == "__main__":
