@@ -1,6 +1,7 @@
 // cuda::rmsnorm_forward / rmsnorm_backward against cpu::rmsnorm_* in float on the same BF16
 // inputs: y and dx under the BF16 row, rstd and dw under the FP32-reduction row; the backward
-// twice from the same start must agree bitwise (dw's reduction order is fixed). The backward
+// twice from the same start must agree bitwise (dw's reduction order is fixed); widths whose rows
+// the backward keeps in shared memory between its phases and one whose rows it reads again. The backward
 // with the residual add in its pass, and the forward writing its output's FP8 codes, against the
 // two ops each replaces.
 #include "cpu/rmsnorm.h"
@@ -21,9 +22,12 @@ struct RmsShape {
   size_t misalign;  // bytes added to the BF16 device pointers
 };
 
-const std::vector<RmsShape> kShapes = {{0, 64, 0},    {1, 1, 0},       {1, 257, 0},  {3, 4099, 0},
-                                       {33, 8, 0},    {5, 2048, 0},    {70, 128, 0}, {257, 259, 0},
-                                       {40, 2048, 2}, {16384, 2048, 0}};
+// d = 4096 and 6144: the backward keeps its rows in more than 48 KiB of shared memory; d = 6400:
+// too wide for that, it reads them again (rmsnorm_backward_stage_bytes).
+const std::vector<RmsShape> kShapes = {{0, 64, 0},    {1, 1, 0},       {1, 257, 0},   {3, 4099, 0},
+                                       {33, 8, 0},    {5, 2048, 0},    {70, 128, 0},  {257, 259, 0},
+                                       {40, 2048, 2}, {16384, 2048, 0}, {40, 4096, 0}, {37, 6144, 0},
+                                       {37, 6400, 0}};
 
 std::string shape_name(const RmsShape& s) {
   return param_name("n", s.n, "_d", s.d, s.misalign ? "_misaligned" : "");
@@ -90,7 +94,7 @@ MOE_GPU_OP_CASE_TESTS(RmsnormParity, Backward, rmsnorm_backward_case);
 // and without the BF16 copy). Its contract with the CPU is theirs (the parity cases above).
 TEST(RmsnormBackwardAdd, IsTheBackwardThenTheResidualAddBitwise) {
   MOE_SKIP_WITHOUT_GPU();
-  for (const RmsShape& sh : {RmsShape{70, 2048, 0}, RmsShape{33, 8, 0}, RmsShape{37, 259, 0}}) {
+  for (const RmsShape& sh : {RmsShape{70, 2048, 0}, RmsShape{33, 8, 0}, RmsShape{37, 259, 0}, RmsShape{9, 6400, 0}}) {
     for (const bool with_bf16 : {true, false}) {
       const int64_t n = sh.n, d = sh.d;
       const std::string what = shape_name(sh) + (with_bf16 ? "" : "_no_bf16_copy");
@@ -172,7 +176,8 @@ TEST(RopeRmsnormBackward, IsTheRotationThenTheNormBitwise) {
     int64_t batch, seq, heads, head_dim;
   };
   const double theta = 5e5;
-  for (const Case& k : {Case{3, 37, 16, 128}, Case{1, 9, 4, 64}, Case{2, 64, 2, 16}}) {
+  // The last case's rows (d = 6656) are too wide to be kept in shared memory between the phases.
+  for (const Case& k : {Case{3, 37, 16, 128}, Case{1, 9, 4, 64}, Case{2, 64, 2, 16}, Case{1, 7, 52, 128}}) {
     const int64_t n = k.batch * k.seq, d = k.heads * k.head_dim;
     const std::string what = param_name("b", k.batch, "_s", k.seq, "_h", k.heads, "_hd", k.head_dim);
     const auto x = scaled_rows(n, d, 21), dy = random_bf16(n * d, 22), w = random_bf16(d, 23, 0.5f, 1.0f);

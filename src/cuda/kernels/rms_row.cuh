@@ -6,6 +6,12 @@
 
 namespace moe::cuda::kernels {
 
+// The row's rstd from each lane's sum of the squares of its pieces (every lane returns it).
+__device__ __forceinline__ float rms_rstd_of_lane_sums(float sum_sq, int64_t d, float eps) {
+  sum_sq = warp_sum(sum_sq);
+  return 1.0f / sqrtf(sum_sq / static_cast<float>(d) + eps);
+}
+
 // 1 / sqrt(mean(x_row^2) + eps) of a row of d, a warp per row (every lane returns it): lane l
 // sums the squares of its V-element pieces l, l + 32, ... in order, then the warp's butterfly.
 template <int V>
@@ -18,8 +24,7 @@ __device__ __forceinline__ float rms_row_rstd(const uint16_t* __restrict__ x_row
 #pragma unroll
     for (int i = 0; i < V; ++i) sum_sq += v[i] * v[i];
   }
-  sum_sq = warp_sum(sum_sq);
-  return 1.0f / sqrtf(sum_sq / static_cast<float>(d) + eps);
+  return rms_rstd_of_lane_sums(sum_sq, d, eps);
 }
 
 }  // namespace moe::cuda::kernels

@@ -16,6 +16,12 @@ constexpr int kRmsChunkRows = 32;     // rows per backward block (fixed: partiti
 constexpr int kRmsSubRows = 4;        // rows of a chunk whose m is computed before their dx (see below)
 constexpr int kRmsBackwardThreads = 256;
 constexpr int kRmsReduceWarps = 8;    // warps splitting the chunk sum in rmsnorm_dw_reduce_chunks
+// The staged backward's (rmsnorm_backward_row_chunks<.., kStaged>) rows of x and dy: the widest d
+// it takes is 6144 (96 KiB).
+constexpr int64_t kRmsMaxStageBytes = 96 * 1024;
+__host__ __device__ constexpr int64_t rmsnorm_backward_stage_bytes(int64_t d) {
+  return 2 * kRmsSubRows * d * 2;
+}
 
 // y[c .. c + V) of a row with rstd r: (x * r) * w, stored as BF16; out keeps the FP32 values.
 template <int V>
@@ -55,6 +61,54 @@ __global__ void rmsnorm_forward_warp_per_row(const uint16_t* __restrict__ x, con
       rmsnorm_piece<V>(x + row * d, w, y + row * d, c, r, out);
     }
   });
+}
+
+// rmsnorm_forward_warp_per_row<kVecBf16> for d <= 32 * 8 * kPieces: lane l keeps its pieces
+// l, l + 32, .. of the row in registers between the row's statistic and its output, so x is read
+// once, with all of a lane's loads in flight together. The same operations in the same order as
+// rms_row_rstd and rmsnorm_piece: the same bits.
+template <int kPieces>
+__global__ void rmsnorm_forward_warp_per_row_held(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
+                                                  uint16_t* __restrict__ y, float* __restrict__ rstd, int64_t n,
+                                                  int64_t d, float eps) {
+  constexpr int V = kVecBf16;
+  const int lane = threadIdx.x % kWarpSize;
+  const int warps = blockDim.x / kWarpSize;
+  for (int64_t row = int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; row < n;
+       row += int64_t{gridDim.x} * warps) {
+    const uint16_t* x_row = x + row * d;
+    uint4 raw[kPieces];
+#pragma unroll
+    for (int p = 0; p < kPieces; ++p) {
+      const int64_t c = (int64_t{p} * kWarpSize + lane) * V;
+      if (c < d) raw[p] = *reinterpret_cast<const uint4*>(x_row + c);
+    }
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int p = 0; p < kPieces; ++p) {
+      if ((int64_t{p} * kWarpSize + lane) * V < d) {
+        float v[V];
+        bf16x8_to_f32(raw[p], v);
+#pragma unroll
+        for (int i = 0; i < V; ++i) sum_sq += v[i] * v[i];
+      }
+    }
+    const float r = rms_rstd_of_lane_sums(sum_sq, d, eps);
+    if (lane == 0) rstd[row] = r;
+    uint16_t* y_row = y + row * d;
+#pragma unroll
+    for (int p = 0; p < kPieces; ++p) {
+      const int64_t c = (int64_t{p} * kWarpSize + lane) * V;
+      if (c < d) {
+        float v[V], wv[V], out[V];
+        bf16x8_to_f32(raw[p], v);
+        load_bf16<V>(w + c, wv);
+#pragma unroll
+        for (int i = 0; i < V; ++i) out[i] = (v[i] * r) * wv[i];
+        store_bf16<V>(y_row + c, out);
+      }
+    }
+  }
 }
 
 // rmsnorm_forward_warp_per_row<kVecBf16> and the 1 x 128 FP8 quantisation of the stored y in the
@@ -107,7 +161,12 @@ __global__ void rmsnorm_forward_fp8_warp_per_row(const uint16_t* __restrict__ x,
 // pair partner half a head away, the (cos, sin) of the row's position from rope_table [seq,
 // head_dim / 2], rope_rotate<true>, rounded to BF16), so the same bits without the rotation's
 // pass over dy. V = kVecBf16 and (head_dim / 2) % V == 0: a piece never straddles a head's halves.
-template <int V, bool kAddResidual = false, bool kRope = false>
+//
+// kStaged (V = kVecBf16; dynamic shared memory of rmsnorm_backward_stage_bytes(d)): phase 1 also
+// keeps the sub-chunk's rows of x and of dy (rotated back under kRope, as BF16 bits: the values
+// it rounded to) in shared memory, and phase 2 reads them there instead of reading x and dy from
+// L2 and rotating dy again. The same values in the same operations: the same bits.
+template <int V, bool kAddResidual = false, bool kRope = false, bool kStaged = false>
 __global__ void __launch_bounds__(kRmsBackwardThreads)
     rmsnorm_backward_row_chunks(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                                 const float* __restrict__ rstd, const uint16_t* __restrict__ dy,
@@ -116,6 +175,9 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
                                 const float2* __restrict__ rope_table = nullptr, int64_t seq = 0,
                                 int head_dim = 0) {
   static_assert(!kRope || V == kVecBf16, "the rotated loads take 16-byte pieces");
+  static_assert(!kStaged || V == kVecBf16, "the staged rows are 16-byte pieces");
+  // kStaged: x rows [kRmsSubRows][d], then dy rows [kRmsSubRows][d], BF16 bits.
+  extern __shared__ __align__(16) uint16_t s_stage[];
   // dy[row, c .. c + V), rotated back when kRope.
   const auto load_dy = [&](int64_t row, int64_t c, float (&out)[V]) {
     if constexpr (kRope) {
@@ -159,8 +221,24 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
 #pragma unroll 2
       for (int64_t c = int64_t{lane} * V; c < d; c += kWarpSize * V) {
         float xv[V], dv[V], wv[V];
-        load_bf16<V>(x_row + c, xv);
-        load_dy(row0 + r, c, dv);
+        if constexpr (kStaged) {
+          // The raw bits of x (and of dy unrotated), so NaN payloads stay as they are.
+          const uint4 xr = *reinterpret_cast<const uint4*>(x_row + c);
+          *reinterpret_cast<uint4*>(s_stage + (r - g0) * d + c) = xr;
+          bf16x8_to_f32(xr, xv);
+          uint16_t* dy_stage = s_stage + (kSubRows + r - g0) * d + c;
+          if constexpr (kRope) {
+            load_dy(row0 + r, c, dv);
+            store_bf16<V>(dy_stage, dv);  // BF16 values already: their bits
+          } else {
+            const uint4 dr = *reinterpret_cast<const uint4*>(dy + (row0 + r) * d + c);
+            *reinterpret_cast<uint4*>(dy_stage) = dr;
+            bf16x8_to_f32(dr, dv);
+          }
+        } else {
+          load_bf16<V>(x_row + c, xv);
+          load_dy(row0 + r, c, dv);
+        }
         load_bf16<V>(w + c, wv);
 #pragma unroll
         for (int i = 0; i < V; ++i) dot += (dv[i] * wv[i]) * xv[i];
@@ -194,8 +272,13 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
       for (int rr = g0; rr < g1; ++rr) {
         const int64_t off = (row0 + rr) * d + c;
         float xv[V], dv[V], out[V];
-        load_bf16<V>(x + off, xv);
-        load_dy(row0 + rr, c, dv);
+        if constexpr (kStaged) {
+          load_bf16<V>(s_stage + (rr - g0) * d + c, xv);
+          load_bf16<V>(s_stage + (kSubRows + rr - g0) * d + c, dv);
+        } else {
+          load_bf16<V>(x + off, xv);
+          load_dy(row0 + rr, c, dv);
+        }
         const float rs = s_rstd[rr];
         const float m = s_mean[rr];
 #pragma unroll
@@ -237,6 +320,7 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
         for (int i = 0; i < V; ++i) partial[c + i] = acc[i];
       }
     }
+    if constexpr (kStaged) __syncthreads();  // the staged rows are read before the next sub-chunk's
   }
 }
 

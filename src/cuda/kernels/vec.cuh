@@ -19,6 +19,16 @@ __device__ __forceinline__ uint16_t f32_to_bf16_bits(float x) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
 
+// out[0..8) = float of the 8 BF16 elements in raw (the first in raw.x's low half).
+__device__ __forceinline__ void bf16x8_to_f32(const uint4 raw, float (&out)[kVecBf16]) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __uint_as_float(words[i] << 16);
+    out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+
 // out[0..V) = float(p[0..V)); p must be 2*V-byte aligned.
 template <int V>
 __device__ __forceinline__ void load_bf16(const uint16_t* __restrict__ p, float (&out)[V]) {
@@ -26,13 +36,7 @@ __device__ __forceinline__ void load_bf16(const uint16_t* __restrict__ p, float 
   if constexpr (V == 1) {
     out[0] = bf16_bits_to_f32(*p);
   } else {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      out[2 * i] = __uint_as_float(words[i] << 16);
-      out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-    }
+    bf16x8_to_f32(*reinterpret_cast<const uint4*>(p), out);
   }
 }
 

@@ -1,7 +1,8 @@
 // RMSNorm launchers and checked entry points. Vector path (16-byte accesses) when d % 8 == 0
 // and x, w, y / dy, dx and the workspace are 16-byte aligned; else the scalar path. Backward:
 // one block per 32-row chunk writes a partial dw row into the workspace, then a reduction
-// kernel adds the partials to dw in chunk order.
+// kernel adds the partials to dw in chunk order; on the vector path with d <= 6144 the block
+// keeps each sub-chunk's rows of x and dy in shared memory between its two phases (kStaged).
 #include "cuda/ops/rmsnorm.h"
 
 #include <algorithm>
@@ -28,11 +29,20 @@ unsigned forward_blocks(int64_t n) {
       std::min<int64_t>((n + kForwardWarpsPerBlock - 1) / kForwardWarpsPerBlock, detail::kMaxGridX));
 }
 
+// The vector path keeps each lane's pieces of the row in registers up to d = 4096 (8 or 16 pieces
+// a lane), else reads the row twice.
 template <int V>
 void launch_rmsnorm_forward(const uint16_t* x, const uint16_t* w, uint16_t* y, float* rstd, int64_t n,
                             int64_t d, float eps, Stream stream) {
-  kernels::rmsnorm_forward_warp_per_row<V>
-      <<<forward_blocks(n), kForwardWarpsPerBlock * kernels::kWarpSize, 0, stream>>>(x, w, y, rstd, n, d, eps);
+  const unsigned threads = kForwardWarpsPerBlock * kernels::kWarpSize;
+  constexpr int64_t kRowPiece = kernels::kWarpSize * kVecBf16;
+  if (V == kVecBf16 && d <= 8 * kRowPiece) {
+    kernels::rmsnorm_forward_warp_per_row_held<8><<<forward_blocks(n), threads, 0, stream>>>(x, w, y, rstd, n, d, eps);
+  } else if (V == kVecBf16 && d <= 16 * kRowPiece) {
+    kernels::rmsnorm_forward_warp_per_row_held<16><<<forward_blocks(n), threads, 0, stream>>>(x, w, y, rstd, n, d, eps);
+  } else {
+    kernels::rmsnorm_forward_warp_per_row<V><<<forward_blocks(n), threads, 0, stream>>>(x, w, y, rstd, n, d, eps);
+  }
   check_launch("rmsnorm_forward_warp_per_row");
 }
 
@@ -42,9 +52,26 @@ void launch_rmsnorm_backward(const uint16_t* x, const uint16_t* w, const float* 
                              float* acc = nullptr, uint16_t* acc_bf16 = nullptr, const float2* rope_table = nullptr,
                              int64_t seq = 0, int head_dim = 0) {
   const int64_t chunks = num_chunks(n);
-  kernels::rmsnorm_backward_row_chunks<V, kAddResidual, kRope>
-      <<<static_cast<unsigned>(chunks), kernels::kRmsBackwardThreads, 0, stream>>>(
+  const int64_t stage = kernels::rmsnorm_backward_stage_bytes(d);
+  bool staged = false;
+  if constexpr (V == kVecBf16) {
+    if (stage <= kernels::kRmsMaxStageBytes) {
+      // The sub-chunks' rows of x and dy kept in shared memory between the two phases.
+      const auto kernel = kernels::rmsnorm_backward_row_chunks<V, kAddResidual, kRope, true>;
+      if (stage > 48 * 1024) {
+        MOE_CUDA_CHECK(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(stage)));
+      }
+      kernel<<<static_cast<unsigned>(chunks), kernels::kRmsBackwardThreads, static_cast<size_t>(stage), stream>>>(
           x, w, rstd, dy, dx, partial_dw, n, d, acc, acc_bf16, rope_table, seq, head_dim);
+      staged = true;
+    }
+  }
+  if (!staged) {
+    kernels::rmsnorm_backward_row_chunks<V, kAddResidual, kRope>
+        <<<static_cast<unsigned>(chunks), kernels::kRmsBackwardThreads, 0, stream>>>(
+            x, w, rstd, dy, dx, partial_dw, n, d, acc, acc_bf16, rope_table, seq, head_dim);
+  }
   check_launch("rmsnorm_backward_row_chunks");
   const dim3 block(kernels::kWarpSize, kernels::kRmsReduceWarps);
   const int64_t blocks = (d + kernels::kWarpSize - 1) / kernels::kWarpSize;
