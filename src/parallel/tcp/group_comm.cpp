@@ -47,16 +47,8 @@ class TcpComm final : public Comm {
 
   void reduce_scatter(const float* send, float* recv, int64_t count) override {
     check_count(count, "reduce_scatter");
-    Call c = start(Op::kReduceScatter, Dtype::kF32, 0, -1, count);
     const size_t bytes = size_t(count) * sizeof(float);
-    std::vector<Out> outs(static_cast<size_t>(size_));
-    std::vector<In> ins(static_cast<size_t>(size_));
-    for (int p = 0; p < size_; ++p) {
-      if (p == rank_) continue;
-      outs[size_t(p)] = {true, send + int64_t(p) * count, bytes, count};
-      ins[size_t(p)] = {true, count, bytes};
-    }
-    std::vector<Frame> got = exchange(c, outs, ins);
+    std::vector<Frame> got = exchange_blocks(Op::kReduceScatter, Dtype::kF32, send, count);
     std::vector<float> acc(static_cast<size_t>(count)), v(static_cast<size_t>(count));
     const float* mine = send + int64_t(rank_) * count;
     for (int p = 0; p < size_; ++p) {  // rank order: ((x0 + x1) + x2) + ...
@@ -107,16 +99,8 @@ class TcpComm final : public Comm {
 
   void all_to_all(const int64_t* send, int64_t* recv, int64_t count) override {
     check_count(count, "all_to_all");
-    Call c = start(Op::kAllToAll, Dtype::kI64, 0, -1, count);
     const size_t bytes = size_t(count) * sizeof(int64_t);
-    std::vector<Out> outs(static_cast<size_t>(size_));
-    std::vector<In> ins(static_cast<size_t>(size_));
-    for (int p = 0; p < size_; ++p) {
-      if (p == rank_) continue;
-      outs[size_t(p)] = {true, send + int64_t(p) * count, bytes, count};
-      ins[size_t(p)] = {true, count, bytes};
-    }
-    std::vector<Frame> got = exchange(c, outs, ins);
+    std::vector<Frame> got = exchange_blocks(Op::kAllToAll, Dtype::kI64, send, count);
     if (bytes) std::memmove(recv + int64_t(rank_) * count, send + int64_t(rank_) * count, bytes);
     for (int p = 0; p < size_; ++p)
       if (p != rank_ && bytes) std::memcpy(recv + int64_t(p) * count, got[size_t(p)].payload.data(), bytes);
@@ -267,6 +251,22 @@ class TcpComm final : public Comm {
     int64_t count = 0;
     size_t bytes = 0;
   };
+
+  // One collective of equal blocks: peer p gets send[p * count, (p + 1) * count) and sends this
+  // rank a block of count elements; the frames received, by peer (this rank's own is empty).
+  template <typename T>
+  std::vector<Frame> exchange_blocks(Op op, Dtype dtype, const T* send, int64_t count) {
+    Call c = start(op, dtype, 0, -1, count);
+    const size_t bytes = size_t(count) * sizeof(T);
+    std::vector<Out> outs(static_cast<size_t>(size_));
+    std::vector<In> ins(static_cast<size_t>(size_));
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      outs[size_t(p)] = {true, send + int64_t(p) * count, bytes, count};
+      ins[size_t(p)] = {true, count, bytes};
+    }
+    return exchange(c, outs, ins);
+  }
 
   static void check_count(int64_t n, const char* what) {
     MOE_CHECK(n >= 0, what, ": element count must be >= 0, got ", n);
