@@ -113,9 +113,11 @@ TEST(Signals, SecondStopEndsAtOnceAndEarlierCheckpointsStayComplete) {
   }
   // Whatever was written is whole: every listed step resolves as complete.
   const std::string ckpt = (run / "checkpoints").string();
-  if (fs::exists(ckpt))
-    for (const int64_t s : list_steps(ckpt))
+  if (fs::exists(ckpt)) {
+    for (const int64_t s : list_steps(ckpt)) {
       EXPECT_TRUE(resolve_checkpoint(ckpt + "/" + step_dir_name(s)).has_value()) << s;
+    }
+  }
 }
 
 // tokenize stops at a signal without leaving its output or a temporary behind. The input is a FIFO,

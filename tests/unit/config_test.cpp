@@ -579,7 +579,8 @@ TEST(ConfigToToml, RoundTripOfNonDefaultConfigIsExact) {
             .paths = {"/data/a b.bin", "quote\"back\\slash", "tab\tnl\n", "\xc3\xa9t\xc3\xa9"},
             .token_dtype = "uint32",
             .eos_id = -7,
-            .eval_paths = {"x"}};
+            .eval_paths = {"x"},
+            .tokenizer = {}};
   c.parallel = {.dp = 8, .ep = 4, .pp = 3, .ep_backend = "rowwise"};
   c.checkpoint = {.dir = "", .interval = 100, .keep_last = 0, .resume = "/ckpt/step_100"};
   c.run.dir = "runs/\x01weird";
