@@ -19,10 +19,12 @@ void ep_dispatch_fp8(const ExpertParallel& ep, const EpHandle& h, const float* x
   cpu::fp8_pack_rows(x_sorted, h.num_rows, d, f, r, send.data());
   std::vector<float> send_words(static_cast<size_t>(h.num_rows * words));
   std::vector<float> recv_words(static_cast<size_t>(h.num_recv_rows * words));
-  std::memcpy(send_words.data(), send.data(), send.size());
+  // A rank may send or receive no rows: no copy then (memcpy of a null pointer is undefined even
+  // for 0 bytes).
+  if (!send.empty()) std::memcpy(send_words.data(), send.data(), send.size());
   ep_dispatch(ep, h, send_words.data(), words, recv_words.data());
   std::vector<uint8_t> recv(static_cast<size_t>(h.num_recv_rows * bytes));
-  std::memcpy(recv.data(), recv_words.data(), recv.size());
+  if (!recv.empty()) std::memcpy(recv.data(), recv_words.data(), recv.size());
   cpu::fp8_unpack_rows(recv.data(), h.num_recv_rows, d, f, r, x_grouped);
 }
 
