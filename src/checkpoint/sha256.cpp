@@ -155,6 +155,7 @@ void Sha256::reset() {
 }
 
 void Sha256::update(const void* data, size_t n) {
+  if (n == 0) return;  // data may be null (an empty buffer's)
   const auto* p = static_cast<const uint8_t*>(data);
   total_len_ += n;
   if (buffer_len_ > 0) {
