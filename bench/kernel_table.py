@@ -21,6 +21,7 @@ import collections
 import csv
 import gzip
 import json
+import math
 import re
 import sys
 
@@ -59,9 +60,14 @@ def read_kernels(path):
     for r in rows[2:]:
         try:
             ns = float(r[time_col].replace(",", "")) * scale
-            nbytes = sum(float(r[c].replace(",", "")) * u for c, u in byte_cols) if byte_cols else None
         except (IndexError, ValueError):
             continue
+        nbytes = None
+        if byte_cols:
+            try:
+                nbytes = sum(float(r[c].replace(",", "")) * u for c, u in byte_cols)
+            except (IndexError, ValueError):
+                nbytes = float("nan")  # a kernel whose bytes ncu did not give: its rate is unknown
         out.append((r[name_col], ns, nbytes))
     return out
 
@@ -110,8 +116,10 @@ def main():
         by_kernel = {}
         for k, (c, t, b) in agg.items():
             by_kernel[k] = {"calls": c, "ms": t / 1e6}
-            if has_bytes:
-                by_kernel[k].update({"dram_gb": b / 1e9, "dram_tb_per_s": b / t / 1e3 if t > 0 else 0.0})
+            if has_bytes:  # NaN where a launch's bytes are missing (printed as "-", JSON null)
+                rate = b / t / 1e3 if t > 0 else 0.0
+                by_kernel[k].update({"dram_gb": None if math.isnan(b) else b / 1e9,
+                                     "dram_tb_per_s": None if math.isnan(rate) else rate})
         tables.append({"file": path, "steps_seen": steps, "kernels": len(step), "dram": has_bytes,
                        "total_ms": sum(ns for _, ns, _ in step) / 1e6, "by_kernel": by_kernel})
 
@@ -134,7 +142,8 @@ def main():
             line += (f" | {e['calls']:>5} {e['ms']:>8.3f} {100 * e['ms'] / t['total_ms']:>5.1f}%" if e
                      else f" | {'-':>5} {'-':>8} {'-':>6}")
             if t["dram"]:
-                line += f" {e['dram_tb_per_s']:>5.2f}" if e else f" {'-':>5}"
+                rate = e["dram_tb_per_s"] if e else None
+                line += f" {rate:>5.2f}" if rate is not None else f" {'-':>5}"
         print(line)
     print(f"{'sum':<{width}}" + "".join(f" | {t['kernels']:>5} {t['total_ms']:>8.3f} {100.0:>5.1f}%" +
                                         (f" {'':>5}" if t["dram"] else "") for t in tables))

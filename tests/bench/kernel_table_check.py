@@ -86,6 +86,21 @@ def main():
         if r.returncode != 0 or parts != ["2", "1.500", "60.0%", "2.00"]:
             sys.exit(f"DRAM columns: expected copy_kernel at 2 launches, 1.500 ms, 60.0%, 2.00 TB/s, got "
                      f"{line!r} (rc {r.returncode}, {r.stderr})")
+        # A launch without its bytes keeps its time in the step, and its kernel's rate is "-".
+        gap = os.path.join(tmp, "gap.csv")
+        open(gap, "w").write(
+            '"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum"\n'
+            '"","","byte","byte","ns"\n'
+            '"0","adamw_update_segments","0","0","1000"\n'
+            '"1","copy_kernel(float*)","n/a","5","1000"\n'
+            '"2","adamw_update_segments","1","1","1000"\n')
+        r = run(script, gap)
+        line = next((x for x in r.stdout.splitlines() if x.startswith("copy_kernel")), "")
+        parts = line.split("|")[1].split() if "|" in line else []
+        total = next((x for x in r.stdout.splitlines() if x.startswith("sum")), "")
+        if r.returncode != 0 or parts != ["1", "0.001", "50.0%", "-"] or "0.002" not in total:
+            sys.exit(f"a launch without bytes: expected its time kept and its rate '-', got {line!r} / {total!r} "
+                     f"(rc {r.returncode}, {r.stderr})")
         bad_unit = os.path.join(tmp, "badunit.csv")
         open(bad_unit, "w").write(
             '"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum"\n'
