@@ -70,42 +70,37 @@ def main():
         r = run(script, no_step)
         if r.returncode == 0 or "adamw_update_segments" not in r.stderr:
             sys.exit(f"a file without a step-ending kernel was not refused: {r.returncode} {r.stderr}")
-        # With DRAM bytes: a kernel's TB/s is its bytes read and written over its time, summed over
-        # its launches (2 launches: 3 MB + 1 GB and 1 MB + 2 GB in 1 + 0.5 ms: 3.004 GB / 1.5 ms).
-        dram = os.path.join(tmp, "dram.csv")
-        open(dram, "w").write(
-            '"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum"\n'
-            '"","","Mbyte","Gbyte","msecond"\n'
-            '"0","adamw_update_segments","0","0","1"\n'
-            '"1","copy_kernel(float*)","3","1","1"\n'
-            '"2","copy_kernel(float*)","1","2","0.5"\n'
-            '"3","adamw_update_segments","1000","1","1"\n')
-        r = run(script, dram)
-        line = next((x for x in r.stdout.splitlines() if x.startswith("copy_kernel")), "")
-        parts = line.split("|")[1].split() if "|" in line else []
+        dram_head = '"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum"\n'
+
+        def table_of(name, body):
+            """kernel_table.py on a CSV with DRAM columns: (its run, copy_kernel's row fields, the sum row)."""
+            path = os.path.join(tmp, name)
+            open(path, "w").write(dram_head + body)
+            r = run(script, path)
+            lines = r.stdout.splitlines()
+            line = next((x for x in lines if x.startswith("copy_kernel")), "")
+            fields = line.split("|")[1].split() if "|" in line else []
+            return r, fields, next((x for x in lines if x.startswith("sum")), "")
+
+        # A kernel's TB/s is its bytes read and written over its time, summed over its launches
+        # (2 launches: 3 MB + 1 GB and 1 MB + 2 GB in 1 + 0.5 ms: 3.004 GB / 1.5 ms).
+        r, parts, _ = table_of("dram.csv", '"","","Mbyte","Gbyte","msecond"\n'
+                               '"0","adamw_update_segments","0","0","1"\n'
+                               '"1","copy_kernel(float*)","3","1","1"\n'
+                               '"2","copy_kernel(float*)","1","2","0.5"\n'
+                               '"3","adamw_update_segments","1000","1","1"\n')
         if r.returncode != 0 or parts != ["2", "1.500", "60.0%", "2.00"]:
             sys.exit(f"DRAM columns: expected copy_kernel at 2 launches, 1.500 ms, 60.0%, 2.00 TB/s, got "
-                     f"{line!r} (rc {r.returncode}, {r.stderr})")
+                     f"{parts} (rc {r.returncode}, {r.stderr})")
         # A launch without its bytes keeps its time in the step, and its kernel's rate is "-".
-        gap = os.path.join(tmp, "gap.csv")
-        open(gap, "w").write(
-            '"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum"\n'
-            '"","","byte","byte","ns"\n'
-            '"0","adamw_update_segments","0","0","1000"\n'
-            '"1","copy_kernel(float*)","n/a","5","1000"\n'
-            '"2","adamw_update_segments","1","1","1000"\n')
-        r = run(script, gap)
-        line = next((x for x in r.stdout.splitlines() if x.startswith("copy_kernel")), "")
-        parts = line.split("|")[1].split() if "|" in line else []
-        total = next((x for x in r.stdout.splitlines() if x.startswith("sum")), "")
+        r, parts, total = table_of("gap.csv", '"","","byte","byte","ns"\n'
+                                   '"0","adamw_update_segments","0","0","1000"\n'
+                                   '"1","copy_kernel(float*)","n/a","5","1000"\n'
+                                   '"2","adamw_update_segments","1","1","1000"\n')
         if r.returncode != 0 or parts != ["1", "0.001", "50.0%", "-"] or "0.002" not in total:
-            sys.exit(f"a launch without bytes: expected its time kept and its rate '-', got {line!r} / {total!r} "
+            sys.exit(f"a launch without bytes: expected its time kept and its rate '-', got {parts} / {total!r} "
                      f"(rc {r.returncode}, {r.stderr})")
-        bad_unit = os.path.join(tmp, "badunit.csv")
-        open(bad_unit, "w").write(
-            '"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum"\n'
-            '"","","bits","byte","ns"\n"0","adamw_update_segments","1","1","1"\n')
-        r = run(script, bad_unit)
+        r, _, _ = table_of("badunit.csv", '"","","bits","byte","ns"\n"0","adamw_update_segments","1","1","1"\n')
         if r.returncode == 0 or "dram__bytes_read.sum" not in r.stderr:
             sys.exit(f"an unknown byte unit was not refused by name: {r.returncode} {r.stderr}")
     print(f"kernel_table.py: a step of {len(step)} kernels, {total_ms:.3f} ms, as the CSV gives it; "

@@ -48,7 +48,7 @@ class TcpComm final : public Comm {
   void reduce_scatter(const float* send, float* recv, int64_t count) override {
     check_count(count, "reduce_scatter");
     const size_t bytes = size_t(count) * sizeof(float);
-    std::vector<Frame> got = exchange_blocks(Op::kReduceScatter, Dtype::kF32, send, count);
+    std::vector<Frame> got = exchange_blocks(start(Op::kReduceScatter, Dtype::kF32, 0, -1, count), send, count, true);
     std::vector<float> acc(static_cast<size_t>(count)), v(static_cast<size_t>(count));
     const float* mine = send + int64_t(rank_) * count;
     for (int p = 0; p < size_; ++p) {  // rank order: ((x0 + x1) + x2) + ...
@@ -100,7 +100,7 @@ class TcpComm final : public Comm {
   void all_to_all(const int64_t* send, int64_t* recv, int64_t count) override {
     check_count(count, "all_to_all");
     const size_t bytes = size_t(count) * sizeof(int64_t);
-    std::vector<Frame> got = exchange_blocks(Op::kAllToAll, Dtype::kI64, send, count);
+    std::vector<Frame> got = exchange_blocks(start(Op::kAllToAll, Dtype::kI64, 0, -1, count), send, count, true);
     if (bytes) std::memmove(recv + int64_t(rank_) * count, send + int64_t(rank_) * count, bytes);
     for (int p = 0; p < size_; ++p)
       if (p != rank_ && bytes) std::memcpy(recv + int64_t(p) * count, got[size_t(p)].payload.data(), bytes);
@@ -252,17 +252,17 @@ class TcpComm final : public Comm {
     size_t bytes = 0;
   };
 
-  // One collective of equal blocks: peer p gets send[p * count, (p + 1) * count) and sends this
-  // rank a block of count elements; the frames received, by peer (this rank's own is empty).
+  // The call c's exchange of equal blocks of count elements with every peer: peer p gets
+  // send[p * count, (p + 1) * count) (per_peer) or send[0, count), and sends this rank a block of
+  // count; the frames received, by peer (this rank's own is empty).
   template <typename T>
-  std::vector<Frame> exchange_blocks(Op op, Dtype dtype, const T* send, int64_t count) {
-    Call c = start(op, dtype, 0, -1, count);
+  std::vector<Frame> exchange_blocks(const Call& c, const T* send, int64_t count, bool per_peer) {
     const size_t bytes = size_t(count) * sizeof(T);
     std::vector<Out> outs(static_cast<size_t>(size_));
     std::vector<In> ins(static_cast<size_t>(size_));
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
-      outs[size_t(p)] = {true, send + int64_t(p) * count, bytes, count};
+      outs[size_t(p)] = {true, send + (per_peer ? int64_t(p) * count : 0), bytes, count};
       ins[size_t(p)] = {true, count, bytes};
     }
     return exchange(c, outs, ins);
@@ -455,14 +455,7 @@ class TcpComm final : public Comm {
     const size_t bytes = size_t(count) * sizeof(T);
     if (bytes && send != recv + int64_t(rank_) * count) std::memmove(recv + int64_t(rank_) * count, send, bytes);
     if (size_ == 1) return;
-    std::vector<Out> outs(static_cast<size_t>(size_));
-    std::vector<In> ins(static_cast<size_t>(size_));
-    for (int p = 0; p < size_; ++p) {
-      if (p == rank_) continue;
-      outs[size_t(p)] = {true, recv + int64_t(rank_) * count, bytes, count};
-      ins[size_t(p)] = {true, count, bytes};
-    }
-    std::vector<Frame> got = exchange(c, outs, ins);
+    std::vector<Frame> got = exchange_blocks(c, recv + int64_t(rank_) * count, count, false);
     for (int p = 0; p < size_; ++p)
       if (p != rank_ && bytes) std::memcpy(recv + int64_t(p) * count, got[size_t(p)].payload.data(), bytes);
   }
