@@ -62,6 +62,7 @@
 #include "cuda/ops/optim.h"
 #include "cuda/ops/swiglu.h"
 #include "cuda/sm_reserve.h"
+#include "train/run_plan.h"
 
 namespace {
 
@@ -544,7 +545,7 @@ nlohmann::json adamw_section(const Args& a, cudaStream_t s) {
     const char* path = shift == 0 ? "moments at offsets (ring)" : "moments shifted (loads)";
     for (const int sms : {0, 16, 32, 48, 64}) {
       const Timing t = time_ms(a, s, [&] { moe::cuda::adamw_apply(table, cfg, p, g, m, v, b, scalars, false, s, sms); });
-      const double gbs = 30.0 * double(kN) / (t.med_ms * 1e-3) / 1e9;
+      const double gbs = moe::adamw_update_bytes(4) * double(kN) / (t.med_ms * 1e-3) / 1e9;
       std::printf("%-26s | %4s | %9.3f | %8.1f\n", path, sms == 0 ? "all" : std::to_string(sms).c_str(), t.med_ms, gbs);
       out.push_back({{"path", path}, {"moments", "fp32"}, {"sms", sms}, {"ms_median", t.med_ms}, {"ms_min", t.min_ms},
                      {"gb_per_s", gbs}});
@@ -564,7 +565,7 @@ nlohmann::json adamw_section(const Args& a, cudaStream_t s) {
       for (const int sms : {0, 32}) {
         const Timing t =
             time_ms(a, s, [&] { moe::cuda::adamw_apply(table, cfg16, p, g, m16, v16, b, scalars, false, s, sms); });
-        const double gbs = 22.0 * double(kN) / (t.med_ms * 1e-3) / 1e9;
+        const double gbs = moe::adamw_update_bytes(2) * double(kN) / (t.med_ms * 1e-3) / 1e9;
         std::printf("%-26s | %4s | %9.3f | %8.1f\n", path, sms == 0 ? "all" : std::to_string(sms).c_str(), t.med_ms,
                     gbs);
         out.push_back({{"path", path}, {"moments", "bf16"}, {"sms", sms}, {"ms_median", t.med_ms},
@@ -599,7 +600,7 @@ nlohmann::json adamw_section(const Args& a, cudaStream_t s) {
                                                sqt, bad, scalars, false, s);
           }
         });
-        const double bytes = bf16 ? 22.0 : 30.0;
+        const double bytes = moe::adamw_update_bytes(bf16 ? 2 : 4);  // the codes in the BF16 copy's place
         const double gbs = bytes * double(kN) / (t.med_ms * 1e-3) / 1e9;
         std::printf("%-26s | %4s | %9.3f | %8.1f\n", path, "all", t.med_ms, gbs);
         out.push_back({{"path", path}, {"moments", bf16 ? "bf16" : "fp32"}, {"sms", 0}, {"ms_median", t.med_ms},
@@ -685,7 +686,7 @@ nlohmann::json adamw_section(const Args& a, cudaStream_t s) {
         update.push_back(ms);
       }
     }
-    const double u = median(update), gbs = 30.0 * double(kN) / (u * 1e-3) / 1e9;
+    const double u = median(update), gbs = moe::adamw_update_bytes(4) * double(kN) / (u * 1e-3) / 1e9;
     std::printf("%-26s | %4d | %9.3f | %8.1f | %14.3f | %15.3f\n", "moments at offsets (ring)", sms, u, gbs,
                 median(alone), median(with));
     beside.push_back({{"sms", sms}, {"update_ms", u}, {"update_gb_per_s", gbs}, {"gemms", kGemms},

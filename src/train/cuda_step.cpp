@@ -815,7 +815,7 @@ CudaStepRunner::CudaStepRunner(const Config& cfg, const RunPlan& plan, cuda::Ncc
     I.model.keep_fp8_codes_in_bf16_copy();
   }
   const int64_t total = I.model.layout().total_numel();
-  I.bf16_moments = plan.memory.moment_bytes == 2.0;  // the run plan's storage of the moments
+  I.bf16_moments = plan.memory.bf16_moments();  // the run plan's storage of the moments
   const size_t bytes = size_t(std::max<int64_t>(1, I.moment_numel())) * I.moment_elem_bytes();
   I.exp_avg.reserve(bytes);
   I.exp_avg_sq.reserve(bytes);
@@ -980,11 +980,7 @@ void CudaStepRunner::load_state(const float* params, const float* exp_avg, const
   // The moments this rank keeps: the whole layout, or (ZeRO-1) its chunks and the tails. BF16
   // moments are rounded to nearest even here (AdamW::step reads host moments the same way).
   auto upload = [&](char* dev, const float* host, int64_t n) {
-    if (I.bf16_moments) {
-      cuda::copy_h2d_f32_as_bf16(reinterpret_cast<uint16_t*>(dev), host, n, st);
-    } else {
-      cuda::copy_h2d(dev, host, size_t(n) * sizeof(float), st);
-    }
+    cuda::copy_h2d_f32_stored(dev, host, n, I.bf16_moments, st);
   };
   const size_t elem = I.moment_elem_bytes();
   auto load_moments = [&](const float* host, cuda::DeviceBuffer& dev) {
@@ -1022,11 +1018,7 @@ void CudaStepRunner::download_state(float* params, float* exp_avg, float* exp_av
   const size_t elem = I.moment_elem_bytes();
   // n moments from the device (FP32, or BF16 widened exactly) into host[0, n).
   auto copy_out = [&](float* host, const void* dev, int64_t n) {
-    if (I.bf16_moments) {
-      cuda::copy_d2h_bf16_as_f32(host, static_cast<const uint16_t*>(dev), n, st);
-    } else {
-      cuda::copy_d2h(host, dev, size_t(n) * sizeof(float), st);
-    }
+    cuda::copy_d2h_stored_to_f32(host, dev, n, I.bf16_moments, st);
   };
   auto download_moments = [&](float* host, const cuda::DeviceBuffer& dev) {
     if (host == nullptr) return;

@@ -106,19 +106,14 @@ class GpuPipelineStep final : public Step {
     if (model_->num_moe_layers() > 0) model_->load_expert_bias(bias_);
     segments_ = std::make_unique<cuda::ParamSegmentTable>(model_->layout());
     // The moments as the run plan stores them (optim.moment_dtype): FP32, or BF16 rounded to nearest even.
-    bf16_moments_ = plan.memory.moment_bytes == 2.0;
+    bf16_moments_ = plan.memory.bf16_moments();
     const size_t moment_bytes = size_t(total) * size_t(plan.memory.moment_bytes);
     exp_avg_.reserve(moment_bytes);
     exp_avg_sq_.reserve(moment_bytes);
-    auto upload = [&](cuda::DeviceBuffer& dev, const float* host) {
-      if (bf16_moments_) {
-        cuda::copy_h2d_f32_as_bf16(dev.as<uint16_t>(), host, total, model_->stream());
-      } else {
-        cuda::copy_h2d(dev.data(), host, moment_bytes, model_->stream());
-      }
-    };
-    upload(exp_avg_, state ? state->opt.exp_avg().data() : own_moments_.data());
-    upload(exp_avg_sq_, state ? state->opt.exp_avg_sq().data() : own_moments_.data());
+    const float* m0 = state ? state->opt.exp_avg().data() : own_moments_.data();
+    const float* v0 = state ? state->opt.exp_avg_sq().data() : own_moments_.data();
+    cuda::copy_h2d_f32_stored(exp_avg_.data(), m0, total, bf16_moments_, model_->stream());
+    cuda::copy_h2d_f32_stored(exp_avg_sq_.data(), v0, total, bf16_moments_, model_->stream());
     opt_.reserve(sizeof(cuda::OptimStepScalars));
     scalars_.step = state ? state->opt.steps_taken() : 0;
     norm_ws_bytes_ = cuda::global_grad_norm_workspace_bytes(total);
@@ -294,15 +289,9 @@ class GpuPipelineStep final : public Step {
     const int64_t total = model_->layout().total_numel();
     const std::vector<float> p = model_->download_params();
     std::copy(p.begin(), p.end(), state_->model.params());
-    auto download = [&](float* host, const cuda::DeviceBuffer& dev) {
-      if (bf16_moments_) {
-        cuda::copy_d2h_bf16_as_f32(host, dev.as<uint16_t>(), total, model_->stream());
-      } else {
-        cuda::copy_d2h(host, dev.data(), size_t(total) * sizeof(float), model_->stream());
-      }
-    };
-    download(state_->opt.exp_avg().data(), exp_avg_);
-    download(state_->opt.exp_avg_sq().data(), exp_avg_sq_);
+    cuda::copy_d2h_stored_to_f32(state_->opt.exp_avg().data(), exp_avg_.data(), total, bf16_moments_, model_->stream());
+    cuda::copy_d2h_stored_to_f32(state_->opt.exp_avg_sq().data(), exp_avg_sq_.data(), total, bf16_moments_,
+                                 model_->stream());
     state_->opt.set_steps_taken(scalars_.step);
     state_->model.expert_bias() = bias_;
     state_->initialised = true;

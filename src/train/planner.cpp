@@ -543,7 +543,7 @@ std::string describe_layout_plan(const LayoutPlan& p, const GpuCeilings& g) {
   } else {
     std::snprintf(moments, sizeof moments, "AdamW moments (replicated)");
   }
-  if (m.moment_bytes == 2.0) std::strncat(moments, ", BF16", sizeof moments - std::strlen(moments) - 1);
+  if (m.bf16_moments()) std::strncat(moments, ", BF16", sizeof moments - std::strlen(moments) - 1);
   row(moments, same(p.moments));
   std::array<double, 3> kept{}, pool{}, scratch{}, total{};
   for (size_t i = 0; i < 3; ++i) {

@@ -276,7 +276,7 @@ std::string describe_run_plan(const RunPlan& p) {
       p.zero ? ", ZeRO-1 moment shards" : "", (long long)p.global_batch, (long long)p.sizes.dp,
       (long long)p.micro_batch, (long long)p.micro_steps, (long long)p.tokens_per_micro_batch,
       (long long)p.tokens_per_step, p.device == "cuda" ? "the GPU" : "the host", m.total() / kGiB, m.params / kGiB,
-      m.grads / kGiB, m.moments / kGiB, m.moment_bytes == 2.0 ? " (BF16)" : "", p.zero ? " (this rank's shard)" : "",
+      m.grads / kGiB, m.moments / kGiB, m.bf16_moments() ? " (BF16)" : "", p.zero ? " (this rank's shard)" : "",
       m.activations() / kGiB,
       p.sizes.pp > 1 ? "the busiest stage's micro-batches in flight" : "one micro-batch", exchange,
       (long long)m.local_params, recompute_name(p.recompute),

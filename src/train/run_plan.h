@@ -35,6 +35,7 @@ struct MemoryEstimate {
   double moments_replicated = 0;  // 8 per local parameter (4: BF16 moments on cuda)
   double moments_sharded = 0;     // ZeRO-1's shard: 8 (or 4) x (dense / dp + experts / ep-dp)
   double moment_bytes = 4;        // of one moment element: 2 for BF16 moments on cuda (optim.moment_dtype)
+  bool bf16_moments() const { return moment_bytes == 2.0; }  // the moments stored as BF16 bits
   ActivationMemory activation;    // one micro-batch under train.recompute, buffer by buffer
   double activations_kept = 0;    // activation.kept_bytes(): saved per layer, all layers
   double activations_pool = 0;    // activation.pool_bytes(): the recompute pool (largest layer)
@@ -102,7 +103,7 @@ inline double adamw_update_bytes(double moment_bytes) { return 14.0 + 4.0 * mome
 
 // Bytes per rank that BF16 moments (optim.moment_dtype = "bf16") would save over these: half the
 // moments where they are FP32 on the GPU, else 0.
-inline double bf16_moment_saving(const MemoryEstimate& m) { return m.moment_bytes > 2.0 ? m.moments / 2.0 : 0.0; }
+inline double bf16_moment_saving(const MemoryEstimate& m) { return m.bf16_moments() ? 0.0 : m.moments / 2.0; }
 
 // Why one rank of `plan` does not fit this machine's memory ("" when it does): the CPU step's
 // whole estimate, or the GPU step's host mirror, against 90% of the physical memory.

@@ -136,6 +136,22 @@ void copy_d2h_bf16_as_f32(float* dst, const uint16_t* src, int64_t n, Stream str
   }
 }
 
+void copy_h2d_f32_stored(void* dst, const float* src, int64_t n, bool bf16, Stream stream) {
+  if (bf16) {
+    copy_h2d_f32_as_bf16(static_cast<uint16_t*>(dst), src, n, stream);
+  } else {
+    copy_h2d(dst, src, size_t(n) * sizeof(float), stream);
+  }
+}
+
+void copy_d2h_stored_to_f32(float* dst, const void* src, int64_t n, bool bf16, Stream stream) {
+  if (bf16) {
+    copy_d2h_bf16_as_f32(dst, static_cast<const uint16_t*>(src), n, stream);
+  } else {
+    copy_d2h(dst, src, size_t(n) * sizeof(float), stream);
+  }
+}
+
 void copy_d2h_async(void* dst, const void* src, size_t bytes, Stream stream) {
   if (bytes == 0) return;
   MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream));

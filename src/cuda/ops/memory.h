@@ -43,6 +43,12 @@ void copy_d2d(void* dst, const void* src, size_t bytes, Stream stream);
 void copy_h2d_f32_as_bf16(uint16_t* dst, const float* src, int64_t n, Stream stream);
 // n BF16 values on the device widened (exactly) into FP32 on the host; waits for the stream.
 void copy_d2h_bf16_as_f32(float* dst, const uint16_t* src, int64_t n, Stream stream);
+// n FP32 host values to the device as FP32 (copy_h2d), or as BF16 bits (bf16: copy_h2d_f32_as_bf16):
+// how the AdamW moments are stored under optim.moment_dtype.
+void copy_h2d_f32_stored(void* dst, const float* src, int64_t n, bool bf16, Stream stream);
+// n device values stored as FP32 (copy_d2h) or as BF16 bits (bf16: copy_d2h_bf16_as_f32) into FP32 on
+// the host.
+void copy_d2h_stored_to_f32(float* dst, const void* src, int64_t n, bool bf16, Stream stream);
 void device_memset(void* p, int value, size_t bytes, Stream stream);
 Stream stream_create();              // a non-blocking stream
 void stream_destroy(Stream stream);  // never throws
