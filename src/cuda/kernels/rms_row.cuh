@@ -6,6 +6,13 @@
 
 namespace moe::cuda::kernels {
 
+// sum_sq += the squares of v, in order.
+template <int V>
+__device__ __forceinline__ void rms_add_squares(const float (&v)[V], float& sum_sq) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) sum_sq += v[i] * v[i];
+}
+
 // The row's rstd from each lane's sum of the squares of its pieces (every lane returns it).
 __device__ __forceinline__ float rms_rstd_of_lane_sums(float sum_sq, int64_t d, float eps) {
   sum_sq = warp_sum(sum_sq);
@@ -21,8 +28,7 @@ __device__ __forceinline__ float rms_row_rstd(const uint16_t* __restrict__ x_row
   for (int64_t c = int64_t{lane} * V; c < d; c += kWarpSize * V) {
     float v[V];
     load_bf16<V>(x_row + c, v);
-#pragma unroll
-    for (int i = 0; i < V; ++i) sum_sq += v[i] * v[i];
+    rms_add_squares(v, sum_sq);
   }
   return rms_rstd_of_lane_sums(sum_sq, d, eps);
 }

@@ -23,16 +23,25 @@ __host__ __device__ constexpr int64_t rmsnorm_backward_stage_bytes(int64_t d) {
   return 2 * kRmsSubRows * d * 2;
 }
 
-// y[c .. c + V) of a row with rstd r: (x * r) * w, stored as BF16; out keeps the FP32 values.
+// y[c .. c + V) of a row with rstd r from the row's values v there: (v * r) * w, stored as BF16;
+// out keeps the FP32 values.
 template <int V>
-__device__ __forceinline__ void rmsnorm_piece(const uint16_t* __restrict__ x_row, const uint16_t* __restrict__ w,
-                                              uint16_t* __restrict__ y_row, int64_t c, float r, float (&out)[V]) {
-  float v[V], wv[V];
-  load_bf16<V>(x_row + c, v);
+__device__ __forceinline__ void rmsnorm_piece_of(const float (&v)[V], const uint16_t* __restrict__ w,
+                                                 uint16_t* __restrict__ y_row, int64_t c, float r, float (&out)[V]) {
+  float wv[V];
   load_bf16<V>(w + c, wv);
 #pragma unroll
   for (int i = 0; i < V; ++i) out[i] = (v[i] * r) * wv[i];
   store_bf16<V>(y_row + c, out);
+}
+
+// rmsnorm_piece_of with the values read from x_row.
+template <int V>
+__device__ __forceinline__ void rmsnorm_piece(const uint16_t* __restrict__ x_row, const uint16_t* __restrict__ w,
+                                              uint16_t* __restrict__ y_row, int64_t c, float r, float (&out)[V]) {
+  float v[V];
+  load_bf16<V>(x_row + c, v);
+  rmsnorm_piece_of(v, w, y_row, c, r, out);
 }
 
 // The forwards' rows: a warp per row (grid-stride), its rstd computed and stored (lane 0), then
@@ -66,7 +75,7 @@ __global__ void rmsnorm_forward_warp_per_row(const uint16_t* __restrict__ x, con
 // rmsnorm_forward_warp_per_row<kVecBf16> for d <= 32 * 8 * kPieces: lane l keeps its pieces
 // l, l + 32, .. of the row in registers between the row's statistic and its output, so x is read
 // once, with all of a lane's loads in flight together. The same operations in the same order as
-// rms_row_rstd and rmsnorm_piece: the same bits.
+// rms_row_rstd and rmsnorm_piece (rms_add_squares, rmsnorm_piece_of): the same bits.
 template <int kPieces>
 __global__ void rmsnorm_forward_warp_per_row_held(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                                                   uint16_t* __restrict__ y, float* __restrict__ rstd, int64_t n,
@@ -89,8 +98,7 @@ __global__ void rmsnorm_forward_warp_per_row_held(const uint16_t* __restrict__ x
       if ((int64_t{p} * kWarpSize + lane) * V < d) {
         float v[V];
         bf16x8_to_f32(raw[p], v);
-#pragma unroll
-        for (int i = 0; i < V; ++i) sum_sq += v[i] * v[i];
+        rms_add_squares(v, sum_sq);
       }
     }
     const float r = rms_rstd_of_lane_sums(sum_sq, d, eps);
@@ -100,12 +108,9 @@ __global__ void rmsnorm_forward_warp_per_row_held(const uint16_t* __restrict__ x
     for (int p = 0; p < kPieces; ++p) {
       const int64_t c = (int64_t{p} * kWarpSize + lane) * V;
       if (c < d) {
-        float v[V], wv[V], out[V];
+        float v[V], out[V];
         bf16x8_to_f32(raw[p], v);
-        load_bf16<V>(w + c, wv);
-#pragma unroll
-        for (int i = 0; i < V; ++i) out[i] = (v[i] * r) * wv[i];
-        store_bf16<V>(y_row + c, out);
+        rmsnorm_piece_of(v, w, y_row, c, r, out);
       }
     }
   }

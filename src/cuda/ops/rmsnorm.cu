@@ -36,13 +36,15 @@ void launch_rmsnorm_forward(const uint16_t* x, const uint16_t* w, uint16_t* y, f
                             int64_t d, float eps, Stream stream) {
   const unsigned threads = kForwardWarpsPerBlock * kernels::kWarpSize;
   constexpr int64_t kRowPiece = kernels::kWarpSize * kVecBf16;
-  if (V == kVecBf16 && d <= 8 * kRowPiece) {
-    kernels::rmsnorm_forward_warp_per_row_held<8><<<forward_blocks(n), threads, 0, stream>>>(x, w, y, rstd, n, d, eps);
-  } else if (V == kVecBf16 && d <= 16 * kRowPiece) {
-    kernels::rmsnorm_forward_warp_per_row_held<16><<<forward_blocks(n), threads, 0, stream>>>(x, w, y, rstd, n, d, eps);
-  } else {
-    kernels::rmsnorm_forward_warp_per_row<V><<<forward_blocks(n), threads, 0, stream>>>(x, w, y, rstd, n, d, eps);
+  auto kernel = kernels::rmsnorm_forward_warp_per_row<V>;
+  if constexpr (V == kVecBf16) {
+    if (d <= 8 * kRowPiece) {
+      kernel = kernels::rmsnorm_forward_warp_per_row_held<8>;
+    } else if (d <= 16 * kRowPiece) {
+      kernel = kernels::rmsnorm_forward_warp_per_row_held<16>;
+    }
   }
+  kernel<<<forward_blocks(n), threads, 0, stream>>>(x, w, y, rstd, n, d, eps);
   check_launch("rmsnorm_forward_warp_per_row");
 }
 
