@@ -710,5 +710,22 @@ TEST(GroupedGemm, BackendFromEnvironment) {
   }
 }
 
+// The weight gradient's grid (host arithmetic, runs anywhere): rounds of whole experts where that
+// keeps 95% of the multiprocessors, the whole grid otherwise; bad sizes are refused by name.
+TEST(GroupedGemm, WgradGridTakesRoundsOfWholeExperts) {
+  EXPECT_EQ(cuda::wgrad_grid(132, 128), 128);  // olmoe-8l's gate/up: one expert a round
+  EXPECT_EQ(cuda::wgrad_grid(132, 64), 128);   // its down projection: two experts a round
+  EXPECT_EQ(cuda::wgrad_grid(132, 512), 128);  // a quarter of an expert a round
+  EXPECT_EQ(cuda::wgrad_grid(132, 132), 132);
+  EXPECT_EQ(cuda::wgrad_grid(132, 5), 130);
+  EXPECT_EQ(cuda::wgrad_grid(132, 88), 132);   // 88 would idle a third of the multiprocessors
+  EXPECT_EQ(cuda::wgrad_grid(132, 1031), 132);  // a prime: no divisor near the grid
+  EXPECT_EQ(cuda::wgrad_grid(100, 128), 100);  // 64 (a reserve left 100) is too few
+  EXPECT_EQ(cuda::wgrad_grid(1, 7), 1);
+  EXPECT_EQ(cuda::wgrad_grid(8, 8), 8);
+  expect_error_naming([] { cuda::wgrad_grid(0, 8); }, {"grid", "0"});
+  expect_error_naming([] { cuda::wgrad_grid(132, 0); }, {"tiles_per_expert"});
+}
+
 }  // namespace
 }  // namespace moe::testing

@@ -238,8 +238,8 @@ void launch_k_contiguous_sm90(const char* op, const uint16_t* dy, const uint16_t
   const bool sums = squares != nullptr;
   const auto kernel = sums ? k90::grouped_gemm_k_contiguous_sm90<true> : k90::grouped_gemm_k_contiguous_sm90<false>;
   const size_t smem = static_cast<size_t>(k90::smem_bytes(4, num_experts, false) + (sums ? k90::kSquareSumBytes : 0));
-  const int64_t max_tiles = num_experts * ceil_div(n, k90::kBM) * ceil_div(k, k90::kBN);
-  const int grid = sm90_grid(op, kernel, smem, max_tiles);
+  const int64_t per_expert = ceil_div(n, k90::kBM) * ceil_div(k, k90::kBN);
+  const int grid = wgrad_grid(sm90_grid(op, kernel, smem, num_experts * per_expert), per_expert);
   kernel<<<grid, k90::kThreads, smem, stream>>>(map_a, map_b, map_dw, expert_offsets, dw, static_cast<int>(max_rows),
                                                 static_cast<int>(num_experts), static_cast<int>(n),
                                                 static_cast<int>(k), accumulate, squares);
@@ -320,6 +320,18 @@ void grouped_gemm_dgrad(const uint16_t* dy, const uint16_t* w, const int32_t* ex
   } else {
     launch_m_contiguous<Major::kMN>(op, dy, w, expert_offsets, dx, max_rows, num_experts, k, n, stream);
   }
+}
+
+int wgrad_grid(int grid, int64_t tiles_per_expert) {
+  MOE_CHECK(grid >= 1 && tiles_per_expert >= 1, "cuda::wgrad_grid: grid (", grid, ") and tiles_per_expert (",
+            tiles_per_expert, ") must be >= 1");
+  int64_t whole = 0;  // a multiple of tiles_per_expert, or a divisor of it, <= grid
+  if (tiles_per_expert <= grid) {
+    whole = grid - grid % tiles_per_expert;
+  } else {
+    for (int64_t g = grid; g >= 1 && whole == 0; --g) whole = tiles_per_expert % g == 0 ? g : 0;
+  }
+  return 20 * whole >= 19 * int64_t{grid} ? static_cast<int>(whole) : grid;
 }
 
 void grouped_gemm_wgrad(const uint16_t* dy, const uint16_t* x, const int32_t* expert_offsets, float* dw,

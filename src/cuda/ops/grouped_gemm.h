@@ -61,6 +61,14 @@ void grouped_gemm_wgrad(const uint16_t* dy, const uint16_t* x, const int32_t* ex
                         Stream stream, GroupedGemmBackend backend = GroupedGemmBackend::kAuto,
                         double* squares = nullptr);
 
+// The CTAs of the wgmma weight gradient on a grid of at most `grid` (the multiprocessors it may
+// use), when each expert has `tiles_per_expert` output tiles: the CTAs take tiles in rounds of the
+// grid's size, expert by expert, so a grid that is a multiple of an expert's tiles (or divides
+// them) gives rounds of whole experts, whose operands each round reads from DRAM once and then
+// from L2. The largest such grid is taken when it keeps at least 95% of `grid` (132 -> 128 for
+// olmoe-8l's 128 and 64 tiles an expert); otherwise `grid`. Any grid gives the same bits.
+int wgrad_grid(int grid, int64_t tiles_per_expert);
+
 // Block-scaled FP8 (E4M3 x E4M3), M-grouped contiguous, sm_90 only: for the rows r of expert e,
 //   out[r, j] = sum over K blocks b of (sum_{p in b} qa[r, p] qb[e, j, p]) * sa[r, b] * sb[e, j / 128, b]
 // (FP32 partial sums promoted per block of 128 K elements, cpu::fp8_gemm_block_scaled per expert).
