@@ -183,22 +183,36 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
   static_assert(!kStaged || V == kVecBf16, "the staged rows are 16-byte pieces");
   // kStaged: x rows [kRmsSubRows][d], then dy rows [kRmsSubRows][d], BF16 bits.
   extern __shared__ __align__(16) uint16_t s_stage[];
-  // dy[row, c .. c + V), rotated back when kRope.
-  const auto load_dy = [&](int64_t row, int64_t c, float (&out)[V]) {
+  // kRope: the (cos, sin) row of a row's position, found once a row (a 64-bit modulo).
+  const auto position_table = [&](int64_t row) -> const float2* {
+    if constexpr (kRope) {
+      return rope_table + (row % seq) * (head_dim / 2);
+    } else {
+      return nullptr;
+    }
+  };
+  // dy[row, c .. c + V), rotated back when kRope with the (cos, sin) of the row's position (tab,
+  // position_table(row)); c < d < 2^31 (checked on the host), so the column's place in its head
+  // is a 32-bit remainder.
+  const auto load_dy = [&](int64_t row, int64_t c, const float2* tab, float (&out)[V]) {
     if constexpr (kRope) {
       const int half = head_dim / 2;
-      const int hc = static_cast<int>(c % head_dim);
+      const int hc = static_cast<int>(static_cast<uint32_t>(c) % static_cast<uint32_t>(head_dim));
       const bool lo = hc < half;
       const int i0 = lo ? hc : hc - half;
       float a[V], b[V];
       load_bf16<V>(dy + row * d + (lo ? c : c - half), a);
       load_bf16<V>(dy + row * d + (lo ? c + half : c), b);
-      const float2* t = rope_table + (row % seq) * half + i0;
+      // The V (cos, sin) pairs as V / 2 16-byte loads (i0 a multiple of V, the table 16-byte aligned).
+      const float4* t4 = reinterpret_cast<const float4*>(tab + i0);
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
+      for (int k = 0; k < V; k += 2) {
+        const float4 cs = t4[k / 2];
         float out_lo, out_hi;
-        rope_rotate<true>(a[k], b[k], t[k], out_lo, out_hi);
+        rope_rotate<true>(a[k], b[k], make_float2(cs.x, cs.y), out_lo, out_hi);
         out[k] = lo ? out_lo : out_hi;
+        rope_rotate<true>(a[k + 1], b[k + 1], make_float2(cs.z, cs.w), out_lo, out_hi);
+        out[k + 1] = lo ? out_lo : out_hi;
       }
       round_to_bf16<V>(out);  // as rope_backward stores it
     } else {
@@ -222,6 +236,7 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
     const int r = g0 + warp;
     if (warp < kSubRows && r < g1) {
       const uint16_t* x_row = x + (row0 + r) * d;
+      const float2* tab = position_table(row0 + r);
       float dot = 0.0f;
 #pragma unroll 2
       for (int64_t c = int64_t{lane} * V; c < d; c += kWarpSize * V) {
@@ -233,7 +248,7 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
           bf16x8_to_f32(xr, xv);
           uint16_t* dy_stage = s_stage + (kSubRows + r - g0) * d + c;
           if constexpr (kRope) {
-            load_dy(row0 + r, c, dv);
+            load_dy(row0 + r, c, tab, dv);
             store_bf16<V>(dy_stage, dv);  // BF16 values already: their bits
           } else {
             const uint4 dr = *reinterpret_cast<const uint4*>(dy + (row0 + r) * d + c);
@@ -242,7 +257,7 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
           }
         } else {
           load_bf16<V>(x_row + c, xv);
-          load_dy(row0 + r, c, dv);
+          load_dy(row0 + r, c, tab, dv);
         }
         load_bf16<V>(w + c, wv);
 #pragma unroll
@@ -282,7 +297,7 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
           load_bf16<V>(s_stage + (kSubRows + rr - g0) * d + c, dv);
         } else {
           load_bf16<V>(x + off, xv);
-          load_dy(row0 + rr, c, dv);
+          load_dy(row0 + rr, c, position_table(row0 + rr), dv);
         }
         const float rs = s_rstd[rr];
         const float m = s_mean[rr];

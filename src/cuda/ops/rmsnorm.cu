@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "cuda/common.h"
 #include "cuda/kernels/rmsnorm.cuh"
@@ -202,8 +203,10 @@ size_t rope_rmsnorm_backward_workspace_bytes(int64_t n, int64_t d, int64_t seq, 
 
 bool rope_rmsnorm_backward_fuses(const uint16_t* x, const uint16_t* w, const uint16_t* dy, const uint16_t* dx,
                                  int64_t heads, int64_t head_dim) {
-  return heads > 0 && head_dim > 0 && head_dim % 2 == 0 && (head_dim / 2) % kVecBf16 == 0 && detail::aligned16(x) &&
-         detail::aligned16(w) && detail::aligned16(dy) && detail::aligned16(dx);
+  // The kernel finds a column's place in its head by a 32-bit remainder: rows narrower than 2^31.
+  return heads > 0 && head_dim > 0 && head_dim % 2 == 0 && (head_dim / 2) % kVecBf16 == 0 &&
+         heads <= std::numeric_limits<int32_t>::max() / head_dim && detail::aligned16(x) && detail::aligned16(w) &&
+         detail::aligned16(dy) && detail::aligned16(dx);
 }
 
 void rope_rmsnorm_backward(const uint16_t* x, const uint16_t* w, const float* rstd, const uint16_t* dy, uint16_t* dx,

@@ -41,9 +41,9 @@ void rmsnorm_backward_add(const uint16_t* x, const uint16_t* w, const float* rst
 // QK-norm's backward after RoPE's: rope_backward(dy, batch, seq, heads, head_dim, theta) (on a
 // copy: dy is not changed), then rmsnorm_backward(x, w, rstd, that, dx, dw, batch * seq, heads *
 // head_dim, ...), in one pass that reads dy rotated back, with the same bits. Needs
-// rope_rmsnorm_backward_fuses (head_dim / 2 a multiple of 8, 16-byte aligned tensors); the
-// workspace holds the partial dw rows and a (cos, sin) table of seq x head_dim / 2. The CPU twin is
-// cpu::rope_backward followed by cpu::rmsnorm_backward.
+// rope_rmsnorm_backward_fuses (head_dim / 2 a multiple of 8, heads * head_dim < 2^31, 16-byte
+// aligned tensors); the workspace holds the partial dw rows and a (cos, sin) table of seq x
+// head_dim / 2. The CPU twin is cpu::rope_backward followed by cpu::rmsnorm_backward.
 size_t rope_rmsnorm_backward_workspace_bytes(int64_t n, int64_t d, int64_t seq, int64_t head_dim);
 bool rope_rmsnorm_backward_fuses(const uint16_t* x, const uint16_t* w, const uint16_t* dy, const uint16_t* dx,
                                  int64_t heads, int64_t head_dim);
