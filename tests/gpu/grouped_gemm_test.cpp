@@ -9,7 +9,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <numeric>
+#include <optional>
 #include <ostream>
 #include <tuple>
 
@@ -132,6 +134,41 @@ HostInputs make_inputs(const GroupedCase& c, uint64_t seed) {
   return in;
 }
 
+// Per-expert column norms of dy_e and x_e ([E, n] and [E, k]) for the weight gradient's bound.
+struct WgradNorms {
+  std::vector<double> dy, x;
+};
+
+// The host side of one (case, seed): the two backends' tests of a case run one after the other on
+// the same inputs, so where one process runs both (test_gpu run directly, e.g. with a filter; ctest
+// runs each test in its own process) their inputs and CPU references are built once and kept for
+// the next test (one entry, freed by the suite's TearDownTestSuite). The largest cases spend most
+// of their time here (normal draws and CPU GEMMs over 10^8-10^9 elements), not on the GPU.
+struct HostCase {
+  std::string key;
+  HostInputs in;
+  std::optional<std::vector<float>> ref;  // the reference of the test's output
+  std::vector<float> dw0;                 // the weight gradient's start value
+  std::optional<WgradNorms> norms;
+};
+
+std::unique_ptr<HostCase>& host_case_slot() {
+  static std::unique_ptr<HostCase> slot;
+  return slot;
+}
+
+HostCase& host_case(const GroupedCase& c, uint64_t seed) {
+  std::unique_ptr<HostCase>& slot = host_case_slot();
+  const std::string key = param_name(c.name, "#", seed);
+  if (!slot || slot->key != key) {
+    slot.reset();  // free the last case's data before drawing the next
+    slot = std::make_unique<HostCase>();
+    slot->key = key;
+    slot->in = make_inputs(c, seed);
+  }
+  return *slot;
+}
+
 // References over the grouped rows [0, offsets[E]) (the cases' offsets start at 0).
 std::vector<float> reference_forward(const GroupedCase& c, const std::vector<int32_t>& off, const float* x,
                                      const float* w) {
@@ -196,22 +233,31 @@ void expect_rows_unwritten(const std::string& what, const std::vector<uint16_t>&
 constexpr double kGemmDotTol = 0x1p-16;
 constexpr double kGemmAddTol = 0x1p-22;
 
-void expect_wgrad_parity(const std::string& what, const GroupedCase& c, const std::vector<int32_t>& off,
-                         const std::vector<float>& dyf, const std::vector<float>& xf, const std::vector<float>& got,
-                         const std::vector<float>& ref) {
-  ASSERT_EQ(got.size(), ref.size());
-  int64_t bad = 0, nonfinite = 0, first_bad = -1;
-  double max_abs = 0.0, max_ratio = 0.0;
-  std::vector<double> norm_dy(static_cast<size_t>(c.n)), norm_x(static_cast<size_t>(c.k));
+WgradNorms wgrad_norms(const GroupedCase& c, const std::vector<int32_t>& off, const std::vector<float>& dyf,
+                       const std::vector<float>& xf) {
+  WgradNorms norms{std::vector<double>(static_cast<size_t>(c.num_experts() * c.n), 0.0),
+                   std::vector<double>(static_cast<size_t>(c.num_experts() * c.k), 0.0)};
   for (int64_t e = 0; e < c.num_experts(); ++e) {
-    std::fill(norm_dy.begin(), norm_dy.end(), 0.0);
-    std::fill(norm_x.begin(), norm_x.end(), 0.0);
+    double* norm_dy = norms.dy.data() + e * c.n;
+    double* norm_x = norms.x.data() + e * c.k;
     for (int64_t r = off[e]; r < off[e + 1]; ++r) {
       for (int64_t i = 0; i < c.n; ++i) norm_dy[i] += double{dyf[r * c.n + i]} * dyf[r * c.n + i];
       for (int64_t j = 0; j < c.k; ++j) norm_x[j] += double{xf[r * c.k + j]} * xf[r * c.k + j];
     }
-    for (auto& v : norm_dy) v = std::sqrt(v);
-    for (auto& v : norm_x) v = std::sqrt(v);
+  }
+  for (auto& v : norms.dy) v = std::sqrt(v);
+  for (auto& v : norms.x) v = std::sqrt(v);
+  return norms;
+}
+
+void expect_wgrad_parity(const std::string& what, const GroupedCase& c, const WgradNorms& norms,
+                         const std::vector<float>& got, const std::vector<float>& ref) {
+  ASSERT_EQ(got.size(), ref.size());
+  int64_t bad = 0, nonfinite = 0, first_bad = -1;
+  double max_abs = 0.0, max_ratio = 0.0;
+  for (int64_t e = 0; e < c.num_experts(); ++e) {
+    const double* norm_dy = norms.dy.data() + e * c.n;
+    const double* norm_x = norms.x.data() + e * c.k;
     for (int64_t i = 0; i < c.n; ++i) {
       for (int64_t j = 0; j < c.k; ++j) {
         const int64_t idx = (e * c.n + i) * c.k + j;
@@ -261,6 +307,9 @@ void expect_empty_experts_exact(const GroupedCase& c, const std::vector<float>& 
 }
 
 class GroupedGemmParity : public ::testing::TestWithParam<std::tuple<GroupedCase, Backend>> {
+ public:
+  static void TearDownTestSuite() { host_case_slot().reset(); }
+
  protected:
   const GroupedCase& problem() const { return std::get<0>(GetParam()); }
   Backend backend() const { return std::get<1>(GetParam()); }
@@ -273,7 +322,8 @@ TEST_P(GroupedGemmParity, Forward) {
   MOE_SKIP_WITHOUT_BACKEND(backend());
   const GroupedCase& c = problem();
   const auto off = c.offsets();
-  const HostInputs in = make_inputs(c, 101);
+  HostCase& host = host_case(c, 101);
+  const HostInputs& in = host.in;
   GuardedBuffer<uint16_t> d_x(in.x), d_w(in.w), d_y(c.max_rows() * c.n);
   GuardedBuffer<int32_t> d_off(off);
   TestStream stream;
@@ -282,8 +332,8 @@ TEST_P(GroupedGemmParity, Forward) {
   stream.sync();
 
   const auto y = d_y.download();
-  const auto ref = reference_forward(c, off, in.xf.data(), in.wf.data());
-  expect_parity(label("grouped_gemm.y"), head(bf16_to_f32(y), c.rows() * c.n), ref, kBF16Elementwise);
+  if (!host.ref) host.ref = reference_forward(c, off, in.xf.data(), in.wf.data());
+  expect_parity(label("grouped_gemm.y"), head(bf16_to_f32(y), c.rows() * c.n), *host.ref, kBF16Elementwise);
   expect_rows_unwritten("y", y, c.n, c.rows(), c.max_rows());
   EXPECT_TRUE(bitwise_equal(d_x.download(), in.x)) << "x was modified";
   EXPECT_TRUE(bitwise_equal(d_w.download(), in.w)) << "w was modified";
@@ -297,7 +347,8 @@ TEST_P(GroupedGemmParity, Dgrad) {
   MOE_SKIP_WITHOUT_BACKEND(backend());
   const GroupedCase& c = problem();
   const auto off = c.offsets();
-  const HostInputs in = make_inputs(c, 201);
+  HostCase& host = host_case(c, 201);
+  const HostInputs& in = host.in;
   GuardedBuffer<uint16_t> d_dy(in.dy), d_w(in.w), d_dx(c.max_rows() * c.k);
   GuardedBuffer<int32_t> d_off(off);
   TestStream stream;
@@ -306,8 +357,8 @@ TEST_P(GroupedGemmParity, Dgrad) {
   stream.sync();
 
   const auto dx = d_dx.download();
-  const auto ref = reference_dgrad(c, off, in.dyf.data(), in.wf.data());
-  expect_parity(label("grouped_gemm.dx"), head(bf16_to_f32(dx), c.rows() * c.k), ref, kBF16Elementwise);
+  if (!host.ref) host.ref = reference_dgrad(c, off, in.dyf.data(), in.wf.data());
+  expect_parity(label("grouped_gemm.dx"), head(bf16_to_f32(dx), c.rows() * c.k), *host.ref, kBF16Elementwise);
   expect_rows_unwritten("dx", dx, c.k, c.rows(), c.max_rows());
   EXPECT_TRUE(bitwise_equal(d_dy.download(), in.dy)) << "dy was modified";
   d_dy.expect_guards_intact("dy");
@@ -317,8 +368,10 @@ TEST_P(GroupedGemmParity, Dgrad) {
 
 void run_wgrad_case(const GroupedCase& c, Backend backend, bool accumulate) {
   const auto off = c.offsets();
-  const HostInputs in = make_inputs(c, accumulate ? 301 : 401);
-  const auto dw0 = random_f32(c.num_experts() * c.n * c.k, accumulate ? 302 : 402);
+  HostCase& host = host_case(c, accumulate ? 301 : 401);
+  const HostInputs& in = host.in;
+  if (host.dw0.empty()) host.dw0 = random_f32(c.num_experts() * c.n * c.k, accumulate ? 302 : 402);
+  const std::vector<float>& dw0 = host.dw0;
   GuardedBuffer<uint16_t> d_dy(in.dy), d_x(in.x);
   GuardedBuffer<float> d_dw(dw0);
   GuardedBuffer<int32_t> d_off(off);
@@ -328,11 +381,14 @@ void run_wgrad_case(const GroupedCase& c, Backend backend, bool accumulate) {
   stream.sync();
   const auto dw = d_dw.download();
 
-  std::vector<float> ref = dw0;
-  reference_wgrad(c, off, in.dyf.data(), in.xf.data(), ref, accumulate);
+  if (!host.ref) {
+    host.ref = dw0;
+    reference_wgrad(c, off, in.dyf.data(), in.xf.data(), *host.ref, accumulate);
+    host.norms = wgrad_norms(c, off, in.dyf, in.xf);
+  }
   expect_wgrad_parity(param_name("grouped_gemm.dw[", c.name, ",", cuda::grouped_gemm_backend_name(backend),
                                  accumulate ? ",accumulate]" : ",overwrite]"),
-                      c, off, in.dyf, in.xf, dw, ref);
+                      c, *host.norms, dw, *host.ref);
   expect_empty_experts_exact(c, dw, dw0, accumulate);
   d_dy.expect_guards_intact("dy");
   d_x.expect_guards_intact("x");
@@ -365,9 +421,11 @@ TEST_P(GroupedGemmParity, WgradSquareSums) {
   MOE_SKIP_WITHOUT_BACKEND(backend());
   const GroupedCase& c = problem();
   const auto off = c.offsets();
-  const HostInputs in = make_inputs(c, 501);
+  HostCase& host = host_case(c, 501);
+  const HostInputs& in = host.in;
+  if (host.dw0.empty()) host.dw0 = random_f32(c.num_experts() * c.n * c.k, 502);
   GuardedBuffer<uint16_t> d_dy(in.dy), d_x(in.x);
-  GuardedBuffer<float> d_dw(random_f32(c.num_experts() * c.n * c.k, 502)), d_plain(c.num_experts() * c.n * c.k);
+  GuardedBuffer<float> d_dw(host.dw0), d_plain(c.num_experts() * c.n * c.k);
   GuardedBuffer<int32_t> d_off(off);
   const int64_t blocks = square_blocks(c.num_experts(), c.n, c.k);
   GuardedBuffer<double> d_sq(std::vector<double>(static_cast<size_t>(blocks), std::nan("")));
