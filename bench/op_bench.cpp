@@ -4,7 +4,9 @@
 // Random BF16 data drawn on the GPU (truncated normals of core/rng.h, never all zeros), inputs
 // larger than L2, warm-up, CUDA events, median/min/max.
 // Prints `op | backend | us | TFLOP/s | diff`, diff = ||out - out_mma|| / ||out_mma|| of one
-// overwrite run of each backend (0 for mma itself), and writes one JSON file.
+// overwrite run of each backend (0 for mma itself), and writes one JSON file. The weight
+// gradients are timed overwriting, accumulating ("+=") and overwriting with the square sums of
+// their 128 x 128 blocks ("sq", as a step's first backward runs them).
 // Then causal attention forward and backward on one layer's shape (default olmoe-8l: B 4, S 4096,
 // 16/16 heads, hd 128) for each attention backend (own, cudnn), FLOPs 4*B*Hq*S*S*D/2 forward and
 // 2.5x that backward; diff against the own kernels (out; dq, dk, dv together, both backwards fed
@@ -49,6 +51,7 @@
 #include "core/config.h"
 #include "core/dtype.h"
 #include "core/rng.h"
+#include "core/square_blocks.h"
 #include "cuda/common.h"
 #include "cuda/ops/attention.h"
 #include "cuda/ops/attention_cudnn.h"
@@ -927,6 +930,16 @@ int main(int argc, char** argv) {
     const auto wgrad_dn = [&](GroupedGemmBackend b, bool acc) {
       grouped_gemm_wgrad(dy_dn, h, off, dw, rows, E, D, I, acc, s, b);
     };
+    // The step's first backward also sums the squares of each 128 x 128 block (the gradient norm's
+    // parts); the "sq" rows time that form.
+    double* squares = nullptr;
+    MOE_CUDA_CHECK(cudaMalloc(&squares, moe::square_blocks(E, 2 * I, D) * sizeof(double)));
+    const auto wgrad_gu_sq = [&](GroupedGemmBackend b, bool) {
+      grouped_gemm_wgrad(dy_gu, x, off, dw, rows, E, 2 * I, D, false, s, b, squares);
+    };
+    const auto wgrad_dn_sq = [&](GroupedGemmBackend b, bool) {
+      grouped_gemm_wgrad(dy_dn, h, off, dw, rows, E, D, I, false, s, b, squares);
+    };
     const std::vector<Problem> problems = {
         {"gate_up forward", f_gu, y_gu, rows * 2 * I, true,
          [&](GroupedGemmBackend b, bool) { grouped_gemm_forward(x, w_gu, off, y_gu, rows, E, 2 * I, D, s, b); }},
@@ -934,12 +947,14 @@ int main(int argc, char** argv) {
          [&](GroupedGemmBackend b, bool) { grouped_gemm_dgrad(dy_gu, w_gu, off, dx, rows, E, 2 * I, D, s, b); }},
         {"gate_up wgrad", f_gu, dw, E * 2 * I * D, false, wgrad_gu},
         {"gate_up wgrad +=", f_gu, dw, E * 2 * I * D, false, wgrad_gu, true},
+        {"gate_up wgrad sq", f_gu, dw, E * 2 * I * D, false, wgrad_gu_sq},
         {"down forward", f_dn, y_dn, rows * D, true,
          [&](GroupedGemmBackend b, bool) { grouped_gemm_forward(h, w_dn, off, y_dn, rows, E, D, I, s, b); }},
         {"down dgrad", f_dn, dx, rows * I, true,
          [&](GroupedGemmBackend b, bool) { grouped_gemm_dgrad(dy_dn, w_dn, off, dx, rows, E, D, I, s, b); }},
         {"down wgrad", f_dn, dw, E * D * I, false, wgrad_dn},
         {"down wgrad +=", f_dn, dw, E * D * I, false, wgrad_dn, true},
+        {"down wgrad sq", f_dn, dw, E * D * I, false, wgrad_dn_sq},
     };
     if (a.ops == "grouped_fp8") {
       const nlohmann::json g = grouped_fp8_section(a, s, rows, E, D, I, off, x, h, w_gu, w_dn, dy_gu, dy_dn);
