@@ -2,7 +2,8 @@
 // (GPU: parameters initialised on the device; CPU: a HostState), warm-up and timed steps with
 // in_flight() steps submitted (the host stages step s + 1 while the GPU runs step s), two
 // profiled steps (GPU: eager, CUDA events; the first fills the event pool, the second is
-// reported), the backend's details, then the table and the JSON record. Tokens: splitmix64
+// reported), the backend's details, the GPU's clocks through the timed steps (train/gpu_clocks.h),
+// then the table and the JSON record. Tokens: splitmix64
 // streams per (seed, step, sequence of the global batch), targets = next token.
 #include "train/bench.h"
 
@@ -28,6 +29,7 @@
 #include "train/ceilings.h"
 #include "train/checkpointing.h"
 #include "train/device.h"
+#include "train/gpu_clocks.h"
 #include "train/metrics.h"
 #include "train/phase_ceilings.h"
 #include "train/run_plan.h"
@@ -227,11 +229,15 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
 
   run_steps(opt.warmup);
   if (ranks > 1) world.barrier();  // the timed steps start together on every host
+  // The GPU's SM clock, power and clock-event reasons through the timed steps, every 100 ms.
+  std::optional<GpuClockSampler> clocks;
+  if (device == "cuda") clocks.emplace(visible_gpu_pci_bus_id(), 100);
   const auto t0 = Clock::now();
   last_collect = t0;
   timing = true;
   run_steps(opt.steps);
   timing = false;
+  if (clocks) clocks->stop();
   double timed_s = std::chrono::duration<double>(Clock::now() - t0).count();
   if (ranks > 1) world.all_reduce(&timed_s, 1, ReduceOp::kMax);  // the slowest rank's
 
@@ -316,6 +322,7 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
                         {"loss_finite", loss_finite},
                         {"last_grad_norm", last.grad_norm},
                         {"skipped_steps", skipped},
+                        {"gpu_clocks", clocks ? clocks->summary() : nlohmann::json(nullptr)},
                         {"total_params", plan.counts.total_params},
                         {"active_params", plan.counts.active_params}};
   rec.update(details);
@@ -412,6 +419,7 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
                   tflops, step_ms, rec["step_ms"]["median"].get<double>());
   }
   out << buf;
+  if (clocks) out << gpu_clocks_line(rec["gpu_clocks"]);
   if (details.contains("data_parallel")) {
     const nlohmann::json& d = details["data_parallel"];
     std::snprintf(buf, sizeof buf,

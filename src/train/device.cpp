@@ -26,6 +26,13 @@ std::string visible_gpu_name() {
   return "";
 }
 
+std::string visible_gpu_pci_bus_id() {
+#ifdef MOECORE_HAS_CUDA
+  if (gpu_available()) return cuda::device_info().pci_bus_id;
+#endif
+  return "";
+}
+
 std::string resolve_device(const TrainConfig& t) {
   if (t.device == "cpu") {
     MOE_CHECK(t.precision == "fp32" || t.precision == "fp8", "train.precision = \"", t.precision,

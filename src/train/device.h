@@ -12,6 +12,8 @@ namespace moe {
 bool gpu_available();
 // The current GPU's name (cudaDeviceProp::name), "" when gpu_available() is false.
 std::string visible_gpu_name();
+// The current GPU's PCI bus id ("0000:1B:00.0"), "" when gpu_available() is false.
+std::string visible_gpu_pci_bus_id();
 // "cpu" or "cuda" for train.device and train.precision ("auto": cuda when a GPU is available
 // and precision is bf16 or fp8, else cpu for fp32 or fp8 (the FP8 recipe emulated on FP32)).
 // Throws naming the keys when the combination cannot run.

@@ -15,6 +15,9 @@ DeviceInfo device_info() {
   info.cc_minor = prop.minor;
   info.sm_count = prop.multiProcessorCount;
   MOE_CUDA_CHECK(cudaMemGetInfo(&info.free_bytes, &info.total_bytes));
+  char bus_id[32] = {};
+  MOE_CUDA_CHECK(cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, info.device));
+  info.pci_bus_id = bus_id;
   return info;
 }
 
