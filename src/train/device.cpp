@@ -28,7 +28,7 @@ std::string visible_gpu_name() {
 
 std::string visible_gpu_pci_bus_id() {
 #ifdef MOECORE_HAS_CUDA
-  if (gpu_available()) return cuda::device_info().pci_bus_id;
+  if (gpu_available()) return cuda::device_pci_bus_id();
 #endif
   return "";
 }

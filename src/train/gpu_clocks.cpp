@@ -70,6 +70,10 @@ std::string gpu_clocks_line(const nlohmann::json& summary) {
 }
 
 GpuClockSampler::GpuClockSampler(const std::string& pci_bus_id, int period_ms) : period_ms_(std::max(1, period_ms)) {
+  if (pci_bus_id.empty()) {
+    reason_ = "the CUDA runtime gave no PCI bus id for the GPU";
+    return;
+  }
   library_ = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
   if (library_ == nullptr) {
     const char* why = dlerror();

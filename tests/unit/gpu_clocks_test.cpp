@@ -52,6 +52,8 @@ TEST(GpuClocks, SamplerWithoutADeviceReportsTheReason) {
   const std::string reason = s.at("reason").get<std::string>();
   EXPECT_TRUE(reason.find("NVML") != std::string::npos || reason.find("ffff:ff:1f.7") != std::string::npos)
       << reason;
+  GpuClockSampler no_id("", 10);
+  EXPECT_EQ(no_id.summary().at("reason").get<std::string>(), "the CUDA runtime gave no PCI bus id for the GPU");
 }
 
 }  // namespace

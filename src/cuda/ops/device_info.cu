@@ -15,9 +15,6 @@ DeviceInfo device_info() {
   info.cc_minor = prop.minor;
   info.sm_count = prop.multiProcessorCount;
   MOE_CUDA_CHECK(cudaMemGetInfo(&info.free_bytes, &info.total_bytes));
-  char bus_id[32] = {};
-  MOE_CUDA_CHECK(cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, info.device));
-  info.pci_bus_id = bus_id;
   return info;
 }
 
@@ -25,6 +22,16 @@ size_t device_used_bytes() {
   size_t free_bytes = 0, total_bytes = 0;
   MOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   return total_bytes - free_bytes;
+}
+
+std::string device_pci_bus_id() {
+  int device = 0;
+  char bus_id[32] = {};
+  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, device) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it so later calls start clean
+    return "";
+  }
+  return bus_id;
 }
 
 }  // namespace moe::cuda

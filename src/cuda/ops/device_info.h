@@ -16,7 +16,6 @@ struct DeviceInfo {
   int sm_count = 0;
   size_t total_bytes = 0;  // device memory
   size_t free_bytes = 0;   // free at the time of the call
-  std::string pci_bus_id;  // e.g. "0000:1B:00.0" (cudaDeviceGetPCIBusId), how NVML finds the device
 };
 
 // The current device; throws (moe::Error naming the CUDA error) when there is none.
@@ -24,5 +23,9 @@ DeviceInfo device_info();
 
 // total - free device memory now (cudaMemGetInfo).
 size_t device_used_bytes();
+
+// The current device's PCI bus id, e.g. "0000:1B:00.0" (cudaDeviceGetPCIBusId: how NVML finds the
+// device); "" when the runtime cannot say (never throws).
+std::string device_pci_bus_id();
 
 }  // namespace moe::cuda
