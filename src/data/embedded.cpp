@@ -268,7 +268,7 @@ class DocumentWriter {
     const int64_t from = pick(90), len = 4 + pick(4);
     put(name_);
     put(" counts from " + std::to_string(from) + " to " + std::to_string(from + len - 1) + ":");
-    for (int64_t i = 0; i < len; ++i) put(" " + std::to_string(from + i));
+    for (int64_t i = 0; i < len; ++i) put(std::string(" ").append(std::to_string(from + i)));
     put(".");
   }
 

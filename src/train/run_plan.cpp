@@ -304,7 +304,7 @@ std::string describe_run_plan(const RunPlan& p) {
       std::string groups;
       for (int64_t g = 0; g < dp / ep; ++g) {
         groups += " [";
-        for (int64_t e = 0; e < ep; ++e) groups += (e ? " " : "") + std::to_string(s * dp + g * ep + e);
+        for (int64_t e = 0; e < ep; ++e) groups.append(e ? " " : "").append(std::to_string(s * dp + g * ep + e));
         groups += "]";
       }
       std::snprintf(buf, sizeof buf, "#   stage %lld        ranks %lld..%lld (dp group), layers %s%s%s; ep groups%s\n",
@@ -316,7 +316,7 @@ std::string describe_run_plan(const RunPlan& p) {
     std::string pipes;
     for (int64_t r = 0; r < dp; ++r) {
       pipes += " [";
-      for (int64_t s = 0; s < p.sizes.pp; ++s) pipes += (s ? " " : "") + std::to_string(s * dp + r);
+      for (int64_t s = 0; s < p.sizes.pp; ++s) pipes.append(s ? " " : "").append(std::to_string(s * dp + r));
       pipes += "]";
     }
     out += "#   pipeline groups" + pipes + " (one rank per stage, activations by send/recv)\n";
