@@ -8,7 +8,9 @@ Record a run's kernel durations (every kernel of the bench, one replay each, GPU
 
 then `bench/kernel_table.py bf16.csv [fp8.csv ...]` prints, for the last whole step of each file
 (the kernels after the previous step's optimizer update through the last one), every kernel name
-with its launches and milliseconds, largest first, side by side when several files are given.
+with its launches and milliseconds, largest first, side by side when several files are given,
+then the step's time by class of kernel (CLASSES: the experts' GEMMs, their weight gradients, the
+dense GEMMs, the attention core, the optimizer, the rest).
 Where the file also holds `dram__bytes_read.sum` and `dram__bytes_write.sum` (add them to ncu's
 --metrics), each row also gives the kernel's DRAM traffic in TB/s (its bytes over its time), so a
 memory-bound kernel below the GPU's bandwidth shows in the table.
@@ -88,6 +90,26 @@ def short_name(full):
     return s if len(s) <= 64 else s[:61] + "..."
 
 
+# Kernel classes, first match wins (by the short name): what FP8 or a faster GEMM can take, and what
+# it cannot (the attention core, the optimizer, the memory-bound rest).
+CLASSES = (
+    ("experts' grouped GEMMs (forward, data gradient)",
+     re.compile(r"^grouped_gemm_(m_contiguous|fp8_m_contiguous|gathered)")),
+    ("experts' weight gradients", re.compile(r"^grouped_gemm_(k_contiguous|fp8_wgrad)")),
+    ("dense GEMMs (cuBLASLt)", re.compile(r"^(nvjet|sm90_xmma|cutlass|splitKreduce)|gemm")),
+    ("attention core (cuDNN or own)", re.compile(r"^(cudnn|matmul_dq|compute_dot_do_o)|attention|flash")),
+    ("optimizer (update, gradient norm)", re.compile(r"^(adamw|grad_sum|grad_norm|f64_sum)")),
+)
+OTHER_CLASS = "the rest (norms, SwiGLU, permutes, residual adds, quantisation, ...)"
+
+
+def kernel_class(name):
+    for label, pattern in CLASSES:
+        if pattern.search(name):
+            return label
+    return OTHER_CLASS
+
+
 def last_step(kernels, step_kernel):
     ends = [i for i, (n, *_) in enumerate(kernels) if step_kernel in n]
     if not ends:
@@ -120,8 +142,13 @@ def main():
                 rate = b / t / 1e3 if t > 0 else 0.0
                 by_kernel[k].update({"dram_gb": None if math.isnan(b) else b / 1e9,
                                      "dram_tb_per_s": None if math.isnan(rate) else rate})
+        by_class = collections.OrderedDict((label, 0.0) for label, _ in CLASSES)
+        by_class[OTHER_CLASS] = 0.0
+        for k, e in by_kernel.items():
+            by_class[kernel_class(k)] += e["ms"]
         tables.append({"file": path, "steps_seen": steps, "kernels": len(step), "dram": has_bytes,
-                       "total_ms": sum(ns for _, ns, _ in step) / 1e6, "by_kernel": by_kernel})
+                       "total_ms": sum(ns for _, ns, _ in step) / 1e6, "by_kernel": by_kernel,
+                       "by_class": by_class})
 
     names = sorted({k for t in tables for k in t["by_kernel"]},
                    key=lambda k: -max(t["by_kernel"].get(k, {"ms": 0.0})["ms"] for t in tables))
@@ -147,6 +174,13 @@ def main():
         print(line)
     print(f"{'sum':<{width}}" + "".join(f" | {t['kernels']:>5} {t['total_ms']:>8.3f} {100.0:>5.1f}%" +
                                         (f" {'':>5}" if t["dram"] else "") for t in tables))
+    # The same step by class of kernel.
+    cwidth = max(len(c) for c in tables[0]["by_class"])
+    print()
+    print(f"{'class':<{cwidth}}" + "".join(f" | {'ms':>8} {'share':>6}" for _ in tables))
+    for c in tables[0]["by_class"]:
+        print(f"{c:<{cwidth}}" + "".join(
+            f" | {t['by_class'][c]:>8.3f} {100 * t['by_class'][c] / t['total_ms']:>5.1f}%" for t in tables))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(tables, f, indent=1)

@@ -2,7 +2,8 @@
 """bench/kernel_table.py on the committed kernel profile of one olmoe-8l step
 (bench/results/step-kernels-20261204/): its step is the kernels after the second-to-last AdamW
 update through the last (summed here from the CSV independently), the experts' four grouped GEMMs
-forward and data gradient appear 4 x n_layers times and the AdamW update once, a file with DRAM
+forward and data gradient appear 4 x n_layers times and the AdamW update once, the class table adds
+up to the step and holds the kernels its patterns name, a file with DRAM
 byte columns gives each kernel's TB/s, and files without the duration column, without a
 step-ending kernel or with an unknown byte unit are refused, naming the problem.
 Usage: kernel_table_check.py --source-dir DIR
@@ -59,6 +60,23 @@ def main():
         if kernel not in got or got[kernel][0] != calls:
             sys.exit(f"{kernel}: expected {calls} launches in the step, got {got.get(kernel)}")
 
+    # The class table: the classes add up to the step, and each holds the kernels its pattern names
+    # (summed here from the kernel rows: the grouped GEMMs, the weight gradients, the optimizer).
+    lines = r.stdout.splitlines()
+    start = next(i for i, x in enumerate(lines) if x.startswith("class"))
+    classes = {x.split("|")[0].strip(): float(x.split("|")[1].split()[0]) for x in lines[start + 1:] if "|" in x}
+    if len(classes) != 6 or abs(sum(classes.values()) - total_ms) > 0.01:
+        sys.exit(f"classes {classes} do not add up to the step's {total_ms:.3f} ms")
+    expect = {
+        "experts' grouped GEMMs (forward, data gradient)": got["grouped_gemm_m_contiguous_sm90"][1],
+        "experts' weight gradients": got["grouped_gemm_k_contiguous_sm90"][1],
+        "optimizer (update, gradient norm)": sum(ms for k, (_, ms) in got.items()
+                                                  if k != "sum" and re.match(r"(adamw|grad_sum|grad_norm)", k)),
+    }
+    for label, ms in expect.items():
+        if abs(classes.get(label, -1.0) - ms) > 0.002:
+            sys.exit(f"class '{label}': {classes.get(label)} ms, its kernels sum to {ms:.3f}")
+
     with tempfile.TemporaryDirectory() as tmp:
         bad = os.path.join(tmp, "bad.csv")
         open(bad, "w").write('"ID","Kernel Name"\n"",""\n"0","k"\n')
@@ -104,7 +122,7 @@ def main():
         if r.returncode == 0 or "dram__bytes_read.sum" not in r.stderr:
             sys.exit(f"an unknown byte unit was not refused by name: {r.returncode} {r.stderr}")
     print(f"kernel_table.py: a step of {len(step)} kernels, {total_ms:.3f} ms, as the CSV gives it; "
-          "DRAM rates per kernel; bad files refused")
+          "its classes add up to it; DRAM rates per kernel; bad files refused")
 
 
 if __name__ == "__main__":
