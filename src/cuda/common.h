@@ -41,4 +41,11 @@ namespace moe::cuda {
 // stream capture.
 void check_launch(const char* kernel, std::source_location where = std::source_location::current());
 
+// Raises `kernel`'s dynamic shared-memory limit to `bytes` (launches above 48 KiB need it). A
+// host-only attribute call: legal during stream capture.
+template <typename Kernel>
+void set_dynamic_smem_limit(Kernel kernel, size_t bytes) {
+  MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
 }  // namespace moe::cuda

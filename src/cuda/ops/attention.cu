@@ -60,17 +60,12 @@ void check_aligned(const char* op, std::initializer_list<detail::NamedPtr> ptrs)
   }
 }
 
-template <typename Kernel>
-void set_smem_limit(Kernel kernel, size_t bytes) {
-  MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-}
-
 template <int D>
 void launch_forward(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, float* lse,
                     const Shape& s, Stream stream) {
   using Tile = kernels::AttnForwardTile<D, kForwardWarps>;
   auto kernel = kernels::attention_forward_flash<D, kForwardWarps>;
-  set_smem_limit(kernel, Tile::kSmemBytes);
+  set_dynamic_smem_limit(kernel, Tile::kSmemBytes);
   const dim3 grid(static_cast<unsigned>((s.seq + Tile::kBlockQ - 1) / Tile::kBlockQ), static_cast<unsigned>(s.q_heads),
                   static_cast<unsigned>(s.batch));
   const float scale_log2 = static_cast<float>(kernels::kAttnLog2e / std::sqrt(static_cast<double>(D)));
@@ -98,7 +93,7 @@ void launch_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v, co
 
   using KvTile = kernels::AttnBackwardKvTile<D, backward_query_tile<D>()>;
   auto kv_kernel = kernels::attention_backward_dkdv_flash<D, backward_query_tile<D>()>;
-  set_smem_limit(kv_kernel, KvTile::kSmemBytes);
+  set_dynamic_smem_limit(kv_kernel, KvTile::kSmemBytes);
   const dim3 kv_grid(static_cast<unsigned>((s.seq + KvTile::kBlockK - 1) / KvTile::kBlockK),
                      static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
   kv_kernel<<<kv_grid, KvTile::kThreads, KvTile::kSmemBytes, stream>>>(q, k, v, lse, delta, dout, dk, dv, seq, hq,
@@ -107,7 +102,7 @@ void launch_backward(const uint16_t* q, const uint16_t* k, const uint16_t* v, co
 
   using QTile = kernels::AttnBackwardQTile<D>;
   auto q_kernel = kernels::attention_backward_dq_flash<D>;
-  set_smem_limit(q_kernel, QTile::kSmemBytes);
+  set_dynamic_smem_limit(q_kernel, QTile::kSmemBytes);
   const dim3 q_grid(static_cast<unsigned>((s.seq + QTile::kBlockQ - 1) / QTile::kBlockQ),
                     static_cast<unsigned>(s.q_heads), static_cast<unsigned>(s.batch));
   q_kernel<<<q_grid, QTile::kThreads, QTile::kSmemBytes, stream>>>(q, k, v, lse, delta, dout, dq, seq, hq, hkv,

@@ -54,7 +54,7 @@ void check_sizes(const char* op, int64_t max_rows, int64_t num_experts, int64_t 
 // Raises the kernel's dynamic shared-memory limit to `smem` and asks for the largest carveout.
 template <typename Kernel>
 void enable_shared_memory(Kernel kernel, size_t smem) {
-  MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  set_dynamic_smem_limit(kernel, smem);
   MOE_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
 }

@@ -206,7 +206,7 @@ size_t resident_smem_bytes(Kernel kernel, int threads, size_t need = 0) {
   const size_t smem = std::max(need, std::min<size_t>(size_t(per_block), size_t(per_sm) / 2 + 1024));
   MOE_CHECK(smem <= size_t(per_block), "cuda::adamw_apply: the update on a few multiprocessors needs ", smem,
             " bytes of shared memory a block, device ", device, " has ", per_block);
-  MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  set_dynamic_smem_limit(kernel, smem);
   int blocks = 0;
   MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem));
   MOE_CHECK(blocks == 1, "cuda::adamw_apply: ", blocks, " blocks of the update with ", smem,

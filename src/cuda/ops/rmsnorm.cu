@@ -61,10 +61,7 @@ void launch_rmsnorm_backward(const uint16_t* x, const uint16_t* w, const float* 
     if (stage <= kernels::kRmsMaxStageBytes) {
       // The sub-chunks' rows of x and dy kept in shared memory between the two phases.
       const auto kernel = kernels::rmsnorm_backward_row_chunks<V, kAddResidual, kRope, true>;
-      if (stage > 48 * 1024) {
-        MOE_CUDA_CHECK(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(stage)));
-      }
+      if (stage > 48 * 1024) set_dynamic_smem_limit(kernel, size_t(stage));
       kernel<<<static_cast<unsigned>(chunks), kernels::kRmsBackwardThreads, static_cast<size_t>(stage), stream>>>(
           x, w, rstd, dy, dx, partial_dw, n, d, acc, acc_bf16, rope_table, seq, head_dim);
       staged = true;
