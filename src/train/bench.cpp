@@ -230,8 +230,9 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
   run_steps(opt.warmup);
   if (ranks > 1) world.barrier();  // the timed steps start together on every host
   // The GPU's SM clock, power and clock-event reasons through the timed steps, every 100 ms.
+  const bool gpu = device == "cuda";
   std::optional<GpuClockSampler> clocks;
-  if (device == "cuda") clocks.emplace(visible_gpu_pci_bus_id(), 100);
+  if (gpu) clocks.emplace(visible_gpu_pci_bus_id(), 100);
   const auto t0 = Clock::now();
   last_collect = t0;
   timing = true;
@@ -254,7 +255,6 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
   step->set_profiling(false);
   const nlohmann::json details = step->bench_details();
 
-  const bool gpu = device == "cuda";
   const double step_ms = 1e3 * timed_s / double(opt.steps);
   std::vector<double> sorted = intervals;
   std::sort(sorted.begin(), sorted.end());

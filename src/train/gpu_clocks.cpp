@@ -80,6 +80,10 @@ GpuClockSampler::GpuClockSampler(const std::string& pci_bus_id, int period_ms) :
     reason_ = std::string("NVML not loaded: ") + (why != nullptr ? why : "libnvidia-ml.so.1 not found");
     return;
   }
+  const auto fail = [&](std::string why) {
+    reason_ = std::move(why);
+    release();
+  };
   auto init = symbol<int (*)()>(library_, "nvmlInit_v2");
   auto by_bus = symbol<int (*)(const char*, void**)>(library_, "nvmlDeviceGetHandleByPciBusId_v2");
   shutdown_ = symbol<int (*)()>(library_, "nvmlShutdown");
@@ -89,22 +93,16 @@ GpuClockSampler::GpuClockSampler(const std::string& pci_bus_id, int period_ms) :
   if (reasons_ == nullptr)  // drivers before 535 name it for throttling
     reasons_ = symbol<int (*)(void*, unsigned long long*)>(library_, "nvmlDeviceGetCurrentClocksThrottleReasons");
   if (init == nullptr || by_bus == nullptr || shutdown_ == nullptr || clock_ == nullptr || power_ == nullptr) {
-    reason_ = "NVML lacks the entry points this needs";
-    dlclose(library_);
-    library_ = nullptr;
+    fail("NVML lacks the entry points this needs");
     return;
   }
   if (const int rc = init(); rc != 0) {
-    reason_ = "nvmlInit_v2 returned " + std::to_string(rc);
-    dlclose(library_);
-    library_ = nullptr;
+    fail("nvmlInit_v2 returned " + std::to_string(rc));
     return;
   }
+  nvml_up_ = true;
   if (const int rc = by_bus(pci_bus_id.c_str(), &device_); rc != 0) {
-    reason_ = "NVML has no device at PCI bus id \"" + pci_bus_id + "\" (error " + std::to_string(rc) + ")";
-    shutdown_();
-    dlclose(library_);
-    library_ = nullptr;
+    fail("NVML has no device at PCI bus id \"" + pci_bus_id + "\" (error " + std::to_string(rc) + ")");
     return;
   }
   thread_ = std::thread([this] { run(); });
@@ -112,10 +110,14 @@ GpuClockSampler::GpuClockSampler(const std::string& pci_bus_id, int period_ms) :
 
 GpuClockSampler::~GpuClockSampler() {
   stop();
-  if (library_ != nullptr) {
-    shutdown_();
-    dlclose(library_);
-  }
+  release();
+}
+
+void GpuClockSampler::release() {
+  if (nvml_up_) shutdown_();
+  nvml_up_ = false;
+  if (library_ != nullptr) dlclose(library_);
+  library_ = nullptr;
 }
 
 void GpuClockSampler::stop() {

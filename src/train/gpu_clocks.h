@@ -53,10 +53,13 @@ class GpuClockSampler {
 
  private:
   void run();
+  // nvmlShutdown after a successful init, then the library closed (idempotent).
+  void release();
 
   int period_ms_;
   std::string reason_;  // why there are no samples, when there are none
   void* library_ = nullptr;
+  bool nvml_up_ = false;  // nvmlInit_v2 succeeded
   void* device_ = nullptr;
   // NVML entry points (nvmlReturn_t is an int; 0 is success).
   int (*shutdown_)() = nullptr;
