@@ -412,8 +412,11 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
   out << buf;
   out << ceiling_line;
   if (gpu) {
-    std::snprintf(buf, sizeof buf, "tokens/s/GPU %.0f | TFLOP/s/GPU %.1f | MFU %.1f%% (of %.0f) | step %.2f ms\n", tps_dev,
-                  tflops, 100.0 * mfu, kGpuPeakTflops, step_ms);
+    const nlohmann::json& st = rec["step_ms"];
+    std::snprintf(buf, sizeof buf,
+                  "tokens/s/GPU %.0f | TFLOP/s/GPU %.1f | MFU %.1f%% (of %.0f) | step %.2f ms (median %.2f, %.2f-%.2f)\n",
+                  tps_dev, tflops, 100.0 * mfu, kGpuPeakTflops, step_ms, st["median"].get<double>(),
+                  st["min"].get<double>(), st["max"].get<double>());
   } else {
     std::snprintf(buf, sizeof buf, "tokens/s %.0f | TFLOP/s %.4f | MFU n/a on cpu | step %.2f ms (median %.2f)\n", tps,
                   tflops, step_ms, rec["step_ms"]["median"].get<double>());
