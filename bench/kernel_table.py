@@ -94,7 +94,7 @@ def short_name(full):
 # it cannot (the attention core, the optimizer, the memory-bound rest).
 CLASSES = (
     ("experts' grouped GEMMs (forward, data gradient)",
-     re.compile(r"^grouped_gemm_(m_contiguous|fp8_m_contiguous|gathered)")),
+     re.compile(r"^grouped_gemm_(m_contiguous|fp8_m_contiguous)")),
     ("experts' weight gradients", re.compile(r"^grouped_gemm_(k_contiguous|fp8_wgrad)")),
     ("dense GEMMs (cuBLASLt)", re.compile(r"^(nvjet|sm90_xmma|cutlass|splitKreduce)|gemm")),
     ("attention core (cuDNN or own)", re.compile(r"^(cudnn|matmul_dq|compute_dot_do_o)|attention|flash")),

@@ -411,15 +411,16 @@ nlohmann::json run_bench(const Config& cfg_in, const BenchOptions& opt, std::ost
                 "sum", phase_sum, 100.0, step_ms, profiled_ms, step_ms);
   out << buf;
   out << ceiling_line;
+  const nlohmann::json& st = rec["step_ms"];  // mean, and the median / range of the timed steps
   if (gpu) {
-    const nlohmann::json& st = rec["step_ms"];
     std::snprintf(buf, sizeof buf,
-                  "tokens/s/GPU %.0f | TFLOP/s/GPU %.1f | MFU %.1f%% (of %.0f) | step %.2f ms (median %.2f, %.2f-%.2f)\n",
+                  "tokens/s/GPU %.0f | TFLOP/s/GPU %.1f | MFU %.1f%% (of %.0f) | step %.2f ms (median %.2f, "
+                  "%.2f-%.2f)\n",
                   tps_dev, tflops, 100.0 * mfu, kGpuPeakTflops, step_ms, st["median"].get<double>(),
                   st["min"].get<double>(), st["max"].get<double>());
   } else {
     std::snprintf(buf, sizeof buf, "tokens/s %.0f | TFLOP/s %.4f | MFU n/a on cpu | step %.2f ms (median %.2f)\n", tps,
-                  tflops, step_ms, rec["step_ms"]["median"].get<double>());
+                  tflops, step_ms, st["median"].get<double>());
   }
   out << buf;
   if (clocks) out << gpu_clocks_line(rec["gpu_clocks"]);
