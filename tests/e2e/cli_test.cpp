@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -95,50 +96,45 @@ TEST(Cli, EverySubcommandHasHelp) {
   EXPECT_CONTAINS(run_cli("help logits").output, "usage: moecore logits CHECKPOINT_DIR --tokens");
 }
 
+// A command line refused: its exit status and a part of what it prints.
+struct Refusal {
+  const char* args;
+  int status;
+  const char* says;
+};
+
+void expect_refusals(std::initializer_list<Refusal> cases) {
+  for (const Refusal& c : cases) {
+    SCOPED_TRACE(c.args);
+    const CmdResult r = run_cli(c.args);
+    EXPECT_EQ(r.status, c.status) << r.output;
+    EXPECT_CONTAINS(r.output, c.says);
+  }
+}
+
 TEST(Cli, MissingArgumentsAreNamed) {
-  const CmdResult tok = run_cli("tokenize --out=/tmp/moecore_unused.bin");
-  EXPECT_EQ(tok.status, 1);
-  EXPECT_CONTAINS(tok.output, "error: missing TEXT_FILE...");
-  EXPECT_CONTAINS(tok.output, "usage: moecore tokenize");
-  const CmdResult out = run_cli("tokenize a.txt");
-  EXPECT_EQ(out.status, 1);
-  EXPECT_CONTAINS(out.output, "error: missing --out FILE");
-  const CmdResult ex = run_cli("export-hf /tmp/some_checkpoint");
-  EXPECT_EQ(ex.status, 1);
-  EXPECT_CONTAINS(ex.output, "error: missing OUT_DIR");
-  const CmdResult lg = run_cli("logits /tmp/some_checkpoint");
-  EXPECT_EQ(lg.status, 1);
-  EXPECT_CONTAINS(lg.output, "error: missing --tokens");
-  const CmdResult ins = run_cli("inspect");
-  EXPECT_EQ(ins.status, 1);
-  EXPECT_CONTAINS(ins.output, "error: missing CHECKPOINT_DIR");
-  const CmdResult extra = run_cli("inspect a b");
-  EXPECT_EQ(extra.status, 1);
-  EXPECT_CONTAINS(extra.output, "unexpected argument 'b'");
-  const CmdResult value = run_cli("train --dry-run --run.dir --train.steps=3");
-  EXPECT_EQ(value.status, 1);
-  EXPECT_CONTAINS(value.output, "--run.dir needs a value, but the next argument is the option '--train.steps=3'");
-  const CmdResult last = run_cli("train --dry-run --train.steps");
-  EXPECT_EQ(last.status, 1);
-  EXPECT_CONTAINS(last.output, "--train.steps needs a value");
+  expect_refusals({
+      {"tokenize --out=/tmp/moecore_unused.bin", 1, "error: missing TEXT_FILE..."},
+      {"tokenize --out=/tmp/moecore_unused.bin", 1, "usage: moecore tokenize"},
+      {"tokenize a.txt", 1, "error: missing --out FILE"},
+      {"export-hf /tmp/some_checkpoint", 1, "error: missing OUT_DIR"},
+      {"logits /tmp/some_checkpoint", 1, "error: missing --tokens"},
+      {"inspect", 1, "error: missing CHECKPOINT_DIR"},
+      {"inspect a b", 1, "unexpected argument 'b'"},
+      {"train --dry-run --run.dir --train.steps=3", 1,
+       "--run.dir needs a value, but the next argument is the option '--train.steps=3'"},
+      {"train --dry-run --train.steps", 1, "--train.steps needs a value"},
+  });
 }
 
 TEST(Cli, UnknownOptionsSuggestTheNearest) {
-  const CmdResult b = run_cli("bench --stpes 3 --out=");
-  EXPECT_EQ(b.status, 1);
-  EXPECT_CONTAINS(b.output, "unknown option '--stpes' for `moecore bench`; did you mean '--steps'?");
-  const CmdResult t = run_cli("train --dry-run --steps=3");
-  EXPECT_EQ(t.status, 1);
-  EXPECT_CONTAINS(t.output, "did you mean the config key '--train.steps'?");
-  const CmdResult o = run_cli("inspect --model.n_layers=2 x");
-  EXPECT_EQ(o.status, 1);
-  EXPECT_CONTAINS(o.output, "takes no config overrides");
-  const CmdResult c = run_cli("trian");
-  EXPECT_EQ(c.status, 2);
-  EXPECT_CONTAINS(c.output, "unknown command 'trian'; did you mean 'train'?");
-  const CmdResult w = run_cli("train --world 2");
-  EXPECT_EQ(w.status, 1);
-  EXPECT_CONTAINS(w.output, "--world N goes with --dry-run");
+  expect_refusals({
+      {"bench --stpes 3 --out=", 1, "unknown option '--stpes' for `moecore bench`; did you mean '--steps'?"},
+      {"train --dry-run --steps=3", 1, "did you mean the config key '--train.steps'?"},
+      {"inspect --model.n_layers=2 x", 1, "takes no config overrides"},
+      {"trian", 2, "unknown command 'trian'; did you mean 'train'?"},
+      {"train --world 2", 1, "--world N goes with --dry-run"},
+  });
 }
 
 TEST(Cli, ErrorSiteOnlyUnderMoecoreDebug) {
