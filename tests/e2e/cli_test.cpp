@@ -137,6 +137,16 @@ TEST(Cli, UnknownOptionsSuggestTheNearest) {
   });
 }
 
+TEST(Cli, BadKeysAndValuesAreNamed) {
+  expect_refusals({
+      {"train --dry-run --moe.topk=3", 1, "moe.top_k"},
+      {"bench --steps x --out=", 1, "--steps: expected an integer, got 'x'"},
+      {"tokenize --out /tmp/unused.bin --eos", 1, "--eos needs a value"},
+      {"train --dry-run --model.n_kv_heads=3", 1, "n_kv_heads"},
+      {"train /nonexistent/config.toml", 1, "/nonexistent/config.toml"},
+  });
+}
+
 TEST(Cli, ErrorSiteOnlyUnderMoecoreDebug) {
   const CmdResult plain = run_cli("train --dry-run --model.n_kv_heads=3");
   EXPECT_EQ(plain.status, 1);
