@@ -13,7 +13,10 @@ then the step's time by class of kernel (CLASSES: the experts' GEMMs, their weig
 dense GEMMs, the attention core, the optimizer, the rest).
 Where the file also holds `dram__bytes_read.sum` and `dram__bytes_write.sum` (add them to ncu's
 --metrics), each row also gives the kernel's DRAM traffic in TB/s (its bytes over its time), so a
-memory-bound kernel below the GPU's bandwidth shows in the table.
+memory-bound kernel below the GPU's bandwidth shows in the table; with --bytes also its MB read and
+written a launch (the mean over its launches), to set against what it must move once (a kernel that
+reads an input several times from DRAM shows there). Bytes are counted as they reach DRAM: dirty
+lines still in L2 when a kernel ends are not, so a kernel's writes may read low.
 A step ends with the AdamW update kernel (--step-kernel names another). Files may be gzipped.
 The durations are of kernels run one at a time under the profiler: their sum is below the step
 the bench times (no overlap between streams, and the clocks of an idle-between-kernels GPU).
@@ -33,7 +36,7 @@ BYTE_UNITS = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e
 
 
 def read_kernels(path):
-    """[(kernel name, duration in ns, DRAM bytes read and written or None)] in launch order."""
+    """[(kernel name, duration in ns, (DRAM bytes read, written) or None)] in launch order."""
     opener = gzip.open if path.endswith(".gz") else open
     try:
         with opener(path, "rt") as f:
@@ -67,9 +70,9 @@ def read_kernels(path):
         nbytes = None
         if byte_cols:
             try:
-                nbytes = sum(float(r[c].replace(",", "")) * u for c, u in byte_cols)
+                nbytes = tuple(float(r[c].replace(",", "")) * u for c, u in byte_cols)
             except (IndexError, ValueError):
-                nbytes = float("nan")  # a kernel whose bytes ncu did not give: its rate is unknown
+                nbytes = (float("nan"), float("nan"))  # a kernel whose bytes ncu did not give: unknown
         out.append((r[name_col], ns, nbytes))
     return out
 
@@ -123,6 +126,8 @@ def main():
     ap.add_argument("csv", nargs="+", help="ncu --csv --page raw output (.csv or .csv.gz)")
     ap.add_argument("--step-kernel", default="adamw_update_segments", help="the kernel that ends each step")
     ap.add_argument("--top", type=int, default=40, help="rows printed (0: all)")
+    ap.add_argument("--bytes", action="store_true",
+                    help="with DRAM columns: also each kernel's MB read and written a launch (the mean)")
     ap.add_argument("--json", help="also write the tables as JSON here")
     a = ap.parse_args()
 
@@ -133,15 +138,18 @@ def main():
         has_bytes = bool(step) and step[0][2] is not None
         for name, ns, nbytes in step:
             k = short_name(name)
-            calls, total, total_bytes = agg.get(k, (0, 0.0, 0.0))
-            agg[k] = (calls + 1, total + ns, total_bytes + (nbytes or 0.0))
+            calls, total, rd, wr = agg.get(k, (0, 0.0, 0.0, 0.0))
+            agg[k] = (calls + 1, total + ns, rd + (nbytes or (0.0, 0.0))[0], wr + (nbytes or (0.0, 0.0))[1])
         by_kernel = {}
-        for k, (c, t, b) in agg.items():
+        for k, (c, t, rd, wr) in agg.items():
             by_kernel[k] = {"calls": c, "ms": t / 1e6}
             if has_bytes:  # NaN where a launch's bytes are missing (printed as "-", JSON null)
+                b = rd + wr
                 rate = b / t / 1e3 if t > 0 else 0.0
-                by_kernel[k].update({"dram_gb": None if math.isnan(b) else b / 1e9,
-                                     "dram_tb_per_s": None if math.isnan(rate) else rate})
+                known = lambda v: None if math.isnan(v) else v
+                by_kernel[k].update({"dram_gb": known(b / 1e9), "dram_tb_per_s": known(rate),
+                                     "dram_read_mb_per_launch": known(rd / c / 1e6),
+                                     "dram_write_mb_per_launch": known(wr / c / 1e6)})
         by_class = collections.OrderedDict((label, 0.0) for label, _ in CLASSES)
         by_class[OTHER_CLASS] = 0.0
         for k, e in by_kernel.items():
@@ -155,8 +163,10 @@ def main():
     if a.top > 0:
         names = names[:a.top]
     width = max([len(n) for n in names] + [6])
+    per_launch = lambda t: a.bytes and t["dram"]  # the MB columns of that file
     head = f"{'kernel':<{width}}" + "".join(
-        f" | {'calls':>5} {'ms':>8} {'share':>6}" + (f" {'TB/s':>5}" if t["dram"] else "") for t in tables)
+        f" | {'calls':>5} {'ms':>8} {'share':>6}" + (f" {'TB/s':>5}" if t["dram"] else "") +
+        (f" {'MB rd':>8} {'MB wr':>8}" if per_launch(t) else "") for t in tables)
     print("one step's kernels, largest first; columns per file: " +
           ", ".join(f"[{i}] {t['file']} ({t['kernels']} kernels, {t['total_ms']:.2f} ms)"
                     for i, t in enumerate(tables)))
@@ -171,9 +181,14 @@ def main():
             if t["dram"]:
                 rate = e["dram_tb_per_s"] if e else None
                 line += f" {rate:>5.2f}" if rate is not None else f" {'-':>5}"
+            if per_launch(t):
+                for key in ("dram_read_mb_per_launch", "dram_write_mb_per_launch"):
+                    mb = e[key] if e else None
+                    line += f" {mb:>8.1f}" if mb is not None else f" {'-':>8}"
         print(line)
     print(f"{'sum':<{width}}" + "".join(f" | {t['kernels']:>5} {t['total_ms']:>8.3f} {100.0:>5.1f}%" +
-                                        (f" {'':>5}" if t["dram"] else "") for t in tables))
+                                        (f" {'':>5}" if t["dram"] else "") +
+                                        (f" {'':>8} {'':>8}" if per_launch(t) else "") for t in tables))
     # The same step by class of kernel.
     cwidth = max(len(c) for c in tables[0]["by_class"])
     print()

@@ -3,9 +3,9 @@
 (bench/results/step-kernels-20261204/): its step is the kernels after the second-to-last AdamW
 update through the last (summed here from the CSV independently), the experts' four grouped GEMMs
 forward and data gradient appear 4 x n_layers times and the AdamW update once, the class table adds
-up to the step and holds the kernels its patterns name, a file with DRAM
-byte columns gives each kernel's TB/s, and files without the duration column, without a
-step-ending kernel or with an unknown byte unit are refused, naming the problem.
+up to the step and holds the kernels its patterns name, a file with DRAM byte columns gives each
+kernel's TB/s (and with --bytes its MB read and written a launch), and files without the duration
+column, without a step-ending kernel or with an unknown byte unit are refused, naming the problem.
 Usage: kernel_table_check.py --source-dir DIR
 """
 import argparse
@@ -90,11 +90,11 @@ def main():
             sys.exit(f"a file without a step-ending kernel was not refused: {r.returncode} {r.stderr}")
         dram_head = '"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum"\n'
 
-        def table_of(name, body):
+        def table_of(name, body, *args):
             """kernel_table.py on a CSV with DRAM columns: (its run, copy_kernel's row fields, the sum row)."""
             path = os.path.join(tmp, name)
             open(path, "w").write(dram_head + body)
-            r = run(script, path)
+            r = run(script, path, *args)
             lines = r.stdout.splitlines()
             line = next((x for x in lines if x.startswith("copy_kernel")), "")
             fields = line.split("|")[1].split() if "|" in line else []
@@ -102,13 +102,19 @@ def main():
 
         # A kernel's TB/s is its bytes read and written over its time, summed over its launches
         # (2 launches: 3 MB + 1 GB and 1 MB + 2 GB in 1 + 0.5 ms: 3.004 GB / 1.5 ms).
-        r, parts, _ = table_of("dram.csv", '"","","Mbyte","Gbyte","msecond"\n'
-                               '"0","adamw_update_segments","0","0","1"\n'
-                               '"1","copy_kernel(float*)","3","1","1"\n'
-                               '"2","copy_kernel(float*)","1","2","0.5"\n'
-                               '"3","adamw_update_segments","1000","1","1"\n')
+        dram_body = ('"","","Mbyte","Gbyte","msecond"\n'
+                     '"0","adamw_update_segments","0","0","1"\n'
+                     '"1","copy_kernel(float*)","3","1","1"\n'
+                     '"2","copy_kernel(float*)","1","2","0.5"\n'
+                     '"3","adamw_update_segments","1000","1","1"\n')
+        r, parts, _ = table_of("dram.csv", dram_body)
         if r.returncode != 0 or parts != ["2", "1.500", "60.0%", "2.00"]:
             sys.exit(f"DRAM columns: expected copy_kernel at 2 launches, 1.500 ms, 60.0%, 2.00 TB/s, got "
+                     f"{parts} (rc {r.returncode}, {r.stderr})")
+        # --bytes: the MB read and written a launch, the means (4 MB and 3 GB over 2 launches).
+        r, parts, _ = table_of("dram.csv", dram_body, "--bytes")
+        if r.returncode != 0 or parts != ["2", "1.500", "60.0%", "2.00", "2.0", "1500.0"]:
+            sys.exit(f"--bytes: expected copy_kernel's 2.0 MB read and 1500.0 MB written a launch, got "
                      f"{parts} (rc {r.returncode}, {r.stderr})")
         # A launch without its bytes keeps its time in the step, and its kernel's rate is "-".
         r, parts, total = table_of("gap.csv", '"","","byte","byte","ns"\n'
@@ -118,11 +124,17 @@ def main():
         if r.returncode != 0 or parts != ["1", "0.001", "50.0%", "-"] or "0.002" not in total:
             sys.exit(f"a launch without bytes: expected its time kept and its rate '-', got {parts} / {total!r} "
                      f"(rc {r.returncode}, {r.stderr})")
+        r, parts, _ = table_of("gap.csv", '"","","byte","byte","ns"\n'
+                               '"0","adamw_update_segments","0","0","1000"\n'
+                               '"1","copy_kernel(float*)","n/a","5","1000"\n'
+                               '"2","adamw_update_segments","1","1","1000"\n', "--bytes")
+        if r.returncode != 0 or parts != ["1", "0.001", "50.0%", "-", "-", "-"]:
+            sys.exit(f"--bytes, a launch without bytes: expected its MB as '-', got {parts} (rc {r.returncode})")
         r, _, _ = table_of("badunit.csv", '"","","bits","byte","ns"\n"0","adamw_update_segments","1","1","1"\n')
         if r.returncode == 0 or "dram__bytes_read.sum" not in r.stderr:
             sys.exit(f"an unknown byte unit was not refused by name: {r.returncode} {r.stderr}")
     print(f"kernel_table.py: a step of {len(step)} kernels, {total_ms:.3f} ms, as the CSV gives it; "
-          "its classes add up to it; DRAM rates per kernel; bad files refused")
+          "its classes add up to it; DRAM rates and bytes per kernel; bad files refused")
 
 
 if __name__ == "__main__":
