@@ -77,6 +77,11 @@ def read_kernels(path):
     return out
 
 
+def known(v):
+    """v, or None where it is NaN (a launch whose bytes ncu did not give)."""
+    return None if math.isnan(v) else v
+
+
 def short_name(full):
     """The function's own name: no return type, namespaces, template arguments or parameters."""
     s = re.sub(r"\(.*", "", full)
@@ -139,14 +144,14 @@ def main():
         for name, ns, nbytes in step:
             k = short_name(name)
             calls, total, rd, wr = agg.get(k, (0, 0.0, 0.0, 0.0))
-            agg[k] = (calls + 1, total + ns, rd + (nbytes or (0.0, 0.0))[0], wr + (nbytes or (0.0, 0.0))[1])
+            launch_rd, launch_wr = nbytes or (0.0, 0.0)
+            agg[k] = (calls + 1, total + ns, rd + launch_rd, wr + launch_wr)
         by_kernel = {}
         for k, (c, t, rd, wr) in agg.items():
             by_kernel[k] = {"calls": c, "ms": t / 1e6}
             if has_bytes:  # NaN where a launch's bytes are missing (printed as "-", JSON null)
                 b = rd + wr
                 rate = b / t / 1e3 if t > 0 else 0.0
-                known = lambda v: None if math.isnan(v) else v
                 by_kernel[k].update({"dram_gb": known(b / 1e9), "dram_tb_per_s": known(rate),
                                      "dram_read_mb_per_launch": known(rd / c / 1e6),
                                      "dram_write_mb_per_launch": known(wr / c / 1e6)})

@@ -117,17 +117,15 @@ def main():
             sys.exit(f"--bytes: expected copy_kernel's 2.0 MB read and 1500.0 MB written a launch, got "
                      f"{parts} (rc {r.returncode}, {r.stderr})")
         # A launch without its bytes keeps its time in the step, and its kernel's rate is "-".
-        r, parts, total = table_of("gap.csv", '"","","byte","byte","ns"\n'
-                                   '"0","adamw_update_segments","0","0","1000"\n'
-                                   '"1","copy_kernel(float*)","n/a","5","1000"\n'
-                                   '"2","adamw_update_segments","1","1","1000"\n')
+        gap_body = ('"","","byte","byte","ns"\n'
+                    '"0","adamw_update_segments","0","0","1000"\n'
+                    '"1","copy_kernel(float*)","n/a","5","1000"\n'
+                    '"2","adamw_update_segments","1","1","1000"\n')
+        r, parts, total = table_of("gap.csv", gap_body)
         if r.returncode != 0 or parts != ["1", "0.001", "50.0%", "-"] or "0.002" not in total:
             sys.exit(f"a launch without bytes: expected its time kept and its rate '-', got {parts} / {total!r} "
                      f"(rc {r.returncode}, {r.stderr})")
-        r, parts, _ = table_of("gap.csv", '"","","byte","byte","ns"\n'
-                               '"0","adamw_update_segments","0","0","1000"\n'
-                               '"1","copy_kernel(float*)","n/a","5","1000"\n'
-                               '"2","adamw_update_segments","1","1","1000"\n', "--bytes")
+        r, parts, _ = table_of("gap.csv", gap_body, "--bytes")
         if r.returncode != 0 or parts != ["1", "0.001", "50.0%", "-", "-", "-"]:
             sys.exit(f"--bytes, a launch without bytes: expected its MB as '-', got {parts} (rc {r.returncode})")
         r, _, _ = table_of("badunit.csv", '"","","bits","byte","ns"\n"0","adamw_update_segments","1","1","1"\n')
