@@ -395,12 +395,12 @@ nlohmann::json grouped_fp8_section(const Args& a, cudaStream_t s, int64_t rows, 
     MOE_CUDA_CHECK(cudaMemcpy(topk_w, w_host.data(), rows * 4, cudaMemcpyHostToDevice));
     const Fp8Rows in = experts_fp8_input_rows(f8, f8_bytes, rows, D, I);
     const uint16_t* tokens = x;  // the first T rows of x as the token rows, y as the combine's saved output
-    auto perm16 = [&] { permute_forward(tokens, d_sorted, T, k, D, xs, s); };
+    auto perm16 = [&] { permute_forward(tokens, d_sorted, d_r2r, T, k, D, xs, s); };
     auto perm_q = [&] {
-      permute_forward(tokens, d_sorted, T, k, D, xs, s);
+      permute_forward(tokens, d_sorted, d_r2r, T, k, D, xs, s);
       fp8_quantize_blocks(xs, rows, D, moe::kFp8ActivationBlock, e4, in.codes, in.scales, nullptr, s);
     };
-    auto perm8 = [&] { permute_forward_fp8(tokens, d_sorted, T, k, D, xs, in.codes, in.scales, s); };
+    auto perm8 = [&] { permute_forward_fp8(tokens, d_sorted, d_r2r, T, k, D, xs, in.codes, in.scales, s); };
     auto unp16 = [&] { unpermute_backward(tokens, y, d_sorted, d_r2r, topk_w, T, k, D, xs, dtopk_w, s); };
     auto unp_q = [&] {
       unpermute_backward(tokens, y, d_sorted, d_r2r, topk_w, T, k, D, xs, dtopk_w, s);

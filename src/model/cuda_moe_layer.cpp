@@ -113,9 +113,9 @@ void CudaMoeLayer::forward(const CudaBlockContext& c, CudaResidual& res, CudaMoe
     uint16_t* xs = sl.x_sorted->as<uint16_t>();
     const cuda::Fp8Rows xq = shared.experts->fp8_input_rows(rows);  // FP8 experts: codes in the same pass
     if (xq.codes != nullptr)
-      cuda::permute_forward_fp8(norm, sorted_route, n, k, d, xs, xq.codes, xq.scales, st, xq.rule);
+      cuda::permute_forward_fp8(norm, sorted_route, route_to_row, n, k, d, xs, xq.codes, xq.scales, st, xq.rule);
     else
-      cuda::permute_forward(norm, sorted_route, n, k, d, xs, st);
+      cuda::permute_forward(norm, sorted_route, route_to_row, n, k, d, xs, st);
     shared.experts->forward(c, m, p_, counts, offsets, xs, rows, ys, xq.codes != nullptr);
   }
   c.mark(cuda::Phase::kCombine);
@@ -196,7 +196,8 @@ void CudaMoeLayer::recompute_selective(const CudaBlockContext& c, CudaMoeShared&
   uint16_t* norm = sl.norm->as<uint16_t>();
   cuda::rmsnorm_forward(sl.x->as<uint16_t>(), c.params + p_.mlp_norm, norm, sl.rstd->as<float>(), n, d, norm_eps_, st);
   if (!token_rows_)
-    cuda::permute_forward(norm, s.dispatch.sorted_route_R.as<int32_t>(), n, k, d, sl.x_sorted->as<uint16_t>(), st);
+    cuda::permute_forward(norm, s.dispatch.sorted_route_R.as<int32_t>(), s.dispatch.route_to_row_R.as<int32_t>(), n,
+                          k, d, sl.x_sorted->as<uint16_t>(), st);
   shared.experts->recompute(c, p_.moe_index, p_, s.dispatch.offsets_E1.as<int32_t>(), rows,
                             pooled_y_ ? sl.y_sorted->as<uint16_t>() : nullptr);
   if (p_.shared) mlp_recompute_h_gpu(sl.shared_gate_up->as<uint16_t>(), sl.shared_h->as<uint16_t>(), n, p_.mlp_hidden, st);

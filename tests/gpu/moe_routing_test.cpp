@@ -462,7 +462,7 @@ TEST(MoeRouterGpuEdge, RejectsUnsupportedShapes) {
   const std::string map_k = message([&] { cuda::dispatch_map_workspace_bytes(10, 9, 8); });
   EXPECT_NE(map_k.find("top_k=9"), std::string::npos) << map_k;
   const std::string rows = message([&] {
-    cuda::permute_forward(nullptr, nullptr, int64_t{1} << 30, 8, 64, nullptr, nullptr);
+    cuda::permute_forward(nullptr, nullptr, nullptr, int64_t{1} << 30, 8, 64, nullptr, nullptr);
   });
   EXPECT_NE(rows.find("do not fit int32"), std::string::npos) << rows;
   const std::string null_rows = message([&] { cuda::unpermute_forward(nullptr, nullptr, nullptr, 4, 2, 8, nullptr, nullptr); });
@@ -698,7 +698,7 @@ TEST_P(MoePermuteGpu, IntegerValuedDataMovesBitExactly) {
   // permute: x_sorted[row] = x[token of row], dropped-tail rows zero.
   const auto x = integer_values(T * D, -8, 8, 1);
   GuardedBuffer<uint16_t> d_x(narrow(x), c.misalign), d_xs(R * D, c.misalign);
-  cuda::permute_forward(d_x.data(), s.d_sorted.data(), T, k, D, d_xs.data(), stream.get());
+  cuda::permute_forward(d_x.data(), s.d_sorted.data(), s.d_r2r.data(), T, k, D, d_xs.data(), stream.get());
   std::vector<float> xs_ref(R * D);
   cpu::permute_forward<float>(x.data(), s.map.sorted_route.data(), R, k, D, xs_ref.data());
 
@@ -808,9 +808,9 @@ TEST(MoePermuteGpuFp8, ProducersWriteTheirRowsCodesBitwise) {
     GuardedBuffer<uint16_t> d_x(x), d_y(y), d_dout(dout), xs(R * D), xs_ref(R * D), dy(R * D), dy_ref(R * D);
     GuardedBuffer<float> d_w(w), dw(T * k), dw_ref(T * k), sc(R * D / 128), sc_ref(R * D / 128);
     GuardedBuffer<uint8_t> q(R * D), q_ref(R * D);
-    cuda::permute_forward_fp8(d_x.data(), s.d_sorted.data(), T, k, D, xs.data(), q.data(), sc.data(), stream.get(),
-                              rule);
-    cuda::permute_forward(d_x.data(), s.d_sorted.data(), T, k, D, xs_ref.data(), stream.get());
+    cuda::permute_forward_fp8(d_x.data(), s.d_sorted.data(), s.d_r2r.data(), T, k, D, xs.data(), q.data(), sc.data(),
+                              stream.get(), rule);
+    cuda::permute_forward(d_x.data(), s.d_sorted.data(), s.d_r2r.data(), T, k, D, xs_ref.data(), stream.get());
     cuda::fp8_quantize_blocks(xs_ref.data(), R, D, kFp8ActivationBlock, Fp8Format::kE4M3, q_ref.data(), sc_ref.data(),
                               nullptr, stream.get(), rule);
     stream.sync();
@@ -846,14 +846,15 @@ TEST(MoePermuteGpuFp8, ProducersWriteTheirRowsCodesBitwise) {
   GuardedBuffer<float> cs(8);
   GuardedBuffer<int32_t> route(std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7});
   const std::string msg = error_of([&] {
-    cuda::permute_forward_fp8(b.data(), route.data(), 4, 2, 96, b.data(), cq.data(), cs.data(), stream.get());
+    cuda::permute_forward_fp8(b.data(), route.data(), route.data(), 4, 2, 96, b.data(), cq.data(), cs.data(),
+                              stream.get());
   });
   EXPECT_NE(msg.find("cuda::permute_forward_fp8: d must be a multiple of 128"), std::string::npos) << msg;
 }
 
 TEST(MoePermuteGpuEdge, NoTokensIsANoOp) {
   MOE_SKIP_WITHOUT_GPU();
-  EXPECT_NO_THROW(cuda::permute_forward(nullptr, nullptr, 0, 2, 64, nullptr, nullptr));
+  EXPECT_NO_THROW(cuda::permute_forward(nullptr, nullptr, nullptr, 0, 2, 64, nullptr, nullptr));
   EXPECT_NO_THROW(cuda::permute_backward(nullptr, nullptr, 0, 2, 64, nullptr, nullptr));
   EXPECT_NO_THROW(cuda::unpermute_forward(nullptr, nullptr, nullptr, 0, 2, 64, nullptr, nullptr));
   EXPECT_NO_THROW(cuda::unpermute_backward(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 2, 64, nullptr, nullptr,
@@ -897,7 +898,8 @@ void run_chain(const ChainShape& s, const cuda::RouterParams& p, ChainInputs& in
   const int64_t capacity = capacity_of(s.capacity_factor, s.T, s.k, s.E);
   o.router.run(in.logits.data(), in.bias.data(), stream);
   o.map.run(o.router.idx.data(), capacity, stream);
-  cuda::permute_forward(in.x.data(), o.map.sorted_route.data(), s.T, s.k, s.D, o.x_sorted.data(), stream);
+  cuda::permute_forward(in.x.data(), o.map.sorted_route.data(), o.map.route_to_row.data(), s.T, s.k, s.D,
+                        o.x_sorted.data(), stream);
   // The experts are elsewhere: combine the permuted rows themselves (y_sorted = x_sorted).
   cuda::unpermute_forward(o.x_sorted.data(), o.map.route_to_row.data(), o.router.topk_w.data(), s.T, s.k, s.D,
                           o.out.data(), stream);

@@ -1,9 +1,10 @@
-// Permute / unpermute kernels on BF16 rows (bit patterns), driven by the dispatch map. Gathers
-// only (no atomics, deterministic): one thread per kVec-value pack (kVec = 8: one 16-byte
-// access) for permute, its backward and the combine; one warp per route for unpermute's
+// Permute / unpermute kernels on BF16 rows (bit patterns), driven by the dispatch map. No atomics,
+// deterministic: one thread per kVec-value pack (kVec = 8: one 16-byte access) for permute (a
+// scatter: each token row read once, stored into its routes' rows, one writer per row), its
+// backward and the combine (gathers); one warp per route for unpermute's
 // backward, which also reduces <dout[t], y_sorted[row]>. FP32 sums in slot order, one BF16
 // rounding per output. Indices outside [0, R = T*k) count as -1 (none). The FP8 experts'
-// producers (permute_gather_rows_fp8, unpermute_backward_warp_per_route<8, true>) write the same BF16 rows and their
+// producers (permute_scatter_rows_fp8, unpermute_backward_warp_per_route<8, true>) write the same BF16 rows and their
 // 1 x 128 E4M3 codes and FP32 scales by the FP8 rule (fp8_quantize_half_warp_block of the stored values: bitwise
 // what fp8_quantize_blocks writes for those rows), d a multiple of 128.
 #pragma once
@@ -27,20 +28,53 @@ struct RowShape {
 // else outside [0, R) read as "none", so a bad map never indexes memory.
 __device__ __forceinline__ bool in_rows(int32_t i, const RowShape& s) { return i >= 0 && i < s.routes; }
 
+// Runs zero_row(r) for every row r of the R whose sorted_route names no route (padding of a capacity
+// factor; none when dropless), on the warps of the blocks from first_block on: each warp reads 32
+// entries of sorted_route and its lanes take the rows it found one after the other. Every lane of
+// the warp calls zero_row (the FP8 producer's shuffles).
+template <typename ZeroRow>
+__device__ __forceinline__ void for_rows_without_route(const int32_t* sorted_route, const RowShape& s,
+                                                       int64_t first_block, ZeroRow&& zero_row) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = (int64_t{gridDim.x} - first_block) * (kPermuteThreads / 32);
+  for (int64_t g = ((int64_t{blockIdx.x} - first_block) * kPermuteThreads + threadIdx.x) / 32; g * 32 < s.routes;
+       g += warps) {
+    const int64_t r = g * 32 + lane;
+    unsigned none = __ballot_sync(0xffffffffu, r < s.routes && !in_rows(sorted_route[r], s));
+    while (none != 0) {
+      const int b = __ffs(none) - 1;
+      none &= none - 1;
+      zero_row(g * 32 + b);
+    }
+  }
+}
+
+// Permute as a scatter: thread i takes pack v of token t's row (read once) and stores it into the
+// row of each of its kept routes (route_to_row, the inverse of sorted_route: no two routes share a
+// row, so every store has one writer and no atomics are needed); the blocks from scatter_blocks on
+// zero the rows without a route. Against a gather in row order, which reads each token row k times
+// in expert order (mostly from DRAM), the token rows are read once.
 template <int kVec>
 __global__ void __launch_bounds__(kPermuteThreads)
-    permute_gather_rows(const uint16_t* x, const int32_t* sorted_route, RowShape s,
-                        uint16_t* x_sorted) {
-  const int64_t total = s.routes * s.packs_per_row;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kPermuteThreads + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * kPermuteThreads) {
-    const int64_t row = i / s.packs_per_row, v = i - row * s.packs_per_row;
-    const int32_t r = sorted_route[row];
-    uint16_t* dst = x_sorted + row * s.d + v * kVec;
-    if (!in_rows(r, s))
-      store_zero_bf16<kVec>(dst);
-    else
-      copy_bf16<kVec>(x + (r / s.top_k) * s.d + v * kVec, dst);
+    permute_scatter_rows(const uint16_t* __restrict__ x, const int32_t* __restrict__ sorted_route,
+                         const int32_t* __restrict__ route_to_row, RowShape s, int64_t scatter_blocks,
+                         uint16_t* __restrict__ x_sorted) {
+  if (blockIdx.x >= scatter_blocks) {
+    const int lane = threadIdx.x & 31;
+    for_rows_without_route(sorted_route, s, scatter_blocks, [&](int64_t row) {
+      for (int64_t v = lane; v < s.packs_per_row; v += 32) store_zero_bf16<kVec>(x_sorted + row * s.d + v * kVec);
+    });
+    return;
+  }
+  const int64_t total = s.num_tokens * s.packs_per_row;
+  for (int64_t i = int64_t{blockIdx.x} * kPermuteThreads + threadIdx.x; i < total;
+       i += scatter_blocks * kPermuteThreads) {
+    const int64_t t = i / s.packs_per_row, v = i - t * s.packs_per_row;
+    const uint16_t* src = x + t * s.d + v * kVec;
+    for (int64_t j = 0; j < s.top_k; ++j) {
+      const int32_t row = route_to_row[t * s.top_k + j];
+      if (in_rows(row, s)) copy_bf16<kVec>(src, x_sorted + row * s.d + v * kVec);
+    }
   }
 }
 
@@ -160,37 +194,60 @@ __global__ void __launch_bounds__(kPermuteThreads)
   }
 }
 
-// permute_gather_rows with the quantisation fused in: a half-warp per 128-column block of x_sorted
-// (lane l of the half its elements 8l .. 8l + 7), 16 blocks per CTA and grid-stride step, so every
-// lane of a warp runs the same iterations (the block's amax is a shuffle within the half).
+// permute_scatter_rows with the quantisation fused in: a half-warp per 128-column block of a token
+// row (lane l of the half its elements 8l .. 8l + 7), 16 blocks per CTA and grid-stride step, so
+// every lane of a warp runs the same iterations (the block's amax is a shuffle within the half). The
+// block's codes and scale are found once and stored, with its BF16 bits, into each kept route's row;
+// the blocks from scatter_blocks on give the rows without a route zeros, codes 0 and scale 1 (the
+// quantisation of a zero block).
 constexpr int64_t kPermuteFp8BlocksPerCta = 2 * (kPermuteThreads / 32);
 
 template <bool kMx>  // compiled for the MX rules, or for the block recipe (rule ignored)
 __global__ void __launch_bounds__(kPermuteThreads)
-    permute_gather_rows_fp8(const uint16_t* __restrict__ x, const int32_t* __restrict__ sorted_route, RowShape s,
-                            uint16_t* __restrict__ x_sorted, uint8_t* __restrict__ q, float* __restrict__ scales,
-                            Fp8Rule rule) {
+    permute_scatter_rows_fp8(const uint16_t* __restrict__ x, const int32_t* __restrict__ sorted_route,
+                             const int32_t* __restrict__ route_to_row, RowShape s, int64_t scatter_blocks,
+                             uint16_t* __restrict__ x_sorted, uint8_t* __restrict__ q, float* __restrict__ scales,
+                             Fp8Rule rule) {
   if constexpr (!kMx) rule = Fp8Rule::kBlocks;
-  const int64_t per_row = s.d / 128, blocks = s.routes * per_row;
+  const int64_t per_row = s.d / 128;
   const int sub = threadIdx.x % 16;
+  if (blockIdx.x >= scatter_blocks) {
+    const int half = (threadIdx.x & 31) / 16;
+    for_rows_without_route(sorted_route, s, scatter_blocks, [&](int64_t row) {
+      for (int64_t c0 = 0; c0 < per_row; c0 += 2) {  // the warp's two halves take two blocks a step
+        const int64_t c = c0 + half;
+        const bool valid = c < per_row;
+        const int64_t col = valid ? c * 128 + 8 * sub : 0;
+        if (valid) store_zero_bf16<8>(x_sorted + row * s.d + col);
+        const float zero[8] = {};
+        fp8_quantize_half_warp_block(zero, valid, Fp8Format::kE4M3, rule, q + row * s.d + col,
+                                     scales + row * per_row + (valid ? c : 0), nullptr);
+      }
+    });
+    return;
+  }
+  const int64_t blocks = s.num_tokens * per_row;
   for (int64_t b0 = int64_t{blockIdx.x} * kPermuteFp8BlocksPerCta; b0 < blocks;
-       b0 += int64_t{gridDim.x} * kPermuteFp8BlocksPerCta) {
+       b0 += scatter_blocks * kPermuteFp8BlocksPerCta) {
     const int64_t b = b0 + threadIdx.x / 16;
     const bool valid = b < blocks;
+    const int64_t t = valid ? b / per_row : 0, c = valid ? b % per_row : 0, col = c * 128 + 8 * sub;
+    uint4 bits = make_uint4(0, 0, 0, 0);
     float v[8] = {};
-    const int64_t row = valid ? b / per_row : 0, col = valid ? (b % per_row) * 128 + 8 * sub : 0;
     if (valid) {
-      const int32_t r = sorted_route[row];
-      uint16_t* dst = x_sorted + row * s.d + col;
-      if (in_rows(r, s)) {
-        const uint16_t* src = x + (r / s.top_k) * s.d + col;
-        copy_bf16<8>(src, dst);  // the bits as they are (a NaN's payload too), as permute_gather_rows
-        load_bf16<8>(src, v);
-      } else {
-        store_zero_bf16<8>(dst);
-      }
+      bits = *reinterpret_cast<const uint4*>(x + t * s.d + col);
+      bf16x8_to_f32(bits, v);
     }
-    fp8_quantize_half_warp_block(v, valid, Fp8Format::kE4M3, rule, q + row * s.d + col, scales + b, nullptr);
+    float scale;
+    const uint2 codes = fp8_half_warp_block_codes(v, valid, Fp8Format::kE4M3, rule, scale, nullptr);
+    if (!valid) continue;
+    for (int64_t j = 0; j < s.top_k; ++j) {
+      const int32_t row = route_to_row[t * s.top_k + j];
+      if (!in_rows(row, s)) continue;
+      *reinterpret_cast<uint4*>(x_sorted + row * s.d + col) = bits;  // the bits as they are (a NaN's payload too)
+      *reinterpret_cast<uint2*>(q + row * s.d + col) = codes;
+      if (sub == 0) scales[row * per_row + c] = scale;
+    }
   }
 }
 

@@ -48,21 +48,32 @@ void with_pack_width(RowShape s, std::initializer_list<const void*> row_buffers,
   }
 }
 
+// The scatter's grid: its blocks over the token rows' packs (items_per_block a block), then the blocks
+// that look for rows without a route (32 rows a warp).
+struct ScatterGrid {
+  unsigned scatter_blocks, blocks;
+};
+ScatterGrid scatter_grid(const RowShape& s, int64_t items, int64_t items_per_block) {
+  const unsigned scatter = blocks_for(items, items_per_block);
+  const unsigned zero = blocks_for((s.routes + 31) / 32, kPermuteThreads / 32);
+  return {scatter, scatter + zero};
+}
+
 }  // namespace
 
-void permute_forward(const uint16_t* x, const int32_t* sorted_route, int64_t num_tokens,
-                     int64_t top_k, int64_t d, uint16_t* x_sorted, Stream stream) {
+void permute_forward(const uint16_t* x, const int32_t* sorted_route, const int32_t* route_to_row,
+                     int64_t num_tokens, int64_t top_k, int64_t d, uint16_t* x_sorted, Stream stream) {
   constexpr const char* kOp = "cuda::permute_forward";
   const RowShape s = check_rows(num_tokens, top_k, d, kOp);
   if (s.routes == 0) return;
   detail::check_ptrs(kOp, {{"x", x}, {"x_sorted", x_sorted}}, 2);
-  detail::check_ptrs(kOp, {{"sorted_route", sorted_route}}, 4);
+  detail::check_ptrs(kOp, {{"sorted_route", sorted_route}, {"route_to_row", route_to_row}}, 4);
   with_pack_width(s, {x, x_sorted}, [&]<int kVec>(RowShape sv) {
-    kernels::permute_gather_rows<kVec>
-        <<<blocks_for(sv.routes * sv.packs_per_row, kPermuteThreads), kPermuteThreads, 0,
-           stream>>>(x, sorted_route, sv, x_sorted);
+    const ScatterGrid g = scatter_grid(sv, sv.num_tokens * sv.packs_per_row, kPermuteThreads);
+    kernels::permute_scatter_rows<kVec><<<g.blocks, kPermuteThreads, 0, stream>>>(
+        x, sorted_route, route_to_row, sv, g.scatter_blocks, x_sorted);
   });
-  check_launch("permute_gather_rows");
+  check_launch("permute_scatter_rows");
 }
 
 void permute_backward(const uint16_t* dx_sorted, const int32_t* route_to_row, int64_t num_tokens,
@@ -128,21 +139,21 @@ RowShape check_rows_fp8(int64_t num_tokens, int64_t top_k, int64_t d, const char
 
 }  // namespace
 
-void permute_forward_fp8(const uint16_t* x, const int32_t* sorted_route, int64_t num_tokens, int64_t top_k,
-                         int64_t d, uint16_t* x_sorted, uint8_t* q, float* scales, Stream stream,
-                         Fp8Rule rule) {
+void permute_forward_fp8(const uint16_t* x, const int32_t* sorted_route, const int32_t* route_to_row,
+                         int64_t num_tokens, int64_t top_k, int64_t d, uint16_t* x_sorted, uint8_t* q, float* scales,
+                         Stream stream, Fp8Rule rule) {
   constexpr const char* kOp = "cuda::permute_forward_fp8";
   const RowShape s = check_rows_fp8(num_tokens, top_k, d, kOp);
   if (s.routes == 0) return;
   detail::check_ptrs(kOp, {{"x", x}, {"x_sorted", x_sorted}}, 16);
   detail::check_ptrs(kOp, {{"q", q}}, 8);
-  detail::check_ptrs(kOp, {{"sorted_route", sorted_route}, {"scales", scales}}, 4);
-  const int64_t blocks = s.routes * (d / 128);
+  detail::check_ptrs(kOp, {{"sorted_route", sorted_route}, {"route_to_row", route_to_row}, {"scales", scales}}, 4);
+  const ScatterGrid g = scatter_grid(s, s.num_tokens * (d / 128), kernels::kPermuteFp8BlocksPerCta);
   const auto kernel =
-      rule == Fp8Rule::kBlocks ? kernels::permute_gather_rows_fp8<false> : kernels::permute_gather_rows_fp8<true>;
-  kernel<<<blocks_for(blocks, kernels::kPermuteFp8BlocksPerCta), kPermuteThreads, 0, stream>>>(
-      x, sorted_route, s, x_sorted, q, scales, rule);
-  check_launch("permute_gather_rows_fp8");
+      rule == Fp8Rule::kBlocks ? kernels::permute_scatter_rows_fp8<false> : kernels::permute_scatter_rows_fp8<true>;
+  kernel<<<g.blocks, kPermuteThreads, 0, stream>>>(x, sorted_route, route_to_row, s, g.scatter_blocks, x_sorted, q,
+                                                   scales, rule);
+  check_launch("permute_scatter_rows_fp8");
 }
 
 void unpermute_backward_fp8(const uint16_t* dout, const uint16_t* y_sorted, const int32_t* sorted_route,

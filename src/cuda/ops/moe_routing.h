@@ -98,10 +98,14 @@ void build_dispatch_map(const int32_t* topk_idx /*[T,k]*/, int64_t num_tokens, i
 // 16-byte aligned, else 2-byte accesses. A route id or row outside [0, R) is read as -1 (padding
 // or dropped): never a trap, never an out-of-bounds access; build_dispatch_map makes none.
 
-// x_sorted[row] = x[sorted_route[row] / k]; a row whose route is -1 is zeroed.
+// x_sorted[row] = x[sorted_route[row] / k]; a row whose route is -1 is zeroed. route_to_row is
+// sorted_route's inverse (build_dispatch_map writes both): the op scatters each token row, read
+// once, into the rows route_to_row names for its kept routes, and zeroes the rows sorted_route
+// leaves without a route. Maps that are not each other's inverse never index out of bounds, but
+// the rows they name get unspecified values.
 void permute_forward(const uint16_t* x /*[T,D]*/, const int32_t* sorted_route /*[R]*/,
-                     int64_t num_tokens, int64_t top_k, int64_t d, uint16_t* x_sorted /*[R,D]*/,
-                     Stream stream);
+                     const int32_t* route_to_row /*[T*k]*/, int64_t num_tokens, int64_t top_k, int64_t d,
+                     uint16_t* x_sorted /*[R,D]*/, Stream stream);
 
 // dx[t] += sum_j dx_sorted[route_to_row[t*k + j]] (dropped routes skipped): a gather over the
 // token's k routes in slot order, FP32 accumulation, one BF16 rounding; no atomics.
@@ -130,9 +134,10 @@ void unpermute_backward(const uint16_t* dout /*[T,D]*/, const uint16_t* y_sorted
 // without a route gets codes 0 and scale 1. The experts' first FP8 GEMM then reads these codes
 // (experts_forward_fp8 / experts_backward_fp8 with the input quantised) instead of a
 // quantisation pass over rows that were just written.
-void permute_forward_fp8(const uint16_t* x /*[T,D]*/, const int32_t* sorted_route /*[R]*/, int64_t num_tokens,
-                         int64_t top_k, int64_t d, uint16_t* x_sorted /*[R,D]*/, uint8_t* q /*[R,D]*/,
-                         float* scales /*[R,D/128]*/, Stream stream, Fp8Rule rule = Fp8Rule::kBlocks);
+void permute_forward_fp8(const uint16_t* x /*[T,D]*/, const int32_t* sorted_route /*[R]*/,
+                         const int32_t* route_to_row /*[T*k]*/, int64_t num_tokens, int64_t top_k, int64_t d,
+                         uint16_t* x_sorted /*[R,D]*/, uint8_t* q /*[R,D]*/, float* scales /*[R,D/128]*/,
+                         Stream stream, Fp8Rule rule = Fp8Rule::kBlocks);
 void unpermute_backward_fp8(const uint16_t* dout /*[T,D]*/, const uint16_t* y_sorted /*[R,D]*/,
                             const int32_t* sorted_route /*[R]*/, const int32_t* route_to_row /*[T*k]*/,
                             const float* topk_w /*[T,k]*/, int64_t num_tokens, int64_t top_k, int64_t d,
