@@ -2,8 +2,9 @@
 // head_dim] normalised over its whole width (rms_row_rstd, rstd saved), then its pairs rotated
 // (rope_cos_sin, rope_rotate) from the normalised values rounded to BF16, as rmsnorm_forward then
 // rope_forward would store and reload them: the same bits with one read and one write of the row
-// instead of two of each. A block per (position s, batch slice): the (cos, sin) table of s in
-// shared memory, then a warp per row of that position.
+// instead of two of each. A block per (position s, slice of the batch): the (cos, sin) table of s
+// in shared memory, then a warp per row of that position (the launcher gives each block as many
+// rows as it has warps).
 #pragma once
 
 #include "cuda/kernels/rms_row.cuh"

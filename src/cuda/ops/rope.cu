@@ -1,5 +1,6 @@
-// RoPE launchers and checked entry points. Grid (seq, min(batch, 65535)); 128 threads; dynamic
-// shared memory holds head_dim/2 (cos, sin) pairs. Vector path when (head_dim/2) % 8 == 0 and x
+// RoPE launchers and checked entry points. Grid (seq, min(batch, 65535)) (QK-norm with RoPE: (seq,
+// batch / 4 rounded up), a warp per row); 128 threads; dynamic shared memory holds head_dim/2 (cos,
+// sin) pairs. Vector path when (head_dim/2) % 8 == 0 and x
 // is 16-byte aligned (every row's two halves then are too), else the scalar path.
 #include "cuda/ops/rope.h"
 
@@ -90,7 +91,11 @@ void rmsnorm_rope_forward(const uint16_t* x, const uint16_t* w, uint16_t* y, flo
     return;
   }
   detail::check_ptrs(op, {{"rstd", rstd}}, 4);
-  const dim3 grid(static_cast<unsigned>(seq), static_cast<unsigned>(std::min<int64_t>(batch, 65535)));
+  // A warp per row: a block's warps take the rows of its position in several sequences, so that the
+  // block's (cos, sin) table serves them all and no warp idles while batch >= the block's warps.
+  constexpr int64_t kWarps = kernels::kRmsRopeThreads / kernels::kWarpSize;
+  const dim3 grid(static_cast<unsigned>(seq), static_cast<unsigned>(std::min<int64_t>((batch + kWarps - 1) / kWarps,
+                                                                                       65535)));
   const size_t smem = static_cast<size_t>(head_dim / 2) * sizeof(float2);
   kernels::rmsnorm_rope_forward_rows<<<grid, kernels::kRmsRopeThreads, smem, stream>>>(
       x, w, y, rstd, batch, seq, pos0, static_cast<int>(heads), static_cast<int>(head_dim), static_cast<float>(eps),
