@@ -66,14 +66,16 @@ TEST(Rope, BackwardUndoesForward) {
 
 // cuda::rmsnorm_rope_forward against cuda::rmsnorm_forward then cuda::rope_forward (or
 // rope_forward_at at a position offset) from the same inputs: y and rstd bitwise, on the fused
-// path (head_dim / 2 a multiple of 8) and the fallback (head_dim 12); the fused y also against the
+// path (head_dim / 2 a multiple of 8; batches that fill a block's four warps, leave some idle, or
+// take three blocks of a position) and the fallback (head_dim 12); the fused y also against the
 // CPU twins (cpu::rmsnorm_forward then cpu::rope_forward) within a BF16 rounding of each.
 TEST(RmsnormRope, IsTheNormThenTheRotationBitwise) {
   MOE_SKIP_WITHOUT_GPU();
   struct Case {
     int64_t batch, seq, pos0, heads, head_dim;
   };
-  for (const Case& k : {Case{3, 37, 0, 16, 128}, Case{1, 9, 21, 4, 64}, Case{2, 5, 0, 3, 12}, Case{4, 64, 0, 2, 16}}) {
+  for (const Case& k : {Case{3, 37, 0, 16, 128}, Case{1, 9, 21, 4, 64}, Case{2, 5, 0, 3, 12}, Case{4, 64, 0, 2, 16},
+                       Case{9, 7, 0, 2, 16}}) {
     const int64_t n = k.batch * k.seq, d = k.heads * k.head_dim;
     const std::string what = param_name("b", k.batch, "_s", k.seq, "_pos", k.pos0, "_h", k.heads, "_hd", k.head_dim);
     const double eps = 1e-6, theta = 5e5;
