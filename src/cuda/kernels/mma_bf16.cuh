@@ -9,32 +9,9 @@
 
 #include <cstdint>
 
+#include "cuda/kernels/cp_async.cuh"
+
 namespace moe::cuda::kernels {
-
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, asynchronously; when !valid nothing is read and the 16 shared bytes
-// become zero (`gmem` must still be a valid address: callers pass the tensor's base).
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(smem)), "l"(gmem),
-               "r"(valid ? 16 : 0));
-}
-
-// 4 bytes global -> shared, asynchronously, zero when !valid (same rule as cp_async_16).
-__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_address(smem)), "l"(gmem),
-               "r"(valid ? 4 : 0));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-// Waits until at most `N` of this thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 // Four 8x8 BF16 matrices; lanes 8i..8i+7 give the row addresses (16 bytes each) of matrix i,
 // and r[i] receives this lane's two elements of matrix i: row lane/4, columns 2*(lane%4)..+1.

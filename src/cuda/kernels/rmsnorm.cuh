@@ -5,6 +5,7 @@
 // rmsnorm_dw_reduce_chunks adds the partials to dw in chunk order (no float atomics).
 #pragma once
 
+#include "cuda/kernels/cp_async.cuh"
 #include "cuda/kernels/fp8_codes.cuh"
 #include "cuda/kernels/rms_row.cuh"
 #include "cuda/kernels/rope.cuh"
@@ -14,13 +15,14 @@ namespace moe::cuda::kernels {
 
 constexpr int kRmsChunkRows = 32;     // rows per backward block (fixed: partition depends on n only)
 constexpr int kRmsSubRows = 4;        // rows of a chunk whose m is computed before their dx (see below)
+constexpr int kRmsStageRows = 2;      // the same for the staged kernel (two buffers of them in shared memory)
 constexpr int kRmsBackwardThreads = 256;
 constexpr int kRmsReduceWarps = 8;    // warps splitting the chunk sum in rmsnorm_dw_reduce_chunks
-// The staged backward's (rmsnorm_backward_row_chunks<.., kStaged>) rows of x and dy: the widest d
-// it takes is 6144 (96 KiB).
+// The staged backward's (rmsnorm_backward_row_chunks<.., kStaged>) rows of x and dy, two buffers
+// of kRmsStageRows rows each: the widest d it takes is 6144 (96 KiB).
 constexpr int64_t kRmsMaxStageBytes = 96 * 1024;
 __host__ __device__ constexpr int64_t rmsnorm_backward_stage_bytes(int64_t d) {
-  return 2 * kRmsSubRows * d * 2;
+  return 2 * 2 * kRmsStageRows * d * 2;
 }
 
 // y[c .. c + V) of a row with rstd r from the row's values v there: (v * r) * w, stored as BF16;
@@ -167,10 +169,15 @@ __global__ void rmsnorm_forward_fp8_warp_per_row(const uint16_t* __restrict__ x,
 // head_dim / 2], rope_rotate<true>, rounded to BF16), so the same bits without the rotation's
 // pass over dy. V = kVecBf16 and (head_dim / 2) % V == 0: a piece never straddles a head's halves.
 //
-// kStaged (V = kVecBf16; dynamic shared memory of rmsnorm_backward_stage_bytes(d)): phase 1 also
-// keeps the sub-chunk's rows of x and of dy (rotated back under kRope, as BF16 bits: the values
-// it rounded to) in shared memory, and phase 2 reads them there instead of reading x and dy from
-// L2 and rotating dy again. The same values in the same operations: the same bits.
+// kStaged (V = kVecBf16; dynamic shared memory of rmsnorm_backward_stage_bytes(d)): the rows of x
+// and dy (as stored: BF16 bits, dy not rotated) come into shared memory by asynchronous copies, in
+// sub-chunks of kRmsStageRows rows and two buffers: the block's threads start the copy of the next
+// sub-chunk, then run both phases of this one from shared memory, so the reads of HBM overlap the
+// arithmetic instead of stalling phase 1, whose row sums are split over all the block's warps
+// (kRmsBackwardThreads / 32 / kRmsStageRows a row, their sums added in warp order): m in that order,
+// so dx (and dw through it) can differ from the unstaged kernel's in the last bits; deterministic
+// all the same (a rotated piece of dy is rotated again from the staged bits in phase 2, the same
+// operations: the same values).
 template <int V, bool kAddResidual = false, bool kRope = false, bool kStaged = false>
 __global__ void __launch_bounds__(kRmsBackwardThreads)
     rmsnorm_backward_row_chunks(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
@@ -181,7 +188,7 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
                                 int head_dim = 0) {
   static_assert(!kRope || V == kVecBf16, "the rotated loads take 16-byte pieces");
   static_assert(!kStaged || V == kVecBf16, "the staged rows are 16-byte pieces");
-  // kStaged: x rows [kRmsSubRows][d], then dy rows [kRmsSubRows][d], BF16 bits.
+  // kStaged: two buffers, each kRmsStageRows rows of x then kRmsStageRows rows of dy, BF16 bits.
   extern __shared__ __align__(16) uint16_t s_stage[];
   // kRope: the (cos, sin) row of a row's position, found once a row (a 64-bit modulo).
   const auto position_table = [&](int64_t row) -> const float2* {
@@ -191,18 +198,18 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
       return nullptr;
     }
   };
-  // dy[row, c .. c + V), rotated back when kRope with the (cos, sin) of the row's position (tab,
-  // position_table(row)); c < d < 2^31 (checked on the host), so the column's place in its head
-  // is a 32-bit remainder.
-  const auto load_dy = [&](int64_t row, int64_t c, const float2* tab, float (&out)[V]) {
+  // dy_row[c .. c + V) (a row of dy, in global or shared memory), rotated back when kRope with the
+  // (cos, sin) of the row's position (tab, position_table(row)); c < d < 2^31 (checked on the host),
+  // so the column's place in its head is a 32-bit remainder.
+  const auto load_dy = [&](const uint16_t* dy_row, int64_t c, const float2* tab, float (&out)[V]) {
     if constexpr (kRope) {
       const int half = head_dim / 2;
       const int hc = static_cast<int>(static_cast<uint32_t>(c) % static_cast<uint32_t>(head_dim));
       const bool lo = hc < half;
       const int i0 = lo ? hc : hc - half;
       float a[V], b[V];
-      load_bf16<V>(dy + row * d + (lo ? c : c - half), a);
-      load_bf16<V>(dy + row * d + (lo ? c + half : c), b);
+      load_bf16<V>(dy_row + (lo ? c : c - half), a);
+      load_bf16<V>(dy_row + (lo ? c + half : c), b);
       // The V (cos, sin) pairs as V / 2 16-byte loads (i0 a multiple of V, the table 16-byte aligned).
       const float4* t4 = reinterpret_cast<const float4*>(tab + i0);
 #pragma unroll
@@ -216,12 +223,16 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
       }
       round_to_bf16<V>(out);  // as rope_backward stores it
     } else {
-      load_bf16<V>(dy + row * d + c, out);
+      load_bf16<V>(dy_row + c, out);
     }
   };
-  constexpr int kSubRows = kRmsSubRows;
+  constexpr int kSubRows = kStaged ? kRmsStageRows : kRmsSubRows;
   static_assert(kSubRows <= kRmsBackwardThreads / kWarpSize && kRmsChunkRows % kSubRows == 0,
                 "a sub-chunk is at most one row per warp");
+  // Warps on one row's m in phase 1: staged, every warp of the block (its rows are in shared
+  // memory); else one.
+  constexpr int kWarpsPerRow = kStaged ? kRmsBackwardThreads / kWarpSize / kSubRows : 1;
+  __shared__ float s_dot[kStaged ? kRmsBackwardThreads / kWarpSize : 1];  // the warps' sums (kWarpsPerRow > 1)
   __shared__ float s_rstd[kRmsChunkRows];
   __shared__ float s_mean[kRmsChunkRows];  // m = mean_j(g_j * xhat_j) per row
   const int64_t row0 = int64_t{blockIdx.x} * kRmsChunkRows;
@@ -230,44 +241,87 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
   const int warp = threadIdx.x / kWarpSize;
   float* partial = partial_dw + int64_t{blockIdx.x} * d;
 
-  for (int g0 = 0; g0 < rows; g0 += kSubRows) {
+  // Row r of the chunk (its sub-chunk starting at g0, in buffer buf when staged) of x and of dy.
+  const auto x_row_of = [&](int r, int g0, int buf) -> const uint16_t* {
+    if constexpr (kStaged) {
+      return s_stage + (int64_t{buf} * 2 * kSubRows + (r - g0)) * d;
+    } else {
+      return x + (row0 + r) * d;
+    }
+  };
+  const auto dy_row_of = [&](int r, int g0, int buf) -> const uint16_t* {
+    if constexpr (kStaged) {
+      return s_stage + (int64_t{buf} * 2 * kSubRows + kSubRows + (r - g0)) * d;
+    } else {
+      return dy + (row0 + r) * d;
+    }
+  };
+  // kStaged: the copies of the sub-chunk starting at g0 into buffer buf, one commit group.
+  [[maybe_unused]] const auto stage = [&](int g0, int buf) {
+    const int64_t per_row = d / V;
+    const int64_t pieces = int64_t{(g0 + kSubRows < rows ? g0 + kSubRows : rows) - g0} * per_row;
+    for (int64_t p = threadIdx.x; p < 2 * pieces; p += kRmsBackwardThreads) {
+      const bool of_dy = p >= pieces;
+      const int64_t q = of_dy ? p - pieces : p;
+      const int r = static_cast<int>(q / per_row);
+      const int64_t c = (q - r * per_row) * V;
+      uint16_t* dst = s_stage + (int64_t{buf} * 2 * kSubRows + (of_dy ? kSubRows : 0) + r) * d + c;
+      cp_async_16(dst, (of_dy ? dy : x) + (row0 + g0 + r) * d + c);
+    }
+    cp_async_commit();
+  };
+  if constexpr (kStaged) stage(0, 0);
+
+  for (int g0 = 0, buf = 0; g0 < rows; g0 += kSubRows, buf ^= 1) {
     const int g1 = g0 + kSubRows < rows ? g0 + kSubRows : rows;
-    // Phase 1: warp w computes m of row g0 + w.
-    const int r = g0 + warp;
-    if (warp < kSubRows && r < g1) {
-      const uint16_t* x_row = x + (row0 + r) * d;
+    if constexpr (kStaged) {
+      // The next sub-chunk's copies go into the other buffer (read by the previous sub-chunk, whose
+      // end every thread has passed); then this one's are waited for and seen by every thread.
+      if (g1 < rows) {
+        stage(g1, buf ^ 1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+    }
+    // Phase 1: the kWarpsPerRow warps of row g0 + warp / kWarpsPerRow compute its m (warp q of them
+    // columns (32 q + lane) V + 32 kWarpsPerRow V j; their sums added in warp order).
+    const int r = g0 + warp / kWarpsPerRow;
+    if (warp < kSubRows * kWarpsPerRow && r < g1) {
+      const uint16_t* x_row = x_row_of(r, g0, buf);
+      const uint16_t* dy_row = dy_row_of(r, g0, buf);
       const float2* tab = position_table(row0 + r);
       float dot = 0.0f;
 #pragma unroll 2
-      for (int64_t c = int64_t{lane} * V; c < d; c += kWarpSize * V) {
+      for (int64_t c = (int64_t{warp % kWarpsPerRow} * kWarpSize + lane) * V; c < d;
+           c += kWarpsPerRow * kWarpSize * V) {
         float xv[V], dv[V], wv[V];
-        if constexpr (kStaged) {
-          // The raw bits of x (and of dy unrotated), so NaN payloads stay as they are.
-          const uint4 xr = *reinterpret_cast<const uint4*>(x_row + c);
-          *reinterpret_cast<uint4*>(s_stage + (r - g0) * d + c) = xr;
-          bf16x8_to_f32(xr, xv);
-          uint16_t* dy_stage = s_stage + (kSubRows + r - g0) * d + c;
-          if constexpr (kRope) {
-            load_dy(row0 + r, c, tab, dv);
-            store_bf16<V>(dy_stage, dv);  // BF16 values already: their bits
-          } else {
-            const uint4 dr = *reinterpret_cast<const uint4*>(dy + (row0 + r) * d + c);
-            *reinterpret_cast<uint4*>(dy_stage) = dr;
-            bf16x8_to_f32(dr, dv);
-          }
-        } else {
-          load_bf16<V>(x_row + c, xv);
-          load_dy(row0 + r, c, tab, dv);
-        }
+        load_bf16<V>(x_row + c, xv);
+        load_dy(dy_row, c, tab, dv);
         load_bf16<V>(w + c, wv);
 #pragma unroll
         for (int i = 0; i < V; ++i) dot += (dv[i] * wv[i]) * xv[i];
       }
       dot = warp_sum(dot);
-      if (lane == 0) {
+      if constexpr (kWarpsPerRow > 1) {
+        if (lane == 0) s_dot[warp] = dot;
+      } else if (lane == 0) {
         const float rs = rstd[row0 + r];
         s_rstd[r] = rs;
         s_mean[r] = dot * rs / static_cast<float>(d);
+      }
+    }
+    if constexpr (kWarpsPerRow > 1) {
+      __syncthreads();
+      const int rt = g0 + static_cast<int>(threadIdx.x);
+      if (static_cast<int>(threadIdx.x) < kSubRows && rt < g1) {
+        float dot = s_dot[threadIdx.x * kWarpsPerRow];
+#pragma unroll
+        for (int q = 1; q < kWarpsPerRow; ++q) dot += s_dot[threadIdx.x * kWarpsPerRow + q];
+        const float rs = rstd[row0 + rt];
+        s_rstd[rt] = rs;
+        s_mean[rt] = dot * rs / static_cast<float>(d);
       }
     }
     __syncthreads();
@@ -292,13 +346,8 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
       for (int rr = g0; rr < g1; ++rr) {
         const int64_t off = (row0 + rr) * d + c;
         float xv[V], dv[V], out[V];
-        if constexpr (kStaged) {
-          load_bf16<V>(s_stage + (rr - g0) * d + c, xv);
-          load_bf16<V>(s_stage + (kSubRows + rr - g0) * d + c, dv);
-        } else {
-          load_bf16<V>(x + off, xv);
-          load_dy(row0 + rr, c, position_table(row0 + rr), dv);
-        }
+        load_bf16<V>(x_row_of(rr, g0, buf) + c, xv);
+        load_dy(dy_row_of(rr, g0, buf), c, position_table(row0 + rr), dv);
         const float rs = s_rstd[rr];
         const float m = s_mean[rr];
 #pragma unroll

@@ -2,7 +2,8 @@
 // and x, w, y / dy, dx and the workspace are 16-byte aligned; else the scalar path. Backward:
 // one block per 32-row chunk writes a partial dw row into the workspace, then a reduction
 // kernel adds the partials to dw in chunk order; on the vector path with d <= 6144 the block
-// keeps each sub-chunk's rows of x and dy in shared memory between its two phases (kStaged).
+// copies its rows of x and dy into shared memory asynchronously, a sub-chunk ahead of the one it
+// computes (kStaged).
 #include "cuda/ops/rmsnorm.h"
 
 #include <algorithm>
