@@ -19,10 +19,11 @@ constexpr int kRmsStageRows = 2;      // the same for the staged kernel (two buf
 constexpr int kRmsBackwardThreads = 256;
 constexpr int kRmsReduceWarps = 8;    // warps splitting the chunk sum in rmsnorm_dw_reduce_chunks
 // The staged backward's (rmsnorm_backward_row_chunks<.., kStaged>) rows of x and dy, two buffers
-// of kRmsStageRows rows each: the widest d it takes is 6144 (96 KiB).
+// of kRmsStageRows rows each, and under RoPE one more set of kRmsStageRows rows (dy rotated back):
+// the widest d it takes is 6144 (96 KiB; 4915 under RoPE).
 constexpr int64_t kRmsMaxStageBytes = 96 * 1024;
-__host__ __device__ constexpr int64_t rmsnorm_backward_stage_bytes(int64_t d) {
-  return 2 * 2 * kRmsStageRows * d * 2;
+__host__ __device__ constexpr int64_t rmsnorm_backward_stage_bytes(int64_t d, bool rope = false) {
+  return (2 * 2 + (rope ? 1 : 0)) * kRmsStageRows * d * 2;
 }
 
 // y[c .. c + V) of a row with rstd r from the row's values v there: (v * r) * w, stored as BF16;
@@ -176,8 +177,8 @@ __global__ void rmsnorm_forward_fp8_warp_per_row(const uint16_t* __restrict__ x,
 // arithmetic instead of stalling phase 1, whose row sums are split over all the block's warps
 // (kRmsBackwardThreads / 32 / kRmsStageRows a row, their sums added in warp order): m in that order,
 // so dx (and dw through it) can differ from the unstaged kernel's in the last bits; deterministic
-// all the same (a rotated piece of dy is rotated again from the staged bits in phase 2, the same
-// operations: the same values).
+// all the same. Under kRope phase 1 also stores the rows of dy rotated back (BF16 values already:
+// exactly) after the buffers, and phase 2 reads them there.
 template <int V, bool kAddResidual = false, bool kRope = false, bool kStaged = false>
 __global__ void __launch_bounds__(kRmsBackwardThreads)
     rmsnorm_backward_row_chunks(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
@@ -188,7 +189,8 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
                                 int head_dim = 0) {
   static_assert(!kRope || V == kVecBf16, "the rotated loads take 16-byte pieces");
   static_assert(!kStaged || V == kVecBf16, "the staged rows are 16-byte pieces");
-  // kStaged: two buffers, each kRmsStageRows rows of x then kRmsStageRows rows of dy, BF16 bits.
+  // kStaged: two buffers, each kRmsStageRows rows of x then kRmsStageRows rows of dy, BF16 bits;
+  // under kRope then kRmsStageRows rows of dy rotated back.
   extern __shared__ __align__(16) uint16_t s_stage[];
   // kRope: the (cos, sin) row of a row's position, found once a row (a 64-bit modulo).
   const auto position_table = [&](int64_t row) -> const float2* {
@@ -256,6 +258,10 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
       return dy + (row0 + r) * d;
     }
   };
+  // kStaged and kRope: row r's dy rotated back (phase 1 writes it, phase 2 reads it).
+  [[maybe_unused]] const auto rotated_row_of = [&](int r, int g0) -> uint16_t* {
+    return s_stage + (int64_t{2} * 2 * kSubRows + (r - g0)) * d;
+  };
   // kStaged: the copies of the sub-chunk starting at g0 into buffer buf, one commit group.
   [[maybe_unused]] const auto stage = [&](int g0, int buf) {
     const int64_t per_row = d / V;
@@ -299,6 +305,7 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
         float xv[V], dv[V], wv[V];
         load_bf16<V>(x_row + c, xv);
         load_dy(dy_row, c, tab, dv);
+        if constexpr (kStaged && kRope) store_bf16<V>(rotated_row_of(r, g0) + c, dv);
         load_bf16<V>(w + c, wv);
 #pragma unroll
         for (int i = 0; i < V; ++i) dot += (dv[i] * wv[i]) * xv[i];
@@ -347,7 +354,11 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
         const int64_t off = (row0 + rr) * d + c;
         float xv[V], dv[V], out[V];
         load_bf16<V>(x_row_of(rr, g0, buf) + c, xv);
-        load_dy(dy_row_of(rr, g0, buf), c, position_table(row0 + rr), dv);
+        if constexpr (kStaged && kRope) {
+          load_bf16<V>(rotated_row_of(rr, g0) + c, dv);
+        } else {
+          load_dy(dy_row_of(rr, g0, buf), c, position_table(row0 + rr), dv);
+        }
         const float rs = s_rstd[rr];
         const float m = s_mean[rr];
 #pragma unroll

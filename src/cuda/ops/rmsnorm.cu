@@ -56,7 +56,7 @@ void launch_rmsnorm_backward(const uint16_t* x, const uint16_t* w, const float* 
                              float* acc = nullptr, uint16_t* acc_bf16 = nullptr, const float2* rope_table = nullptr,
                              int64_t seq = 0, int head_dim = 0) {
   const int64_t chunks = num_chunks(n);
-  const int64_t stage = kernels::rmsnorm_backward_stage_bytes(d);
+  const int64_t stage = kernels::rmsnorm_backward_stage_bytes(d, kRope);
   bool staged = false;
   if constexpr (V == kVecBf16) {
     if (stage <= kernels::kRmsMaxStageBytes) {
