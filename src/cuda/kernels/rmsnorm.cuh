@@ -20,8 +20,9 @@ constexpr int kRmsBackwardThreads = 256;
 constexpr int kRmsReduceWarps = 8;    // warps splitting the chunk sum in rmsnorm_dw_reduce_chunks
 // The staged backward's (rmsnorm_backward_row_chunks<.., kStaged>) rows of x and dy, two buffers
 // of kRmsStageRows rows each, and under RoPE one more set of kRmsStageRows rows (dy rotated back):
-// the widest d it takes is 6144 (96 KiB; 4915 under RoPE).
-constexpr int64_t kRmsMaxStageBytes = 96 * 1024;
+// the widest d it takes is 6144 (96 KiB of shared memory; 120 KiB under RoPE), with or without RoPE
+// the same widths, so that QK-norm's fused backward and the separate ops run the same sums.
+constexpr int64_t kRmsMaxStagedWidth = 6144;
 __host__ __device__ constexpr int64_t rmsnorm_backward_stage_bytes(int64_t d, bool rope = false) {
   return (2 * 2 + (rope ? 1 : 0)) * kRmsStageRows * d * 2;
 }

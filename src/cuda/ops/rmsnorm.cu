@@ -59,7 +59,7 @@ void launch_rmsnorm_backward(const uint16_t* x, const uint16_t* w, const float* 
   const int64_t stage = kernels::rmsnorm_backward_stage_bytes(d, kRope);
   bool staged = false;
   if constexpr (V == kVecBf16) {
-    if (stage <= kernels::kRmsMaxStageBytes) {
+    if (d <= kernels::kRmsMaxStagedWidth) {
       // The sub-chunks' rows of x and dy kept in shared memory between the two phases.
       const auto kernel = kernels::rmsnorm_backward_row_chunks<V, kAddResidual, kRope, true>;
       if (stage > 48 * 1024) set_dynamic_smem_limit(kernel, size_t(stage));
