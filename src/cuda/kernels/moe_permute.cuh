@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/kernels/fp8_codes.cuh"
 #include "cuda/kernels/moe_common.cuh"
@@ -70,10 +71,12 @@ __global__ void __launch_bounds__(kPermuteThreads)
   for (int64_t i = int64_t{blockIdx.x} * kPermuteThreads + threadIdx.x; i < total;
        i += scatter_blocks * kPermuteThreads) {
     const int64_t t = i / s.packs_per_row, v = i - t * s.packs_per_row;
-    const uint16_t* src = x + t * s.d + v * kVec;
+    using Pack = std::conditional_t<kVec == kVecBf16, uint4, uint16_t>;  // the pack's bits, loaded once
+    const Pack bits = *reinterpret_cast<const Pack*>(x + t * s.d + v * kVec);
+    const int32_t* routes = route_to_row + t * s.top_k;
     for (int64_t j = 0; j < s.top_k; ++j) {
-      const int32_t row = route_to_row[t * s.top_k + j];
-      if (in_rows(row, s)) copy_bf16<kVec>(src, x_sorted + row * s.d + v * kVec);
+      const int32_t row = routes[j];
+      if (in_rows(row, s)) *reinterpret_cast<Pack*>(x_sorted + row * s.d + v * kVec) = bits;
     }
   }
 }
