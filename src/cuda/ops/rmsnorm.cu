@@ -60,7 +60,7 @@ void launch_rmsnorm_backward(const uint16_t* x, const uint16_t* w, const float* 
   bool staged = false;
   if constexpr (V == kVecBf16) {
     if (d <= kernels::kRmsMaxStagedWidth) {
-      // The sub-chunks' rows of x and dy kept in shared memory between the two phases.
+      // The rows of x and dy copied into shared memory a sub-chunk ahead of the one computed.
       const auto kernel = kernels::rmsnorm_backward_row_chunks<V, kAddResidual, kRope, true>;
       if (stage > 48 * 1024) set_dynamic_smem_limit(kernel, size_t(stage));
       kernel<<<static_cast<unsigned>(chunks), kernels::kRmsBackwardThreads, static_cast<size_t>(stage), stream>>>(
