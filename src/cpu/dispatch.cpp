@@ -4,6 +4,7 @@
 #include "cpu/dispatch.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "core/error.h"
 
@@ -91,6 +92,14 @@ void unpermute_forward(const T* y_sorted, const int32_t* route_to_row, const T* 
 }
 
 template <typename T>
+void unpermute_forward_add(const T* y_sorted, const int32_t* route_to_row, const T* topk_w,
+                           int64_t num_tokens, int64_t top_k, int64_t d, T* acc) {
+  std::vector<T> out(static_cast<size_t>(num_tokens * d));
+  unpermute_forward(y_sorted, route_to_row, topk_w, num_tokens, top_k, d, out.data());
+  for (size_t i = 0; i < out.size(); ++i) acc[i] += out[i];
+}
+
+template <typename T>
 void unpermute_backward(const T* dout, const T* y_sorted, const int32_t* route_to_row,
                         const T* topk_w, int64_t num_tokens, int64_t top_k, int64_t d, int64_t rows,
                         T* dy_sorted, T* dtopk_w) {
@@ -123,6 +132,8 @@ void unpermute_backward(const T* dout, const T* y_sorted, const int32_t* route_t
   template void permute_backward<T>(const T*, const int32_t*, int64_t, int64_t, int64_t, T*);     \
   template void unpermute_forward<T>(const T*, const int32_t*, const T*, int64_t, int64_t,        \
                                      int64_t, T*);                                               \
+  template void unpermute_forward_add<T>(const T*, const int32_t*, const T*, int64_t, int64_t,    \
+                                         int64_t, T*);                                           \
   template void unpermute_backward<T>(const T*, const T*, const int32_t*, const T*, int64_t,      \
                                       int64_t, int64_t, int64_t, T*, T*);
 MOE_INSTANTIATE_DISPATCH(float)

@@ -33,6 +33,12 @@ template <typename T>
 void unpermute_forward(const T* y_sorted, const int32_t* route_to_row, const T* topk_w,
                        int64_t num_tokens, int64_t top_k, int64_t d, T* out /*[T,D] overwritten*/);
 
+// unpermute_forward added into acc (acc[t] += out[t]) instead of stored: the twin of
+// cuda::unpermute_forward_add (which rounds the combine and the sum to BF16 as its storage does).
+template <typename T>
+void unpermute_forward_add(const T* y_sorted, const int32_t* route_to_row, const T* topk_w,
+                           int64_t num_tokens, int64_t top_k, int64_t d, T* acc /*[T,D] += */);
+
 // dy_sorted[row of (t,j)] = topk_w[t,j] * dout[t] (rows no route names are zeroed);
 // dtopk_w[t,j] = <dout[t], y_sorted[row of (t,j)]> (0 for a dropped route).
 template <typename T>

@@ -21,6 +21,7 @@
 #include "cpu/dispatch.h"
 #include "cpu/router.h"
 #include "cuda/ops/fp8.h"
+#include "cuda/ops/memory.h"
 #include "cuda/ops/moe_routing.h"
 #include "gpu/gpu_test_util.h"
 #include "support/parity.h"
@@ -773,6 +774,56 @@ TEST_P(MoePermuteGpu, RealValuedCombineWithinRounding) {
   expect_parity("permute_backward.dx.real", widen(d_dx.download()), dx_ref, kBF16Elementwise);
   for (const auto* b : {&d_y, &d_dout, &d_out, &d_dy, &d_dx}) b->expect_guards_intact("bf16 rows");
   d_dw.expect_guards_intact("dtopk_w");
+}
+
+// The combine added into the residual stream (unpermute_forward_add): on integer values (exact in
+// BF16 and FP32) the CPU twin's sums; on real values the bits of unpermute_forward then
+// residual_add, with and without the BF16 copy of the sum.
+TEST_P(MoePermuteGpu, CombineAddedIntoTheResidualIsCombineThenResidualAdd) {
+  MOE_SKIP_WITHOUT_GPU();
+  const PermuteCase c = GetParam();
+  PermuteSetup s(c);
+  const int64_t T = s.T, k = s.k, D = s.D, R = s.R;
+  const size_t acc_misalign = c.misalign != 0 ? 4 : 0;  // FP32 rows off 16 bytes: the scalar path
+  TestStream stream;
+  {
+    const auto y = integer_values(R * D, -4, 4, 21), w = integer_values(T * k, -2, 2, 22);
+    const auto acc0 = integer_values(T * D, -100, 100, 23);
+    GuardedBuffer<uint16_t> d_y(narrow(y), c.misalign), d_out(T * D, c.misalign);
+    GuardedBuffer<float> d_w(w), d_acc(acc0, acc_misalign);
+    cuda::unpermute_forward_add(d_y.data(), s.d_r2r.data(), d_w.data(), T, k, D, d_acc.data(), d_out.data(),
+                                stream.get());
+    auto acc_ref = acc0;
+    cpu::unpermute_forward_add<float>(y.data(), s.map.route_to_row.data(), w.data(), T, k, D, acc_ref.data());
+    stream.sync();
+    expect_identical("unpermute_forward_add.acc", d_acc.download(), acc_ref, D);
+    expect_identical("unpermute_forward_add.acc_bf16", d_out.download(), narrow(acc_ref), D);
+    d_out.expect_guards_intact("acc_bf16");
+    d_acc.expect_guards_intact("acc");
+  }
+  const auto y = random_bf16(R * D, 24);
+  std::vector<float> w(T * k), acc0(T * D);
+  std::mt19937_64 gen(25);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (float& v : w) v = normal(gen) * 0.3f;
+  for (float& v : acc0) v = normal(gen);
+  GuardedBuffer<uint16_t> d_y(y, c.misalign), d_branch(T * D, c.misalign), d_out_sep(T * D, c.misalign),
+      d_out(T * D, c.misalign);
+  GuardedBuffer<float> d_w(w), d_acc_sep(acc0, acc_misalign), d_acc(acc0, acc_misalign),
+      d_acc_no_copy(acc0, acc_misalign);
+  cuda::unpermute_forward(d_y.data(), s.d_r2r.data(), d_w.data(), T, k, D, d_branch.data(), stream.get());
+  cuda::residual_add(d_acc_sep.data(), d_branch.data(), d_out_sep.data(), T * D, stream.get());
+  cuda::unpermute_forward_add(d_y.data(), s.d_r2r.data(), d_w.data(), T, k, D, d_acc.data(), d_out.data(),
+                              stream.get());
+  cuda::unpermute_forward_add(d_y.data(), s.d_r2r.data(), d_w.data(), T, k, D, d_acc_no_copy.data(), nullptr,
+                              stream.get());
+  stream.sync();
+  const auto acc_sep = d_acc_sep.download();
+  EXPECT_TRUE(bitwise_equal(d_acc.download(), acc_sep)) << "acc differs from unpermute_forward + residual_add";
+  EXPECT_TRUE(bitwise_equal(d_acc_no_copy.download(), acc_sep)) << "acc (no BF16 copy) differs";
+  EXPECT_TRUE(bitwise_equal(d_out.download(), d_out_sep.download())) << "acc_bf16 differs";
+  for (const auto* b : {&d_y, &d_branch, &d_out_sep, &d_out}) b->expect_guards_intact("bf16 rows");
+  for (const auto* b : {&d_acc_sep, &d_acc, &d_acc_no_copy}) b->expect_guards_intact("acc");
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, MoePermuteGpu,

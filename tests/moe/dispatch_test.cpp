@@ -111,6 +111,12 @@ TEST(Dispatch, PermuteUnpermuteMoveDataExactly) {
       EXPECT_EQ(out[t * d + i], ref) << "token " << t << " col " << i;
     }
   }
+  // The combine added into a residual: acc + out, the dropped route still contributing nothing.
+  std::vector<float> acc(n * d);
+  for (auto& v : acc) v = static_cast<float>(static_cast<int>(gen() % 41) - 20);
+  auto acc_sum = acc;
+  cpu::unpermute_forward_add(y.data(), r2r.data(), w.data(), n, k, d, acc_sum.data());
+  for (int64_t i = 0; i < n * d; ++i) EXPECT_EQ(acc_sum[i], acc[i] + out[i]) << "element " << i;
   // Backward of permute is a combine with unit weights: dx = sum over the token's rows.
   std::vector<float> dx(n * d, 0.f), comb(n * d);
   cpu::permute_backward(y.data(), m.sorted_route.data(), rows, k, d, dx.data());

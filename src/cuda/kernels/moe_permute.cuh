@@ -127,6 +127,47 @@ __global__ void __launch_bounds__(kPermuteThreads)
   }
 }
 
+// unpermute_combine with its output added into the residual stream instead of stored: acc [T, d]
+// (FP32) += the combine rounded to BF16, acc_bf16 = bf16(acc) when not null: residual_add's
+// operations on the value unpermute_combine would store, so the same bits without that tensor.
+template <int kVec>
+__global__ void __launch_bounds__(kPermuteThreads)
+    unpermute_combine_add(const uint16_t* y_sorted, const int32_t* route_to_row, const float* topk_w,
+                          RowShape s, float* __restrict__ acc, uint16_t* __restrict__ acc_bf16) {
+  const int64_t total = s.num_tokens * s.packs_per_row;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kPermuteThreads + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * kPermuteThreads) {
+    const int64_t t = i / s.packs_per_row, v = i - t * s.packs_per_row;
+    float sum[kVec];
+#pragma unroll
+    for (int q = 0; q < kVec; ++q) sum[q] = 0.f;
+    for (int64_t j = 0; j < s.top_k; ++j) {
+      const int32_t row = route_to_row[t * s.top_k + j];
+      if (!in_rows(row, s)) continue;
+      const float w = topk_w[t * s.top_k + j];
+      float y[kVec];
+      load_bf16<kVec>(y_sorted + row * s.d + v * kVec, y);
+#pragma unroll
+      for (int q = 0; q < kVec; ++q) sum[q] += w * y[q];
+    }
+    round_to_bf16<kVec>(sum);
+    float* a = acc + t * s.d + v * kVec;
+    float r[kVec];
+    if constexpr (kVec == 1) {
+      r[0] = a[0] + sum[0];
+      a[0] = r[0];
+    } else {
+      static_assert(kVec == 8, "FP32 packs of 8 are two 16-byte accesses");
+      const float4 lo = reinterpret_cast<const float4*>(a)[0], hi = reinterpret_cast<const float4*>(a)[1];
+      r[0] = lo.x + sum[0], r[1] = lo.y + sum[1], r[2] = lo.z + sum[2], r[3] = lo.w + sum[3];
+      r[4] = hi.x + sum[4], r[5] = hi.y + sum[5], r[6] = hi.z + sum[6], r[7] = hi.w + sum[7];
+      reinterpret_cast<float4*>(a)[0] = make_float4(r[0], r[1], r[2], r[3]);
+      reinterpret_cast<float4*>(a)[1] = make_float4(r[4], r[5], r[6], r[7]);
+    }
+    if (acc_bf16 != nullptr) store_bf16<kVec>(acc_bf16 + t * s.d + v * kVec, r);
+  }
+}
+
 // Warp i handles route i (dy_sorted row and dtopk_w) and row i (zeroed when it holds no route).
 // Lane l takes packs l, l + 32, ... of the row, in whole steps of 32 packs on every lane (a lane
 // past the row's end holds none), so that kFp8 (kVec = 8, d a multiple of 128: the FP8 experts'

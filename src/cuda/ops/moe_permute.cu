@@ -107,6 +107,24 @@ void unpermute_forward(const uint16_t* y_sorted, const int32_t* route_to_row, co
   check_launch("unpermute_combine");
 }
 
+void unpermute_forward_add(const uint16_t* y_sorted, const int32_t* route_to_row, const float* topk_w,
+                           int64_t num_tokens, int64_t top_k, int64_t d, float* acc, uint16_t* acc_bf16,
+                           Stream stream) {
+  constexpr const char* kOp = "cuda::unpermute_forward_add";
+  const RowShape s = check_rows(num_tokens, top_k, d, kOp);
+  if (s.routes == 0) return;
+  detail::check_ptrs(kOp, {{"y_sorted", y_sorted}}, 2);
+  if (acc_bf16 != nullptr) detail::check_ptrs(kOp, {{"acc_bf16", acc_bf16}}, 2);
+  detail::check_ptrs(kOp, {{"route_to_row", route_to_row}, {"topk_w", topk_w}, {"acc", acc}}, 4);
+  // The FP32 rows of acc are 16-byte aligned wherever its BF16 view's would be (d % 8 == 0).
+  with_pack_width(s, {y_sorted, acc, acc_bf16}, [&]<int kVec>(RowShape sv) {
+    kernels::unpermute_combine_add<kVec>
+        <<<blocks_for(sv.num_tokens * sv.packs_per_row, kPermuteThreads), kPermuteThreads, 0,
+           stream>>>(y_sorted, route_to_row, topk_w, sv, acc, acc_bf16);
+  });
+  check_launch("unpermute_combine_add");
+}
+
 void unpermute_backward(const uint16_t* dout, const uint16_t* y_sorted,
                         const int32_t* sorted_route, const int32_t* route_to_row,
                         const float* topk_w, int64_t num_tokens, int64_t top_k, int64_t d,

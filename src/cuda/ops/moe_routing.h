@@ -119,6 +119,13 @@ void unpermute_forward(const uint16_t* y_sorted /*[R,D]*/, const int32_t* route_
                        const float* topk_w /*[T,k]*/, int64_t num_tokens, int64_t top_k, int64_t d,
                        uint16_t* out /*[T,D]*/, Stream stream);
 
+// unpermute_forward added into the residual stream: acc[t] (FP32) += the combine rounded to BF16,
+// then acc_bf16[t] = bf16(acc[t]) when acc_bf16 is not null: unpermute_forward into a BF16 tensor
+// and residual_add(acc, it, acc_bf16) (cuda/ops/memory.h), the same bits without that tensor.
+void unpermute_forward_add(const uint16_t* y_sorted /*[R,D]*/, const int32_t* route_to_row /*[T*k]*/,
+                           const float* topk_w /*[T,k]*/, int64_t num_tokens, int64_t top_k, int64_t d,
+                           float* acc /*[T,D] FP32, += */, uint16_t* acc_bf16 /*[T,D] or null*/, Stream stream);
+
 // dy_sorted[row of (t,j)] = topk_w[t,j] * dout[t] (BF16), rows whose sorted_route is -1 zeroed;
 // dtopk_w[t,j] = <dout[t], y_sorted[row of (t,j)]> in FP32 (0 for a dropped route).
 void unpermute_backward(const uint16_t* dout /*[T,D]*/, const uint16_t* y_sorted /*[R,D]*/,
