@@ -103,6 +103,24 @@ __global__ void __launch_bounds__(kPermuteThreads)
   }
 }
 
+// Pack v of token t's combine: sum over its k routes in slot order of topk_w * the route's row, FP32.
+template <int kVec>
+__device__ __forceinline__ void combine_pack(const uint16_t* y_sorted, const int32_t* route_to_row,
+                                             const float* topk_w, const RowShape& s, int64_t t, int64_t v,
+                                             float (&acc)[kVec]) {
+#pragma unroll
+  for (int q = 0; q < kVec; ++q) acc[q] = 0.f;
+  for (int64_t j = 0; j < s.top_k; ++j) {
+    const int32_t row = route_to_row[t * s.top_k + j];
+    if (!in_rows(row, s)) continue;
+    const float w = topk_w[t * s.top_k + j];
+    float y[kVec];
+    load_bf16<kVec>(y_sorted + row * s.d + v * kVec, y);
+#pragma unroll
+    for (int q = 0; q < kVec; ++q) acc[q] += w * y[q];
+  }
+}
+
 template <int kVec>
 __global__ void __launch_bounds__(kPermuteThreads)
     unpermute_combine(const uint16_t* y_sorted, const int32_t* route_to_row, const float* topk_w,
@@ -112,17 +130,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
        i += static_cast<int64_t>(gridDim.x) * kPermuteThreads) {
     const int64_t t = i / s.packs_per_row, v = i - t * s.packs_per_row;
     float acc[kVec];
-#pragma unroll
-    for (int q = 0; q < kVec; ++q) acc[q] = 0.f;
-    for (int64_t j = 0; j < s.top_k; ++j) {
-      const int32_t row = route_to_row[t * s.top_k + j];
-      if (!in_rows(row, s)) continue;
-      const float w = topk_w[t * s.top_k + j];
-      float y[kVec];
-      load_bf16<kVec>(y_sorted + row * s.d + v * kVec, y);
-#pragma unroll
-      for (int q = 0; q < kVec; ++q) acc[q] += w * y[q];
-    }
+    combine_pack<kVec>(y_sorted, route_to_row, topk_w, s, t, v, acc);
     store_bf16<kVec>(out + t * s.d + v * kVec, acc);
   }
 }
@@ -139,17 +147,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
        i += static_cast<int64_t>(gridDim.x) * kPermuteThreads) {
     const int64_t t = i / s.packs_per_row, v = i - t * s.packs_per_row;
     float sum[kVec];
-#pragma unroll
-    for (int q = 0; q < kVec; ++q) sum[q] = 0.f;
-    for (int64_t j = 0; j < s.top_k; ++j) {
-      const int32_t row = route_to_row[t * s.top_k + j];
-      if (!in_rows(row, s)) continue;
-      const float w = topk_w[t * s.top_k + j];
-      float y[kVec];
-      load_bf16<kVec>(y_sorted + row * s.d + v * kVec, y);
-#pragma unroll
-      for (int q = 0; q < kVec; ++q) sum[q] += w * y[q];
-    }
+    combine_pack<kVec>(y_sorted, route_to_row, topk_w, s, t, v, sum);
     round_to_bf16<kVec>(sum);
     float* a = acc + t * s.d + v * kVec;
     float r[kVec];
