@@ -29,6 +29,17 @@ struct RowShape {
 // else outside [0, R) read as "none", so a bad map never indexes memory.
 __device__ __forceinline__ bool in_rows(int32_t i, const RowShape& s) { return i >= 0 && i < s.routes; }
 
+// Runs body(t, v) for every pack v of every token row t, a thread per pack, grid-stride over the
+// first `blocks` blocks of the grid.
+template <typename Body>
+__device__ __forceinline__ void for_each_token_pack(const RowShape& s, int64_t blocks, Body&& body) {
+  const int64_t total = s.num_tokens * s.packs_per_row;
+  for (int64_t i = int64_t{blockIdx.x} * kPermuteThreads + threadIdx.x; i < total; i += blocks * kPermuteThreads) {
+    const int64_t t = i / s.packs_per_row;
+    body(t, i - t * s.packs_per_row);
+  }
+}
+
 // Runs zero_row(r) for every row r of the R whose sorted_route names no route (padding of a capacity
 // factor; none when dropless), on the warps of the blocks from first_block on: each warp reads 32
 // entries of sorted_route and its lanes take the rows it found one after the other. Every lane of
@@ -67,10 +78,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
     });
     return;
   }
-  const int64_t total = s.num_tokens * s.packs_per_row;
-  for (int64_t i = int64_t{blockIdx.x} * kPermuteThreads + threadIdx.x; i < total;
-       i += scatter_blocks * kPermuteThreads) {
-    const int64_t t = i / s.packs_per_row, v = i - t * s.packs_per_row;
+  for_each_token_pack(s, scatter_blocks, [&](int64_t t, int64_t v) {
     using Pack = std::conditional_t<kVec == kVecBf16, uint4, uint16_t>;  // the pack's bits, loaded once
     const Pack bits = *reinterpret_cast<const Pack*>(x + t * s.d + v * kVec);
     const int32_t* routes = route_to_row + t * s.top_k;
@@ -78,17 +86,14 @@ __global__ void __launch_bounds__(kPermuteThreads)
       const int32_t row = routes[j];
       if (in_rows(row, s)) *reinterpret_cast<Pack*>(x_sorted + row * s.d + v * kVec) = bits;
     }
-  }
+  });
 }
 
 template <int kVec>
 __global__ void __launch_bounds__(kPermuteThreads)
     permute_backward_gather(const uint16_t* dx_sorted, const int32_t* route_to_row, RowShape s,
                             uint16_t* dx) {
-  const int64_t total = s.num_tokens * s.packs_per_row;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kPermuteThreads + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * kPermuteThreads) {
-    const int64_t t = i / s.packs_per_row, v = i - t * s.packs_per_row;
+  for_each_token_pack(s, gridDim.x, [&](int64_t t, int64_t v) {
     float acc[kVec];
     load_bf16<kVec>(dx + t * s.d + v * kVec, acc);
     for (int64_t j = 0; j < s.top_k; ++j) {
@@ -100,7 +105,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
       for (int q = 0; q < kVec; ++q) acc[q] += y[q];
     }
     store_bf16<kVec>(dx + t * s.d + v * kVec, acc);
-  }
+  });
 }
 
 // Pack v of token t's combine: sum over its k routes in slot order of topk_w * the route's row, FP32.
@@ -125,14 +130,11 @@ template <int kVec>
 __global__ void __launch_bounds__(kPermuteThreads)
     unpermute_combine(const uint16_t* y_sorted, const int32_t* route_to_row, const float* topk_w,
                       RowShape s, uint16_t* out) {
-  const int64_t total = s.num_tokens * s.packs_per_row;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kPermuteThreads + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * kPermuteThreads) {
-    const int64_t t = i / s.packs_per_row, v = i - t * s.packs_per_row;
+  for_each_token_pack(s, gridDim.x, [&](int64_t t, int64_t v) {
     float acc[kVec];
     combine_pack<kVec>(y_sorted, route_to_row, topk_w, s, t, v, acc);
     store_bf16<kVec>(out + t * s.d + v * kVec, acc);
-  }
+  });
 }
 
 // unpermute_combine with its output added into the residual stream instead of stored: acc [T, d]
@@ -142,10 +144,7 @@ template <int kVec>
 __global__ void __launch_bounds__(kPermuteThreads)
     unpermute_combine_add(const uint16_t* y_sorted, const int32_t* route_to_row, const float* topk_w,
                           RowShape s, float* __restrict__ acc, uint16_t* __restrict__ acc_bf16) {
-  const int64_t total = s.num_tokens * s.packs_per_row;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kPermuteThreads + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * kPermuteThreads) {
-    const int64_t t = i / s.packs_per_row, v = i - t * s.packs_per_row;
+  for_each_token_pack(s, gridDim.x, [&](int64_t t, int64_t v) {
     float sum[kVec];
     combine_pack<kVec>(y_sorted, route_to_row, topk_w, s, t, v, sum);
     round_to_bf16<kVec>(sum);
@@ -163,7 +162,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
       reinterpret_cast<float4*>(a)[1] = make_float4(r[4], r[5], r[6], r[7]);
     }
     if (acc_bf16 != nullptr) store_bf16<kVec>(acc_bf16 + t * s.d + v * kVec, r);
-  }
+  });
 }
 
 // Warp i handles route i (dy_sorted row and dtopk_w) and row i (zeroed when it holds no route).
