@@ -4,7 +4,8 @@
 // figures come from committed results: bench/results/gpu-check-20261201T230245Z (grouped_gemm.json:
 // grouped GEMM and cuDNN attention), bench/results/h200-main-20261207 (the step's phases in bf16
 // and fp8, the FP8 grouped GEMM), bench/results/gpu-suite-20261202-63025a6 (the dense FP8 GEMM),
-// bench/results/memory-check-20261201T2315Z and docs/benchmarks.md (NCCL all-reduce, expert exchange); the dense GEMM rate was measured on the
+// bench/results/memory-check-20261201T2315Z and docs/benchmarks.md (NCCL all-reduce, expert exchange),
+// bench/results/step-kernels-h200-20261207 (the streaming rate); the dense GEMM rate was measured on the
 // same kind of GPU but is not in a committed result file (docs/planning.md says so). Nominal
 // figures are the vendor's datasheet values and say so.
 #pragma once
@@ -45,6 +46,11 @@ struct GpuRates {
   // alone.
   double expert_weight_bytes_per_param = 8.6;
   double expert_weight_bytes_per_s = 4.3e12;
+
+  // The fastest memory-bound kernel of the olmoe-8l step's kernel table, DRAM bytes over time:
+  // swiglu_backward_rows at 4.14 TB/s (bench/results/step-kernels-h200-20261207/kernels.txt), the
+  // rate the permutes and combines (the dispatch and combine phases) are held to.
+  double streaming_bytes_per_s = 4.14e12;
 
   // train.precision = fp8 (the planner): the experts' FP8 grouped GEMM (own wgmma kernel, E4M3 with
   // 1 x 128 and 128 x 128 scales) at the same shape, forward on the weights' codes and data gradient
@@ -142,6 +148,9 @@ inline const GpuCeilings& h100_ceilings() {
     g.dense_gemm_tflops = 745.3;
     g.expert_weight_bytes_per_param = 8.6;
     g.expert_weight_bytes_per_s = 2.959e12;
+    // swiglu_backward_rows in the step's kernel table on an H100
+    // (bench/results/step-kernels-dram-h100-20261207/kernels.txt): 3.07 TB/s.
+    g.streaming_bytes_per_s = 3.07e12;
     g.hbm_nominal_bytes_per_s = 3.35e12;
     g.ref_bf16 = {0.360, 33.054, 2.552, 1.176, 3.663, 51.646, 3.578, 14.919, 27.507, 138.45};
     // FP8 (the H100 rows of the rates above): the grouped GEMM from two op-bench runs on an H100

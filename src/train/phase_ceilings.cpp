@@ -61,11 +61,36 @@ std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan,
     c.ceiling = f8.dense_mlp || f8.shared_mlp ? fp8_ceiling : gemm_ceiling;
     if (c.flops > 0) out.push_back(c);
   }
+  // The dispatch and combine around the routed experts on one GPU (no exchange: ep 1, the
+  // experts reading sorted rows), as bytes a MoE layer moves per micro-step at the streaming rate:
+  // R = n x top_k rows of d, BF16 (2 bytes), FP8 codes and their 1 x 128 scales 1 + 4 / 128.
+  // Dispatch: the map (the routes read, sorted_route and route_to_row written: 12 R), the permute
+  // (x read, x_sorted written: 2 n d + 2 R d, plus the codes under FP8 experts) and its backward
+  // (dx_sorted read, the branch gradient read and written: 2 R d + 4 n d).
+  // Combine: forward, y_sorted read (2 R d) and, without a shared expert, added into the FP32
+  // residual stream (read and written) with its BF16 copy written (10 n d), else the branch
+  // written (2 n d); backward, dy read, y_sorted read, dy_sorted written (2 n d + 4 R d, plus the
+  // codes under FP8 experts).
+  const bool local_rows = plan.sizes.ep == 1 && cfg.parallel.ep_backend != "rowwise";
+  const double rows = n * double(e.top_k);
+  const double codes = f8.experts ? rows * d * (1.0 + 4.0 / 128.0) : 0.0;
+  const auto streaming = [&](const char* phase, double layer_bytes) {
+    PhaseCeiling c;
+    c.phase = phase;
+    c.bytes = micro * double(moe_layers) * layer_bytes;
+    c.ideal_ms = 1e3 * c.bytes / gpu.streaming_bytes_per_s;
+    std::snprintf(what, sizeof what, "%.2f GB at %.2f TB/s (streaming)", c.bytes / 1e9,
+                  gpu.streaming_bytes_per_s / 1e12);
+    c.ceiling = what;
+    out.push_back(c);
+  };
+  if (moe_layers > 0 && local_rows)
+    streaming("dispatch", 12.0 * rows + 2.0 * n * d + 2.0 * rows * d + codes + 2.0 * rows * d + 4.0 * n * d);
   // Routed experts: the grouped GEMMs over n x top_k rows, or their weight traffic.
   if (moe_layers > 0) {
     PhaseCeiling c;
     c.phase = "experts";
-    const double rows = n * double(e.top_k), inner = double(e.expert_hidden);
+    const double inner = double(e.expert_hidden);
     c.flops = micro * double(moe_layers) * 6.0 * rows * 3.0 * d * inner;
     c.bytes = micro * gpu.expert_weight_bytes_per_param * double(plan.memory.expert_params);
     const double by_flops = gemm_s(c.flops, f8.experts), by_bytes = c.bytes / gpu.expert_weight_bytes_per_s;
@@ -78,6 +103,10 @@ std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan,
       c.ceiling = f8.experts ? fp8_ceiling : gemm_ceiling;
     }
     out.push_back(c);
+  }
+  if (moe_layers > 0 && local_rows) {
+    const bool shared = e.shared_experts > 0;
+    streaming("combine", 2.0 * rows * d + (shared ? 2.0 : 10.0) * n * d + 2.0 * n * d + 4.0 * rows * d + codes);
   }
   // LM head: logits, their data and weight gradients.
   {

@@ -5,9 +5,10 @@
 // the FP8 recipe, the FP8 GEMMs' forward and data gradient at the dense FP8 GEMM rate), the attention core at cuDNN's
 // causal forward and backward rates, the experts' grouped GEMMs at the dense rate or, when
 // larger, their weight traffic at the HBM rate, the optimizer's bytes at the HBM rate (only the
-// gradient norm's when the update is deferred into the next forward). The small
-// memory-bound phases (embedding, router, dispatch, combine) and recomputation get none. Formulas:
-// docs/benchmarks.md.
+// gradient norm's when the update is deferred into the next forward), the dispatch's and combine's
+// bytes on one GPU at the streaming rate of the step's fastest memory-bound kernel. The embedding,
+// the router, recomputation, and the dispatch and combine of an expert exchange get none.
+// Formulas: docs/benchmarks.md.
 #pragma once
 
 #include <string>
@@ -22,7 +23,7 @@ namespace moe {
 struct PhaseCeiling {
   std::string phase;      // core/phase.h name
   double flops = 0;       // FLOPs of the phase per step (0 for the optimizer)
-  double bytes = 0;       // memory traffic the bound counts (optimizer; the experts' weight traffic)
+  double bytes = 0;       // memory traffic the bound counts (optimizer, dispatch, combine; the experts' weights)
   double ideal_ms = 0;    // the phase at its ceiling
   std::string ceiling;    // what bounds it, e.g. "784 TFLOP/s dense BF16 GEMM"
 };

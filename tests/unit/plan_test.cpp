@@ -423,6 +423,49 @@ TEST(PhaseCeilings, Fp8GemmsAtTheFp8Rate) {
   }
 }
 
+// The dispatch and combine on one GPU at the streaming rate: olmoe-8l (one micro-batch of n 16384
+// tokens, top-8, d 2048, 8 MoE layers, no shared expert: the combine adds into the FP32 residual
+// stream) moves 12 R + 6 n d + 4 R d bytes a layer in the dispatch and 6 R d + 12 n d
+// in the combine (R = n k); a shared expert's branch is written instead (6 R d + 4 n d); FP8 experts
+// add their codes and scales to both; none with the rowwise exchange or expert parallelism.
+TEST(PhaseCeilings, DispatchAndCombineAtTheStreamingRate) {
+  const Config c = load_config(kOlmoe8l, {});
+  const RunPlan plan = make_run_plan(c, 1, "cuda");
+  const auto of = [](const Config& cfg, const RunPlan& pl, const std::string& phase,
+                     const GpuRates& g = h200_ceilings()) {
+    for (const PhaseCeiling& p : phase_ceilings(cfg, pl, g))
+      if (p.phase == phase) return p;
+    return PhaseCeiling{};
+  };
+  const double n = double(plan.tokens_per_micro_batch), d = double(c.model.d_model), r = n * double(c.moe.top_k);
+  const double layers = double(c.model.n_layers);
+  ASSERT_EQ(n, 16384.0);
+  const PhaseCeiling dispatch = of(c, plan, "dispatch"), combine = of(c, plan, "combine");
+  EXPECT_DOUBLE_EQ(dispatch.bytes, layers * (12.0 * r + 6.0 * n * d + 4.0 * r * d));
+  EXPECT_DOUBLE_EQ(combine.bytes, layers * (6.0 * r * d + 12.0 * n * d));
+  EXPECT_NEAR(dispatch.ideal_ms, 1e3 * dispatch.bytes / 4.14e12, 1e-12);
+  EXPECT_NEAR(combine.ideal_ms, 1e3 * combine.bytes / 4.14e12, 1e-12);
+  EXPECT_GT(combine.ideal_ms, 3.5);  // 16.1 GB: about 3.9 ms on an H200
+  EXPECT_LT(combine.ideal_ms, 4.5);
+  EXPECT_NE(combine.ceiling.find("TB/s (streaming)"), std::string::npos) << combine.ceiling;
+  EXPECT_NEAR(of(c, plan, "combine", h100_ceilings()).ideal_ms / combine.ideal_ms, 4.14 / 3.07, 1e-12);
+
+  Config shared = c;
+  shared.moe.shared_experts = 1;
+  EXPECT_DOUBLE_EQ(of(shared, make_run_plan(shared, 1, "cuda"), "combine").bytes,
+                   layers * (6.0 * r * d + 4.0 * n * d));
+  Config f = c;
+  f.train.precision = "fp8";
+  const double codes = layers * r * d * (1.0 + 4.0 / 128.0);
+  const RunPlan plan8 = make_run_plan(f, 1, "cuda");
+  EXPECT_DOUBLE_EQ(of(f, plan8, "dispatch").bytes, dispatch.bytes + codes);
+  EXPECT_DOUBLE_EQ(of(f, plan8, "combine").bytes, combine.bytes + codes);
+  Config rowwise = c;
+  rowwise.parallel.ep_backend = "rowwise";
+  EXPECT_TRUE(of(rowwise, make_run_plan(rowwise, 1, "cuda"), "dispatch").phase.empty());
+  EXPECT_TRUE(of(rowwise, make_run_plan(rowwise, 1, "cuda"), "combine").phase.empty());
+}
+
 TEST(PhaseCeilings, EachGpuItsOwnMeasuredRates) {
   EXPECT_EQ(measured_rates("NVIDIA H200"), &h200_ceilings());
   EXPECT_EQ(measured_rates("NVIDIA H100 80GB HBM3"), &h100_ceilings());
