@@ -119,7 +119,7 @@ void CudaMoeLayer::forward(const CudaBlockContext& c, CudaResidual& res, CudaMoe
     shared.experts->forward(c, m, p_, counts, offsets, xs, rows, ys, xq.codes != nullptr);
   }
   c.mark(cuda::Phase::kCombine);
-  if (!fp8_shared_ && !p_.shared) {
+  if (!p_.shared) {  // (fp8_shared_ implies p_.shared)
     // No shared expert: the combine adds its rows into the residual stream itself (the bits of
     // unpermute_forward then residual_add).
     cuda::unpermute_forward_add(ys, route_to_row, topk_w, n, k, d, res.x32(), out_ND, st);

@@ -63,7 +63,7 @@ std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan,
   }
   // The dispatch and combine around the routed experts on one GPU (no exchange: ep 1, the
   // experts reading sorted rows), as bytes a MoE layer moves per micro-step at the streaming rate:
-  // R = n x top_k rows of d, BF16 (2 bytes), FP8 codes and their 1 x 128 scales 1 + 4 / 128.
+  // R = n x top_k rows of d, BF16 (2 bytes), FP8 codes and their 1 x 128 scales (fp8_block_row_bytes).
   // Dispatch: the map (the routes read, sorted_route and route_to_row written: 12 R), the permute
   // (x read, x_sorted written: 2 n d + 2 R d, plus the codes under FP8 experts) and its backward
   // (dx_sorted read, the branch gradient read and written: 2 R d + 4 n d).
@@ -73,7 +73,7 @@ std::vector<PhaseCeiling> phase_ceilings(const Config& cfg, const RunPlan& plan,
   // codes under FP8 experts).
   const bool local_rows = plan.sizes.ep == 1 && cfg.parallel.ep_backend != "rowwise";
   const double rows = n * double(e.top_k);
-  const double codes = f8.experts ? rows * d * (1.0 + 4.0 / 128.0) : 0.0;
+  const double codes = f8.experts ? rows * fp8_block_row_bytes(d) : 0.0;
   const auto streaming = [&](const char* phase, double layer_bytes) {
     PhaseCeiling c;
     c.phase = phase;

@@ -177,7 +177,7 @@ RunPlan make_run_plan(const Config& cfg, int64_t world_size, const std::string& 
   const Fp8Parts f8 = gpu ? fp8_parts(cfg) : Fp8Parts{};
   const bool fp8_experts = f8.experts;
   const double fp8_widest = double(std::max(cfg.model.d_model, 2 * cfg.moe.expert_hidden));
-  const double fp8_input_row = fp8_widest + std::ceil(fp8_widest / 128.0) * 4.0;  // its codes and scales
+  const double fp8_input_row = fp8_block_row_bytes(fp8_widest);
   if (fp8_experts) m.activation.scratch.push_back({"FP8 expert activation codes and scales", rows * fp8_input_row});
   // FP8 dense linears (cuda_fp8_linear.h): the attention projections where D, Q and C are multiples
   // of 128, the MLPs (dense blocks and shared experts) whose D and F are; their weights' two code

@@ -7,6 +7,7 @@
 // --dry-run` and `moecore plan` all take it.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -100,6 +101,10 @@ std::string describe_run_plan(const RunPlan& plan);
 // the two moments read and written (moment_bytes each: 4, or 2 in BF16), the BF16 copy written:
 // 30, or 22 with BF16 moments.
 inline double adamw_update_bytes(double moment_bytes) { return 14.0 + 4.0 * moment_bytes; }
+
+// Bytes of one activation row of `width` values under the FP8 recipe: its E4M3 codes and an FP32
+// scale per 1 x 128 block.
+inline double fp8_block_row_bytes(double width) { return width + std::ceil(width / 128.0) * 4.0; }
 
 // Bytes per rank that BF16 moments (optim.moment_dtype = "bf16") would save over these: half the
 // moments where they are FP32 on the GPU, else 0.

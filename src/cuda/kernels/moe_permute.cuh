@@ -142,26 +142,15 @@ __global__ void __launch_bounds__(kPermuteThreads)
 // operations on the value unpermute_combine would store, so the same bits without that tensor.
 template <int kVec>
 __global__ void __launch_bounds__(kPermuteThreads)
-    unpermute_combine_add(const uint16_t* y_sorted, const int32_t* route_to_row, const float* topk_w,
-                          RowShape s, float* __restrict__ acc, uint16_t* __restrict__ acc_bf16) {
+    unpermute_combine_add(const uint16_t* __restrict__ y_sorted, const int32_t* __restrict__ route_to_row,
+                          const float* __restrict__ topk_w, RowShape s, float* __restrict__ acc,
+                          uint16_t* __restrict__ acc_bf16) {
   for_each_token_pack(s, gridDim.x, [&](int64_t t, int64_t v) {
     float sum[kVec];
     combine_pack<kVec>(y_sorted, route_to_row, topk_w, s, t, v, sum);
     round_to_bf16<kVec>(sum);
-    float* a = acc + t * s.d + v * kVec;
-    float r[kVec];
-    if constexpr (kVec == 1) {
-      r[0] = a[0] + sum[0];
-      a[0] = r[0];
-    } else {
-      static_assert(kVec == 8, "FP32 packs of 8 are two 16-byte accesses");
-      const float4 lo = reinterpret_cast<const float4*>(a)[0], hi = reinterpret_cast<const float4*>(a)[1];
-      r[0] = lo.x + sum[0], r[1] = lo.y + sum[1], r[2] = lo.z + sum[2], r[3] = lo.w + sum[3];
-      r[4] = hi.x + sum[4], r[5] = hi.y + sum[5], r[6] = hi.z + sum[6], r[7] = hi.w + sum[7];
-      reinterpret_cast<float4*>(a)[0] = make_float4(r[0], r[1], r[2], r[3]);
-      reinterpret_cast<float4*>(a)[1] = make_float4(r[4], r[5], r[6], r[7]);
-    }
-    if (acc_bf16 != nullptr) store_bf16<kVec>(acc_bf16 + t * s.d + v * kVec, r);
+    const int64_t at = t * s.d + v * kVec;
+    residual_add_pack<kVec>(acc + at, sum, acc_bf16 != nullptr ? acc_bf16 + at : nullptr);
   });
 }
 

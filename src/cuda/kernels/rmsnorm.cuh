@@ -369,26 +369,8 @@ __global__ void __launch_bounds__(kRmsBackwardThreads)
           acc[i] += dv[i] * xhat;
         }
         if constexpr (kAddResidual) {
-          float sum[V];
-          if constexpr (V == kVecBf16) {
-            const float4* r4 = reinterpret_cast<const float4*>(res + off);
-            const float4 lo = r4[0], hi = r4[1];
-            sum[0] = lo.x, sum[1] = lo.y, sum[2] = lo.z, sum[3] = lo.w, sum[4] = hi.x, sum[5] = hi.y, sum[6] = hi.z,
-            sum[7] = hi.w;
-          } else {
-            sum[0] = res[off];
-          }
           round_to_bf16<V>(out);
-#pragma unroll
-          for (int i = 0; i < V; ++i) sum[i] += out[i];
-          if constexpr (V == kVecBf16) {
-            float4* r4 = reinterpret_cast<float4*>(res + off);
-            r4[0] = make_float4(sum[0], sum[1], sum[2], sum[3]);
-            r4[1] = make_float4(sum[4], sum[5], sum[6], sum[7]);
-          } else {
-            res[off] = sum[0];
-          }
-          if (res_bf16 != nullptr) store_bf16<V>(res_bf16 + off, sum);
+          residual_add_pack<V>(res + off, out, res_bf16 != nullptr ? res_bf16 + off : nullptr);
         } else {
           store_bf16<V>(dx + off, out);
         }

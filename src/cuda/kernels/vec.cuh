@@ -56,6 +56,29 @@ __device__ __forceinline__ void store_bf16(uint16_t* __restrict__ p, const float
   }
 }
 
+// The residual stream's add of one pack: acc[0..V) (FP32) += add[0..V), then acc_bf16[0..V) =
+// bf16(acc) when acc_bf16 is not null (V = 8: acc 16-byte aligned, two 16-byte accesses). add holds
+// the BF16-rounded values of the branch the add stands for (round_to_bf16), so the bits are those of
+// a BF16 branch stored and then added.
+template <int V>
+__device__ __forceinline__ void residual_add_pack(float* __restrict__ acc, const float (&add)[V],
+                                                  uint16_t* __restrict__ acc_bf16) {
+  float sum[V];
+  if constexpr (V == 1) {
+    sum[0] = acc[0] + add[0];
+    acc[0] = sum[0];
+  } else {
+    static_assert(V == kVecBf16, "FP32 packs of 8 are two 16-byte accesses");
+    float4* a4 = reinterpret_cast<float4*>(acc);
+    const float4 lo = a4[0], hi = a4[1];
+    sum[0] = lo.x + add[0], sum[1] = lo.y + add[1], sum[2] = lo.z + add[2], sum[3] = lo.w + add[3];
+    sum[4] = hi.x + add[4], sum[5] = hi.y + add[5], sum[6] = hi.z + add[6], sum[7] = hi.w + add[7];
+    a4[0] = make_float4(sum[0], sum[1], sum[2], sum[3]);
+    a4[1] = make_float4(sum[4], sum[5], sum[6], sum[7]);
+  }
+  if (acc_bf16 != nullptr) store_bf16<V>(acc_bf16, sum);
+}
+
 // Raw copy of V BF16 elements (no conversion).
 template <int V>
 __device__ __forceinline__ void copy_bf16(const uint16_t* __restrict__ src, uint16_t* __restrict__ dst) {
