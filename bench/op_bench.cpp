@@ -29,9 +29,15 @@
 // the ring on r SMs beside 12 grouped GEMMs held to the other SMs (olmoe-8l's gate_up forward,
 // 131072 rows of 2048 over 64 experts): the update's time and the GEMMs' with and without it,
 // after the GEMMs on every SM without a reserve (r = 0; JSON key "adamw_beside_gemm").
+// --ops cross_entropy: the LM head's fused cross-entropy (cuda::cross_entropy_forward_backward, in
+// place as the step runs it) on one chunk of --ce-rows rows (default 4096, the LM head's chunk) of
+// --vocab logits (default 50304), at the launcher's block size and at each power of two from 32 to
+// 512 threads a row: us and TB/s at the minimum bytes (the logits read once, dlogits written once;
+// JSON key "cross_entropy").
 // usage: moecore_op_bench [--tokens T] [--top-k K] [--experts E] [--d-model D] [--hidden I]
 //                         [--warmup N] [--iters N] [--backend mma|wgmma|all] [--out FILE.json]
-//                         [--ops all|grouped_gemm|attention|fp8_gemm|grouped_fp8|adamw] [--attn-batch B] [--attn-seq S]
+//                         [--ops all|grouped_gemm|attention|fp8_gemm|grouped_fp8|adamw|cross_entropy]
+//                         [--vocab V] [--ce-rows N] [--attn-batch B] [--attn-seq S]
 //                         [--attn-heads Hq] [--attn-kv-heads Hkv] [--attn-head-dim D]
 //                         [--attn-backend own|cudnn|all]
 #include <cuda_runtime.h>
@@ -42,6 +48,8 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <initializer_list>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -55,6 +63,7 @@
 #include "cuda/common.h"
 #include "cuda/ops/attention.h"
 #include "cuda/ops/attention_cudnn.h"
+#include "cuda/ops/cross_entropy.h"
 #include "cuda/ops/experts.h"
 #include "cuda/ops/fp8.h"
 #include "cuda/ops/gemm.h"
@@ -77,6 +86,7 @@ struct Args {
   std::string ops = "all";
   int64_t attn_batch = 4, attn_seq = 4096, attn_heads = 16, attn_kv_heads = 16, attn_head_dim = 128;
   std::string attn_backend = "all";
+  int64_t vocab = 50304, ce_rows = 4096;
 };
 
 using moe::cuda::GroupedGemmBackend;
@@ -816,6 +826,55 @@ nlohmann::json attention_section(const Args& a, cudaStream_t s) {
 
 }  // namespace
 
+// The fused cross-entropy on one LM-head chunk, in place, at the launcher's block size (threads 0)
+// and each power of two from 32 to 512. Each call reads the previous call's dlogits as its logits
+// (the step's in-place form; the time does not depend on the values, which stay finite).
+nlohmann::json cross_entropy_section(const Args& a, cudaStream_t s) {
+  using namespace moe::cuda;
+  const int64_t n = a.ce_rows, v = a.vocab;
+  uint16_t* logits = device_random_bf16(n * v, "ce_logits", 2.f);
+  std::vector<int32_t> targets(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) targets[i] = static_cast<int32_t>(moe::bits_at(11, 5, uint64_t(i)) % uint64_t(v));
+  int32_t* d_targets = device_copy(targets);
+  float *loss = nullptr, *lse = nullptr;
+  uint32_t* bad = nullptr;
+  double* loss_sum = nullptr;
+  MOE_CUDA_CHECK(cudaMalloc(&loss, n * 4));
+  MOE_CUDA_CHECK(cudaMalloc(&lse, n * 4));
+  MOE_CUDA_CHECK(cudaMalloc(&bad, 4));
+  MOE_CUDA_CHECK(cudaMalloc(&loss_sum, 8));
+  MOE_CUDA_CHECK(cudaMemset(bad, 0, 4));
+  MOE_CUDA_CHECK(cudaMemset(loss_sum, 0, 8));
+  float* grad_scale = device_copy(std::vector<float>{1.0f / static_cast<float>(n)});
+  const double bytes = 2.0 * static_cast<double>(n) * static_cast<double>(v) * 2.0;
+  cudaDeviceProp prop{};
+  MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("cross-entropy on %s: %lld rows x vocab %lld in place (launcher's choice: %d threads a row)\n",
+              prop.name, (long long)n, (long long)v, cross_entropy_block_threads(v));
+  std::printf("%-8s | %9s | %9s | %9s | %s\n", "threads", "us", "us min", "us max", "TB/s (read + write once)");
+  nlohmann::json out = nlohmann::json::array();
+  for (const int threads : {0, 32, 64, 128, 256, 512}) {
+    const Timing t = time_ms(a, s, [&] {
+      cross_entropy_forward_backward(logits, logits, d_targets, loss, lse, n, v, 1e-4, grad_scale, loss_sum, bad, s,
+                                     threads);
+    });
+    const double tbs = bytes / (t.med_ms * 1e-3) / 1e12;
+    const int used = threads != 0 ? threads : cross_entropy_block_threads(v);
+    std::printf("%-8s | %9.1f | %9.1f | %9.1f | %.2f\n",
+                threads != 0 ? std::to_string(threads).c_str() : ("auto " + std::to_string(used)).c_str(),
+                t.med_ms * 1e3, t.min_ms * 1e3, t.max_ms * 1e3, tbs);
+    out.push_back({{"threads", used}, {"launcher_choice", threads == 0}, {"rows", n}, {"vocab", v},
+                   {"us_median", t.med_ms * 1e3}, {"us_min", t.min_ms * 1e3}, {"us_max", t.max_ms * 1e3},
+                   {"tb_per_s", tbs}, {"bytes", bytes}});
+  }
+  uint32_t num_bad = 0;
+  MOE_CUDA_CHECK(cudaMemcpy(&num_bad, bad, 4, cudaMemcpyDeviceToHost));
+  if (num_bad != 0) throw std::runtime_error("cross_entropy bench: targets counted as out of range");
+  for (void* p : std::initializer_list<void*>{logits, d_targets, loss, lse, bad, loss_sum, grad_scale})
+    MOE_CUDA_CHECK(cudaFree(p));
+  return out;
+}
+
 int main(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
@@ -840,12 +899,21 @@ int main(int argc, char** argv) {
     else if (k == "--attn-kv-heads") a.attn_kv_heads = std::stoll(next());
     else if (k == "--attn-head-dim") a.attn_head_dim = std::stoll(next());
     else if (k == "--attn-backend") a.attn_backend = next();
+    else if (k == "--vocab") a.vocab = std::stoll(next());
+    else if (k == "--ce-rows") a.ce_rows = std::stoll(next());
     else { std::fprintf(stderr, "error: unknown argument '%s'\n", k.c_str()); return 2; }
   }
   if (a.ops != "all" && a.ops != "grouped_gemm" && a.ops != "attention" && a.ops != "fp8_gemm" &&
-      a.ops != "grouped_fp8" && a.ops != "adamw") {
-    std::fprintf(stderr, "error: --ops %s: expected all, grouped_gemm, attention, fp8_gemm, grouped_fp8 or adamw\n",
+      a.ops != "grouped_fp8" && a.ops != "adamw" && a.ops != "cross_entropy") {
+    std::fprintf(stderr,
+                 "error: --ops %s: expected all, grouped_gemm, attention, fp8_gemm, grouped_fp8, adamw or "
+                 "cross_entropy\n",
                  a.ops.c_str());
+    return 2;
+  }
+  if (a.vocab < 1 || a.ce_rows < 1) {
+    std::fprintf(stderr, "error: --vocab %lld --ce-rows %lld: expected both >= 1\n", (long long)a.vocab,
+                 (long long)a.ce_rows);
     return 2;
   }
   if (a.attn_backend != "all" && a.attn_backend != "own" && a.attn_backend != "cudnn") {
@@ -872,6 +940,11 @@ int main(int argc, char** argv) {
         std::ofstream(a.out) << nlohmann::json{{"adamw", adamw["solo"]}, {"adamw_beside_gemm", adamw["beside_gemm"]}}
                                     .dump(2)
                              << "\n";
+      return 0;
+    }
+    if (a.ops == "cross_entropy") {
+      const nlohmann::json ce = cross_entropy_section(a, s);
+      if (!a.out.empty()) std::ofstream(a.out) << nlohmann::json{{"cross_entropy", ce}}.dump(2) << "\n";
       return 0;
     }
     if (a.ops == "fp8_gemm") {

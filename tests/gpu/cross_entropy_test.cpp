@@ -1,9 +1,11 @@
 // cuda::cross_entropy_forward_backward against cpu::cross_entropy_forward / _backward in float on
 // the same BF16 logits: loss and lse under the FP32-reduction row, dlogits under the BF16 row, the
 // loss sum within FP32 roundoff of the reference's sum. In place and out of place, vocab 1 to
-// 262144, rows whose 16-byte alignment varies (odd vocab), ignored and out-of-range targets.
+// 262144, rows whose 16-byte alignment varies (odd vocab), ignored and out-of-range targets, and
+// each block size a row may take.
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include "cpu/cross_entropy.h"
 #include "cuda/ops/cross_entropy.h"
@@ -19,6 +21,7 @@ struct CeShape {
   double z_weight;
   bool in_place;
   size_t misalign;  // bytes shifted off the allocation's alignment (dlogits only when out of place)
+  int threads = 0;  // block_threads: 0 for the launcher's choice
 };
 
 // Logits N(0, 2^2), every 3rd row shifted by +40 and every 5th by -25 (max-shifting matters).
@@ -111,11 +114,15 @@ const std::vector<CeShape> kShapes = {
     {33, 257, 0.0, true, 0},     {4096, 257, 1e-4, true, 2},   {33, 257, 1e-4, false, 2},
     {1, 50304, 1e-4, true, 0},   {33, 50304, 0.0, true, 6},    {4096, 50304, 1e-4, true, 0},
     {33, 50304, 1e-4, false, 0}, {33, 50304, 0.0, false, 2},   {1, 100352, 0.0, true, 0},
-    {33, 100352, 1e-4, true, 0}, {33, 100355, 1e-4, true, 2},  {2, 262144, 1e-4, true, 0}};
+    {33, 100352, 1e-4, true, 0}, {33, 100355, 1e-4, true, 2},  {2, 262144, 1e-4, true, 0},
+    // The other block sizes the launcher takes (the op bench times them on the LM head's chunk).
+    {33, 50304, 1e-4, true, 0, 32},  {33, 50304, 1e-4, true, 2, 64},  {33, 50304, 0.0, false, 2, 128},
+    {4096, 50304, 1e-4, true, 0, 256}, {33, 257, 1e-4, true, 2, 256}, {33, 100355, 1e-4, true, 2, 128}};
 
 std::string shape_name(const CeShape& p) {
   return param_name("n", p.n, "_v", p.vocab, p.z_weight > 0.0 ? "_z" : "", p.in_place ? "_inplace" : "_outofplace",
-                    p.misalign ? "_misaligned" : "");
+                    p.misalign ? "_misaligned" : "", p.threads ? "_t" : "",
+                    p.threads ? std::to_string(p.threads) : std::string());
 }
 
 constexpr double kLossSum0 = 0.75;  // loss_sum accumulates onto this
@@ -151,7 +158,7 @@ OpCase<CeShape> cross_entropy_case() {
     uint16_t* dlogits = t.bf16("dlogits");
     cuda::cross_entropy_forward_backward(p.in_place ? dlogits : t.bf16("logits"), dlogits, t.i32("targets"),
                                          t.f32("loss"), t.f32("lse"), p.n, p.vocab, p.z_weight, t.f32("grad_scale"),
-                                         t.f64("loss_sum"), t.u32("num_bad_targets"), stream);
+                                         t.f64("loss_sum"), t.u32("num_bad_targets"), stream, p.threads);
   };
   c.check = [](const CeShape& p, const CaseResults<float>& r) {
     // Each per-token loss is within FP32 roundoff of the reference; so is their sum, plus the
@@ -252,6 +259,12 @@ TEST(CrossEntropy, BadArgumentsAreRejected) {
     cuda::cross_entropy_forward_backward(x.data(), x.data(), t.data(), f.data(), f.data(), 2, 32, 0.0, nullptr,
                                          nullptr, bad.data(), nullptr);
   }, "grad_scale");
+  for (const int threads : {16, 48, 1024}) {
+    expect_error([&] {
+      cuda::cross_entropy_forward_backward(x.data(), x.data(), t.data(), f.data(), f.data(), 2, 32, 0.0, f.data(),
+                                           nullptr, bad.data(), nullptr, threads);
+    }, "block_threads");
+  }
   EXPECT_NO_THROW(cuda::cross_entropy_forward_backward(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 32, 0.0,
                                                        nullptr, nullptr, nullptr, nullptr));
 }

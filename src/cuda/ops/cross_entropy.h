@@ -22,9 +22,16 @@ namespace moe::cuda {
 //   (deterministic), after the per-token losses are written, on the same stream.
 // dlogits either equals logits (in place) or does not overlap it. Vocab up to 2^31 - 1, n up to
 // 2^31 - 1 rows. Logits are read twice, dlogits written once; no workspace.
+// block_threads: the threads of a row's block, 0 for cross_entropy_block_threads(vocab), else a
+// power of two in [32, 512] (the op bench times the choices; the results do not depend on it
+// beyond FP32 summation order).
 void cross_entropy_forward_backward(const uint16_t* logits, uint16_t* dlogits, const int32_t* targets,
                                     float* loss, float* lse, int64_t n, int64_t vocab, double z_weight,
                                     const float* grad_scale, double* loss_sum, uint32_t* num_bad_targets,
-                                    Stream stream);
+                                    Stream stream, int block_threads = 0);
+
+// The launcher's threads a row for `vocab`: the smallest power of two in [32, 512] whose threads
+// cover the row's 16-byte vectors in kCeVecBatch loads each.
+int cross_entropy_block_threads(int64_t vocab);
 
 }  // namespace moe::cuda
