@@ -5,11 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/dtype.h"
@@ -106,20 +108,53 @@ class TestStream {
 };
 
 // n normal values (mean 0, std `scale`) rounded to BF16 bit patterns; fixed seed.
-inline std::vector<uint16_t> random_bf16(int64_t n, uint64_t seed, float scale = 1.0f, float mean = 0.0f) {
-  std::mt19937_64 gen(seed);
-  std::normal_distribution<float> dist(mean, scale);
-  std::vector<uint16_t> v(static_cast<size_t>(n));
-  for (auto& b : v) b = f32_to_bf16(dist(gen));
+// n draws of N(mean, scale^2), each stored as convert(draw). The first kDrawChunk draws are those
+// of one std::mt19937_64(seed) stream; every further chunk c of kDrawChunk draws comes from a stream
+// of its own (seed mixed with c), so the largest inputs (10^8 - 10^9 elements, whose draws took
+// much of the suite's time on one core) are drawn by several threads, and the values depend on
+// (n, seed) alone, never on the thread count.
+constexpr int64_t kDrawChunk = int64_t{1} << 24;
+
+template <typename T, typename Convert>
+std::vector<T> normal_draws(int64_t n, uint64_t seed, float mean, float scale, Convert convert) {
+  std::vector<T> v(static_cast<size_t>(n));
+  const int64_t chunks = (n + kDrawChunk - 1) / kDrawChunk;
+  auto draw_chunk = [&](int64_t c) {
+    uint64_t chunk_seed = seed;
+    if (c > 0) {  // splitmix64 of (seed, c): unrelated streams for neighbouring chunks and seeds
+      uint64_t z = seed + static_cast<uint64_t>(c) * 0x9E3779B97F4A7C15ull;
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      chunk_seed = z ^ (z >> 31);
+    }
+    std::mt19937_64 gen(chunk_seed);
+    std::normal_distribution<float> dist(mean, scale);
+    const int64_t end = std::min(n, (c + 1) * kDrawChunk);
+    for (int64_t i = c * kDrawChunk; i < end; ++i) v[static_cast<size_t>(i)] = convert(dist(gen));
+  };
+  const int64_t workers =
+      std::min<int64_t>({chunks, 8, std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()))});
+  if (workers <= 1) {
+    for (int64_t c = 0; c < chunks; ++c) draw_chunk(c);
+    return v;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(workers));
+  for (int64_t w = 0; w < workers; ++w) {
+    pool.emplace_back([&, w] {
+      for (int64_t c = w; c < chunks; c += workers) draw_chunk(c);
+    });
+  }
+  for (auto& t : pool) t.join();
   return v;
 }
 
+inline std::vector<uint16_t> random_bf16(int64_t n, uint64_t seed, float scale = 1.0f, float mean = 0.0f) {
+  return normal_draws<uint16_t>(n, seed, mean, scale, [](float x) { return f32_to_bf16(x); });
+}
+
 inline std::vector<float> random_f32(int64_t n, uint64_t seed, float scale = 1.0f) {
-  std::mt19937_64 gen(seed);
-  std::normal_distribution<float> dist(0.0f, scale);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (auto& x : v) x = dist(gen);
-  return v;
+  return normal_draws<float>(n, seed, 0.0f, scale, [](float x) { return x; });
 }
 
 inline std::vector<float> bf16_to_f32(const std::vector<uint16_t>& b) {
