@@ -860,9 +860,9 @@ nlohmann::json cross_entropy_section(const Args& a, cudaStream_t s) {
     });
     const double tbs = bytes / (t.med_ms * 1e-3) / 1e12;
     const int used = threads != 0 ? threads : cross_entropy_block_threads(v);
-    std::printf("%-8s | %9.1f | %9.1f | %9.1f | %.2f\n",
-                threads != 0 ? std::to_string(threads).c_str() : ("auto " + std::to_string(used)).c_str(),
-                t.med_ms * 1e3, t.min_ms * 1e3, t.max_ms * 1e3, tbs);
+    const std::string name = threads != 0 ? std::to_string(threads) : "auto " + std::to_string(used);
+    std::printf("%-8s | %9.1f | %9.1f | %9.1f | %.2f\n", name.c_str(), t.med_ms * 1e3, t.min_ms * 1e3,
+                t.max_ms * 1e3, tbs);
     out.push_back({{"threads", used}, {"launcher_choice", threads == 0}, {"rows", n}, {"vocab", v},
                    {"us_median", t.med_ms * 1e3}, {"us_min", t.min_ms * 1e3}, {"us_max", t.max_ms * 1e3},
                    {"tb_per_s", tbs}, {"bytes", bytes}});

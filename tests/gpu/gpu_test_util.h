@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "data/dataset.h"
 #include "cuda/common.h"
 
 #define MOE_SKIP_WITHOUT_GPU()                                                           \
@@ -107,12 +108,11 @@ class TestStream {
   cudaStream_t s_ = nullptr;
 };
 
-// n normal values (mean 0, std `scale`) rounded to BF16 bit patterns; fixed seed.
 // n draws of N(mean, scale^2), each stored as convert(draw). The first kDrawChunk draws are those
-// of one std::mt19937_64(seed) stream; every further chunk c of kDrawChunk draws comes from a stream
-// of its own (seed mixed with c), so the largest inputs (10^8 - 10^9 elements, whose draws took
-// much of the suite's time on one core) are drawn by several threads, and the values depend on
-// (n, seed) alone, never on the thread count.
+// of one std::mt19937_64(seed) stream; every further chunk c of kDrawChunk draws comes from a
+// stream of its own (mix_seed(seed, c), data/dataset.h), so the largest inputs (10^8 - 10^9
+// elements, whose draws took much of the suite's time on one core) are drawn by several threads,
+// and the values depend on (n, seed) alone, never on the thread count.
 constexpr int64_t kDrawChunk = int64_t{1} << 24;
 
 template <typename T, typename Convert>
@@ -120,14 +120,7 @@ std::vector<T> normal_draws(int64_t n, uint64_t seed, float mean, float scale, C
   std::vector<T> v(static_cast<size_t>(n));
   const int64_t chunks = (n + kDrawChunk - 1) / kDrawChunk;
   auto draw_chunk = [&](int64_t c) {
-    uint64_t chunk_seed = seed;
-    if (c > 0) {  // splitmix64 of (seed, c): unrelated streams for neighbouring chunks and seeds
-      uint64_t z = seed + static_cast<uint64_t>(c) * 0x9E3779B97F4A7C15ull;
-      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-      chunk_seed = z ^ (z >> 31);
-    }
-    std::mt19937_64 gen(chunk_seed);
+    std::mt19937_64 gen(c == 0 ? seed : mix_seed(seed, static_cast<uint64_t>(c)));
     std::normal_distribution<float> dist(mean, scale);
     const int64_t end = std::min(n, (c + 1) * kDrawChunk);
     for (int64_t i = c * kDrawChunk; i < end; ++i) v[static_cast<size_t>(i)] = convert(dist(gen));
@@ -149,6 +142,7 @@ std::vector<T> normal_draws(int64_t n, uint64_t seed, float mean, float scale, C
   return v;
 }
 
+// n normal values (mean `mean`, std `scale`) rounded to BF16 bit patterns; fixed seed.
 inline std::vector<uint16_t> random_bf16(int64_t n, uint64_t seed, float scale = 1.0f, float mean = 0.0f) {
   return normal_draws<uint16_t>(n, seed, mean, scale, [](float x) { return f32_to_bf16(x); });
 }
